@@ -1,0 +1,73 @@
+# kernel-ladder — the README's commands. `make lab` opens the course; `make test` runs every test.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# With no NVIDIA GPU, the CPU build of torch. Point TORCH_PIP_FLAGS at another index if yours differs,
+# e.g. TORCH_PIP_FLAGS="--index-url <your CPU wheel index>".
+TORCH_CPU ?= torch==2.13.0
+TORCH_PIP_FLAGS ?=
+HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+STAMP := $(VENV)/.setup-done
+LAB_STAMP := $(VENV)/.lab-done
+PYTEST_FLAGS ?=
+
+.PHONY: setup lab test test-fast report notebooks gpu-check lint format clean help
+
+help:
+	@echo "make lab        set up, then open the course in JupyterLab"
+	@echo "make test       set up, then run every test (kernels, utils, solutions, notebooks)"
+	@echo "make report     set up, then run every ladder step and write docs/results.md"
+	@echo "make notebooks  re-execute every chapter notebook in solution mode and save the outputs"
+	@echo "make gpu-check  on a GPU machine, with its own python3: correctness at real sizes + timings"
+	@echo "make lint       ruff"
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@if ! $(PY) -c "import torch" >/dev/null 2>&1; then \
+	  if [ -z "$(HAS_GPU)" ]; then echo "setup: no NVIDIA GPU: installing the CPU build of torch ($(TORCH_CPU))"; \
+	    $(PY) -m pip install -q $(TORCH_PIP_FLAGS) "$(TORCH_CPU)"; \
+	  else echo "setup: NVIDIA GPU found: installing torch with CUDA"; $(PY) -m pip install -q torch; fi; \
+	fi
+	$(PY) -m pip install -q -e ".[dev]"
+	@# utils/, solutions/ and bench/ are the course's, not the wheel's: make them importable from any folder.
+	@$(PY) -c "import pathlib, sysconfig; pathlib.Path(sysconfig.get_paths()['purelib'], 'kernel_ladder_course.pth').write_text(str(pathlib.Path.cwd()) + '\n')"
+	@$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (kernel-ladder)" >/dev/null
+	@touch $(STAMP)
+	@echo "setup: done ($$($(PY) -c 'import kernels.runtime as r; print(r.describe())'))"
+
+$(LAB_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e ".[dev,lab]"
+	@touch $(LAB_STAMP)
+
+lab: $(LAB_STAMP)
+	$(VENV)/bin/jupyter lab --notebook-dir=chapters
+
+# Unit tests, then every notebook under nbval in solution mode (outputs compared with the committed ones).
+test: setup
+	KERNEL_LADDER_SOLUTIONS=1 $(PY) -m pytest tests chapters --nbval --nbval-current-env \
+	  --timeout=900 -p no:cacheprovider $(PYTEST_FLAGS)
+
+test-fast: setup
+	$(PY) -m pytest tests -x -q -m "not slow" $(PYTEST_FLAGS)
+
+report: setup
+	$(PY) -m bench
+
+notebooks: setup
+	$(PY) -m utils.notebooks execute chapters
+
+# Runs with the GPU machine's own python3 (no venv, nothing installed): the repository on PYTHONPATH.
+gpu-check:
+	PYTHONPATH=$(CURDIR) python3 -m bench.gpu_check
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+format: setup
+	$(VENV)/bin/ruff format .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache
