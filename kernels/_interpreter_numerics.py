@@ -163,6 +163,53 @@ def _bf16_reduce(original, name):
     return wrapped
 
 
+def reinterpret_language_library() -> None:
+    """Turn triton.language's compiled-mode library functions into interpreted ones.
+
+    ``@triton.jit`` picks compiled or interpreted when it decorates. If ``triton.language`` was
+    imported before ``kernels`` switched the interpreter on, ``tl.sum``, ``tl.max``,
+    ``tl.sigmoid``, ``tl.rand`` ... are compiled-mode objects and fail inside interpreted kernels.
+    """
+    import sys
+
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    replaced: dict[int, object] = {}
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "triton.language" or name.startswith("triton.language.")):
+            continue
+        for attr, value in list(vars(module).items()):
+            if isinstance(value, JITFunction):
+                if id(value) not in replaced:
+                    replaced[id(value)] = InterpretedFunction(value.fn)
+                setattr(module, attr, replaced[id(value)])
+
+
+def explain_missing_driver() -> None:
+    """Replace Triton's "0 active drivers" with an error that says why and what to do."""
+    import importlib
+
+    driver_module = importlib.import_module("triton.runtime.driver")
+    original = getattr(driver_module, "_create_driver", None)
+    if original is None:  # a Triton without this hook: keep its own message
+        return
+    original = driver_module._create_driver
+
+    def create_driver():
+        try:
+            return original()
+        except RuntimeError as error:
+            raise RuntimeError(
+                "kernels: this Triton kernel was built for compilation, but there is no GPU here "
+                f"({error}). kernels runs Triton's interpreter on the CPU, which applies only to kernels "
+                "defined after `import kernels` (or with TRITON_INTERPRET=1 set before Python starts). "
+                "Import kernels (or utils) before defining your @triton.jit kernels, then re-run the cell."
+            ) from error
+
+    driver_module._create_driver = create_driver
+
+
 def install() -> None:
     """Patch the interpreter's builder and reductions (idempotent)."""
     global _INSTALLED

@@ -14,6 +14,7 @@ bf16 kernels give the answers a GPU gives.
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
@@ -36,12 +37,19 @@ if INTERPRETER:
     # Must happen before triton.jit runs on any kernel; triton reads it at decoration time.
     os.environ["TRITON_INTERPRET"] = "1"
 
+_LANGUAGE_IMPORTED_EARLY = "triton.language" in sys.modules
+
 import triton  # noqa: E402  (after the mode is set)
 
 if INTERPRETER:
     from . import _interpreter_numerics
 
+    if _LANGUAGE_IMPORTED_EARLY:
+        # triton.language was imported before the mode was set, so its library functions
+        # (tl.sum, tl.max, tl.rand, ...) were built for compilation; rebuild them for the interpreter.
+        _interpreter_numerics.reinterpret_language_library()
     _interpreter_numerics.install()
+    _interpreter_numerics.explain_missing_driver()
 
 #: Where the package's tensors live by default: the GPU when kernels compile, else the CPU.
 DEVICE: torch.device = torch.device("cuda" if (torch.cuda.is_available() and not INTERPRETER) else "cpu")
