@@ -244,11 +244,13 @@ except RuntimeError as error:
 
 
 @interpreter_only
-def test_triton_imported_before_kernels():
+def test_triton_imported_before_kernels(tmp_path):
     """tl.sum & co. still work when triton.language was imported first; a kernel defined before
     `import kernels` gets an error that says what to do instead of Triton's '0 active drivers'."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TRITON_", "KERNEL_LADDER_"))}
-    out = subprocess.run([sys.executable, "-c", _EARLY_IMPORT], env=env, capture_output=True, text=True, timeout=120)
+    script = tmp_path / "early_import.py"  # Triton reads kernel source from a file
+    script.write_text(_EARLY_IMPORT)
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "ERROR: kernels: this Triton kernel was built for compilation" in out.stdout
     assert "Import kernels (or utils) before defining" in out.stdout
