@@ -1,0 +1,76 @@
+"""The report's registry: every chapter's ladder of implementations, measured the same way.
+
+A :class:`Ladder` is one operator at one problem size with its steps, naive to top. For every
+step the report checks the output against a float64 reference, counts the bytes and FLOPs it
+moves (``utils.trace``), compares them with the ideal (each input read once, each output written
+once), models the time on a named GPU (``utils.roofline``), and — on a GPU only — measures it.
+
+Chapters register ladders in ``bench/chNN_topic.py`` modules, listed in :data:`CHAPTER_MODULES`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+#: Modules that register ladders, in chapter order. A new chapter adds its module here.
+CHAPTER_MODULES = ["bench.ch00_gpu_model", "bench.ch01_elementwise"]
+
+
+@dataclass
+class Step:
+    """One rung: ``fn(*inputs)`` returns the output. ``baseline`` marks the torch step speedups refer to."""
+
+    name: str
+    fn: Callable[..., torch.Tensor]
+    baseline: bool = False
+    #: Whether to time it on a GPU at the GPU size (a Python loop over 2^24 elements is not).
+    on_gpu: bool = True
+    #: Whether to trace it at the CPU size (a compiled baseline like torch.compile is not).
+    on_cpu: bool = True
+
+
+@dataclass
+class Ladder:
+    """An operator's ladder at a CPU size (traced) and a GPU size (timed)."""
+
+    chapter: str
+    op: str
+    #: make_inputs(device, dtype, size) -> tuple of tensors; size is "cpu" or "gpu".
+    make_inputs: Callable[[torch.device, torch.dtype, str], tuple]
+    #: reference(*inputs) -> expected output, computed in float64 from the inputs.
+    reference: Callable[..., torch.Tensor]
+    steps: Sequence[Step]
+    dtype: torch.dtype = torch.float32
+    note: str = ""
+    #: Bytes of the ideal implementation for these inputs and this output (default: all read once,
+    #: the output written once).
+    ideal_bytes: Callable[..., int] | None = None
+    tags: dict = field(default_factory=dict)
+
+    def ideal(self, inputs: tuple, output: torch.Tensor) -> int:
+        if self.ideal_bytes is not None:
+            return int(self.ideal_bytes(*inputs, output))
+        tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+        return int(sum(t.numel() * t.element_size() for t in tensors) + output.numel() * output.element_size())
+
+
+_LADDERS: list[Ladder] = []
+
+
+def register(ladder: Ladder) -> Ladder:
+    """Add a ladder to the report (called at import by the chapter modules)."""
+    _LADDERS.append(ladder)
+    return ladder
+
+
+def ladders(chapters: Sequence[str] | None = None) -> list[Ladder]:
+    """Every registered ladder (importing the chapter modules), optionally only some chapters."""
+    for module in CHAPTER_MODULES:
+        importlib.import_module(module)
+    if not chapters:
+        return list(_LADDERS)
+    return [ladder for ladder in _LADDERS if any(ladder.chapter.startswith(c) for c in chapters)]

@@ -1,0 +1,239 @@
+"""``make report``: run every registered ladder step, check it, count it, model it, time it on a GPU.
+
+Writes a table to stdout, the generated part of ``docs/results.md`` (between the report markers,
+so hand-recorded GPU sections around it survive), and one bytes-per-step plot per chapter under
+``docs/img/``. Every row is stamped with the machine it ran on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import pathlib
+import platform
+import sys
+from dataclasses import dataclass
+
+import torch
+
+import kernels
+from bench import Ladder, Step, ladders
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+BEGIN, END = "<!-- report:begin -->", "<!-- report:end -->"
+MODEL_GPU = "H200"
+TOLERANCES = {torch.float32: (1e-4, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}
+
+
+@dataclass
+class Row:
+    chapter: str
+    op: str
+    step: str
+    correct: str
+    max_error: float
+    launches: int
+    bytes: int
+    ideal_bytes: int
+    flops: int
+    model_us: float
+    bound: str
+    gpu_ms: float | None = None
+    speedup: float | None = None
+
+    @property
+    def bytes_ratio(self) -> float:
+        return self.bytes / self.ideal_bytes if self.ideal_bytes else math.nan
+
+
+def machine() -> str:
+    """The machine, versions and date, for the stamp on every result."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name() if (torch.cuda.is_available() and not kernels.runtime.INTERPRETER) else "none"
+    import triton
+
+    return (
+        f"{datetime.date.today().isoformat()}; CPU: {cpu} ({os.cpu_count()} cores); GPU: {gpu}; "
+        f"mode: {kernels.runtime.mode()}; python {platform.python_version()}, torch {torch.__version__}, "
+        f"triton {triton.__version__}"
+    )
+
+
+def _progress(items, desc: str):
+    try:
+        from tqdm.auto import tqdm
+
+        return tqdm(items, desc=desc, leave=False)
+    except ImportError:  # the GPU machine may not have tqdm
+        return items
+
+
+def _check(ladder: Ladder, step: Step, inputs: tuple, output: torch.Tensor) -> tuple[str, float]:
+    if step.name in ladder.tags.get("unchecked_steps", []):
+        return "n/a", math.nan
+    expected = ladder.reference(*inputs)
+    if output.shape != expected.shape:
+        return "WRONG SHAPE", math.inf
+    err = (output.double() - expected.double()).abs()
+    rtol, atol = TOLERANCES.get(output.dtype, (1e-4, 1e-5))
+    ok = bool((err <= atol + rtol * expected.double().abs()).all()) and not torch.isnan(output).any()
+    return ("ok" if ok else "WRONG"), float(err.max()) if err.numel() else 0.0
+
+
+def run_ladder(ladder: Ladder, gpu: bool) -> list[Row]:
+    from utils.roofline import predict
+    from utils.trace import trace
+
+    device = kernels.runtime.DEVICE
+    inputs = ladder.make_inputs(device, ladder.dtype, "cpu")
+    rows = []
+    for step in _progress([s for s in ladder.steps if s.on_cpu], desc=ladder.op):
+        with trace() as t:
+            output = step.fn(*inputs)
+        correct, max_error = _check(ladder, step, inputs, output)
+        model = predict(t.bytes, t.flops, gpu=MODEL_GPU, dtype=_dtype_name(ladder.dtype))
+        rows.append(
+            Row(ladder.chapter, ladder.op, step.name, correct, max_error, t.num_launches, t.bytes,
+                ladder.ideal(inputs, output), t.flops, model.time_s * 1e6, model.bound)
+        )
+    if gpu:
+        _time_on_gpu(ladder, rows)
+    return rows
+
+
+def _time_on_gpu(ladder: Ladder, rows: list[Row]) -> None:
+    from utils.bench import measure
+
+    inputs = ladder.make_inputs(torch.device("cuda"), ladder.dtype, "gpu")
+    by_name = {row.step: row for row in rows}
+    times = {}
+    for step in ladder.steps:
+        if step.on_gpu:
+            times[step.name] = measure(step.fn, *inputs).median_ms
+    base = next((times[s.name] for s in ladder.steps if s.baseline and s.name in times), None)
+    for name, ms in times.items():
+        if name in by_name:
+            by_name[name].gpu_ms = ms
+            by_name[name].speedup = base / ms if base else None
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, "fp32")
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"
+
+
+def table(rows: list[Row], markdown: bool) -> str:
+    gpu = any(r.gpu_ms is not None for r in rows)
+    head = ["chapter", "op", "step", "check", "launches", "bytes", "bytes / ideal", "FLOPs",
+            f"{MODEL_GPU} model (µs)"]
+    if gpu:
+        head += ["GPU time (ms)", "speedup vs torch"]
+    body = []
+    for r in rows:
+        cells = [r.chapter, r.op, r.step, r.correct, f"{r.launches:,}", _human_bytes(r.bytes),
+                 f"{r.bytes_ratio:.2f}×", f"{r.flops:,}", f"{r.model_us:.2f} ({r.bound})"]
+        if gpu:
+            cells += ["—" if r.gpu_ms is None else f"{r.gpu_ms:.3f}",
+                      "—" if r.speedup is None else f"{r.speedup:.2f}×"]
+        body.append(cells)
+    if markdown:
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        lines += ["| " + " | ".join(c) + " |" for c in body]
+        return "\n".join(lines)
+    widths = [max(len(h), *(len(c[i]) for c in body)) for i, h in enumerate(head)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return "\n".join([fmt.format(*head), fmt.format(*("-" * w for w in widths))] + [fmt.format(*c) for c in body])
+
+
+def plot(rows: list[Row], directory: pathlib.Path) -> list[pathlib.Path]:
+    """One bytes-per-step chart per chapter (a bar per step, the ideal as a line)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from utils.plots import bytes_bars
+
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    for chapter in sorted({r.chapter for r in rows}):
+        ops = [op for op in dict.fromkeys(r.op for r in rows if r.chapter == chapter)]
+        fig, axes = plt.subplots(1, len(ops), figsize=(5.5 * len(ops), 3.8), squeeze=False)
+        for ax, op in zip(axes[0], ops):
+            steps = [r for r in rows if r.chapter == chapter and r.op == op]
+            bytes_bars([(r.step, r.bytes) for r in steps], ideal=steps[0].ideal_bytes, ax=ax, title=op)
+        fig.tight_layout()
+        path = directory / f"ch{chapter}_bytes.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def write_results(rows: list[Row], stamp: str, images: list[pathlib.Path], path: pathlib.Path) -> None:
+    images_md = "\n".join(f"![bytes per step]({img.relative_to(path.parent).as_posix()})" for img in images)
+    generated = "\n".join([
+        BEGIN,
+        "## Ladder report (generated by `make report`)",
+        "",
+        f"Machine: {stamp}.",
+        "",
+        "Bytes and launches are counted exactly by `utils.trace` (Triton loads and stores in the interpreter,",
+        "bytes of every aten op's inputs and outputs for torch); *ideal* is every input read once and the",
+        f"output written once. The {MODEL_GPU} column is a roofline **model** (max of bytes / bandwidth and",
+        "FLOPs / peak, datasheet numbers), not a measurement. GPU times appear only when the report runs on a GPU.",
+        "",
+        table(rows, markdown=True),
+        "",
+        images_md,
+        END,
+    ])
+    old = path.read_text() if path.exists() else "# Results\n\n"
+    if BEGIN in old and END in old:
+        new = old[: old.index(BEGIN)] + generated + old[old.index(END) + len(END):]
+    else:
+        new = old.rstrip() + "\n\n" + generated + "\n"
+    path.write_text(new)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    parser.add_argument("--chapters", nargs="*", help="only these chapters (e.g. 00 01)")
+    parser.add_argument("--out", type=pathlib.Path, default=ROOT / "docs" / "results.md")
+    parser.add_argument("--no-write", action="store_true", help="print the table only")
+    args = parser.parse_args(argv)
+
+    gpu = torch.cuda.is_available() and not kernels.runtime.INTERPRETER
+    stamp = machine()
+    print(f"report: {stamp}", file=sys.stderr)
+    if not gpu:
+        print("report: no GPU — bytes are counted exactly; times are modelled, not measured.", file=sys.stderr)
+    rows: list[Row] = []
+    for ladder in ladders(args.chapters):
+        print(f"report: {ladder.chapter} / {ladder.op} ...", file=sys.stderr, flush=True)
+        rows += run_ladder(ladder, gpu)
+    print(table(rows, markdown=False))
+    if not args.no_write:
+        images = plot(rows, args.out.parent / "img")
+        write_results(rows, stamp, images, args.out)
+        print(f"report: wrote {args.out} and {len(images)} plot(s)", file=sys.stderr)
+    failed = [r for r in rows if r.correct.startswith("WRONG")]
+    for r in failed:
+        print(f"report: {r.chapter} / {r.op} / {r.step}: {r.correct} (max error {r.max_error:.3g})", file=sys.stderr)
+    return 1 if failed else 0

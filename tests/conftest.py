@@ -1,0 +1,23 @@
+"""Shared test set-up: the runtime mode first, gpu-marked tests skipped without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels  # noqa: F401  (sets the interpreter mode before any test module defines a kernel)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available() and not kernels.runtime.INTERPRETER:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (sizes too large for the interpreter)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def device() -> torch.device:
+    """Where tensors go: the GPU when kernels compile, else the CPU."""
+    return kernels.runtime.DEVICE

@@ -1,0 +1,60 @@
+"""The report: every registered ladder step runs, is checked, counted and modelled."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import bench
+from bench import report
+
+
+def test_every_ladder_step_is_correct_and_counted(tmp_path):
+    rows = []
+    for ladder in bench.ladders():
+        rows += report.run_ladder(ladder, gpu=False)
+    assert {r.chapter for r in rows} >= {"00_gpu_model", "01_elementwise"}
+    for r in rows:
+        assert r.correct in ("ok", "n/a"), (r.op, r.step, r.correct, r.max_error)
+        assert r.bytes > 0 and r.launches >= 1 and r.model_us > 0
+    by = {(r.op, r.step): r for r in rows}
+    # Exact traffic of the top steps: vector add reads two fp32 vectors and writes one.
+    add = by[("vector add", "triton kernels.add")]
+    assert add.bytes == add.ideal_bytes == 12 * 2048 and add.launches == 1
+    # The Python loop launches several torch ops per element.
+    assert by[("vector add", "python loop")].launches > 3 * 2048
+    # Fusion: the fused SwiGLU moves the ideal bytes in one launch; the 3-launch chain moves more.
+    fused = by[("swiglu", "triton kernels.swiglu (fused)")]
+    chain = by[("swiglu", "torch sigmoid, mul, mul")]
+    assert fused.launches == 1 and fused.bytes_ratio <= 1.05
+    assert chain.launches == 3 and chain.bytes > 2 * fused.bytes
+    for r in rows:
+        if r.step.startswith("triton"):
+            assert r.bytes_ratio <= 1.05, (r.op, r.step, r.bytes_ratio)
+
+    path = tmp_path / "results.md"
+    path.write_text("# Results\n\nhand-written GPU section\n")
+    report.write_results(rows, report.machine(), [], path)
+    text = path.read_text()
+    assert "hand-written GPU section" in text and "| vector add |" in text and "model" in text
+    report.write_results(rows, "again", [], path)  # regenerates in place, keeps the rest
+    assert path.read_text().count(report.BEGIN) == 1 and "again" in path.read_text()
+
+
+def test_negative_control_wrong_step_is_reported():
+    ladder = bench.ladders(["00"])[0]
+    wrong = bench.Ladder(ladder.chapter, "broken add", ladder.make_inputs, ladder.reference,
+                         [bench.Step("ignores y", lambda x, y: x * 1.0)])
+    rows = report.run_ladder(wrong, gpu=False)
+    assert rows[0].correct == "WRONG"
+
+
+def test_gpu_check_without_gpu_says_so():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("has a GPU")
+    out = subprocess.run([sys.executable, "-m", "bench.gpu_check"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "no CUDA device" in out.stdout
