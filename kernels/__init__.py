@@ -5,6 +5,30 @@ in Triton's interpreter on the CPU (see :mod:`kernels.runtime`).
 """
 
 from . import runtime  # noqa: F401  (first: fixes the mode before any kernel is defined)
+from .add import add, add_kernel
+from .dropout import dropout, dropout_kernel, dropout_mask, dropout_mask_kernel
+from .gelu import gelu, gelu_backward_kernel, gelu_kernel
+from .silu import silu, silu_backward_kernel, silu_kernel
+from .swiglu import swiglu, swiglu_backward_kernel, swiglu_kernel
 
 __version__ = "0.1.0"
-__all__ = ["runtime"]
+__all__ = [
+    "runtime",
+    # ops (torch.library custom ops in the ``kernels`` namespace, differentiable)
+    "add",
+    "gelu",
+    "silu",
+    "swiglu",
+    "dropout",
+    "dropout_mask",
+    # the Triton kernels behind them, for reading and tracing
+    "add_kernel",
+    "gelu_kernel",
+    "gelu_backward_kernel",
+    "silu_kernel",
+    "silu_backward_kernel",
+    "swiglu_kernel",
+    "swiglu_backward_kernel",
+    "dropout_kernel",
+    "dropout_mask_kernel",
+]

@@ -1,0 +1,229 @@
+"""The strided N-D launch shared by every elementwise op.
+
+An elementwise kernel walks the *logical* elements of its output in row-major order: element
+``idx`` of the (contiguous) output is computed from element ``idx`` of each input, wherever that
+input keeps it in memory. So the kernels never need a ``.contiguous()`` copy of their inputs:
+
+* The host first **coalesces** dimensions: size-1 dims are dropped, and neighbouring dims
+  ``d, d+1`` are merged when every operand can step over them as one (``stride[d] ==
+  stride[d+1] * size[d+1]`` for all). A contiguous tensor becomes 1-D, a row-sliced matrix stays
+  2-D, a broadcast operand keeps its stride-0 dims.
+* If every operand then is one dense run (stride 1), the kernel takes the **flat fast path**:
+  offsets ``pid * BLOCK + arange(BLOCK)``, which Triton turns into vectorized loads and stores.
+* Otherwise the kernel receives up to ``MAX_DIMS`` sizes and each operand's strides and turns
+  ``idx`` into a memory offset with integer div/mod (:func:`unravel_index`,
+  :func:`strided_offset`). Tensors that still need more dims after coalescing are launched once
+  per slice of their leading dims (rare: it takes five dims that no operand can merge).
+* Offsets are computed in int32 when every index and offset stays below 2**31, else in int64
+  (``INDEX_64``), so huge tensors are right and ordinary ones pay nothing.
+
+The kernel-side convention, used by every kernel in this package::
+
+    some_kernel(<input pointers>, <output pointers>, <op scalars>, n_elements, [index_base,]
+                size1, size2, size3, <for each input: stride0, stride1, stride2, stride3>,
+                <op constexprs>, CONTIGUOUS, INDEX_64, BLOCK)
+
+Outputs are always contiguous, so they take no strides. ``size0`` is implied by ``n_elements``.
+``index_base`` (only when asked for) is the logical index of the slice's first element, which
+dropout needs so that its random numbers depend on the element, not on how it was launched.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "BLOCK",
+    "MAX_DIMS",
+    "NUM_WARPS",
+    "ElementwiseLaunch",
+    "block_indices",
+    "coalesce_dims",
+    "empty_output",
+    "launch_elementwise",
+    "plan_elementwise",
+    "strided_offset",
+    "unravel_index",
+]
+
+#: Elements per program. 1024 keeps interpreter grids small and gives each of the 128 threads of
+#: 4 warps 8 contiguous elements (16-32 bytes: full-width vector loads) on a GPU.
+BLOCK: int = 1024
+NUM_WARPS: int = 4
+#: Dimensions a kernel walks with div/mod after coalescing; more are split on the host.
+MAX_DIMS: int = 4
+
+_INT32_MAX = 2**31 - 1
+
+
+@triton.jit
+def block_indices(n_elements, INDEX_64: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's logical element indices and the mask of those inside the tensor."""
+    pid = tl.program_id(0)
+    if INDEX_64:
+        pid = pid.to(tl.int64)  # pid * BLOCK can pass 2**31
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    return idx, idx < n_elements
+
+
+@triton.jit
+def unravel_index(idx, size1, size2, size3):
+    """Row-major multi-index (i0, i1, i2, i3) of logical index ``idx`` in a (., size1, size2, size3) space."""
+    i3 = idx % size3
+    rest = idx // size3
+    i2 = rest % size2
+    rest = rest // size2
+    i1 = rest % size1
+    i0 = rest // size1
+    return i0, i1, i2, i3
+
+
+@triton.jit
+def strided_offset(i0, i1, i2, i3, stride0, stride1, stride2, stride3):
+    """Memory offset (in elements) of multi-index (i0, i1, i2, i3) in an operand with these strides."""
+    return i0 * stride0 + i1 * stride1 + i2 * stride2 + i3 * stride3
+
+
+def coalesce_dims(
+    shape: Sequence[int], strides: Sequence[Sequence[int]]
+) -> tuple[list[int], list[list[int]]]:
+    """Merge dims that every operand can walk as one; drop size-1 dims.
+
+    ``strides[k]`` are operand k's strides over ``shape`` (0 for broadcast dims). Returns the
+    merged sizes and each operand's merged strides (outermost first). An empty result means a
+    single element.
+    """
+    sizes: list[int] = []
+    merged: list[list[int]] = [[] for _ in strides]
+    for dim, size in enumerate(shape):
+        if size == 1:
+            continue  # a size-1 dim's stride is never used
+        if sizes and all(ops[-1] == op_strides[dim] * size for ops, op_strides in zip(merged, strides)):
+            sizes[-1] *= size
+            for ops, op_strides in zip(merged, strides):
+                ops[-1] = op_strides[dim]
+        else:
+            sizes.append(size)
+            for ops, op_strides in zip(merged, strides):
+                ops.append(op_strides[dim])
+    return sizes, merged
+
+
+@dataclass(frozen=True)
+class ElementwiseLaunch:
+    """One kernel launch over (a slice of) a coalesced iteration space."""
+
+    inputs: tuple[torch.Tensor, ...]  # tensors whose data_ptr is the slice's first element
+    outputs: tuple[torch.Tensor, ...]  # contiguous slices of the outputs
+    n_elements: int
+    index_base: int  # logical index of the slice's first element in the whole output
+    sizes: tuple[int, int, int]  # size1, size2, size3 (size0 = n_elements / their product)
+    strides: tuple[int, ...]  # MAX_DIMS strides per input, inputs in order
+    contiguous: bool  # every input is one dense run: the flat fast path
+    index_64: bool  # some index or offset can pass 2**31
+
+
+def _needs_int64(n_elements: int, index_base: int, sizes: Sequence[int], strides: Sequence[Sequence[int]]) -> bool:
+    # The last program's indices run up to a full BLOCK past n_elements (masked, but computed).
+    if index_base + n_elements + BLOCK > _INT32_MAX:
+        return True
+    return any(sum((s - 1) * st for s, st in zip(sizes, op)) > _INT32_MAX for op in strides)
+
+
+def plan_elementwise(
+    shape: Sequence[int], inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]
+) -> list[ElementwiseLaunch]:
+    """The launches that compute ``outputs`` (contiguous, of ``shape``) from ``inputs``.
+
+    Each input must already have ``shape`` (broadcast inputs as stride-0 views, e.g. from
+    ``expand``). Returns no launch for an empty shape.
+    """
+    shape = tuple(shape)
+    for t in (*inputs, *outputs):
+        if tuple(t.shape) != shape:
+            raise AssertionError(f"operand of shape {tuple(t.shape)} in a launch over {shape}")
+    for out in outputs:
+        if not out.is_contiguous():
+            raise AssertionError("elementwise outputs must be contiguous")
+    numel = math.prod(shape)
+    if numel == 0:
+        return []
+    sizes, strides = coalesce_dims(shape, [t.stride() for t in inputs])
+    if len(sizes) <= 1 and all(not op or op[0] == 1 for op in strides):
+        # Flat fast path: logical index == memory offset for every operand.
+        return [
+            ElementwiseLaunch(
+                inputs=tuple(inputs), outputs=tuple(outputs), n_elements=numel, index_base=0,
+                sizes=(1, 1, 1), strides=(0,) * (MAX_DIMS * len(inputs)), contiguous=True,
+                index_64=_needs_int64(numel, 0, [numel], [[1]]),
+            )
+        ]
+    outer_sizes, inner_sizes = sizes[:-MAX_DIMS], sizes[-MAX_DIMS:]
+    inner_strides = [op[-MAX_DIMS:] for op in strides]
+    pad = MAX_DIMS - len(inner_sizes)
+    padded_sizes = [1] * pad + inner_sizes
+    padded_strides = [[0] * pad + op for op in inner_strides]
+    inner_numel = math.prod(inner_sizes)
+    flat_outputs = [out.view(-1) for out in outputs]
+    launches = []
+    # Leading dims beyond MAX_DIMS: one launch per index into them, on views (no copies).
+    for slice_number, outer_index in enumerate(itertools.product(*(range(s) for s in outer_sizes))):
+        base = slice_number * inner_numel
+        if outer_index:
+            slice_inputs = tuple(
+                t.as_strided(
+                    inner_sizes, op[-MAX_DIMS:],
+                    t.storage_offset() + sum(i * st for i, st in zip(outer_index, op[:-MAX_DIMS])),
+                )
+                for t, op in zip(inputs, strides)
+            )
+        else:
+            slice_inputs = tuple(inputs)
+        launches.append(
+            ElementwiseLaunch(
+                inputs=slice_inputs,
+                outputs=tuple(out[base : base + inner_numel] for out in flat_outputs),
+                n_elements=inner_numel,
+                index_base=base,
+                sizes=tuple(padded_sizes[1:]),
+                strides=tuple(st for op in padded_strides for st in op),
+                contiguous=False,
+                index_64=_needs_int64(inner_numel, base, padded_sizes, padded_strides),
+            )
+        )
+    return launches
+
+
+def launch_elementwise(
+    kernel,
+    shape: Sequence[int],
+    inputs: Sequence[torch.Tensor],
+    outputs: Sequence[torch.Tensor],
+    scalars: Sequence[object] = (),
+    *,
+    with_index_base: bool = False,
+    **constexprs: object,
+) -> None:
+    """Launch ``kernel`` (following this module's argument convention) over ``shape``."""
+    for launch in plan_elementwise(shape, inputs, outputs):
+        grid = (triton.cdiv(launch.n_elements, BLOCK),)
+        extra = (launch.index_base,) if with_index_base else ()
+        kernel[grid](
+            *launch.inputs, *launch.outputs, *scalars, launch.n_elements, *extra,
+            *launch.sizes, *launch.strides,
+            **constexprs, CONTIGUOUS=launch.contiguous, INDEX_64=launch.index_64, BLOCK=BLOCK,
+            num_warps=NUM_WARPS,
+        )
+
+
+def empty_output(shape: Sequence[int], like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A fresh contiguous output tensor (what the fake kernels promise, too)."""
+    return torch.empty(tuple(shape), dtype=dtype or like.dtype, device=like.device)
+

@@ -1,0 +1,147 @@
+"""Input checks shared by the ops, with errors a user can act on.
+
+Every message starts with the op's public name (``kernels.gelu``), names the argument, and says
+what was expected and what came, e.g.
+``kernels.gelu: x must be float32, float16 or bfloat16, got torch.int64``. Type problems raise
+``TypeError``; values out of range, shape and device mismatches raise ``ValueError``.
+
+Checks run before any Triton launch, so bad input never reaches Triton's compiler.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+
+import torch
+
+__all__ = [
+    "FLOAT_DTYPES",
+    "check_tensor",
+    "check_float_dtype",
+    "check_same_dtype",
+    "check_same_device",
+    "check_same_shape",
+    "check_broadcastable",
+    "check_probability",
+    "check_choice",
+    "check_seed",
+    "check_bool",
+    "check_shape",
+]
+
+#: The floating dtypes the elementwise kernels accept (they compute in float32 internally).
+FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
+
+_FLOAT_NAMES = "float32, float16 or bfloat16"
+
+
+def _type_name(value: object) -> str:
+    return type(value).__name__
+
+
+def check_tensor(op: str, name: str, value: object) -> torch.Tensor:
+    """``value`` must be a ``torch.Tensor``."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {_type_name(value)}")
+    return value
+
+
+def check_float_dtype(op: str, name: str, tensor: torch.Tensor) -> None:
+    """``tensor`` must be float32, float16 or bfloat16."""
+    if tensor.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{op}: {name} must be {_FLOAT_NAMES}, got {tensor.dtype}")
+
+
+def check_same_dtype(op: str, name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:
+    """``a`` and ``b`` must share a dtype (the ops do not promote types)."""
+    if a.dtype != b.dtype:
+        raise TypeError(
+            f"{op}: {name_a} and {name_b} must have the same dtype, got {a.dtype} and {b.dtype} "
+            f"(cast one of them with .to())"
+        )
+
+
+def check_same_device(op: str, name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:
+    """``a`` and ``b`` must live on the same device."""
+    if a.device != b.device:
+        raise ValueError(
+            f"{op}: {name_a} and {name_b} must be on the same device, got {a.device} and {b.device}"
+        )
+
+
+def check_same_shape(op: str, name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:
+    """``a`` and ``b`` must have exactly the same shape (no broadcasting)."""
+    if a.shape != b.shape:
+        raise ValueError(
+            f"{op}: {name_a} and {name_b} must have the same shape, got {tuple(a.shape)} and {tuple(b.shape)}"
+        )
+
+
+def check_broadcastable(op: str, name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> torch.Size:
+    """``a`` and ``b`` must broadcast together (torch's rules); returns the broadcast shape."""
+    try:
+        return torch.broadcast_shapes(a.shape, b.shape)
+    except RuntimeError:
+        raise ValueError(
+            f"{op}: {name_a} and {name_b} must have broadcastable shapes, "
+            f"got {tuple(a.shape)} and {tuple(b.shape)}"
+        ) from None
+
+
+def check_probability(op: str, name: str, value: object) -> float:
+    """``value`` must be a real number in [0, 1]; returns it as a float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{op}: {name} must be a float in [0, 1], got {_type_name(value)}")
+    value = float(value)
+    if not (0.0 <= value <= 1.0) or math.isnan(value):
+        raise ValueError(f"{op}: {name} must be in [0, 1], got {value}")
+    return value
+
+
+def check_choice(op: str, name: str, value: object, choices: Sequence[str]) -> str:
+    """``value`` must be one of the strings ``choices``."""
+    expected = " or ".join(repr(c) for c in choices)
+    if not isinstance(value, str):
+        raise TypeError(f"{op}: {name} must be {expected}, got {_type_name(value)}")
+    if value not in choices:
+        raise ValueError(f"{op}: {name} must be {expected}, got {value!r}")
+    return value
+
+
+#: Seeds are passed to the kernel as a 64-bit integer (Philox's key).
+SEED_MAX = 2**63 - 1
+
+
+def check_seed(op: str, name: str, value: object) -> int:
+    """``value`` must be an int in [0, 2**63 - 1]; returns it as an int."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{op}: {name} must be an int or None, got {_type_name(value)}")
+    value = int(value)
+    if not 0 <= value <= SEED_MAX:
+        raise ValueError(f"{op}: {name} must be in [0, 2**63 - 1], got {value}")
+    return value
+
+
+def check_bool(op: str, name: str, value: object) -> bool:
+    """``value`` must be a bool."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{op}: {name} must be a bool, got {_type_name(value)}")
+    return value
+
+
+def check_shape(op: str, name: str, value: object) -> tuple[int, ...]:
+    """``value`` must be a sequence of non-negative ints (or a torch.Size); returns a tuple."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        value = (value,)
+    if not isinstance(value, Sequence) or isinstance(value, str):
+        raise TypeError(f"{op}: {name} must be a sequence of ints, got {_type_name(value)}")
+    dims = []
+    for size in value:
+        if isinstance(size, bool) or not isinstance(size, numbers.Integral):
+            raise TypeError(f"{op}: {name} must be a sequence of ints, got an element of type {_type_name(size)}")
+        if size < 0:
+            raise ValueError(f"{op}: {name} must have non-negative sizes, got {tuple(value)}")
+        dims.append(int(size))
+    return tuple(dims)

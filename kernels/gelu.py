@@ -1,0 +1,154 @@
+"""GELU, exact (erf) or tanh-approximated, forward and backward, as ``kernels::gelu``.
+
+``gelu(x) = x * Phi(x)`` with Phi the standard normal CDF: ``0.5 * x * (1 + erf(x / sqrt(2)))``.
+The tanh form replaces Phi(x) with ``0.5 * (1 + tanh(z))``, ``z = sqrt(2/pi) * (x + 0.044715 x^3)``,
+which equals ``sigmoid(2z)``: the kernel uses that identity (no libdevice tanh, and no
+cancellation in ``1 + tanh(z)`` for negative x).
+
+One read and one write per element: the op is memory-bound, so everything happens in one pass
+in registers, in float32 whatever the storage dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import runtime
+from ._elementwise import block_indices, empty_output, launch_elementwise, strided_offset, unravel_index
+from ._validate import check_choice, check_float_dtype, check_same_device, check_same_shape, check_tensor
+
+__all__ = ["APPROXIMATIONS", "gelu", "gelu_kernel", "gelu_backward_kernel"]
+
+#: The values of ``approximate``, as in ``torch.nn.functional.gelu``.
+APPROXIMATIONS: tuple[str, ...] = ("none", "tanh")
+
+_SQRT_HALF = tl.constexpr(0.7071067811865476)  # 1 / sqrt(2)
+_INV_SQRT_2PI = tl.constexpr(0.3989422804014327)  # 1 / sqrt(2 pi), the normal pdf's factor
+_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
+_TANH_CUBIC = tl.constexpr(0.044715)
+
+
+@triton.jit
+def gelu_kernel(
+    x_ptr, out_ptr, n_elements,
+    size1, size2, size3,
+    x_stride0, x_stride1, x_stride2, x_stride3,
+    APPROXIMATE_TANH: tl.constexpr, CONTIGUOUS: tl.constexpr, INDEX_64: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """out[idx] = gelu(x[idx]) for BLOCK logical indices; out is contiguous, x any strides."""
+    idx, mask = block_indices(n_elements, INDEX_64, BLOCK)
+    if CONTIGUOUS:
+        x_offset = idx
+    else:
+        i0, i1, i2, i3 = unravel_index(idx, size1, size2, size3)
+        x_offset = strided_offset(i0, i1, i2, i3, x_stride0, x_stride1, x_stride2, x_stride3)
+    x = tl.load(x_ptr + x_offset, mask=mask).to(tl.float32)
+    if APPROXIMATE_TANH:
+        z = _SQRT_2_OVER_PI * (x + _TANH_CUBIC * x * x * x)
+        y = x * tl.sigmoid(2.0 * z)  # 0.5 * (1 + tanh(z)) == sigmoid(2z)
+    else:
+        y = 0.5 * x * (1.0 + tl.erf(x * _SQRT_HALF))
+    tl.store(out_ptr + idx, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def gelu_backward_kernel(
+    grad_out_ptr, x_ptr, grad_in_ptr, n_elements,
+    size1, size2, size3,
+    g_stride0, g_stride1, g_stride2, g_stride3,
+    x_stride0, x_stride1, x_stride2, x_stride3,
+    APPROXIMATE_TANH: tl.constexpr, CONTIGUOUS: tl.constexpr, INDEX_64: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """grad_in[idx] = grad_out[idx] * gelu'(x[idx]); recomputes from x, nothing else saved."""
+    idx, mask = block_indices(n_elements, INDEX_64, BLOCK)
+    if CONTIGUOUS:
+        g_offset = idx
+        x_offset = idx
+    else:
+        i0, i1, i2, i3 = unravel_index(idx, size1, size2, size3)
+        g_offset = strided_offset(i0, i1, i2, i3, g_stride0, g_stride1, g_stride2, g_stride3)
+        x_offset = strided_offset(i0, i1, i2, i3, x_stride0, x_stride1, x_stride2, x_stride3)
+    g = tl.load(grad_out_ptr + g_offset, mask=mask).to(tl.float32)
+    x = tl.load(x_ptr + x_offset, mask=mask).to(tl.float32)
+    if APPROXIMATE_TANH:
+        z = _SQRT_2_OVER_PI * (x + _TANH_CUBIC * x * x * x)
+        dz_dx = _SQRT_2_OVER_PI * (1.0 + 3.0 * _TANH_CUBIC * x * x)
+        s = tl.sigmoid(2.0 * z)
+        # d/dx [x * sigmoid(2z)] = s + 2 x s (1 - s) dz/dx
+        dy_dx = s + 2.0 * x * s * (1.0 - s) * dz_dx
+    else:
+        cdf = 0.5 * (1.0 + tl.erf(x * _SQRT_HALF))
+        pdf = tl.exp(-0.5 * x * x) * _INV_SQRT_2PI
+        dy_dx = cdf + x * pdf
+    tl.store(grad_in_ptr + idx, (g * dy_dx).to(grad_in_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_gelu_args(x: object, approximate: object) -> None:
+    check_tensor("kernels.gelu", "x", x)
+    check_float_dtype("kernels.gelu", "x", x)
+    check_choice("kernels.gelu", "approximate", approximate, APPROXIMATIONS)
+
+
+@torch.library.custom_op("kernels::gelu", mutates_args=())
+def _gelu_op(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    _check_gelu_args(x, approximate)
+    runtime.require_launchable("kernels.gelu", x)
+    out = empty_output(x.shape, x)
+    launch_elementwise(gelu_kernel, x.shape, [x], [out], APPROXIMATE_TANH=approximate == "tanh")
+    return out
+
+
+@_gelu_op.register_fake
+def _gelu_fake(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    _check_gelu_args(x, approximate)
+    return empty_output(x.shape, x)
+
+
+@torch.library.custom_op("kernels::gelu_backward", mutates_args=())
+def _gelu_backward_op(grad_out: torch.Tensor, x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    op = "kernels.gelu (backward)"
+    check_float_dtype(op, "grad_out", grad_out)
+    check_same_shape(op, "grad_out", grad_out, "x", x)
+    check_same_device(op, "grad_out", grad_out, "x", x)
+    runtime.require_launchable(op, grad_out, x)
+    grad_in = empty_output(x.shape, x)
+    launch_elementwise(
+        gelu_backward_kernel, x.shape, [grad_out, x], [grad_in], APPROXIMATE_TANH=approximate == "tanh"
+    )
+    return grad_in
+
+
+@_gelu_backward_op.register_fake
+def _gelu_backward_fake(grad_out: torch.Tensor, x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    return empty_output(x.shape, x)
+
+
+def _gelu_setup_context(ctx, inputs, output) -> None:
+    x, approximate = inputs
+    ctx.save_for_backward(x)
+    ctx.approximate = approximate
+
+
+def _gelu_backward(ctx, grad_out: torch.Tensor):
+    (x,) = ctx.saved_tensors
+    return _gelu_backward_op(grad_out, x, ctx.approximate), None
+
+
+_gelu_op.register_autograd(_gelu_backward, setup_context=_gelu_setup_context)
+
+
+def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """GELU of ``x``, like ``torch.nn.functional.gelu(x, approximate=approximate)``.
+
+    Args:
+        x: float32, float16 or bfloat16 tensor of any shape and strides (not copied).
+        approximate: ``"none"`` for the exact erf form, ``"tanh"`` for the tanh approximation.
+
+    Returns:
+        A new contiguous tensor of ``x``'s shape and dtype, computed in float32.
+        Differentiable (the backward is a Triton kernel too, ``kernels::gelu_backward``).
+    """
+    _check_gelu_args(x, approximate)
+    return _gelu_op(x, approximate)

@@ -1,0 +1,125 @@
+"""SiLU (swish), ``x * sigmoid(x)``, forward and backward, as ``kernels::silu``.
+
+One read and one write per element, computed in float32 in registers whatever the storage
+dtype. The backward recomputes ``sigmoid(x)`` from the saved input instead of saving it: an extra
+few FLOPs are free in a memory-bound kernel, an extra tensor is not.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import runtime
+from ._elementwise import block_indices, empty_output, launch_elementwise, strided_offset, unravel_index
+from ._validate import check_float_dtype, check_same_device, check_same_shape, check_tensor
+
+__all__ = ["silu", "silu_kernel", "silu_backward_kernel"]
+
+
+@triton.jit
+def silu_kernel(
+    x_ptr, out_ptr, n_elements,
+    size1, size2, size3,
+    x_stride0, x_stride1, x_stride2, x_stride3,
+    CONTIGUOUS: tl.constexpr, INDEX_64: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """out[idx] = x[idx] * sigmoid(x[idx]); out is contiguous, x any strides."""
+    idx, mask = block_indices(n_elements, INDEX_64, BLOCK)
+    if CONTIGUOUS:
+        x_offset = idx
+    else:
+        i0, i1, i2, i3 = unravel_index(idx, size1, size2, size3)
+        x_offset = strided_offset(i0, i1, i2, i3, x_stride0, x_stride1, x_stride2, x_stride3)
+    x = tl.load(x_ptr + x_offset, mask=mask).to(tl.float32)
+    y = x * tl.sigmoid(x)
+    tl.store(out_ptr + idx, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def silu_backward_kernel(
+    grad_out_ptr, x_ptr, grad_in_ptr, n_elements,
+    size1, size2, size3,
+    g_stride0, g_stride1, g_stride2, g_stride3,
+    x_stride0, x_stride1, x_stride2, x_stride3,
+    CONTIGUOUS: tl.constexpr, INDEX_64: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """grad_in = grad_out * s * (1 + x * (1 - s)) with s = sigmoid(x)."""
+    idx, mask = block_indices(n_elements, INDEX_64, BLOCK)
+    if CONTIGUOUS:
+        g_offset = idx
+        x_offset = idx
+    else:
+        i0, i1, i2, i3 = unravel_index(idx, size1, size2, size3)
+        g_offset = strided_offset(i0, i1, i2, i3, g_stride0, g_stride1, g_stride2, g_stride3)
+        x_offset = strided_offset(i0, i1, i2, i3, x_stride0, x_stride1, x_stride2, x_stride3)
+    g = tl.load(grad_out_ptr + g_offset, mask=mask).to(tl.float32)
+    x = tl.load(x_ptr + x_offset, mask=mask).to(tl.float32)
+    s = tl.sigmoid(x)
+    grad_in = g * s * (1.0 + x * (1.0 - s))
+    tl.store(grad_in_ptr + idx, grad_in.to(grad_in_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_silu_args(x: object) -> None:
+    check_tensor("kernels.silu", "x", x)
+    check_float_dtype("kernels.silu", "x", x)
+
+
+@torch.library.custom_op("kernels::silu", mutates_args=())
+def _silu_op(x: torch.Tensor) -> torch.Tensor:
+    _check_silu_args(x)
+    runtime.require_launchable("kernels.silu", x)
+    out = empty_output(x.shape, x)
+    launch_elementwise(silu_kernel, x.shape, [x], [out])
+    return out
+
+
+@_silu_op.register_fake
+def _silu_fake(x: torch.Tensor) -> torch.Tensor:
+    _check_silu_args(x)
+    return empty_output(x.shape, x)
+
+
+@torch.library.custom_op("kernels::silu_backward", mutates_args=())
+def _silu_backward_op(grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    op = "kernels.silu (backward)"
+    check_float_dtype(op, "grad_out", grad_out)
+    check_same_shape(op, "grad_out", grad_out, "x", x)
+    check_same_device(op, "grad_out", grad_out, "x", x)
+    runtime.require_launchable(op, grad_out, x)
+    grad_in = empty_output(x.shape, x)
+    launch_elementwise(silu_backward_kernel, x.shape, [grad_out, x], [grad_in])
+    return grad_in
+
+
+@_silu_backward_op.register_fake
+def _silu_backward_fake(grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return empty_output(x.shape, x)
+
+
+def _silu_setup_context(ctx, inputs, output) -> None:
+    (x,) = inputs
+    ctx.save_for_backward(x)
+
+
+def _silu_backward(ctx, grad_out: torch.Tensor) -> torch.Tensor:
+    (x,) = ctx.saved_tensors
+    return _silu_backward_op(grad_out, x)
+
+
+_silu_op.register_autograd(_silu_backward, setup_context=_silu_setup_context)
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """SiLU of ``x``, like ``torch.nn.functional.silu(x)``.
+
+    Args:
+        x: float32, float16 or bfloat16 tensor of any shape and strides (not copied).
+
+    Returns:
+        A new contiguous tensor of ``x``'s shape and dtype, computed in float32.
+        Differentiable (backward: ``kernels::silu_backward``).
+    """
+    _check_silu_args(x)
+    return _silu_op(x)
