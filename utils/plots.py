@@ -1,0 +1,143 @@
+"""The course's charts: a roofline, bytes per ladder step, and access maps.
+
+Each function draws on ``ax`` (or a new figure) and returns the ``Axes``; end the notebook cell
+with ``plt.show()``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import matplotlib
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.axes import Axes
+
+from utils.roofline import arithmetic_intensity, dtype_key, get_gpu
+from utils.trace import format_bytes
+
+__all__ = ["roofline_chart", "bytes_bars", "access_map"]
+
+_BYTE_UNITS = (("B", 1.0), ("kB", 1e3), ("MB", 1e6), ("GB", 1e9), ("TB", 1e12))
+
+
+def _new_axes(ax: Axes | None, size: tuple[float, float]) -> Axes:
+    if ax is not None:
+        return ax
+    _, ax = plt.subplots(figsize=size)
+    return ax
+
+
+def roofline_chart(points: Sequence[tuple], gpu: Any = "H200", dtype: Any = "bf16", ax: Axes | None = None,
+                   title: str | None = None) -> Axes:
+    """Log-log roofline of ``gpu`` with each point placed at its arithmetic intensity.
+
+    ``points`` are ``(label, bytes, flops)``: the point sits on the roof (the model's attainable
+    performance at that intensity). A fourth element, a measured time in seconds, places it at
+    ``flops / time`` instead. A point without FLOPs is drawn at the left edge, marked "no FLOPs".
+    """
+    spec = get_gpu(gpu)
+    key = dtype_key(dtype)
+    peak, bandwidth = spec.peak(key), spec.hbm_bytes_per_s
+    ridge = peak / bandwidth
+    ax = _new_axes(ax, (7, 4.5))
+
+    intensities = [arithmetic_intensity(p[1], p[2]) for p in points]
+    finite = [i for i in intensities if 0 < i < math.inf]
+    lo = min([ridge / 1000, *(i / 4 for i in finite)])
+    hi = max([ridge * 100, *(i * 4 for i in finite)])
+    xs = np.logspace(math.log10(lo), math.log10(hi), 256)
+    tera = 1e12
+    ax.plot(xs, np.minimum(peak, xs * bandwidth) / tera, color="black", linewidth=2,
+            label=f"roof: {format_bytes(bandwidth)}/s HBM, {peak / tera:,.0f} TFLOP/s {key}")
+    ax.axvline(ridge, color="gray", linestyle=":", linewidth=1)
+    ax.plot([ridge], [peak / tera], marker="o", color="gray", linestyle="none",
+            label=f"ridge point: {ridge:,.0f} FLOP/byte")
+
+    for point, intensity in zip(points, intensities):
+        label = str(point[0])
+        x = min(max(intensity, lo), hi)
+        if len(point) > 3 and point[3]:
+            y, kind = point[2] / point[3], "measured"
+        else:
+            y, kind = min(peak, x * bandwidth), "model"
+        if intensity == 0:
+            label += " (no FLOPs)"
+        ax.scatter([x], [y / tera], zorder=3, marker="o" if kind == "model" else "*", s=50)
+        ax.annotate(label, (x, y / tera), textcoords="offset points", xytext=(6, -12), fontsize=9)
+
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlim(lo, hi)
+    ax.set_xlabel("arithmetic intensity (FLOP/byte)")
+    ax.set_ylabel("attainable performance (TFLOP/s)")
+    ax.set_title(title or f"Roofline model — {spec.name}, {key} (datasheet peaks)")
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    return ax
+
+
+def bytes_bars(steps: Sequence[tuple[str, float]], ideal: float | None = None, ax: Axes | None = None,
+               title: str = "Bytes moved per step") -> Axes:
+    """Bar per ladder step of the bytes it moves, with the ideal (each input read once, each output
+    written once) as a dashed line and each bar labelled with its multiple of the ideal."""
+    labels = [str(s[0]) for s in steps]
+    values = [float(s[1]) for s in steps]
+    top = max([*values, ideal or 0, 1.0])
+    unit, scale = next(((u, s) for u, s in reversed(_BYTE_UNITS) if top >= s), _BYTE_UNITS[0])
+    ax = _new_axes(ax, (max(4.0, 1.3 * len(steps) + 2), 4))
+    bars = ax.bar(range(len(values)), [v / scale for v in values], color="tab:blue")
+    for bar, value in zip(bars, values):
+        text = format_bytes(value)
+        if ideal:
+            text += f"\n{value / ideal:.2f}× ideal"
+        ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), textcoords="offset points",
+                    xytext=(0, 3), ha="center", va="bottom", fontsize=8)
+    if ideal:
+        ax.axhline(ideal / scale, color="black", linestyle="--", linewidth=1, label=f"ideal: {format_bytes(ideal)}")
+        ax.legend(loc="upper right", fontsize=8)
+    ax.set_xticks(range(len(labels)), labels, rotation=20 if max(map(len, labels), default=0) > 10 else 0,
+                  ha="right" if max(map(len, labels), default=0) > 10 else "center")
+    ax.set_ylabel(f"bytes moved ({unit})")
+    ax.set_ylim(0, top / scale * 1.25)
+    ax.set_title(title)
+    return ax
+
+
+def access_map(access: Any, shape: tuple[int, ...] | None = None, ax: Axes | None = None,
+               title: str = "Which program touched each element") -> Axes:
+    """Colour every element by the id of the program that touched it; white = never touched.
+
+    ``access`` is a ``Launch.access[name]`` array (or any int array / tensor of program ids, -1 for
+    none). ``shape`` reshapes it; 1-D maps are drawn as one row, >2-D as rows of the last dim.
+    """
+    if hasattr(access, "detach"):
+        access = access.detach().cpu().numpy()
+    ids = np.asarray(access)
+    if shape is not None:
+        ids = ids.reshape(shape)
+    if ids.ndim == 0:
+        ids = ids.reshape(1, 1)
+    elif ids.ndim == 1:
+        ids = ids[None, :]
+    elif ids.ndim > 2:
+        ids = ids.reshape(-1, ids.shape[-1])
+    programs = max(int(ids.max(initial=-1)) + 1, 1)
+    base = "tab10" if programs <= 10 else "tab20" if programs <= 20 else "viridis"
+    cmap = matplotlib.colormaps[base].resampled(programs).with_extremes(bad="white")
+    rows, cols = ids.shape
+    ax = _new_axes(ax, (min(10.0, max(4.0, cols / 4)), min(6.0, max(1.5, rows / 4 + 1))))
+    image = ax.imshow(np.ma.masked_less(ids, 0), cmap=cmap, vmin=-0.5, vmax=programs - 0.5,
+                      interpolation="nearest", aspect="auto" if rows == 1 else "equal")
+    colorbar = ax.figure.colorbar(image, ax=ax)
+    colorbar.set_label("program id")
+    if programs <= 20:
+        colorbar.set_ticks(range(programs))
+    ax.set_xlabel("column (element index)" if rows == 1 else "column")
+    ax.set_ylabel("row")
+    if rows == 1:
+        ax.set_yticks([])
+    ax.set_title(title)
+    return ax
