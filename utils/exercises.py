@@ -388,12 +388,16 @@ def _root_error(error: BaseException) -> BaseException:
     return error
 
 
+# Frames in the course's own tools (this checker, the tracer) are not where the learner's bug is.
+_TOOLS_DIR = os.path.dirname(os.path.abspath(__file__)).replace("\\", "/") + "/"
+
+
 def _where(error: BaseException) -> str:
     """' (line N of fn)' for the innermost frame outside torch/triton/site-packages, if any."""
     frames = traceback.extract_tb(error.__traceback__)
     for frame in reversed(frames):
         path = frame.filename.replace("\\", "/")
-        if "site-packages" in path or "/triton/" in path or "/torch/" in path or path == __file__:
+        if "site-packages" in path or "/triton/" in path or "/torch/" in path or path.startswith(_TOOLS_DIR):
             continue
         return f" (line {frame.lineno} of {frame.name})"
     return ""
@@ -591,6 +595,13 @@ def _tensor_problems(
         if count:
             hint = " — does the kernel store to the output?" if count == total else ""
             problems.append(f"{prefix}{count} of {total} elements never written (still NaN){hint}")
+            considered &= ~unwritten
+    elif poisoned and not flat_got.dtype.is_floating_point and flat_got.dtype != torch.bool:
+        sentinel = torch.iinfo(flat_got.dtype).min
+        unwritten = (flat_got == sentinel) & (flat_expected != sentinel)
+        count = int(unwritten.sum())
+        if count:
+            problems.append(f"{prefix}{count} of {total} elements never written (still the poison {sentinel})")
             considered &= ~unwritten
     problems += _value_problems(flat_got, flat_expected, considered, shape, rtol, atol, prefix)
     return problems
