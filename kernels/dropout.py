@@ -37,7 +37,10 @@ def dropout_kernel(
     x_stride0, x_stride1, x_stride2, x_stride3,
     CONTIGUOUS: tl.constexpr, INDEX_64: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """out[idx] = x[idx] * scale where tl.rand(seed, index_base + idx) >= p, else 0."""
+    """out[idx] = x[idx] * scale where tl.rand(seed, index_base + idx) >= p, else 0.
+
+    ``index_base + idx`` is the element's logical row-major index in the whole tensor.
+    """
     idx, mask = block_indices(n_elements, INDEX_64, BLOCK)
     if CONTIGUOUS:
         x_offset = idx
@@ -47,7 +50,8 @@ def dropout_kernel(
     x = tl.load(x_ptr + x_offset, mask=mask).to(tl.float32)
     # The counter is the element's logical index: the same in every launch layout.
     keep = tl.rand(seed, index_base + idx) >= p
-    out = tl.where(keep, x * scale, 0.0)
+    # Select before scaling: dropped inf/NaN become 0, never 0 * inf.
+    out = tl.where(keep, x, 0.0) * scale
     tl.store(out_ptr + idx, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -1,0 +1,427 @@
+"""kernels.add, gelu, silu, swiglu: values, gradients, layouts, dtypes, custom-op plumbing, errors.
+
+Every result is compared with a float64 reference on fresh random inputs; outputs are poisoned
+(NaN) before the kernels write them, so an element a kernel forgets stays NaN and fails.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+from kernels import _elementwise
+
+DEVICE = kernels.runtime.DEVICE
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# (rtol, atol) against the float64 reference rounded to the output dtype. fp32 leaves room for
+# a GPU's approximate exp/erf; fp16/bf16 for one unit of rounding in the last place.
+TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-3, 1e-3), torch.bfloat16: (1.6e-2, 1e-2)}
+
+# name -> (kernels op, float64 reference, number of tensor inputs)
+OPS = {
+    "add": (kernels.add, torch.add, 2),
+    "gelu": (kernels.gelu, F.gelu, 1),
+    "gelu_tanh": (lambda x: kernels.gelu(x, approximate="tanh"), lambda x: F.gelu(x, approximate="tanh"), 1),
+    "silu": (kernels.silu, F.silu, 1),
+    "swiglu": (kernels.swiglu, lambda gate, up: F.silu(gate) * up, 2),
+}
+OP_MODULES = ["kernels.add", "kernels.gelu", "kernels.silu", "kernels.swiglu", "kernels.dropout"]
+
+# Odd sizes, size-1 dims, empty tensors, up to 5 dims; each is a handful of programs at most.
+SHAPES = [(), (0,), (1,), (7,), (1, 1), (3, 0, 5), (33, 65), (2, 1, 67), (3, 4, 5, 6), (2, 3, 1, 4, 5)]
+LAYOUTS = ["contiguous", "transposed", "sliced", "expanded", "permuted"]
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    """Every output the ops allocate starts as NaN, so unwritten elements show."""
+    import sys
+
+    def poisoned(shape, like, dtype=None):
+        return torch.full(tuple(shape), float("nan"), dtype=dtype or like.dtype, device=like.device)
+
+    for name in OP_MODULES:
+        monkeypatch.setattr(sys.modules[name], "empty_output", poisoned, raising=False)
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    """A generator with a fresh seed (printed, so a failure can be replayed)."""
+    seed = secrets.randbits(31)
+    print(f"input seed: {seed}")
+    return torch.Generator().manual_seed(seed)
+
+
+def make_input(shape, dtype, layout: str, gen: torch.Generator, scale: float = 2.0) -> torch.Tensor:
+    """A tensor of logical ``shape`` whose memory layout is ``layout`` (never a copy of another)."""
+    shape = tuple(shape)
+
+    def rand(*s):
+        return (torch.randn(s, generator=gen, dtype=torch.float64) * scale).to(dtype).to(DEVICE)
+
+    if layout == "contiguous" or len(shape) == 0:
+        return rand(*shape)
+    if layout == "transposed":
+        if len(shape) < 2:
+            return rand(*shape)
+        swapped = (*shape[:-2], shape[-1], shape[-2])
+        return rand(*swapped).transpose(-1, -2)
+    if layout == "sliced":  # a step in the last dim, an offset in the first
+        base = rand(shape[0] + 1, *shape[1:-1], 2 * shape[-1]) if len(shape) > 1 else rand(2 * shape[0] + 1)
+        return base[1:, ..., ::2] if len(shape) > 1 else base[1::2]
+    if layout == "expanded":  # stride 0 along the first dim
+        return rand(1, *shape[1:]).expand(shape)
+    if layout == "permuted":
+        order = list(reversed(range(len(shape))))
+        return rand(*(shape[d] for d in order)).permute(*order)
+    raise AssertionError(layout)
+
+
+def assert_matches(out: torch.Tensor, reference64: torch.Tensor, dtype: torch.dtype, contiguous: bool = True) -> None:
+    """``out`` has the reference's shape, the dtype, is contiguous and matches within tolerance."""
+    assert out.dtype == dtype
+    assert out.shape == reference64.shape
+    if contiguous:
+        assert out.is_contiguous()
+    rtol, atol = TOLERANCES[dtype]
+    expected = reference64.to(dtype)  # what a correctly rounded kernel would store
+    torch.testing.assert_close(out.double(), expected.double(), rtol=rtol, atol=atol, equal_nan=False)
+
+
+def reference_grads(reference, inputs, grad_out):
+    leaves = [t.detach().double().requires_grad_() for t in inputs]
+    out = reference(*leaves)
+    return torch.autograd.grad(out, leaves, grad_out.double())
+
+
+# --------------------------------------------------------------------------- forward values
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("name", list(OPS))
+def test_forward_matches_float64_reference_over_shapes(name, shape, gen):
+    op, reference, arity = OPS[name]
+    inputs = [make_input(shape, torch.float32, "contiguous", gen) for _ in range(arity)]
+    assert_matches(op(*inputs), reference(*(t.double() for t in inputs)), torch.float32)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("shape", [(33, 65), (3, 4, 5, 6)], ids=str)
+@pytest.mark.parametrize("name", list(OPS))
+def test_forward_honours_strides(name, shape, layout, gen):
+    op, reference, arity = OPS[name]
+    # The first input takes the layout under test; the second (if any) a different one.
+    inputs = [make_input(shape, torch.float32, layout, gen)]
+    if arity == 2:
+        inputs.append(make_input(shape, torch.float32, "transposed" if layout == "contiguous" else "contiguous", gen))
+    assert not inputs[0].is_contiguous() or layout == "contiguous"
+    assert_matches(op(*inputs), reference(*(t.double() for t in inputs)), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["contiguous", "sliced"])
+@pytest.mark.parametrize("name", list(OPS))
+def test_forward_dtypes(name, dtype, layout, gen):
+    op, reference, arity = OPS[name]
+    inputs = [make_input((5, 301), dtype, layout, gen) for _ in range(arity)]
+    assert_matches(op(*inputs), reference(*(t.double() for t in inputs)), dtype)
+
+
+def test_many_dims_beyond_the_kernel_rank(gen):
+    """Six dims that no operand can merge: launched per slice of the leading dims, still right."""
+    x = make_input((2, 3, 2, 3, 2, 5), torch.float32, "permuted", gen)
+    sizes, _ = _elementwise.coalesce_dims(x.shape, [x.stride()])
+    assert len(sizes) > _elementwise.MAX_DIMS
+    assert len(_elementwise.plan_elementwise(x.shape, [x], [torch.empty(x.shape)])) > 1
+    assert_matches(kernels.gelu(x), F.gelu(x.double()), torch.float32)
+    y = make_input((2, 3, 2, 3, 2, 5), torch.float32, "contiguous", gen)
+    assert_matches(kernels.swiglu(x, y), F.silu(x.double()) * y.double(), torch.float32)
+
+
+def test_int64_index_path(monkeypatch, gen):
+    """The int64 offset path (taken for tensors past 2**31 elements) computes the same values."""
+    monkeypatch.setattr(_elementwise, "_INT32_MAX", 100)
+    for layout in ("contiguous", "transposed"):
+        x = make_input((40, 70), torch.float32, layout, gen)
+        assert _elementwise.plan_elementwise(x.shape, [x], [torch.empty(x.shape)])[0].index_64
+        assert_matches(kernels.silu(x), F.silu(x.double()), torch.float32)
+
+
+# --------------------------------------------------------------------------- add broadcasting
+
+
+@pytest.mark.parametrize(
+    "x_shape, y_shape",
+    [((33, 65), (65,)), ((33, 65), (33, 1)), ((1, 65), (33, 1)), ((4, 1, 6), (3, 1)), ((), (7, 3)), ((5, 0), (1,))],
+    ids=str,
+)
+def test_add_broadcasts_like_torch(x_shape, y_shape, gen):
+    x = make_input(x_shape, torch.float32, "contiguous", gen)
+    y = make_input(y_shape, torch.float32, "contiguous", gen)
+    assert_matches(kernels.add(x, y), x.double() + y.double(), torch.float32)
+    assert_matches(kernels.add(y, x), y.double() + x.double(), torch.float32)
+
+
+def test_add_broadcast_gradients_are_summed(gen):
+    x = make_input((6, 5), torch.float32, "contiguous", gen).requires_grad_()
+    y = make_input((5,), torch.float32, "contiguous", gen).requires_grad_()
+    grad_out = make_input((6, 5), torch.float32, "contiguous", gen)
+    kernels.add(x, y).backward(grad_out)
+    torch.testing.assert_close(x.grad, grad_out)
+    torch.testing.assert_close(y.grad, grad_out.sum(0))
+
+
+def test_no_hidden_copies(monkeypatch, gen):
+    """Strided inputs are read in place: every operand a kernel gets lives in the caller's storage."""
+    planned = []
+    original_plan = _elementwise.plan_elementwise
+
+    def recording_plan(shape, inputs, outputs):
+        launches = original_plan(shape, inputs, outputs)
+        planned.extend(launches)
+        return launches
+
+    monkeypatch.setattr(_elementwise, "plan_elementwise", recording_plan)
+    x = make_input((33, 65), torch.float32, "transposed", gen)
+    y = make_input((33, 65), torch.float32, "sliced", gen)
+    bias = make_input((65,), torch.float32, "contiguous", gen)
+    wide = make_input((2, 3, 2, 3, 2, 5), torch.float32, "permuted", gen)  # launched per slice
+    kernels.add(x, bias)
+    kernels.gelu(x)
+    kernels.swiglu(x, y)
+    kernels.dropout(y, 0.5, seed=3)
+    kernels.silu(wide)
+    storages = {t.untyped_storage().data_ptr() for t in (x, y, bias, wide)}
+    assert len(planned) > 5
+    for launch in planned:
+        assert not launch.contiguous
+        for operand in launch.inputs:
+            assert operand.untyped_storage().data_ptr() in storages
+
+
+# --------------------------------------------------------------------------- gradients
+
+# The kernels take float32/16/bf16 only (they compute in float32), so gradients are checked
+# against torch autograd of the float64 reference instead of gradcheck.
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "expanded"])
+@pytest.mark.parametrize("name", ["gelu", "gelu_tanh", "silu", "swiglu", "add"])
+def test_backward_matches_float64_autograd(name, layout, gen):
+    op, reference, arity = OPS[name]
+    shape = (17, 130)
+    inputs = [make_input(shape, torch.float32, layout, gen).requires_grad_() for _ in range(arity)]
+    # A strided grad_out too: autograd hands the backward whatever layout it has.
+    grad_out = make_input(shape, torch.float32, "transposed" if layout == "contiguous" else "sliced", gen)
+    grads = torch.autograd.grad(op(*inputs), inputs, grad_out)
+    expected = reference_grads(reference, inputs, grad_out)
+    for got, want in zip(grads, expected):
+        # add's gradient is grad_out itself (a view, whatever its layout); the kernels' are fresh.
+        assert_matches(got, want, torch.float32, contiguous=name != "add")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", ["gelu", "gelu_tanh", "silu", "swiglu"])
+def test_backward_half_precision(name, dtype, gen):
+    op, reference, arity = OPS[name]
+    inputs = [make_input((7, 151), dtype, "contiguous", gen).requires_grad_() for _ in range(arity)]
+    grad_out = make_input((7, 151), dtype, "contiguous", gen)
+    grads = torch.autograd.grad(op(*inputs), inputs, grad_out)
+    for got, want in zip(grads, reference_grads(reference, inputs, grad_out)):
+        assert_matches(got, want, dtype)
+
+
+def test_backward_of_empty_and_scalar_tensors(gen):
+    for shape in [(0, 3), ()]:
+        x = make_input(shape, torch.float32, "contiguous", gen).requires_grad_()
+        (grad,) = torch.autograd.grad(kernels.gelu(x), [x], torch.ones(shape))
+        assert grad.shape == x.shape
+
+
+# --------------------------------------------------------------------------- custom-op plumbing
+
+
+def _opcheck_cases(gen):
+    x = make_input((5, 7), torch.float32, "contiguous", gen)
+    xt = make_input((5, 7), torch.float32, "transposed", gen)
+    y = make_input((7,), torch.float32, "contiguous", gen)
+    ops = torch.ops.kernels
+    return {
+        "add": (ops.add.default, (x, y)),
+        "add_strided": (ops.add.default, (xt, x)),
+        "gelu": (ops.gelu.default, (xt, "none")),
+        "gelu_tanh": (ops.gelu.default, (x, "tanh")),
+        "gelu_backward": (ops.gelu_backward.default, (x, xt, "tanh")),
+        "silu": (ops.silu.default, (xt,)),
+        "silu_backward": (ops.silu_backward.default, (xt, x)),
+        "swiglu": (ops.swiglu.default, (x, xt)),
+        "swiglu_backward": (ops.swiglu_backward.default, (x, xt, x)),
+        "dropout": (ops.dropout.default, (xt, 0.25, 11)),
+    }
+
+
+@pytest.mark.parametrize(
+    "case", ["add", "add_strided", "gelu", "gelu_tanh", "gelu_backward", "silu", "silu_backward",
+             "swiglu", "swiglu_backward", "dropout"],
+)
+def test_opcheck(case, gen):
+    op, args = _opcheck_cases(gen)[case]
+    torch.library.opcheck(op, args)
+
+
+def test_opcheck_dropout_mask():
+    torch.library.opcheck(torch.ops.kernels.dropout_mask.default, ([3, 50], 0.3, 5, torch.device(DEVICE)))
+
+
+@pytest.mark.parametrize("name", list(OPS) + ["dropout"])
+def test_torch_compile_fullgraph_forward_and_backward(name, gen):
+    if name == "dropout":
+        op, arity = (lambda x: kernels.dropout(x, 0.3, seed=21)), 1
+    else:
+        op, _, arity = OPS[name]
+    torch._dynamo.reset()
+    compiled = torch.compile(op, fullgraph=True)
+    inputs = [make_input((9, 70), torch.float32, "contiguous", gen).requires_grad_() for _ in range(arity)]
+    grad_out = make_input((9, 70), torch.float32, "contiguous", gen)
+    got = compiled(*inputs)
+    got_grads = torch.autograd.grad(got, inputs, grad_out)
+    want = op(*inputs)
+    want_grads = torch.autograd.grad(want, inputs, grad_out)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_torch_compile_composes_ops_and_broadcasts(gen):
+    def block(x, bias, up):
+        return kernels.swiglu(kernels.gelu(kernels.add(x, bias), approximate="tanh"), up)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    x, up = (make_input((4, 33), torch.float32, "contiguous", gen).requires_grad_() for _ in range(2))
+    bias = make_input((33,), torch.float32, "contiguous", gen).requires_grad_()
+    grad_out = make_input((4, 33), torch.float32, "contiguous", gen)
+    got = torch.autograd.grad(compiled(x, bias, up), [x, bias, up], grad_out)
+    want = torch.autograd.grad(block(x, bias, up), [x, bias, up], grad_out)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
+# --------------------------------------------------------------------------- the launch plan
+
+
+def test_coalescing_merges_what_every_operand_can_walk_as_one():
+    x = torch.empty(4, 5, 6)
+    assert _elementwise.coalesce_dims(x.shape, [x.stride()]) == ([120], [[1]])
+    t = x.transpose(0, 2)  # no dims mergeable
+    assert _elementwise.coalesce_dims(t.shape, [t.stride()])[0] == [6, 5, 4]
+    rows = torch.empty(4, 10)[:, :5]  # each row dense, rows apart
+    assert _elementwise.coalesce_dims(rows.shape, [rows.stride()]) == ([4, 5], [[10, 1]])
+    bias = torch.empty(6).expand(4, 5, 6)  # stride 0 over the first two dims merges them
+    assert _elementwise.coalesce_dims(bias.shape, [bias.stride()]) == ([20, 6], [[0, 1]])
+    # Mergeable for one operand but not the other: kept apart.
+    assert _elementwise.coalesce_dims(rows.shape, [rows.stride(), (5, 1)]) == ([4, 5], [[10, 1], [5, 1]])
+    # Size-1 dims vanish whatever their stride.
+    odd = torch.empty(3, 1, 7).as_strided((3, 1, 7), (7, 999, 1))
+    assert _elementwise.coalesce_dims(odd.shape, [odd.stride()]) == ([21], [[1]])
+
+
+def test_plan_takes_the_flat_path_for_contiguous_operands():
+    x, y = torch.empty(3, 1, 70), torch.empty(3, 1, 70)
+    (launch,) = _elementwise.plan_elementwise(x.shape, [x, y], [torch.empty(x.shape)])
+    assert launch.contiguous and not launch.index_64 and launch.n_elements == 210
+    (launch,) = _elementwise.plan_elementwise(x.shape, [x, y.transpose(0, 2).contiguous().transpose(0, 2)],
+                                              [torch.empty(x.shape)])
+    assert not launch.contiguous
+    assert _elementwise.plan_elementwise((0, 5), [torch.empty(0, 5)], [torch.empty(0, 5)]) == []
+
+
+def test_plan_switches_to_int64_offsets_past_2_to_the_31():
+    """Decided on meta tensors: no memory is allocated."""
+    big = torch.empty(2**31 + 7, device="meta")
+    (launch,) = _elementwise.plan_elementwise(big.shape, [big], [torch.empty_like(big)])
+    assert launch.contiguous and launch.index_64
+    # Few elements, but a stride that reaches past 2**31 elements.
+    wide = torch.empty(3, 2**30, device="meta")[:, ::2**29]
+    (launch,) = _elementwise.plan_elementwise(wide.shape, [wide], [torch.empty(wide.shape, device="meta")])
+    assert not launch.contiguous and launch.index_64
+    small = torch.empty(1000, 1000, device="meta").t()
+    (launch,) = _elementwise.plan_elementwise(small.shape, [small], [torch.empty(small.shape, device="meta")])
+    assert not launch.index_64
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda: kernels.gelu(torch.arange(4)), TypeError,
+         r"^kernels\.gelu: x must be float32, float16 or bfloat16, got torch\.int64"),
+        (lambda: kernels.gelu(torch.ones(4, dtype=torch.float64)), TypeError,
+         r"^kernels\.gelu: x must be .*got torch\.float64"),
+        (lambda: kernels.gelu([1.0, 2.0]), TypeError, r"^kernels\.gelu: x must be a torch\.Tensor, got list"),
+        (lambda: kernels.gelu(torch.ones(4), approximate="fast"), ValueError,
+         r"^kernels\.gelu: approximate must be 'none' or 'tanh', got 'fast'"),
+        (lambda: kernels.gelu(torch.ones(4), approximate=None), TypeError, r"^kernels\.gelu: approximate must be"),
+        (lambda: kernels.silu(3.0), TypeError, r"^kernels\.silu: x must be a torch\.Tensor, got float"),
+        (lambda: kernels.silu(torch.ones(2, dtype=torch.int32)), TypeError, r"^kernels\.silu: x must be float32"),
+        (lambda: kernels.add(torch.ones(3), torch.ones(3, dtype=torch.float16)), TypeError,
+         r"^kernels\.add: x and y must have the same dtype, got torch\.float32 and torch\.float16"),
+        (lambda: kernels.add(torch.ones(3), torch.ones(4)), ValueError,
+         r"^kernels\.add: x and y must have broadcastable shapes, got \(3,\) and \(4,\)"),
+        (lambda: kernels.add(torch.ones(3), 1.0), TypeError, r"^kernels\.add: y must be a torch\.Tensor, got float"),
+        (lambda: kernels.add(torch.ones(3), torch.ones(3, device="meta")), ValueError,
+         r"^kernels\.add: x and y must be on the same device, got cpu and meta"),
+        (lambda: kernels.swiglu(torch.ones(2, 3), torch.ones(3, 2)), ValueError,
+         r"^kernels\.swiglu: gate and up must have the same shape, got \(2, 3\) and \(3, 2\)"),
+        (lambda: kernels.swiglu(torch.ones(3), torch.ones(3, dtype=torch.bfloat16)), TypeError,
+         r"^kernels\.swiglu: gate and up must have the same dtype"),
+        (lambda: kernels.swiglu(torch.ones(3, dtype=torch.int8), torch.ones(3)), TypeError,
+         r"^kernels\.swiglu: gate must be float32"),
+        (lambda: kernels.dropout(torch.ones(3), p=1.5), ValueError,
+         r"^kernels\.dropout: p must be in \[0, 1\], got 1\.5"),
+        (lambda: kernels.dropout(torch.ones(3), p=-0.1), ValueError, r"^kernels\.dropout: p must be in \[0, 1\]"),
+        (lambda: kernels.dropout(torch.ones(3), p="0.5"), TypeError, r"^kernels\.dropout: p must be a float"),
+        (lambda: kernels.dropout(torch.ones(3), seed=1.5), TypeError, r"^kernels\.dropout: seed must be an int"),
+        (lambda: kernels.dropout(torch.ones(3), seed=-1), ValueError, r"^kernels\.dropout: seed must be in"),
+        (lambda: kernels.dropout(torch.ones(3), training="yes"), TypeError,
+         r"^kernels\.dropout: training must be a bool"),
+        (lambda: kernels.dropout(torch.arange(3)), TypeError, r"^kernels\.dropout: x must be float32"),
+        (lambda: kernels.dropout_mask((3, -1), 0.5, 1), ValueError, r"^kernels\.dropout_mask: shape must have"),
+        (lambda: kernels.dropout_mask((3, 1.5), 0.5, 1), TypeError, r"^kernels\.dropout_mask: shape must be"),
+        (lambda: kernels.dropout_mask((3,), 2.0, 1), ValueError, r"^kernels\.dropout_mask: p must be in"),
+    ],
+)
+def test_bad_input_raises_a_clear_error(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+def test_errors_also_come_from_the_raw_custom_op():
+    with pytest.raises(TypeError, match=r"^kernels\.gelu: x must be float32"):
+        torch.ops.kernels.gelu(torch.arange(3), "none")
+    with pytest.raises(ValueError, match=r"^kernels\.dropout: p must be in"):
+        torch.ops.kernels.dropout(torch.ones(3), 3.0, 1)
+
+
+# --------------------------------------------------------------------------- GPU sizes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gpu_large_tensors(dtype):
+    """Real sizes on a GPU: a tensor past 2**31 elements (int64 offsets) and large strided views."""
+    n = 2**31 + 1031
+    x = torch.randn(n, device="cuda", dtype=torch.float32).to(dtype)
+    out = kernels.silu(x)
+    for where in (slice(0, 4096), slice(n - 4096, n)):
+        assert_matches(out[where], F.silu(x[where].double()), dtype)
+    del out
+    m = torch.randn(8192, 8193, device="cuda", dtype=dtype)
+    assert_matches(kernels.gelu(m.t()), F.gelu(m.t().double()), dtype)
+    assert_matches(kernels.add(m, m[0]), m.double() + m[0].double(), dtype)
