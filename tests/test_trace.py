@@ -347,7 +347,9 @@ def test_torch_in_place_and_out_variants():
         torch.mul(x, y, out=o)
         o.copy_(y)
         o.zero_()
-    add_, mul_out, copy_, zero_ = t.torch_ops
+        torch.ones_like(x)
+    add_, mul_out, copy_, zero_, ones_like = t.torch_ops
+    assert (ones_like.bytes_read, ones_like.bytes_written) == (0, 4 * n)
     assert (add_.bytes_read, add_.bytes_written) == (8 * n, 4 * n)
     assert (mul_out.bytes_read, mul_out.bytes_written) == (8 * n, 4 * n)
     assert (copy_.bytes_read, copy_.bytes_written) == (4 * n, 4 * n)
@@ -399,3 +401,20 @@ def test_ideal_bytes_and_helpers():
     assert tensor_bytes(torch.randn(4).expand(3, 4)) == 16
     assert tensor_bytes(torch.empty(0, 3)) == 0
     assert format_bytes(512) == "512 B" and format_bytes(1536) == "1.54 kB" and format_bytes(4.8e12) == "4.8 TB"
+
+
+def test_library_op_forward_and_backward_are_traced_as_triton_launches():
+    n = 3000
+    x, y = torch.randn(n), torch.randn(n)
+    with trace() as t:
+        out = kernels.add(x, y)
+    torch.testing.assert_close(out, x + y)
+    assert t.torch_ops == [] and t.num_launches == len(t.launches) == 1
+    assert t.bytes == 12 * n == ideal_bytes(x, y, out)
+
+    x.requires_grad_(True)
+    with trace() as t:
+        kernels.gelu(x).backward(torch.ones(n))
+    assert [launch.kernel for launch in t.launches] == ["gelu_kernel", "gelu_backward_kernel"]
+    forward, backward = t.launches
+    assert forward.bytes == 8 * n and backward.bytes == 12 * n  # backward reads x and grad, writes grad_x

@@ -359,6 +359,11 @@ _ALLOCATIONS = frozenset({
     "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted",
     "resize_", "set_", "lift_fresh",
 })
+# Factories that take a tensor only for its shape, dtype and device: they write, never read it.
+_METADATA_INPUT = frozenset({
+    "zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "randint_like",
+    "new_zeros", "new_ones", "new_full",
+})
 # In-place ops that overwrite ``self`` without reading it.
 _OVERWRITES = frozenset({
     "copy_", "fill_", "zero_", "uniform_", "normal_", "random_", "bernoulli_", "exponential_",
@@ -433,7 +438,8 @@ def _torch_op(func: Any, args: tuple, kwargs: dict, out: Any) -> TorchOp:
                         overwritten.add(_key(leaf))
 
     reads: dict[Any, torch.Tensor] = {}
-    for leaf in tree_leaves((args, {k: v for k, v in kwargs.items() if k not in out_names})):
+    read_args = () if base in _METADATA_INPUT else (args, {k: v for k, v in kwargs.items() if k not in out_names})
+    for leaf in tree_leaves(read_args):
         if isinstance(leaf, torch.Tensor) and _key(leaf) not in overwritten:
             reads.setdefault(_key(leaf), leaf)
     writes: dict[Any, torch.Tensor] = {}
