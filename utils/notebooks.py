@@ -43,7 +43,7 @@ _SOLUTIONS_ENV = "KERNEL_LADDER_SOLUTIONS"  # as utils.exercises.SOLUTIONS_ENV (
 _VERDICT_MARKS = ("✅ SOLVED", "❌ NOT SOLVED")
 
 # Cell metadata a run or an editor adds that says nothing about the lesson.
-_NOISY_CELL_METADATA = ("execution", "ExecuteTime", "collapsed", "scrolled", "jupyter", "vscode")
+_NOISY_CELL_METADATA = ("execution", "ExecuteTime", "collapsed", "scrolled", "vscode")
 _LANGUAGE_INFO = {
     "codemirror_mode": {"name": "ipython", "version": 3},
     "file_extension": ".py",
@@ -137,10 +137,28 @@ def normalize(notebook: NotebookNode) -> NotebookNode:
     for cell in notebook.cells:
         for key in _NOISY_CELL_METADATA:
             cell.metadata.pop(key, None)
-        for output in cell.get("outputs", []):
-            # Transient display ids differ from run to run.
-            output.pop("transient", None)
+        if "outputs" in cell:
+            cell.outputs = _coalesce_streams(cell.outputs)
+            for output in cell.outputs:
+                output.pop("transient", None)  # display ids differ from run to run
     return notebook
+
+
+def _coalesce_streams(outputs: list[NotebookNode]) -> list[NotebookNode]:
+    """Merge consecutive stdout (or stderr) chunks: how a print is split depends on flush timing."""
+    merged: list[NotebookNode] = []
+    for output in outputs:
+        previous = merged[-1] if merged else None
+        if (
+            output.get("output_type") == "stream"
+            and previous is not None
+            and previous.get("output_type") == "stream"
+            and previous.get("name") == output.get("name")
+        ):
+            previous["text"] = previous.get("text", "") + output.get("text", "")
+        else:
+            merged.append(output)
+    return merged
 
 
 def execute_notebooks(paths: Sequence[Path], timeout: int = CELL_TIMEOUT_S, stream=None) -> int:
