@@ -770,7 +770,7 @@ def _check_case(
     if run.error is not None:
         return problems, outputs
     if compare is not None:
-        if out and poisoned_unwritten(got):
+        if out and _has_unwritten(got):
             problems += _value_mismatch(got, expected, rtol, atol, poisoned=True)
         else:
             problems += _custom_problems(compare, got, expected)
@@ -779,7 +779,7 @@ def _check_case(
     return problems, outputs
 
 
-def poisoned_unwritten(value: Any) -> bool:
+def _has_unwritten(value: Any) -> bool:
     """True if any float tensor in ``value`` still holds the checker's poison (never written)."""
     if isinstance(value, torch.Tensor):
         if value.dtype not in _POISON_BITS:
@@ -787,7 +787,7 @@ def poisoned_unwritten(value: Any) -> bool:
         int_dtype, bits = _POISON_BITS[value.dtype]
         return bool((value.detach().reshape(-1).view(int_dtype) == bits).any())
     if isinstance(value, (tuple, list)):
-        return any(poisoned_unwritten(v) for v in value)
+        return any(_has_unwritten(v) for v in value)
     return False
 
 
