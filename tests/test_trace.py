@@ -268,6 +268,23 @@ def test_wrappers_exist_only_during_a_trace_and_nest():
     assert _builder_methods() == before  # restored after an exception too
 
 
+@triton.jit
+def failing_kernel(x_ptr, BLOCK: tl.constexpr):
+    tl.load(x_ptr + tl.arange(0, BLOCK))
+    tl.static_assert(BLOCK < 0, "this kernel always fails")
+
+
+def test_a_failing_launch_is_not_recorded_and_the_trace_goes_on():
+    x = torch.randn(64)
+    n = 64
+    out = torch.empty(n)
+    with trace() as t:
+        with pytest.raises(Exception, match="always fails"):
+            failing_kernel[(1,)](x, BLOCK=64)
+        add_kernel[(1,)](x, x, out, n, BLOCK=64)
+    assert [launch.kernel for launch in t.launches] == ["add_kernel"] and t.bytes == 12 * n
+
+
 def test_out_of_order_exit_is_refused_and_a_trace_records_once():
     a, b = trace(), trace()
     a.__enter__()

@@ -189,7 +189,15 @@ def _unique_sectors(addresses: np.ndarray, itemsize: int) -> np.ndarray:
     # An element that straddles a sector boundary touches two (only unaligned pointers do).
     if itemsize > 1 and np.any((addresses & np.uint64(SECTOR_BYTES - 1)) > SECTOR_BYTES - itemsize):
         sectors = np.concatenate([sectors, (addresses + np.uint64(itemsize - 1)) >> np.uint64(_SECTOR_SHIFT)])
-    return np.unique(sectors)
+    if sectors.size < 2:
+        return sectors
+    # Blocks of offsets usually come in ascending order: skip the sort then (np.unique always pays).
+    if not np.all(sectors[1:] >= sectors[:-1]):
+        sectors = np.sort(sectors)
+    keep = np.empty(sectors.size, dtype=bool)
+    keep[0] = True
+    np.not_equal(sectors[1:], sectors[:-1], out=keep[1:])
+    return sectors[keep]
 
 
 # ----------------------------------------------------------------------------------------------
