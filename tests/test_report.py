@@ -23,8 +23,8 @@ def test_every_ladder_step_is_correct_and_counted(tmp_path):
     # Exact traffic of the top steps: vector add reads two fp32 vectors and writes one.
     add = by[("vector add", "triton kernels.add")]
     assert add.bytes == add.ideal_bytes == 12 * 2048 and add.launches == 1
-    # The Python loop launches several torch ops per element.
-    assert by[("vector add", "python loop")].launches > 3 * 2048
+    # The Python loop launches two kernels per element (add, copy_); its selects are views.
+    assert by[("vector add", "python loop")].launches == 2 * 2048
     # Fusion: the fused SwiGLU moves the ideal bytes in one launch; the 3-launch chain moves more.
     fused = by[("swiglu", "triton kernels.swiglu (fused)")]
     chain = by[("swiglu", "torch sigmoid, mul, mul")]
