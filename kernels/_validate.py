@@ -10,7 +10,6 @@ Checks run before any Triton launch, so bad input never reaches Triton's compile
 
 from __future__ import annotations
 
-import math
 import numbers
 from collections.abc import Sequence
 
@@ -95,7 +94,7 @@ def check_probability(op: str, name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{op}: {name} must be a float in [0, 1], got {_type_name(value)}")
     value = float(value)
-    if not (0.0 <= value <= 1.0) or math.isnan(value):
+    if not 0.0 <= value <= 1.0:  # also rejects NaN
         raise ValueError(f"{op}: {name} must be in [0, 1], got {value}")
     return value
 
