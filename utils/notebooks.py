@@ -66,6 +66,9 @@ def chapter_notebooks(root: str | os.PathLike = "chapters") -> list[Path]:
 def _kernel_env(solutions: bool) -> dict[str, str]:
     env = dict(os.environ)
     env[_SOLUTIONS_ENV] = "1" if solutions else "0"
+    # Committed outputs are the interpreter's (its exact traffic counts are what the lessons
+    # print), so notebooks are run and re-run there, on a GPU machine too.
+    env.setdefault("KERNEL_LADDER_INTERPRET", "1")
     # The kernel must import this repository's utils/solutions/kernels from any working directory.
     repo_root = str(Path(__file__).resolve().parent.parent)
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
