@@ -62,7 +62,7 @@ def machine() -> str:
     import triton
 
     return (
-        f"{datetime.date.today().isoformat()}; CPU: {cpu} ({os.cpu_count()} cores); GPU: {gpu}; "
+        f"date {datetime.date.today().isoformat()}; CPU: {cpu} ({os.cpu_count()} cores); GPU: {gpu}; "
         f"mode: {kernels.runtime.mode()}; python {platform.python_version()}, torch {torch.__version__}, "
         f"triton {triton.__version__}"
     )
@@ -72,7 +72,7 @@ def _progress(items, desc: str):
     try:
         from tqdm.auto import tqdm
 
-        return tqdm(items, desc=desc, leave=False)
+        return tqdm(items, desc=desc, leave=False, disable=not sys.stderr.isatty())
     except ImportError:  # the GPU machine may not have tqdm
         return items
 
@@ -201,6 +201,9 @@ def write_results(rows: list[Row], stamp: str, images: list[pathlib.Path], path:
         "at these small sizes (see the launches column). GPU times appear only when the report runs on a GPU.",
         "",
         table(rows, markdown=True),
+        "",
+        "*check* compares each step's output with a float64 reference; `n/a` marks a step whose output is",
+        "random in a way the reference cannot know (torch's dropout draws its own mask), kept as a bytes baseline.",
         "",
         images_md,
         END,

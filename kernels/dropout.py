@@ -103,8 +103,15 @@ _dropout_op.register_autograd(_dropout_backward, setup_context=_dropout_setup_co
 
 @torch.library.custom_op("kernels::dropout_mask", mutates_args=())
 def _dropout_mask_op(shape: Sequence[int], p: float, seed: int, device: torch.device) -> torch.Tensor:
+    op = "kernels.dropout_mask"
+    shape = check_shape(op, "shape", shape)
+    p = check_probability(op, "p", p)
+    seed = check_seed(op, "seed", seed)
+    if torch.device(device).type == "meta":
+        raise ValueError(f"{op}: device must hold data (cpu or cuda), got meta; "
+                         "under torch.compile or FakeTensorMode the mask's shape comes from the fake kernel")
     mask = torch.empty(tuple(shape), dtype=torch.bool, device=device)
-    runtime.require_launchable("kernels.dropout_mask", mask)
+    runtime.require_launchable(op, mask)
     launch_elementwise(dropout_mask_kernel, mask.shape, [], [mask], (p, seed), with_index_base=True)
     return mask
 
@@ -128,8 +135,9 @@ def dropout(
         x: float32, float16 or bfloat16 tensor of any shape and strides (not copied).
         p: drop probability in [0, 1]. ``p = 0`` returns an exact copy, ``p = 1`` exact zeros.
         seed: int in [0, 2**63 - 1]; the same seed gives the same mask for the same shape, whatever
-            ``x``'s strides or dtype. ``None`` draws one from torch's default generator (under
-            ``torch.compile(fullgraph=True)``, pass a seed: drawing one reads a tensor's value).
+            ``x``'s strides or dtype. ``None`` draws one from torch's default generator; that reads
+            a tensor's value (``.item()``), which ``torch.compile`` may answer with a graph break, so
+            pass a seed in compiled code.
         training: ``False`` returns ``x`` itself, like ``torch.nn.functional.dropout``.
 
     Returns:

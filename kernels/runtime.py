@@ -69,8 +69,10 @@ def describe() -> str:
     """One line naming the mode, the device and the versions, for notebooks and reports."""
     if INTERPRETER:
         where = "Triton interpreter on the CPU (times are the interpreter's, not a GPU's)"
-    else:
+    elif torch.cuda.is_available():
         where = f"compiled on {torch.cuda.get_device_name()}"
+    else:
+        where = "compiled mode, but no CUDA device is visible (launches will fail; unset KERNEL_LADDER_INTERPRET=0)"
     return f"kernels: {where}; triton {triton.__version__}, torch {torch.__version__}"
 
 

@@ -159,7 +159,8 @@ def test_correct_kernel_is_solved_in_half_precision(dtype):
 
 def test_stub_is_never_written(capsys):
     verdict = check_add(add_stub_kernel)
-    assert_not_solved(verdict, "1000 of 1000 elements never written (still NaN)", "case 1 of 2")
+    assert_not_solved(verdict, "1000 of 1000 elements never written (still NaN) — none at all: does the kernel store",
+                      "case 1 of 2")
     printed = capsys.readouterr().out
     assert printed == verdict.message + "\n" and printed.count("NOT SOLVED") == 1
 
@@ -216,8 +217,22 @@ def test_off_by_one_load_is_wrong_values_and_out_of_bounds():
 
 def test_off_by_one_start_leaves_the_first_element_unwritten():
     verdict = check_add(add_shifted_store_kernel)
-    assert_not_solved(verdict, "1 of 1000 elements never written (still NaN)")
+    assert_not_solved(verdict, "1 of 1000 elements never written (still NaN) — the first 1 element")
     assert "wrong values" not in verdict.message  # the others are right
+
+
+@triton.jit
+def add_short_mask_kernel(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n - 1  # one short: the last element is never stored
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=mask) + tl.load(y_ptr + offs, mask=mask), mask=mask)
+
+
+def test_mask_one_short_points_at_the_bound():
+    verdict = check_add(add_short_mask_kernel)
+    assert_not_solved(verdict, "1 of 1000 elements never written (still NaN) — the last 1 element (from index (999,))",
+                      "is the mask's bound or the grid too small?")
+    assert "does the kernel store" not in verdict.message
 
 
 def test_result_that_ignores_an_input_is_wrong_values():

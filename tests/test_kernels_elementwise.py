@@ -395,6 +395,13 @@ def test_plan_switches_to_int64_offsets_past_2_to_the_31():
         (lambda: kernels.dropout_mask((3, -1), 0.5, 1), ValueError, r"^kernels\.dropout_mask: shape must have"),
         (lambda: kernels.dropout_mask((3, 1.5), 0.5, 1), TypeError, r"^kernels\.dropout_mask: shape must be"),
         (lambda: kernels.dropout_mask((3,), 2.0, 1), ValueError, r"^kernels\.dropout_mask: p must be in"),
+        # the custom op validates too, when called directly through torch.ops
+        (lambda: torch.ops.kernels.dropout_mask([3], 2.0, 1, torch.device("cpu")), ValueError,
+         r"^kernels\.dropout_mask: p must be in"),
+        (lambda: torch.ops.kernels.dropout_mask([3], 0.5, -5, torch.device("cpu")), ValueError,
+         r"^kernels\.dropout_mask: seed"),
+        (lambda: kernels.dropout_mask((3,), 0.5, 1, device="meta"), ValueError,
+         r"^kernels\.dropout_mask: device must hold data"),
     ],
 )
 def test_bad_input_raises_a_clear_error(call, error, message):

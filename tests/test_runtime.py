@@ -107,6 +107,7 @@ def test_import_alone_needs_nothing_set():
 @interpreter_only
 def test_compiled_launch_without_gpu_says_what_to_do(monkeypatch):
     monkeypatch.setattr(runtime, "INTERPRETER", False)
+    assert "no CUDA device is visible" in runtime.describe()  # describe() itself must not crash
     with pytest.raises(RuntimeError, match=r"kernels\.add: cannot launch a compiled Triton kernel.*KERNEL_LADDER"):
         runtime.require_launchable("kernels.add", torch.zeros(1))
 

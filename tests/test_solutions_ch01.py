@@ -74,12 +74,18 @@ def gelu_tanh_reference(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
+# Gates where exp(gate) overflows fp32 (from 88.7): a textbook exp(g) / (1 + exp(g)) gives inf / inf = NaN.
+EXTREME_GATES = [-100.0, -90.0, -20.0, 0.0, 20.0, 90.0, 100.0]
+
+
 def swiglu_cases(gen: torch.Generator) -> list:
     cases = []
     for size, dtype in SIZES_AND_DTYPES:
         gate = (8 * torch.randn(size, generator=gen, device=gen.device)).to(dtype)
         up = torch.randn(size, generator=gen, device=gen.device).to(dtype)
         cases.append((gate, up))
+    gate = torch.tensor(EXTREME_GATES, device=gen.device)
+    cases.append((gate, torch.randn(gate.numel(), generator=gen, device=gen.device)))
     return cases
 
 
@@ -194,6 +200,17 @@ def swiglu_sigmoid_kernel(gate_ptr, up_ptr, out_ptr, n_elements, BLOCK: tl.const
     gate = tl.load(gate_ptr + offsets, mask=mask).to(tl.float32)
     up = tl.load(up_ptr + offsets, mask=mask).to(tl.float32)
     tl.store(out_ptr + offsets, (tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def swiglu_textbook_sigmoid_kernel(gate_ptr, up_ptr, out_ptr, n_elements, BLOCK: tl.constexpr):
+    # upcasts, but sigmoid as exp(g) / (1 + exp(g)): inf / inf = NaN once exp overflows fp32
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n_elements
+    gate = tl.load(gate_ptr + offsets, mask=mask).to(tl.float32)
+    up = tl.load(up_ptr + offsets, mask=mask).to(tl.float32)
+    e = tl.exp(gate)
+    tl.store(out_ptr + offsets, (gate * (e / (1.0 + e)) * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -346,6 +363,7 @@ WRONG_KERNELS = [
     ("swiglu_kernel", swiglu_no_mask_kernel, "out of bounds"),
     ("swiglu_kernel", swiglu_sigmoid_kernel, "wrong values"),
     ("swiglu_kernel", swiglu_ignores_up_kernel, "wrong values"),
+    ("swiglu_kernel", swiglu_textbook_sigmoid_kernel, "NaN"),
     ("swiglu_kernel", swiglu_fp16_compute_kernel, "wrong values"),
     ("dropout_kernel", dropout_stub_kernel, "never written"),
     ("dropout_kernel", dropout_no_scale_kernel, "wrong values"),

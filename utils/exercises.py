@@ -565,6 +565,24 @@ def _value_problems(
     return problems
 
 
+def _where_unwritten(unwritten: torch.Tensor, shape: Sequence[int]) -> str:
+    """Where the unwritten elements are, in words that point at the likely bug."""
+    total, count = unwritten.numel(), int(unwritten.sum())
+    if count == total:
+        if total == 1:
+            return " — the only element"
+        return " — none at all: does the kernel store to the output?"
+    indices = torch.nonzero(unwritten).reshape(-1)
+    first, last = int(indices[0]), int(indices[-1])
+    run = last - first + 1 == count
+    if run and last == total - 1:
+        return (f" — the last {_plural(count, 'element')} (from index {_fmt_index(first, shape)}): "
+                "is the mask's bound or the grid too small?")
+    if run and first == 0:
+        return f" — the first {_plural(count, 'element')}: is an offset shifted?"
+    return f"; first at index {_fmt_index(first, shape)}, last at {_fmt_index(last, shape)}"
+
+
 def _tensor_problems(
     got: Any, expected: torch.Tensor, rtol: float | None, atol: float | None, poisoned: bool, where: str
 ) -> list[str]:
@@ -593,15 +611,16 @@ def _tensor_problems(
         unwritten = flat_got.view(int_dtype) == bits
         count = int(unwritten.sum())
         if count:
-            hint = " — does the kernel store to the output?" if count == total else ""
-            problems.append(f"{prefix}{count} of {total} elements never written (still NaN){hint}")
+            problems.append(f"{prefix}{count} of {total} elements never written (still NaN)"
+                            f"{_where_unwritten(unwritten, shape)}")
             considered &= ~unwritten
     elif poisoned and not flat_got.dtype.is_floating_point and flat_got.dtype != torch.bool:
         sentinel = torch.iinfo(flat_got.dtype).min
         unwritten = (flat_got == sentinel) & (flat_expected != sentinel)
         count = int(unwritten.sum())
         if count:
-            problems.append(f"{prefix}{count} of {total} elements never written (still the poison {sentinel})")
+            problems.append(f"{prefix}{count} of {total} elements never written (still the poison {sentinel})"
+                            f"{_where_unwritten(unwritten, shape)}")
             considered &= ~unwritten
     problems += _value_problems(flat_got, flat_expected, considered, shape, rtol, atol, prefix)
     return problems

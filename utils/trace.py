@@ -744,7 +744,7 @@ class Trace:
                          _format_count(x.sectors), _format_count(x.unique_sectors),
                          _format_count(x.out_of_bounds)))
         for op in self.torch_ops:
-            rows.append(("torch" if op.launches else "torch·0", op.name, "", _format_count(op.bytes_read),
+            rows.append(("torch" if op.launches else "torch (no kernel)", op.name, "", _format_count(op.bytes_read),
                          _format_count(op.bytes_written), _format_count(op.bytes), _format_count(op.flops),
                          "", "", ""))
         rows.append(("total", f"{self.num_launches} launches", "", _format_count(self.bytes_read),
