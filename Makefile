@@ -45,8 +45,10 @@ $(LAB_STAMP): $(STAMP)
 # The lessons count traffic with the tracer, which sees Triton launches in the interpreter only: on a
 # GPU machine the course still opens in interpreter mode unless LAB_INTERPRET=0 (compiled, timed).
 LAB_INTERPRET ?= 1
+# Jupyter refuses to run as root (containers, CI boxes) unless told; extra flags go in LAB_FLAGS.
+LAB_FLAGS ?= $(if $(filter 0,$(shell id -u)),--allow-root,)
 lab: $(LAB_STAMP)
-	KERNEL_LADDER_INTERPRET=$(LAB_INTERPRET) $(VENV)/bin/jupyter lab --notebook-dir=chapters
+	KERNEL_LADDER_INTERPRET=$(LAB_INTERPRET) $(VENV)/bin/jupyter lab --notebook-dir=chapters $(LAB_FLAGS)
 
 # Unit tests (compiled on a GPU machine), then every notebook under nbval in solution mode, its outputs
 # compared with the committed ones — which were produced in the interpreter, so the notebooks run there.
