@@ -19,7 +19,6 @@ from ._validate import (
     check_broadcastable,
     check_float_dtype,
     check_same_device,
-    check_same_dtype,
     check_tensor,
 )
 
@@ -54,7 +53,6 @@ def _check_add_args(x: object, y: object) -> torch.Size:
     check_tensor(op, "y", y)
     check_float_dtype(op, "x", x)
     check_float_dtype(op, "y", y)
-    check_same_dtype(op, "x", x, "y", y)
     check_same_device(op, "x", x, "y", y)
     return check_broadcastable(op, "x", x, "y", y)
 
@@ -63,7 +61,8 @@ def _check_add_args(x: object, y: object) -> torch.Size:
 def _add_op(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     shape = _check_add_args(x, y)
     runtime.require_launchable("kernels.add", x, y)
-    out = empty_output(shape, x)
+    # Mixed dtypes promote like torch (fp16 + fp32 -> fp32); each input is loaded in its own dtype.
+    out = empty_output(shape, x, torch.promote_types(x.dtype, y.dtype))
     # expand() makes stride-0 views: broadcasting without copies.
     launch_elementwise(add_kernel, shape, [x.expand(shape), y.expand(shape)], [out])
     return out
@@ -71,38 +70,50 @@ def _add_op(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 @_add_op.register_fake
 def _add_fake(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return empty_output(_check_add_args(x, y), x)
+    return empty_output(_check_add_args(x, y), x, torch.promote_types(x.dtype, y.dtype))
 
 
 def _add_setup_context(ctx, inputs, output) -> None:
     x, y = inputs
-    ctx.x_shape = x.shape
-    ctx.y_shape = y.shape
+    ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+    ctx.y_shape, ctx.y_dtype = y.shape, y.dtype
 
 
-def _grad_for(grad_out: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    # A broadcast input receives the sum of the gradient over the dims it was broadcast along.
-    return grad_out if grad_out.shape == shape else grad_out.sum_to_size(shape)
+def _grad_for(grad_out: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    # A broadcast input receives the sum of the gradient over the dims it was broadcast along,
+    # in its own dtype (a promoted fp16 input gets an fp16 gradient, as in torch).
+    grad = grad_out if grad_out.shape == shape else grad_out.sum_to_size(shape)
+    return grad if grad.dtype == dtype else grad.to(dtype)
 
 
 def _add_backward(ctx, grad_out: torch.Tensor):
-    return _grad_for(grad_out, ctx.x_shape), _grad_for(grad_out, ctx.y_shape)
+    return _grad_for(grad_out, ctx.x_shape, ctx.x_dtype), _grad_for(grad_out, ctx.y_shape, ctx.y_dtype)
 
 
 _add_op.register_autograd(_add_backward, setup_context=_add_setup_context)
 
 
-def add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``x + y`` with torch's broadcasting, in one Triton kernel.
+def add(x: torch.Tensor | float, y: torch.Tensor | float) -> torch.Tensor:
+    """``x + y`` with torch's broadcasting and type promotion, in one Triton kernel.
 
     Args:
-        x: float32, float16 or bfloat16 tensor of any shape and strides (not copied).
-        y: same dtype and device as ``x``; its shape must broadcast with ``x``'s.
+        x: float32, float16 or bfloat16 tensor of any shape and strides (not copied), or a
+            Python number (then ``y`` must be a tensor).
+        y: a tensor on ``x``'s device whose shape broadcasts with ``x``'s, or a Python number.
+            A number takes the tensor's dtype, as in torch (``x + 1.0`` stays bf16).
 
     Returns:
-        A new contiguous tensor of the broadcast shape, computed in float32 and stored in the
-        inputs' dtype. Differentiable (a broadcast input's gradient is summed over the
-        broadcast dims).
+        A new contiguous tensor of the broadcast shape in the promoted dtype
+        (``torch.promote_types``), computed in float32. Differentiable: each input's gradient
+        is summed over the dims it was broadcast along and given in its own dtype.
     """
+    x, y = _scalar_to_tensor(x, y), _scalar_to_tensor(y, x)
     _check_add_args(x, y)
     return _add_op(x, y)
+
+
+def _scalar_to_tensor(value: object, other: object) -> object:
+    """A Python int/float beside a tensor becomes a 0-d tensor of that tensor's dtype (a stride-0 read)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and isinstance(other, torch.Tensor):
+        return torch.tensor(value, dtype=other.dtype, device=other.device)
+    return value

@@ -175,6 +175,32 @@ def test_add_broadcast_gradients_are_summed(gen):
     torch.testing.assert_close(y.grad, grad_out.sum(0))
 
 
+@pytest.mark.parametrize(("x_dtype", "y_dtype"), [(torch.float32, torch.float16), (torch.bfloat16, torch.float16),
+                                               (torch.float16, torch.bfloat16), (torch.bfloat16, torch.float32)])
+def test_add_promotes_mixed_dtypes_like_torch(x_dtype, y_dtype, gen):
+    x = make_input((33, 17), x_dtype, "transposed", gen).requires_grad_()
+    y = make_input((17,), y_dtype, "contiguous", gen).requires_grad_()
+    out = kernels.add(x, y)
+    expected_dtype = torch.promote_types(x_dtype, y_dtype)
+    assert out.dtype == expected_dtype == (x + y).dtype
+    assert_matches(out, x.detach().double() + y.detach().double(), expected_dtype)
+    grad = torch.randn(out.shape, generator=gen).to(expected_dtype)
+    gx, gy = torch.autograd.grad(out, (x, y), grad)
+    tx, ty = torch.autograd.grad(x + y, (x, y), grad)
+    assert gx.dtype == x_dtype and gy.dtype == y_dtype
+    torch.testing.assert_close(gx, tx)
+    torch.testing.assert_close(gy.double(), ty.double(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_python_scalar_takes_the_tensors_dtype(dtype, gen):
+    x = make_input((5, 7), dtype, "sliced", gen)
+    for scalar in (1.5, -3):
+        for out in (kernels.add(x, scalar), kernels.add(scalar, x)):
+            assert out.dtype == (x + scalar).dtype == dtype
+            assert_matches(out, x.double() + scalar, dtype)
+
+
 def test_no_hidden_copies(monkeypatch, gen):
     """Strided inputs are read in place: every operand a kernel gets lives in the caller's storage."""
     planned = []
@@ -370,11 +396,12 @@ def test_plan_switches_to_int64_offsets_past_2_to_the_31():
         (lambda: kernels.gelu(torch.ones(4), approximate=None), TypeError, r"^kernels\.gelu: approximate must be"),
         (lambda: kernels.silu(3.0), TypeError, r"^kernels\.silu: x must be a torch\.Tensor, got float"),
         (lambda: kernels.silu(torch.ones(2, dtype=torch.int32)), TypeError, r"^kernels\.silu: x must be float32"),
-        (lambda: kernels.add(torch.ones(3), torch.ones(3, dtype=torch.float16)), TypeError,
-         r"^kernels\.add: x and y must have the same dtype, got torch\.float32 and torch\.float16"),
+        (lambda: kernels.add(torch.ones(3), torch.ones(3, dtype=torch.int64)), TypeError,
+         r"^kernels\.add: y must be float32, float16 or bfloat16, got torch\.int64"),
+        (lambda: kernels.add(1.0, 2.0), TypeError, r"^kernels\.add: x must be a torch\.Tensor, got float"),
+        (lambda: kernels.add(torch.ones(3), True), TypeError, r"^kernels\.add: y must be a torch\.Tensor, got bool"),
         (lambda: kernels.add(torch.ones(3), torch.ones(4)), ValueError,
          r"^kernels\.add: x and y must have broadcastable shapes, got \(3,\) and \(4,\)"),
-        (lambda: kernels.add(torch.ones(3), 1.0), TypeError, r"^kernels\.add: y must be a torch\.Tensor, got float"),
         (lambda: kernels.add(torch.ones(3), torch.ones(3, device="meta")), ValueError,
          r"^kernels\.add: x and y must be on the same device, got cpu and meta"),
         (lambda: kernels.swiglu(torch.ones(2, 3), torch.ones(3, 2)), ValueError,
