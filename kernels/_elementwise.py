@@ -91,6 +91,22 @@ def strided_offset(i0, i1, i2, i3, stride0, stride1, stride2, stride3):
     return i0 * stride0 + i1 * stride1 + i2 * stride2 + i3 * stride3
 
 
+@triton.jit
+def operand_offset(idx, size1, size2, size3, stride0, stride1, stride2, stride3, CONTIGUOUS: tl.constexpr):
+    """Memory offset (in elements) of logical index ``idx`` in an operand with these strides.
+
+    When every operand is contiguous (``CONTIGUOUS``), it is ``idx`` itself: the flat, vectorizable
+    path. Otherwise the index is unravelled over the merged sizes and dotted with the strides
+    (0 for a broadcast dim); the unravel is the same for every operand, and the compiler shares it.
+    """
+    if CONTIGUOUS:
+        offset = idx
+    else:
+        i0, i1, i2, i3 = unravel_index(idx, size1, size2, size3)
+        offset = strided_offset(i0, i1, i2, i3, stride0, stride1, stride2, stride3)
+    return offset
+
+
 def coalesce_dims(
     shape: Sequence[int], strides: Sequence[Sequence[int]]
 ) -> tuple[list[int], list[list[int]]]:

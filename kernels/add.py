@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from . import runtime
-from ._elementwise import block_indices, empty_output, launch_elementwise, strided_offset, unravel_index
+from ._elementwise import block_indices, empty_output, launch_elementwise, operand_offset
 from ._validate import (
     check_broadcastable,
     check_float_dtype,
@@ -35,13 +35,8 @@ def add_kernel(
 ):
     """out[idx] = x[idx] + y[idx]; out is contiguous, x and y any strides (0 where broadcast)."""
     idx, mask = block_indices(n_elements, INDEX_64, BLOCK)
-    if CONTIGUOUS:
-        x_offset = idx
-        y_offset = idx
-    else:
-        i0, i1, i2, i3 = unravel_index(idx, size1, size2, size3)
-        x_offset = strided_offset(i0, i1, i2, i3, x_stride0, x_stride1, x_stride2, x_stride3)
-        y_offset = strided_offset(i0, i1, i2, i3, y_stride0, y_stride1, y_stride2, y_stride3)
+    x_offset = operand_offset(idx, size1, size2, size3, x_stride0, x_stride1, x_stride2, x_stride3, CONTIGUOUS)
+    y_offset = operand_offset(idx, size1, size2, size3, y_stride0, y_stride1, y_stride2, y_stride3, CONTIGUOUS)
     x = tl.load(x_ptr + x_offset, mask=mask).to(tl.float32)
     y = tl.load(y_ptr + y_offset, mask=mask).to(tl.float32)
     tl.store(out_ptr + idx, (x + y).to(out_ptr.dtype.element_ty), mask=mask)

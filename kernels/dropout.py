@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from . import runtime
-from ._elementwise import block_indices, empty_output, launch_elementwise, strided_offset, unravel_index
+from ._elementwise import block_indices, empty_output, launch_elementwise, operand_offset
 from ._validate import (
     check_bool,
     check_float_dtype,
@@ -42,11 +42,7 @@ def dropout_kernel(
     ``index_base + idx`` is the element's logical row-major index in the whole tensor.
     """
     idx, mask = block_indices(n_elements, INDEX_64, BLOCK)
-    if CONTIGUOUS:
-        x_offset = idx
-    else:
-        i0, i1, i2, i3 = unravel_index(idx, size1, size2, size3)
-        x_offset = strided_offset(i0, i1, i2, i3, x_stride0, x_stride1, x_stride2, x_stride3)
+    x_offset = operand_offset(idx, size1, size2, size3, x_stride0, x_stride1, x_stride2, x_stride3, CONTIGUOUS)
     x = tl.load(x_ptr + x_offset, mask=mask).to(tl.float32)
     # The counter is the element's logical index: the same in every launch layout.
     keep = tl.rand(seed, index_base + idx) >= p

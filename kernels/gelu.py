@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from . import runtime
-from ._elementwise import block_indices, empty_output, launch_elementwise, strided_offset, unravel_index
+from ._elementwise import block_indices, empty_output, launch_elementwise, operand_offset
 from ._validate import check_choice, check_float_dtype, check_same_device, check_same_shape, check_tensor
 
 __all__ = ["APPROXIMATIONS", "gelu", "gelu_kernel", "gelu_backward_kernel"]
@@ -39,11 +39,7 @@ def gelu_kernel(
 ):
     """out[idx] = gelu(x[idx]) for BLOCK logical indices; out is contiguous, x any strides."""
     idx, mask = block_indices(n_elements, INDEX_64, BLOCK)
-    if CONTIGUOUS:
-        x_offset = idx
-    else:
-        i0, i1, i2, i3 = unravel_index(idx, size1, size2, size3)
-        x_offset = strided_offset(i0, i1, i2, i3, x_stride0, x_stride1, x_stride2, x_stride3)
+    x_offset = operand_offset(idx, size1, size2, size3, x_stride0, x_stride1, x_stride2, x_stride3, CONTIGUOUS)
     x = tl.load(x_ptr + x_offset, mask=mask).to(tl.float32)
     if APPROXIMATE_TANH:
         z = _SQRT_2_OVER_PI * (x + _TANH_CUBIC * x * x * x)
@@ -63,13 +59,8 @@ def gelu_backward_kernel(
 ):
     """grad_in[idx] = grad_out[idx] * gelu'(x[idx]); recomputes from x, nothing else saved."""
     idx, mask = block_indices(n_elements, INDEX_64, BLOCK)
-    if CONTIGUOUS:
-        g_offset = idx
-        x_offset = idx
-    else:
-        i0, i1, i2, i3 = unravel_index(idx, size1, size2, size3)
-        g_offset = strided_offset(i0, i1, i2, i3, g_stride0, g_stride1, g_stride2, g_stride3)
-        x_offset = strided_offset(i0, i1, i2, i3, x_stride0, x_stride1, x_stride2, x_stride3)
+    g_offset = operand_offset(idx, size1, size2, size3, g_stride0, g_stride1, g_stride2, g_stride3, CONTIGUOUS)
+    x_offset = operand_offset(idx, size1, size2, size3, x_stride0, x_stride1, x_stride2, x_stride3, CONTIGUOUS)
     g = tl.load(grad_out_ptr + g_offset, mask=mask).to(tl.float32)
     x = tl.load(x_ptr + x_offset, mask=mask).to(tl.float32)
     if APPROXIMATE_TANH:

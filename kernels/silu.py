@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from . import runtime
-from ._elementwise import block_indices, empty_output, launch_elementwise, strided_offset, unravel_index
+from ._elementwise import block_indices, empty_output, launch_elementwise, operand_offset
 from ._validate import check_float_dtype, check_same_device, check_same_shape, check_tensor
 
 __all__ = ["silu", "silu_kernel", "silu_backward_kernel"]
@@ -27,11 +27,7 @@ def silu_kernel(
 ):
     """out[idx] = x[idx] * sigmoid(x[idx]); out is contiguous, x any strides."""
     idx, mask = block_indices(n_elements, INDEX_64, BLOCK)
-    if CONTIGUOUS:
-        x_offset = idx
-    else:
-        i0, i1, i2, i3 = unravel_index(idx, size1, size2, size3)
-        x_offset = strided_offset(i0, i1, i2, i3, x_stride0, x_stride1, x_stride2, x_stride3)
+    x_offset = operand_offset(idx, size1, size2, size3, x_stride0, x_stride1, x_stride2, x_stride3, CONTIGUOUS)
     x = tl.load(x_ptr + x_offset, mask=mask).to(tl.float32)
     y = x * tl.sigmoid(x)
     tl.store(out_ptr + idx, y.to(out_ptr.dtype.element_ty), mask=mask)
@@ -47,13 +43,8 @@ def silu_backward_kernel(
 ):
     """grad_in = grad_out * s * (1 + x * (1 - s)) with s = sigmoid(x)."""
     idx, mask = block_indices(n_elements, INDEX_64, BLOCK)
-    if CONTIGUOUS:
-        g_offset = idx
-        x_offset = idx
-    else:
-        i0, i1, i2, i3 = unravel_index(idx, size1, size2, size3)
-        g_offset = strided_offset(i0, i1, i2, i3, g_stride0, g_stride1, g_stride2, g_stride3)
-        x_offset = strided_offset(i0, i1, i2, i3, x_stride0, x_stride1, x_stride2, x_stride3)
+    g_offset = operand_offset(idx, size1, size2, size3, g_stride0, g_stride1, g_stride2, g_stride3, CONTIGUOUS)
+    x_offset = operand_offset(idx, size1, size2, size3, x_stride0, x_stride1, x_stride2, x_stride3, CONTIGUOUS)
     g = tl.load(grad_out_ptr + g_offset, mask=mask).to(tl.float32)
     x = tl.load(x_ptr + x_offset, mask=mask).to(tl.float32)
     s = tl.sigmoid(x)

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from . import runtime
-from ._elementwise import block_indices, empty_output, launch_elementwise, strided_offset, unravel_index
+from ._elementwise import block_indices, empty_output, launch_elementwise, operand_offset
 from ._validate import check_float_dtype, check_same_device, check_same_dtype, check_same_shape, check_tensor
 
 __all__ = ["swiglu", "swiglu_kernel", "swiglu_backward_kernel"]
@@ -29,13 +29,10 @@ def swiglu_kernel(
 ):
     """out[idx] = silu(gate[idx]) * up[idx]; out is contiguous, gate and up any strides."""
     idx, mask = block_indices(n_elements, INDEX_64, BLOCK)
-    if CONTIGUOUS:
-        gate_offset = idx
-        up_offset = idx
-    else:
-        i0, i1, i2, i3 = unravel_index(idx, size1, size2, size3)
-        gate_offset = strided_offset(i0, i1, i2, i3, gate_stride0, gate_stride1, gate_stride2, gate_stride3)
-        up_offset = strided_offset(i0, i1, i2, i3, up_stride0, up_stride1, up_stride2, up_stride3)
+    gate_offset = operand_offset(
+        idx, size1, size2, size3, gate_stride0, gate_stride1, gate_stride2, gate_stride3, CONTIGUOUS
+    )
+    up_offset = operand_offset(idx, size1, size2, size3, up_stride0, up_stride1, up_stride2, up_stride3, CONTIGUOUS)
     gate = tl.load(gate_ptr + gate_offset, mask=mask).to(tl.float32)
     up = tl.load(up_ptr + up_offset, mask=mask).to(tl.float32)
     out = gate * tl.sigmoid(gate) * up
@@ -53,15 +50,11 @@ def swiglu_backward_kernel(
 ):
     """grad_gate = g * up * silu'(gate), grad_up = g * silu(gate), in one pass."""
     idx, mask = block_indices(n_elements, INDEX_64, BLOCK)
-    if CONTIGUOUS:
-        g_offset = idx
-        gate_offset = idx
-        up_offset = idx
-    else:
-        i0, i1, i2, i3 = unravel_index(idx, size1, size2, size3)
-        g_offset = strided_offset(i0, i1, i2, i3, g_stride0, g_stride1, g_stride2, g_stride3)
-        gate_offset = strided_offset(i0, i1, i2, i3, gate_stride0, gate_stride1, gate_stride2, gate_stride3)
-        up_offset = strided_offset(i0, i1, i2, i3, up_stride0, up_stride1, up_stride2, up_stride3)
+    g_offset = operand_offset(idx, size1, size2, size3, g_stride0, g_stride1, g_stride2, g_stride3, CONTIGUOUS)
+    gate_offset = operand_offset(
+        idx, size1, size2, size3, gate_stride0, gate_stride1, gate_stride2, gate_stride3, CONTIGUOUS
+    )
+    up_offset = operand_offset(idx, size1, size2, size3, up_stride0, up_stride1, up_stride2, up_stride3, CONTIGUOUS)
     g = tl.load(grad_out_ptr + g_offset, mask=mask).to(tl.float32)
     gate = tl.load(gate_ptr + gate_offset, mask=mask).to(tl.float32)
     up = tl.load(up_ptr + up_offset, mask=mask).to(tl.float32)
