@@ -22,6 +22,9 @@ import kernels
 from utils import exercises
 from utils.exercises import MissingSolutionError, Verdict, check, default_tolerance, exercise, solution_mode
 
+# The checker's out-of-bounds diagnoses and the traced references need the interpreter.
+pytestmark = pytest.mark.interpreter
+
 DEVICE = kernels.runtime.DEVICE
 BLOCK = 1024
 SIZES = (1000, 2500)  # not multiples of BLOCK: the last program is partly masked

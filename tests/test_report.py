@@ -11,6 +11,7 @@ import bench
 from bench import report
 
 
+@pytest.mark.interpreter
 def test_every_ladder_step_is_correct_and_counted(tmp_path):
     rows = []
     for ladder in bench.ladders():

@@ -19,6 +19,9 @@ from utils.exercises import check
 from utils.roofline import arithmetic_intensity
 from utils.trace import trace
 
+# The checker's out-of-bounds diagnoses and the traced references need the interpreter.
+pytestmark = pytest.mark.interpreter
+
 DEVICE = kernels.runtime.DEVICE
 
 
