@@ -20,11 +20,13 @@ import torch
 
 import kernels
 from bench import Ladder, Step, ladders
+from utils.exercises import default_tolerance
+from utils.roofline import dtype_key, predict
+from utils.trace import format_bytes, trace
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- report:begin -->", "<!-- report:end -->"
 MODEL_GPU = "H200"
-TOLERANCES = {torch.float32: (1e-4, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}
 
 
 @dataclass
@@ -84,15 +86,12 @@ def _check(ladder: Ladder, step: Step, inputs: tuple, output: torch.Tensor) -> t
     if output.shape != expected.shape:
         return "WRONG SHAPE", math.inf
     err = (output.double() - expected.double()).abs()
-    rtol, atol = TOLERANCES.get(output.dtype, (1e-4, 1e-5))
+    rtol, atol = default_tolerance(output.dtype)
     ok = bool((err <= atol + rtol * expected.double().abs()).all()) and not torch.isnan(output).any()
     return ("ok" if ok else "WRONG"), float(err.max()) if err.numel() else 0.0
 
 
 def run_ladder(ladder: Ladder, gpu: bool) -> list[Row]:
-    from utils.roofline import predict
-    from utils.trace import trace
-
     device = kernels.runtime.DEVICE
     inputs = ladder.make_inputs(device, ladder.dtype, "cpu")
     rows = []
@@ -100,7 +99,7 @@ def run_ladder(ladder: Ladder, gpu: bool) -> list[Row]:
         with trace() as t:
             output = step.fn(*inputs)
         correct, max_error = _check(ladder, step, inputs, output)
-        model = predict(t.bytes, t.flops, gpu=MODEL_GPU, dtype=_dtype_name(ladder.dtype))
+        model = predict(t.bytes, t.flops, gpu=MODEL_GPU, dtype=dtype_key(ladder.dtype))
         rows.append(
             Row(ladder.chapter, ladder.op, step.name, correct, max_error, t.num_launches, t.bytes,
                 ladder.ideal(inputs, output), t.flops, model.time_s * 1e6, model.bound)
@@ -126,18 +125,6 @@ def _time_on_gpu(ladder: Ladder, rows: list[Row]) -> None:
             by_name[name].speedup = base / ms if base else None
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, "fp32")
-
-
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} GB"
-
-
 def table(rows: list[Row], markdown: bool) -> str:
     gpu = any(r.gpu_ms is not None for r in rows)
     head = ["chapter", "op", "step", "check", "launches", "bytes", "bytes / ideal", "FLOPs",
@@ -146,7 +133,7 @@ def table(rows: list[Row], markdown: bool) -> str:
         head += ["GPU time (ms)", "speedup vs torch"]
     body = []
     for r in rows:
-        cells = [r.chapter, r.op, r.step, r.correct, f"{r.launches:,}", _human_bytes(r.bytes),
+        cells = [r.chapter, r.op, r.step, r.correct, f"{r.launches:,}", format_bytes(r.bytes),
                  f"{r.bytes_ratio:.2f}×", f"{r.flops:,}", f"{r.model_us:.2f} ({r.bound})"]
         if gpu:
             cells += ["—" if r.gpu_ms is None else f"{r.gpu_ms:.3f}",
