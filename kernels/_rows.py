@@ -1,0 +1,150 @@
+"""The row launch shared by every row-wise op (softmax, cross-entropy, the norms).
+
+A row op reduces over one axis of length ``n_cols`` (softmax's ``dim``; a norm's normalized
+dims, merged) and treats every other index as a *row*. The kernels never copy their inputs
+into a ``(n_rows, n_cols)`` matrix; instead each operand is described by
+
+* one **column stride** (the step between neighbouring elements of a row: 1 for the usual
+  last-dim softmax, ``n_rows`` for a softmax over dim 0 of a matrix), and
+* up to :data:`MAX_LEAD_DIMS` **leading dims** with a stride each, so that row ``r`` starts at
+  :func:`row_start` ``(r, ...)``. Leading dims that every operand can walk as one are merged
+  first (:func:`kernels._elementwise.coalesce_dims`), so a contiguous or row-sliced tensor has a
+  single leading dim; tensors that still need more are launched once per slice (rare).
+
+The kernel-side convention::
+
+    some_row_kernel(<pointers>, <op scalars>, n_rows, n_cols, size1, size2,
+                    <for each operand: stride0, stride1, stride2, col_stride>, <constexprs>)
+
+``size0`` is implied by ``n_rows``. A column stride of 1 is specialized by Triton's JIT (it
+treats integer arguments equal to 1 as constants), so the contiguous case gets vectorized loads
+without a separate flag. Row starts are computed in int64; column offsets need int64 only when
+``(n_cols - 1) * col_stride`` can pass 2**31 (:attr:`RowLaunch.index_64`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ._elementwise import coalesce_dims
+
+__all__ = ["MAX_LEAD_DIMS", "RowLaunch", "merge_trailing", "plan_rows", "row_start"]
+
+#: Leading dims a kernel walks with div/mod after merging; more are split on the host.
+MAX_LEAD_DIMS: int = 3
+
+_INT32_MAX = 2**31 - 1
+
+
+@triton.jit
+def row_start(row, size1, size2, stride0, stride1, stride2):
+    """Memory offset (int64, in elements) of the first element of row ``row`` (scalar or block)."""
+    row = row.to(tl.int64)
+    i2 = row % size2
+    rest = row // size2
+    i1 = rest % size1
+    i0 = rest // size1
+    return i0 * stride0 + i1 * stride1 + i2 * stride2
+
+
+@dataclass(frozen=True)
+class RowLaunch:
+    """One launch over (a slice of) the rows."""
+
+    tensors: tuple[torch.Tensor, ...]  # operands whose data_ptr is the slice's first element
+    n_rows: int
+    n_cols: int
+    row_base: int  # index of the slice's first row among all rows (row-major over leading dims)
+    sizes: tuple[int, int]  # size1, size2 of the merged leading dims (size0 = n_rows / product)
+    strides: tuple[int, ...]  # per operand: stride0, stride1, stride2, col_stride
+    index_64: bool  # some column offset can pass 2**31
+
+    def args(self) -> tuple:
+        """``n_rows, n_cols, size1, size2, <strides>`` in the kernel convention's order."""
+        return (self.n_rows, self.n_cols, *self.sizes, *self.strides)
+
+
+def merge_trailing(t: torch.Tensor, ndim: int) -> tuple[list[int], list[int], int, int] | None:
+    """Split ``t`` into leading dims and its last ``ndim`` dims merged into one.
+
+    Returns ``(lead_sizes, lead_strides, n_cols, col_stride)``, or ``None`` when the trailing dims
+    cannot be walked with a single stride (e.g. a transposed pair).
+    """
+    shape, strides = list(t.shape), list(t.stride())
+    lead_sizes, lead_strides = shape[: t.dim() - ndim], strides[: t.dim() - ndim]
+    tail = [(s, st) for s, st in zip(shape[t.dim() - ndim :], strides[t.dim() - ndim :]) if s != 1]
+    n_cols = math.prod(shape[t.dim() - ndim :])
+    if not tail:
+        return lead_sizes, lead_strides, n_cols, 1
+    col_stride = tail[-1][1]
+    expected = col_stride
+    for size, stride in reversed(tail):
+        if stride != expected:
+            return None
+        expected = stride * size
+    return lead_sizes, lead_strides, n_cols, col_stride
+
+
+def plan_rows(operands: Sequence[torch.Tensor], reduce_ndim: int = 1) -> list[RowLaunch]:
+    """The launches of a row op over ``operands`` (all of the same shape), reducing the last dims.
+
+    ``reduce_ndim`` trailing dims form a row (softmax: move ``dim`` last first, with ``movedim``,
+    which is a view). Every operand's trailing dims must merge into one stride (checked by the
+    caller with :func:`merge_trailing`, which can then raise an error naming the op). Returns no
+    launch when there are no rows or no columns.
+    """
+    shape = tuple(operands[0].shape)
+    for t in operands:
+        if tuple(t.shape) != shape:
+            raise AssertionError(f"row operand of shape {tuple(t.shape)} in a launch over {shape}")
+    merged = [merge_trailing(t, reduce_ndim) for t in operands]
+    if any(m is None for m in merged):
+        raise AssertionError("a row operand's reduced dims do not merge into one stride")
+    lead_shape = merged[0][0]
+    n_cols = merged[0][2]
+    n_rows = math.prod(lead_shape)
+    if n_rows == 0 or n_cols == 0:
+        return []
+    col_strides = [m[3] for m in merged]
+    sizes, strides = coalesce_dims(lead_shape, [m[1] for m in merged])
+    if not sizes:  # a single row
+        sizes, strides = [1], [[0] for _ in operands]
+    outer_sizes, inner_sizes = sizes[:-MAX_LEAD_DIMS], sizes[-MAX_LEAD_DIMS:]
+    pad = MAX_LEAD_DIMS - len(inner_sizes)
+    padded_sizes = [1] * pad + inner_sizes
+    inner_rows = math.prod(inner_sizes)
+    index_64 = any((n_cols - 1) * abs(cs) > _INT32_MAX for cs in col_strides)
+    launches = []
+    for slice_number, outer_index in enumerate(itertools.product(*(range(s) for s in outer_sizes))):
+        tensors = []
+        for t, op in zip(operands, strides):
+            if outer_index:
+                offset = t.storage_offset() + sum(i * st for i, st in zip(outer_index, op[:-MAX_LEAD_DIMS]))
+                t = t.as_strided((1,), (1,), offset)  # only its data pointer is used
+            tensors.append(t)
+        launches.append(
+            RowLaunch(
+                tensors=tuple(tensors),
+                n_rows=inner_rows,
+                n_cols=n_cols,
+                row_base=slice_number * inner_rows,
+                sizes=tuple(padded_sizes[1:]),
+                strides=tuple(
+                    x for op, cs in zip(strides, col_strides) for x in ([0] * pad + op[-MAX_LEAD_DIMS:] + [cs])
+                ),
+                index_64=index_64,
+            )
+        )
+    return launches
+
+
+def next_power_of_2(n: int) -> int:
+    """The block size that holds ``n`` columns (at least 1)."""
+    return triton.next_power_of_2(max(int(n), 1))
