@@ -10,8 +10,9 @@ from kernels._rows import merge_trailing, next_power_of_2, plan_rows, row_start
 
 
 @triton.jit
-def _row_sum_kernel(x_ptr, out_ptr, n_rows, n_cols, size1, size2, xs0, xs1, xs2, xc, os0, os1, os2, oc,
-                    BLOCK: tl.constexpr):
+def _row_sum_kernel(
+    x_ptr, out_ptr, n_rows, n_cols, size1, size2, xs0, xs1, xs2, xc, os0, os1, os2, oc, BLOCK: tl.constexpr
+):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
