@@ -22,7 +22,7 @@ CHAPTER_MODULES = ["bench.ch00_gpu_model", "bench.ch01_elementwise"]
 
 @dataclass
 class Step:
-    """One rung: ``fn(*inputs)`` returns the output. ``baseline`` marks the torch step speedups refer to."""
+    """One rung: ``fn(*inputs)`` returns the output (a tensor or a tuple). ``baseline`` marks the torch step speedups refer to."""
 
     name: str
     fn: Callable[..., torch.Tensor]
@@ -41,7 +41,7 @@ class Ladder:
     op: str
     #: make_inputs(device, dtype, size) -> tuple of tensors; size is "cpu" or "gpu".
     make_inputs: Callable[[torch.device, torch.dtype, str], tuple]
-    #: reference(*inputs) -> expected output, computed in float64 from the inputs.
+    #: reference(*inputs) -> expected output (a tensor or a tuple of them), computed in float64.
     reference: Callable[..., torch.Tensor]
     steps: Sequence[Step]
     dtype: torch.dtype = torch.float32
@@ -54,8 +54,9 @@ class Ladder:
     def ideal(self, inputs: tuple, output: torch.Tensor) -> int:
         if self.ideal_bytes is not None:
             return int(self.ideal_bytes(*inputs, output))
-        tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
-        return int(sum(t.numel() * t.element_size() for t in tensors) + output.numel() * output.element_size())
+        outputs = output if isinstance(output, (tuple, list)) else (output,)
+        tensors = [t for t in (*inputs, *outputs) if isinstance(t, torch.Tensor)]
+        return int(sum(t.numel() * t.element_size() for t in tensors))
 
 
 _LADDERS: list[Ladder] = []

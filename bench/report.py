@@ -79,16 +79,27 @@ def _progress(items, desc: str):
         return items
 
 
-def _check(ladder: Ladder, step: Step, inputs: tuple, output: torch.Tensor) -> tuple[str, float]:
+def _as_tuple(value) -> tuple:
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
+
+
+def _check(ladder: Ladder, step: Step, inputs: tuple, output) -> tuple[str, float]:
+    """Compare a step's output (a tensor, or a tuple of them) with the float64 reference."""
     if step.name in ladder.tags.get("unchecked_steps", []):
         return "n/a", math.nan
-    expected = ladder.reference(*inputs)
-    if output.shape != expected.shape:
+    outputs, expected_all = _as_tuple(output), _as_tuple(ladder.reference(*inputs))
+    if len(outputs) != len(expected_all):
         return "WRONG SHAPE", math.inf
-    err = (output.double() - expected.double()).abs()
-    rtol, atol = default_tolerance(output.dtype)
-    ok = bool((err <= atol + rtol * expected.double().abs()).all()) and not torch.isnan(output).any()
-    return ("ok" if ok else "WRONG"), float(err.max()) if err.numel() else 0.0
+    worst, ok = 0.0, True
+    for out, expected in zip(outputs, expected_all):
+        out, expected = torch.as_tensor(out), torch.as_tensor(expected)
+        if out.shape != expected.shape:
+            return "WRONG SHAPE", math.inf
+        err = (out.double() - expected.double()).abs()
+        rtol, atol = default_tolerance(out.dtype)
+        ok = ok and bool((err <= atol + rtol * expected.double().abs()).all()) and not torch.isnan(out).any()
+        worst = max(worst, float(err.max()) if err.numel() else 0.0)
+    return ("ok" if ok else "WRONG"), worst
 
 
 def run_ladder(ladder: Ladder, gpu: bool) -> list[Row]:
