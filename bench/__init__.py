@@ -22,7 +22,10 @@ CHAPTER_MODULES = ["bench.ch00_gpu_model", "bench.ch01_elementwise"]
 
 @dataclass
 class Step:
-    """One rung: ``fn(*inputs)`` returns the output (a tensor or a tuple). ``baseline`` marks the torch step speedups refer to."""
+    """One rung: ``fn(*inputs)`` returns the output (a tensor or a tuple).
+
+    ``baseline`` marks the torch step that speedups refer to.
+    """
 
     name: str
     fn: Callable[..., torch.Tensor]

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Check", "Peak", "Timing", "TOLERANCE"]
+__all__ = ["Check", "Peak", "Timing", "TOLERANCE", "compiled", "grads"]
 
 #: Default tolerance of a Check, per dtype of the tested op (against a float32 reference).
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 2e-3, torch.float32: 1e-4}
@@ -64,3 +64,26 @@ class Peak:
     fn: Callable[[], object]
     baseline: bool = False
     target: str = ""
+
+
+def compiled(fn: Callable, *args) -> Callable[[], object]:
+    """A zero-argument callable running ``torch.compile(fn)(*args)``; it compiles on its first call.
+
+    Name the timing's ``impl`` with "compile" in it: ``--smoke`` skips those (compiling is slow on a CPU).
+    """
+    compiled_fn = torch.compile(fn)
+    return lambda: compiled_fn(*args)
+
+
+def grads(fn: Callable, inputs: tuple, grad_out: torch.Tensor | None = None, upcast: bool = False) -> tuple:
+    """Gradients of ``fn(*inputs)`` with respect to every floating input (a Check's run or reference).
+
+    ``upcast=True`` computes in float32 from float32 copies of the inputs (the reference side).
+    """
+    leaves = tuple(
+        (t.float() if upcast else t).detach().requires_grad_(True) if t.is_floating_point() else t for t in inputs
+    )
+    out = fn(*leaves)
+    g = torch.ones_like(out) if grad_out is None else grad_out.to(out.dtype)
+    wrt = [t for t in leaves if t.requires_grad]
+    return tuple(torch.autograd.grad(out, wrt, g))

@@ -1,131 +1,199 @@
-"""``make gpu-check``: correctness at real sizes, then bandwidth against torch, on an NVIDIA GPU.
+"""``make gpu-check``: correctness at real sizes, then timings against torch, on an NVIDIA GPU.
 
 Runs with the GPU machine's own ``python3`` (the repository on ``PYTHONPATH``, nothing installed):
 it needs only torch, triton and ``kernels``. Without a CUDA device it says so and exits 0.
 
-1. Correctness of every op in bf16 and fp16 at 2^24 elements (forward, and backward where the op
-   has one) against torch computed in fp32.
-2. Bandwidth of add, gelu, swiglu and dropout at 2^26 elements against torch eager,
-   ``torch.compile`` and a device-to-device copy (``triton.testing.do_bench`` medians).
+Every chapter module in :data:`bench.CHAPTER_MODULES` may define ``gpu_checks(size)`` returning
+:mod:`bench.gpu` entries. This script runs them in three rounds:
+
+1. every :class:`~bench.gpu.Check` (bf16/fp16 at real sizes against a float32 reference);
+2. a device-to-device copy (the bandwidth every memory-bound op is judged against), then every
+   :class:`~bench.gpu.Timing` (``triton.testing.do_bench`` medians), as GB/s, TFLOP/s, a
+   fraction of the copy bandwidth and a ratio against the op's baseline;
+3. every :class:`~bench.gpu.Peak` (peak CUDA memory of the callable).
 
 Full results go to ``$OUT/gpu_check.json`` (or ``results/gpu_check.json``); a short table is
-printed last. Target (a benchmark, not a test): >= 90% of the copy bandwidth at 2^26 elements.
+printed last. ``--smoke`` runs every chapter's checks at tiny sizes on whatever device
+``kernels`` uses (the CPU interpreter included), timing each callable once with a wall clock
+and skipping ``torch.compile`` implementations — the test suite uses it so that a rare GPU run
+does not die on a typo.
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import json
 import os
 import pathlib
 import sys
 import time
+import traceback
 
 import torch
-import torch.nn.functional as F
-
-TOL = {torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
 def _log(msg: str) -> None:
     print(f"[gpu-check {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def correctness(kernels, results: dict) -> list[str]:
+def rel_err(out, ref) -> float:
+    """``max |out - ref| / (|ref| + 1)`` over every tensor of a (tuple) result."""
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    refs = ref if isinstance(ref, (tuple, list)) else (ref,)
+    if len(outs) != len(refs):
+        return float("inf")
+    worst = 0.0
+    for o, r in zip(outs, refs):
+        o, r = torch.as_tensor(o).float(), torch.as_tensor(r).float().to(torch.as_tensor(o).device)
+        if o.shape != r.shape:
+            return float("inf")
+        if o.numel():
+            err = ((o - r).abs() / (r.abs() + 1.0)).max()
+            worst = max(worst, float("inf") if torch.isnan(err) else float(err))
+    return worst
+
+
+def collect(size: str, chapters: list[str] | None = None) -> tuple[list, list[str]]:
+    """Every chapter's entries for ``size``, and the chapters whose checks could not be built."""
+    import bench
+
+    entries, broken = [], []
+    for name in bench.CHAPTER_MODULES:
+        if chapters and not any(name.split(".")[-1].removeprefix("ch").startswith(c) for c in chapters):
+            continue
+        try:
+            module = importlib.import_module(name)
+            if hasattr(module, "gpu_checks"):
+                entries += list(module.gpu_checks(size))
+        except Exception:  # one chapter's bug must not hide the others' results
+            broken.append(f"{name}: {traceback.format_exc(limit=3)}")
+    return entries, broken
+
+
+def _timer(smoke: bool):
+    if smoke:
+        def once(fn) -> float:
+            start = time.perf_counter()
+            fn()
+            return (time.perf_counter() - start) * 1e3
+
+        return once
+    from triton.testing import do_bench
+
+    return lambda fn: do_bench(fn, warmup=25, rep=100)
+
+
+def run_checks(entries, results: dict) -> list[str]:
+    from bench.gpu import Check
+
     failures = []
-    n_rows, n_cols = 4096, 4096  # 2^24 elements
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    for dtype in (torch.bfloat16, torch.float16):
-        x = torch.randn(n_rows, n_cols, device="cuda", dtype=dtype, generator=gen)
-        y = torch.randn(n_rows, n_cols, device="cuda", dtype=dtype, generator=gen)
-        cases = {
-            "add": (lambda: kernels.add(x, y), lambda: x.float() + y.float()),
-            "add (broadcast row)": (lambda: kernels.add(x, y[:1]), lambda: x.float() + y[:1].float()),
-            "add (transposed)": (lambda: kernels.add(x.t(), y), lambda: x.t().float() + y.float()),
-            "gelu": (lambda: kernels.gelu(x), lambda: F.gelu(x.float())),
-            "gelu tanh": (lambda: kernels.gelu(x, approximate="tanh"), lambda: F.gelu(x.float(), approximate="tanh")),
-            "silu": (lambda: kernels.silu(x), lambda: F.silu(x.float())),
-            "swiglu": (lambda: kernels.swiglu(x, y), lambda: F.silu(x.float()) * y.float()),
-        }
-        for name, (ours, ref) in cases.items():
-            err = _rel_err(ours(), ref())
-            ok = err <= TOL[dtype]
-            results.setdefault("correctness", []).append({"op": name, "dtype": str(dtype), "rel_err": err, "ok": ok})
+    for check in (e for e in entries if isinstance(e, Check)):
+        try:
+            err = rel_err(check.run(), check.reference())
+            ok = err <= check.tolerance
+        except Exception as error:  # a crash is a failed check, with its reason
+            err, ok = float("inf"), False
+            failures.append(f"{check.op} {check.dtype}: {type(error).__name__}: {error}")
+        else:
             if not ok:
-                failures.append(f"{name} {dtype}: relative error {err:.3g}")
-        # backward
-        for name, ours_fn, ref_fn in (
-            ("gelu backward", kernels.gelu, F.gelu),
-            ("silu backward", kernels.silu, F.silu),
-            ("swiglu backward", lambda a: kernels.swiglu(a, y), lambda a: F.silu(a) * y.float()),
-        ):
-            a = x.clone().requires_grad_(True)
-            af = x.float().clone().requires_grad_(True)
-            g = torch.randn_like(x)
-            (ga,) = torch.autograd.grad(ours_fn(a), a, g)
-            (gf,) = torch.autograd.grad(ref_fn(af), af, g.float())
-            err = _rel_err(ga, gf)
-            ok = err <= TOL[dtype]
-            results["correctness"].append({"op": name, "dtype": str(dtype), "rel_err": err, "ok": ok})
-            if not ok:
-                failures.append(f"{name} {dtype}: relative error {err:.3g}")
-        # dropout: the mask is deterministic in the seed, kept values are scaled, the fraction is ~1-p
-        p = 0.1
-        out = kernels.dropout(x, p, seed=7)
-        again = kernels.dropout(x, p, seed=7)
-        kept = out != 0
-        frac = kept.float().mean().item()
-        scaled_ok = torch.allclose(out[kept].float(), x[kept].float() / (1 - p), rtol=TOL[dtype], atol=TOL[dtype])
-        ok = torch.equal(out, again) and abs(frac - (1 - p)) < 1e-3 and scaled_ok
-        results["correctness"].append({"op": "dropout", "dtype": str(dtype), "kept": frac, "ok": ok})
-        if not ok:
-            failures.append(f"dropout {dtype}: kept {frac:.4f}, deterministic/scaled check failed")
+                failures.append(f"{check.op} {check.dtype}: relative error {err:.3g} > {check.tolerance:g}")
+        results["correctness"].append(
+            {"op": check.op, "dtype": str(check.dtype), "rel_err": err, "tol": check.tolerance, "ok": ok}
+        )
     return failures
 
 
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.float(), ref.float()
-    return float(((out - ref).abs() / (ref.abs() + 1.0)).max())
-
-
-def bandwidth(kernels, results: dict) -> list[dict]:
-    from triton.testing import do_bench
-
-    n = 1 << 26
-    rows = []
-    dtype = torch.bfloat16
-    x = torch.randn(n, device="cuda", dtype=dtype)
-    y = torch.randn(n, device="cuda", dtype=dtype)
+def copy_bandwidth(device, smoke: bool) -> float:
+    """GB/s of a device-to-device copy of 2^26 bf16 elements (2^12 in smoke mode)."""
+    n = 1 << (12 if smoke else 26)
+    x = torch.randn(n, device=device, dtype=torch.bfloat16)
     dst = torch.empty_like(x)
-    size = x.element_size()
-    copy_ms = do_bench(lambda: dst.copy_(x), warmup=50, rep=300)
-    copy_gbps = 2 * n * size / copy_ms / 1e6
-    rows.append({"op": "copy (device to device)", "impl": "torch", "ms": copy_ms, "GB/s": copy_gbps, "of_copy": 1.0})
-    ops = {
-        "add": (3, lambda: kernels.add(x, y), lambda a, b: a + b, (x, y)),
-        "gelu": (2, lambda: kernels.gelu(x), F.gelu, (x,)),
-        "swiglu": (3, lambda: kernels.swiglu(x, y), lambda a, b: F.silu(a) * b, (x, y)),
-        "dropout p=0.1": (2, lambda: kernels.dropout(x, 0.1, seed=1), lambda a: F.dropout(a, 0.1), (x,)),
-    }
-    for name, (passes, ours, torch_fn, args) in ops.items():
-        moved = passes * n * size
-        impls = {"kernels": ours, "torch eager": lambda f=torch_fn, a=args: f(*a)}
+    ms = _timer(smoke)(lambda: dst.copy_(x))
+    return 2 * n * x.element_size() / ms / 1e6
+
+
+def run_timings(entries, results: dict, smoke: bool, copy_gbps: float) -> list[str]:
+    from bench.gpu import Timing
+
+    timer, failures, rows = _timer(smoke), [], []
+    for timing in (e for e in entries if isinstance(e, Timing)):
+        if smoke and "compile" in timing.impl:
+            continue  # compiling costs minutes on a CPU; the GPU run covers it
         try:
-            compiled = torch.compile(torch_fn)
-            compiled(*args)
-            impls["torch.compile"] = lambda f=compiled, a=args: f(*a)
-        except Exception as error:  # a compile failure is a result, not a crash
-            _log(f"torch.compile failed for {name}: {error}")
-        for impl, fn in impls.items():
-            ms = do_bench(fn, warmup=50, rep=300)
-            gbps = moved / ms / 1e6
-            rows.append({"op": name, "impl": impl, "ms": ms, "GB/s": gbps, "of_copy": gbps / copy_gbps})
-    results["bandwidth"] = rows
-    results["bandwidth_config"] = {"n": n, "dtype": str(dtype), "copy_GBps": copy_gbps}
-    return rows
+            ms = timer(timing.fn)
+        except Exception as error:
+            failures.append(f"timing {timing.op} / {timing.impl}: {type(error).__name__}: {error}")
+            continue
+        row = {"op": timing.op, "impl": timing.impl, "ms": ms, "target": timing.target, "baseline": timing.baseline}
+        if timing.bytes:
+            row["GB/s"] = timing.bytes / ms / 1e6
+            row["of_copy"] = row["GB/s"] / copy_gbps
+        if timing.flops:
+            row["TFLOP/s"] = timing.flops / ms / 1e9
+        rows.append(row)
+    for row in rows:
+        base = next((r["ms"] for r in rows if r["op"] == row["op"] and r["baseline"]), None)
+        row["vs_baseline"] = base / row["ms"] if base else None
+    results["timings"] = rows
+    return failures
 
 
-def main() -> int:
-    if not torch.cuda.is_available():
+def run_peaks(entries, results: dict, device) -> list[str]:
+    from bench.gpu import Peak
+
+    failures, rows = [], []
+    for peak in (e for e in entries if isinstance(e, Peak)):
+        try:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                start = torch.cuda.memory_allocated()
+                peak.fn()
+                torch.cuda.synchronize()
+                used = torch.cuda.max_memory_allocated() - start
+            else:
+                peak.fn()
+                used = None  # CPU peak memory is the lesson's business (utils.memory)
+        except Exception as error:
+            failures.append(f"peak {peak.op} / {peak.impl}: {type(error).__name__}: {error}")
+            continue
+        rows.append({"op": peak.op, "impl": peak.impl, "peak_bytes": used, "target": peak.target,
+                     "baseline": peak.baseline})
+    for row in rows:
+        base = next((r["peak_bytes"] for r in rows if r["op"] == row["op"] and r["baseline"]), None)
+        row["of_baseline"] = row["peak_bytes"] / base if base and row["peak_bytes"] is not None else None
+    results["peaks"] = rows
+    return failures
+
+
+def summary(results: dict, failures: list[str]) -> str:
+    lines = [f"gpu-check on {results['device']} (torch {results['torch']}, triton {results['triton']}, "
+             f"{results['date']}); copy {results['copy_GBps']:.0f} GB/s"]
+    n_ok = sum(c["ok"] for c in results["correctness"])
+    lines.append(f"correctness: {n_ok}/{len(results['correctness'])} ok")
+    lines += [f"  FAIL {f}" for f in failures]
+    lines.append(f"{'op':<34}{'impl':<22}{'ms':>9}{'GB/s':>8}{'of copy':>8}{'TFLOP/s':>9}{'vs base':>8}  target")
+    for r in results["timings"]:
+        gbps = f"{r['GB/s']:.0f}" if "GB/s" in r else "—"
+        of_copy = f"{r['of_copy']:.0%}" if "of_copy" in r else "—"
+        tflops = f"{r['TFLOP/s']:.1f}" if "TFLOP/s" in r else "—"
+        vs = f"{r['vs_baseline']:.2f}×" if r["vs_baseline"] else "—"
+        lines.append(f"{r['op']:<34}{r['impl']:<22}{r['ms']:>9.3f}{gbps:>8}{of_copy:>8}{tflops:>9}{vs:>8}  "
+                     f"{r['target']}")
+    for r in results["peaks"]:
+        used = "—" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**20:.1f} MiB"
+        ratio = f"{r['of_baseline']:.2f}× of baseline" if r["of_baseline"] else ""
+        lines.append(f"peak memory {r['op']:<22}{r['impl']:<22}{used:>12}  {ratio}  {r['target']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes on any device (a test of this script)")
+    parser.add_argument("--chapters", nargs="*", help="only these chapters (e.g. 02 04)")
+    args = parser.parse_args(argv)
+    if not args.smoke and not torch.cuda.is_available():
         print("make gpu-check: no CUDA device is visible here, so there is nothing to check.\n"
               "Run it on a machine with an NVIDIA GPU (it uses that machine's python3, torch and triton, "
               "with this repository on PYTHONPATH). On the CPU, `make test` and `make report` cover "
@@ -135,31 +203,34 @@ def main() -> int:
 
     import kernels
 
+    device = kernels.runtime.DEVICE
     out_dir = pathlib.Path(os.environ.get("OUT") or "results")
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict = {
-        "device": torch.cuda.get_device_name(),
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else f"{device} ({kernels.runtime.mode()})",
         "torch": torch.__version__,
         "triton": triton.__version__,
         "mode": kernels.runtime.mode(),
         "date": time.strftime("%Y-%m-%d"),
+        "size": "smoke" if args.smoke else "gpu",
+        "correctness": [],
     }
     _log(f"{results['device']}; torch {results['torch']}, triton {results['triton']}")
-    _log("correctness (bf16, fp16; 2^24 elements) ...")
-    failures = correctness(kernels, results)
-    _log("bandwidth (bf16; 2^26 elements) ...")
-    rows = bandwidth(kernels, results)
-    (out_dir / "gpu_check.json").write_text(json.dumps(results, indent=2))
-    _log(f"wrote {out_dir / 'gpu_check.json'}")
-
+    entries, broken = collect(results["size"], args.chapters)
+    failures = [f"could not build checks: {b}" for b in broken]
+    _log(f"{len(entries)} entries from the chapters; correctness ...")
+    failures += run_checks(entries, results)
+    results["copy_GBps"] = copy_bandwidth(device, args.smoke)
+    _log(f"copy {results['copy_GBps']:.0f} GB/s; timings ...")
+    failures += run_timings(entries, results, args.smoke, results["copy_GBps"])
+    _log("peak memory ...")
+    failures += run_peaks(entries, results, device)
+    results["failures"] = failures
+    path = out_dir / ("gpu_check_smoke.json" if args.smoke else "gpu_check.json")
+    path.write_text(json.dumps(results, indent=2, default=str))
+    _log(f"wrote {path}")
     print()
-    print(f"gpu-check on {results['device']} (torch {results['torch']}, triton {results['triton']})")
-    print(f"correctness: {len(results['correctness']) - len(failures)}/{len(results['correctness'])} ok")
-    for f in failures:
-        print(f"  FAIL {f}")
-    print(f"{'op':<24}{'impl':<15}{'ms':>9}{'GB/s':>9}{'of copy':>9}")
-    for r in rows:
-        print(f"{r['op']:<24}{r['impl']:<15}{r['ms']:>9.3f}{r['GB/s']:>9.0f}{r['of_copy']:>9.0%}")
+    print(summary(results, failures))
     return 1 if failures else 0
 
 

@@ -1,0 +1,57 @@
+"""``make gpu-check`` runs end to end: every chapter's checks, at tiny sizes, on the CPU.
+
+A GPU run is rare and short, so the script must not die on a typo there. ``--smoke`` builds every
+chapter's ``gpu_checks("smoke")`` entries and runs them on this machine's device (the
+interpreter here): every correctness check must pass and every timing callable must run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import bench
+from bench import gpu_check
+from bench.gpu import Check, Timing
+
+
+@pytest.mark.slow
+def test_smoke_run_passes_every_chapters_checks(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--smoke"], capture_output=True, text=True,
+                         timeout=600, env=env)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    results = json.loads((tmp_path / "gpu_check_smoke.json").read_text())
+    assert results["failures"] == []
+    assert results["correctness"] and all(c["ok"] for c in results["correctness"])
+    chapters_with_checks = [m for m in bench.CHAPTER_MODULES if hasattr(__import__(m, fromlist=["_"]), "gpu_checks")]
+    assert len(chapters_with_checks) >= 2
+    assert "correctness:" in out.stdout and "of copy" in out.stdout  # the table is printed last
+
+
+def test_a_wrong_result_fails_the_check_and_a_crash_is_reported(monkeypatch):
+    x = torch.randn(10)
+    entries = [
+        Check("right", torch.float16, lambda: x.half(), lambda: x),
+        Check("wrong", torch.float16, lambda: x.half() * 1.1, lambda: x),
+        Check("crash", torch.float16, lambda: 1 / 0, lambda: x),
+        Check("nan", torch.float16, lambda: x.half() * float("nan"), lambda: x),
+        Check("tuple shape", torch.float16, lambda: (x.half(), x[:3]), lambda: (x, x)),
+    ]
+    results = {"correctness": []}
+    failures = gpu_check.run_checks(entries, results)
+    assert [c["ok"] for c in results["correctness"]] == [True, False, False, False, False]
+    assert any("ZeroDivisionError" in f for f in failures) and len(failures) == 4
+
+
+def test_timings_get_bandwidth_and_a_ratio_to_their_baseline():
+    results = {}
+    entries = [Timing("op", "base", lambda: None, bytes=10**6, baseline=True), Timing("op", "ours", lambda: None)]
+    gpu_check.run_timings(entries, results, smoke=True, copy_gbps=1.0)
+    base, ours = results["timings"]
+    assert "GB/s" in base and "GB/s" not in ours and base["vs_baseline"] == 1.0 and ours["vs_baseline"] > 0
