@@ -45,6 +45,7 @@ from kernels import runtime as _runtime
 __all__ = [
     "SECTOR_BYTES",
     "TensorTraffic",
+    "SectorAccess",
     "Launch",
     "TorchOp",
     "Trace",
@@ -81,6 +82,21 @@ class TensorTraffic:
         return self.bytes_read + self.bytes_written
 
 
+@dataclass(frozen=True)
+class SectorAccess:
+    """One memory instruction of one program, as ``trace(record_sectors=True)`` keeps it.
+
+    ``sectors`` are the distinct 32-byte sectors (byte address // 32, ascending) the instruction's
+    masked-in lanes touch; ``kind`` is ``"load"``, ``"store"`` or ``"atomic"``; ``tensor`` names
+    the argument the accesses fall in ("" when one instruction spans several, "?" when outside all).
+    """
+
+    program: int
+    kind: str
+    tensor: str
+    sectors: np.ndarray
+
+
 @dataclass
 class Launch:
     """One Triton kernel launch, as the interpreter executed it."""
@@ -108,6 +124,17 @@ class Launch:
     #: With ``trace(record_access=True)``: arg name -> int32 array shaped like the tensor, the linear
     #: id (x + gx*(y + gy*z)) of the last program that touched each element, -1 where none did.
     access: dict[str, np.ndarray] = field(default_factory=dict)
+    #: With ``trace(record_sectors=True)``: every memory instruction in the order the interpreter ran
+    #: them (program by program), with the program's linear id and the sectors it touched — the
+    #: ordered stream a cache model (``utils.l2cache``) replays.
+    sector_log: list[SectorAccess] = field(default_factory=list)
+
+    def program_sectors(self) -> dict[int, list[SectorAccess]]:
+        """``sector_log`` grouped by program (linear id, ascending), each program's instructions in order."""
+        programs: dict[int, list[SectorAccess]] = {}
+        for access in self.sector_log:
+            programs.setdefault(access.program, []).append(access)
+        return dict(sorted(programs.items()))
 
     @property
     def bytes(self) -> int:
@@ -224,8 +251,10 @@ class _Span:
 
 
 class _LaunchState:
-    def __init__(self, kernel: str, requested_grid: Any, record_access: bool, block_oob: bool) -> None:
+    def __init__(self, kernel: str, requested_grid: Any, record_access: bool, block_oob: bool,
+                 record_sectors: bool = False) -> None:
         self.kernel = kernel
+        self.record_sectors = record_sectors
         self.requested_rank = len(requested_grid) if isinstance(requested_grid, tuple) else None
         self.record_access = record_access
         self.block_oob = block_oob
@@ -299,6 +328,8 @@ class _LaunchState:
         for span in self.spans:  # fast path: the whole instruction hits one tensor
             if span.lo <= lowest and highest < span.hi:
                 self._credit(span, active, nbytes, sectors.size, kind, builder)
+                if self.record_sectors:
+                    self._log(builder, kind, span.name, sectors)
                 return None
 
         owner = np.full(n, -1, dtype=np.int32)
@@ -313,6 +344,10 @@ class _LaunchState:
                 self._credit(span, sub, count * itemsize, _unique_sectors(sub, itemsize).size, kind, builder)
         outside = owner < 0
         stray = int(np.count_nonzero(outside))
+        if self.record_sectors:
+            owners = {int(i) for i in np.unique(owner)}
+            name = "?" if owners == {-1} else (self.spans[owners.pop()].name if len(owners) == 1 else "")
+            self._log(builder, kind, name, sectors)
         if stray == 0:
             return None
         launch.out_of_bounds += stray
@@ -325,6 +360,10 @@ class _LaunchState:
         blocked = np.ones(pointers.shape, dtype=bool) if lanes is None else lanes.copy()
         blocked[blocked] = ~outside
         return blocked
+
+    def _log(self, builder: Any, kind: int, tensor: str, sectors: np.ndarray) -> None:
+        kind_name = ("load", "store", "atomic")[kind]
+        self.launch.sector_log.append(SectorAccess(self.program_id(builder), kind_name, tensor, sectors))
 
     def _credit(self, span: _Span, addresses: np.ndarray, nbytes: int, sectors: int, kind: int,
                 builder: Any) -> None:
@@ -590,6 +629,7 @@ def _wrap_grid_call(original):
             requested_grid=self.grid,
             record_access=any(t.record_access for t in _STATE.active),
             block_oob=any(t.block_out_of_bounds for t in _STATE.active),
+            record_sectors=any(getattr(t, "record_sectors", False) for t in _STATE.active),
         )
         _STATE.launch = state
         _STATE.in_launch += 1
@@ -651,8 +691,9 @@ class Trace:
     """What a ``with trace() as t:`` block recorded; totals cover Triton launches and torch ops."""
 
     def __init__(self, record_access: bool = False, torch_ops: bool = True,
-                 block_out_of_bounds: bool = False) -> None:
+                 block_out_of_bounds: bool = False, record_sectors: bool = False) -> None:
         self.record_access = record_access
+        self.record_sectors = record_sectors
         self.count_torch = torch_ops
         self.block_out_of_bounds = block_out_of_bounds
         self.launches: list[Launch] = []
@@ -768,7 +809,8 @@ class Trace:
                 f"out_of_bounds={self.out_of_bounds})")
 
 
-def trace(record_access: bool = False, torch_ops: bool = True, block_out_of_bounds: bool = False) -> Trace:
+def trace(record_access: bool = False, torch_ops: bool = True, block_out_of_bounds: bool = False,
+          record_sectors: bool = False) -> Trace:
     """Record Triton launches (in the interpreter) and torch aten ops inside a ``with`` block.
 
     Args:
@@ -779,5 +821,8 @@ def trace(record_access: bool = False, torch_ops: bool = True, block_out_of_boun
             interpreter performs them (loads give ``other``/0, stores are dropped), so a buggy
             kernel cannot read or corrupt host memory; they are still counted. Off by default,
             so that tracing never changes what a kernel does.
+        record_sectors: keep, per launch, every memory instruction's program id and sectors in
+            execution order (``Launch.sector_log``), for cache models such as ``utils.l2cache``.
     """
-    return Trace(record_access=record_access, torch_ops=torch_ops, block_out_of_bounds=block_out_of_bounds)
+    return Trace(record_access=record_access, torch_ops=torch_ops, block_out_of_bounds=block_out_of_bounds,
+                 record_sectors=record_sectors)
