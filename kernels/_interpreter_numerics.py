@@ -12,6 +12,9 @@ computes in fp32 (what a GPU's bf16 units and tensor cores do internally), and e
 back to bf16 with round-to-nearest-even. Kernels keep feeding bf16 straight into ``tl.dot`` — the
 fast path on tensor cores — and still give correct answers on the CPU.
 
+float8 e4m3fn (``torch.float8_e4m3fn``) gets the same treatment (see ``install_fp8``): exact decoding,
+fp32 compute, and round-to-nearest-even encoding with saturation to +-448.
+
 It is installed only in interpreter mode, by ``kernels.runtime``. Nothing here runs on a GPU.
 """
 
@@ -215,6 +218,7 @@ def install() -> None:
     global _INSTALLED
     if _INSTALLED:
         return
+    install_fp8()  # innermost: the bf16 repairs below wrap the fp8 ones
     builder = _interp.InterpreterBuilder
     for name in ("binary_op", "unary_op", "create_fma", "create_erf", "create_rsqrt"):
         if hasattr(builder, name):
@@ -229,3 +233,235 @@ def install() -> None:
             if hasattr(cls, name):
                 setattr(cls, name, _bf16_reduce(getattr(cls, name), name))
     _INSTALLED = True
+
+
+# ----------------------------------------------------------------------------------------------
+# float8 e4m3fn (torch.float8_e4m3fn, Triton's fp8e4nv)
+# ----------------------------------------------------------------------------------------------
+#
+# The interpreter keeps fp8 values as their raw bytes (uint8) and gets most of what it does with
+# them wrong: arithmetic and comparisons act on the codes; its fp32 -> fp8 conversion flushes
+# every subnormal to zero, rounds half up by magnitude, does not saturate (values past 448 come
+# out as NaN or as 256) and turns inf into 256 and NaN into 384; and it decodes the NaN codes
+# 0x7F / 0xFF as +-480 (in casts and in ``tl.dot``). The repairs below mirror the bf16 ones:
+# decode exactly (a 256-entry table), compute in fp32, and encode back with round-to-nearest-even
+# and saturation to +-448 — what a GPU's ``cvt.rn.satfinite.e4m3x2.f32`` does, and what torch's
+# ``.to(torch.float8_e4m3fn)`` does (NaN stays NaN). They sit underneath the bf16 repairs, so a
+# bf16 <-> fp8 cast goes through fp32 exactly once.
+
+#: Largest finite e4m3fn value: 1.75 * 2**8.
+FP8_E4M3_MAX = 448.0
+
+
+def _fp8_e4m3_table() -> np.ndarray:
+    codes = np.arange(256, dtype=np.int64)
+    sign = np.where(codes & 0x80, -1.0, 1.0)
+    exponent = (codes >> 3) & 0xF
+    mantissa = (codes & 0x7).astype(np.float64)
+    normal = (1.0 + mantissa / 8.0) * np.exp2(exponent.astype(np.float64) - 7.0)
+    subnormal = mantissa * 2.0**-9
+    values = sign * np.where(exponent == 0, subnormal, normal)
+    values[(codes & 0x7F) == 0x7F] = np.nan  # e4m3fn has no infinities; S.1111.111 is NaN
+    return values.astype(np.float32)
+
+
+_FP8_E4M3_VALUES = _fp8_e4m3_table()
+#: The 127 non-negative finite values in code order (0x00 ... 0x7E), which is ascending.
+_FP8_E4M3_POSITIVE = _FP8_E4M3_VALUES[:0x7F].astype(np.float64)
+
+
+def fp8e4m3_bits_to_f32(bits: np.ndarray) -> np.ndarray:
+    """Decode float8 e4m3fn codes (uint8) to float32 exactly (0x7F / 0xFF are NaN)."""
+    return _FP8_E4M3_VALUES[np.asarray(bits).astype(np.uint8)]
+
+
+def f32_to_fp8e4m3_bits(x: np.ndarray, round_to_zero: bool = False) -> np.ndarray:
+    """Encode values (float16/32/64) as float8 e4m3fn codes, rounding once to nearest even.
+
+    Finite values beyond +-448 and infinities saturate to +-448 (``satfinite``); NaN becomes
+    0x7F. With ``round_to_zero`` the rounding truncates instead (``fp_downcast_rounding="rtz"``).
+    """
+    x = np.asarray(x)
+    values = x.astype(np.float64)  # exact for every float16/float32 input
+    magnitude = np.abs(values)
+    with np.errstate(invalid="ignore", over="ignore"):
+        _, exponent = np.frexp(magnitude)  # magnitude = f * 2**exponent, f in [0.5, 1)
+        # The spacing of e4m3 values around `magnitude`: 3 mantissa bits below the leading one,
+        # and the fixed subnormal spacing 2**-9 below the smallest normal 2**-6.
+        quantum = np.exp2(np.maximum(exponent - 1, -6) - 3.0)
+        steps = magnitude / quantum
+        rounded = (np.trunc(steps) if round_to_zero else np.rint(steps)) * quantum  # rint: ties to even
+        rounded = np.minimum(rounded, FP8_E4M3_MAX)  # saturate, also +-inf
+    rounded = np.where(np.isnan(values), 0.0, rounded)
+    codes = np.searchsorted(_FP8_E4M3_POSITIVE, rounded).astype(np.uint8)  # exact: rounded is a value
+    codes |= np.signbit(values).astype(np.uint8) << np.uint8(7)
+    codes = np.where(np.isnan(values), np.uint8(0x7F), codes)
+    return codes.astype(np.uint8).reshape(x.shape)
+
+
+def _is_fp8e4m3(handle) -> bool:
+    return getattr(handle, "dtype", None) is not None and handle.dtype.scalar == tl.float8e4nv \
+        and getattr(handle.data, "dtype", None) == np.uint8
+
+
+def _is_other_fp8(handle) -> bool:
+    dtype = getattr(handle, "dtype", None)
+    return dtype is not None and dtype.scalar.is_fp8() and dtype.scalar != tl.float8e4nv
+
+
+def _fp8_to_f32(handle):
+    return _interp.TensorHandle(fp8e4m3_bits_to_f32(handle.data), tl.float32)
+
+
+def _fp8_from_f32(handle):
+    """An fp32 result back to fp8 e4m3; non-float results (comparisons) pass through as int1."""
+    data = handle.data
+    if data.dtype == np.bool_:
+        return _interp.TensorHandle(data, tl.int1)
+    if data.dtype in (np.float32, np.float64, np.float16):
+        return _interp.TensorHandle(f32_to_fp8e4m3_bits(data), tl.float8e4nv)
+    return handle
+
+
+def _exact_float64(builder, handle) -> np.ndarray:
+    """The values of a float handle (bf16 bit patterns decoded, fp8 e4m3 decoded) as float64."""
+    scalar = handle.dtype.scalar
+    if scalar == tl.bfloat16 and handle.data.dtype == np.uint16:
+        return bf16_bits_to_f32(handle.data).astype(np.float64)
+    if _is_fp8e4m3(handle):
+        return fp8e4m3_bits_to_f32(handle.data).astype(np.float64)
+    if scalar.is_floating() and handle.data.dtype in (np.float16, np.float32, np.float64):
+        return handle.data.astype(np.float64)
+    return builder.cast_impl(handle, tl.float32).data.astype(np.float64)
+
+
+def _fp8_wrap_compute(original):
+    @functools.wraps(original)
+    def wrapped(self, *args):
+        if not any(_is_fp8e4m3(a) for a in args):
+            return original(self, *args)
+        args = tuple(_fp8_to_f32(a) if _is_fp8e4m3(a) else a for a in args)
+        return _fp8_from_f32(original(self, *args))
+
+    return wrapped
+
+
+def _fp8_wrap_ternary(original):
+    @functools.wraps(original)
+    def wrapped(self, lhs, rhs, other, op):
+        # np.where only moves codes, which is already right for fp8.
+        if op is np.where or not any(_is_fp8e4m3(a) for a in (lhs, rhs, other)):
+            return original(self, lhs, rhs, other, op)
+        lhs, rhs, other = (_fp8_to_f32(a) if _is_fp8e4m3(a) else a for a in (lhs, rhs, other))
+        return _fp8_from_f32(original(self, lhs, rhs, other, op))
+
+    return wrapped
+
+
+def _fp8_wrap_dot(original):
+    """fp8 operands decoded exactly to fp32 (the interpreter's own path turns NaN into 480)."""
+
+    @functools.wraps(original)
+    def wrapped(self, a, b, d, *rest):
+        if not any(_is_fp8e4m3(h) for h in (a, b)):
+            return original(self, a, b, d, *rest)
+
+        def decode(h):
+            if _is_fp8e4m3(h):
+                return _fp8_to_f32(h)
+            if _is_other_fp8(h):  # e.g. e5m2 x e4m3: the interpreter's own decoding for the other
+                f16 = _interp._convert_float(h.data, h.dtype.scalar, tl.float16, None).view(np.float16)
+                return _interp.TensorHandle(f16.astype(np.float32), tl.float32)
+            return h
+
+        return original(self, decode(a), decode(b), d, *rest)
+
+    return wrapped
+
+
+def _fp8_wrap_cast(original):
+    """Casts from fp8 decode exactly; casts to fp8 round once to nearest even and saturate."""
+
+    @functools.wraps(original)
+    def wrapped(self, src, dst_type, *rest):
+        src_ty, dst_ty = src.dtype.scalar, dst_type.scalar
+        if src_ty == tl.float8e4nv and dst_ty == tl.float8e4nv:
+            return _interp.TensorHandle(src.data, tl.float8e4nv)
+        if _is_fp8e4m3(src):
+            f32 = _fp8_to_f32(src)
+            return f32 if dst_ty == tl.float32 else self.cast_impl(f32, dst_type)
+        if dst_ty == tl.float8e4nv and not _is_other_fp8(src):
+            return _interp.TensorHandle(f32_to_fp8e4m3_bits(_exact_float64(self, src)), tl.float8e4nv)
+        return original(self, src, dst_type, *rest)
+
+    return wrapped
+
+
+def _fp8_wrap_fp_to_fp(original):
+    @functools.wraps(original)
+    def wrapped(self, src, dst_type, rounding_mode):
+        src_ty, dst_ty = src.dtype.scalar, dst_type.scalar
+        if _is_fp8e4m3(src) and not dst_ty.is_fp8():
+            f32 = _fp8_to_f32(src)
+            return f32 if dst_ty == tl.float32 else self.cast_impl(f32, dst_type)
+        if dst_ty == tl.float8e4nv and not src_ty.is_fp8():
+            rtz = rounding_mode == _interp._ir.ROUNDING_MODE.RTZ
+            bits = f32_to_fp8e4m3_bits(_exact_float64(self, src), round_to_zero=rtz)
+            return _interp.TensorHandle(bits, tl.float8e4nv)
+        return original(self, src, dst_type, rounding_mode)
+
+    return wrapped
+
+
+def _fp8_reduce(original):
+    """ReduceOps.sum / min_max and ScanOps.cumsum / cumprod on fp8 e4m3 inputs, computed in fp32."""
+
+    @functools.wraps(original)
+    def wrapped(self, input, *args, **kwargs):
+        if not _is_fp8e4m3(input.handle):
+            return original(self, input, *args, **kwargs)
+        f32 = tl.core.tensor(_fp8_to_f32(input.handle), input.type.with_element_ty(tl.float32)
+                             if isinstance(input.type, tl.block_type) else tl.float32)
+        result = original(self, f32, *args, **kwargs)
+
+        def back(t):
+            if isinstance(t, tl.core.tensor) and t.dtype == tl.float32:
+                ty = t.type.with_element_ty(tl.float8e4nv) if isinstance(t.type, tl.block_type) else tl.float8e4nv
+                return tl.core.tensor(_fp8_from_f32(t.handle), ty)
+            return t
+
+        if isinstance(result, (list, tuple)):
+            return type(result)(back(t) for t in result)
+        return back(result)
+
+    return wrapped
+
+
+#: The interpreter's own methods, before the fp8 repairs (for tests' negative controls).
+FP8_ORIGINALS: dict[str, object] = {}
+_FP8_INSTALLED = False
+
+
+def install_fp8() -> None:
+    """Patch the interpreter's fp8 e4m3 numerics (idempotent). ``install`` calls it first, so the
+    bf16 repairs wrap these: every ``__wrapped__`` chain ends at the interpreter's own method."""
+    global _FP8_INSTALLED
+    if _FP8_INSTALLED:
+        return
+    builder = _interp.InterpreterBuilder
+    wrappers = {
+        "ternary_op": _fp8_wrap_ternary, "create_dot": _fp8_wrap_dot, "cast_impl": _fp8_wrap_cast,
+        "create_fp_to_fp": _fp8_wrap_fp_to_fp,
+    }
+    for name in ("binary_op", "unary_op", "create_fma", "create_erf", "create_rsqrt"):
+        wrappers[name] = _fp8_wrap_compute
+    for name, wrap in wrappers.items():
+        if hasattr(builder, name):
+            FP8_ORIGINALS[name] = getattr(builder, name)
+            setattr(builder, name, wrap(getattr(builder, name)))
+    for cls, names in ((_interp.ReduceOps, ("sum", "min_max")), (_interp.ScanOps, ("cumsum", "cumprod"))):
+        for name in names:
+            if hasattr(cls, name):
+                FP8_ORIGINALS[f"{cls.__name__}.{name}"] = getattr(cls, name)
+                setattr(cls, name, _fp8_reduce(getattr(cls, name)))
+    _FP8_INSTALLED = True
