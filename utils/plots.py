@@ -18,7 +18,7 @@ from matplotlib.axes import Axes
 from utils.roofline import arithmetic_intensity, dtype_key, get_gpu
 from utils.trace import format_bytes
 
-__all__ = ["roofline_chart", "bytes_bars", "access_map"]
+__all__ = ["roofline_chart", "bytes_bars", "access_map", "warp_access_chart", "launch_order_chart"]
 
 _BYTE_UNITS = (("B", 1.0), ("kB", 1e3), ("MB", 1e6), ("GB", 1e9), ("TB", 1e12))
 
@@ -140,4 +140,100 @@ def access_map(access: Any, shape: tuple[int, ...] | None = None, ax: Axes | Non
     if rows == 1:
         ax.set_yticks([])
     ax.set_title(title)
+    return ax
+
+
+def warp_access_chart(request: Any, ax: Axes | None = None, title: str | None = None) -> Axes:
+    """A warp request as a picture: 32 lanes on top, the sectors they touch below, one line per lane.
+
+    ``request`` is a :class:`utils.coalescing.WarpRequest`. Only sectors that are fetched are
+    drawn, in address order; a gap marks skipped memory. Each sector box is filled in proportion
+    to the bytes of it the lanes use, and brackets group the sectors into 128-byte lines.
+    """
+    from matplotlib.patches import Rectangle
+
+    from utils.coalescing import LINE_BYTES, SECTOR_BYTES
+
+    ax = _new_axes(ax, (10, 3))
+    lanes = request.addresses.size
+    sectors = [int(s) for s in request.sectors]
+    gap = 0.35
+    # x position of each fetched sector: adjacent sectors touch, a jump leaves a gap
+    starts, x = {}, 0.0
+    for i, sector in enumerate(sectors):
+        if i and sector != sectors[i - 1] + 1:
+            x += gap
+        starts[sector] = x
+        x += 1.0
+    scale = lanes / max(x, 1.0)  # the sector row spans the same width as the lanes
+    useful = np.unique(np.concatenate([np.arange(a, a + request.bytes_per_lane)
+                                       for a, on in zip(request.addresses, request.active) if on])
+                       ) if request.lanes else np.empty(0, dtype=np.int64)
+    used_per_sector = {s: int(np.count_nonzero(useful // SECTOR_BYTES == s)) for s in sectors}
+    for lane in range(lanes):
+        color = "tab:blue" if request.active[lane] else "lightgray"
+        ax.add_patch(Rectangle((lane + 0.05, 1.6), 0.9, 0.5, facecolor=color, edgecolor="black", linewidth=0.5))
+        if request.active[lane]:
+            address = int(request.addresses[lane])
+            sector = address // SECTOR_BYTES
+            target = (starts[sector] + (address % SECTOR_BYTES + request.bytes_per_lane / 2) / SECTOR_BYTES) * scale
+            ax.plot([lane + 0.5, target], [1.6, 0.75], color="tab:blue", linewidth=0.6, alpha=0.8)
+    for sector in sectors:
+        left, width = starts[sector] * scale, scale
+        ax.add_patch(Rectangle((left, 0.25), width, 0.5, facecolor="white", edgecolor="black", linewidth=0.8))
+        ax.add_patch(Rectangle((left, 0.25), width * used_per_sector[sector] / SECTOR_BYTES, 0.5,
+                               facecolor="tab:orange", alpha=0.8, linewidth=0))
+    per_line = LINE_BYTES // SECTOR_BYTES
+    lines = sorted({s // per_line for s in sectors})
+    for line in lines:
+        members = [s for s in sectors if s // per_line == line]
+        left = starts[members[0]] * scale
+        right = (starts[members[-1]] + 1) * scale
+        ax.plot([left + 0.05, left + 0.05, right - 0.05, right - 0.05], [0.2, 0.1, 0.1, 0.2],
+                color="gray", linewidth=0.8)
+    ax.text(-0.5, 1.85, "lanes", ha="right", va="center", fontsize=8)
+    ax.text(-0.5, 0.5, "sectors", ha="right", va="center", fontsize=8)
+    ax.set_xlim(-4, lanes + 0.5)
+    ax.set_ylim(-0.1, 2.3)
+    ax.axis("off")
+    ax.set_title(title or (f"{request.sectors.size} sectors in {request.lines.size} lines, "
+                           f"{request.efficiency:.0%} of fetched bytes used"), fontsize=10)
+    return ax
+
+
+def launch_order_chart(pid_m: Any, pid_n: Any, concurrent: int | None = None, ax: Axes | None = None,
+                       title: str = "Launch order on the output grid", numbers: bool | None = None) -> Axes:
+    """The output tile grid, each tile labelled with the program id that computes it.
+
+    ``pid_m[pid], pid_n[pid]`` is program ``pid``'s tile (``utils.l2cache.program_order``). With
+    ``concurrent``, tiles are coloured by the wave of that many programs they run in; else by
+    launch position.
+    """
+    pid_m, pid_n = np.asarray(pid_m), np.asarray(pid_n)
+    grid_m, grid_n = int(pid_m.max()) + 1, int(pid_n.max()) + 1
+    order = np.full((grid_m, grid_n), -1, dtype=np.int64)
+    order[pid_m, pid_n] = np.arange(pid_m.size)
+    ax = _new_axes(ax, (min(8.0, 1.0 + grid_n * 0.45), min(8.0, 0.8 + grid_m * 0.45)))
+    if concurrent:
+        waves = order // concurrent
+        count = int(waves.max()) + 1
+        cmap = matplotlib.colormaps["tab20" if count <= 20 else "viridis"].resampled(count)
+        image = ax.imshow(waves, cmap=cmap, vmin=-0.5, vmax=count - 0.5, interpolation="nearest")
+        colorbar = ax.figure.colorbar(image, ax=ax)
+        colorbar.set_label(f"wave ({concurrent} programs at a time)")
+        if count <= 20:
+            colorbar.set_ticks(range(count))
+    else:
+        image = ax.imshow(order, cmap="viridis", interpolation="nearest")
+        ax.figure.colorbar(image, ax=ax).set_label("launch position (program id)")
+    if numbers is None:
+        numbers = grid_m * grid_n <= 256
+    if numbers:
+        for m in range(grid_m):
+            for n in range(grid_n):
+                ax.text(n, m, str(order[m, n]), ha="center", va="center", fontsize=7 if grid_n <= 12 else 5,
+                        color="black")
+    ax.set_xlabel("tile column (pid_n)")
+    ax.set_ylabel("tile row (pid_m)")
+    ax.set_title(title, fontsize=10)
     return ax
