@@ -1,0 +1,413 @@
+"""kernels.matmul and its launchers: values, layouts, batches, dtypes, dispatch, traffic, autograd, errors.
+
+Every result is compared with a float64 reference (of the inputs as stored) on fresh random inputs;
+outputs are poisoned (NaN) before the kernels write them. Tiles are 16-32 wide via explicit configs
+so each case runs a handful of program instances in the interpreter.
+"""
+
+from __future__ import annotations
+
+import importlib
+import secrets
+
+import pytest
+import torch
+
+import kernels
+from kernels._autotune import INTERPRETER_CONFIG, MatmulConfig, fit_config
+
+mm = importlib.import_module("kernels.matmul")  # the module (kernels.matmul is the function)
+
+DEVICE = kernels.runtime.DEVICE
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# (rtol, atol) against the float64 product rounded to the output dtype. fp32 leaves room for the
+# order of an fp32 accumulation; fp16/bf16 for one rounding of the output (inputs are exact).
+TOLERANCES = {torch.float32: (2e-5, 2e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
+
+SMALL = MatmulConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=1, num_warps=4, num_stages=2)
+SMALL_GROUPED = MatmulConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=8, num_warps=4, num_stages=2)
+WIDE = MatmulConfig(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=2)
+
+# name -> f(a, b) running one kernel variant with an explicit small config
+VARIANTS = {
+    "tiled_row_major": lambda a, b: mm.matmul_tiled(a, b, SMALL),
+    "tiled_grouped": lambda a, b: mm.matmul_tiled(a, b, SMALL_GROUPED),
+    "split_k": lambda a, b: mm.matmul_split_k(a, b, 3, SMALL_GROUPED),
+    "persistent": lambda a, b: mm.matmul_persistent(a, b, SMALL_GROUPED, num_programs=3),
+    "matmul": lambda a, b: mm.matmul(a, b),
+}
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    """Every output the ops allocate starts as NaN, so unwritten elements show."""
+
+    def poisoned(shape, like, dtype=None):
+        return torch.full(tuple(shape), float("nan"), dtype=dtype or like.dtype, device=like.device)
+
+    monkeypatch.setattr(mm, "empty_output", poisoned)
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    seed = secrets.randbits(31)
+    print(f"input seed: {seed}")
+    return torch.Generator().manual_seed(seed)
+
+
+def rand(gen, *shape, dtype=torch.float32):
+    return torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype).to(DEVICE)
+
+
+def assert_matches(out, reference64, dtype, k=None):
+    assert out.dtype == dtype
+    assert out.shape == reference64.shape
+    assert out.is_contiguous()
+    rtol, atol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.double(), reference64.to(dtype).double(), rtol=rtol, atol=atol)
+
+
+def reference(a, b):
+    return torch.matmul(a.double(), b.double())
+
+
+# --------------------------------------------------------------------------- values
+
+
+@pytest.mark.parametrize("config", [SMALL, SMALL_GROUPED], ids=["GROUP_M=1", "GROUP_M=8"])
+@pytest.mark.parametrize(
+    "M, N, K",
+    [(1, 1, 1), (1, 37, 19), (19, 1, 37), (33, 17, 40), (48, 32, 64), (50, 3, 5), (17, 20, 0)],
+    ids=str,
+)
+def test_tiled_shapes_and_remainders(M, N, K, config, gen):
+    a, b = rand(gen, M, K), rand(gen, K, N)
+    assert_matches(mm.matmul_tiled(a, b, config), reference(a, b), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_each_variant_each_dtype(variant, dtype, gen):
+    a, b = rand(gen, 20, 50, dtype=dtype), rand(gen, 50, 24, dtype=dtype)
+    assert_matches(VARIANTS[variant](a, b), reference(a, b), dtype)
+
+
+@pytest.mark.parametrize("variant", ["split_k", "persistent"])
+@pytest.mark.parametrize("M, N, K", [(1, 1, 1), (1, 33, 70), (40, 17, 16), (9, 20, 0)], ids=str)
+def test_split_k_and_persistent_shapes(variant, M, N, K, gen):
+    a, b = rand(gen, M, K), rand(gen, K, N)
+    assert_matches(VARIANTS[variant](a, b), reference(a, b), torch.float32)
+
+
+def test_split_k_uses_whole_k_slices_and_is_deterministic(gen):
+    a, b = rand(gen, 3, 100), rand(gen, 100, 20)
+    with_many = mm.matmul_split_k(a, b, 16, SMALL)  # at most ceil(100 / 16) = 7 splits of 16
+    assert_matches(with_many, reference(a, b), torch.float32)
+    assert torch.equal(with_many, mm.matmul_split_k(a, b, 16, SMALL))
+    assert_matches(mm.matmul_split_k(a, b, 1, SMALL), reference(a, b), torch.float32)
+
+
+def test_persistent_with_more_programs_than_tiles(gen):
+    a, b = rand(gen, 20, 30), rand(gen, 30, 10)
+    assert_matches(mm.matmul_persistent(a, b, SMALL, num_programs=64), reference(a, b), torch.float32)
+
+
+def _layout(gen, rows, cols, layout, dtype=torch.float32):
+    if layout == "contiguous":
+        return rand(gen, rows, cols, dtype=dtype)
+    if layout == "transposed":
+        return rand(gen, cols, rows, dtype=dtype).t()
+    if layout == "sliced":  # a row offset and a column step
+        return rand(gen, rows + 2, 2 * cols, dtype=dtype)[1:-1, ::2]
+    if layout == "expanded":  # every row the same (stride 0)
+        return rand(gen, 1, cols, dtype=dtype).expand(rows, cols)
+    raise AssertionError(layout)
+
+
+@pytest.mark.parametrize("b_layout", ["contiguous", "transposed", "sliced"])
+@pytest.mark.parametrize("a_layout", ["contiguous", "transposed", "sliced", "expanded"])
+def test_strided_operands(a_layout, b_layout, gen):
+    a, b = _layout(gen, 21, 35, a_layout), _layout(gen, 35, 18, b_layout)
+    assert_matches(mm.matmul_tiled(a, b, WIDE), reference(a, b), torch.float32)
+
+
+@pytest.mark.interpreter
+def test_strided_operands_are_not_copied(gen):
+    from utils.trace import trace
+
+    a, b = _layout(gen, 21, 35, "transposed"), _layout(gen, 35, 18, "sliced")
+    with trace() as t:
+        mm.matmul(a, b)
+    assert [x.kernel for x in t.launches] == ["matmul_kernel"]
+    assert all(op.launches == 0 for op in t.torch_ops), [op.name for op in t.torch_ops if op.launches]
+
+
+@pytest.mark.parametrize(
+    "a_shape, b_shape",
+    [
+        ((2, 3, 9, 20), (20, 7)),  # activations @ weight: batch folded into M
+        ((9, 20), (3, 20, 7)),  # one matrix against a batch
+        ((2, 1, 9, 20), (3, 20, 7)),  # both broadcast
+        ((1, 9, 20), (4, 20, 7)),
+        ((3, 9, 20), (3, 20, 7)),
+        ((20,), (20,)),  # vectors, like torch.matmul
+        ((20,), (3, 20, 7)),
+        ((3, 9, 20), (20,)),
+        ((9, 20), (20,)),
+        ((20,), (20, 7)),
+    ],
+    ids=str,
+)
+def test_batched_and_vector_shapes_like_torch_matmul(a_shape, b_shape, gen):
+    a, b = rand(gen, *a_shape), rand(gen, *b_shape)
+    out = mm.matmul(a, b)
+    assert out.shape == torch.matmul(a, b).shape
+    torch.testing.assert_close(out.double(), reference(a, b), rtol=2e-5, atol=2e-5)
+
+
+def test_batches_that_cannot_merge_and_chunked_grids(monkeypatch, gen):
+    # Permuted batch dims (no two merge) launch once per outer index, on views.
+    a = rand(gen, 3, 2, 9, 20).permute(1, 0, 2, 3)
+    b = rand(gen, 2, 3, 20, 7).transpose(-1, -2).contiguous().transpose(-1, -2)
+    assert_matches(mm.matmul_tiled(a, b, WIDE), reference(a, b), torch.float32)
+    a3 = rand(gen, 20, 5, 9).permute(1, 2, 0)  # (5, 9, 20), rows cannot fold into M
+    b2 = rand(gen, 20, 7)
+    assert len(mm._plan_launches(a3, b2, torch.empty(5, 9, 7), None, None)) == 1
+    assert_matches(mm.matmul_tiled(a3, b2, WIDE), reference(a3, b2), torch.float32)
+    # More batch entries than a grid axis holds: chunked.
+    monkeypatch.setattr(mm, "_MAX_GRID_YZ", 2)
+    a5, b5 = rand(gen, 5, 4, 6), rand(gen, 5, 6, 3)
+    assert len(mm._plan_launches(a5, b5, torch.empty(5, 4, 3), None, None)) == 3
+    for variant in ("tiled_grouped", "split_k", "persistent"):
+        assert_matches(VARIANTS[variant](a5, b5), reference(a5, b5), torch.float32)
+
+
+def test_int64_offsets(monkeypatch, gen):
+    """The int64 offset path (taken when an offset can pass 2**31) computes the same values."""
+    monkeypatch.setattr(mm, "_INT32_MAX", 100)
+    a, b = rand(gen, 2, 20, 33).transpose(-1, -2), rand(gen, 20, 18)
+    assert mm._needs_int64(a)
+    for variant in ("tiled_grouped", "split_k", "persistent"):
+        assert_matches(VARIANTS[variant](a, b), reference(a, b), torch.float32)
+
+
+@pytest.mark.parametrize("variant", ["tiled_grouped", "split_k", "persistent", "matmul"])
+def test_empty_problems(variant, gen):
+    for a_shape, b_shape in [((0, 5), (5, 3)), ((4, 5), (5, 0)), ((0, 4, 5), (5, 3)), ((2, 4, 0), (2, 0, 3))]:
+        a, b = rand(gen, *a_shape), rand(gen, *b_shape)
+        out = VARIANTS[variant](a, b)
+        assert out.shape == torch.matmul(a, b).shape
+        assert torch.equal(out, torch.zeros_like(out))  # K == 0 writes zeros; empty outputs are empty
+
+
+# --------------------------------------------------------------------------- dispatch
+
+
+def test_dispatch_rule():
+    sms = mm._num_sms()
+    cfg = mm.default_config(1, 64, 4096, torch.float16, "split_k")
+    # Decode-shaped: one row, long K -> split so that ~2 programs per SM run.
+    split = mm.choose_split_k(1, 64, 4096, 1, cfg, sms)
+    assert split == min(2 * sms // (64 // cfg.BLOCK_N), 4096 // mm.SPLIT_K_MIN_K_PER_SPLIT, mm.SPLIT_K_MAX) >= 2
+    assert mm.choose_split_k(128, 64, 4096, 1, cfg, sms) == 1  # M too large
+    assert mm.choose_split_k(1, 64, 256, 1, cfg, sms) == 1  # K too short to split
+    assert mm.choose_split_k(1, 64 * sms, 4096, 1, cfg, sms) == 1  # the tile grid fills the GPU
+    assert mm.choose_split_k(16, 64, 4096, 8 * sms, cfg, sms) == 1  # so does the batch
+    plan = mm.plan_matmul(1, 64, 4096, torch.float16)
+    assert plan.method == "split_k" and plan.split_k > 1
+    plan = mm.plan_matmul(256, 256, 256, torch.float16)
+    assert plan.method == "tiled"
+    if kernels.runtime.INTERPRETER:
+        assert plan.config == INTERPRETER_CONFIG  # the fixed interpreter config (fits this problem)
+        assert mm.plan_matmul(5, 300, 20).config == fit_config(INTERPRETER_CONFIG, 5, 300, 20)
+        assert mm.plan_matmul(5, 300, 20).config.BLOCK_M == 16
+    else:
+        assert plan.config is None  # autotuned
+
+
+@pytest.mark.interpreter
+def test_matmul_runs_split_k_for_skinny_problems(gen):
+    from utils.trace import trace
+
+    a, b = rand(gen, 1, 1024), rand(gen, 1024, 16)
+    with trace() as t:
+        out = mm.matmul(a, b)
+    assert [x.kernel for x in t.launches] == ["matmul_split_k_kernel", "matmul_split_k_reduce_kernel"]
+    split = mm.plan_matmul(1, 16, 1024).split_k
+    assert t.launches[0].grid == (1, split, 1)
+    assert_matches(out, reference(a, b), torch.float32)
+
+
+# --------------------------------------------------------------------------- traffic (interpreter)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("config", [MatmulConfig(32, 32, 16, 1), MatmulConfig(16, 32, 32, 8)], ids=str)
+def test_tracer_counts_the_tiled_kernels_flops_and_bytes(config, gen):
+    from utils.trace import trace
+
+    M, N, K = 64, 64, 64
+    a, b = rand(gen, M, K, dtype=torch.float16), rand(gen, K, N, dtype=torch.float16)
+    with trace() as t:
+        mm.matmul_tiled(a, b, config)
+    (launch,) = t.launches
+    assert launch.flops == 2 * M * N * K
+    BM, BN = config.BLOCK_M, config.BLOCK_N
+    element = a.element_size()
+    assert launch.per_tensor["a_ptr"].bytes_read == M * K * (N // BN) * element
+    assert launch.per_tensor["b_ptr"].bytes_read == K * N * (M // BM) * element
+    assert launch.bytes_read == (M * K * (N // BN) + K * N * (M // BM)) * element
+    assert launch.bytes_written == M * N * element
+    assert launch.out_of_bounds == 0
+    # The persistent kernel moves exactly the same bytes; split-K adds its fp32 partials.
+    with trace() as t:
+        mm.matmul_persistent(a, b, config, num_programs=3)
+        mm.matmul_split_k(a, b, 2, config)
+    persistent, split, reduce = t.launches
+    assert (persistent.bytes_read, persistent.bytes_written, persistent.flops) == (
+        launch.bytes_read, launch.bytes_written, launch.flops)
+    assert split.flops == 2 * M * N * K and split.bytes_written == 2 * M * N * 4
+    assert reduce.bytes_read == 2 * M * N * 4 and reduce.bytes_written == M * N * element
+
+
+@pytest.mark.interpreter
+def test_grouped_order_assigns_tiles_as_documented(gen):
+    from utils.trace import trace
+
+    M, N, K, B = 96, 64, 16, 16  # 6 x 4 tiles
+    a, b = rand(gen, M, K), rand(gen, K, N)
+    for group in (1, 4):
+        with trace(record_access=True) as t:
+            mm.matmul_tiled(a, b, MatmulConfig(B, B, B, group))
+        owner = t.launches[0].access["c_ptr"][0, ::B, ::B]  # program that wrote each tile (c is (1, M, N))
+        expected = torch.empty(6, 4, dtype=torch.int64)
+        for pid in range(24):
+            first = (pid // (group * 4)) * group
+            size = min(6 - first, group)
+            expected[first + (pid % (group * 4)) % size, (pid % (group * 4)) // size] = pid
+        assert (owner == expected.numpy()).all(), (group, owner)
+        if group == 1:  # row-major: tile (m, n) is program 4 m + n
+            assert (owner == torch.arange(24).view(6, 4).numpy()).all()
+
+
+# --------------------------------------------------------------------------- autograd
+
+
+@pytest.mark.parametrize(
+    "a_shape, b_shape",
+    [((9, 20), (20, 7)), ((2, 3, 9, 20), (20, 7)), ((9, 20), (3, 20, 7)), ((2, 1, 9, 20), (3, 20, 7)),
+     ((20,), (3, 20, 7)), ((3, 9, 20), (20,))],
+    ids=str,
+)
+def test_gradients_match_torch(a_shape, b_shape, gen):
+    a, b = rand(gen, *a_shape).requires_grad_(), rand(gen, *b_shape).requires_grad_()
+    out = mm.matmul(a, b)
+    grad = rand(gen, *out.shape)
+    got = torch.autograd.grad(out, (a, b), grad)
+    leaves = [t.detach().double().requires_grad_() for t in (a, b)]
+    want = torch.autograd.grad(torch.matmul(*leaves), leaves, grad.double())
+    for g, w, t in zip(got, want, (a, b)):
+        assert g.shape == t.shape and g.dtype == t.dtype
+        torch.testing.assert_close(g.double(), w, rtol=2e-5, atol=2e-5)
+
+
+def test_gradients_of_strided_inputs_and_bf16(gen):
+    a = rand(gen, 20, 9).t().requires_grad_()  # transposed leaf
+    b = rand(gen, 20, 14, dtype=torch.bfloat16)[:, ::2].requires_grad_()
+    a16 = a.detach().bfloat16().requires_grad_()
+    out = mm.matmul(a16, b)
+    grad = rand(gen, 9, 7, dtype=torch.bfloat16)
+    got = torch.autograd.grad(out, (a16, b), grad)
+    leaves = [t.detach().double().requires_grad_() for t in (a16, b)]
+    want = torch.autograd.grad(torch.matmul(*leaves), leaves, grad.double())
+    for g, w in zip(got, want):
+        assert g.dtype == torch.bfloat16
+        torch.testing.assert_close(g.double(), w.bfloat16().double(), rtol=1.6e-2, atol=1.6e-2)
+    # Only b needs a gradient: a's is not computed.
+    w = rand(gen, 20, 3).requires_grad_()
+    out = mm.matmul(a.detach(), w)
+    (gw,) = torch.autograd.grad(out, (w,), torch.ones_like(out))
+    torch.testing.assert_close(gw.double(), a.detach().double().t() @ torch.ones(9, 3, dtype=torch.float64),
+                               rtol=2e-5, atol=2e-5)
+
+
+def test_broadcast_gradient_paths(gen):
+    """dB of a shared 2-D b: one GEMM over the folded batch; a non-foldable one sums fp32 partials."""
+    a = rand(gen, 3, 9, 20)
+    g = rand(gen, 3, 9, 7)
+    want = torch.einsum("bmk,bmn->kn", a.double(), g.double())
+    merged = mm._reduced_product(a.mT, g, (20, 7))
+    torch.testing.assert_close(merged.double(), want, rtol=2e-5, atol=2e-5)
+    a_perm = rand(gen, 9, 3, 20).transpose(0, 1)  # batch cannot fold into K
+    want = torch.einsum("bmk,bmn->kn", a_perm.double(), g.double())
+    torch.testing.assert_close(mm._reduced_product(a_perm.mT, g, (20, 7)).double(), want, rtol=2e-5, atol=2e-5)
+    # Partially broadcast: (2, 1, ...) against (2, 3, ...) keeps dim 0 and sums dim 1.
+    x, y = rand(gen, 2, 3, 5, 6), rand(gen, 2, 3, 6, 4)
+    want = (x.double() @ y.double()).sum(1, keepdim=True)
+    torch.testing.assert_close(mm._reduced_product(x, y, (2, 1, 5, 4)).double(), want, rtol=2e-5, atol=2e-5)
+
+
+def test_opcheck(gen):
+    # Batched, broadcast, a transposed operand, both needing gradients.
+    a, b = rand(gen, 2, 5, 6).requires_grad_(), rand(gen, 3, 6).t().requires_grad_()
+    torch.library.opcheck(mm._matmul_op, (a, b))
+
+
+def test_torch_compile_fullgraph_forward_and_backward(gen):
+    torch._dynamo.reset()
+    compiled = torch.compile(mm.matmul, fullgraph=True)
+    a, b = rand(gen, 2, 9, 20).requires_grad_(), rand(gen, 20, 7).requires_grad_()
+    grad = rand(gen, 2, 9, 7)
+    got = compiled(a, b)
+    got_grads = torch.autograd.grad(got, (a, b), grad)
+    want = mm.matmul(a, b)
+    want_grads = torch.autograd.grad(want, (a, b), grad)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    "make, error, message",
+    [
+        (lambda: (torch.randn(3, 5), torch.randn(6, 4)), ValueError,
+         r"kernels\.matmul: a's last dim \(5\) must equal b's dim -2 \(second to last\) \(6\).*"
+         r"a of shape \(3, 5\) and b of shape \(6, 4\)"),
+        (lambda: (torch.randn(3, 5), torch.randn(6)), ValueError, r"b's dim 0 \(6\).*b of shape \(6,\)"),
+        (lambda: (torch.randn(2, 3, 5), torch.randn(4, 5, 2)), ValueError,
+         r"kernels\.matmul: the batch dims of a \(2,\) and b \(4,\) must broadcast"),
+        (lambda: (torch.randn(()), torch.randn(3)), ValueError, r"kernels\.matmul: a must be at least 1-D"),
+        (lambda: (torch.randn(3, 5), torch.randn(5, 2, dtype=torch.float16)), TypeError,
+         r"kernels\.matmul: a and b must have the same dtype, got torch\.float32 and torch\.float16"),
+        (lambda: (torch.randn(3, 5, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64)), TypeError,
+         r"kernels\.matmul: a must be float32, float16 or bfloat16, got torch\.float64"),
+        (lambda: (torch.ones(3, 5, dtype=torch.int32), torch.ones(5, 2, dtype=torch.int32)), TypeError,
+         r"kernels\.matmul: a must be float32, float16 or bfloat16, got torch\.int32"),
+        (lambda: (torch.randn(3, 5), torch.randn(5, 2, device="meta")), ValueError,
+         r"kernels\.matmul: a and b must be on the same device, got cpu and meta"),
+        (lambda: ([[1.0]], torch.randn(1, 1)), TypeError, r"kernels\.matmul: a must be a torch\.Tensor, got list"),
+    ],
+)
+def test_bad_input_errors(make, error, message):
+    a, b = make()
+    if isinstance(a, torch.Tensor) and a.device.type == "cpu" and DEVICE.type != "cpu":
+        a = a.to(DEVICE)
+    with pytest.raises(error, match=message):
+        mm.matmul(a, b)
+
+
+def test_launcher_argument_errors(gen):
+    a, b = rand(gen, 4, 5), rand(gen, 5, 3)
+    with pytest.raises(ValueError, match=r"kernels\.matmul_split_k: split_k must be an int >= 1, got 0"):
+        mm.matmul_split_k(a, b, 0)
+    with pytest.raises(ValueError, match=r"kernels\.matmul_persistent: num_programs must be an int >= 1"):
+        mm.matmul_persistent(a, b, num_programs=-1)
+    with pytest.raises(TypeError, match=r"kernels\.matmul_tiled: config must be a kernels\.MatmulConfig or None"):
+        mm.matmul_tiled(a, b, {"BLOCK_M": 16})
+    with pytest.raises(ValueError, match=r"kernels\.matmul_tiled: a must be at least 2-D"):
+        mm.matmul_tiled(rand(gen, 5), b)
+    with pytest.raises(ValueError, match=r"kernels\.matmul_tiled: a's last dim \(5\) must equal b's"):
+        mm.matmul_tiled(a, rand(gen, 4, 3))
