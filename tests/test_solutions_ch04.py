@@ -1,0 +1,587 @@
+"""Chapter 04's solutions pass the checker on fresh inputs; wrong variants of each do not.
+
+Each exercise is checked the way the notebook checks it (the same launchers, the same kind of
+cases: awkward sizes, tile remainders, fp32/fp16/bf16, transposed views), once with the solution
+(SOLVED) and once per negative control — a plausible wrong answer the checker must reject. Sizes
+stay at a few dozen program instances per case: the interpreter runs each in Python.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+import kernels
+from solutions import ch04_matmul as solutions
+from utils.coalescing import strided_warp
+from utils.exercises import check
+from utils.l2cache import program_order
+
+pytestmark = pytest.mark.interpreter  # out-of-bounds diagnoses need the interpreter's tracer
+
+DEVICE = kernels.runtime.DEVICE
+
+
+# ----------------------------------------------------------------------------------------------
+# Cases and references (as in the notebook)
+# ----------------------------------------------------------------------------------------------
+
+
+def _rand(gen, *shape, dtype=torch.float32):
+    return torch.randn(*shape, generator=gen).to(dtype).to(DEVICE)
+
+
+def matmul_cases(gen: torch.Generator) -> list:
+    """(a, b) pairs: remainders in every dimension, one element, the three dtypes, transposed views."""
+    return [
+        (_rand(gen, 70, 50), _rand(gen, 50, 40)),
+        (_rand(gen, 1, 17), _rand(gen, 17, 33)),
+        (_rand(gen, 40, 64, dtype=torch.float16), _rand(gen, 64, 24, dtype=torch.float16)),
+        (_rand(gen, 33, 40, dtype=torch.bfloat16), _rand(gen, 40, 31, dtype=torch.bfloat16)),
+        (_rand(gen, 36, 45).t(), _rand(gen, 50, 36).t()),  # both operands column-major
+    ]
+
+
+def naive_cases(gen: torch.Generator) -> list:
+    return [
+        (_rand(gen, 5, 40), _rand(gen, 40, 7)),
+        (_rand(gen, 1, 1), _rand(gen, 1, 1)),
+        (_rand(gen, 4, 33, dtype=torch.float16), _rand(gen, 33, 6, dtype=torch.float16)),
+        (_rand(gen, 3, 20, dtype=torch.bfloat16), _rand(gen, 20, 5, dtype=torch.bfloat16)),
+        (_rand(gen, 6, 50), _rand(gen, 4, 50).t()),  # B column-major
+    ]
+
+
+def bias_cases(gen: torch.Generator) -> list:
+    return [(a, b, _rand(gen, b.shape[1], dtype=a.dtype)) for a, b in matmul_cases(gen)]
+
+
+def split_k_cases(gen: torch.Generator) -> list:
+    return [
+        (_rand(gen, 1, 200), _rand(gen, 200, 40), 4),  # one token: a decode step
+        (_rand(gen, 5, 100, dtype=torch.float16), _rand(gen, 100, 33, dtype=torch.float16), 3),
+        (_rand(gen, 16, 64, dtype=torch.bfloat16), _rand(gen, 64, 64, dtype=torch.bfloat16), 2),
+        (_rand(gen, 3, 40), _rand(gen, 40, 20), 8),  # more splits asked than K has slices
+        (_rand(gen, 2, 130), _rand(gen, 24, 130).t(), 2),
+    ]
+
+
+def matmul_reference(a, b):
+    return a @ b
+
+
+def bias_gelu_reference(a, b, bias):
+    return F.gelu(a @ b + bias)
+
+
+def split_k_reference(a, b, split_k):
+    return a @ b
+
+
+def grid_cases(gen: torch.Generator) -> list:
+    """(grid_m, grid_n, group_m): groups that divide the grid and groups that leave a short last band."""
+    fixed = [(8, 8, 4), (7, 5, 3), (1, 6, 4), (6, 1, 8), (5, 9, 1), (16, 3, 16)]
+    drawn = [tuple(int(v) for v in torch.randint(1, 13, (3,), generator=gen)) for _ in range(4)]
+    return fixed + drawn
+
+
+def every_program(order_fn):
+    """``f(grid_m, grid_n, group_m)`` -> (pid_m, pid_n) of every program, as int64 tensors."""
+
+    def run(grid_m, grid_n, group_m):
+        tiles = [order_fn(pid, grid_m, grid_n, group_m) for pid in range(grid_m * grid_n)]
+        return (torch.tensor([int(t[0]) for t in tiles], dtype=torch.int64),
+                torch.tensor([int(t[1]) for t in tiles], dtype=torch.int64))
+
+    return run
+
+
+def program_order_reference(grid_m, grid_n, group_m):
+    pid_m, pid_n = program_order(grid_m, grid_n, group_m)
+    return torch.from_numpy(pid_m), torch.from_numpy(pid_n)
+
+
+def warp_cases(gen: torch.Generator) -> list:
+    fixed = [(1, 4), (2, 4), (3, 4), (8, 4), (16, 4), (33, 4), (1, 2), (5, 2), (64, 2), (1, 8), (3, 8), (1, 1)]
+    drawn = [(int(torch.randint(1, 80, (1,), generator=gen)), int(e)) for e in (1, 2, 4, 8)]
+    return fixed + drawn
+
+
+def warp_reference(stride, element_bytes):
+    request = strided_warp(stride, element_bytes)
+    return int(request.sectors.size), int(request.lines.size)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers bound to a kernel (the notebook's, with the notebook's block sizes)
+# ----------------------------------------------------------------------------------------------
+
+
+def naive_launcher(kernel):
+    return lambda a, b, out: solutions.naive_matmul(a, b, out, BLOCK_K=32, kernel=kernel)
+
+
+def tiled_launcher(kernel):
+    return lambda a, b, out: solutions.tiled_matmul(a, b, out, BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, kernel=kernel)
+
+
+def bias_launcher(kernel):
+    return lambda a, b, bias, out: solutions.bias_gelu_matmul(a, b, bias, out, kernel=kernel)
+
+
+def split_k_launcher(kernel):
+    return lambda a, b, split_k, out: solutions.split_k_matmul(a, b, split_k, out, kernel=kernel)
+
+
+KERNEL_EXERCISES = {
+    "matmul_naive_kernel": (naive_launcher, matmul_reference, naive_cases),
+    "matmul_tiled_kernel": (tiled_launcher, matmul_reference, matmul_cases),
+    "matmul_bias_gelu_kernel": (bias_launcher, bias_gelu_reference, bias_cases),
+    "matmul_split_k_kernel": (split_k_launcher, split_k_reference, split_k_cases),
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# Wrong kernels (negative controls)
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def naive_stub_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
+                      stride_cn, BLOCK_K: tl.constexpr):
+    pass
+
+
+@triton.jit
+def naive_no_k_mask_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
+                           stride_cn, BLOCK_K: tl.constexpr):
+    m, n = tl.program_id(0), tl.program_id(1)
+    acc = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        acc += (tl.load(a_ptr + m * stride_am + k * stride_ak).to(tl.float32)
+                * tl.load(b_ptr + k * stride_bk + n * stride_bn).to(tl.float32))
+    tl.store(c_ptr + m * stride_cm + n * stride_cn, tl.sum(acc, axis=0).to(c_ptr.dtype.element_ty))
+
+
+@triton.jit
+def naive_contiguous_only_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
+                                 stride_cn, BLOCK_K: tl.constexpr):
+    # assumes row-major operands: wrong for a transposed view
+    m, n = tl.program_id(0), tl.program_id(1)
+    acc = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_ptr + m * K + k, mask=k < K, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + k * N + n, mask=k < K, other=0.0).to(tl.float32)
+        acc += a * b
+    tl.store(c_ptr + m * stride_cm + n * stride_cn, tl.sum(acc, axis=0).to(c_ptr.dtype.element_ty))
+
+
+@triton.jit
+def naive_first_chunk_only_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
+                                  stride_cn, BLOCK_K: tl.constexpr):
+    # forgets the loop over K: sums only the first BLOCK_K products
+    m, n = tl.program_id(0), tl.program_id(1)
+    k = tl.arange(0, BLOCK_K)
+    a = tl.load(a_ptr + m * stride_am + k * stride_ak, mask=k < K, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + k * stride_bk + n * stride_bn, mask=k < K, other=0.0).to(tl.float32)
+    tl.store(c_ptr + m * stride_cm + n * stride_cn, tl.sum(a * b, axis=0).to(c_ptr.dtype.element_ty))
+
+
+@triton.jit
+def tiled_stub_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pass
+
+
+@triton.jit
+def _tile_product(a_ptr, b_ptr, rm, rn, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_ptr + rm[:, None] * stride_am + k[None, :] * stride_ak,
+                    mask=(rm[:, None] < M) & (k[None, :] < K), other=0.0)
+        b = tl.load(b_ptr + k[:, None] * stride_bk + rn[None, :] * stride_bn,
+                    mask=(k[:, None] < K) & (rn[None, :] < N), other=0.0)
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def tiled_no_store_mask_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
+                               stride_cn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    rm = (pid // grid_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = (pid % grid_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = _tile_product(a_ptr, b_ptr, rm, rn, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                        BLOCK_M, BLOCK_N, BLOCK_K)
+    tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty))
+
+
+@triton.jit
+def tiled_no_k_mask_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
+                           stride_cn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    rm = (pid // grid_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = (pid % grid_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_ptr + rm[:, None] * stride_am + k[None, :] * stride_ak, mask=rm[:, None] < M, other=0.0)
+        b = tl.load(b_ptr + k[:, None] * stride_bk + rn[None, :] * stride_bn, mask=rn[None, :] < N, other=0.0)
+        acc = tl.dot(a, b, acc)
+    tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def tiled_wrong_grid_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
+                            stride_cn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # divides by the wrong grid size: right only when the tile grid is square
+    pid = tl.program_id(0)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    rm = (pid // grid_m) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = (pid % grid_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = _tile_product(a_ptr, b_ptr, rm, rn, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                        BLOCK_M, BLOCK_N, BLOCK_K)
+    tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def tiled_overwrites_accumulator_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                                        stride_cm, stride_cn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                        BLOCK_K: tl.constexpr):
+    # acc = tl.dot(a, b) instead of acc = tl.dot(a, b, acc): only the last K slice survives
+    pid = tl.program_id(0)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    rm = (pid // grid_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = (pid % grid_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_ptr + rm[:, None] * stride_am + k[None, :] * stride_ak,
+                    mask=(rm[:, None] < M) & (k[None, :] < K), other=0.0)
+        b = tl.load(b_ptr + k[:, None] * stride_bk + rn[None, :] * stride_bn,
+                    mask=(k[:, None] < K) & (rn[None, :] < N), other=0.0)
+        acc = tl.dot(a, b)
+    tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def bias_stub_kernel(a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
+                     stride_cn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pass
+
+
+@triton.jit
+def _epilogue_variant(a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
+                      stride_cn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      VARIANT: tl.constexpr):
+    pid = tl.program_id(0)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    rm = (pid // grid_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = (pid % grid_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = _tile_product(a_ptr, b_ptr, rm, rn, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                        BLOCK_M, BLOCK_N, BLOCK_K)
+    bias = tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+    if VARIANT == "gelu_then_bias":
+        y = 0.5 * acc * (1.0 + tl.erf(acc * 0.7071067811865476)) + bias[None, :]
+    elif VARIANT == "no_bias":
+        y = 0.5 * acc * (1.0 + tl.erf(acc * 0.7071067811865476))
+    elif VARIANT == "tanh_gelu":  # the tanh approximation where F.gelu's exact form is asked
+        z = acc + bias[None, :]
+        y = z * tl.sigmoid(2.0 * 0.7978845608028654 * (z + 0.044715 * z * z * z))
+    else:  # "bias_by_row": bias[m] instead of bias[n]
+        row_bias = tl.load(bias_ptr + rm, mask=rm < N, other=0.0).to(tl.float32)
+        z = acc + row_bias[:, None]
+        y = 0.5 * z * (1.0 + tl.erf(z * 0.7071067811865476))
+    tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn, y.to(c_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def epilogue_variant(variant: str):
+    def launch(a, b, bias, out):
+        M, K = a.shape
+        N = b.shape[1]
+        grid = (triton.cdiv(M, 32) * triton.cdiv(N, 32),)
+        _epilogue_variant[grid](a, b, bias, out, M, N, K, *a.stride(), *b.stride(), *out.stride(),
+                                BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, VARIANT=variant)
+        return out
+
+    launch.__name__ = variant
+    return launch
+
+
+@triton.jit
+def split_k_stub_kernel(a_ptr, b_ptr, partial_ptr, M, N, K, K_PER_SPLIT, stride_am, stride_ak, stride_bk, stride_bn,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pass
+
+
+@triton.jit
+def _split_k_variant(a_ptr, b_ptr, partial_ptr, M, N, K, K_PER_SPLIT, stride_am, stride_ak, stride_bk, stride_bn,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VARIANT: tl.constexpr):
+    pid = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    rm = (pid // grid_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = (pid % grid_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if VARIANT == "whole_k":  # ignores its slice: every split sums all of K
+        acc = _tile_product(a_ptr, b_ptr, rm, rn, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                            BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        k_start = pid_s * K_PER_SPLIT
+        k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+        if VARIANT == "runs_to_end":  # starts at its slice but runs on to the end of K
+            k_end = K
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(a_ptr + rm[:, None] * stride_am + k[None, :] * stride_ak,
+                        mask=(rm[:, None] < M) & (k[None, :] < k_end), other=0.0)
+            b = tl.load(b_ptr + k[:, None] * stride_bk + rn[None, :] * stride_bn,
+                        mask=(k[:, None] < k_end) & (rn[None, :] < N), other=0.0)
+            acc = tl.dot(a, b, acc)
+    slot = 0 if VARIANT == "one_slot" else pid_s  # "one_slot": every split writes partial 0
+    tl.store(partial_ptr + slot * M * N + rm[:, None] * N + rn[None, :], acc,
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def split_k_variant(variant: str):
+    def launch(a, b, split_k, out):
+        M, K = a.shape
+        N = b.shape[1]
+        k_per_split, splits = solutions.split_k_slices(K, split_k, 32)
+        partials = torch.full((splits, M, N), float("nan"), dtype=torch.float32, device=a.device)
+        _split_k_variant[(triton.cdiv(M, 16) * triton.cdiv(N, 32), splits)](
+            a, b, partials, M, N, K, k_per_split, *a.stride(), *b.stride(),
+            BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, VARIANT=variant)
+        out.copy_(partials.sum(dim=0))
+        return out
+
+    launch.__name__ = variant
+    return launch
+
+
+# ----------------------------------------------------------------------------------------------
+# Wrong Python answers (negative controls)
+# ----------------------------------------------------------------------------------------------
+
+
+def order_stub(pid, grid_m, grid_n, group_m):
+    raise NotImplementedError
+
+
+def order_row_major(pid, grid_m, grid_n, group_m):
+    return pid // grid_n, pid % grid_n
+
+
+def order_full_last_group(pid, grid_m, grid_n, group_m):
+    # forgets that the last band may be shorter than group_m
+    per_group = group_m * grid_n
+    first_m = (pid // per_group) * group_m
+    return first_m + (pid % per_group) % group_m, (pid % per_group) // group_m
+
+
+def order_columns_fastest(pid, grid_m, grid_n, group_m):
+    # walks each band row by row instead of column by column
+    per_group = group_m * grid_n
+    first_m = (pid // per_group) * group_m
+    return first_m + (pid % per_group) // grid_n, (pid % per_group) % grid_n
+
+
+def sectors_stub(stride, element_bytes):
+    raise NotImplementedError
+
+
+def sectors_one_per_lane(stride, element_bytes):
+    return 32, 32
+
+
+def sectors_assume_fp32(stride, element_bytes):
+    return solutions.warp_sectors(stride, 4)
+
+
+def sectors_by_span(stride, element_bytes):
+    # the span in bytes over 32 / 128, without noticing that sectors between lanes are skipped
+    span = 32 * stride * element_bytes
+    return math.ceil(span / 32), math.ceil(span / 128)
+
+
+# ----------------------------------------------------------------------------------------------
+# The tests
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(KERNEL_EXERCISES))
+def test_kernel_solution_is_solved(name, capsys):
+    launcher, reference, cases = KERNEL_EXERCISES[name]
+    verdict = check(f"ch04_matmul.{name}", launcher(getattr(solutions, name)), reference, cases, out=True)
+    assert verdict.solved, verdict.message
+    assert capsys.readouterr().out.startswith("✅ SOLVED — ch04_matmul.")
+
+
+def test_grouped_order_solution_is_solved():
+    verdict = check("ch04_matmul.grouped_program_order", every_program(solutions.grouped_program_order),
+                    program_order_reference, grid_cases)
+    assert verdict.solved, verdict.message
+
+
+def test_grouped_order_solution_works_on_arrays():
+    for grid_m, grid_n, group_m in [(7, 5, 3), (9, 4, 4)]:
+        pid_m, pid_n = program_order(grid_m, grid_n, group_m)
+        got_m, got_n = solutions.grouped_program_order(np.arange(grid_m * grid_n), grid_m, grid_n, group_m)
+        np.testing.assert_array_equal(got_m, pid_m)
+        np.testing.assert_array_equal(got_n, pid_n)
+        got_m, got_n = solutions.grouped_program_order(torch.arange(grid_m * grid_n), grid_m, grid_n, group_m)
+        assert got_m.tolist() == pid_m.tolist() and got_n.tolist() == pid_n.tolist()
+
+
+def test_warp_sectors_solution_is_solved():
+    verdict = check("ch04_matmul.warp_sectors", solutions.warp_sectors, warp_reference, warp_cases)
+    assert verdict.solved, verdict.message
+    assert solutions.warp_sectors(1, 4) == (4, 1) and solutions.warp_sectors(64, 4) == (32, 32)
+
+
+def test_grouped_kernel_matches_and_follows_the_order():
+    from utils.trace import trace
+
+    gen = torch.Generator().manual_seed(0)
+    a, b = _rand(gen, 96, 40), _rand(gen, 40, 64)
+    with trace(record_access=True) as t:
+        c = solutions.grouped_matmul(a, b, GROUP_M=2, BLOCK_M=32, BLOCK_N=32, BLOCK_K=32)
+    torch.testing.assert_close(c, a @ b, rtol=1e-5, atol=1e-5)
+    owner = t.launches[0].access["c_ptr"]
+    pid_m, pid_n = program_order(3, 2, 2)
+    for pid in range(6):
+        tile = owner[pid_m[pid] * 32:(pid_m[pid] + 1) * 32, pid_n[pid] * 32:(pid_n[pid] + 1) * 32]
+        assert (tile == pid).all()
+
+
+WRONG_KERNELS = [
+    ("matmul_naive_kernel", naive_stub_kernel, "never written"),
+    ("matmul_naive_kernel", naive_no_k_mask_kernel, "out of bounds"),
+    ("matmul_naive_kernel", naive_contiguous_only_kernel, "wrong values"),
+    ("matmul_naive_kernel", naive_first_chunk_only_kernel, "wrong values"),
+    ("matmul_tiled_kernel", tiled_stub_kernel, "never written"),
+    ("matmul_tiled_kernel", tiled_no_store_mask_kernel, "out of bounds"),
+    ("matmul_tiled_kernel", tiled_no_k_mask_kernel, "out of bounds"),
+    ("matmul_tiled_kernel", tiled_wrong_grid_kernel, "never written"),
+    ("matmul_tiled_kernel", tiled_overwrites_accumulator_kernel, "wrong values"),
+    ("matmul_bias_gelu_kernel", bias_stub_kernel, "never written"),
+    ("matmul_split_k_kernel", split_k_stub_kernel, "NaN"),
+]
+
+
+@pytest.mark.parametrize(("name", "kernel", "diagnosis"), WRONG_KERNELS,
+                         ids=[kernel.fn.__name__ for _, kernel, _ in WRONG_KERNELS])
+def test_wrong_kernel_is_not_solved(name, kernel, diagnosis):
+    launcher, reference, cases = KERNEL_EXERCISES[name]
+    verdict = check(f"ch04_matmul.{name}", launcher(kernel), reference, cases, out=True)
+    assert not verdict.solved
+    assert verdict.message.startswith(f"❌ NOT SOLVED — ch04_matmul.{name}")
+    assert diagnosis in verdict.message, verdict.message
+
+
+@pytest.mark.parametrize(("variant", "diagnosis"), [("gelu_then_bias", "wrong values"), ("no_bias", "wrong values"),
+                                                    ("tanh_gelu", "wrong values"), ("bias_by_row", "wrong values")])
+def test_wrong_epilogue_is_not_solved(variant, diagnosis):
+    verdict = check("ch04_matmul.matmul_bias_gelu_kernel", epilogue_variant(variant), bias_gelu_reference, bias_cases,
+                    out=True)
+    assert not verdict.solved
+    assert diagnosis in verdict.message, verdict.message
+
+
+@pytest.mark.parametrize(("variant", "diagnosis"), [("whole_k", "wrong values"), ("runs_to_end", "wrong values"),
+                                                    ("one_slot", "NaN")])
+def test_wrong_split_k_is_not_solved(variant, diagnosis):
+    verdict = check("ch04_matmul.matmul_split_k_kernel", split_k_variant(variant), split_k_reference, split_k_cases,
+                    out=True)
+    assert not verdict.solved
+    assert diagnosis in verdict.message, verdict.message
+
+
+@pytest.mark.parametrize(
+    ("candidate", "diagnosis"),
+    [(order_stub, "not implemented yet"), (order_row_major, "wrong values"),
+     (order_full_last_group, "wrong values"), (order_columns_fastest, "wrong values")],
+    ids=lambda value: getattr(value, "__name__", ""),
+)
+def test_wrong_program_order_is_not_solved(candidate, diagnosis):
+    verdict = check("ch04_matmul.grouped_program_order", every_program(candidate), program_order_reference, grid_cases)
+    assert not verdict.solved
+    assert diagnosis in verdict.message, verdict.message
+
+
+@pytest.mark.parametrize(
+    ("candidate", "diagnosis"),
+    [(sectors_stub, "not implemented yet"), (sectors_one_per_lane, "wrong value"),
+     (sectors_assume_fp32, "wrong value"), (sectors_by_span, "wrong value")],
+    ids=lambda value: getattr(value, "__name__", ""),
+)
+def test_wrong_warp_sectors_is_not_solved(candidate, diagnosis):
+    verdict = check("ch04_matmul.warp_sectors", candidate, warp_reference, warp_cases)
+    assert not verdict.solved
+    assert diagnosis in verdict.message, verdict.message
+
+
+COMPILE_SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    os.environ["KERNEL_LADDER_INTERPRET"] = "0"  # compiled mode: real @triton.jit kernels
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from solutions import ch04_matmul as s
+
+    TILES = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}
+    CASES = [(s.matmul_naive_kernel, {"BLOCK_K": 128}, 1), (s.matmul_tiled_kernel, TILES, 8),
+             (s.matmul_grouped_kernel, {**TILES, "GROUP_M": 8}, 8), (s.matmul_bias_gelu_kernel, TILES, 8),
+             (s.matmul_split_k_kernel, {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64}, 4)]
+    for fn, constexprs, warps in CASES:
+        signature = {}
+        for i, name in enumerate(fn.arg_names):
+            if fn.params[i].is_constexpr:
+                signature[name] = "constexpr"
+            elif name == "partial_ptr":
+                signature[name] = "*fp32"
+            elif name.endswith("_ptr"):
+                signature[name] = "*bf16"
+            else:
+                signature[name] = "i32"
+        source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+        ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                             options={"num_warps": warps, "num_stages": 3}).asm["ptx"]
+        if fn is not s.matmul_naive_kernel and "mma" not in ptx:
+            sys.exit(f"{fn.__name__}: no tensor-core instruction in the PTX")
+    print("ok")
+    """
+)
+
+
+@pytest.mark.slow
+def test_solution_kernels_compile_for_sm90(tmp_path):
+    """The report times these kernels on a GPU: prove they are valid compiled Triton (and use tensor cores)."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path))
+    result = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], capture_output=True, text=True, env=env,
+                            timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
