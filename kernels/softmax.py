@@ -1,0 +1,590 @@
+"""Softmax and log-softmax over any dim, forward and backward, as ``kernels::softmax`` and
+``kernels::log_softmax``.
+
+``softmax(x)_i = exp(x_i - m) / s`` and ``log_softmax(x)_i = (x_i - m) - log(s)``, with
+``m = max_j x_j`` and ``s = sum_j exp(x_j - m)``: subtracting the row maximum keeps every ``exp``
+in (0, 1], so no magnitude that float32 can hold overflows (``x = ±1e38`` is fine). Everything is
+computed in float32 whatever the storage dtype.
+
+Two forward kernels, chosen per row length by :func:`softmax_launch_config`:
+
+* :func:`softmax_kernel` holds a whole row in registers (one block of ``next_power_of_2(n_cols)``
+  columns, up to :data:`MAX_BLOCK`), and packs several short rows into one program
+  (``ROWS_PER_PROGRAM``) so that every program has enough work. It reads ``x`` once and writes
+  ``y`` once: exactly the ideal traffic.
+* :func:`softmax_online_kernel` takes rows longer than that in chunks of ``ONLINE_BLOCK``
+  columns. A first pass keeps, per lane, a running maximum and a running sum rescaled whenever the
+  maximum grows (``s <- s * exp(m_old - m_new) + exp(x - m_new)``; the "online softmax" of
+  Milakov & Gimelshein, 2018, arXiv:1805.02867), so one pass gives both statistics; a second pass
+  writes the output. It reads ``x`` twice: ``3 * n`` element-bytes against the ideal ``2 * n`` —
+  **1.5x the ideal bytes** for equal input and output dtypes (fp32 in and out: 12 bytes per
+  element instead of 8). The output can only be written once the statistics of the whole row are
+  known, and a row this long does not fit on chip, so the second read cannot be avoided in
+  general; the second pass walks the chunks in reverse, so on a GPU its first reads hit what the
+  first pass left in L2 (the tracer counts loads, not cache hits: it shows 1.5x).
+
+The backward uses the saved output ``y``: softmax ``dx = y * (dy - sum(dy * y))``, log-softmax
+``dx = dy - exp(y) * sum(dy)``. :func:`softmax_backward_kernel` (one block per row) reads ``y`` and
+``dy`` once and writes ``dx`` once (ideal); :func:`softmax_backward_online_kernel` (long rows)
+first accumulates the sum, then writes ``dx``: softmax reads ``y`` and ``dy`` twice (5/3 = 1.67x the
+ideal), log-softmax reads ``dy`` twice and ``y`` once (4/3 = 1.33x).
+
+Layouts are honoured without copies: the reduced ``dim`` is moved last (a view) and the rows are
+planned by :func:`kernels._rows.plan_rows`. When the rows, not the columns, are contiguous in
+memory (a softmax over a dim that is not the innermost, e.g. the channels of an NCHW tensor), the
+tile's rows run along memory, and every program takes at least a 32-byte sector's worth of rows so
+that no sector is fetched for a fraction of its bytes. The output has ``x``'s memory layout (like
+torch: ``torch.empty_like``).
+
+Rows that are entirely ``-inf`` give NaN, as torch does (``exp(-inf - -inf)``), in both kernels and
+both ops; rows with some ``-inf`` entries give exact zeros (softmax) and ``-inf`` (log-softmax) there.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from . import runtime
+from ._rows import next_power_of_2, plan_rows, row_start
+from ._validate import FLOAT_DTYPES, check_float_dtype, check_same_device, check_same_shape, check_tensor
+
+__all__ = [
+    "MAX_BLOCK",
+    "ONLINE_BLOCK",
+    "ROW_TILE",
+    "SoftmaxLaunchConfig",
+    "log_softmax",
+    "softmax",
+    "softmax_backward_kernel",
+    "softmax_backward_online_kernel",
+    "softmax_kernel",
+    "softmax_launch_config",
+    "softmax_online_kernel",
+]
+
+#: The most float32 values a one-block program keeps in registers: the row (forward), or the row
+#: of ``y`` and of ``dy`` (backward, so its rows fit up to half this). 32768 values are 128 KiB,
+#: half an H100/H200 SM's register file; with 32 warps (1024 threads) that is 32 values per
+#: thread, inside the 64 registers per thread a 1024-thread program may use (ptxas: 64 registers,
+#: no spills, for the forward at 32768 and the backward at 16384). The backward at 32768 spills.
+MAX_BLOCK: int = 32768
+#: Columns per chunk of the online kernels (rows longer than a block).
+ONLINE_BLOCK: int = 4096
+#: Elements a one-block program aims to hold: short rows are packed until a tile is this big.
+ROW_TILE: int = 4096
+#: float32 values per thread the launch config aims for: 32 for tiles along the columns; 16 when
+#: the rows are contiguous (each element then needs its own 64-bit address, two more registers).
+_VALUES_PER_THREAD = 32
+_VALUES_PER_THREAD_TRANSPOSED = 16
+#: Bytes of the DRAM/L2 transaction unit; a program over row-contiguous data takes a sector's rows.
+_SECTOR_BYTES = 32
+
+_NEG_INF = tl.constexpr(float("-inf"))
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tile_row_offsets(first_row, size1, size2, stride0, stride1, stride2,
+                      ROWS: tl.constexpr, LINEAR_ROWS: tl.constexpr):
+    """int64 memory offsets of rows ``first_row .. first_row + ROWS - 1``.
+
+    With ``LINEAR_ROWS`` (the host guarantees no tile crosses a step of the innermost leading
+    dim) one row start is computed and the rest are ``+ k * stride2``: fewer integer divisions,
+    and when ``stride2 == 1`` the compiler sees that the rows are contiguous and lays the tile's
+    threads along them (coalesced loads for a softmax over a non-innermost dim).
+    """
+    if LINEAR_ROWS:
+        base = row_start(first_row, size1, size2, stride0, stride1, stride2)
+        offsets = base + tl.arange(0, ROWS).to(tl.int64) * stride2
+    else:
+        offsets = row_start(first_row + tl.arange(0, ROWS), size1, size2, stride0, stride1, stride2)
+    return offsets
+
+
+@triton.jit
+def softmax_kernel(
+    x_ptr, y_ptr, n_rows, n_cols, size1, size2,
+    x_stride0, x_stride1, x_stride2, x_col_stride,
+    y_stride0, y_stride1, y_stride2, y_col_stride,
+    LOG: tl.constexpr, BLOCK: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr,
+    LINEAR_ROWS: tl.constexpr, INDEX_64: tl.constexpr,
+):
+    """y = softmax(x) (``LOG``: log_softmax) of ROWS_PER_PROGRAM whole rows, each in one block."""
+    first_row = tl.program_id(0) * ROWS_PER_PROGRAM
+    rows = first_row + tl.arange(0, ROWS_PER_PROGRAM)
+    cols = tl.arange(0, BLOCK)
+    if INDEX_64:
+        cols = cols.to(tl.int64)
+    row_ok = rows < n_rows
+    mask = row_ok[:, None] & (cols < n_cols)[None, :]
+    x_rows = _tile_row_offsets(first_row, size1, size2, x_stride0, x_stride1, x_stride2,
+                               ROWS_PER_PROGRAM, LINEAR_ROWS)
+    x = tl.load(x_ptr + (x_rows[:, None] + (cols * x_col_stride)[None, :]), mask=mask)
+    # Padding columns are -inf (they add exp(-inf) = 0); padding rows are 0, so they compute
+    # harmless numbers instead of NaN. A select after the upcast works for every dtype.
+    fill = tl.where(row_ok, _NEG_INF, 0.0)
+    x = tl.where(mask, x.to(tl.float32), fill[:, None])
+    m = tl.max(x, axis=1)
+    z = x - m[:, None]
+    e = tl.exp(z)
+    s = tl.sum(e, axis=1)
+    if LOG:
+        y = z - tl.log(s)[:, None]
+    else:
+        y = e * (1.0 / s)[:, None]
+    y_rows = _tile_row_offsets(first_row, size1, size2, y_stride0, y_stride1, y_stride2,
+                               ROWS_PER_PROGRAM, LINEAR_ROWS)
+    tl.store(y_ptr + (y_rows[:, None] + (cols * y_col_stride)[None, :]), y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def softmax_online_kernel(
+    x_ptr, y_ptr, n_rows, n_cols, size1, size2,
+    x_stride0, x_stride1, x_stride2, x_col_stride,
+    y_stride0, y_stride1, y_stride2, y_col_stride,
+    LOG: tl.constexpr, BLOCK: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr,
+    LINEAR_ROWS: tl.constexpr, INDEX_64: tl.constexpr,
+):
+    """y = softmax(x) (``LOG``: log_softmax) of rows longer than a block, in BLOCK-column chunks.
+
+    Pass 1 keeps a running maximum ``m`` and a sum ``s`` rescaled to it, per lane (no reduction
+    inside the loop); the lanes are combined at the end. Pass 2 writes the output.
+    """
+    first_row = tl.program_id(0) * ROWS_PER_PROGRAM
+    rows = first_row + tl.arange(0, ROWS_PER_PROGRAM)
+    row_ok = rows < n_rows
+    lanes = tl.arange(0, BLOCK)
+    if INDEX_64:
+        lanes = lanes.to(tl.int64)
+    x_rows = _tile_row_offsets(first_row, size1, size2, x_stride0, x_stride1, x_stride2,
+                               ROWS_PER_PROGRAM, LINEAR_ROWS)
+    fill = tl.where(row_ok, _NEG_INF, 0.0)
+    m_lane = tl.full((ROWS_PER_PROGRAM, BLOCK), _NEG_INF, tl.float32)
+    s_lane = tl.zeros((ROWS_PER_PROGRAM, BLOCK), tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + lanes
+        mask = row_ok[:, None] & (cols < n_cols)[None, :]
+        x = tl.load(x_ptr + (x_rows[:, None] + (cols * x_col_stride)[None, :]), mask=mask)
+        x = tl.where(mask, x.to(tl.float32), fill[:, None])
+        m_new = tl.maximum(m_lane, x)
+        # A lane that has seen only -inf keeps m = -inf and s = 0; rescaling it by
+        # exp(-inf - -inf) would make NaN, so it is rescaled against 0 instead (giving 0).
+        m_ref = tl.where(m_new == _NEG_INF, 0.0, m_new)
+        s_lane = s_lane * tl.exp(m_lane - m_ref) + tl.exp(x - m_ref)
+        m_lane = m_new
+    m = tl.max(m_lane, axis=1)
+    m_ref = tl.where(m == _NEG_INF, 0.0, m)
+    s = tl.sum(s_lane * tl.exp(m_lane - m_ref[:, None]), axis=1)
+    # An all -inf row has m = -inf and s = 0: its output below is NaN (x - m), like torch's.
+    # s = 1 there only spares log(0) and 1/0.
+    s = tl.where(s == 0.0, 1.0, s)
+    log_s = tl.log(s)
+    inv_s = 1.0 / s
+    y_rows = _tile_row_offsets(first_row, size1, size2, y_stride0, y_stride1, y_stride2,
+                               ROWS_PER_PROGRAM, LINEAR_ROWS)
+    n_chunks = tl.cdiv(n_cols, BLOCK)
+    for i in range(0, n_chunks):
+        # Last chunk first: on a GPU the chunks pass 1 read last are the likeliest still in L2.
+        cols = (n_chunks - 1 - i) * BLOCK + lanes
+        mask = row_ok[:, None] & (cols < n_cols)[None, :]
+        x = tl.load(x_ptr + (x_rows[:, None] + (cols * x_col_stride)[None, :]), mask=mask)
+        x = tl.where(mask, x.to(tl.float32), fill[:, None])
+        z = x - m[:, None]
+        if LOG:
+            y = z - log_s[:, None]
+        else:
+            y = tl.exp(z) * inv_s[:, None]
+        tl.store(y_ptr + (y_rows[:, None] + (cols * y_col_stride)[None, :]), y.to(y_ptr.dtype.element_ty),
+                 mask=mask)
+
+
+@triton.jit
+def softmax_backward_kernel(
+    y_ptr, dy_ptr, dx_ptr, n_rows, n_cols, size1, size2,
+    y_stride0, y_stride1, y_stride2, y_col_stride,
+    dy_stride0, dy_stride1, dy_stride2, dy_col_stride,
+    dx_stride0, dx_stride1, dx_stride2, dx_col_stride,
+    LOG: tl.constexpr, BLOCK: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr,
+    LINEAR_ROWS: tl.constexpr, INDEX_64: tl.constexpr,
+):
+    """dx from the saved output y and dy, ROWS_PER_PROGRAM whole rows per program.
+
+    softmax: ``dx = y * (dy - sum(dy * y))``; ``LOG`` (y = log_softmax): ``dx = dy - exp(y) * sum(dy)``.
+    """
+    first_row = tl.program_id(0) * ROWS_PER_PROGRAM
+    rows = first_row + tl.arange(0, ROWS_PER_PROGRAM)
+    cols = tl.arange(0, BLOCK)
+    if INDEX_64:
+        cols = cols.to(tl.int64)
+    mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    y_rows = _tile_row_offsets(first_row, size1, size2, y_stride0, y_stride1, y_stride2,
+                               ROWS_PER_PROGRAM, LINEAR_ROWS)
+    dy_rows = _tile_row_offsets(first_row, size1, size2, dy_stride0, dy_stride1, dy_stride2,
+                                ROWS_PER_PROGRAM, LINEAR_ROWS)
+    y = tl.load(y_ptr + (y_rows[:, None] + (cols * y_col_stride)[None, :]), mask=mask)
+    dy = tl.load(dy_ptr + (dy_rows[:, None] + (cols * dy_col_stride)[None, :]), mask=mask)
+    y = tl.where(mask, y.to(tl.float32), 0.0)
+    dy = tl.where(mask, dy.to(tl.float32), 0.0)
+    if LOG:
+        dx = dy - tl.exp(y) * tl.sum(dy, axis=1)[:, None]
+    else:
+        dx = y * (dy - tl.sum(dy * y, axis=1)[:, None])
+    dx_rows = _tile_row_offsets(first_row, size1, size2, dx_stride0, dx_stride1, dx_stride2,
+                                ROWS_PER_PROGRAM, LINEAR_ROWS)
+    tl.store(dx_ptr + (dx_rows[:, None] + (cols * dx_col_stride)[None, :]), dx.to(dx_ptr.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
+def softmax_backward_online_kernel(
+    y_ptr, dy_ptr, dx_ptr, n_rows, n_cols, size1, size2,
+    y_stride0, y_stride1, y_stride2, y_col_stride,
+    dy_stride0, dy_stride1, dy_stride2, dy_col_stride,
+    dx_stride0, dx_stride1, dx_stride2, dx_col_stride,
+    LOG: tl.constexpr, BLOCK: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr,
+    LINEAR_ROWS: tl.constexpr, INDEX_64: tl.constexpr,
+):
+    """The backward for rows longer than a block: pass 1 sums ``dy * y`` (``LOG``: ``dy``), pass 2 writes dx."""
+    first_row = tl.program_id(0) * ROWS_PER_PROGRAM
+    rows = first_row + tl.arange(0, ROWS_PER_PROGRAM)
+    row_ok = rows < n_rows
+    lanes = tl.arange(0, BLOCK)
+    if INDEX_64:
+        lanes = lanes.to(tl.int64)
+    y_rows = _tile_row_offsets(first_row, size1, size2, y_stride0, y_stride1, y_stride2,
+                               ROWS_PER_PROGRAM, LINEAR_ROWS)
+    dy_rows = _tile_row_offsets(first_row, size1, size2, dy_stride0, dy_stride1, dy_stride2,
+                                ROWS_PER_PROGRAM, LINEAR_ROWS)
+    acc = tl.zeros((ROWS_PER_PROGRAM, BLOCK), tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + lanes
+        mask = row_ok[:, None] & (cols < n_cols)[None, :]
+        dy = tl.load(dy_ptr + (dy_rows[:, None] + (cols * dy_col_stride)[None, :]), mask=mask)
+        dy = tl.where(mask, dy.to(tl.float32), 0.0)
+        if LOG:
+            acc += dy
+        else:
+            y = tl.load(y_ptr + (y_rows[:, None] + (cols * y_col_stride)[None, :]), mask=mask)
+            acc += dy * tl.where(mask, y.to(tl.float32), 0.0)
+    total = tl.sum(acc, axis=1)
+    dx_rows = _tile_row_offsets(first_row, size1, size2, dx_stride0, dx_stride1, dx_stride2,
+                                ROWS_PER_PROGRAM, LINEAR_ROWS)
+    n_chunks = tl.cdiv(n_cols, BLOCK)
+    for i in range(0, n_chunks):
+        cols = (n_chunks - 1 - i) * BLOCK + lanes  # reverse order: L2 still holds the last chunks
+        mask = row_ok[:, None] & (cols < n_cols)[None, :]
+        y = tl.load(y_ptr + (y_rows[:, None] + (cols * y_col_stride)[None, :]), mask=mask)
+        dy = tl.load(dy_ptr + (dy_rows[:, None] + (cols * dy_col_stride)[None, :]), mask=mask)
+        y = tl.where(mask, y.to(tl.float32), 0.0)
+        dy = tl.where(mask, dy.to(tl.float32), 0.0)
+        if LOG:
+            dx = dy - tl.exp(y) * total[:, None]
+        else:
+            dx = y * (dy - total[:, None])
+        tl.store(dx_ptr + (dx_rows[:, None] + (cols * dx_col_stride)[None, :]), dx.to(dx_ptr.dtype.element_ty),
+                 mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch configuration
+# ----------------------------------------------------------------------------------------------
+
+
+class SoftmaxLaunchConfig(NamedTuple):
+    """How one row launch runs (see :func:`softmax_launch_config`)."""
+
+    #: Columns per block: the whole row (padded to a power of two), or one chunk when ``online``.
+    block: int
+    #: Rows each program handles side by side (a power of two).
+    rows_per_program: int
+    #: Rows too long for one block: the chunked, online kernels.
+    online: bool
+    #: Warps per program on a GPU (ignored by the interpreter).
+    num_warps: int
+
+
+def _warps_for(values: int, values_per_thread: int) -> int:
+    return max(4, min(32, values // (32 * values_per_thread)))
+
+
+def softmax_launch_config(
+    n_cols: int, dtype: torch.dtype, *, n_rows: int | None = None, transposed: bool = False,
+    backward: bool = False,
+) -> SoftmaxLaunchConfig:
+    """The kernel configuration for rows of ``n_cols`` elements of ``dtype``.
+
+    The rule (``block = next_power_of_2(n_cols)``):
+
+    * **One block per row** when the tile's float32 values fit :data:`MAX_BLOCK`: the forward
+      holds ``block`` values per row, the backward ``2 * block`` (``y`` and ``dy``). So rows up to
+      32768 columns (forward) and 16384 (backward) stay in registers. Short rows are then packed
+      until a program holds :data:`ROW_TILE` elements (``rows_per_program = ROW_TILE // block``),
+      never more rows than there are (``n_rows``, if given).
+    * **Online** otherwise, in chunks of :data:`ONLINE_BLOCK` columns (the forward keeps three
+      lane arrays: running max, running sum, the chunk).
+    * **Warps**: enough for about 32 float32 values per thread (4 to 32 warps: a 4096-value tile
+      gets 4, 32768 gets 32); 16 values when ``transposed``. An online chunk of 4096 gets 8.
+    * ``transposed``: the rows, not the columns, are contiguous in memory (a softmax over a dim
+      that is not the innermost). The tile's threads then run along the rows, and a program takes
+      at least ``32 bytes / itemsize`` rows (8 for float32, 16 for 16-bit dtypes) so that each
+      column of the tile fills whole 32-byte sectors.
+
+    Args:
+        n_cols: length of a row (the softmax dim).
+        dtype: the storage dtype (float32, float16 or bfloat16); it sets the rows per sector.
+        n_rows: number of rows, if known (caps ``rows_per_program``).
+        transposed: see above.
+        backward: the configuration of the backward kernels.
+
+    Returns:
+        A :class:`SoftmaxLaunchConfig` ``(block, rows_per_program, online, num_warps)``.
+    """
+    op = "kernels.softmax_launch_config"
+    if isinstance(n_cols, bool) or not isinstance(n_cols, numbers.Integral) or n_cols < 0:
+        raise ValueError(f"{op}: n_cols must be a non-negative int, got {n_cols!r}")
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{op}: dtype must be torch.float32, torch.float16 or torch.bfloat16, got {dtype!r}")
+    if n_rows is not None and (isinstance(n_rows, bool) or not isinstance(n_rows, numbers.Integral) or n_rows < 0):
+        raise ValueError(f"{op}: n_rows must be a non-negative int or None, got {n_rows!r}")
+    arrays = 2 if backward else 1  # float32 tile arrays a one-block program keeps (y and dy)
+    per_thread = _VALUES_PER_THREAD_TRANSPOSED if transposed else _VALUES_PER_THREAD
+    capacity = MAX_BLOCK * per_thread // _VALUES_PER_THREAD  # float32 values a program may keep
+    sector_rows = _SECTOR_BYTES // torch.empty((), dtype=dtype).element_size() if transposed else 1
+    row_cap = next_power_of_2(n_rows) if n_rows is not None else None
+    block = next_power_of_2(n_cols)
+    if block * arrays <= capacity:
+        rows = min(max(ROW_TILE // block, sector_rows), capacity // (block * arrays))
+        if row_cap is not None:
+            rows = min(rows, row_cap)
+        return SoftmaxLaunchConfig(block, rows, False, _warps_for(block * rows * arrays, per_thread))
+    rows = sector_rows if row_cap is None else min(sector_rows, row_cap)
+    chunk = max(1, min(ONLINE_BLOCK // rows, block))
+    return SoftmaxLaunchConfig(chunk, rows, True, _warps_for(chunk * rows, 16))
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------
+
+
+def _empty_like(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The output: ``t``'s memory layout when it is dense (like torch), else contiguous."""
+    return torch.empty_like(t, dtype=dtype)
+
+
+def _rows_view(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """A view of ``t`` whose last dim is the softmax dim (a 0-d tensor becomes one row of one)."""
+    return t.reshape(1) if t.dim() == 0 else t.movedim(dim, -1)
+
+
+def _launch_rows(forward: bool, operands: list[torch.Tensor], dtype: torch.dtype, log: bool) -> None:
+    """Launch the forward (x, y) or backward (y, dy, dx) kernels over every row of ``operands``."""
+    for launch in plan_rows(operands):
+        s0, s1, s2, col = launch.strides[:4]  # the first operand (x or y) decides the layout
+        transposed = col != 1 and s2 == 1 and launch.n_rows > 1
+        config = softmax_launch_config(launch.n_cols, dtype, n_rows=launch.n_rows, transposed=transposed,
+                                       backward=not forward)
+        size1, size2 = launch.sizes
+        rows = config.rows_per_program
+        # One row start per tile is enough when no tile crosses a step of the innermost leading dim.
+        linear_rows = size2 % rows == 0 or size2 == launch.n_rows
+        if forward:
+            kernel = softmax_online_kernel if config.online else softmax_kernel
+        else:
+            kernel = softmax_backward_online_kernel if config.online else softmax_backward_kernel
+        kernel[(triton.cdiv(launch.n_rows, rows),)](
+            *launch.tensors, *launch.args(),
+            LOG=log, BLOCK=config.block, ROWS_PER_PROGRAM=rows, LINEAR_ROWS=linear_rows,
+            INDEX_64=launch.index_64, num_warps=config.num_warps,
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation
+# ----------------------------------------------------------------------------------------------
+
+
+def _normalize_dim(op: str, dim: object, x: torch.Tensor) -> int:
+    """``dim`` as an index in ``[0, rank)`` (a 0-d tensor has one dim, like in torch)."""
+    if isinstance(dim, bool) or not isinstance(dim, (numbers.Integral, torch.SymInt)):
+        raise TypeError(f"{op}: dim must be an int, got {type(dim).__name__}")
+    dim = int(dim)
+    rank = max(x.dim(), 1)
+    if not -rank <= dim < rank:
+        raise ValueError(
+            f"{op}: dim must be in [{-rank}, {rank - 1}] for x of shape {tuple(x.shape)}, got {dim} "
+            f"(negative dims count from the end)"
+        )
+    return dim % rank
+
+
+def _check_dtype_arg(op: str, dtype: object) -> None:
+    if dtype is None:
+        return
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{op}: dtype must be a torch.dtype or None, got {type(dtype).__name__}")
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{op}: dtype must be torch.float32, torch.float16, torch.bfloat16 or None (x's dtype), got {dtype}"
+        )
+
+
+def _check_forward_args(op: str, x: object, dim: object, dtype: object) -> int:
+    check_tensor(op, "x", x)
+    check_float_dtype(op, "x", x)
+    _check_dtype_arg(op, dtype)
+    return _normalize_dim(op, dim, x)
+
+
+def _check_backward_args(op: str, grad_out: object, out: object, dim: object, input_dtype: object) -> int:
+    check_tensor(op, "grad_out", grad_out)
+    check_tensor(op, "out", out)
+    check_float_dtype(op, "grad_out", grad_out)
+    check_float_dtype(op, "out", out)
+    check_same_shape(op, "grad_out", grad_out, "out", out)
+    check_same_device(op, "grad_out", grad_out, "out", out)
+    if input_dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{op}: input_dtype must be float32, float16 or bfloat16, got {input_dtype}")
+    return _normalize_dim(op, dim, out)
+
+
+# ----------------------------------------------------------------------------------------------
+# Custom ops and autograd
+# ----------------------------------------------------------------------------------------------
+
+
+def _forward(op: str, x: torch.Tensor, dim: int, dtype: torch.dtype | None, log: bool) -> torch.Tensor:
+    dim = _check_forward_args(op, x, dim, dtype)
+    runtime.require_launchable(op, x)
+    out_dtype = dtype or x.dtype
+    y = _empty_like(x, out_dtype)
+    _launch_rows(True, [_rows_view(x, dim), _rows_view(y, dim)], x.dtype, log)
+    return y
+
+
+def _backward(op: str, grad_out: torch.Tensor, out: torch.Tensor, dim: int, input_dtype: torch.dtype,
+              log: bool) -> torch.Tensor:
+    dim = _check_backward_args(op, grad_out, out, dim, input_dtype)
+    runtime.require_launchable(op, grad_out, out)
+    grad_in = _empty_like(out, input_dtype)
+    _launch_rows(False, [_rows_view(t, dim) for t in (out, grad_out, grad_in)], out.dtype, log)
+    return grad_in
+
+
+@torch.library.custom_op("kernels::softmax", mutates_args=())
+def _softmax_op(x: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return _forward("kernels.softmax", x, dim, dtype, log=False)
+
+
+@_softmax_op.register_fake
+def _softmax_fake(x: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    _check_forward_args("kernels.softmax", x, dim, dtype)
+    return _empty_like(x, dtype or x.dtype)
+
+
+@torch.library.custom_op("kernels::log_softmax", mutates_args=())
+def _log_softmax_op(x: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return _forward("kernels.log_softmax", x, dim, dtype, log=True)
+
+
+@_log_softmax_op.register_fake
+def _log_softmax_fake(x: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    _check_forward_args("kernels.log_softmax", x, dim, dtype)
+    return _empty_like(x, dtype or x.dtype)
+
+
+@torch.library.custom_op("kernels::softmax_backward", mutates_args=())
+def _softmax_backward_op(grad_out: torch.Tensor, out: torch.Tensor, dim: int,
+                         input_dtype: torch.dtype) -> torch.Tensor:
+    return _backward("kernels.softmax (backward)", grad_out, out, dim, input_dtype, log=False)
+
+
+@_softmax_backward_op.register_fake
+def _softmax_backward_fake(grad_out: torch.Tensor, out: torch.Tensor, dim: int,
+                           input_dtype: torch.dtype) -> torch.Tensor:
+    _check_backward_args("kernels.softmax (backward)", grad_out, out, dim, input_dtype)
+    return _empty_like(out, input_dtype)
+
+
+@torch.library.custom_op("kernels::log_softmax_backward", mutates_args=())
+def _log_softmax_backward_op(grad_out: torch.Tensor, out: torch.Tensor, dim: int,
+                             input_dtype: torch.dtype) -> torch.Tensor:
+    return _backward("kernels.log_softmax (backward)", grad_out, out, dim, input_dtype, log=True)
+
+
+@_log_softmax_backward_op.register_fake
+def _log_softmax_backward_fake(grad_out: torch.Tensor, out: torch.Tensor, dim: int,
+                               input_dtype: torch.dtype) -> torch.Tensor:
+    _check_backward_args("kernels.log_softmax (backward)", grad_out, out, dim, input_dtype)
+    return _empty_like(out, input_dtype)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, dim, _ = inputs
+    ctx.save_for_backward(output)  # the backward needs only the output
+    ctx.dim = dim
+    ctx.input_dtype = x.dtype
+
+
+def _softmax_backward(ctx, grad_out: torch.Tensor):
+    (out,) = ctx.saved_tensors
+    return _softmax_backward_op(grad_out, out, ctx.dim, ctx.input_dtype), None, None
+
+
+def _log_softmax_backward(ctx, grad_out: torch.Tensor):
+    (out,) = ctx.saved_tensors
+    return _log_softmax_backward_op(grad_out, out, ctx.dim, ctx.input_dtype), None, None
+
+
+_softmax_op.register_autograd(_softmax_backward, setup_context=_setup_context)
+_log_softmax_op.register_autograd(_log_softmax_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public functions
+# ----------------------------------------------------------------------------------------------
+
+
+def softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Softmax of ``x`` along ``dim``, like ``torch.nn.functional.softmax(x, dim, dtype=dtype)``.
+
+    Args:
+        x: float32, float16 or bfloat16 tensor of any shape and strides (read in place, not copied).
+        dim: the dim to normalize over; negative counts from the end.
+        dtype: the output's dtype (float32, float16 or bfloat16); ``None`` keeps ``x``'s. Unlike
+            torch, which casts ``x`` first, ``x`` is read in its own dtype and computed in float32.
+
+    Returns:
+        A new tensor of ``x``'s shape (and memory layout, when ``x`` is dense), computed in
+        float32. Rows that are all ``-inf`` give NaN, like torch. Differentiable; the backward
+        (``kernels::softmax_backward``) uses only the saved output.
+    """
+    _check_forward_args("kernels.softmax", x, dim, dtype)
+    return _softmax_op(x, dim, dtype)
+
+
+def log_softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Log-softmax of ``x`` along ``dim``, like ``torch.nn.functional.log_softmax(x, dim, dtype=dtype)``.
+
+    Args:
+        x: float32, float16 or bfloat16 tensor of any shape and strides (read in place, not copied).
+        dim: the dim to normalize over; negative counts from the end.
+        dtype: the output's dtype (float32, float16 or bfloat16); ``None`` keeps ``x``'s.
+
+    Returns:
+        A new tensor of ``x``'s shape (and memory layout, when ``x`` is dense), computed in
+        float32 as ``(x - max) - log(sum(exp(x - max)))``. Rows that are all ``-inf`` give NaN,
+        like torch. Differentiable; the backward (``kernels::log_softmax_backward``) uses only
+        the saved output.
+    """
+    _check_forward_args("kernels.log_softmax", x, dim, dtype)
+    return _log_softmax_op(x, dim, dtype)
