@@ -8,6 +8,18 @@ from . import runtime  # noqa: F401  (first: fixes the mode before any kernel is
 from .add import add, add_kernel
 from .dropout import dropout, dropout_kernel, dropout_mask, dropout_mask_kernel
 from .gelu import gelu, gelu_backward_kernel, gelu_kernel
+from .matmul import (
+    MatmulConfig,
+    matmul,
+    matmul_kernel,
+    matmul_persistent,
+    matmul_persistent_kernel,
+    matmul_split_k,
+    matmul_split_k_kernel,
+    matmul_split_k_reduce_kernel,
+    matmul_tiled,
+    plan_matmul,
+)
 from .silu import silu, silu_backward_kernel, silu_kernel
 from .swiglu import swiglu, swiglu_backward_kernel, swiglu_kernel
 
@@ -21,6 +33,13 @@ __all__ = [
     "swiglu",
     "dropout",
     "dropout_mask",
+    "matmul",
+    # matmul's launchers with an explicit configuration, and its dispatch rule
+    "MatmulConfig",
+    "matmul_tiled",
+    "matmul_split_k",
+    "matmul_persistent",
+    "plan_matmul",
     # the Triton kernels behind them, for reading and tracing
     "add_kernel",
     "gelu_kernel",
@@ -31,4 +50,8 @@ __all__ = [
     "swiglu_backward_kernel",
     "dropout_kernel",
     "dropout_mask_kernel",
+    "matmul_kernel",
+    "matmul_split_k_kernel",
+    "matmul_split_k_reduce_kernel",
+    "matmul_persistent_kernel",
 ]
