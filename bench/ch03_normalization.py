@@ -143,7 +143,8 @@ def layer_norm_grads_reference(x, w, b, g):
 
 
 def add_rms_norm_reference(x, residual, w):
-    h = x.double() + residual.double()
+    # the sum rounded to the inputs' dtype first: the residual stream's value, which is what is normalized
+    h = (x + residual).double()
     return F.rms_norm(h, h.shape[-1:], w.double(), RMS_EPS), h
 
 
@@ -294,6 +295,14 @@ def _float_grads(forward, *inputs, grad_out):
     return grads(forward, *(t.float() for t in inputs), grad_out=grad_out.float())
 
 
+def _add_rms_norm_float(x, residual, w, dtype):
+    """fp32 add_rms_norm whose sum has the value of the low-precision sum (the residual stream's)
+    and the gradient of the exact one."""
+    exact = x + residual
+    s = exact + ((x.to(dtype) + residual.to(dtype)).float() - exact).detach()
+    return rms_norm_torch(s, w), s
+
+
 def gpu_checks(size: str = "gpu") -> list:
     """Correctness (bf16, fp16; forward and backward incl. dweight/dbias) and timings (bf16).
 
@@ -315,7 +324,7 @@ def gpu_checks(size: str = "gpu") -> list:
                   lambda x=x, w=w, b=b: layer_norm_torch(x.float(), w.float(), b.float())),
             Check("add_rms_norm forward (normed, sum)", dtype,
                   lambda x=x, r=r, w=w: add_rms_norm_fused(x, r, w),
-                  lambda x=x, r=r, w=w: add_rms_norm_torch(x.float(), r.float(), w.float())),
+                  lambda x=x, r=r, w=w: _add_rms_norm_float(x.float(), r.float(), w.float(), x.dtype)),
             Check("rms_norm backward (dx, dw)", dtype,
                   lambda x=x, w=w, g=g: grads(rms_norm_kernels, x, w, grad_out=g),
                   lambda x=x, w=w, g=g: _float_grads(rms_norm_torch, x, w, grad_out=g)),
@@ -324,7 +333,7 @@ def gpu_checks(size: str = "gpu") -> list:
                   lambda x=x, w=w, b=b, g=g: _float_grads(layer_norm_torch, x, w, b, grad_out=g)),
             Check("add_rms_norm backward (dx, dresidual, dw)", dtype,
                   lambda x=x, r=r, w=w, g=g: grads(lambda *a: add_rms_norm_fused(*a)[0], x, r, w, grad_out=g),
-                  lambda x=x, r=r, w=w, g=g: _float_grads(lambda *a: add_rms_norm_torch(*a)[0], x, r, w,
+                  lambda x=x, r=r, w=w, g=g: _float_grads(lambda *a: _add_rms_norm_float(*a, x.dtype)[0], x, r, w,
                                                           grad_out=g)),
         ]
 
