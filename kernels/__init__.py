@@ -21,6 +21,15 @@ from .matmul import (
     plan_matmul,
 )
 from .silu import silu, silu_backward_kernel, silu_kernel
+from .softmax import (
+    log_softmax,
+    softmax,
+    softmax_backward_kernel,
+    softmax_backward_online_kernel,
+    softmax_kernel,
+    softmax_launch_config,
+    softmax_online_kernel,
+)
 from .swiglu import swiglu, swiglu_backward_kernel, swiglu_kernel
 
 __version__ = "0.1.0"
@@ -33,6 +42,9 @@ __all__ = [
     "swiglu",
     "dropout",
     "dropout_mask",
+    "softmax",
+    "log_softmax",
+    "softmax_launch_config",
     "matmul",
     # matmul's launchers with an explicit configuration, and its dispatch rule
     "MatmulConfig",
@@ -50,6 +62,10 @@ __all__ = [
     "swiglu_backward_kernel",
     "dropout_kernel",
     "dropout_mask_kernel",
+    "softmax_kernel",
+    "softmax_online_kernel",
+    "softmax_backward_kernel",
+    "softmax_backward_online_kernel",
     "matmul_kernel",
     "matmul_split_k_kernel",
     "matmul_split_k_reduce_kernel",

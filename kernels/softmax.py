@@ -358,7 +358,7 @@ def softmax_launch_config(
     arrays = 2 if backward else 1  # float32 tile arrays a one-block program keeps (y and dy)
     per_thread = _VALUES_PER_THREAD_TRANSPOSED if transposed else _VALUES_PER_THREAD
     capacity = MAX_BLOCK * per_thread // _VALUES_PER_THREAD  # float32 values a program may keep
-    sector_rows = _SECTOR_BYTES // torch.empty((), dtype=dtype).element_size() if transposed else 1
+    sector_rows = _SECTOR_BYTES // dtype.itemsize if transposed else 1
     row_cap = next_power_of_2(n_rows) if n_rows is not None else None
     block = next_power_of_2(n_cols)
     if block * arrays <= capacity:
