@@ -99,13 +99,15 @@ SCRIPT = textwrap.dedent(
                     continue
                 ptx = compiled.asm["ptx"]
                 usage = spilled_bytes(compiled)
-                rows.append(f"{name}: registers {usage[1] if usage else '?'}, spilled bytes {usage[0] if usage else '?'}")
+                registers, spilled = (usage[1], usage[0]) if usage else ("?", "?")
+                rows.append(f"{name}: registers {registers}, spilled bytes {spilled}")
                 if usage is not None and usage[0]:
                     failures.append(f"{name}: spills {usage[0]} bytes to local memory")
                 if layout == "contiguous" and not ("ld.global.v4" in ptx and "st.global.v4" in ptx):
                     failures.append(f"{name}: contiguous rows not vectorized")
-                if layout == "transposed" and access_orders(compiled.asm["ttgir"]) != {"0, 1"}:
-                    failures.append(f"{name}: accesses not laid out along the rows: {access_orders(compiled.asm['ttgir'])}")
+                orders = access_orders(compiled.asm["ttgir"])
+                if layout == "transposed" and orders != {"0, 1"}:
+                    failures.append(f"{name}: accesses not laid out along the rows: {orders}")
     print("\\n".join(rows))
     print("\\n".join(failures) or "ok")
     sys.exit(1 if failures else 0)
