@@ -8,6 +8,7 @@ from . import runtime  # noqa: F401  (first: fixes the mode before any kernel is
 from .add import add, add_kernel
 from .dropout import dropout, dropout_kernel, dropout_mask, dropout_mask_kernel
 from .gelu import gelu, gelu_backward_kernel, gelu_kernel
+from .linear import linear, linear_activation_backward_kernel
 from .matmul import (
     MatmulConfig,
     matmul,
@@ -46,6 +47,7 @@ __all__ = [
     "log_softmax",
     "softmax_launch_config",
     "matmul",
+    "linear",
     # matmul's launchers with an explicit configuration, and its dispatch rule
     "MatmulConfig",
     "matmul_tiled",
@@ -70,4 +72,5 @@ __all__ = [
     "matmul_split_k_kernel",
     "matmul_split_k_reduce_kernel",
     "matmul_persistent_kernel",
+    "linear_activation_backward_kernel",
 ]
