@@ -6,6 +6,7 @@ in Triton's interpreter on the CPU (see :mod:`kernels.runtime`).
 
 from . import runtime  # noqa: F401  (first: fixes the mode before any kernel is defined)
 from .add import add, add_kernel
+from .cross_entropy import cross_entropy, cross_entropy_backward_kernel, cross_entropy_forward_kernel
 from .dropout import dropout, dropout_kernel, dropout_mask, dropout_mask_kernel
 from .gelu import gelu, gelu_backward_kernel, gelu_kernel
 from .linear import linear, linear_activation_backward_kernel
@@ -43,6 +44,7 @@ __all__ = [
     "swiglu",
     "dropout",
     "dropout_mask",
+    "cross_entropy",
     "softmax",
     "log_softmax",
     "softmax_launch_config",
@@ -64,6 +66,8 @@ __all__ = [
     "swiglu_backward_kernel",
     "dropout_kernel",
     "dropout_mask_kernel",
+    "cross_entropy_forward_kernel",
+    "cross_entropy_backward_kernel",
     "softmax_kernel",
     "softmax_online_kernel",
     "softmax_backward_kernel",

@@ -22,7 +22,8 @@ SCRIPT = textwrap.dedent(
     """
     import os, sys
     os.environ["KERNEL_LADDER_INTERPRET"] = "0"  # compiled mode: real @triton.jit kernels
-    import kernels.cross_entropy as ce, triton
+    import importlib, triton
+    ce = importlib.import_module("kernels.cross_entropy")  # the module; kernels.cross_entropy is the op
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
