@@ -286,7 +286,9 @@ def _check_rows_args(op: str, x: object, fp8: object, scale_dtype: object) -> No
     check_tensor(op, "x", x)
     check_float_dtype(op, "x", x)
     if x.dim() == 0:
-        raise ValueError(f"{op}: x must have at least one dimension (rows are quantized along the last), got a 0-d tensor")
+        raise ValueError(
+            f"{op}: x must have at least one dimension (rows are quantized along the last), got a 0-d tensor"
+        )
     if not isinstance(fp8, bool):
         raise TypeError(f"{op}: fp8 must be a bool, got {type(fp8).__name__}")
     _check_scale_dtype(op, scale_dtype)
@@ -330,7 +332,9 @@ def _quantize_int4_op(w: torch.Tensor, group_size: int, scale_dtype: torch.dtype
 
 
 @_quantize_int4_op.register_fake
-def _quantize_int4_fake(w: torch.Tensor, group_size: int, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_int4_fake(
+    w: torch.Tensor, group_size: int, scale_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     _check_int4_args("kernels.quantize_int4", w, group_size, scale_dtype)
     return _int4_storage(*w.shape, group_size, scale_dtype, w.device)
 

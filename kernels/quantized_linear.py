@@ -111,7 +111,7 @@ def _write_tile(acc, rm, rn, M, N, pid_k, bias_ptr, bias_stride, out_ptr, partia
 def quantized_linear_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, partial_ptr,
     M, K, size1, size2, x_stride0, x_stride1, x_stride2, x_stride_k,
-    N, w_stride_n, w_stride_k, scale_stride_n, scale_stride_g, bias_stride, k_blocks_per_split,
+    N, w_cols, w_stride_n, w_stride_k, scale_stride_n, scale_stride_g, bias_stride, k_blocks_per_split,
     SCHEME: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -119,8 +119,10 @@ def quantized_linear_kernel(
     """out[m, n] = sum_k x[m, k] * dequant(w)[n, k] (+ bias[n]) for one BLOCK_M x BLOCK_N tile
     and one split of K, dequantizing each weight tile in registers (SCHEME 0 int8, 1 int4, 2 fp8).
 
-    x: (M, K) rows through ``row_start`` (leading dims) and ``x_stride_k``; w: (N, K) values or
-    (N, ceil(K/2)) packed bytes, strides ``w_stride_n, w_stride_k``; scales (N,) or (N, groups).
+    x: (M, K) rows through ``row_start`` (leading dims) and ``x_stride_k``; w: (N, w_cols) values
+    (w_cols = K) or packed bytes (w_cols = ceil(K/2)), strides ``w_stride_n, w_stride_k``; scales
+    (N,) or (N, groups). ``w_cols`` is its own argument so that Triton sees its divisibility by 16
+    and vectorizes the weight loads (``(K + 1) // 2`` computed in the kernel would hide it).
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -137,16 +139,17 @@ def quantized_linear_kernel(
     kb_start = pid_k * k_blocks_per_split
     kb_end = tl.minimum(kb_start + k_blocks_per_split, tl.cdiv(K, BLOCK_K))
     for kb in range(kb_start, kb_end):
+        rk = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+        if INDEX_64:
+            rk = rk.to(tl.int64)
+        xk = tl.load(x_ptr + x_row[:, None] + rk[None, :] * x_stride_k,
+                     mask=m_mask[:, None] & (rk < K)[None, :], other=0.0)
         if SCHEME == _INT4:
-            j = kb * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)  # byte index: holds k = 2j, 2j + 1
-            k_even = 2 * j
-            if INDEX_64:
-                k_even = k_even.to(tl.int64)
-            x_even = x_ptr + x_row[:, None] + k_even[None, :] * x_stride_k
-            xe = tl.load(x_even, mask=m_mask[:, None] & (k_even < K)[None, :], other=0.0)
-            xo = tl.load(x_even + x_stride_k, mask=m_mask[:, None] & (k_even + 1 < K)[None, :], other=0.0)
+            # x's even and odd columns (k = 2j, 2j + 1) meet the low and high nibbles of byte j.
+            xe, xo = tl.split(tl.reshape(xk, (BLOCK_M, BLOCK_K // 2, 2)))
+            j = kb * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
             packed = tl.load(w_ptr + w_row[None, :] + j[:, None] * w_stride_k,
-                             mask=(j < (K + 1) // 2)[:, None] & n_mask[None, :], other=0x88)
+                             mask=(j < w_cols)[:, None] & n_mask[None, :], other=0x88)
             low = ((packed & 0xF).to(tl.int8) - 8).to(dot_dtype)  # exact: integers in [-8, 7]
             high = ((packed >> 4).to(tl.int8) - 8).to(dot_dtype)
             part = tl.dot(xe, low, input_precision=INPUT_PRECISION)
@@ -155,13 +158,8 @@ def quantized_linear_kernel(
             s = tl.load(scale_ptr + scale_row + group * scale_stride_g, mask=n_mask, other=0.0)
             acc += part * s.to(tl.float32)[None, :]
         else:
-            rk = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-            if INDEX_64:
-                rk = rk.to(tl.int64)
-            xk = tl.load(x_ptr + x_row[:, None] + rk[None, :] * x_stride_k,
-                         mask=m_mask[:, None] & (rk < K)[None, :], other=0.0)
             w = tl.load(w_ptr + w_row[None, :] + rk[:, None] * w_stride_k,
-                        mask=(rk < K)[:, None] & n_mask[None, :], other=0.0)
+                        mask=(rk < w_cols)[:, None] & n_mask[None, :], other=0.0)
             acc = tl.dot(xk, w.to(dot_dtype), acc, input_precision=INPUT_PRECISION)  # exact conversion
     if SCHEME != _INT4:  # one scale per output channel: factor it out of the K sum
         s = tl.load(scale_ptr + scale_row, mask=n_mask, other=0.0)
@@ -340,7 +338,7 @@ def _launch_weight_only(x, data, scales, bias, scheme, group_size, K, out2d, con
         quantized_linear_kernel[grid](
             x_slice, data, scales, bias if bias is not None else out_slice, out_slice, partial,
             rows, K, *row_args,
-            N, data.stride(0), data.stride(1), scales.stride(0), scale_stride_g,
+            N, data.shape[1], data.stride(0), data.stride(1), scales.stride(0), scale_stride_g,
             bias.stride(0) if bias is not None else 0, per_split,
             SCHEME=_SCHEME_IDS[scheme], GROUP_SIZE=group_size or 1, HAS_BIAS=bias is not None, SPLIT_K=split,
             INPUT_PRECISION=_input_precision(x), INDEX_64=index_64,
