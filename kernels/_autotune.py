@@ -236,17 +236,26 @@ def _even_k(args: dict[str, Any]) -> bool:
     return args["K"] % args["BLOCK_K"] == 0
 
 
-def make_autotuned(kernel, configs: Iterable[MatmulConfig] = GPU_CONFIGS, key: Sequence[str] = TUNING_KEY):
+def make_autotuned(
+    kernel,
+    configs: Iterable[MatmulConfig] = GPU_CONFIGS,
+    key: Sequence[str] = TUNING_KEY,
+    do_bench: Callable | None = None,
+):
     """``kernel`` wrapped for the GPU: ``triton.autotune`` over ``configs`` around a heuristic for EVEN_K.
 
     ``EVEN_K`` (K divisible by BLOCK_K: no K masks) depends on the config, so it is computed per
     candidate by ``triton.heuristics``. The result is an ordinary Triton launcher
     (``wrapped[grid](...)``) that takes every kernel argument except the tile constexprs,
-    ``EVEN_K``, ``num_warps`` and ``num_stages``. Constructing it needs no GPU.
+    ``EVEN_K``, ``num_warps`` and ``num_stages``. Constructing it needs no GPU. ``do_bench``
+    replaces Triton's GPU benchmarker (``fn(kernel_call, quantiles) -> timings``), e.g. to
+    exercise the tuning loop in the interpreter.
     """
     options: dict[str, Any] = {"prune_configs_by": {"early_config_prune": prune_configs}}
     if autotune_supports_disk_cache():
         options["cache_results"] = True
+    if do_bench is not None:
+        options["do_bench"] = do_bench
     heuristic = triton.heuristics({"EVEN_K": _even_k})(kernel)
     return triton.autotune(configs=[c.to_triton() for c in configs], key=list(key), **options)(heuristic)
 
