@@ -6,7 +6,7 @@ One solution per exercise of ``chapters/04_matmul/04_matmul.ipynb``, written for
 * :func:`matmul_tiled_kernel` — one program per ``BLOCK_M x BLOCK_N`` output tile, ``tl.dot`` over
   ``BLOCK_K`` slices of K, programs in row-major order;
 * :func:`grouped_program_order` — the grouped ("swizzled") program → tile mapping for L2 reuse;
-* :func:`warp_sectors` — the 32-byte sectors and 128-byte lines one strided warp request touches;
+* :func:`warp_sectors` — the sectors and lines one warp request touches, by layout and lane order;
 * :func:`matmul_bias_gelu_kernel` — the tiled kernel with a fused epilogue: + bias, GELU, one store;
 * :func:`matmul_split_k_kernel` — split-K: each program reduces one slice of K into fp32 partials.
 
@@ -178,19 +178,26 @@ SECTOR_BYTES = 32
 LINE_BYTES = 128
 
 
-def warp_sectors(stride: int, element_bytes: int) -> tuple[int, int]:
-    """Sectors and lines of one warp request where lane ``i`` reads element ``i * stride``.
+def warp_sectors(layout: str, lanes_along: int, n_rows: int, n_cols: int, element_bytes: int) -> tuple[int, int]:
+    """Sectors and lines of a warp's first request over an ``n_rows x n_cols`` matrix.
 
-    Teaches how a warp's 32 addresses become memory traffic: lane ``i`` reads the bytes
-    ``[i·stride·e, i·stride·e + e)`` (``e = element_bytes``, the array 128-byte aligned); the
-    request costs the *distinct* 32-byte sectors and 128-byte lines those bytes fall in. With
-    ``stride·e <= 32`` neighbouring lanes share sectors and the request spans
-    ``31·stride·e + e`` bytes; once ``stride·e >= 32`` every lane has a sector of its own (32),
-    and once ``stride·e >= 128`` a line of its own too.
+    Teaches what decides coalescing in a matmul: the lanes walk the matrix along dimension
+    ``lanes_along`` (1: along a row, 0: down a column), wrapping to the next row (column) at
+    its end — lane ``i`` takes element ``divmod(i, n_cols)`` or, down columns, the transpose —
+    and the matrix is stored ``"row-major"`` (row stride ``n_cols``, column stride 1) or
+    ``"column-major"`` (row stride 1, column stride ``n_rows``), 128-byte aligned. The request
+    costs the distinct 32-byte sectors and 128-byte lines its bytes fall in: 32 consecutive
+    4-byte elements take 4 sectors in 1 line when the lanes run along the contiguous dimension,
+    and up to 32 of each when they run across it.
     """
+    stride_row, stride_col = (n_cols, 1) if layout == "row-major" else (1, n_rows)
     sectors, lines = set(), set()
     for lane in range(32):
-        first = lane * stride * element_bytes
+        if lanes_along == 1:
+            row, col = divmod(lane, n_cols)  # along a row, then the next row
+        else:
+            col, row = divmod(lane, n_rows)  # down a column, then the next column
+        first = (row * stride_row + col * stride_col) * element_bytes
         last = first + element_bytes - 1
         sectors.update(range(first // SECTOR_BYTES, last // SECTOR_BYTES + 1))
         lines.update(range(first // LINE_BYTES, last // LINE_BYTES + 1))

@@ -8,7 +8,6 @@ stay at a few dozen program instances per case: the interpreter runs each in Pyt
 
 from __future__ import annotations
 
-import math
 import os
 import subprocess
 import sys
@@ -23,7 +22,7 @@ import triton.language as tl
 
 import kernels
 from solutions import ch04_matmul as solutions
-from utils.coalescing import strided_warp
+from utils.coalescing import matrix_strides, tile_requests
 from utils.exercises import check
 from utils.l2cache import program_order
 
@@ -112,14 +111,25 @@ def program_order_reference(grid_m, grid_n, group_m):
 
 
 def warp_cases(gen: torch.Generator) -> list:
-    fixed = [(1, 4), (2, 4), (3, 4), (8, 4), (16, 4), (33, 4), (1, 2), (5, 2), (64, 2), (1, 8), (3, 8), (1, 1)]
-    drawn = [(int(torch.randint(1, 80, (1,), generator=gen)), int(e)) for e in (1, 2, 4, 8)]
+    """(layout, lanes_along, n_rows, n_cols, element_bytes): each layout with lanes along and across its
+    contiguous dimension, short dimensions that make the warp wrap, 2-, 4- and 8-byte elements."""
+    fixed = [("row-major", 1, 64, 64, 4), ("row-major", 0, 64, 64, 4), ("column-major", 0, 64, 64, 4),
+             ("column-major", 1, 64, 64, 4), ("row-major", 1, 16, 8, 4), ("row-major", 0, 16, 8, 4),
+             ("column-major", 0, 8, 16, 2), ("column-major", 1, 40, 24, 2), ("row-major", 0, 48, 3, 8),
+             ("row-major", 1, 4, 12, 2)]
+    drawn = []
+    for layout in ("row-major", "column-major"):
+        for lanes_along in (0, 1):
+            rows, cols = (int(v) for v in torch.randint(6, 70, (2,), generator=gen))
+            element_bytes = (1, 2, 4, 8)[int(torch.randint(4, (1,), generator=gen))]
+            drawn.append((layout, lanes_along, rows, cols, element_bytes))
     return fixed + drawn
 
 
-def warp_reference(stride, element_bytes):
-    request = strided_warp(stride, element_bytes)
-    return int(request.sectors.size), int(request.lines.size)
+def warp_reference(layout, lanes_along, n_rows, n_cols, element_bytes):
+    strides = matrix_strides(n_rows, n_cols, layout)
+    first = tile_requests((n_rows, n_cols), strides, element_bytes, order=(lanes_along, 1 - lanes_along)).requests[0]
+    return int(first.sectors.size), int(first.lines.size)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -407,22 +417,31 @@ def order_columns_fastest(pid, grid_m, grid_n, group_m):
     return first_m + (pid % per_group) // grid_n, (pid % per_group) % grid_n
 
 
-def sectors_stub(stride, element_bytes):
+def sectors_stub(layout, lanes_along, n_rows, n_cols, element_bytes):
     raise NotImplementedError
 
 
-def sectors_one_per_lane(stride, element_bytes):
-    return 32, 32
+def sectors_ignore_layout(layout, lanes_along, n_rows, n_cols, element_bytes):
+    # treats every matrix as row-major
+    return solutions.warp_sectors("row-major", lanes_along, n_rows, n_cols, element_bytes)
 
 
-def sectors_assume_fp32(stride, element_bytes):
-    return solutions.warp_sectors(stride, 4)
+def sectors_ignore_lane_order(layout, lanes_along, n_rows, n_cols, element_bytes):
+    # assumes the lanes always run along rows
+    return solutions.warp_sectors(layout, 1, n_rows, n_cols, element_bytes)
 
 
-def sectors_by_span(stride, element_bytes):
-    # the span in bytes over 32 / 128, without noticing that sectors between lanes are skipped
-    span = 32 * stride * element_bytes
-    return math.ceil(span / 32), math.ceil(span / 128)
+def sectors_no_wrap(layout, lanes_along, n_rows, n_cols, element_bytes):
+    # the lanes' stride alone, as if the dimension never ended: wrong for short dimensions
+    contiguous = (layout == "row-major") == (lanes_along == 1)
+    stride = 1 if contiguous else (n_cols if layout == "row-major" else n_rows)
+    sectors = {(lane * stride * element_bytes) // 32 for lane in range(32)}
+    lines = {(lane * stride * element_bytes) // 128 for lane in range(32)}
+    return len(sectors), len(lines)
+
+
+def sectors_assume_fp32(layout, lanes_along, n_rows, n_cols, element_bytes):
+    return solutions.warp_sectors(layout, lanes_along, n_rows, n_cols, 4)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -457,7 +476,8 @@ def test_grouped_order_solution_works_on_arrays():
 def test_warp_sectors_solution_is_solved():
     verdict = check("ch04_matmul.warp_sectors", solutions.warp_sectors, warp_reference, warp_cases)
     assert verdict.solved, verdict.message
-    assert solutions.warp_sectors(1, 4) == (4, 1) and solutions.warp_sectors(64, 4) == (32, 32)
+    assert solutions.warp_sectors("row-major", 1, 64, 64, 4) == (4, 1)
+    assert solutions.warp_sectors("row-major", 0, 64, 64, 4) == (32, 32)
 
 
 def test_grouped_kernel_matches_and_follows_the_order():
@@ -532,8 +552,9 @@ def test_wrong_program_order_is_not_solved(candidate, diagnosis):
 
 @pytest.mark.parametrize(
     ("candidate", "diagnosis"),
-    [(sectors_stub, "not implemented yet"), (sectors_one_per_lane, "wrong value"),
-     (sectors_assume_fp32, "wrong value"), (sectors_by_span, "wrong value")],
+    [(sectors_stub, "not implemented yet"), (sectors_ignore_layout, "wrong value"),
+     (sectors_ignore_lane_order, "wrong value"), (sectors_no_wrap, "wrong value"),
+     (sectors_assume_fp32, "wrong value")],
     ids=lambda value: getattr(value, "__name__", ""),
 )
 def test_wrong_warp_sectors_is_not_solved(candidate, diagnosis):
