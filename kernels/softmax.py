@@ -32,9 +32,12 @@ ideal), log-softmax reads ``dy`` twice and ``y`` once (4/3 = 1.33x).
 Layouts are honoured without copies: the reduced ``dim`` is moved last (a view) and the rows are
 planned by :func:`kernels._rows.plan_rows`. When the rows, not the columns, are contiguous in
 memory (a softmax over a dim that is not the innermost, e.g. the channels of an NCHW tensor), the
-tile's rows run along memory, and every program takes at least a 32-byte sector's worth of rows so
-that no sector is fetched for a fraction of its bytes. The output has ``x``'s memory layout (like
-torch: ``torch.empty_like``).
+tile's threads run along the rows, and a program takes a 32-byte sector's worth of rows when the
+tile has room, so that no sector is fetched for a fraction of its bytes. (This needs the tile's
+rows to be one run of memory: one leading dim, or an innermost leading size that is a multiple of
+``rows_per_program``; otherwise row starts are computed per row and the compiler cannot see the
+contiguity.) The output has ``x``'s memory layout when ``x`` is dense, like torch's
+(``torch.empty_like``).
 
 Rows that are entirely ``-inf`` give NaN, as torch does (``exp(-inf - -inf)``), in both kernels and
 both ops; rows with some ``-inf`` entries give exact zeros (softmax) and ``-inf`` (log-softmax) there.
@@ -93,14 +96,35 @@ _NEG_INF = tl.constexpr(float("-inf"))
 
 
 @triton.jit
+def _tile_rows(n_rows, size2, ROWS: tl.constexpr, LINEAR_ROWS: tl.constexpr):
+    """This program's first row and the mask of its ``ROWS`` rows that exist.
+
+    Plain tiles are rows ``pid * ROWS ..``. With ``LINEAR_ROWS`` a tile never crosses a run of the
+    innermost leading dim (``size2`` rows that are one stride apart): the grid has
+    ``cdiv(size2, ROWS)`` tiles per run, the last one of each run masked where it overhangs.
+    """
+    pid = tl.program_id(0)
+    lanes = tl.arange(0, ROWS)
+    if LINEAR_ROWS:
+        tiles_per_run = tl.cdiv(size2, ROWS)
+        start = (pid % tiles_per_run) * ROWS  # position of the tile in its run
+        first_row = (pid // tiles_per_run) * size2 + start
+        row_ok = start + lanes < size2
+    else:
+        first_row = pid * ROWS
+        row_ok = first_row + lanes < n_rows
+    return first_row, row_ok
+
+
+@triton.jit
 def _tile_row_offsets(first_row, size1, size2, stride0, stride1, stride2,
                       ROWS: tl.constexpr, LINEAR_ROWS: tl.constexpr):
     """int64 memory offsets of rows ``first_row .. first_row + ROWS - 1``.
 
-    With ``LINEAR_ROWS`` (the host guarantees no tile crosses a step of the innermost leading
-    dim) one row start is computed and the rest are ``+ k * stride2``: fewer integer divisions,
-    and when ``stride2 == 1`` the compiler sees that the rows are contiguous and lays the tile's
-    threads along them (coalesced loads for a softmax over a non-innermost dim).
+    With ``LINEAR_ROWS`` (no tile crosses a run of the innermost leading dim, see
+    :func:`_tile_rows`) one row start is computed and the rest are ``+ k * stride2``: fewer integer
+    divisions, and when ``stride2 == 1`` the compiler sees that the rows are contiguous and lays
+    the tile's threads along them (coalesced accesses for a softmax over a non-innermost dim).
     """
     if LINEAR_ROWS:
         base = row_start(first_row, size1, size2, stride0, stride1, stride2)
@@ -119,12 +143,10 @@ def softmax_kernel(
     LINEAR_ROWS: tl.constexpr, INDEX_64: tl.constexpr,
 ):
     """y = softmax(x) (``LOG``: log_softmax) of ROWS_PER_PROGRAM whole rows, each in one block."""
-    first_row = tl.program_id(0) * ROWS_PER_PROGRAM
-    rows = first_row + tl.arange(0, ROWS_PER_PROGRAM)
+    first_row, row_ok = _tile_rows(n_rows, size2, ROWS_PER_PROGRAM, LINEAR_ROWS)
     cols = tl.arange(0, BLOCK)
     if INDEX_64:
         cols = cols.to(tl.int64)
-    row_ok = rows < n_rows
     mask = row_ok[:, None] & (cols < n_cols)[None, :]
     x_rows = _tile_row_offsets(first_row, size1, size2, x_stride0, x_stride1, x_stride2,
                                ROWS_PER_PROGRAM, LINEAR_ROWS)
@@ -159,9 +181,7 @@ def softmax_online_kernel(
     Pass 1 keeps a running maximum ``m`` and a sum ``s`` rescaled to it, per lane (no reduction
     inside the loop); the lanes are combined at the end. Pass 2 writes the output.
     """
-    first_row = tl.program_id(0) * ROWS_PER_PROGRAM
-    rows = first_row + tl.arange(0, ROWS_PER_PROGRAM)
-    row_ok = rows < n_rows
+    first_row, row_ok = _tile_rows(n_rows, size2, ROWS_PER_PROGRAM, LINEAR_ROWS)
     lanes = tl.arange(0, BLOCK)
     if INDEX_64:
         lanes = lanes.to(tl.int64)
@@ -220,12 +240,11 @@ def softmax_backward_kernel(
 
     softmax: ``dx = y * (dy - sum(dy * y))``; ``LOG`` (y = log_softmax): ``dx = dy - exp(y) * sum(dy)``.
     """
-    first_row = tl.program_id(0) * ROWS_PER_PROGRAM
-    rows = first_row + tl.arange(0, ROWS_PER_PROGRAM)
+    first_row, row_ok = _tile_rows(n_rows, size2, ROWS_PER_PROGRAM, LINEAR_ROWS)
     cols = tl.arange(0, BLOCK)
     if INDEX_64:
         cols = cols.to(tl.int64)
-    mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    mask = row_ok[:, None] & (cols < n_cols)[None, :]
     y_rows = _tile_row_offsets(first_row, size1, size2, y_stride0, y_stride1, y_stride2,
                                ROWS_PER_PROGRAM, LINEAR_ROWS)
     dy_rows = _tile_row_offsets(first_row, size1, size2, dy_stride0, dy_stride1, dy_stride2,
@@ -254,9 +273,7 @@ def softmax_backward_online_kernel(
     LINEAR_ROWS: tl.constexpr, INDEX_64: tl.constexpr,
 ):
     """The backward for rows longer than a block: pass 1 sums ``dy * y`` (``LOG``: ``dy``), pass 2 writes dx."""
-    first_row = tl.program_id(0) * ROWS_PER_PROGRAM
-    rows = first_row + tl.arange(0, ROWS_PER_PROGRAM)
-    row_ok = rows < n_rows
+    first_row, row_ok = _tile_rows(n_rows, size2, ROWS_PER_PROGRAM, LINEAR_ROWS)
     lanes = tl.arange(0, BLOCK)
     if INDEX_64:
         lanes = lanes.to(tl.int64)
@@ -390,18 +407,24 @@ def _launch_rows(forward: bool, operands: list[torch.Tensor], dtype: torch.dtype
     """Launch the forward (x, y) or backward (y, dy, dx) kernels over every row of ``operands``."""
     for launch in plan_rows(operands):
         s0, s1, s2, col = launch.strides[:4]  # the first operand (x or y) decides the layout
-        transposed = col != 1 and s2 == 1 and launch.n_rows > 1
-        config = softmax_launch_config(launch.n_cols, dtype, n_rows=launch.n_rows, transposed=transposed,
-                                       backward=not forward)
         size1, size2 = launch.sizes
+        # Rows contiguous in memory, columns not: tiles must run along the rows (LINEAR_ROWS) to
+        # be coalesced, so their rows_per_program is capped by the run length, size2.
+        transposed = col != 1 and s2 == 1 and size2 > 1
+        config = softmax_launch_config(launch.n_cols, dtype, n_rows=size2 if transposed else launch.n_rows,
+                                       transposed=transposed, backward=not forward)
         rows = config.rows_per_program
-        # One row start per tile is enough when no tile crosses a step of the innermost leading dim.
-        linear_rows = size2 % rows == 0 or size2 == launch.n_rows
+        # Linear tiles cost nothing extra when runs are whole tiles (or there is one run).
+        linear_rows = transposed or size2 % rows == 0 or size2 == launch.n_rows
+        if linear_rows:
+            tiles = (launch.n_rows // size2) * triton.cdiv(size2, rows)
+        else:
+            tiles = triton.cdiv(launch.n_rows, rows)
         if forward:
             kernel = softmax_online_kernel if config.online else softmax_kernel
         else:
             kernel = softmax_backward_online_kernel if config.online else softmax_backward_kernel
-        kernel[(triton.cdiv(launch.n_rows, rows),)](
+        kernel[(tiles,)](
             *launch.tensors, *launch.args(),
             LOG=log, BLOCK=config.block, ROWS_PER_PROGRAM=rows, LINEAR_ROWS=linear_rows,
             INDEX_64=launch.index_64, num_warps=config.num_warps,

@@ -46,16 +46,25 @@ def gen() -> torch.Generator:
 
 @pytest.fixture
 def launched(monkeypatch) -> list[str]:
-    """The names of the kernels the ops launch, in order."""
-    names: list[str] = []
+    """The names of the kernels the ops launch, in order; ``launched.calls`` has (name, grid, constexprs)."""
+
+    class Launched(list):
+        calls: list[tuple[str, tuple, dict]]
+
+    names = Launched()
+    names.calls = []
 
     class Recorder:
         def __init__(self, kernel):
             self.kernel = kernel
 
         def __getitem__(self, grid):
-            names.append(self.kernel.__name__)
-            return self.kernel[grid]
+            def launch(*args, **kwargs):
+                names.append(self.kernel.__name__)
+                names.calls.append((self.kernel.__name__, grid, kwargs))
+                return self.kernel[grid](*args, **kwargs)
+
+            return launch
 
     for name in KERNEL_NAMES:
         monkeypatch.setattr(sm, name, Recorder(getattr(sm, name)))
@@ -194,6 +203,22 @@ def test_many_leading_dims_and_tiles_that_cross_them(launched, gen):
     (launch,) = _rows.plan_rows([y])
     assert launch.sizes == (4, 7) and sm.softmax_launch_config(30, torch.float32).rows_per_program > 7
     assert_matches(sm.log_softmax(y, -1), F.log_softmax(y.double(), -1), torch.float32)
+
+
+@pytest.mark.parametrize("name", list(OPS))
+def test_channel_softmax_tiles_run_along_contiguous_rows(name, launched, path, gen):
+    """NCHW over C: rows (H*W of them per image) are contiguous; tiles stay inside one image's run,
+    the last tile of each run masked where it overhangs (35 is no multiple of a tile)."""
+    op, reference = OPS[name]
+    x = rand((2, 19, 5, 7), gen=gen).requires_grad_()
+    out = op(x, 1)
+    assert_matches(out, reference(x.detach().double(), 1), torch.float32)
+    grad_out = rand((2, 19, 5, 7), gen=gen)
+    (grad,) = torch.autograd.grad(out, [x], grad_out)
+    assert_matches(grad, reference_grad(reference, x, 1, grad_out), torch.float32)
+    for _, grid, constexprs in launched.calls:
+        rows = constexprs["ROWS_PER_PROGRAM"]
+        assert constexprs["LINEAR_ROWS"] and 35 % rows != 0 and grid == (2 * -(-35 // rows),)
 
 
 def test_int64_offsets_path(monkeypatch, gen):
