@@ -1,0 +1,313 @@
+"""Pieces shared by the normalization ops: the launch rule, the column reduction, the checks.
+
+``rms_norm``, ``layer_norm`` and ``add_rms_norm`` are row ops (:mod:`kernels._rows`): the
+normalized trailing dims, merged into one column stride, form a row of ``N`` columns; every other
+index is a row. Their kernels share one shape of work, chosen here by :func:`norm_launch_config`:
+
+* **A tile** is ``TILE_ROWS x BLOCK`` elements: ``BLOCK`` (a power of two) holds a whole row up to
+  :data:`MAX_FUSED_BLOCK` columns (the *fused* path: a row is loaded once, reduced and normalized
+  from registers). ``TILE_ROWS`` rows share the tile when rows are short, so that every iteration
+  moves about :data:`TILE_ELEMENTS` elements. Longer rows take the *chunked* path: one row at a
+  time, in chunks of :data:`CHUNK_BLOCK` columns, a statistics pass and then an output pass (the
+  row is read twice; a GPU serves the second read mostly from L2).
+* **Rows per program.** A program walks a contiguous group of ``rows_per_program`` rows, tile by
+  tile. The grid is at most :data:`PROGRAMS_PER_SM` programs per streaming multiprocessor
+  (twice the SM count: every SM busy, a second program to overlap one program's reductions with
+  another's loads), and each program gets an equal share of the rows, rounded up to whole tiles::
+
+      n_programs      = min(ceil(n_rows / TILE_ROWS), PROGRAMS_PER_SM * SMs)
+      rows_per_program = TILE_ROWS * ceil(n_rows / (n_programs * TILE_ROWS))
+
+  The weight (and bias) is loaded once per program, not once per row, and in the backward each
+  program sums its rows' weight-gradient contributions in float32 registers and writes them as
+  one row of a ``(n_programs, N)`` partial buffer. That buffer is at most ``2 * SMs`` rows (on an
+  H200, 264 x N x 4 bytes — about 4 MB for N = 4096), so :func:`column_sum_kernel`, the second
+  stage, reads little; and no two programs ever write the same address (no atomics, a
+  deterministic result). Triton's interpreter acts as a GPU of :data:`INTERPRETER_SMS` SMs, so the
+  CPU runs the same multi-program reduction with few program instances.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from . import runtime
+from ._rows import RowLaunch, merge_trailing, next_power_of_2, plan_rows
+from ._validate import check_float_dtype, check_same_device, check_same_dtype, check_tensor
+
+__all__ = [
+    "CHUNK_BLOCK",
+    "INTERPRETER_SMS",
+    "MAX_FUSED_BLOCK",
+    "MAX_FUSED_BLOCK_BACKWARD",
+    "PROGRAMS_PER_SM",
+    "TILE_ELEMENTS",
+    "NormConfig",
+    "column_sum",
+    "column_sum_kernel",
+    "launch_norm",
+    "norm_launch_config",
+    "plan_norm",
+]
+
+#: Longest row the forward keeps in registers whole (one load of x per element).
+MAX_FUSED_BLOCK: int = 16384
+#: The backward holds more per column (x, dy, the weight, one or two gradient accumulators), so
+#: its fused path stops earlier: compiled for sm_90 at 16384 columns and 16 warps, ptxas spills
+#: (232 bytes of stack a thread for RMSNorm, 400 for LayerNorm); at 8192 it fits in registers.
+MAX_FUSED_BLOCK_BACKWARD: int = 8192
+#: Columns per chunk on the chunked (long-row) path.
+CHUNK_BLOCK: int = 4096
+#: Elements a tile aims at: short rows are stacked TILE_ROWS high up to this many elements.
+TILE_ELEMENTS: int = 4096
+#: Programs per streaming multiprocessor in a launch (see the module docstring).
+PROGRAMS_PER_SM: int = 2
+#: The SM count assumed in Triton's interpreter (it has no GPU to ask).
+INTERPRETER_SMS: int = 4
+
+_INT32_MAX = 2**31 - 1
+
+
+# ----------------------------------------------------------------------------------------------
+# The second stage of the weight/bias gradient
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def column_sum_kernel(
+    partial_ptr, out_ptr, n_partials, n_cols, out_stride,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """``out[c] = sum_p partial[p, c]`` for BLOCK_N columns; partial is a contiguous fp32 (P, N).
+
+    Each program owns a strip of columns and walks all P partial rows, BLOCK_P at a time,
+    accumulating in float32; the result is rounded once, to ``out``'s dtype (the weight's).
+    """
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    for p0 in range(0, n_partials, BLOCK_P):
+        rows = p0 + tl.arange(0, BLOCK_P)
+        mask = (rows < n_partials)[:, None] & col_mask[None, :]
+        acc += tl.load(partial_ptr + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0.0)
+    total = tl.sum(acc, axis=0)
+    tl.store(out_ptr + cols * out_stride, total.to(out_ptr.dtype.element_ty), mask=col_mask)
+
+
+def column_sum(partial: torch.Tensor, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """The column sums of a contiguous fp32 ``(P, N)`` buffer, as a new tensor of ``shape``/``dtype``."""
+    n_partials, n_cols = partial.shape
+    out = torch.empty(tuple(shape), dtype=dtype, device=partial.device)
+    if n_cols == 0:
+        return out
+    if n_partials == 0:
+        return out.zero_()
+    sms = _multiprocessor_count(partial.device)
+    # Enough column strips to give every SM one (at least 32 columns: a full sector of fp32 each
+    # row), and partial rows stacked up to TILE_ELEMENTS per iteration.
+    block_n = min(1024, max(32, next_power_of_2(triton.cdiv(n_cols, sms))))
+    block_p = max(1, min(next_power_of_2(n_partials), TILE_ELEMENTS // block_n))
+    grid = (triton.cdiv(n_cols, block_n),)
+    column_sum_kernel[grid](partial, out, n_partials, n_cols, 1, BLOCK_P=block_p, BLOCK_N=block_n, num_warps=4)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# The launch rule
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NormConfig:
+    """How one norm launch splits its rows (see the module docstring for the rule)."""
+
+    block: int  # columns per load: the whole row (fused) or one chunk (chunked)
+    chunked: bool  # rows longer than the fused limit: statistics pass + output pass
+    tile_rows: int  # rows per loop iteration (a TILE_ROWS x BLOCK tile)
+    rows_per_program: int  # a multiple of tile_rows
+    n_programs: int
+    num_warps: int
+
+
+def _multiprocessor_count(device: torch.device) -> int:
+    if runtime.INTERPRETER or device.type != "cuda":
+        return INTERPRETER_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def norm_launch_config(
+    n_rows: int, n_cols: int, device: torch.device | str = "cpu", *, backward: bool = False
+) -> NormConfig:
+    """The tile, rows-per-program and grid of a norm over ``n_rows`` rows of ``n_cols`` columns."""
+    device = torch.device(device)
+    max_fused = MAX_FUSED_BLOCK_BACKWARD if backward else MAX_FUSED_BLOCK
+    chunked = n_cols > max_fused
+    block = CHUNK_BLOCK if chunked else next_power_of_2(n_cols)
+    tile_rows = 1 if chunked else max(1, min(TILE_ELEMENTS // block, next_power_of_2(n_rows)))
+    n_tiles = max(1, triton.cdiv(n_rows, tile_rows))
+    n_programs = min(n_tiles, PROGRAMS_PER_SM * _multiprocessor_count(device))
+    rows_per_program = tile_rows * triton.cdiv(n_tiles, n_programs)
+    n_programs = max(1, triton.cdiv(n_rows, rows_per_program))
+    # 16 elements a thread for a full tile (two 16-byte loads in bf16), 4..16 warps.
+    num_warps = max(4, min(16, tile_rows * block // 512))
+    return NormConfig(block, chunked, tile_rows, rows_per_program, n_programs, num_warps)
+
+
+@dataclass(frozen=True)
+class NormPlan:
+    """The launches of one norm op: the row slices, each one's config, and program offsets."""
+
+    launches: tuple[RowLaunch, ...]
+    configs: tuple[NormConfig, ...]
+    program_offsets: tuple[int, ...]  # each launch's first row in a (n_programs, N) partial buffer
+    n_programs: int  # over all launches
+
+
+def plan_norm(row_operands: Sequence[torch.Tensor], reduce_ndim: int, *, backward: bool = False) -> NormPlan:
+    """Plan a norm over ``row_operands`` (same shape), normalizing their last ``reduce_ndim`` dims."""
+    launches = tuple(plan_rows(row_operands, reduce_ndim))
+    device = row_operands[0].device
+    configs = tuple(norm_launch_config(rl.n_rows, rl.n_cols, device, backward=backward) for rl in launches)
+    offsets, total = [], 0
+    for config in configs:
+        offsets.append(total)
+        total += config.n_programs
+    return NormPlan(launches, configs, tuple(offsets), total)
+
+
+def launch_norm(
+    kernel,
+    plan: NormPlan,
+    params: Sequence[tuple[torch.Tensor | None, int]],
+    per_row: Sequence[torch.Tensor] = (),
+    partials: Sequence[torch.Tensor] = (),
+    scalars: Sequence[object] = (),
+    **constexprs: object,
+) -> None:
+    """Launch ``kernel`` once per planned slice, in the norm kernels' argument convention::
+
+        kernel(<row operands>, <params>, <per-row tensors>, <partial buffers>, <scalars>,
+               n_rows, n_cols, size1, size2, <row operand strides>, <param column strides>,
+               rows_per_program, <constexprs>, TILE_ROWS, BLOCK, CHUNKED, INDEX_64)
+
+    ``params`` are (tensor or None, column stride) pairs: weight/bias, read once per program; a
+    missing one is replaced by a dummy pointer that the kernel never loads (its ``HAS_*``
+    constexpr is off). ``per_row`` tensors (the statistics, a scratch) are indexed by the row's
+    global index, so each slice gets a view starting at its first row; ``partials`` are
+    ``(n_programs, N)`` buffers, each slice getting the rows of its programs.
+    """
+    for launch, config, offset in zip(plan.launches, plan.configs, plan.program_offsets):
+        dummy = launch.tensors[0]
+        param_ptrs = [dummy if p is None else p for p, _ in params]
+        param_strides = [0 if p is None else stride for p, stride in params]
+        rows = [t[launch.row_base :] for t in per_row]
+        parts = [t[offset:] for t in partials]
+        index_64 = launch.index_64 or launch.n_rows + config.rows_per_program > _INT32_MAX
+        kernel[(config.n_programs,)](
+            *launch.tensors, *param_ptrs, *rows, *parts, *scalars, *launch.args(), *param_strides,
+            config.rows_per_program, **constexprs,
+            TILE_ROWS=config.tile_rows, BLOCK=config.block, CHUNKED=config.chunked, INDEX_64=index_64,
+            num_warps=config.num_warps,
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# Input checks (shared by the public functions and the fake kernels)
+# ----------------------------------------------------------------------------------------------
+
+
+def check_eps(op: str, eps: object) -> float:
+    """``eps`` must be a finite real number > 0; returns it as a float."""
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        raise TypeError(f"{op}: eps must be a positive float, got {type(eps).__name__}")
+    value = float(eps)
+    if not math.isfinite(value) or value <= 0.0:
+        raise ValueError(f"{op}: eps must be a finite number > 0, got {value}")
+    return value
+
+
+def check_normalized_shape(op: str, normalized_shape: object) -> tuple[int, ...]:
+    """``normalized_shape`` is an int or a non-empty sequence of non-negative ints."""
+    if isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
+        normalized_shape = (normalized_shape,)
+    if not isinstance(normalized_shape, Sequence) or isinstance(normalized_shape, str):
+        raise TypeError(
+            f"{op}: normalized_shape must be an int or a sequence of ints, got {type(normalized_shape).__name__}"
+        )
+    dims = []
+    for size in normalized_shape:
+        if isinstance(size, bool) or not isinstance(size, numbers.Integral):
+            raise TypeError(
+                f"{op}: normalized_shape must be an int or a sequence of ints, "
+                f"got an element of type {type(size).__name__}"
+            )
+        if size < 0:
+            raise ValueError(f"{op}: normalized_shape must have non-negative sizes, got {tuple(normalized_shape)}")
+        dims.append(int(size))
+    if not dims:
+        raise ValueError(f"{op}: normalized_shape must name at least one dim, got ()")
+    return tuple(dims)
+
+
+def check_row_input(op: str, name: str, x: object, normalized_shape: tuple[int, ...]) -> int:
+    """``x`` is a float tensor ending in ``normalized_shape`` whose normalized dims merge into one
+    stride; returns the column stride."""
+    check_tensor(op, name, x)
+    check_float_dtype(op, name, x)
+    k = len(normalized_shape)
+    if x.dim() < k or tuple(x.shape[x.dim() - k :]) != normalized_shape:
+        raise ValueError(
+            f"{op}: {name} of shape {tuple(x.shape)} must end in the normalized shape {normalized_shape}"
+        )
+    return _column_stride(op, name, x, k)
+
+
+def check_param(
+    op: str, name: str, p: object, x: torch.Tensor, normalized_shape: tuple[int, ...], what: str
+) -> int:
+    """A weight/bias: ``x``'s dtype and device, shape ``normalized_shape``; returns its column stride."""
+    check_tensor(op, name, p)
+    check_float_dtype(op, name, p)
+    if tuple(p.shape) != normalized_shape:
+        raise ValueError(f"{op}: {name} must have shape {normalized_shape} ({what}), got {tuple(p.shape)}")
+    check_same_dtype(op, "x", x, name, p)
+    check_same_device(op, "x", x, name, p)
+    return _column_stride(op, name, p, len(normalized_shape))
+
+
+def _column_stride(op: str, name: str, t: torch.Tensor, ndim: int) -> int:
+    merged = merge_trailing(t, ndim)
+    if merged is None:
+        dims = tuple(t.shape[t.dim() - ndim :])
+        strides = tuple(t.stride()[t.dim() - ndim :])
+        raise ValueError(
+            f"{op}: {name}'s normalized dims {dims} have strides {strides}, which one stride cannot walk; "
+            f"call {name}.contiguous() first"
+        )
+    return merged[3]
+
+
+def walkable(t: torch.Tensor, ndim: int) -> torch.Tensor:
+    """``t`` itself if its last ``ndim`` dims merge into one stride, else a contiguous copy.
+
+    Only for gradients that autograd hands the backward (the user cannot fix their layout);
+    inputs the user passes get :func:`check_row_input`'s error instead of a hidden copy.
+    """
+    return t if merge_trailing(t, ndim) is not None else t.contiguous()
+
+
+def empty_output(shape: Sequence[int], like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A fresh contiguous tensor (what the fake kernels promise, too)."""
+    return torch.empty(tuple(shape), dtype=dtype or like.dtype, device=like.device)
+
+
+def empty_stats(x: torch.Tensor, ndim: int) -> torch.Tensor:
+    """Per-row float32 statistics: a contiguous tensor of ``x``'s leading shape."""
+    return torch.empty(tuple(x.shape[: x.dim() - ndim]), dtype=torch.float32, device=x.device)

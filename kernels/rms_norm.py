@@ -1,0 +1,342 @@
+"""RMSNorm, forward and backward, as ``kernels::rms_norm`` (like ``F.rms_norm(x, (N,), weight, eps)``).
+
+Over each row of ``N`` elements (the last dim of ``x``)::
+
+    rstd = 1 / sqrt(mean(x**2) + eps)        xhat = x * rstd        y = xhat * w
+
+**Forward.** One kernel fuses the reduction and the elementwise pass: a row is loaded once,
+its mean square reduced in float32 registers, and ``y`` written from the same registers. It saves
+only ``rstd`` (float32, one per row) for the backward; ``x`` is the op's input and is kept anyway.
+
+**Backward.** With ``g = dy * w`` (``dy`` the incoming gradient),
+``dx_j = g_j rstd + sum_i g_i x_i d(rstd)/dx_j`` and ``d(rstd)/dx_j = -rstd**3 x_j / N``, so::
+
+    dx = rstd * (g - xhat * mean(g * xhat))          dw = sum over rows of dy * xhat
+
+``dx`` is one row reduction and one elementwise pass per row, like the forward. ``dw`` is a sum
+over rows, done in two stages (:mod:`kernels._norm`): each program adds its rows' ``dy * xhat``
+into float32 registers and writes one row of a ``(n_programs, N)`` partial buffer, then
+:func:`~kernels._norm.column_sum_kernel` adds the buffer's rows, rounding to the weight's dtype.
+No atomics, and the result does not depend on scheduling.
+
+Rows longer than the fused limit take a chunked path in the same kernels (statistics pass, then
+output pass, reading the row twice). ``kernels.add_rms_norm`` reuses the backward kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import runtime
+from ._norm import (
+    check_eps,
+    check_param,
+    check_row_input,
+    column_sum,
+    empty_output,
+    empty_stats,
+    launch_norm,
+    plan_norm,
+    walkable,
+)
+from ._rows import row_start
+from ._validate import check_same_device, check_same_dtype, check_same_shape, check_tensor
+
+__all__ = ["rms_norm", "rms_norm_kernel", "rms_norm_backward_kernel"]
+
+
+@triton.jit
+def rms_norm_kernel(
+    x_ptr, y_ptr, w_ptr, rstd_ptr, eps,
+    n_rows, n_cols, size1, size2,
+    xs0, xs1, xs2, xc, ys0, ys1, ys2, yc, wc,
+    rows_per_program,
+    HAS_WEIGHT: tl.constexpr, TILE_ROWS: tl.constexpr, BLOCK: tl.constexpr, CHUNKED: tl.constexpr,
+    INDEX_64: tl.constexpr,
+):
+    """y = x * rstd * w for this program's rows_per_program rows, TILE_ROWS x BLOCK at a time."""
+    pid = tl.program_id(0)
+    if INDEX_64:
+        pid = pid.to(tl.int64)
+    row0 = pid * rows_per_program
+    n_here = tl.minimum(rows_per_program, n_rows - row0)
+    cols = tl.arange(0, BLOCK)
+    if INDEX_64:
+        cols = cols.to(tl.int64)
+    if not CHUNKED:
+        col_mask = cols < n_cols
+        if HAS_WEIGHT:  # once per program, shared by all its rows
+            w = tl.load(w_ptr + cols * wc, mask=col_mask, other=0.0).to(tl.float32)
+    for i in range(0, n_here, TILE_ROWS):
+        rows = row0 + i + tl.arange(0, TILE_ROWS)
+        row_mask = rows < n_rows
+        x_row = row_start(rows, size1, size2, xs0, xs1, xs2)[:, None]
+        y_row = row_start(rows, size1, size2, ys0, ys1, ys2)[:, None]
+        if CHUNKED:
+            squares = tl.zeros([TILE_ROWS, BLOCK], dtype=tl.float32)
+            for start in range(0, n_cols, BLOCK):
+                c = start + cols
+                mask = row_mask[:, None] & (c < n_cols)[None, :]
+                x = tl.load(x_ptr + x_row + c[None, :] * xc, mask=mask, other=0.0).to(tl.float32)
+                squares += x * x
+            rstd = tl.rsqrt(tl.sum(squares, axis=1) / n_cols + eps)
+            for start in range(0, n_cols, BLOCK):
+                c = start + cols
+                mask = row_mask[:, None] & (c < n_cols)[None, :]
+                x = tl.load(x_ptr + x_row + c[None, :] * xc, mask=mask, other=0.0).to(tl.float32)
+                y = x * rstd[:, None]
+                if HAS_WEIGHT:
+                    y = y * tl.load(w_ptr + c * wc, mask=c < n_cols, other=0.0).to(tl.float32)[None, :]
+                tl.store(y_ptr + y_row + c[None, :] * yc, y.to(y_ptr.dtype.element_ty), mask=mask)
+        else:
+            mask = row_mask[:, None] & col_mask[None, :]
+            x = tl.load(x_ptr + x_row + cols[None, :] * xc, mask=mask, other=0.0).to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+            y = x * rstd[:, None]
+            if HAS_WEIGHT:
+                y = y * w[None, :]
+            tl.store(y_ptr + y_row + cols[None, :] * yc, y.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+
+
+@triton.jit
+def rms_norm_backward_kernel(
+    dy_ptr, x_ptr, dx_ptr, ds_ptr, w_ptr, rstd_ptr, scratch_ptr, dw_partial_ptr,
+    n_rows, n_cols, size1, size2,
+    dys0, dys1, dys2, dyc, xs0, xs1, xs2, xc, dxs0, dxs1, dxs2, dxc, dss0, dss1, dss2, dsc, wc,
+    rows_per_program,
+    HAS_WEIGHT: tl.constexpr, HAS_GRAD_SUM: tl.constexpr, WEIGHT_GRAD: tl.constexpr,
+    TILE_ROWS: tl.constexpr, BLOCK: tl.constexpr, CHUNKED: tl.constexpr, INDEX_64: tl.constexpr,
+):
+    """dx = rstd * (g - xhat * mean(g * xhat)) [+ ds], g = dy * w; this program's dw partial row.
+
+    ``ds`` (``HAS_GRAD_SUM``) is the gradient arriving at the normalized tensor from elsewhere:
+    ``kernels.add_rms_norm``'s residual sum. The chunked path computes ``mean(g * xhat)`` of every
+    row first (into ``scratch``), then walks column chunks, each over all of the program's rows,
+    so that the dw partial of a chunk stays in registers.
+    """
+    pid = tl.program_id(0)
+    if INDEX_64:
+        pid = pid.to(tl.int64)
+    row0 = pid * rows_per_program
+    n_here = tl.minimum(rows_per_program, n_rows - row0)
+    cols = tl.arange(0, BLOCK)
+    if INDEX_64:
+        cols = cols.to(tl.int64)
+    if not CHUNKED:
+        col_mask = cols < n_cols
+        if HAS_WEIGHT:
+            w = tl.load(w_ptr + cols * wc, mask=col_mask, other=0.0).to(tl.float32)
+        if WEIGHT_GRAD:
+            dw = tl.zeros([TILE_ROWS, BLOCK], dtype=tl.float32)
+        for i in range(0, n_here, TILE_ROWS):
+            rows = row0 + i + tl.arange(0, TILE_ROWS)
+            row_mask = rows < n_rows
+            mask = row_mask[:, None] & col_mask[None, :]
+            dy = tl.load(dy_ptr + row_start(rows, size1, size2, dys0, dys1, dys2)[:, None] + cols[None, :] * dyc,
+                         mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + row_start(rows, size1, size2, xs0, xs1, xs2)[:, None] + cols[None, :] * xc,
+                        mask=mask, other=0.0).to(tl.float32)
+            rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)[:, None]
+            xhat = x * rstd
+            g = dy
+            if HAS_WEIGHT:
+                g = dy * w[None, :]
+            mean_gx = tl.sum(g * xhat, axis=1)[:, None] / n_cols
+            dx = (g - xhat * mean_gx) * rstd
+            if HAS_GRAD_SUM:
+                dx += tl.load(ds_ptr + row_start(rows, size1, size2, dss0, dss1, dss2)[:, None] + cols[None, :] * dsc,
+                              mask=mask, other=0.0).to(tl.float32)
+            tl.store(dx_ptr + row_start(rows, size1, size2, dxs0, dxs1, dxs2)[:, None] + cols[None, :] * dxc,
+                     dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            if WEIGHT_GRAD:
+                dw += dy * xhat
+        if WEIGHT_GRAD:
+            tl.store(dw_partial_ptr + pid * n_cols + cols, tl.sum(dw, axis=0), mask=col_mask)
+    else:
+        # Pass 1: mean(g * xhat) of each row, kept in scratch (one float32 per row).
+        for i in range(0, n_here, TILE_ROWS):
+            rows = row0 + i + tl.arange(0, TILE_ROWS)
+            row_mask = rows < n_rows
+            dy_row = row_start(rows, size1, size2, dys0, dys1, dys2)[:, None]
+            x_row = row_start(rows, size1, size2, xs0, xs1, xs2)[:, None]
+            rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)[:, None]
+            acc = tl.zeros([TILE_ROWS, BLOCK], dtype=tl.float32)
+            for start in range(0, n_cols, BLOCK):
+                c = start + cols
+                mask = row_mask[:, None] & (c < n_cols)[None, :]
+                dy = tl.load(dy_ptr + dy_row + c[None, :] * dyc, mask=mask, other=0.0).to(tl.float32)
+                x = tl.load(x_ptr + x_row + c[None, :] * xc, mask=mask, other=0.0).to(tl.float32)
+                g = dy
+                if HAS_WEIGHT:
+                    g = dy * tl.load(w_ptr + c * wc, mask=c < n_cols, other=0.0).to(tl.float32)[None, :]
+                acc += g * x * rstd
+            tl.store(scratch_ptr + rows, tl.sum(acc, axis=1) / n_cols, mask=row_mask)
+        tl.debug_barrier()  # pass 2 reads scratch values other threads wrote
+        # Pass 2: column chunks outside, the program's rows inside: dx, and dw in registers.
+        for start in range(0, n_cols, BLOCK):
+            c = start + cols
+            c_mask = c < n_cols
+            if HAS_WEIGHT:
+                w = tl.load(w_ptr + c * wc, mask=c_mask, other=0.0).to(tl.float32)
+            if WEIGHT_GRAD:
+                dw = tl.zeros([TILE_ROWS, BLOCK], dtype=tl.float32)
+            for i in range(0, n_here, TILE_ROWS):
+                rows = row0 + i + tl.arange(0, TILE_ROWS)
+                row_mask = rows < n_rows
+                mask = row_mask[:, None] & c_mask[None, :]
+                dy = tl.load(dy_ptr + row_start(rows, size1, size2, dys0, dys1, dys2)[:, None] + c[None, :] * dyc,
+                             mask=mask, other=0.0).to(tl.float32)
+                x = tl.load(x_ptr + row_start(rows, size1, size2, xs0, xs1, xs2)[:, None] + c[None, :] * xc,
+                            mask=mask, other=0.0).to(tl.float32)
+                rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)[:, None]
+                mean_gx = tl.load(scratch_ptr + rows, mask=row_mask, other=0.0)[:, None]
+                xhat = x * rstd
+                g = dy
+                if HAS_WEIGHT:
+                    g = dy * w[None, :]
+                dx = (g - xhat * mean_gx) * rstd
+                if HAS_GRAD_SUM:
+                    dx += tl.load(ds_ptr + row_start(rows, size1, size2, dss0, dss1, dss2)[:, None] + c[None, :] * dsc,
+                                  mask=mask, other=0.0).to(tl.float32)
+                tl.store(dx_ptr + row_start(rows, size1, size2, dxs0, dxs1, dxs2)[:, None] + c[None, :] * dxc,
+                         dx.to(dx_ptr.dtype.element_ty), mask=mask)
+                if WEIGHT_GRAD:
+                    dw += dy * xhat
+            if WEIGHT_GRAD:
+                tl.store(dw_partial_ptr + pid * n_cols + c, tl.sum(dw, axis=0), mask=c_mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers (shared with kernels.add_rms_norm)
+# ----------------------------------------------------------------------------------------------
+
+
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float, w_stride: int):
+    """Launch the forward; returns ``(y, rstd)``."""
+    y = empty_output(x.shape, x)
+    rstd = empty_stats(x, 1)
+    if x.shape[-1] == 0:
+        rstd.fill_(eps**-0.5)  # the mean square of no elements is taken as 0
+    plan = plan_norm([x, y], 1)
+    launch_norm(rms_norm_kernel, plan, [(weight, w_stride)], per_row=[rstd.view(-1)], scalars=[eps],
+                HAS_WEIGHT=weight is not None)
+    return y, rstd
+
+
+def rms_norm_backward_launch(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    rstd: torch.Tensor,
+    weight_grad: bool,
+    grad_sum: torch.Tensor | None = None,
+):
+    """``(dx, dw)`` (``dx`` plus ``grad_sum`` when given); ``dw`` empty unless ``weight_grad``."""
+    grad_out = walkable(grad_out, 1)
+    if grad_sum is not None:
+        grad_sum = walkable(grad_sum, 1)
+    dx = empty_output(x.shape, x)
+    n_cols = x.shape[-1]
+    plan = plan_norm([grad_out, x, dx, grad_out if grad_sum is None else grad_sum], 1, backward=True)
+    weight_grad = weight_grad and weight is not None
+    partial = torch.empty((plan.n_programs, n_cols) if weight_grad else (0,), dtype=torch.float32, device=x.device)
+    chunked = any(config.chunked for config in plan.configs)
+    scratch = torch.empty(rstd.numel() if chunked else 0, dtype=torch.float32, device=x.device)
+    w_stride = 0 if weight is None else weight.stride(0)
+    launch_norm(
+        rms_norm_backward_kernel, plan, [(weight, w_stride)], per_row=[rstd.view(-1), scratch], partials=[partial],
+        HAS_WEIGHT=weight is not None, HAS_GRAD_SUM=grad_sum is not None, WEIGHT_GRAD=weight_grad,
+    )
+    if not weight_grad:
+        return dx, x.new_empty((0,))
+    return dx, column_sum(partial.view(plan.n_programs, n_cols), weight.shape, weight.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# The custom op
+# ----------------------------------------------------------------------------------------------
+
+_OP = "kernels.rms_norm"
+
+
+def _check_rms_norm_args(x: object, weight: object, eps: object) -> int:
+    """Validate; returns the weight's stride (0 without a weight)."""
+    check_tensor(_OP, "x", x)
+    if x.dim() == 0:
+        raise ValueError(f"{_OP}: x must have at least one dim (the normalized one), got a 0-d tensor")
+    normalized_shape = (x.shape[-1],)
+    check_row_input(_OP, "x", x, normalized_shape)
+    check_eps(_OP, eps)
+    if weight is None:
+        return 0
+    return check_param(_OP, "weight", weight, x, normalized_shape, "x's last dim")
+
+
+@torch.library.custom_op("kernels::rms_norm", mutates_args=())
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    w_stride = _check_rms_norm_args(x, weight, eps)
+    runtime.require_launchable(_OP, x)
+    return rms_norm_forward(x, weight, eps, w_stride)
+
+
+@_rms_norm_op.register_fake
+def _rms_norm_fake(x, weight, eps):
+    _check_rms_norm_args(x, weight, eps)
+    return empty_output(x.shape, x), empty_stats(x, 1)
+
+
+@torch.library.custom_op("kernels::rms_norm_backward", mutates_args=())
+def _rms_norm_backward_op(
+    grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, rstd: torch.Tensor, weight_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    op = f"{_OP} (backward)"
+    check_same_shape(op, "grad_out", grad_out, "x", x)
+    check_same_dtype(op, "grad_out", grad_out, "x", x)
+    check_same_device(op, "grad_out", grad_out, "x", x)
+    runtime.require_launchable(op, grad_out, x)
+    return rms_norm_backward_launch(grad_out, x, weight, rstd, weight_grad)
+
+
+@_rms_norm_backward_op.register_fake
+def _rms_norm_backward_fake(grad_out, x, weight, rstd, weight_grad):
+    dw_shape = weight.shape if (weight_grad and weight is not None) else (0,)
+    return empty_output(x.shape, x), x.new_empty(dw_shape)
+
+
+def _rms_norm_setup_context(ctx, inputs, output) -> None:
+    x, weight, _ = inputs
+    _, rstd = output
+    ctx.save_for_backward(x, weight, rstd)
+    ctx.mark_non_differentiable(rstd)
+
+
+def _rms_norm_backward(ctx, grad_out: torch.Tensor, _grad_rstd):
+    x, weight, rstd = ctx.saved_tensors
+    weight_grad = weight is not None and ctx.needs_input_grad[1]
+    dx, dw = _rms_norm_backward_op(grad_out, x, weight, rstd, weight_grad)
+    return dx, (dw if weight_grad else None), None
+
+
+_rms_norm_op.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup_context)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6) -> torch.Tensor:
+    """RMSNorm over the last dim of ``x``, like ``torch.nn.functional.rms_norm(x, (N,), weight, eps)``.
+
+    ``y = x / sqrt(mean(x**2, -1) + eps) * weight``, computed in float32 and rounded once.
+
+    Args:
+        x: float32, float16 or bfloat16 tensor of shape ``(..., N)``, any strides (not copied).
+        weight: ``(N,)`` tensor of ``x``'s dtype and device (any stride), or ``None`` for no scale.
+        eps: added to the mean square; a finite number > 0.
+
+    Returns:
+        A new contiguous tensor of ``x``'s shape and dtype. Differentiable in ``x`` and
+        ``weight`` (the backward is ``kernels::rms_norm_backward``; it saves only ``rstd``, one
+        float32 per row, besides the inputs).
+    """
+    _check_rms_norm_args(x, weight, eps)
+    return _rms_norm_op(x, weight, float(eps))[0]

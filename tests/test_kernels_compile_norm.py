@@ -1,0 +1,128 @@
+"""The normalization kernels compile for a Hopper GPU (sm_90): vectorized, and without register spills.
+
+No GPU is needed: Triton compiles ahead of time for a named target down to PTX and (with ptxas)
+a cubin. Every kernel variant the launchers can pick is compiled with the tile, block and warp
+count :func:`kernels._norm.norm_launch_config` chooses, specialized the way Triton's launcher
+specializes a contiguous tensor (column strides equal to 1, sizes and strides divisible by 16).
+The test proves what the interpreter cannot: that each variant is valid compiled Triton, that the
+contiguous fused path issues 128-bit loads and stores, and that the fused paths fit in registers
+(no local-memory stack) at their largest blocks — the measurement behind
+``MAX_FUSED_BLOCK_BACKWARD``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+SCRIPT = textwrap.dedent(
+    """
+    import os, re, subprocess, sys, tempfile
+    os.environ["KERNEL_LADDER_INTERPRET"] = "0"  # compiled mode: real @triton.jit kernels
+    import kernels, triton
+    import triton.backends.nvidia as nvidia
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from kernels import _norm
+    from kernels.add_rms_norm import add_rms_norm_kernel
+    from kernels.layer_norm import layer_norm_backward_kernel, layer_norm_kernel
+    from kernels.rms_norm import rms_norm_backward_kernel, rms_norm_kernel
+
+    FP32_POINTERS = {"rstd_ptr", "mean_ptr", "scratch_ptr", "dw_partial_ptr", "db_partial_ptr", "partial_ptr"}
+    COLUMN_STRIDES = {"xc", "yc", "wc", "bc", "rc", "sc", "dyc", "dxc", "dsc"}
+    UNSPECIALIZED = {"n_rows", "rows_per_program", "size2", "n_partials", "eps"}
+    CUOBJDUMP = os.path.join(os.path.dirname(nvidia.__file__), "bin", "cuobjdump")
+
+    def compile_variant(fn, constexprs, dtype, contiguous, index_64, num_warps):
+        signature, attrs, consts = {}, {}, dict(constexprs)
+        for i, name in enumerate(fn.arg_names):
+            if fn.params[i].is_constexpr:
+                signature[name] = "constexpr"
+                continue
+            if contiguous and (name in COLUMN_STRIDES or name == "size1"):
+                signature[name], consts[name] = "constexpr", 1  # Triton specializes ints equal to 1
+                continue
+            if name.endswith("_ptr"):
+                signature[name] = "*fp32" if name in FP32_POINTERS else "*" + dtype
+            else:
+                signature[name] = "fp32" if name == "eps" else ("i64" if index_64 else "i32")
+            if name.endswith("_ptr") or (contiguous and name not in UNSPECIALIZED):
+                attrs[(i,)] = [["tt.divisibility", 16]]  # torch allocations and strides like 4096
+        source = ASTSource(fn=fn, signature=signature, attrs=attrs, constexprs=consts)
+        return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+
+    def stack_bytes(compiled):
+        if not os.path.exists(CUOBJDUMP) or "cubin" not in compiled.asm:
+            return None
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(compiled.asm["cubin"])
+            f.flush()
+            usage = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True).stdout
+        found = re.search(r"STACK:(\\d+)", usage)
+        return int(found.group(1)) if found else None
+
+    RMS = {"HAS_WEIGHT": True}
+    LN = {"HAS_WEIGHT": True, "HAS_BIAS": True}
+    RMS_BACKWARD = {"HAS_WEIGHT": True, "HAS_GRAD_SUM": True, "WEIGHT_GRAD": True}
+    LN_BACKWARD = {"HAS_WEIGHT": True, "WEIGHT_GRAD": True, "BIAS_GRAD": True}
+    SHORT, FUSED_MAX, CHUNKED = (8192, 256, "bf16", True, False), (8192, 16384, "fp16", True, False), \
+        (64, 20000, "bf16", True, False)
+    STRIDED_INT64 = (512, 1000, "fp32", False, True)
+    # (kernel, flags, backward?, (n_rows, n_cols, dtype, contiguous, index_64)): every kernel with all
+    # its inputs on short stacked rows, the largest fused row and chunked rows; the flags off once;
+    # a strided int64 launch once per direction.
+    VARIANTS = [
+        *[(fn, flags, False, shape) for fn, flags in ((rms_norm_kernel, RMS), (layer_norm_kernel, LN),
+                                                      (add_rms_norm_kernel, RMS))
+          for shape in (SHORT, FUSED_MAX, CHUNKED)],
+        *[(fn, flags, True, shape) for fn, flags in ((rms_norm_backward_kernel, RMS_BACKWARD),
+                                                     (layer_norm_backward_kernel, LN_BACKWARD))
+          for shape in (SHORT, FUSED_MAX, CHUNKED)],
+        (rms_norm_kernel, {"HAS_WEIGHT": False}, False, SHORT),
+        (layer_norm_kernel, {"HAS_WEIGHT": False, "HAS_BIAS": False}, False, SHORT),
+        (rms_norm_backward_kernel, {"HAS_WEIGHT": False, "HAS_GRAD_SUM": False, "WEIGHT_GRAD": False}, True, SHORT),
+        (layer_norm_backward_kernel, {"HAS_WEIGHT": False, "WEIGHT_GRAD": False, "BIAS_GRAD": True}, True, SHORT),
+        (layer_norm_kernel, LN, False, STRIDED_INT64),
+        (rms_norm_backward_kernel, RMS_BACKWARD, True, STRIDED_INT64),
+    ]
+    failures, checked = [], 0
+    for fn, flags, backward, (n_rows, n_cols, dtype, contiguous, index_64) in VARIANTS:
+        if backward and n_cols == 16384:  # the backward's largest fused row
+            n_cols = _norm.MAX_FUSED_BLOCK_BACKWARD
+        config = _norm.norm_launch_config(n_rows, n_cols, backward=backward)
+        constexprs = {**flags, "TILE_ROWS": config.tile_rows, "BLOCK": config.block,
+                      "CHUNKED": config.chunked, "INDEX_64": index_64}
+        what = f"{fn.__name__} {flags} {n_rows}x{n_cols} {dtype} {config}"
+        try:
+            compiled = compile_variant(fn, constexprs, dtype, contiguous, index_64, config.num_warps)
+        except Exception as error:  # noqa: BLE001
+            failures.append(f"{what}: {type(error).__name__}: {error}")
+            continue
+        checked += 1
+        ptx = compiled.asm["ptx"]
+        if contiguous and not ("ld.global.v4" in ptx and "st.global.v4" in ptx):
+            failures.append(f"{what}: contiguous path not vectorized")
+        stack = stack_bytes(compiled)
+        if not config.chunked and stack:
+            failures.append(f"{what}: {stack} bytes of stack (register spills)")
+    compiled = compile_variant(_norm.column_sum_kernel, {"BLOCK_P": 32, "BLOCK_N": 128}, "fp32", False, False, 4)
+    checked += 1
+    print(f"{checked} variants compiled")
+    print("\\n".join(failures) or "ok")
+    sys.exit(1 if failures else 0)
+    """
+)
+
+
+@pytest.mark.slow
+def test_norm_kernels_compile_for_sm90_vectorized_and_without_spills(tmp_path):
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    # This process runs the interpreter (TRITON_INTERPRET=1); the child must not inherit it.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
+    result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr

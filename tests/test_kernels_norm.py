@@ -1,0 +1,669 @@
+"""kernels.rms_norm, layer_norm, add_rms_norm: values, gradients, layouts, dtypes, plumbing, traffic, errors.
+
+Every result is compared with a float64 reference on fresh random inputs; outputs (and the saved
+statistics) are poisoned (NaN) before the kernels write them, so an element a kernel forgets stays
+NaN and fails. Gradients are compared with torch autograd of the float64 reference (the kernels
+take fp32/fp16/bf16 only, so gradcheck would test torch, not them).
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels  # noqa: F401  (fixes the mode first)
+from kernels import _norm, _rows
+from kernels.add_rms_norm import add_rms_norm
+from kernels.layer_norm import layer_norm
+from kernels.rms_norm import rms_norm
+
+DEVICE = kernels.runtime.DEVICE
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# (rtol, atol) against the float64 reference rounded to the output dtype: fp32 leaves room for a
+# GPU's approximate rsqrt and a different summation order; fp16/bf16 for one unit in the last place.
+TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-3, 1e-3), torch.bfloat16: (1.6e-2, 1e-2)}
+OP_MODULES = ["kernels._norm", "kernels.rms_norm", "kernels.layer_norm", "kernels.add_rms_norm"]
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    """Every output and statistic the ops allocate starts as NaN, so unwritten elements show."""
+
+    def poisoned(shape, like, dtype=None):
+        return torch.full(tuple(shape), float("nan"), dtype=dtype or like.dtype, device=like.device)
+
+    def poisoned_stats(x, ndim):
+        return torch.full(tuple(x.shape[: x.dim() - ndim]), float("nan"), dtype=torch.float32, device=x.device)
+
+    for name in OP_MODULES:
+        monkeypatch.setattr(sys.modules[name], "empty_output", poisoned)
+        monkeypatch.setattr(sys.modules[name], "empty_stats", poisoned_stats)
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    """A generator with a fresh seed (printed, so a failure can be replayed)."""
+    seed = secrets.randbits(31)
+    print(f"input seed: {seed}")
+    return torch.Generator().manual_seed(seed)
+
+
+def rand(shape, dtype, gen, scale=1.0, shift=0.0) -> torch.Tensor:
+    return (torch.randn(tuple(shape), generator=gen, dtype=torch.float64) * scale + shift).to(dtype).to(DEVICE)
+
+
+def make_input(shape, dtype, layout: str, gen, shift=0.0) -> torch.Tensor:
+    """A tensor of logical ``shape`` whose memory layout is ``layout`` (a view, never a copy)."""
+    shape = tuple(shape)
+    if layout == "contiguous" or len(shape) < 2 and layout == "transposed":
+        return rand(shape, dtype, gen, 1.5, shift)
+    if layout == "transposed":  # the normalized (last) dim has a large stride
+        return rand((*shape[:-2], shape[-1], shape[-2]), dtype, gen, 1.5, shift).transpose(-1, -2)
+    if layout == "sliced":  # a step of 2 in the last dim, an offset in the first
+        return rand((shape[0] + 1, *shape[1:-1], 2 * shape[-1]), dtype, gen, 1.5, shift)[1:, ..., ::2]
+    if layout == "expanded":  # stride 0 in the leading dim: every row the same memory
+        return rand((1, *shape[1:]), dtype, gen, 1.5, shift).expand(shape)
+    if layout == "permuted":  # leading dims reversed, last dim kept
+        lead = list(reversed(range(len(shape) - 1)))
+        base = rand([shape[d] for d in lead] + [shape[-1]], dtype, gen, 1.5, shift)
+        return base.permute(*[lead.index(d) for d in range(len(shape) - 1)], len(shape) - 1)
+    raise AssertionError(layout)
+
+
+def make_param(n, dtype, gen, strided=False, shift=1.0) -> torch.Tensor:
+    if strided:
+        return rand((2 * n,), dtype, gen, 0.5, shift)[::2]
+    return rand((n,), dtype, gen, 0.5, shift)
+
+
+def assert_matches(out, reference64, dtype, contiguous=True):
+    assert out.dtype == dtype
+    assert out.shape == reference64.shape
+    if contiguous:
+        assert out.is_contiguous()
+    rtol, atol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.double(), reference64.to(dtype).double(), rtol=rtol, atol=atol)
+
+
+# float64 references ------------------------------------------------------------------------------
+
+
+def rms_reference(x, weight, eps=1e-6):
+    x = x.double()
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return y if weight is None else y * weight.double()
+
+
+def ln_reference(x, normalized_shape, weight=None, bias=None, eps=1e-5):
+    return F.layer_norm(x.double(), normalized_shape, None if weight is None else weight.double(),
+                        None if bias is None else bias.double(), eps)
+
+
+def add_reference(x, residual, weight, eps=1e-6):
+    s = x + residual  # torch rounds the sum to the dtype, as the kernel does
+    return rms_reference(s, weight, eps), s
+
+
+def float64_grads(fn, inputs, grads):
+    """Autograd of ``fn`` in float64 at ``inputs`` (None entries pass through)."""
+    leaves = [None if t is None else t.detach().double().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    out = out if isinstance(out, tuple) else (out,)
+    wanted = [t for t in leaves if t is not None]
+    return torch.autograd.grad(out, wanted, [g.double() for g in grads])
+
+
+OPS = {
+    "rms_norm": (lambda x, w, b: rms_norm(x, w), lambda x, w, b: rms_reference(x, w)),
+    "layer_norm": (lambda x, w, b: layer_norm(x, x.shape[-1], w, b),
+                   lambda x, w, b: ln_reference(x, x.shape[-1:], w, b)),
+    "add_rms_norm": (lambda x, w, b: add_rms_norm(x, b.expand_as(x), w)[0],
+                     lambda x, w, b: add_reference(x, b.expand_as(x).to(x.dtype), w)[0]),
+}
+
+SHAPES = [(1,), (7,), (1, 1), (3, 1), (5, 7), (2, 3, 129), (33, 1000), (4, 2, 300)]
+
+
+# --------------------------------------------------------------------------- forward values
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("name", list(OPS))
+def test_forward_matches_float64_reference_over_shapes(name, shape, gen):
+    op, reference = OPS[name]
+    x = make_input(shape, torch.float32, "contiguous", gen, shift=0.5)
+    w, b = make_param(shape[-1], torch.float32, gen), make_param(shape[-1], torch.float32, gen, shift=0.0)
+    assert_matches(op(x, w, b), reference(x, w, b), torch.float32)
+
+
+def test_rms_norm_matches_torch_and_layer_norm_defaults(gen):
+    x = make_input((6, 50), torch.float32, "contiguous", gen)
+    w = make_param(50, torch.float32, gen)
+    torch.testing.assert_close(rms_norm(x, w), F.rms_norm(x, (50,), w, 1e-6))
+    torch.testing.assert_close(rms_norm(x, None, eps=0.5), F.rms_norm(x, (50,), None, 0.5))
+    torch.testing.assert_close(layer_norm(x, 50), F.layer_norm(x, (50,)))
+    torch.testing.assert_close(layer_norm(x, [50], w, eps=0.1), F.layer_norm(x, (50,), w, None, 0.1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", list(OPS))
+def test_forward_dtypes(name, dtype, gen):
+    op, reference = OPS[name]
+    x = make_input((9, 301), dtype, "sliced", gen, shift=1.0)
+    w, b = make_param(301, dtype, gen), make_param(301, dtype, gen, shift=0.0)
+    assert_matches(op(x, w, b), reference(x, w, b), dtype)
+
+
+@pytest.mark.parametrize("layout", ["transposed", "sliced", "expanded", "permuted"])
+@pytest.mark.parametrize("name", list(OPS))
+def test_forward_honours_strides(name, layout, gen):
+    op, reference = OPS[name]
+    x = make_input((3, 5, 67), torch.float32, layout, gen, shift=0.5)
+    assert not x.is_contiguous()
+    w, b = make_param(67, torch.float32, gen, strided=True), make_param(67, torch.float32, gen, True, 0.0)
+    assert_matches(op(x, w, b), reference(x, w, b), torch.float32)
+
+
+def test_layer_norm_over_several_trailing_dims(gen):
+    x = make_input((3, 4, 5, 6), torch.float32, "contiguous", gen, shift=2.0)
+    for shape in [(6,), (5, 6), (4, 5, 6)]:
+        w, b = rand(shape, torch.float32, gen, 0.5, 1.0), rand(shape, torch.float32, gen)
+        assert_matches(layer_norm(x, shape, w, b), ln_reference(x, shape, w, b), torch.float32)
+    # normalized dims that one stride can walk, in a non-contiguous tensor and weight
+    x = rand((7, 10, 12), torch.float32, gen)[::2]
+    w = rand((4, 5, 12), torch.float32, gen)[:, 0]  # (4, 12), strides (60, 1): no single stride
+    with pytest.raises(ValueError, match=r"weight's normalized dims \(4, 12\) have strides \(60, 1\).*contiguous"):
+        layer_norm(x[:, :4, :], (4, 12), w)
+    w = rand((10, 12), torch.float32, gen)
+    assert_matches(layer_norm(x, (10, 12), w), ln_reference(x, (10, 12), w), torch.float32)
+
+
+def test_leading_dims_no_operand_can_merge_are_launched_per_slice(gen):
+    """Four leading dims in an order no stride merges: several launches, stats and dw partials stitched."""
+    x = rand((2, 3, 2, 3, 33), torch.float32, gen).permute(3, 0, 2, 1, 4)
+    assert len(_rows.plan_rows([x], 1)) > 1
+    w = make_param(33, torch.float32, gen)
+    assert_matches(rms_norm(x, w), rms_reference(x, w), torch.float32)
+    x.requires_grad_()
+    w.requires_grad_()
+    dy = rand(x.shape, torch.float32, gen)
+    got = torch.autograd.grad(rms_norm(x, w), [x, w], dy)
+    for g, want in zip(got, float64_grads(rms_reference, [x, w], [dy])):
+        assert_matches(g, want, torch.float32)
+
+
+@pytest.mark.parametrize("name", list(OPS))
+def test_long_rows_chunked_path(name, monkeypatch, gen):
+    """Rows past the fused limit (made small here) take the chunked kernels, forward and backward."""
+    monkeypatch.setattr(_norm, "MAX_FUSED_BLOCK", 64)
+    monkeypatch.setattr(_norm, "MAX_FUSED_BLOCK_BACKWARD", 64)
+    monkeypatch.setattr(_norm, "CHUNK_BLOCK", 64)
+    monkeypatch.setattr(_norm, "INTERPRETER_SMS", 1)  # 2 programs of 3 rows: the row loops run
+    config = _norm.norm_launch_config(6, 150, backward=True)
+    assert config.chunked and (config.n_programs, config.rows_per_program) == (2, 3)
+    op, reference = OPS[name]
+    x = make_input((6, 150), torch.float32, "transposed", gen, shift=3.0).requires_grad_()
+    w = make_param(150, torch.float32, gen).requires_grad_()
+    b = make_param(150, torch.float32, gen, shift=0.0).requires_grad_()
+    out = op(x, w, b)
+    assert_matches(out, reference(x, w, b), torch.float32)
+    dy = rand(x.shape, torch.float32, gen)
+    got = torch.autograd.grad(out, [x, w, b] if name != "rms_norm" else [x, w], dy)
+    want = float64_grads(reference, [x, w, b] if name != "rms_norm" else [x, w, None], [dy])
+    for g, expected in zip(got, want):
+        assert_matches(g, expected, torch.float32)
+
+
+@pytest.mark.parametrize("n_cols", [16384, 16500])
+@pytest.mark.parametrize("name", ["rms_norm", "layer_norm"])
+def test_real_long_rows(name, n_cols, gen):
+    """The largest fused row (16384: the forward in one block, the backward chunked) and beyond."""
+    op, reference = OPS[name]
+    x = make_input((2, n_cols), torch.bfloat16, "contiguous", gen, shift=1.0).requires_grad_()
+    w = make_param(n_cols, torch.bfloat16, gen).requires_grad_()
+    b = make_param(n_cols, torch.bfloat16, gen, shift=0.0).requires_grad_()
+    out = op(x, w, b)
+    assert_matches(out, reference(x, w, b), torch.bfloat16)
+    dy = rand(x.shape, torch.bfloat16, gen)
+    got = torch.autograd.grad(out, [x, w] if name == "rms_norm" else [x, w, b], dy)
+    want = float64_grads(reference, [x, w, b] if name == "layer_norm" else [x, w, None], [dy])
+    for g, expected in zip(got, want):
+        assert_matches(g, expected, torch.bfloat16)
+
+
+def test_int64_offset_path(monkeypatch, gen):
+    """The int64 offset path (taken past 2**31 elements of stride) computes the same values."""
+    monkeypatch.setattr(_rows, "_INT32_MAX", 100)
+    monkeypatch.setattr(_norm, "_INT32_MAX", 100)
+    x = make_input((10, 200), torch.float32, "transposed", gen).requires_grad_()
+    assert _rows.plan_rows([x], 1)[0].index_64
+    w = make_param(200, torch.float32, gen).requires_grad_()
+    dy = rand(x.shape, torch.float32, gen)
+    for op, reference in (OPS["rms_norm"], OPS["layer_norm"]):
+        out = op(x, w, None)
+        assert_matches(out, reference(x, w, None), torch.float32)
+        got = torch.autograd.grad(out, [x, w], dy)
+        for g, want in zip(got, float64_grads(reference, [x, w, None], [dy])):
+            assert_matches(g, want, torch.float32)
+
+
+def test_empty_tensors(gen):
+    for shape in [(0, 7), (3, 0), (2, 0, 5)]:
+        n = shape[-1]
+        x = torch.randn(shape, generator=gen).to(DEVICE).requires_grad_()
+        w = torch.randn(n, generator=gen).to(DEVICE).requires_grad_()
+        b = torch.randn(n, generator=gen).to(DEVICE).requires_grad_()
+        for out, inputs, reference in [
+            (rms_norm(x, w), [x, w], F.rms_norm(x, (n,), w)),
+            (layer_norm(x, n, w, b), [x, w, b], F.layer_norm(x, (n,), w, b)),
+            (add_rms_norm(x, x, w)[0], [x, w], F.rms_norm(x + x, (n,), w)),
+        ]:
+            assert out.shape == reference.shape == x.shape
+            grads = torch.autograd.grad(out, inputs, torch.ones_like(out))
+            want = torch.autograd.grad(reference, inputs, torch.ones_like(out))
+            for g, expected in zip(grads, want):
+                assert g.shape == expected.shape
+                torch.testing.assert_close(g, expected)  # the weight's gradient over no rows is 0
+
+
+# --------------------------------------------------------------------------- gradients
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "permuted"])
+def test_rms_norm_backward_matches_float64_autograd(layout, gen):
+    x = make_input((4, 3, 130), torch.float32, layout, gen).requires_grad_()
+    w = make_param(130, torch.float32, gen, strided=layout != "contiguous").requires_grad_()
+    dy = make_input((4, 3, 130), torch.float32, "sliced" if layout == "contiguous" else "contiguous", gen)
+    got = torch.autograd.grad(rms_norm(x, w), [x, w], dy)
+    want = float64_grads(lambda x, w: F.rms_norm(x, (130,), w, 1e-6), [x, w], [dy])
+    for g, expected in zip(got, want):
+        assert_matches(g, expected, torch.float32)
+
+
+@pytest.mark.parametrize("normalized_shape", [(130,), (3, 130)], ids=str)
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "expanded"])
+def test_layer_norm_backward_matches_float64_autograd(layout, normalized_shape, gen):
+    if layout == "transposed" and len(normalized_shape) == 2:
+        layout = "sliced"  # a transposed last pair would not merge (tested as an error)
+    x = make_input((4, 3, 130), torch.float32, layout, gen, shift=2.0).requires_grad_()
+    w = rand(normalized_shape, torch.float32, gen, 0.5, 1.0).requires_grad_()
+    b = rand(normalized_shape, torch.float32, gen).requires_grad_()
+    dy = make_input((4, 3, 130), torch.float32, "transposed", gen)
+    got = torch.autograd.grad(layer_norm(x, normalized_shape, w, b), [x, w, b], dy)
+    want = float64_grads(lambda x, w, b: F.layer_norm(x, normalized_shape, w, b, 1e-5), [x, w, b], [dy])
+    for g, expected in zip(got, want):
+        assert_matches(g, expected, torch.float32)
+
+
+def test_add_rms_norm_backward_matches_float64_autograd(gen):
+    x = make_input((37, 200), torch.float32, "transposed", gen).requires_grad_()
+    r = make_input((37, 200), torch.float32, "contiguous", gen).requires_grad_()
+    w = make_param(200, torch.float32, gen, strided=True).requires_grad_()
+    dy, ds = rand(x.shape, torch.float32, gen), make_input((37, 200), torch.float32, "sliced", gen)
+    normed, s = add_rms_norm(x, r, w)
+    dx, dr, dw = torch.autograd.grad((normed, s), [x, r, w], (dy, ds))
+    # The reference differentiates with respect to the (rounded) sum itself.
+    s64 = (x + r).detach().double().requires_grad_()
+    w64 = w.detach().double().requires_grad_()
+    want_ds, want_dw = torch.autograd.grad((F.rms_norm(s64, (200,), w64, 1e-6), s64), [s64, w64],
+                                           (dy.double(), ds.double()))
+    assert_matches(dx, want_ds, torch.float32)
+    assert_matches(dr, want_ds, torch.float32)
+    assert_matches(dw, want_dw, torch.float32)
+    # Only the normed output used: the sum's gradient is zero.
+    dx, dw = torch.autograd.grad(add_rms_norm(x, r, w)[0], [x, w], dy)
+    want_ds, want_dw = torch.autograd.grad(F.rms_norm(s64, (200,), w64, 1e-6), [s64, w64], dy.double())
+    assert_matches(dx, want_ds, torch.float32)
+    assert_matches(dw, want_dw, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(OPS))
+def test_backward_half_precision(name, dtype, gen):
+    op, reference = OPS[name]
+    x = make_input((40, 151), dtype, "contiguous", gen, shift=1.0).requires_grad_()
+    w = make_param(151, dtype, gen).requires_grad_()
+    b = make_param(151, dtype, gen, shift=0.0).requires_grad_()
+    inputs = [x, w, b] if name == "layer_norm" else [x, w]
+    dy = rand(x.shape, dtype, gen)
+    got = torch.autograd.grad(op(x, w, b), inputs, dy)
+    if name == "add_rms_norm":  # differentiated with respect to the rounded sum
+        want = float64_grads(lambda s, w: rms_reference(s, w), [x + b, w], [dy])
+    else:
+        want = float64_grads(reference, [x, w, b if name == "layer_norm" else None], [dy])
+    for g, expected in zip(got, want):
+        assert_matches(g, expected, dtype)
+
+
+def test_backward_formulas_in_the_docstrings_equal_autograd(gen):
+    """The closed forms the kernels implement (kernels/rms_norm.py, kernels/layer_norm.py), in float64."""
+    x, w = rand((6, 40), torch.float64, gen, shift=1.0), rand((40,), torch.float64, gen)
+    dy = rand((6, 40), torch.float64, gen)
+    g = dy * w
+    rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    xhat = x * rstd
+    dx = rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))
+    want = float64_grads(lambda x, w: F.rms_norm(x, (40,), w, 1e-6), [x, w], [dy])
+    torch.testing.assert_close(dx, want[0])
+    torch.testing.assert_close((dy * xhat).sum(0), want[1])
+    mean = x.mean(-1, keepdim=True)
+    rstd = torch.rsqrt(x.var(-1, unbiased=False, keepdim=True) + 1e-5)
+    xhat = (x - mean) * rstd
+    dx = rstd * (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True))
+    want = float64_grads(lambda x, w: F.layer_norm(x, (40,), w, None, 1e-5), [x, w], [dy])
+    torch.testing.assert_close(dx, want[0])
+    torch.testing.assert_close((dy * xhat).sum(0), want[1])
+
+
+def test_parameters_without_weight_bias_or_grad(gen):
+    x = make_input((12, 90), torch.float32, "contiguous", gen, shift=1.0).requires_grad_()
+    dy = rand(x.shape, torch.float32, gen)
+    w = make_param(90, torch.float32, gen)  # does not require grad
+    (dx,) = torch.autograd.grad(rms_norm(x, None), [x], dy)
+    assert_matches(dx, float64_grads(lambda x: rms_reference(x, None), [x], [dy])[0], torch.float32)
+    (dx,) = torch.autograd.grad(rms_norm(x, w), [x], dy)
+    assert_matches(dx, float64_grads(lambda x: rms_reference(x, w), [x], [dy])[0], torch.float32)
+    b = make_param(90, torch.float32, gen).requires_grad_()
+    dx, db = torch.autograd.grad(layer_norm(x, 90, None, b), [x, b], dy)
+    want = float64_grads(lambda x, b: ln_reference(x, (90,), None, b), [x, b], [dy])
+    assert_matches(dx, want[0], torch.float32)
+    assert_matches(db, want[1], torch.float32)
+    assert_matches(layer_norm(x, 90), ln_reference(x, (90,)), torch.float32)
+
+
+def test_weight_gradient_is_deterministic(gen):
+    x = make_input((300, 70), torch.float32, "contiguous", gen).requires_grad_()
+    w = make_param(70, torch.float32, gen).requires_grad_()
+    dy = rand(x.shape, torch.float32, gen)
+    first = torch.autograd.grad(layer_norm(x, 70, w, w), [w], dy)[0]
+    second = torch.autograd.grad(layer_norm(x, 70, w, w), [w], dy)[0]
+    assert torch.equal(first, second)
+
+
+# --------------------------------------------------------------------------- add_rms_norm specifics
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_add_rms_norm_rounds_the_sum_first(dtype, gen):
+    x = make_input((21, 130), dtype, "contiguous", gen)
+    r = make_input((21, 130), dtype, "transposed", gen)
+    w = make_param(130, dtype, gen)
+    normed, s = add_rms_norm(x, r, w)
+    assert torch.equal(s, x + r)  # exactly torch's sum in the dtype
+    assert s.is_contiguous() and normed.is_contiguous()
+    # normalized from the rounded sum: the unfused two-step computation
+    assert_matches(normed, rms_reference(x + r, w), dtype)
+    torch.testing.assert_close(normed, rms_norm(x + r, w), rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------- the launch rule
+
+
+def test_launch_config_fills_the_gpu_and_keeps_partials_small(monkeypatch):
+    monkeypatch.setattr(_norm, "_multiprocessor_count", lambda device: 132)  # an H200
+    for n_rows in [1, 7, 300, 8192, 65536, 10**6]:
+        for n_cols in [1, 64, 77, 1000, 4096, 8192, 16384, 20000]:
+            for backward in (False, True):
+                c = _norm.norm_launch_config(n_rows, n_cols, backward=backward)
+                assert c.rows_per_program % c.tile_rows == 0
+                assert c.n_programs * c.rows_per_program >= n_rows > (c.n_programs - 1) * c.rows_per_program
+                assert c.n_programs <= 2 * 132  # the (n_programs, N) partial buffer: at most 264 rows
+                limit = _norm.MAX_FUSED_BLOCK_BACKWARD if backward else _norm.MAX_FUSED_BLOCK
+                assert c.chunked == (n_cols > limit)
+                assert c.block >= (n_cols if not c.chunked else 1) and c.tile_rows * c.block <= max(4096, c.block)
+                if n_rows >= 264 * c.tile_rows:
+                    assert c.n_programs >= 132  # every SM has a program
+    c = _norm.norm_launch_config(8192, 4096, backward=True)
+    assert (c.tile_rows, c.rows_per_program, c.n_programs) == (1, 32, 256)
+
+
+# --------------------------------------------------------------------------- memory traffic
+
+
+def _traced(fn):
+    from utils.trace import trace
+
+    with trace(torch_ops=False) as t:
+        fn()
+    return t
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "shape, layout", [((3, 67, 1000), "contiguous"), ((301, 77), "sliced"), ((1001, 3), "transposed")], ids=str
+)
+def test_forward_kernels_move_the_ideal_bytes(shape, layout, dtype, gen):
+    """x read once, weight/bias once (per program: a few hundred rows share it), y written once, stats."""
+    from utils.trace import ideal_bytes
+
+    n = shape[-1]
+    x, r = make_input(shape, dtype, layout, gen), make_input(shape, dtype, "contiguous", gen)
+    w, b = make_param(n, dtype, gen), make_param(n, dtype, gen)
+    rows = x.numel() // n
+    cases = {
+        "rms_norm_kernel": (lambda: rms_norm(x, w), ideal_bytes(x, w, x) + 4 * rows),
+        "layer_norm_kernel": (lambda: layer_norm(x, n, w, b), ideal_bytes(x, w, b, x) + 8 * rows),
+        "add_rms_norm_kernel": (lambda: add_rms_norm(x, r, w), ideal_bytes(x, r, w, x, x) + 4 * rows),
+    }
+    for kernel, (fn, ideal) in cases.items():
+        t = _traced(fn)
+        assert [launch.kernel for launch in t.launches] == [kernel]
+        assert t.out_of_bounds == 0
+        assert ideal <= t.bytes <= 1.05 * ideal, (kernel, t.bytes / ideal)
+
+
+@pytest.mark.interpreter
+def test_chunked_forward_rereads_but_touches_each_byte_once(monkeypatch, gen):
+    """Long rows are read twice (and the weight once per row); a cache holding one row sees x once."""
+    from utils.trace import SECTOR_BYTES, ideal_bytes
+
+    monkeypatch.setattr(_norm, "MAX_FUSED_BLOCK", 256)
+    monkeypatch.setattr(_norm, "CHUNK_BLOCK", 128)
+    x, w = rand((40, 1000), torch.float32, gen), make_param(1000, torch.float32, gen)
+    t = _traced(lambda: rms_norm(x, w))
+    ideal = ideal_bytes(x, w, x) + 4 * 40
+    assert t.bytes == 2 * x.nbytes + x.nbytes + 40 * w.nbytes + 4 * 40  # x twice, y once, w per row
+    assert t.unique_sectors * SECTOR_BYTES <= 1.01 * ideal
+
+
+@pytest.mark.interpreter
+def test_backward_traffic_and_two_stage_weight_gradient(gen):
+    """dx from one pass over dy and x; dw/db through (n_programs, N) partial rows and column sums."""
+    from utils.trace import ideal_bytes
+
+    x = make_input((3, 67, 1000), torch.bfloat16, "contiguous", gen).requires_grad_()
+    w = make_param(1000, torch.bfloat16, gen).requires_grad_()
+    b = make_param(1000, torch.bfloat16, gen).requires_grad_()
+    dy = rand(x.shape, torch.bfloat16, gen)
+    rows = 201
+    out = layer_norm(x, 1000, w, b)
+    t = _traced(lambda: torch.autograd.grad(out, [x, w, b], dy))
+    kernels_run = [launch.kernel for launch in t.launches]
+    assert kernels_run == ["layer_norm_backward_kernel", "column_sum_kernel", "column_sum_kernel"]
+    assert all(launch.atomics == 0 for launch in t.launches)
+    programs = t.launches[0].grid[0]
+    partial_bytes = 2 * programs * 1000 * 4  # dw and db partial rows, written once and read once
+    ideal = ideal_bytes(dy, x, x, w, w, b) + 8 * rows
+    assert t.launches[0].bytes_written == x.nbytes + partial_bytes
+    assert t.bytes == ideal + 2 * partial_bytes + programs * w.nbytes - w.nbytes  # weight once per program
+    assert t.bytes <= 1.2 * ideal
+    # a weight that needs no gradient: no partials, no second stage
+    w.requires_grad_(False)
+    b.requires_grad_(False)
+    out = rms_norm(x, w)
+    t = _traced(lambda: torch.autograd.grad(out, [x], dy))
+    assert [launch.kernel for launch in t.launches] == ["rms_norm_backward_kernel"]
+    assert t.bytes == ideal_bytes(dy, x, x) + 4 * rows + programs * w.nbytes
+
+
+# --------------------------------------------------------------------------- custom-op plumbing
+
+
+def _opcheck_cases(gen):
+    x = make_input((5, 7), torch.float32, "contiguous", gen)
+    xt = make_input((5, 7), torch.float32, "transposed", gen)
+    w = make_param(7, torch.float32, gen, strided=True)
+    x3 = make_input((2, 3, 4), torch.float32, "contiguous", gen)
+    w2 = rand((3, 4), torch.float32, gen)
+    ops = torch.ops.kernels
+    rstd = ops.rms_norm(x, w, 1e-6)[1]
+    _, mean3, rstd3 = ops.layer_norm(x3, [3, 4], w2, w2, 1e-5)
+    _, s, rstd_s = ops.add_rms_norm(x, xt, w, 1e-6)
+    return {
+        "rms_norm": (ops.rms_norm.default, (xt, w, 1e-6)),
+        "rms_norm_no_weight": (ops.rms_norm.default, (x, None, 1e-6)),
+        "rms_norm_backward": (ops.rms_norm_backward.default, (xt, x, w, rstd, True)),
+        "layer_norm": (ops.layer_norm.default, (x3, [3, 4], w2, w2, 1e-5)),
+        "layer_norm_no_params": (ops.layer_norm.default, (xt, [7], None, None, 1e-5)),
+        "layer_norm_backward": (ops.layer_norm_backward.default, (x3, x3, [3, 4], w2, mean3, rstd3, True, True)),
+        "add_rms_norm": (ops.add_rms_norm.default, (x, xt, w, 1e-6)),
+        "add_rms_norm_backward": (ops.add_rms_norm_backward.default, (xt, x, s, w, rstd_s, True)),
+    }
+
+
+@pytest.mark.parametrize(
+    "case", ["rms_norm", "rms_norm_no_weight", "rms_norm_backward", "layer_norm", "layer_norm_no_params",
+             "layer_norm_backward", "add_rms_norm", "add_rms_norm_backward"],
+)
+def test_opcheck(case, gen):
+    op, args = _opcheck_cases(gen)[case]
+    torch.library.opcheck(op, args)
+
+
+@pytest.mark.parametrize("name", list(OPS))
+def test_torch_compile_fullgraph_forward_and_backward(name, gen):
+    op = (lambda x, w, b: add_rms_norm(x, b, w)) if name == "add_rms_norm" else OPS[name][0]
+    torch._dynamo.reset()
+    compiled = torch.compile(op, fullgraph=True)
+    x = make_input((9, 70), torch.float32, "contiguous", gen).requires_grad_()
+    w = make_param(70, torch.float32, gen).requires_grad_()
+    b = (make_input((9, 70), torch.float32, "contiguous", gen) if name == "add_rms_norm"
+         else make_param(70, torch.float32, gen)).requires_grad_()
+    inputs = [x, w, b] if name != "rms_norm" else [x, w]
+    dy = [make_input((9, 70), torch.float32, "contiguous", gen) for _ in range(2 if name == "add_rms_norm" else 1)]
+    got = compiled(x, w, b)
+    got_grads = torch.autograd.grad(got, inputs, dy)
+    want = op(x, w, b)
+    want_grads = torch.autograd.grad(want, inputs, dy)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for g, expected in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, expected, rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------- bad input
+
+_X = torch.ones(4, 8)
+_W = torch.ones(8)
+
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda: rms_norm([1.0], _W), TypeError, r"^kernels\.rms_norm: x must be a torch\.Tensor, got list"),
+        (lambda: rms_norm(torch.ones(4, 8, dtype=torch.int64), _W), TypeError,
+         r"^kernels\.rms_norm: x must be float32, float16 or bfloat16, got torch\.int64"),
+        (lambda: rms_norm(torch.ones(4, 8, dtype=torch.float64), _W), TypeError,
+         r"^kernels\.rms_norm: x must be .*got torch\.float64"),
+        (lambda: rms_norm(torch.tensor(1.0), _W), ValueError, r"^kernels\.rms_norm: x must have at least one dim"),
+        (lambda: rms_norm(_X, torch.ones(7)), ValueError,
+         r"^kernels\.rms_norm: weight must have shape \(8,\) \(x's last dim\), got \(7,\)"),
+        (lambda: rms_norm(_X, torch.ones(1, 8)), ValueError, r"^kernels\.rms_norm: weight must have shape \(8,\)"),
+        (lambda: rms_norm(_X, torch.ones(8, dtype=torch.bfloat16)), TypeError,
+         r"^kernels\.rms_norm: x and weight must have the same dtype, got torch\.float32 and torch\.bfloat16"),
+        (lambda: rms_norm(_X, torch.ones(8, device="meta")), ValueError,
+         r"^kernels\.rms_norm: x and weight must be on the same device, got cpu and meta"),
+        (lambda: rms_norm(_X, "w"), TypeError, r"^kernels\.rms_norm: weight must be a torch\.Tensor, got str"),
+        (lambda: rms_norm(_X, _W, eps=0.0), ValueError,
+         r"^kernels\.rms_norm: eps must be a finite number > 0, got 0\.0"),
+        (lambda: rms_norm(_X, _W, eps=-1e-6), ValueError, r"^kernels\.rms_norm: eps must be a finite number > 0"),
+        (lambda: rms_norm(_X, _W, eps=math.inf), ValueError, r"^kernels\.rms_norm: eps must be a finite .*, got inf"),
+        (lambda: rms_norm(_X, _W, eps=math.nan), ValueError, r"^kernels\.rms_norm: eps must be a finite .*, got nan"),
+        (lambda: rms_norm(_X, _W, eps="1e-6"), TypeError, r"^kernels\.rms_norm: eps must be a positive float, got str"),
+        (lambda: rms_norm(_X, _W, eps=True), TypeError, r"^kernels\.rms_norm: eps must be a positive float, got bool"),
+        (lambda: layer_norm(_X, 7), ValueError,
+         r"^kernels\.layer_norm: x of shape \(4, 8\) must end in the normalized shape \(7,\)"),
+        (lambda: layer_norm(_X, (3, 4, 8)), ValueError, r"^kernels\.layer_norm: x of shape \(4, 8\) must end in"),
+        (lambda: layer_norm(_X, ()), ValueError, r"^kernels\.layer_norm: normalized_shape must name at least one dim"),
+        (lambda: layer_norm(_X, (-8,)), ValueError, r"^kernels\.layer_norm: normalized_shape must have non-negative"),
+        (lambda: layer_norm(_X, 8.0), TypeError,
+         r"^kernels\.layer_norm: normalized_shape must be an int or a sequence of ints, got float"),
+        (lambda: layer_norm(_X, (8.0,)), TypeError, r"^kernels\.layer_norm: normalized_shape must be .* type float"),
+        (lambda: layer_norm(_X, 8, torch.ones(4)), ValueError,
+         r"^kernels\.layer_norm: weight must have shape \(8,\) \(normalized_shape\), got \(4,\)"),
+        (lambda: layer_norm(_X, 8, None, torch.ones(8, dtype=torch.float16)), TypeError,
+         r"^kernels\.layer_norm: x and bias must have the same dtype"),
+        (lambda: layer_norm(_X, 8, None, torch.ones(8, dtype=torch.int32)), TypeError,
+         r"^kernels\.layer_norm: bias must be float32, float16 or bfloat16, got torch\.int32"),
+        (lambda: layer_norm(_X, 8, eps=0), ValueError, r"^kernels\.layer_norm: eps must be a finite number > 0"),
+        (lambda: layer_norm(torch.ones(3, 4, 5).transpose(1, 2), (5, 4)), ValueError,
+         r"^kernels\.layer_norm: x's normalized dims \(5, 4\) have strides \(1, 5\), which one stride cannot walk; "
+         r"call x\.contiguous\(\) first"),
+        (lambda: layer_norm(torch.ones(4, 8, dtype=torch.float64), 8), TypeError,
+         r"^kernels\.layer_norm: x must be float32, float16 or bfloat16, got torch\.float64"),
+        (lambda: add_rms_norm(_X, torch.ones(4, 7), _W), ValueError,
+         r"^kernels\.add_rms_norm: x and residual must have the same shape, got \(4, 8\) and \(4, 7\)"),
+        (lambda: add_rms_norm(_X, _X.half(), _W), TypeError,
+         r"^kernels\.add_rms_norm: x and residual must have the same dtype"),
+        (lambda: add_rms_norm(_X, torch.ones(4, 8, device="meta"), _W), ValueError,
+         r"^kernels\.add_rms_norm: x and residual must be on the same device"),
+        (lambda: add_rms_norm(_X, 1.0, _W), TypeError, r"^kernels\.add_rms_norm: residual must be a torch\.Tensor"),
+        (lambda: add_rms_norm(_X, _X, torch.ones(9)), ValueError,
+         r"^kernels\.add_rms_norm: weight must have shape \(8,\)"),
+        (lambda: add_rms_norm(_X, _X, _W, eps=-1.0), ValueError, r"^kernels\.add_rms_norm: eps must be"),
+        (lambda: add_rms_norm(_X.long(), _X.long(), _W), TypeError, r"^kernels\.add_rms_norm: x must be float32"),
+        # the raw custom ops validate too (and so do their fakes, under torch.compile)
+        (lambda: torch.ops.kernels.rms_norm(_X, torch.ones(3), 1e-6), ValueError,
+         r"^kernels\.rms_norm: weight must have shape"),
+        (lambda: torch.ops.kernels.layer_norm(_X, [8], None, None, 0.0), ValueError, r"^kernels\.layer_norm: eps"),
+        (lambda: torch.ops.kernels.rms_norm(torch.ones(2, 8, device="meta"), None, -1.0), ValueError,
+         r"^kernels\.rms_norm: eps"),
+    ],
+)
+def test_bad_input_raises_a_clear_error(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+# --------------------------------------------------------------------------- GPU sizes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n_cols", [4096, 8192, 16384, 65536])
+def test_gpu_real_sizes(dtype, n_cols):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = 2**24 // n_cols
+    x = torch.randn(rows, n_cols, device="cuda", generator=gen).to(dtype).requires_grad_()
+    w = (torch.rand(n_cols, device="cuda", generator=gen) + 0.5).to(dtype).requires_grad_()
+    b = torch.randn(n_cols, device="cuda", generator=gen).to(dtype).requires_grad_()
+    dy = torch.randn(rows, n_cols, device="cuda", generator=gen).to(dtype)
+    for op, reference, inputs in [
+        (lambda: rms_norm(x, w), lambda x, w: F.rms_norm(x, (n_cols,), w, 1e-6), [x, w]),
+        (lambda: layer_norm(x, n_cols, w, b), lambda x, w, b: F.layer_norm(x, (n_cols,), w, b), [x, w, b]),
+    ]:
+        out = op()
+        assert_matches(out, reference(*(t.detach().double() for t in inputs)), dtype)
+        got = torch.autograd.grad(out, inputs, dy)
+        want = float64_grads(reference, inputs, [dy])
+        for g, expected in zip(got, want):
+            rtol, atol = TOLERANCES[dtype]
+            scale = expected.abs().max().item()  # dw sums 4096 rows: compare relative to its scale
+            torch.testing.assert_close(g.double(), expected, rtol=rtol, atol=atol * max(1.0, scale / 10))
+
+
+@pytest.mark.gpu
+def test_gpu_int64_offsets():
+    """More than 2**31 elements: row starts and offsets in int64."""
+    n_cols = 4096
+    rows = 2**31 // n_cols + 5
+    x = torch.randn(rows, n_cols, device="cuda", dtype=torch.bfloat16)
+    w = torch.ones(n_cols, device="cuda", dtype=torch.bfloat16)
+    y = rms_norm(x, w)
+    for where in (slice(0, 4), slice(rows - 4, rows)):
+        assert_matches(y[where], rms_reference(x[where], w), torch.bfloat16)
