@@ -423,7 +423,7 @@ class QuantizedWeight:
         if self.scheme == "int4":
             low = (self.data & 0xF).to(torch.int16) - 8
             high = (self.data >> 4).to(torch.int16) - 8
-            q = torch.stack([low, high], dim=-1).reshape(n, -1)[:, :k].float()
+            q = torch.stack([low, high], dim=-1).reshape(n, 2 * self.data.shape[1])[:, :k].float()
             scales = self.scales.float().repeat_interleave(self.group_size, dim=1)[:, :k]
             return (q * scales).to(self.dtype)
         return (self.data.float() * self.scales.float()[:, None]).to(self.dtype)
