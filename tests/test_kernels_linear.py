@@ -215,3 +215,20 @@ def test_bad_input_errors(make, error, message):
     x, w, b, activation = make()
     with pytest.raises(error, match=message):
         kernels.linear(x, w, b, activation)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_gpu_real_sizes_forward_and_backward(activation, gen):
+    x = rand(gen, 4, 512, 1024, dtype=torch.bfloat16).requires_grad_()
+    w = (rand(gen, 2048, 1024, dtype=torch.bfloat16) * 0.03).requires_grad_()
+    b = rand(gen, 2048, dtype=torch.bfloat16).requires_grad_()
+    out = kernels.linear(x, w, b, activation)
+    want = TORCH_ACT[activation](F.linear(x.float(), w.float(), b.float()))
+    torch.testing.assert_close(out.float(), want, rtol=1.6e-2, atol=5e-2)
+    grad = rand(gen, *out.shape, dtype=torch.bfloat16)
+    got = torch.autograd.grad(out, (x, w, b), grad)
+    ref = torch.autograd.grad(TORCH_ACT[activation](F.linear(x, w, b)), (x, w, b), grad)
+    for g, r in zip(got, ref):
+        scale = r.float().abs().max().item()
+        torch.testing.assert_close(g.float(), r.float(), rtol=2e-2, atol=2e-2 * scale)

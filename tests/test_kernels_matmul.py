@@ -411,3 +411,53 @@ def test_launcher_argument_errors(gen):
         mm.matmul_tiled(rand(gen, 5), b)
     with pytest.raises(ValueError, match=r"kernels\.matmul_tiled: a's last dim \(5\) must equal b's"):
         mm.matmul_tiled(a, rand(gen, 4, 3))
+
+
+# --------------------------------------------------------------------------- real sizes (GPU only)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "a_shape, b_shape",
+    [((1024, 1024), (1024, 1024)), ((1000, 777), (777, 1500)), ((1, 4096), (4096, 4096)),
+     ((16, 8192), (8192, 1024)), ((8, 512, 256), (256, 384)), ((4, 256, 512), (4, 512, 128))],
+    ids=str,
+)
+def test_gpu_real_sizes(a_shape, b_shape, dtype, gen):
+    a, b = rand(gen, *a_shape, dtype=dtype), rand(gen, *b_shape, dtype=dtype)
+    out = mm.matmul(a, b)
+    want = torch.matmul(a.float(), b.float())  # cuBLAS in fp32 (TF32 off by default) as the reference
+    scale = a.shape[-1] ** 0.5
+    rtol, atol = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}[dtype]
+    torch.testing.assert_close(out.float(), want, rtol=rtol, atol=atol * scale)
+
+
+@pytest.mark.gpu
+def test_gpu_tf32_follows_torch_flag(gen):
+    a, b = rand(gen, 512, 2048), rand(gen, 2048, 512)
+    exact = a.double() @ b.double()
+    previous = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        ieee = (mm.matmul(a, b).double() - exact).abs().max().item()
+        torch.backends.cuda.matmul.allow_tf32 = True
+        tf32 = (mm.matmul(a, b).double() - exact).abs().max().item()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+    assert ieee < 1e-3 < tf32 < 1.0  # TF32 keeps 10 mantissa bits: visibly less exact, still close
+
+
+@pytest.mark.gpu
+def test_gpu_each_variant_and_gradients(gen):
+    a, b = rand(gen, 777, 1024, dtype=torch.bfloat16), rand(gen, 1024, 333, dtype=torch.bfloat16)
+    want = torch.matmul(a.float(), b.float())
+    for out in (mm.matmul_tiled(a, b), mm.matmul_tiled(a, b, MatmulConfig(128, 128, 64, 1, 8, 3)),
+                mm.matmul_split_k(a, b, 4), mm.matmul_persistent(a, b)):
+        torch.testing.assert_close(out.float(), want, rtol=1.6e-2, atol=0.5)
+    a.requires_grad_(), b.requires_grad_()
+    grad = rand(gen, 777, 333, dtype=torch.bfloat16)
+    got = torch.autograd.grad(mm.matmul(a, b), (a, b), grad)
+    ref = torch.autograd.grad(torch.matmul(a, b), (a, b), grad)
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g.float(), r.float(), rtol=1.6e-2, atol=1.0)
