@@ -29,11 +29,11 @@ What it counts, precisely:
   caching; on CUDA, ``cuda_peak_bytes`` adds the allocator's own view
   (``torch.cuda.max_memory_allocated`` minus the bytes allocated at entry; entering resets the
   device's peak statistics);
-* scratch memory that an aten kernel allocates without going through the dispatcher, buffers
-  that Inductor-generated code allocates directly (``torch.compile``'s default backend; the
-  ``aot_eager`` backend runs aten ops and is seen), and values a Triton kernel holds in registers
-  (or, in the interpreter, in numpy arrays) are not torch storages seen here and are not counted
-  (on CUDA, ``cuda_peak_bytes`` sees everything the caching allocator hands out).
+* scratch memory that an aten kernel allocates without going through the dispatcher, and
+  values a Triton kernel holds in registers (or, in the interpreter, in numpy arrays), are not
+  torch storages and are not counted; on CUDA, ``cuda_peak_bytes`` sees everything the caching
+  allocator hands out. (A ``torch.compile``'d function called inside the block was seen through
+  the aten ops it dispatched, with the ``inductor`` and ``aot_eager`` backends on the CPU.)
 
 The mode composes with :func:`utils.trace.trace` (both can be active).
 """
