@@ -310,7 +310,7 @@ def _extreme_rows(dtype):
 def test_inf_and_huge_values_match_torch(name, dtype, path):
     op, reference = OPS[name]
     x = _extreme_rows(dtype)
-    for view, dim in [(x, -1), (x.t().contiguous().t(), -1), (x.t(), 0)]:
+    for view, dim in [(x, -1), (x.t(), 0)]:  # contiguous rows; rows contiguous in memory
         out = op(view, dim)
         want = reference(view.double(), dim)
         assert torch.isnan(out.movedim(dim, -1)[0]).all()  # the all -inf row
@@ -498,8 +498,9 @@ def _kernel_bytes(t, kernel: str) -> int:
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("case", ["rows_1000", "dim0", "sliced", "3d_dim1", "short_rows"])
+@pytest.mark.parametrize("case, dtype", [(case, torch.float32) for case in ("rows_1000", "dim0", "sliced", "3d_dim1",
+                                                                           "short_rows")]
+                         + [("dim0", torch.bfloat16), ("sliced", torch.float16)], ids=str)
 @pytest.mark.parametrize("name", list(OPS))
 def test_one_block_kernels_move_the_ideal_bytes(name, case, dtype, gen):
     """Forward: x read once, y written once; backward: y and dy read once, dx written once."""
