@@ -17,7 +17,13 @@ from dataclasses import dataclass, field
 import torch
 
 #: Modules that register ladders, in chapter order. A new chapter adds its module here.
-CHAPTER_MODULES = ["bench.ch00_gpu_model", "bench.ch01_elementwise", "bench.ch02_softmax", "bench.ch03_normalization", "bench.ch04_matmul"]
+CHAPTER_MODULES = [
+    "bench.ch00_gpu_model",
+    "bench.ch01_elementwise",
+    "bench.ch02_softmax",
+    "bench.ch03_normalization",
+    "bench.ch04_matmul",
+]
 
 
 @dataclass
