@@ -11,20 +11,29 @@ index is a row. Their kernels share one shape of work, chosen here by :func:`nor
   time, in chunks of :data:`CHUNK_BLOCK` columns, a statistics pass and then an output pass (the
   row is read twice; a GPU serves the second read mostly from L2).
 * **Rows per program.** A program walks a contiguous group of ``rows_per_program`` rows, tile by
-  tile. The grid is at most :data:`PROGRAMS_PER_SM` programs per streaming multiprocessor
-  (twice the SM count: every SM busy, a second program to overlap one program's reductions with
-  another's loads), and each program gets an equal share of the rows, rounded up to whole tiles::
+  tile, loading the weight (and bias) once for all of them. The rule::
 
-      n_programs      = min(ceil(n_rows / TILE_ROWS), PROGRAMS_PER_SM * SMs)
-      rows_per_program = TILE_ROWS * ceil(n_rows / (n_programs * TILE_ROWS))
+      n_tiles           = ceil(n_rows / TILE_ROWS)
+      tiles_per_program = ceil(n_tiles / (PROGRAMS_PER_SM * SMs))       # fill the GPU first
+      forward only:       tiles_per_program = min(tiles_per_program,
+                                                  max(1, FORWARD_ROWS_PER_PROGRAM // TILE_ROWS))
+      rows_per_program  = TILE_ROWS * tiles_per_program
+      n_programs        = ceil(n_rows / rows_per_program)
 
-  The weight (and bias) is loaded once per program, not once per row, and in the backward each
-  program sums its rows' weight-gradient contributions in float32 registers and writes them as
-  one row of a ``(n_programs, N)`` partial buffer. That buffer is at most ``2 * SMs`` rows (on an
-  H200, 264 x N x 4 bytes — about 4 MB for N = 4096), so :func:`column_sum_kernel`, the second
-  stage, reads little; and no two programs ever write the same address (no atomics, a
-  deterministic result). Triton's interpreter acts as a GPU of :data:`INTERPRETER_SMS` SMs, so the
-  CPU runs the same multi-program reduction with few program instances.
+  *Filling*: whenever there are enough tiles, every SM gets :data:`PROGRAMS_PER_SM` (2)
+  programs, so one program's reductions overlap another's loads. *The backward* stops there: at
+  most ``2 * SMs`` programs, each of which sums its rows' weight-gradient contributions in float32
+  registers and writes them as one row of a ``(n_programs, N)`` partial buffer. The buffer is
+  then at most 264 rows on an H200 (264 x N x 4 bytes, about 4 MB for N = 4096, against 64 MB
+  for one bf16 tensor of 8192 x 4096), so :func:`column_sum_kernel`, the second stage, reads
+  little; no two programs write the same address (no atomics, a deterministic result), and
+  programs of equal work over exactly two per SM leave no ragged last wave. *The forward* has no
+  buffer to bound, so large launches are cut finer — at most :data:`FORWARD_ROWS_PER_PROGRAM`
+  rows a program, many programs for the hardware to balance — while the weight is still read
+  once per 32 rows (3% of the traffic of x and y at worst, and an L2 hit on a GPU).
+
+  Triton's interpreter acts as a GPU of :data:`INTERPRETER_SMS` SMs, so the CPU runs the same
+  multi-program reduction with few program instances.
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ from ._validate import check_float_dtype, check_same_device, check_same_dtype, c
 
 __all__ = [
     "CHUNK_BLOCK",
+    "FORWARD_ROWS_PER_PROGRAM",
     "INTERPRETER_SMS",
     "MAX_FUSED_BLOCK",
     "MAX_FUSED_BLOCK_BACKWARD",
@@ -67,8 +77,10 @@ MAX_FUSED_BLOCK_BACKWARD: int = 8192
 CHUNK_BLOCK: int = 4096
 #: Elements a tile aims at: short rows are stacked TILE_ROWS high up to this many elements.
 TILE_ELEMENTS: int = 4096
-#: Programs per streaming multiprocessor in a launch (see the module docstring).
+#: Programs per streaming multiprocessor when there are enough rows (see the module docstring).
 PROGRAMS_PER_SM: int = 2
+#: The forward's largest share of rows per program (once the GPU is full).
+FORWARD_ROWS_PER_PROGRAM: int = 32
 #: The SM count assumed in Triton's interpreter (it has no GPU to ask).
 INTERPRETER_SMS: int = 4
 
@@ -152,8 +164,10 @@ def norm_launch_config(
     block = CHUNK_BLOCK if chunked else next_power_of_2(n_cols)
     tile_rows = 1 if chunked else max(1, min(TILE_ELEMENTS // block, next_power_of_2(n_rows)))
     n_tiles = max(1, triton.cdiv(n_rows, tile_rows))
-    n_programs = min(n_tiles, PROGRAMS_PER_SM * _multiprocessor_count(device))
-    rows_per_program = tile_rows * triton.cdiv(n_tiles, n_programs)
+    tiles_per_program = triton.cdiv(n_tiles, PROGRAMS_PER_SM * _multiprocessor_count(device))
+    if not backward:
+        tiles_per_program = min(tiles_per_program, max(1, FORWARD_ROWS_PER_PROGRAM // tile_rows))
+    rows_per_program = tile_rows * tiles_per_program
     n_programs = max(1, triton.cdiv(n_rows, rows_per_program))
     # 16 elements a thread for a full tile (two 16-byte loads in bf16), 4..16 warps.
     num_warps = max(4, min(16, tile_rows * block // 512))

@@ -203,7 +203,7 @@ def test_long_rows_chunked_path(name, monkeypatch, gen):
     monkeypatch.setattr(_norm, "MAX_FUSED_BLOCK", 64)
     monkeypatch.setattr(_norm, "MAX_FUSED_BLOCK_BACKWARD", 64)
     monkeypatch.setattr(_norm, "CHUNK_BLOCK", 64)
-    monkeypatch.setattr(_norm, "INTERPRETER_SMS", 1)  # 2 programs of 3 rows: the row loops run
+    monkeypatch.setattr(_norm, "_multiprocessor_count", lambda device: 1)  # 2 programs of 3 rows each
     config = _norm.norm_launch_config(6, 150, backward=True)
     assert config.chunked and (config.n_programs, config.rows_per_program) == (2, 3)
     op, reference = OPS[name]
@@ -412,7 +412,10 @@ def test_launch_config_fills_the_gpu_and_keeps_partials_small(monkeypatch):
                 c = _norm.norm_launch_config(n_rows, n_cols, backward=backward)
                 assert c.rows_per_program % c.tile_rows == 0
                 assert c.n_programs * c.rows_per_program >= n_rows > (c.n_programs - 1) * c.rows_per_program
-                assert c.n_programs <= 2 * 132  # the (n_programs, N) partial buffer: at most 264 rows
+                if backward:
+                    assert c.n_programs <= 2 * 132  # the (n_programs, N) partial buffer: at most 264 rows
+                else:
+                    assert c.rows_per_program <= max(32, c.tile_rows)  # the weight read once per 32 rows
                 limit = _norm.MAX_FUSED_BLOCK_BACKWARD if backward else _norm.MAX_FUSED_BLOCK
                 assert c.chunked == (n_cols > limit)
                 assert c.block >= (n_cols if not c.chunked else 1) and c.tile_rows * c.block <= max(4096, c.block)
@@ -420,6 +423,10 @@ def test_launch_config_fills_the_gpu_and_keeps_partials_small(monkeypatch):
                     assert c.n_programs >= 132  # every SM has a program
     c = _norm.norm_launch_config(8192, 4096, backward=True)
     assert (c.tile_rows, c.rows_per_program, c.n_programs) == (1, 32, 256)
+    c = _norm.norm_launch_config(65536, 4096, backward=True)
+    assert (c.rows_per_program, c.n_programs) == (249, 264)
+    c = _norm.norm_launch_config(65536, 4096)
+    assert (c.rows_per_program, c.n_programs) == (32, 2048)
 
 
 # --------------------------------------------------------------------------- memory traffic
@@ -633,6 +640,9 @@ def test_bad_input_raises_a_clear_error(call, error, message):
 # --------------------------------------------------------------------------- GPU sizes
 
 
+GPU_GRAD_TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n_cols", [4096, 8192, 16384, 65536])
@@ -652,9 +662,9 @@ def test_gpu_real_sizes(dtype, n_cols):
         got = torch.autograd.grad(out, inputs, dy)
         want = float64_grads(reference, inputs, [dy])
         for g, expected in zip(got, want):
-            rtol, atol = TOLERANCES[dtype]
-            scale = expected.abs().max().item()  # dw sums 4096 rows: compare relative to its scale
-            torch.testing.assert_close(g.double(), expected, rtol=rtol, atol=atol * max(1.0, scale / 10))
+            # dw/db sum thousands of rows: errors are judged against each gradient's own scale
+            error = (g.double() - expected).abs().max().item()
+            assert error <= GPU_GRAD_TOLERANCE[dtype] * expected.abs().max().item(), (g.shape, error)
 
 
 @pytest.mark.gpu
