@@ -247,11 +247,17 @@ def choose_config(M: int, N: int, K: int, scheme: str, group_size: int | None = 
     """The launch configuration ``quantized_linear`` uses for an (M, K) x (K, N) problem.
 
     Interpreter: big blocks and no split (few program instances; there is nothing to overlap).
-    GPU, decode (M <= 16): a 16-row tile (``tl.dot``'s minimum), 64 (int4: 128) output channels
-    per program, wide K steps (256; int4 one group, up to 256), 4 pipeline stages, and split-K
-    until there are about two programs per SM, each split keeping at least four K steps. Larger M:
-    bigger tiles, no split unless the tile grid is still smaller than the GPU. These are starting
-    points from the memory-bound analysis, not autotuned; pass ``config=`` to override.
+
+    GPU, decode (M <= 16): the problem is a stream of weight bytes, so the tile is shaped for
+    bandwidth, not FLOPs: 16 rows (``tl.dot``'s minimum; the rows past M are masked, free for a
+    memory-bound kernel), 64 output channels, wide K steps (256 values; int4 one group, up to 256)
+    and 4 pipeline stages (``cp.async`` keeps several K steps of weights in flight). N / 64 tiles
+    are too few to occupy every SM's memory pipeline, so K is split until there are about two
+    programs per SM (a power of two of splits) — each split keeping >= 4 K steps, and the fp32
+    partials (written and read once, ``2 * SPLIT_K * M * N * 4`` bytes, mostly absorbed by L2) at
+    most a quarter of the weight's bytes. Larger M: bigger tiles, and a split only while the tile
+    grid is smaller than the GPU. These are starting points from this memory-bound analysis, not
+    measured tunings; pass ``config=`` to override.
     """
     device = torch.device(device) if device is not None else runtime.DEVICE
     k_cap = min(group_size, 256) if scheme == "int4" else 256
@@ -263,7 +269,7 @@ def choose_config(M: int, N: int, K: int, scheme: str, group_size: int | None = 
             BLOCK_K=fit_k, SPLIT_K=1, num_warps=4, num_stages=1,
         )
     if M <= 16:
-        block_m, block_n, block_k, warps, stages = 16, 128 if scheme == "int4" else 64, fit_k, 4, 4
+        block_m, block_n, block_k, warps, stages = 16, 64, fit_k, 4, 4
     elif M <= 64:
         block_m, block_n, block_k, warps, stages = triton.next_power_of_2(M), 128, min(fit_k, 128), 4, 4
     else:
@@ -274,7 +280,10 @@ def choose_config(M: int, N: int, K: int, scheme: str, group_size: int | None = 
     target = 2 * _num_sms(device)
     split = 1
     if tiles < target:
-        split = max(1, min(triton.cdiv(target, tiles), k_blocks // 4, 16))
+        weight_bytes = N * K * (0.5 if scheme == "int4" else 1.0)
+        partial_cap = int(weight_bytes / 4 // (2 * 4 * max(M, 1) * N)) if N else 1
+        split = max(1, min(triton.cdiv(target, tiles), k_blocks // 4, partial_cap, 16))
+        split = 1 << (split.bit_length() - 1)  # a power of two: even splits of a power-of-two K
         split = triton.cdiv(k_blocks, triton.cdiv(k_blocks, split))  # no empty splits
     return QuantizedLinearConfig(block_m, block_n, block_k, split, warps, stages)
 

@@ -250,7 +250,9 @@ def test_rounding_is_half_to_even():
 
 def test_bad_input_errors():
     w = torch.randn(8, 64, device=DEVICE)
-    with pytest.raises(ValueError, match=r"kernels\.quantize_weight: scheme must be 'int8' or 'int4' or 'fp8', got 'int3'"):
+    floats = "float32, float16 or bfloat16"
+    with pytest.raises(ValueError, match=r"kernels\.quantize_weight: scheme must be 'int8' or 'int4' or 'fp8', "
+                                         r"got 'int3'"):
         kernels.quantize_weight(w, "int3")
     with pytest.raises(ValueError, match=r"kernels\.quantize_weight: group_size must be a power of two from 32 to 4096 "
                                          r"\(32, 64, 128, 256, 512, 1024, 2048, 4096\) for scheme 'int4', got 48"):
@@ -263,9 +265,9 @@ def test_bad_input_errors():
         kernels.quantize_weight(w, "int8", group_size=128)
     with pytest.raises(ValueError, match=r"kernels\.quantize_weight: w must be a 2-D \(out_features, in_features\)"):
         kernels.quantize_weight(w[0], "int8")
-    with pytest.raises(TypeError, match=r"kernels\.quantize_weight: w must be float32, float16 or bfloat16, got torch\.float64"):
+    with pytest.raises(TypeError, match=rf"kernels\.quantize_weight: w must be {floats}, got torch\.float64"):
         kernels.quantize_weight(w.double(), "int8")
-    with pytest.raises(TypeError, match=r"kernels\.quantize_weight: w must be float32, float16 or bfloat16, got torch\.int32"):
+    with pytest.raises(TypeError, match=rf"kernels\.quantize_weight: w must be {floats}, got torch\.int32"):
         kernels.quantize_weight(w.int(), "int4")
     with pytest.raises(TypeError, match=r"kernels\.quantize_weight: w must be a torch\.Tensor, got list"):
         kernels.quantize_weight([[1.0]], "int8")
@@ -279,8 +281,9 @@ def test_bad_input_errors():
 
 def test_quantized_weight_constructor_checks_its_parts():
     qw = kernels.quantize_weight(torch.randn(8, 64, device=DEVICE), "int4", group_size=32)
-    with pytest.raises(ValueError, match=r"kernels\.QuantizedWeight: data for scheme 'int4' and shape \(8, 64\) must be "
-                                         r"torch\.uint8 of shape \(8, 32\), got torch\.uint8 of shape \(8, 31\)"):
+    with pytest.raises(ValueError, match=r"kernels\.QuantizedWeight: data for scheme 'int4' and shape \(8, 64\) "
+                                         r"must be torch\.uint8 of shape \(8, 32\), got torch\.uint8 of shape "
+                                         r"\(8, 31\)"):
         kq.QuantizedWeight("int4", qw.data[:, 1:], qw.scales, (8, 64), torch.float32, 32)
     with pytest.raises(ValueError, match=r"kernels\.QuantizedWeight: scales for scheme 'int4'"):
         kq.QuantizedWeight("int4", qw.data, qw.scales[:, :1], (8, 64), torch.float32, 32)
