@@ -23,6 +23,7 @@ CHAPTER_MODULES = [
     "bench.ch02_softmax",
     "bench.ch03_normalization",
     "bench.ch04_matmul",
+    "bench.ch05_quantization",
 ]
 
 
