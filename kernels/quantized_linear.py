@@ -104,7 +104,7 @@ def _write_tile(acc, rm, rn, M, N, pid_k, bias_ptr, bias_stride, out_ptr, partia
             acc += tl.load(bias_ptr + rn * bias_stride, mask=rn < N, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + rows[:, None] * N + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        tl.store(partial_ptr + (pid_k * M + rows)[:, None] * N + rn[None, :], acc, mask=mask)
+        tl.store(partial_ptr + (pid_k.to(tl.int64) * M + rows)[:, None] * N + rn[None, :], acc, mask=mask)
 
 
 @triton.jit
@@ -328,6 +328,17 @@ def _reduce_partials(partial: torch.Tensor, bias: torch.Tensor | None, out2d: to
     )
 
 
+def _split(K: int, rows: int, N: int, config: QuantizedLinearConfig) -> tuple[int, int]:
+    """(K steps per split, splits) for a launch: no empty splits, and a workspace whose offsets
+    stay below 2**31 (the reduction indexes it in int32 per split)."""
+    k_blocks = triton.cdiv(K, config.BLOCK_K)
+    per_split = max(1, triton.cdiv(k_blocks, config.SPLIT_K))
+    split = max(1, triton.cdiv(k_blocks, per_split))
+    if split > 1 and split * rows * N >= 2**31:
+        return max(1, k_blocks), 1
+    return per_split, split
+
+
 def _launch_weight_only(x, data, scales, bias, scheme, group_size, K, out2d, config) -> None:
     N = data.shape[0]
     M_total = out2d.shape[0]
@@ -338,9 +349,7 @@ def _launch_weight_only(x, data, scales, bias, scheme, group_size, K, out2d, con
         launches = [(x, 0, M_total, (1, 1, 0, 0, 0, 1), False)]
     scale_stride_g = scales.stride(1) if scales.dim() == 2 else 0
     for x_slice, row_base, rows, row_args, index_64 in launches:
-        k_blocks = triton.cdiv(K, config.BLOCK_K)
-        per_split = max(1, triton.cdiv(k_blocks, config.SPLIT_K))
-        split = max(1, triton.cdiv(k_blocks, per_split))
+        per_split, split = _split(K, rows, N, config)
         out_slice = out2d[row_base: row_base + rows]
         partial = torch.empty((split, rows, N), dtype=torch.float32, device=x.device) if split > 1 else out_slice
         grid = (triton.cdiv(rows, config.BLOCK_M), triton.cdiv(N, config.BLOCK_N), split)
@@ -364,9 +373,7 @@ def _launch_w8a8(x, data, scales, bias, K, out2d, config) -> None:
     x_scales = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     _launch_quantize_rows(x, xq, x_scales, fp8=False)
     xq2d = xq.view(M, K)
-    k_blocks = triton.cdiv(K, config.BLOCK_K)
-    per_split = max(1, triton.cdiv(k_blocks, config.SPLIT_K))
-    split = max(1, triton.cdiv(k_blocks, per_split))
+    per_split, split = _split(K, M, N, config)
     partial = torch.empty((split, M, N), dtype=torch.float32, device=x.device) if split > 1 else out2d
     grid = (triton.cdiv(M, config.BLOCK_M), triton.cdiv(N, config.BLOCK_N), split)
     w8a8_linear_kernel[grid](

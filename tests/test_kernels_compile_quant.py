@@ -24,7 +24,8 @@ SCRIPT = textwrap.dedent(
     """
     import os, sys
     os.environ["KERNEL_LADDER_INTERPRET"] = "0"  # compiled mode: real @triton.jit kernels
-    import kernels.quantize as kq, kernels.quantized_linear as kl, triton
+    import kernels, triton
+    kq = kl = kernels  # the kernels are exported by the package (kernels.quantized_linear is the op)
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
