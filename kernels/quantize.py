@@ -1,8 +1,8 @@
 """Weight and activation quantization: int8 per channel, int4 group-wise packed, fp8 e4m3 per channel.
 
 A linear layer's weight ``w`` has shape ``(out_features, in_features) = (N, K)``, as in
-``torch.nn.Linear``. Quantizing it stores small integers (or fp8 values) ``q`` and float32
-*scales* ``s`` such that ``w ~ q * s``. Every scheme here is **symmetric** (no zero points:
+``torch.nn.Linear``. Quantizing it stores small integers (or fp8 values) ``q`` and *scales*
+``s`` such that ``w ~ q * s``. Every scheme here is **symmetric** (no zero points:
 ``0.0`` is always exactly representable, and dequantizing is one multiply):
 
 ========  ============================================  ================================  =========
@@ -23,7 +23,7 @@ quantized with the *stored* scale, so ``dequantize()`` is exactly ``q * s``. A r
 is all zeros gets scale 1 (and zeros).
 
 **int4 packing (nibble order).** Values are stored as unsigned nibbles ``u = q + 8`` in
-[0, 15] (offset-8, as in GPTQ/Marlin kernels), two per byte along K::
+[0, 15] (offset 8), two per byte along K::
 
     data[n, j] = u[n, 2*j]  |  (u[n, 2*j + 1] << 4)        # low nibble = even k, high = odd k
 
