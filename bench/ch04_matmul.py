@@ -30,7 +30,7 @@ from solutions import ch04_matmul as solutions
 
 #: (M, N, K) of each matmul ladder: tiny on the CPU (the naive step runs M*N interpreted programs).
 MATMUL_SIZES = {
-    "4096": {"cpu": (32, 32, 64), "gpu": (4096, 4096, 4096)},
+    "4096": {"cpu": (16, 32, 64), "gpu": (4096, 4096, 4096)},
     "8192": {"cpu": (32, 48, 32), "gpu": (8192, 8192, 8192)},
 }
 #: (M, N, K) of the linear layer: tokens, out_features, in_features (a LLaMA-3-8B MLP up-projection on a GPU).
@@ -38,6 +38,13 @@ LINEAR_SIZES = {"cpu": (64, 96, 64), "gpu": (8192, 14336, 4096)}
 #: (N, K) of the skinny problems (a 4096 x 4096 projection on a GPU), and the split used by the split-K step.
 SKINNY_SIZES = {"cpu": (128, 1024), "gpu": (4096, 4096)}
 SKINNY_SPLIT = 4
+
+#: This chapter's ladders by op name (the notebook's results table runs one of them).
+LADDERS: dict[str, Ladder] = {}
+
+
+def _register(ladder: Ladder) -> None:
+    LADDERS[ladder.op] = register(ladder)
 
 
 def _tiles() -> dict:
@@ -79,7 +86,7 @@ def _matmul_reference(a, b):
 
 for _label, _sizes in MATMUL_SIZES.items():
     _m, _n, _k = _sizes["cpu"]
-    register(
+    _register(
         Ladder(
             chapter="04_matmul",
             op=f"matmul {_label}³",
@@ -121,7 +128,7 @@ def _linear_inputs(device, dtype, size):
             _randn((N,), device, dtype, 4))
 
 
-register(
+_register(
     Ladder(
         chapter="04_matmul",
         op="linear + gelu",
@@ -156,7 +163,7 @@ def _skinny_inputs(rows):
 
 
 for _rows in (1, 16):
-    register(
+    _register(
         Ladder(
             chapter="04_matmul",
             op=f"skinny matmul M={_rows}",

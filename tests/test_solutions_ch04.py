@@ -36,28 +36,37 @@ DEVICE = kernels.runtime.DEVICE
 # ----------------------------------------------------------------------------------------------
 
 
-def _rand(gen, *shape, dtype=torch.float32):
-    return torch.randn(*shape, generator=gen).to(dtype).to(DEVICE)
+def _rand(gen, *shape, dtype=torch.float32, scale=1.0):
+    return (scale * torch.randn(*shape, generator=gen)).to(dtype).to(DEVICE)
+
+
+def _pair(gen, M, K, N, dtype=torch.float32, a_transposed=False, b_transposed=False):
+    """A (M, K) and B (K, N) with B scaled by 1/sqrt(K): outputs of order 1, so the float32 rounding of a
+    K-long sum stays inside the checker's float32 tolerance (1e-6 absolute) even where terms cancel."""
+    a = _rand(gen, K, M, dtype=dtype).t() if a_transposed else _rand(gen, M, K, dtype=dtype)
+    scale = K**-0.5
+    b = _rand(gen, N, K, dtype=dtype, scale=scale).t() if b_transposed else _rand(gen, K, N, dtype=dtype, scale=scale)
+    return a, b
 
 
 def matmul_cases(gen: torch.Generator) -> list:
     """(a, b) pairs: remainders in every dimension, one element, the three dtypes, transposed views."""
     return [
-        (_rand(gen, 70, 50), _rand(gen, 50, 40)),
-        (_rand(gen, 1, 17), _rand(gen, 17, 33)),
-        (_rand(gen, 40, 64, dtype=torch.float16), _rand(gen, 64, 24, dtype=torch.float16)),
-        (_rand(gen, 33, 40, dtype=torch.bfloat16), _rand(gen, 40, 31, dtype=torch.bfloat16)),
-        (_rand(gen, 36, 45).t(), _rand(gen, 50, 36).t()),  # both operands column-major
+        _pair(gen, 70, 50, 40),
+        _pair(gen, 1, 17, 33),
+        _pair(gen, 40, 64, 24, torch.float16),
+        _pair(gen, 33, 40, 31, torch.bfloat16),
+        _pair(gen, 45, 36, 50, a_transposed=True, b_transposed=True),  # both operands column-major
     ]
 
 
 def naive_cases(gen: torch.Generator) -> list:
     return [
-        (_rand(gen, 5, 40), _rand(gen, 40, 7)),
-        (_rand(gen, 1, 1), _rand(gen, 1, 1)),
-        (_rand(gen, 4, 33, dtype=torch.float16), _rand(gen, 33, 6, dtype=torch.float16)),
-        (_rand(gen, 3, 20, dtype=torch.bfloat16), _rand(gen, 20, 5, dtype=torch.bfloat16)),
-        (_rand(gen, 6, 50), _rand(gen, 4, 50).t()),  # B column-major
+        _pair(gen, 5, 40, 7),
+        _pair(gen, 1, 1, 1),
+        _pair(gen, 4, 33, 6, torch.float16),
+        _pair(gen, 3, 20, 5, torch.bfloat16),
+        _pair(gen, 6, 50, 4, b_transposed=True),  # B column-major
     ]
 
 
@@ -67,11 +76,11 @@ def bias_cases(gen: torch.Generator) -> list:
 
 def split_k_cases(gen: torch.Generator) -> list:
     return [
-        (_rand(gen, 1, 200), _rand(gen, 200, 40), 4),  # one token: a decode step
-        (_rand(gen, 5, 100, dtype=torch.float16), _rand(gen, 100, 33, dtype=torch.float16), 3),
-        (_rand(gen, 16, 64, dtype=torch.bfloat16), _rand(gen, 64, 64, dtype=torch.bfloat16), 2),
-        (_rand(gen, 3, 40), _rand(gen, 40, 20), 8),  # more splits asked than K has slices
-        (_rand(gen, 2, 130), _rand(gen, 24, 130).t(), 2),
+        (*_pair(gen, 1, 200, 40), 4),  # one token: a decode step
+        (*_pair(gen, 5, 100, 33, torch.float16), 3),
+        (*_pair(gen, 16, 64, 64, torch.bfloat16), 2),
+        (*_pair(gen, 3, 40, 20), 8),  # more splits asked than K has slices
+        (*_pair(gen, 2, 130, 24, b_transposed=True), 2),
     ]
 
 
