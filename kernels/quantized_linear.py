@@ -43,9 +43,14 @@ to keep a GPU's memory system busy, so the K range is split ``SPLIT_K`` ways
 workspace and ``quantized_linear_reduce_kernel`` sums them in a fixed order (deterministic) and
 adds the bias. In W8A8 each split's int32 sum is exact; splits are summed in fp32.
 
-**Autograd:** none. Quantized weights are frozen inference weights; ``quantized_linear``
-raises a clear error when x requires grad (call it under ``torch.no_grad()`` /
-``torch.inference_mode()``, or detach x).
+**Autograd** (x and bias; the quantized weight is frozen): ``grad_x = grad_out @ dequant(W)`` is the
+transposed problem — a reduction over N — computed by ``quantized_linear_backward_kernel``, which
+dequantizes in its loop the same way: the scale of ``w[n, k]`` depends on n (int4: and on k's
+group, one group per K tile), so it multiplies the small ``grad_out`` tile (BLOCK_M x BLOCK_N)
+instead of the weight tile, and the packed int4 nibbles produce the even and odd columns of
+``grad_x`` (joined in registers before the store). ``grad_bias = grad_out`` summed over rows.
+W8A8's gradient treats the per-token rounding of x as the identity (the straight-through
+estimator), i.e. it is the weight-only gradient. The weight itself gets no gradient.
 
 Shapes: x ``(..., K)`` with any leading dims and strides (not copied; leading dims that do not
 merge are walked with ``row_start``), output ``(..., N)`` contiguous in x's dtype. M (the
@@ -83,6 +88,7 @@ __all__ = [
     "quantized_linear_kernel",
     "w8a8_linear_kernel",
     "quantized_linear_reduce_kernel",
+    "quantized_linear_backward_kernel",
 ]
 
 #: Values of ``activations``: ``None`` (weight-only) or ``"int8"`` (W8A8, int8 weights only).
@@ -214,6 +220,63 @@ def quantized_linear_reduce_kernel(
     if HAS_BIAS:
         acc += tl.load(bias_ptr + (idx % N) * bias_stride, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + idx, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def quantized_linear_backward_kernel(
+    grad_ptr, w_ptr, scale_ptr, grad_x_ptr,
+    M, N, size1, size2, g_stride0, g_stride1, g_stride2, g_stride_n,
+    K, w_cols, w_stride_n, w_stride_k, scale_stride_n, scale_stride_g,
+    SCHEME: tl.constexpr, GROUP_SIZE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """grad_x[m, k] = sum_n grad[m, n] * dequant(w)[n, k] for one BLOCK_M x BLOCK_K tile of grad_x.
+
+    The reduction runs over N, so a weight scale (per n; int4: per n and k's group, one group per
+    tile since BLOCK_K <= GROUP_SIZE) multiplies the grad tile, rounded to grad's dtype for the
+    dot. int4 tiles accumulate even and odd columns separately (low and high nibbles) and join
+    them before the store. grad: rows through ``row_start`` and ``g_stride_n``; grad_x: (M, K)
+    contiguous.
+    """
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = rm < M
+    g_row = row_start(rm, size1, size2, g_stride0, g_stride1, g_stride2)
+    dot_dtype = grad_ptr.dtype.element_ty
+    if SCHEME == _INT4:
+        j = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+        acc_even = tl.zeros((BLOCK_M, BLOCK_K // 2), dtype=tl.float32)
+        acc_odd = tl.zeros((BLOCK_M, BLOCK_K // 2), dtype=tl.float32)
+        scale_col = ((pid_k * BLOCK_K) // GROUP_SIZE) * scale_stride_g
+    else:
+        rk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+        scale_col = 0
+    for n0 in range(0, N, BLOCK_N):
+        rn = n0 + tl.arange(0, BLOCK_N)
+        n_mask = rn < N
+        g = tl.load(grad_ptr + g_row[:, None] + rn[None, :] * g_stride_n, mask=m_mask[:, None] & n_mask[None, :],
+                    other=0.0)
+        s = tl.load(scale_ptr + rn.to(tl.int64) * scale_stride_n + scale_col, mask=n_mask, other=0.0)
+        g = (g.to(tl.float32) * s.to(tl.float32)[None, :]).to(dot_dtype)
+        w_row = rn.to(tl.int64) * w_stride_n
+        if SCHEME == _INT4:
+            packed = tl.load(w_ptr + w_row[:, None] + j[None, :] * w_stride_k,
+                             mask=n_mask[:, None] & (j < w_cols)[None, :], other=0x88)
+            low = ((packed & 0xF).to(tl.int8) - 8).to(dot_dtype)
+            high = ((packed >> 4).to(tl.int8) - 8).to(dot_dtype)
+            acc_even = tl.dot(g, low, acc_even, input_precision=INPUT_PRECISION)
+            acc_odd = tl.dot(g, high, acc_odd, input_precision=INPUT_PRECISION)
+        else:
+            w = tl.load(w_ptr + w_row[:, None] + rk[None, :] * w_stride_k,
+                        mask=n_mask[:, None] & (rk < w_cols)[None, :], other=0.0)
+            acc = tl.dot(g, w.to(dot_dtype), acc, input_precision=INPUT_PRECISION)
+    if SCHEME == _INT4:
+        acc = tl.reshape(tl.join(acc_even, acc_odd), (BLOCK_M, BLOCK_K))  # column 2j + t
+        rk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    out = grad_x_ptr + rm.to(tl.int64)[:, None] * K + rk[None, :]
+    tl.store(out, acc.to(grad_x_ptr.dtype.element_ty), mask=m_mask[:, None] & (rk < K)[None, :])
 
 
 # --------------------------------------------------------------------------- configuration
@@ -403,6 +466,27 @@ def _check_linear_args(op: str, x: object, data: object, scales: object, bias: o
         raise ValueError(
             f"{op}: x's last dim must equal qweight's in_features ({in_features}), got x of shape {tuple(x.shape)}"
         )
+    n = _check_qweight_parts(op, data, scales, scheme, group_size, in_features, x.device, "x")
+    if bias is not None:
+        check_tensor(op, "bias", bias)
+        if bias.dtype != x.dtype:
+            raise TypeError(
+                f"{op}: bias must have x's dtype ({x.dtype}), got {bias.dtype} (cast it with .to({x.dtype}))"
+            )
+        if tuple(bias.shape) != (n,):
+            raise ValueError(f"{op}: bias must have shape ({n},) (out_features), got {tuple(bias.shape)}")
+        if bias.device != x.device:
+            raise ValueError(f"{op}: x and bias must be on the same device, got {x.device} and {bias.device}")
+    if activations == "int8" and scheme != "int8":
+        raise ValueError(
+            f"{op}: activations='int8' (W8A8: int8 x int8 dot) needs an 'int8' qweight, got scheme '{scheme}'; "
+            "use activations=None (weight-only) for 'int4' and 'fp8'"
+        )
+
+
+def _check_qweight_parts(op: str, data: object, scales: object, scheme: str, group_size: object,
+                         in_features: object, device: torch.device, against: str) -> int:
+    """The packed values and scales must fit the scheme and shape; returns out_features."""
     if scheme == "int4":
         if group_size not in INT4_GROUP_SIZES:
             supported = ", ".join(str(g) for g in INT4_GROUP_SIZES)
@@ -426,23 +510,9 @@ def _check_linear_args(op: str, x: object, data: object, scales: object, bias: o
             f"{expected_scales}, got {scales.dtype} of shape {tuple(scales.shape)}"
         )
     for name, t in (("qweight", data), ("qweight scales", scales)):
-        if t.device != x.device:
-            raise ValueError(f"{op}: x and {name} must be on the same device, got {x.device} and {t.device}")
-    if bias is not None:
-        check_tensor(op, "bias", bias)
-        if bias.dtype != x.dtype:
-            raise TypeError(
-                f"{op}: bias must have x's dtype ({x.dtype}), got {bias.dtype} (cast it with .to({x.dtype}))"
-            )
-        if tuple(bias.shape) != (n,):
-            raise ValueError(f"{op}: bias must have shape ({n},) (out_features), got {tuple(bias.shape)}")
-        if bias.device != x.device:
-            raise ValueError(f"{op}: x and bias must be on the same device, got {x.device} and {bias.device}")
-    if activations == "int8" and scheme != "int8":
-        raise ValueError(
-            f"{op}: activations='int8' (W8A8: int8 x int8 dot) needs an 'int8' qweight, got scheme '{scheme}'; "
-            "use activations=None (weight-only) for 'int4' and 'fp8'"
-        )
+        if t.device != device:
+            raise ValueError(f"{op}: {against} and {name} must be on the same device, got {device} and {t.device}")
+    return n
 
 
 def _config_from_list(op: str, config: list[int] | None, x: torch.Tensor, n: int, scheme: str, group_size: int,
@@ -496,6 +566,83 @@ def _quantized_linear_fake(
     return empty_output((*x.shape[:-1], data.shape[0]), x)
 
 
+def _backward_config(M: int, K: int, scheme: str, group_size: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the backward kernel."""
+    block_k = min(group_size, 128) if scheme == "int4" else 128
+    block_k = max(32, min(block_k, triton.next_power_of_2(max(K, 1))))
+    if runtime.INTERPRETER:
+        return max(16, min(64, triton.next_power_of_2(max(M, 1)))), 128, block_k, 4, 1
+    return (16 if M <= 16 else 64), 64, block_k, 4, 3
+
+
+def _check_backward_args(op: str, grad_out: object, data: torch.Tensor, scales: torch.Tensor, scheme: str,
+                         group_size: int, in_features: int) -> None:
+    check_tensor(op, "grad_out", grad_out)
+    check_float_dtype(op, "grad_out", grad_out)
+    check_choice(op, "scheme", scheme, SCHEMES)
+    n = _check_qweight_parts(op, data, scales, scheme, group_size, in_features, grad_out.device, "grad_out")
+    if grad_out.dim() == 0 or grad_out.shape[-1] != n:
+        raise ValueError(f"{op}: grad_out must have shape (..., {n}) (out_features), got {tuple(grad_out.shape)}")
+
+
+@torch.library.custom_op("kernels::quantized_linear_backward", mutates_args=())
+def _quantized_linear_backward_op(
+    grad_out: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, scheme: str, group_size: int, in_features: int,
+) -> torch.Tensor:
+    op = "kernels.quantized_linear (backward)"
+    _check_backward_args(op, grad_out, data, scales, scheme, group_size, in_features)
+    runtime.require_launchable(op, grad_out, data, scales)
+    K, N = in_features, data.shape[0]
+    grad_x = empty_output((*grad_out.shape[:-1], K), grad_out)
+    if grad_x.numel() == 0:
+        return grad_x
+    grad_x2d = grad_x.view(-1, K)
+    if N == 0:
+        return grad_x.zero_()
+    M_total = grad_x2d.shape[0]
+    block_m, block_n, block_k, warps, stages = _backward_config(M_total, K, scheme, group_size)
+    scale_stride_g = scales.stride(1) if scales.dim() == 2 else 0
+    for launch in plan_rows([grad_out], reduce_ndim=1):
+        rows = launch.n_rows
+        grid = (triton.cdiv(rows, block_m), triton.cdiv(K, block_k))
+        quantized_linear_backward_kernel[grid](
+            launch.tensors[0], data, scales, grad_x2d[launch.row_base:],
+            *launch.args(), K, data.shape[1], data.stride(0), data.stride(1), scales.stride(0), scale_stride_g,
+            SCHEME=_SCHEME_IDS[scheme], GROUP_SIZE=group_size or 1, INPUT_PRECISION=_input_precision(grad_out),
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+        )
+    return grad_x
+
+
+@_quantized_linear_backward_op.register_fake
+def _quantized_linear_backward_fake(
+    grad_out: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, scheme: str, group_size: int, in_features: int,
+) -> torch.Tensor:
+    _check_backward_args("kernels.quantized_linear (backward)", grad_out, data, scales, scheme, group_size,
+                         in_features)
+    return empty_output((*grad_out.shape[:-1], in_features), grad_out)
+
+
+def _quantized_linear_setup_context(ctx, inputs, output) -> None:
+    x, data, scales, bias, scheme, group_size, in_features, activations, config = inputs
+    ctx.save_for_backward(data, scales)
+    ctx.scheme, ctx.group_size, ctx.in_features = scheme, group_size, in_features
+    ctx.has_bias = bias is not None
+
+
+def _quantized_linear_backward(ctx, grad_out: torch.Tensor):
+    data, scales = ctx.saved_tensors
+    grad_x = grad_bias = None
+    if ctx.needs_input_grad[0]:
+        grad_x = _quantized_linear_backward_op(grad_out, data, scales, ctx.scheme, ctx.group_size, ctx.in_features)
+    if ctx.has_bias and ctx.needs_input_grad[3]:
+        grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0)
+    return grad_x, None, None, grad_bias, None, None, None, None, None
+
+
+_quantized_linear_op.register_autograd(_quantized_linear_backward, setup_context=_quantized_linear_setup_context)
+
+
 # --------------------------------------------------------------------------- the public API
 
 
@@ -518,10 +665,12 @@ def quantized_linear(
 
     Returns:
         A new contiguous ``(..., out_features)`` tensor of x's dtype (fp32 accumulation).
+        Differentiable with respect to x and bias (``kernels::quantized_linear_backward``; the
+        quantized weight is frozen; W8A8 passes gradients straight through the rounding of x).
 
     Raises:
-        ValueError / TypeError for bad arguments, and ValueError if x requires grad with grad mode
-        on: the op is inference-only (frozen quantized weights, no backward).
+        ValueError / TypeError for bad arguments (messages name the argument and what is
+        supported).
     """
     op = "kernels.quantized_linear"
     if not isinstance(qweight, QuantizedWeight):
@@ -534,12 +683,6 @@ def quantized_linear(
         raise ValueError(f"{op}: activations must be None (weight-only) or 'int8' (W8A8), got {activations!r}")
     if config is not None and not isinstance(config, QuantizedLinearConfig):
         raise TypeError(f"{op}: config must be a kernels.QuantizedLinearConfig or None, got {type(config).__name__}")
-    if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
-        raise ValueError(
-            f"{op}: x (or bias) requires grad, but quantized_linear is inference-only: quantized weights are "
-            "frozen and there is no backward. Call it under torch.no_grad() or torch.inference_mode(), "
-            "or pass x.detach()."
-        )
     group_size = qweight.group_size or 0
     acts = "none" if activations is None else activations
     _check_linear_args(op, x, qweight.data, qweight.scales, bias, qweight.scheme, group_size,

@@ -34,9 +34,9 @@ SCRIPT = textwrap.dedent(
     # What Triton's launcher specializes: integer arguments equal to 1 become constants, integers
     # and pointers divisible by 16 are marked so (torch allocations; K, N, row strides of real sizes).
     ONES = {"x_col_stride", "w_col_stride", "x_stride_k", "w_stride_k", "scale_stride_n", "bias_stride",
-            "size1", "size2", "x_stride1", "x_stride2"}
+            "size1", "size2", "x_stride1", "x_stride2", "g_stride1", "g_stride2", "g_stride_n"}
     DIV16 = {"n_cols", "q_row_stride", "w_row_stride", "packed_row_stride", "scale_group_stride", "M", "K", "N",
-             "w_cols", "x_stride0", "w_stride_n", "scale_stride_g", "xq_stride_m", "n_elements"}
+             "w_cols", "x_stride0", "w_stride_n", "scale_stride_g", "xq_stride_m", "n_elements", "g_stride0"}
 
     def compile_ptx(fn, pointers, constexprs, ints="i32", num_warps=4, num_stages=3):
         signature, attrs, constexprs = {}, {}, dict(constexprs)
@@ -105,6 +105,16 @@ SCRIPT = textwrap.dedent(
                     expect("cp.async.cg.shared.global" in ptx, what + ": weight stream not pipelined (cp.async)")
                 if scheme == 2:
                     expect("e4m3x2" in ptx, what + ": fp8 not converted in hardware")
+
+    # -- the backward (grad_x = grad_out @ dequant(W), a reduction over N)
+    for scheme in (0, 1, 2):
+        for dtype, bm in (("bf16", 16), ("bf16", 64), ("fp16", 64), ("fp32", 16)):
+            pointers = {"grad_ptr": dtype, "w_ptr": STORAGE[scheme], "scale_ptr": "fp32", "grad_x_ptr": dtype}
+            constexprs = {"SCHEME": scheme, "GROUP_SIZE": 128 if scheme == 1 else 1, "INPUT_PRECISION": "tf32",
+                          "BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 128}
+            ptx = compile_ptx(kl.quantized_linear_backward_kernel, pointers, constexprs, num_warps=4, num_stages=3)
+            if dtype != "fp32":
+                expect("mma" in ptx, f"quantized_linear_backward scheme={scheme} {dtype}: no tensor-core dot")
 
     # -- W8A8 and the split-K reduction
     for bm, bn, bk, warps, stages in DECODE + [PREFILL]:

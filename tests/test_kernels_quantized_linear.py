@@ -304,7 +304,7 @@ def test_opcheck(case, gen):
     torch.library.opcheck(torch.ops.kernels.quantized_linear.default, args, test_utils=utils)
 
 
-def test_torch_compile_fullgraph_forward(gen):
+def test_torch_compile_fullgraph_forward_and_backward(gen):
     _, qw, bias = make_layer(48, 128, "int8", None, gen)
     _, qw4, _ = make_layer(48, 48, "int4", 32, gen)
 
@@ -314,8 +314,15 @@ def test_torch_compile_fullgraph_forward(gen):
 
     torch._dynamo.reset()
     compiled = torch.compile(block, fullgraph=True)
-    x = randn(3, 128, gen=gen)
-    torch.testing.assert_close(compiled(x), block(x), rtol=0, atol=0)
+    x = randn(3, 128, gen=gen).requires_grad_()
+    grad_out = randn(3, 48, gen=gen)
+    with torch.enable_grad():
+        got = compiled(x)
+        (got_grad,) = torch.autograd.grad(got, [x], grad_out)
+        want = block(x)
+        (want_grad,) = torch.autograd.grad(want, [x], grad_out)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(got_grad, want_grad, rtol=0, atol=0)
 
 
 # --------------------------------------------------------------------------- errors
@@ -370,16 +377,61 @@ def test_bad_input_errors(gen):
         ops(x, qw.data, qw4.scales, None, "int8", 0, 64, "none", None)
 
 
-def test_requires_grad_is_refused_clearly(gen):
-    _, qw, _ = make_layer(8, 64, "int8", None, gen)
-    x = randn(2, 64, gen=gen).requires_grad_()
+# --------------------------------------------------------------------------- gradients
+
+
+def torch_grads(x, qw, bias, grad_out):
+    """Gradients of F.linear(x, dequantize(w), bias) in float64."""
+    xr = x.detach().double().requires_grad_()
+    inputs = [xr]
+    if bias is not None:
+        inputs.append(bias.detach().double().requires_grad_())
     with torch.enable_grad():
-        with pytest.raises(ValueError, match=r"kernels\.quantized_linear: x \(or bias\) requires grad, but "
-                                             r"quantized_linear is inference-only.*torch\.no_grad\(\)"):
-            quantized_linear(x, qw)
-        with torch.no_grad():
-            quantized_linear(x, qw)  # fine without grad mode
-        quantized_linear(x.detach(), qw)
+        out = F.linear(xr, qw.dequantize().double(), inputs[1] if bias is not None else None)
+        return torch.autograd.grad(out, inputs, grad_out.double())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scheme,group_size", SCHEMES)
+def test_gradients_match_torch(dtype, scheme, group_size, gen):
+    """grad_x through the transposed kernel (K off the tile, N off the block), grad_bias by a sum."""
+    _, qw, bias = make_layer(70, 200, scheme, group_size, gen, dtype=dtype)
+    bias.requires_grad_()
+    x = randn(2, 3, 200, gen=gen, dtype=dtype).requires_grad_()
+    with torch.enable_grad():
+        out = quantized_linear(x, qw, bias)
+        grad_out = randn(*out.shape, gen=gen, dtype=dtype)
+        grads = torch.autograd.grad(out, [x, bias], grad_out)
+    for got, want in zip(grads, torch_grads(x, qw, bias, grad_out)):
+        assert_matches(got, want, dtype)
+
+
+def test_gradients_of_strided_views_and_w8a8(gen):
+    """A transposed x and a non-contiguous grad_out (from a transposed loss); W8A8's gradient is
+    the weight-only one (straight through the rounding of x)."""
+    _, qw, _ = make_layer(40, 96, "int8", None, gen)
+    x = randn(96, 6, gen=gen).t().requires_grad_()
+    with torch.enable_grad():
+        for activations in (None, "int8"):
+            out = quantized_linear(x, qw, activations=activations)
+            weights = randn(40, 6, gen=gen)
+            (grad_x,) = torch.autograd.grad((out * weights.t()).sum(), [x])
+            (want,) = torch_grads(x, qw, None, weights.t())
+            assert_matches(grad_x, want, torch.float32)
+        out = quantized_linear(x, qw)
+        (grad_x,) = torch.autograd.grad(out.t().sum(), [x])  # grad_out is an expanded (stride-0) view
+        assert_matches(grad_x, torch_grads(x, qw, None, torch.ones(6, 40))[0], torch.float32)
+
+
+def test_opcheck_backward(gen):
+    _, qw, bias = make_layer(24, 70, "int4", 32, gen)
+    x = randn(5, 70, gen=gen).requires_grad_()
+    bias.requires_grad_()
+    torch.library.opcheck(torch.ops.kernels.quantized_linear.default,
+                          (x, qw.data, qw.scales, bias, "int4", 32, 70, "none", None))
+    grad_out = randn(5, 24, gen=gen)
+    torch.library.opcheck(torch.ops.kernels.quantized_linear_backward.default,
+                          (grad_out, qw.data, qw.scales, "int4", 32, 70))
 
 
 # --------------------------------------------------------------------------- GPU sizes
