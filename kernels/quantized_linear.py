@@ -3,9 +3,9 @@
 ``quantized_linear(x, qweight, bias)`` computes ``F.linear(x, qweight.dequantize(), bias)``
 without ever writing the dequantized weight anywhere: each program loads the packed weight tile
 it needs for one K step, turns it into numbers in registers, and feeds it to ``tl.dot``. The
-weight is read once per output tile — for decode shapes (one tile row of M) the weight traffic
-is exactly ``qweight.nbytes``, which is the whole point: a decode step is memory-bound, and int8
-moves half the bytes of bf16, int4 a quarter.
+weight is read once per ``BLOCK_M`` rows of x — for decode shapes (M <= BLOCK_M) the weight
+traffic is exactly ``qweight.nbytes`` (the tests count it), which is the whole point: a decode
+step is memory-bound, and int8 moves half the bytes of bf16, int4 a quarter.
 
 **Weight-only** (``activations=None``, every scheme; ``quantized_linear_kernel``): x stays in
 its dtype (fp32/fp16/bf16) and the weight values are converted to it in registers — exactly,
@@ -19,8 +19,9 @@ weight tile:
 * int4 scales per (channel, K-group): each K step covers at most one group (``BLOCK_K <=
   group_size``), so the step's partial product is scaled by that group's ``(BLOCK_N,)`` scale row
   before it joins the accumulator. The packed bytes hold k = 2j in the low nibble and k = 2j + 1
-  in the high one, so the kernel loads x's even and odd columns as two half tiles and runs two
-  half-K dots (``x_even @ low + x_odd @ high``): no nibble interleaving in registers.
+  in the high one, so the kernel splits its (contiguously loaded) x tile into even and odd
+  columns (``tl.reshape`` + ``tl.split``) and runs two half-K dots, ``x_even @ low + x_odd @
+  high``: the nibbles are never interleaved back into K order.
 * fp8 (e4m3) is dequantized to x's dtype in registers rather than fed to an fp8 ``tl.dot``: an
   fp8 x fp8 dot would need x quantized to fp8 as well (a different accuracy trade-off), while
   the weight-only path keeps x exact and still halves the weight bytes. On a GPU the e4m3 ->
