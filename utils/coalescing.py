@@ -132,9 +132,13 @@ class WarpRequest:
         return self.useful_bytes / self.fetched_bytes if self.fetched_bytes else 1.0
 
     def __str__(self) -> str:
-        return (f"{self.lanes} lanes x {self.bytes_per_lane} B: {self.sectors.size} sectors, "
-                f"{self.lines.size} lines, {self.useful_bytes} useful of {self.fetched_bytes} fetched bytes "
-                f"({self.efficiency:.1%} efficient)")
+        return (f"{self.lanes} lanes x {self.bytes_per_lane} B: {_count(self.sectors.size, 'sector')}, "
+                f"{_count(self.lines.size, 'line')}, {self.useful_bytes} useful of {self.fetched_bytes} fetched "
+                f"bytes ({self.efficiency:.1%} efficient)")
+
+
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 def warp_request(addresses: Sequence[int] | np.ndarray, bytes_per_lane: int = 4,

@@ -196,8 +196,10 @@ def warp_access_chart(request: Any, ax: Axes | None = None, title: str | None = 
     ax.set_xlim(-4, lanes + 0.5)
     ax.set_ylim(-0.1, 2.3)
     ax.axis("off")
-    ax.set_title(title or (f"{request.sectors.size} sectors in {request.lines.size} lines, "
-                           f"{request.efficiency:.0%} of fetched bytes used"), fontsize=10)
+    sectors_text = f"{request.sectors.size} sector{'' if request.sectors.size == 1 else 's'}"
+    lines_text = f"{request.lines.size} line{'' if request.lines.size == 1 else 's'}"
+    ax.set_title(title or f"{sectors_text} in {lines_text}, {request.efficiency:.0%} of fetched bytes used",
+                 fontsize=10)
     return ax
 
 
