@@ -114,8 +114,9 @@ def softmax_multirow_kernel(x_ptr, out_ptr, n_rows, n_cols, x_row_stride, out_ro
     """Softmax of ``ROWS`` rows per program, as one ``(ROWS, BLOCK)`` tile.
 
     Teaches 2-D blocks and why short rows want them: a row of 128 columns is too little work for
-    one program (most of a GPU's time would go to starting programs, and a 4-warp program would
-    have one element per thread). Stacking rows into a tile gives each program enough work; the
+    one program (a 4-warp program would have one element per thread, and an SM would run out of
+    resident programs before it had enough bytes in flight to hide memory latency: the chapter's
+    Little's-law model). Stacking rows into a tile gives each program enough work; the
     reductions run along ``axis=1``, one max and one sum per row. The mask has two parts — a
     column past the row's end, and (in the last program) a row past the last row.
     """

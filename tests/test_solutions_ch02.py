@@ -3,8 +3,9 @@
 Each exercise is checked as the notebook checks it (the same launchers, the same kind of cases):
 once with the solution (SOLVED) and once per negative control — a plausible wrong answer (a
 stub, a mask off by one, padding loaded as 0 instead of -inf, no max subtraction overflowing, a
-missing or inverted rescale, a skipped last chunk, a dropped term of the backward) that the
-checker must reject with the right diagnosis. Sizes stay at a few dozen programs per case.
+missing or inverted rescale, a skipped last chunk, a dropped term of the backward, one row stride
+used for tensors whose strides differ) that the checker must reject with the right diagnosis.
+Sizes stay at a few dozen programs per case.
 """
 
 from __future__ import annotations
@@ -120,6 +121,7 @@ def online_cases(gen):
     return [
         (_randn(gen, 4, 1000, scale=3.0) + torch.linspace(0, 30, 1000, device=DEVICE),),  # max rises chunk by chunk
         (_randn(gen, 3, 768, scale=3.0),),  # exactly 3 chunks
+        (_sliced(gen, 3, 900, 1024, scale=3.0),),  # x's row stride 1024, out's 900
         (_randn(gen, 2, 1),),
         (_randn(gen, 3, 700, scale=3.0, dtype=torch.bfloat16),),
         (_randn(gen, 2, 600, scale=3.0, dtype=torch.float16),),
@@ -134,7 +136,9 @@ def backward_cases(gen):
         (_randn(gen, 5, 513, scale=2.0), _randn(gen, 5, 513)),
         (_randn(gen, 4, 700, scale=2.0, dtype=torch.bfloat16), _randn(gen, 4, 700, dtype=torch.bfloat16)),
         (_randn(gen, 3, 900, scale=2.0, dtype=torch.float16), _randn(gen, 3, 900, dtype=torch.float16)),
-        (_sliced(gen, 6, 300, 512, scale=2.0), _randn(gen, 6, 300)),
+        # grad_y sliced: its row stride (512) differs from y's and grad_x's (300). (A sliced x would
+        # not reach the kernel: the launcher's y is a fresh, contiguous softmax of it.)
+        (_randn(gen, 6, 300, scale=2.0), _sliced(gen, 6, 300, 512)),
     ]
 
 
@@ -348,6 +352,26 @@ def online_no_mask(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK: 
 
 
 @triton.jit
+def online_out_uses_x_stride(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK: tl.constexpr):
+    # right statistics, but the output rows are placed with the input's row stride
+    row = tl.program_id(0).to(tl.int64)
+    running_max = -float("inf")
+    running_sum = 0.0
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * x_row_stride + cols, mask=cols < n_cols, other=-float("inf")).to(tl.float32)
+        new_max = tl.maximum(running_max, tl.max(x, axis=0))
+        running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
+        running_max = new_max
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=-float("inf")).to(tl.float32)
+        tl.store(out_ptr + row * x_row_stride + cols,
+                 (tl.exp(x - running_max) / running_sum).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def backward_stub(y_ptr, grad_y_ptr, grad_x_ptr, n_cols, y_row_stride, grad_y_row_stride, grad_x_row_stride,
                   BLOCK: tl.constexpr):
     pass
@@ -387,6 +411,19 @@ def backward_no_mask(y_ptr, grad_y_ptr, grad_x_ptr, n_cols, y_row_stride, grad_y
     grad_y = tl.load(grad_y_ptr + row * grad_y_row_stride + cols).to(tl.float32)
     grad_x = y * (grad_y - tl.sum(y * grad_y, axis=0))
     tl.store(grad_x_ptr + row * grad_x_row_stride + cols, grad_x.to(grad_x_ptr.dtype.element_ty))
+
+
+@triton.jit
+def backward_one_stride(y_ptr, grad_y_ptr, grad_x_ptr, n_cols, y_row_stride, grad_y_row_stride, grad_x_row_stride,
+                        BLOCK: tl.constexpr):
+    # y's row stride used for all three tensors
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    y = tl.load(y_ptr + row * y_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    grad_y = tl.load(grad_y_ptr + row * y_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    grad_x = y * (grad_y - tl.sum(y * grad_y, axis=0))
+    tl.store(grad_x_ptr + row * y_row_stride + cols, grad_x.to(grad_x_ptr.dtype.element_ty), mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -494,10 +531,12 @@ WRONG_KERNELS = [
     ("softmax_online_kernel", online_no_rescale, "wrong values"),
     ("softmax_online_kernel", online_chunk_local, "wrong values"),
     ("softmax_online_kernel", online_no_mask, "out of bounds"),
+    ("softmax_online_kernel", online_out_uses_x_stride, "out of bounds"),
     ("softmax_backward_kernel", backward_stub, "never written"),
     ("softmax_backward_kernel", backward_no_dot, "wrong values"),
     ("softmax_backward_kernel", backward_sums_grad_only, "wrong values"),
     ("softmax_backward_kernel", backward_no_mask, "out of bounds"),
+    ("softmax_backward_kernel", backward_one_stride, "wrong values"),
 ]
 
 
