@@ -5,9 +5,15 @@ references), once with the solution (SOLVED) and once per negative control: a pl
 answer — the scale from the wrong maximum, truncating instead of rounding, a scale in bf16,
 swapped nibbles, two's-complement nibbles, a sign-extending shift, the wrong group's scale, an
 int16 or int8 accumulator that overflows, a forgotten scale, a stub — that the checker must reject.
+A slow test compiles the three solution kernels ahead of time for sm_90 (a learner with a GPU runs them).
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -503,3 +509,63 @@ def test_w8a8_launcher_matches_kernels_quantized_linear():
     with torch.no_grad():
         theirs = kernels.quantized_linear(x, qweight, activations="int8")
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# The solution kernels are valid compiled Triton (a learner with a GPU runs them compiled)
+# ----------------------------------------------------------------------------------------------
+
+COMPILE_SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    os.environ["KERNEL_LADDER_INTERPRET"] = "0"  # compiled mode: real @triton.jit kernels
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from solutions import ch05_quantization as s
+
+    def ptx_of(fn, pointers, constexprs):
+        signature, attrs = {}, {}
+        for i, name in enumerate(fn.arg_names):
+            if fn.params[i].is_constexpr:
+                signature[name] = "constexpr"
+            elif name.endswith("_ptr"):
+                signature[name] = "*" + pointers[name]
+                attrs[(i,)] = [["tt.divisibility", 16]]
+            else:
+                signature[name] = "i32"
+        source = ASTSource(fn=fn, signature=signature, attrs=attrs, constexprs=constexprs)
+        return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+
+    failures = []
+    for dtype in ("bf16", "fp16"):
+        for group in (32, 128):
+            ptx = ptx_of(s.int4_linear_kernel,
+                         {"x_ptr": dtype, "packed_ptr": "u8", "scale_ptr": "fp32", "out_ptr": dtype},
+                         {"GROUP_SIZE": group, "BLOCK_M": 16, "BLOCK_N": 64})
+            if "mma" not in ptx:
+                failures.append(f"int4_linear_kernel {dtype} g{group}: no tensor-core mma")
+        ptx = ptx_of(s.quantize_per_token_kernel, {"x_ptr": dtype, "q_ptr": "i8", "scale_ptr": "fp32"},
+                     {"BLOCK": 1024})
+        if "div.rn.f32" not in ptx or "0f4B400000" not in ptx:
+            failures.append(f"quantize_per_token_kernel {dtype}: IEEE division or the rounding constant is gone")
+    ptx = ptx_of(s.w8a8_matmul_kernel,
+                 {"xq_ptr": "i8", "x_scale_ptr": "fp32", "wq_ptr": "i8", "w_scale_ptr": "fp32", "out_ptr": "fp32"},
+                 {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64})
+    if not ("mma" in ptx and ".s8" in ptx and ".s32" in ptx):
+        failures.append("w8a8_matmul_kernel: no int8 x int8 -> int32 tensor-core mma")
+    print("\\n".join(failures) or "ok")
+    sys.exit(1 if failures else 0)
+    """
+)
+
+
+@pytest.mark.slow
+def test_solution_kernels_compile_for_sm90(tmp_path):
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    # This process runs the interpreter (TRITON_INTERPRET=1); the child must not inherit it.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path))
+    result = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], capture_output=True, text=True, env=env,
+                            timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
