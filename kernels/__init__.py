@@ -5,6 +5,7 @@ in Triton's interpreter on the CPU (see :mod:`kernels.runtime`).
 """
 
 from . import runtime  # noqa: F401  (first: fixes the mode before any kernel is defined)
+from ._autograd import forbid_double_backward
 from ._norm import column_sum_kernel, norm_launch_config
 from .add import add, add_kernel
 from .add_rms_norm import add_rms_norm, add_rms_norm_kernel
@@ -53,6 +54,8 @@ from .softmax import (
     softmax_online_kernel,
 )
 from .swiglu import swiglu, swiglu_backward_kernel, swiglu_kernel
+
+forbid_double_backward()  # every backward op: a clear error for a gradient of a gradient
 
 __version__ = "0.1.0"
 __all__ = [

@@ -50,7 +50,12 @@ def check_tensor(op: str, name: str, value: object) -> torch.Tensor:
 def check_float_dtype(op: str, name: str, tensor: torch.Tensor) -> None:
     """``tensor`` must be float32, float16 or bfloat16."""
     if tensor.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{op}: {name} must be {_FLOAT_NAMES}, got {tensor.dtype}")
+        hint = (
+            "cast it with .float(), .half() or .bfloat16() first"
+            if tensor.is_floating_point() or tensor.is_complex()
+            else "integer and bool tensors have no floating-point values to compute on: convert with .float()"
+        )
+        raise TypeError(f"{op}: {name} must be {_FLOAT_NAMES}, got {tensor.dtype} ({hint})")
 
 
 def check_same_dtype(op: str, name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:

@@ -261,7 +261,8 @@ def _check_args(logits: object, target: object, ignore_index: object, reduction:
     n_classes = logits.shape[0] if logits.dim() == 1 else logits.shape[1]
     if n_classes == 0:
         raise ValueError(f"{_OP}: logits must have at least one class, got shape {tuple(logits.shape)}")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
+    # torch.compile passes a Python int that it has made dynamic as a SymInt.
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, (numbers.Integral, torch.SymInt)):
         raise TypeError(f"{_OP}: ignore_index must be an int, got {type(ignore_index).__name__}")
     check_choice(_OP, "reduction", reduction, REDUCTIONS)
     if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, numbers.Real):

@@ -293,9 +293,11 @@ def _layer_norm_backward_launch(grad_out, x, normalized_shape, weight, mean, rst
         per_row=[mean.view(-1), rstd.view(-1), scratch], partials=[dw_partial, db_partial],
         HAS_WEIGHT=weight is not None, WEIGHT_GRAD=weight_grad, BIAS_GRAD=bias_grad,
     )
-    empty = x.new_empty((0,))
-    dw = column_sum(dw_partial.view(plan.n_programs, n_cols), normalized_shape, x.dtype) if weight_grad else empty
-    db = column_sum(db_partial.view(plan.n_programs, n_cols), normalized_shape, x.dtype) if bias_grad else empty
+    # Two distinct empty tensors: a custom op's outputs may not alias each other.
+    dw = (column_sum(dw_partial.view(plan.n_programs, n_cols), normalized_shape, x.dtype) if weight_grad
+          else x.new_empty((0,)))
+    db = (column_sum(db_partial.view(plan.n_programs, n_cols), normalized_shape, x.dtype) if bias_grad
+          else x.new_empty((0,)))
     return dx, dw, db
 
 

@@ -416,6 +416,17 @@ def test_torch_compile_fullgraph_forward_and_backward(backend, gen):
         torch.testing.assert_close(compiled(logits, target).double(), want.detach(), rtol=1e-5, atol=1e-5)
 
 
+def test_torch_compile_accepts_an_ignore_index_it_has_made_dynamic(gen):
+    # A second call with another int makes dynamo trace it as a SymInt.
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, t, ii: cross_entropy(x, t, ignore_index=ii), fullgraph=True,
+                             backend="aot_eager")
+    logits, target = randn((5, 23), gen), targets((5,), 23, gen)
+    for ignore in (-100, int(target[0])):
+        want = F.cross_entropy(logits.double(), target, ignore_index=ignore)
+        torch.testing.assert_close(compiled(logits, target, ignore).double(), want, rtol=1e-5, atol=1e-5)
+
+
 # --------------------------------------------------------------------------- bad input
 
 _X = torch.randn(4, 10, device=DEVICE)

@@ -3,7 +3,8 @@
 On a GPU (kernels compiled), ``measure`` uses ``triton.testing.do_bench``: warm-up, many
 repetitions, the L2 cache flushed between them, quantiles of the distribution. On the CPU there is
 no driver for ``do_bench``; ``measure`` then takes wall-clock times of a few calls and labels them
-as what they are: interpreter time on the CPU, which says nothing about a GPU's speed.
+as what they are: CPU time (torch's CPU kernels, or Triton's interpreter running each program in
+Python), which says nothing about a GPU's speed.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from kernels import runtime as _runtime
 
 __all__ = ["Timing", "Row", "measure", "compare", "format_table", "gbps", "CPU_NOTE"]
 
-CPU_NOTE = "interpreter time on the CPU, not a GPU's"
+CPU_NOTE = "CPU time (torch's CPU kernels or Triton's interpreter), not a GPU's"
 GPU_NOTE = "GPU time from triton.testing.do_bench (median over repetitions, L2 flushed between them)"
 
 _CPU_MIN_RUNS = 3

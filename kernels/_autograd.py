@@ -1,0 +1,49 @@
+"""Second-order gradients: every backward op says clearly that it has none.
+
+Each op's backward is its own custom op (``kernels::<op>_backward``). Without an autograd formula
+of its own, asking for a gradient of a gradient (``create_graph=True`` and a second backward)
+gets torch's generic advice to register one; this module registers a formula that raises an
+error saying what is and is not supported, so that ``create_graph=True`` itself still works
+(a first-order backward that is merely recorded) and only a real double backward fails.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["COVERED", "forbid_double_backward"]
+
+#: The backward ops given a raising formula (filled on import of ``kernels``).
+COVERED: list[str] = []
+
+
+def _raise_for(public_name: str):
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            f"{public_name}: double backward (a gradient of a gradient) is not supported; the backward "
+            "kernels are first order. For second-order terms use the torch reference op, e.g. the one in "
+            "torch.nn.functional."
+        )
+
+    return backward
+
+
+def _no_context(ctx, inputs, output) -> None:
+    pass
+
+
+def forbid_double_backward() -> list[str]:
+    """Give every mutation-free ``kernels::*_backward`` op a formula that raises; returns their names."""
+    done = []
+    for name in dir(torch.ops.kernels):
+        if not name.endswith("_backward"):
+            continue
+        packet = getattr(torch.ops.kernels, name)
+        schema = packet.default._schema
+        if any(arg.alias_info is not None and arg.alias_info.is_write for arg in schema.arguments):
+            continue  # an op that writes its input in place (cross-entropy's scaling) cannot take one
+        public = f"kernels.{name.removesuffix('_backward')} (backward)"
+        torch.library.register_autograd(f"kernels::{name}", _raise_for(public), setup_context=_no_context)
+        done.append(name)
+    COVERED[:] = done
+    return done
