@@ -15,7 +15,10 @@ index is a row. Their kernels share one shape of work, chosen here by :func:`nor
 
       n_tiles           = ceil(n_rows / TILE_ROWS)
       tiles_per_program = ceil(n_tiles / (PROGRAMS_PER_SM * SMs))       # fill the GPU first
-      forward only:       tiles_per_program = min(tiles_per_program,
+      forward only:       floor = min(ceil(MIN_FORWARD_ROWS_PER_PARAM * params / TILE_ROWS),
+                                      max(1, n_tiles // SMs))                # >= 1 program per SM
+                          tiles_per_program = max(tiles_per_program, floor)
+                          tiles_per_program = min(tiles_per_program,
                                                   max(1, FORWARD_ROWS_PER_PROGRAM // TILE_ROWS))
       rows_per_program  = TILE_ROWS * tiles_per_program
       n_programs        = ceil(n_rows / rows_per_program)
@@ -29,8 +32,14 @@ index is a row. Their kernels share one shape of work, chosen here by :func:`nor
   little; no two programs write the same address (no atomics, a deterministic result), and
   programs of equal work over exactly two per SM leave no ragged last wave. *The forward* has no
   buffer to bound, so large launches are cut finer — at most :data:`FORWARD_ROWS_PER_PROGRAM`
-  rows a program, many programs for the hardware to balance — while the weight is still read
-  once per 32 rows (3% of the traffic of x and y at worst, and an L2 hit on a GPU).
+  rows a program, many programs for the hardware to balance. Mid-sized launches are cut no finer
+  than :data:`MIN_FORWARD_ROWS_PER_PARAM` (16) rows per parameter vector a program reads
+  (``params``: 1 for RMSNorm's weight, 2 for LayerNorm's weight and bias), as long as every SM
+  still gets a program. Each program loads the parameters once, so with ``r`` rows a program
+  their re-reads add ``params / (2 r)`` to the ideal traffic of x and y: 1/32 (3%) at the floor.
+  On a GPU the re-reads are L2 hits, which is why filling every SM wins over the floor; the
+  floor keeps the global traffic the tracer counts within 5% of the ideal wherever the launch
+  has at least ``16 * params`` rows per SM (the CPU's sizes included), at no cost in occupancy.
 
   Triton's interpreter acts as a GPU of :data:`INTERPRETER_SMS` SMs, so the CPU runs the same
   multi-program reduction with few program instances.
@@ -54,6 +63,7 @@ from ._validate import check_float_dtype, check_same_device, check_same_dtype, c
 __all__ = [
     "CHUNK_BLOCK",
     "FORWARD_ROWS_PER_PROGRAM",
+    "MIN_FORWARD_ROWS_PER_PARAM",
     "INTERPRETER_SMS",
     "MAX_FUSED_BLOCK",
     "MAX_FUSED_BLOCK_BACKWARD",
@@ -81,6 +91,8 @@ TILE_ELEMENTS: int = 4096
 PROGRAMS_PER_SM: int = 2
 #: The forward's largest share of rows per program (once the GPU is full).
 FORWARD_ROWS_PER_PROGRAM: int = 32
+#: The forward's smallest share of rows per program, per parameter vector (weight, bias) it reads.
+MIN_FORWARD_ROWS_PER_PARAM: int = 16
 #: The SM count assumed in Triton's interpreter (it has no GPU to ask).
 INTERPRETER_SMS: int = 4
 
@@ -155,9 +167,12 @@ def _multiprocessor_count(device: torch.device) -> int:
 
 
 def norm_launch_config(
-    n_rows: int, n_cols: int, device: torch.device | str = "cpu", *, backward: bool = False
+    n_rows: int, n_cols: int, device: torch.device | str = "cpu", *, backward: bool = False, params: int = 1
 ) -> NormConfig:
-    """The tile, rows-per-program and grid of a norm over ``n_rows`` rows of ``n_cols`` columns."""
+    """The tile, rows-per-program and grid of a norm over ``n_rows`` rows of ``n_cols`` columns.
+
+    ``params`` is the number of parameter vectors (weight, bias) each program of the forward reads.
+    """
     device = torch.device(device)
     max_fused = MAX_FUSED_BLOCK_BACKWARD if backward else MAX_FUSED_BLOCK
     chunked = n_cols > max_fused
@@ -166,6 +181,9 @@ def norm_launch_config(
     n_tiles = max(1, triton.cdiv(n_rows, tile_rows))
     tiles_per_program = triton.cdiv(n_tiles, PROGRAMS_PER_SM * _multiprocessor_count(device))
     if not backward:
+        sms = _multiprocessor_count(device)
+        floor = min(triton.cdiv(MIN_FORWARD_ROWS_PER_PARAM * params, tile_rows), max(1, n_tiles // sms))
+        tiles_per_program = max(tiles_per_program, floor)
         tiles_per_program = min(tiles_per_program, max(1, FORWARD_ROWS_PER_PROGRAM // tile_rows))
     rows_per_program = tile_rows * tiles_per_program
     n_programs = max(1, triton.cdiv(n_rows, rows_per_program))
@@ -184,11 +202,18 @@ class NormPlan:
     n_programs: int  # over all launches
 
 
-def plan_norm(row_operands: Sequence[torch.Tensor], reduce_ndim: int, *, backward: bool = False) -> NormPlan:
-    """Plan a norm over ``row_operands`` (same shape), normalizing their last ``reduce_ndim`` dims."""
+def plan_norm(
+    row_operands: Sequence[torch.Tensor], reduce_ndim: int, *, backward: bool = False, params: int = 1
+) -> NormPlan:
+    """Plan a norm over ``row_operands`` (same shape), normalizing their last ``reduce_ndim`` dims.
+
+    ``params``: how many parameter vectors (weight, bias) the forward kernel loads per program.
+    """
     launches = tuple(plan_rows(row_operands, reduce_ndim))
     device = row_operands[0].device
-    configs = tuple(norm_launch_config(rl.n_rows, rl.n_cols, device, backward=backward) for rl in launches)
+    configs = tuple(
+        norm_launch_config(rl.n_rows, rl.n_cols, device, backward=backward, params=params) for rl in launches
+    )
     offsets, total = [], 0
     for config in configs:
         offsets.append(total)

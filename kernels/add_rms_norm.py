@@ -127,7 +127,7 @@ def _add_rms_norm_op(
     rstd = empty_stats(x, 1)
     if x.shape[-1] == 0:
         rstd.fill_(eps**-0.5)
-    plan = plan_norm([x, residual, y, s], 1)
+    plan = plan_norm([x, residual, y, s], 1, params=int(weight is not None))
     launch_norm(add_rms_norm_kernel, plan, [(weight, w_stride)], per_row=[rstd.view(-1)], scalars=[eps],
                 HAS_WEIGHT=weight is not None)
     return y, s, rstd

@@ -265,7 +265,7 @@ def _layer_norm_forward(x, normalized_shape, weight, bias, eps):
     if math.prod(normalized_shape) == 0:  # the statistics of no elements: mean 0, variance 0
         mean.zero_()
         rstd.fill_(eps**-0.5)
-    plan = plan_norm([x, y], ndim)
+    plan = plan_norm([x, y], ndim, params=(weight is not None) + (bias is not None))
     launch_norm(
         layer_norm_kernel, plan, [(weight, _param_stride(weight, ndim)), (bias, _param_stride(bias, ndim))],
         per_row=[mean.view(-1), rstd.view(-1)], scalars=[eps],

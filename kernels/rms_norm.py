@@ -220,7 +220,7 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float, w
     rstd = empty_stats(x, 1)
     if x.shape[-1] == 0:
         rstd.fill_(eps**-0.5)  # the mean square of no elements is taken as 0
-    plan = plan_norm([x, y], 1)
+    plan = plan_norm([x, y], 1, params=int(weight is not None))
     launch_norm(rms_norm_kernel, plan, [(weight, w_stride)], per_row=[rstd.view(-1)], scalars=[eps],
                 HAS_WEIGHT=weight is not None)
     return y, rstd

@@ -427,6 +427,11 @@ def test_launch_config_fills_the_gpu_and_keeps_partials_small(monkeypatch):
     assert (c.rows_per_program, c.n_programs) == (249, 264)
     c = _norm.norm_launch_config(65536, 4096)
     assert (c.rows_per_program, c.n_programs) == (32, 2048)
+    # The forward's floor: 16 rows per parameter vector, while every SM keeps a program.
+    c = _norm.norm_launch_config(4096, 4096)
+    assert (c.rows_per_program, c.n_programs) == (16, 256)
+    assert _norm.norm_launch_config(4096, 4096, params=2).rows_per_program == 31  # 4096 // 132 tiles
+    assert _norm.norm_launch_config(64, 4096).n_programs == 64  # decode: fill the SMs first
 
 
 # --------------------------------------------------------------------------- memory traffic
@@ -443,10 +448,16 @@ def _traced(fn):
 @pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize(
-    "shape, layout", [((3, 67, 1000), "contiguous"), ((301, 77), "sliced"), ((1001, 3), "transposed")], ids=str
+    "shape, layout",
+    [((3, 67, 1000), "contiguous"), ((301, 77), "sliced"), ((1001, 3), "transposed"), ((64, 1000), "contiguous")],
+    ids=str,
 )
 def test_forward_kernels_move_the_ideal_bytes(shape, layout, dtype, gen):
-    """x read once, weight/bias once (per program: a few hundred rows share it), y written once, stats."""
+    """x read once, weight/bias once per program (>= 16 rows per parameter vector share it), y once, stats.
+
+    (64, 1000) is the report's size: few enough rows that the parameter re-reads would pass 5% of
+    the traffic without the forward's floor on rows per program.
+    """
     from utils.trace import ideal_bytes
 
     n = shape[-1]
