@@ -16,6 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+#: What a production forward kernel may move at most, as a multiple of the ideal bytes.
+FORWARD_BOUND = 1.05
+
 #: Modules that register ladders, in chapter order. A new chapter adds its module here.
 CHAPTER_MODULES = [
     "bench.ch00_gpu_model",
@@ -41,6 +44,9 @@ class Step:
     on_gpu: bool = True
     #: Whether to trace it at the CPU size (a compiled baseline like torch.compile is not).
     on_cpu: bool = True
+    #: The most bytes / ideal this step may move at the CPU size; the report fails a step over it
+    #: (set for the production forward kernels: :data:`FORWARD_BOUND`).
+    bound: float | None = None
 
 
 @dataclass

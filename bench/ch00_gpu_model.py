@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import kernels
-from bench import Ladder, Step, register
+from bench import FORWARD_BOUND, Ladder, Step, register
 
 SIZES = {"cpu": 2048, "gpu": 1 << 26}
 
@@ -33,7 +33,7 @@ register(
         steps=[
             Step("python loop", python_loop_add, on_gpu=False),
             Step("torch x + y", torch.add, baseline=True),
-            Step("triton kernels.add", kernels.add),
+            Step("triton kernels.add", kernels.add, bound=FORWARD_BOUND),
         ],
         note="n = 2048 fp32 on the CPU (traced); 2^26 on a GPU (timed)",
     )

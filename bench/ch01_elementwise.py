@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from bench import Ladder, Step, register
+from bench import FORWARD_BOUND, Ladder, Step, register
 
 SIZES = {"cpu": (64, 1000), "gpu": (8192, 8192)}
 DROPOUT_P, DROPOUT_SEED = 0.1, 1234
@@ -49,7 +49,7 @@ register(
         reference=gelu_reference,
         steps=[
             Step("torch F.gelu", F.gelu, baseline=True),
-            Step("triton kernels.gelu", kernels.gelu),
+            Step("triton kernels.gelu", kernels.gelu, bound=FORWARD_BOUND),
         ],
         note="64x1000 fp32 on the CPU; 8192x8192 on a GPU",
     )
@@ -64,7 +64,7 @@ register(
         steps=[
             Step("torch sigmoid, mul, mul", swiglu_three_launches),
             Step("torch F.silu(g) * u", swiglu_torch, baseline=True),
-            Step("triton kernels.swiglu (fused)", kernels.swiglu),
+            Step("triton kernels.swiglu (fused)", kernels.swiglu, bound=FORWARD_BOUND),
         ],
         note="64x1000 fp32 on the CPU; 8192x8192 on a GPU",
     )
@@ -79,7 +79,8 @@ register(
         steps=[
             # torch's dropout draws a different mask: it is a bytes and time baseline only.
             Step("torch F.dropout", lambda x: F.dropout(x, DROPOUT_P, training=True), baseline=True),
-            Step("triton kernels.dropout (seeded)", lambda x: kernels.dropout(x, DROPOUT_P, seed=DROPOUT_SEED)),
+            Step("triton kernels.dropout (seeded)", lambda x: kernels.dropout(x, DROPOUT_P, seed=DROPOUT_SEED),
+                 bound=FORWARD_BOUND),
         ],
         note="torch's mask differs from ours (another RNG): only the seeded step is checked for values",
         tags={"unchecked_steps": ["torch F.dropout"]},

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import triton
 
 import kernels
-from bench import Ladder, Step, register
+from bench import FORWARD_BOUND, Ladder, Step, register
 from solutions import ch02_softmax as solutions
 
 #: (rows, columns) per ladder; "cpu" is traced in the interpreter, "gpu" timed.
@@ -165,7 +165,7 @@ register(
             Step("torch F.softmax", lambda x: F.softmax(x, dim=-1), baseline=True),
             Step("triton one row per program", softmax_one_row),
             Step("online: triton, 2 passes", softmax_online),
-            Step("triton kernels.softmax", kernels.softmax),
+            Step("triton kernels.softmax", kernels.softmax, bound=FORWARD_BOUND),
         ],
         note="64x1000 bf16 on the CPU; 4096x16384 bf16 on a GPU",
     )
@@ -182,7 +182,7 @@ register(
             Step("torch F.softmax", lambda x: F.softmax(x, dim=-1), baseline=True),
             Step("triton one row per program", softmax_one_row),
             Step("triton several rows per program", softmax_multirow),
-            Step("triton kernels.softmax", kernels.softmax),
+            Step("triton kernels.softmax", kernels.softmax, bound=FORWARD_BOUND),
         ],
         note="512x100 bf16 on the CPU; 262144x128 bf16 on a GPU: same bytes, fewer programs",
     )
@@ -236,7 +236,7 @@ register(
             Step("torch fp32 probabilities, -log", cross_entropy_naive),
             Step("torch F.cross_entropy", F.cross_entropy, baseline=True),
             Step("torch chunks of 1024 (online)", cross_entropy_chunked),
-            Step("triton kernels.cross_entropy", kernels.cross_entropy),
+            Step("triton kernels.cross_entropy", kernels.cross_entropy, bound=FORWARD_BOUND),
         ],
         note="forward; 32x4000 bf16 on the CPU; 4096x128256 (LLaMA-3 vocabulary) bf16 on a GPU",
     )

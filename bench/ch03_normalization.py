@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from bench import Ladder, Step, register
+from bench import FORWARD_BOUND, Ladder, Step, register
 from bench.gpu import Check, Timing
 from solutions import ch03_normalization as solutions
 
@@ -196,7 +196,7 @@ register(
             Step("torch F.rms_norm", rms_norm_torch, baseline=True),
             Step("torch.compile composition", _compiled(rms_norm_composed), on_cpu=False),
             Step("one-kernel solution (row per program)", lambda x, w: solutions.rms_norm(x, w, RMS_EPS)),
-            Step("kernels.rms_norm", rms_norm_kernels),
+            Step("kernels.rms_norm", rms_norm_kernels, bound=FORWARD_BOUND),
         ],
         note=NOTE,
     )
@@ -214,7 +214,7 @@ register(
             Step("torch F.layer_norm", layer_norm_torch, baseline=True),
             Step("torch.compile composition", _compiled(layer_norm_composed), on_cpu=False),
             Step("one-kernel solution (row per program)", lambda x, w, b: solutions.layer_norm(x, w, b, LN_EPS)),
-            Step("kernels.layer_norm", layer_norm_kernels),
+            Step("kernels.layer_norm", layer_norm_kernels, bound=FORWARD_BOUND),
         ],
         note=NOTE,
     )
@@ -275,7 +275,7 @@ register(
             Step("torch x + r, F.rms_norm", add_rms_norm_torch, baseline=True),
             Step("torch.compile x + r, rms_norm", _compiled(add_rms_norm_torch), on_cpu=False),
             Step("kernels.add + kernels.rms_norm (unfused)", add_rms_norm_unfused_kernels),
-            Step("kernels.add_rms_norm (fused)", add_rms_norm_fused),
+            Step("kernels.add_rms_norm (fused)", add_rms_norm_fused, bound=FORWARD_BOUND),
         ],
         note=NOTE + "; returns (normed, x + residual)",
     )
