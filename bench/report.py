@@ -45,6 +45,7 @@ class Row:
     gpu_ms: float | None = None
     speedup: float | None = None
     max_ratio: float | None = None  # the step's bound on bytes / ideal
+    note: str = ""  # the ladder's sizes and caveats
 
     @property
     def over_bound(self) -> bool:
@@ -119,7 +120,8 @@ def run_ladder(ladder: Ladder, gpu: bool) -> list[Row]:
         model = predict(t.bytes, t.flops, gpu=MODEL_GPU, dtype=dtype_key(ladder.dtype))
         rows.append(
             Row(ladder.chapter, ladder.op, step.name, correct, max_error, t.num_launches, t.bytes,
-                ladder.ideal(inputs, output), t.flops, model.time_s * 1e6, model.bound, max_ratio=step.bound)
+                ladder.ideal(inputs, output), t.flops, model.time_s * 1e6, model.bound, max_ratio=step.bound,
+                note=ladder.note)
         )
         if rows[-1].over_bound and correct == "ok":
             rows[-1].correct = f"OVER {step.bound:g}× IDEAL"
@@ -193,6 +195,7 @@ def plot(rows: list[Row], directory: pathlib.Path) -> list[pathlib.Path]:
 
 
 def write_results(rows: list[Row], stamp: str, images: list[pathlib.Path], path: pathlib.Path) -> None:
+    notes = list(dict.fromkeys(f"* **{r.chapter} / {r.op}**: {r.note}" for r in rows if r.note))
     images_md = "\n".join(f"![bytes per step]({img.relative_to(path.parent).as_posix()})" for img in images)
     generated = "\n".join([
         BEGIN,
@@ -207,6 +210,10 @@ def write_results(rows: list[Row], stamp: str, images: list[pathlib.Path], path:
         "at these small sizes (see the launches column). GPU times appear only when the report runs on a GPU.",
         "",
         table(rows, markdown=True),
+        "",
+        "Sizes and caveats of each ladder:",
+        "",
+        *notes,
         "",
         "*check* compares each step's output with a float64 reference; `n/a` marks a step whose output is",
         "random in a way the reference cannot know (torch's dropout draws its own mask), kept as a bytes baseline,",

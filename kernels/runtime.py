@@ -50,6 +50,12 @@ if INTERPRETER:
         _interpreter_numerics.reinterpret_language_library()
     _interpreter_numerics.install()
     _interpreter_numerics.explain_missing_driver()
+    # A GPU computes exp(large) = inf or -inf - -inf = nan silently, and the kernels rely on it
+    # (softmax of an all -inf row, sigmoid of a very negative input); numpy, under the
+    # interpreter, warns about each. Those warnings say nothing about the kernel: silence them.
+    import warnings
+
+    warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"triton\.runtime\.interpreter")
 
 #: Where the package's tensors live by default: the GPU when kernels compile, else the CPU.
 DEVICE: torch.device = torch.device("cuda" if (torch.cuda.is_available() and not INTERPRETER) else "cpu")

@@ -255,3 +255,13 @@ def test_triton_imported_before_kernels(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "ERROR: kernels: this Triton kernel was built for compilation" in out.stdout
     assert "Import kernels (or utils) before defining" in out.stdout
+
+
+@pytest.mark.interpreter
+def test_interpreter_does_not_warn_about_inf_and_nan_a_gpu_computes_silently():
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        kernels.silu(torch.full((4,), -100.0))  # exp(100) overflows to inf: sigmoid is 0, as on a GPU
+        kernels.softmax(torch.full((2, 3), float("-inf")))  # -inf - -inf: nan, as torch gives
+    assert not [w for w in caught if issubclass(w.category, RuntimeWarning)]
