@@ -26,6 +26,7 @@ from utils.trace import format_bytes, trace
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- report:begin -->", "<!-- report:end -->"
+SUMMARY_BEGIN, SUMMARY_END = "<!-- summary:begin -->", "<!-- summary:end -->"
 MODEL_GPU = "H200"
 
 
@@ -46,6 +47,7 @@ class Row:
     speedup: float | None = None
     max_ratio: float | None = None  # the step's bound on bytes / ideal
     note: str = ""  # the ladder's sizes and caveats
+    baseline: bool = False  # the torch step speedups refer to
 
     @property
     def over_bound(self) -> bool:
@@ -121,7 +123,7 @@ def run_ladder(ladder: Ladder, gpu: bool) -> list[Row]:
         rows.append(
             Row(ladder.chapter, ladder.op, step.name, correct, max_error, t.num_launches, t.bytes,
                 ladder.ideal(inputs, output), t.flops, model.time_s * 1e6, model.bound, max_ratio=step.bound,
-                note=ladder.note)
+                note=ladder.note, baseline=step.baseline)
         )
         if rows[-1].over_bound and correct == "ok":
             rows[-1].correct = f"OVER {step.bound:g}× IDEAL"
@@ -231,11 +233,44 @@ def write_results(rows: list[Row], stamp: str, images: list[pathlib.Path], path:
     path.write_text(new)
 
 
+def summary_table(rows: list[Row]) -> str:
+    """One line per ladder: its step with the most traffic, its torch baseline and its top (last) step."""
+    lines = ["| chapter | op | most traffic: launches, bytes / ideal | torch baseline | top of the ladder |",
+             "|---|---|---|---|---|"]
+    for chapter, op in dict.fromkeys((r.chapter, r.op) for r in rows):
+        steps = [r for r in rows if (r.chapter, r.op) == (chapter, op)]
+        baseline = next((r for r in steps if r.baseline), None)
+
+        def cell(r: Row | None, named: bool = True) -> str:
+            if r is None:
+                return "—"
+            name = f"{r.step}: " if named else ""
+            return f"{name}{r.launches:,} launch{'es' if r.launches != 1 else ''}, {r.bytes_ratio:.2f}×"
+
+        worst = max(steps, key=lambda r: r.bytes_ratio)
+        lines.append(f"| {chapter} | {op} | {cell(worst)} | {cell(baseline)} | {cell(steps[-1])} |")
+    return "\n".join(lines)
+
+
+def write_summary(rows: list[Row], stamp: str, path: pathlib.Path) -> bool:
+    """Replace the README's summary (between its markers) with this run's; False if it has none."""
+    if not path.exists():
+        return False
+    old = path.read_text()
+    if SUMMARY_BEGIN not in old or SUMMARY_END not in old:
+        return False
+    generated = "\n".join([SUMMARY_BEGIN, f"Machine: {stamp}.", "", summary_table(rows), SUMMARY_END])
+    path.write_text(old[: old.index(SUMMARY_BEGIN)] + generated + old[old.index(SUMMARY_END) + len(SUMMARY_END):])
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument("--chapters", nargs="*", help="only these chapters (e.g. 00 01)")
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "docs" / "results.md")
     parser.add_argument("--no-write", action="store_true", help="print the table only")
+    parser.add_argument("--readme", type=pathlib.Path, default=ROOT / "README.md",
+                        help="whose summary table to refresh (between its summary markers)")
     args = parser.parse_args(argv)
 
     gpu = torch.cuda.is_available() and not kernels.runtime.INTERPRETER
@@ -252,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         images = plot(rows, args.out.parent / "img")
         write_results(rows, stamp, images, args.out)
         print(f"report: wrote {args.out} and {len(images)} plot(s)", file=sys.stderr)
+        if not args.chapters and write_summary(rows, stamp, args.readme):
+            print(f"report: refreshed the summary in {args.readme}", file=sys.stderr)
     failed = [r for r in rows if r.correct.startswith(("WRONG", "OVER"))]
     for r in failed:
         print(f"report: {r.chapter} / {r.op} / {r.step}: {r.correct} (max error {r.max_error:.3g})", file=sys.stderr)

@@ -70,3 +70,14 @@ def test_gpu_check_without_gpu_says_so():
         pytest.skip("has a GPU")
     out = subprocess.run([sys.executable, "-m", "bench.gpu_check"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "no CUDA device" in out.stdout
+
+
+def test_summary_replaces_only_the_text_between_its_markers(tmp_path):
+    rows = report.run_ladder(bench.ladders(["00"])[0], gpu=False)
+    path = tmp_path / "README.md"
+    path.write_text(f"intro\n{report.SUMMARY_BEGIN}\nold\n{report.SUMMARY_END}\noutro\n")
+    assert report.write_summary(rows, "a machine", path)
+    text = path.read_text()
+    assert text.startswith("intro\n") and text.endswith("outro\n") and "old" not in text
+    assert "| 00_gpu_model | vector add | python loop: 4,096 launches, 1.67× |" in text and "a machine" in text
+    assert not report.write_summary(rows, "x", tmp_path / "missing.md")
