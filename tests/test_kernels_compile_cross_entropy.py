@@ -11,45 +11,25 @@ bandwidth.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
+from utils.aot import run_compiled
+
 SCRIPT = textwrap.dedent(
     """
-    import os, sys
-    os.environ["KERNEL_LADDER_INTERPRET"] = "0"  # compiled mode: real @triton.jit kernels
-    import importlib, triton
+    import importlib, sys
+    from utils.aot import compile_kernel, vectorized
     ce = importlib.import_module("kernels.cross_entropy")  # the module; kernels.cross_entropy is the op
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     FLOATS = {"label_smoothing", "grad_scale"}
     # Divisible by 16, as Triton's launcher specializes them for torch allocations and 128k rows.
     ALIGNED = {"n_cols", "x_s0", "x_s1", "x_s2", "g_s0", "g_s1", "g_s2"}
-    VECTOR_LOADS = ("ld.global.v4", "ld.global.nc.v4")
-    VECTOR_STORES = ("st.global.v4", "st.global.v2")
 
     def compile_ptx(fn, pointers, constexprs, ones, num_warps):
-        signature, values = {}, dict(constexprs)
-        for i, name in enumerate(fn.arg_names):
-            if fn.params[i].is_constexpr:
-                signature[name] = "constexpr"
-            elif name.endswith("_ptr"):
-                signature[name] = "*" + pointers[name]
-            elif name in FLOATS:
-                signature[name] = "fp32"
-            elif name in ones:  # the launcher turns an int argument equal to 1 into a constant
-                signature[name], values[name] = "constexpr", 1
-            else:
-                signature[name] = "i32"
-        attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-                 if name.endswith("_ptr") or name in ALIGNED}
-        source = ASTSource(fn=fn, signature=signature, attrs=attrs, constexprs=values)
-        return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
+        types = lambda name: "*" + pointers[name] if name.endswith("_ptr") else ("fp32" if name in FLOATS else "i32")
+        return compile_kernel(fn, types, constexprs, ones=ones, divisible=ALIGNED, num_warps=num_warps).asm["ptx"]
 
     failures = []
     LONG, SHORT = (4, 131072), (64, 256)  # chunked long rows; short rows stacked ROWS high
@@ -64,16 +44,16 @@ SCRIPT = textwrap.dedent(
         ones = ("x_cs", "g_cs") if contiguous else ()
         ptx = compile_ptx(ce.cross_entropy_forward_kernel, pointers, constexprs, ones, config.num_warps)
         what = f"forward {dtype} grad={grad} {config}"
-        if contiguous and not any(v in ptx for v in VECTOR_LOADS):
+        if contiguous and not vectorized(ptx, stores=False):
             failures.append(what + ": logits loads not vectorized")
-        if contiguous and grad and not any(v in ptx for v in VECTOR_STORES):
+        if contiguous and grad and not ("st.global.v4" in ptx or "st.global.v2" in ptx):
             failures.append(what + ": gradient stores not vectorized")
     for dtype, contiguous in (("bf16", True), ("fp32", False)):
         config = ce.cross_entropy_launch_config(*LONG)
         ptx = compile_ptx(ce.cross_entropy_backward_kernel, {"grad_ptr": dtype, "scale_ptr": dtype},
                           {"INDEX_64": not contiguous, "ROWS": config.rows, "BLOCK": config.block},
                           ("g_cs",) if contiguous else (), config.num_warps)
-        if contiguous and not (any(v in ptx for v in VECTOR_LOADS) and any(v in ptx for v in VECTOR_STORES)):
+        if contiguous and not vectorized(ptx):
             failures.append(f"backward {dtype}: not vectorized")
     print("\\n".join(failures) or "ok")
     sys.exit(1 if failures else 0)
@@ -84,8 +64,5 @@ SCRIPT = textwrap.dedent(
 @pytest.mark.slow
 def test_cross_entropy_kernels_compile_for_sm90_and_vectorize(tmp_path):
     pytest.importorskip("triton.backends.nvidia.compiler")
-    # This process runs the interpreter (TRITON_INTERPRET=1); the child must not inherit it.
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
-    result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
+    result = run_compiled(SCRIPT, tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -9,49 +9,31 @@ uses tensor cores too, and that ``"ieee"`` fp32 does not (exact fp32 products ne
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
+from utils.aot import run_compiled
+
 SCRIPT = textwrap.dedent(
     """
-    import os, sys
-    os.environ["KERNEL_LADDER_INTERPRET"] = "0"  # compiled mode: real @triton.jit kernels
-    import kernels, triton
+    import sys
     import importlib
+    from utils.aot import compile_kernel
     mm = importlib.import_module("kernels.matmul")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    TYPES = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
-
-    def signature(fn, dtype, out_dtype, constexprs):
-        sig = {}
-        for i, name in enumerate(fn.arg_names):
-            if fn.params[i].is_constexpr or name in constexprs:
-                sig[name] = "constexpr"
-            elif name == "ws_ptr":
-                sig[name] = "*fp32"
-            elif name in ("c_ptr", "preact_ptr"):
-                sig[name] = "*" + out_dtype
-            elif name.endswith("_ptr"):
-                sig[name] = "*" + dtype
-            else:
-                sig[name] = "i32"
-        return sig
 
     def compile_one(fn, dtype, constexprs, num_warps=8, num_stages=3, out_dtype=None):
-        sig = signature(fn, dtype, out_dtype or dtype, constexprs)
+        def types(name):
+            if name == "ws_ptr":
+                return "*fp32"
+            if name in ("c_ptr", "preact_ptr"):
+                return "*" + (out_dtype or dtype)
+            return "*" + dtype if name.endswith("_ptr") else "i32"
+
         # What Triton's launcher specializes for torch allocations and sizes divisible by 16.
-        attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-                 if (name.endswith("_ptr") or name in ("M", "N", "K", "stride_am", "stride_bk", "stride_cm"))
-                 and name not in constexprs}
-        source = ASTSource(fn=fn, signature=sig, attrs=attrs, constexprs=constexprs)
-        opts = {"num_warps": num_warps, "num_stages": num_stages}
-        return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
+        divisible = ("M", "N", "K", "stride_am", "stride_bk", "stride_cm")
+        return compile_kernel(fn, types, constexprs, divisible=divisible, num_warps=num_warps,
+                              num_stages=num_stages).asm["ptx"]
 
     TILE = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8)
     TILE32 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, GROUP_M=8)
@@ -107,8 +89,5 @@ SCRIPT = textwrap.dedent(
 @pytest.mark.slow
 def test_matmul_kernels_compile_for_sm90_on_tensor_cores(tmp_path):
     pytest.importorskip("triton.backends.nvidia.compiler")
-    # This process runs the interpreter (TRITON_INTERPRET=1); the child must not inherit it.
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
-    result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=900)
+    result = run_compiled(SCRIPT, tmp_path, timeout=900)
     assert result.returncode == 0, result.stdout + result.stderr

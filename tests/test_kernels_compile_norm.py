@@ -12,58 +12,39 @@ contiguous fused path issues 128-bit loads and stores, and that the fused paths 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
+from utils.aot import run_compiled
+
 SCRIPT = textwrap.dedent(
     """
-    import os, re, subprocess, sys, tempfile
-    os.environ["KERNEL_LADDER_INTERPRET"] = "0"  # compiled mode: real @triton.jit kernels
-    import kernels, triton
-    import triton.backends.nvidia as nvidia
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    import sys
     from kernels import _norm
     from kernels.add_rms_norm import add_rms_norm_kernel
     from kernels.layer_norm import layer_norm_backward_kernel, layer_norm_kernel
     from kernels.rms_norm import rms_norm_backward_kernel, rms_norm_kernel
+    from utils.aot import compile_kernel, resource_usage
 
     FP32_POINTERS = {"rstd_ptr", "mean_ptr", "scratch_ptr", "dw_partial_ptr", "db_partial_ptr", "partial_ptr"}
     COLUMN_STRIDES = {"xc", "yc", "wc", "bc", "rc", "sc", "dyc", "dxc", "dsc"}
     UNSPECIALIZED = {"n_rows", "rows_per_program", "size2", "n_partials", "eps"}
-    CUOBJDUMP = os.path.join(os.path.dirname(nvidia.__file__), "bin", "cuobjdump")
 
     def compile_variant(fn, constexprs, dtype, contiguous, index_64, num_warps):
-        signature, attrs, consts = {}, {}, dict(constexprs)
-        for i, name in enumerate(fn.arg_names):
-            if fn.params[i].is_constexpr:
-                signature[name] = "constexpr"
-                continue
-            if contiguous and (name in COLUMN_STRIDES or name == "size1"):
-                signature[name], consts[name] = "constexpr", 1  # Triton specializes ints equal to 1
-                continue
+        def types(name):
             if name.endswith("_ptr"):
-                signature[name] = "*fp32" if name in FP32_POINTERS else "*" + dtype
-            else:
-                signature[name] = "fp32" if name == "eps" else ("i64" if index_64 else "i32")
-            if name.endswith("_ptr") or (contiguous and name not in UNSPECIALIZED):
-                attrs[(i,)] = [["tt.divisibility", 16]]  # torch allocations and strides like 4096
-        source = ASTSource(fn=fn, signature=signature, attrs=attrs, constexprs=consts)
-        return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+                return "*fp32" if name in FP32_POINTERS else "*" + dtype
+            return "fp32" if name == "eps" else ("i64" if index_64 else "i32")
+
+        # Triton specializes ints equal to 1; torch allocations and strides like 4096 are divisible by 16.
+        ones = [n for n in fn.arg_names if contiguous and (n in COLUMN_STRIDES or n == "size1")]
+        divisible = lambda name: contiguous and name not in UNSPECIALIZED
+        return compile_kernel(fn, types, constexprs, ones=ones, divisible=divisible, num_warps=num_warps)
 
     def stack_bytes(compiled):
-        if not os.path.exists(CUOBJDUMP) or "cubin" not in compiled.asm:
-            return None
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(compiled.asm["cubin"])
-            f.flush()
-            usage = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True).stdout
-        found = re.search(r"STACK:(\\d+)", usage)
-        return int(found.group(1)) if found else None
+        usage = resource_usage(compiled)
+        return usage.spilled_bytes if usage else None
 
     RMS = {"HAS_WEIGHT": True}
     LN = {"HAS_WEIGHT": True, "HAS_BIAS": True}
@@ -121,8 +102,5 @@ SCRIPT = textwrap.dedent(
 @pytest.mark.slow
 def test_norm_kernels_compile_for_sm90_vectorized_and_without_spills(tmp_path):
     pytest.importorskip("triton.backends.nvidia.compiler")
-    # This process runs the interpreter (TRITON_INTERPRET=1); the child must not inherit it.
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
-    result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
+    result = run_compiled(SCRIPT, tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -13,23 +13,18 @@ every variant is valid compiled Triton, the PTX is checked for what the design r
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
+from utils.aot import run_compiled
+
 SCRIPT = textwrap.dedent(
     """
-    import os, sys
-    os.environ["KERNEL_LADDER_INTERPRET"] = "0"  # compiled mode: real @triton.jit kernels
-    import kernels, triton
+    import sys
+    import kernels
+    from utils.aot import compile_kernel
     kq = kl = kernels  # the kernels are exported by the package (kernels.quantized_linear is the op)
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    TARGET = GPUTarget("cuda", 90, 32)
 
     # What Triton's launcher specializes: integer arguments equal to 1 become constants, integers
     # and pointers divisible by 16 are marked so (torch allocations; K, N, row strides of real sizes).
@@ -39,23 +34,10 @@ SCRIPT = textwrap.dedent(
              "w_cols", "x_stride0", "w_stride_n", "scale_stride_g", "xq_stride_m", "n_elements", "g_stride0"}
 
     def compile_ptx(fn, pointers, constexprs, ints="i32", num_warps=4, num_stages=3):
-        signature, attrs, constexprs = {}, {}, dict(constexprs)
-        for i, name in enumerate(fn.arg_names):
-            if fn.params[i].is_constexpr:
-                signature[name] = "constexpr"
-            elif name.endswith("_ptr"):
-                signature[name] = "*" + pointers[name]
-                attrs[(i,)] = [["tt.divisibility", 16]]
-            elif name in ONES:
-                signature[name] = "constexpr"
-                constexprs[name] = 1
-            else:
-                signature[name] = ints
-                if name in DIV16:
-                    attrs[(i,)] = [["tt.divisibility", 16]]
-        source = ASTSource(fn=fn, signature=signature, attrs=attrs, constexprs=constexprs)
-        options = {"num_warps": num_warps, "num_stages": num_stages}
-        return triton.compile(source, target=TARGET, options=options).asm["ptx"]
+        types = lambda name: "*" + pointers[name] if name.endswith("_ptr") else ints
+        ones = [name for name in fn.arg_names if name in ONES]
+        return compile_kernel(fn, types, constexprs, ones=ones, divisible=DIV16, num_warps=num_warps,
+                              num_stages=num_stages).asm["ptx"]
 
     failures = []
     def expect(ok, what):
@@ -138,8 +120,5 @@ SCRIPT = textwrap.dedent(
 @pytest.mark.slow
 def test_quantization_kernels_compile_for_sm90(tmp_path):
     pytest.importorskip("triton.backends.nvidia.compiler")
-    # This process runs the interpreter (TRITON_INTERPRET=1); the child must not inherit it.
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
-    result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=900)
+    result = run_compiled(SCRIPT, tmp_path, timeout=900)
     assert result.returncode == 0, result.stdout + result.stderr

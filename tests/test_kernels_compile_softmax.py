@@ -16,57 +16,33 @@ proves on a CPU-only machine what the interpreter cannot:
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
+from utils.aot import run_compiled
+
 SCRIPT = textwrap.dedent(
     """
-    import os, re, subprocess, sys, tempfile
-    os.environ["KERNEL_LADDER_INTERPRET"] = "0"  # compiled mode: real @triton.jit kernels
-    import importlib
-    import torch, triton
-    import triton.backends.nvidia as nvidia
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    import importlib, re, sys
+    import torch
+    from utils.aot import compile_kernel, resource_usage
 
     sm = importlib.import_module("kernels.softmax")
-    CUOBJDUMP = os.path.join(os.path.dirname(nvidia.__file__), "bin", "cuobjdump")
     TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
     SIZE_ARGS = ("n_rows", "size1", "size2")
 
     def compile_variant(fn, dtype, config, log, layout, linear_rows, index_64):
-        signature, constexprs = {}, {"LOG": log, "BLOCK": config.block, "ROWS_PER_PROGRAM": config.rows_per_program,
-                                     "LINEAR_ROWS": linear_rows, "INDEX_64": index_64}
-        for i, name in enumerate(fn.arg_names):
-            if fn.params[i].is_constexpr:
-                signature[name] = "constexpr"
-            elif name.endswith("_ptr"):
-                signature[name] = "*" + TYPES[dtype]
-            elif (layout == "contiguous" and name.endswith("_col_stride")) or \\
-                    (layout == "transposed" and name.endswith("_stride2")):
-                signature[name], constexprs[name] = "constexpr", 1  # what Triton specializes for a stride of 1
-            else:
-                signature[name] = "i32"
+        constexprs = {"LOG": log, "BLOCK": config.block, "ROWS_PER_PROGRAM": config.rows_per_program,
+                      "LINEAR_ROWS": linear_rows, "INDEX_64": index_64}
+        # what Triton specializes for a stride of 1
+        suffix = {"contiguous": "_col_stride", "transposed": "_stride2"}.get(layout)
+        ones = [name for name in fn.arg_names if suffix and name.endswith(suffix)]
         # What Triton's launcher specializes for torch allocations and sizes divisible by 16.
-        attrs = {} if layout == "general" else {
-            (i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-            if signature[name] != "constexpr" and name not in SIZE_ARGS}
-        source = ASTSource(fn=fn, signature=signature, attrs=attrs, constexprs=constexprs)
-        return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": config.num_warps})
-
-    def spilled_bytes(compiled):
-        if not os.path.exists(CUOBJDUMP):
-            return None
-        with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
-            f.write(compiled.asm["cubin"])
-        usage = subprocess.run([CUOBJDUMP, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-        os.unlink(f.name)
-        found = re.search(r"REG:(\\d+) STACK:(\\d+) SHARED:\\d+ LOCAL:(\\d+)", usage)
-        return int(found.group(2)) + int(found.group(3)), int(found.group(1))
+        divisible = (lambda name: False) if layout == "general" else (lambda name: name not in SIZE_ARGS)
+        types = lambda name: "*" + TYPES[dtype] if name.endswith("_ptr") else "i32"
+        return compile_kernel(fn, types, constexprs, ones=ones, divisible=divisible,
+                              aligned_pointers=layout != "general", num_warps=config.num_warps)
 
     def access_orders(ttgir):
         layouts = dict(re.findall(r"^(#blocked\\d*) = #ttg\\.blocked<\\{.*?order = \\[([\\d, ]+)\\]", ttgir, re.M))
@@ -98,11 +74,11 @@ SCRIPT = textwrap.dedent(
                     failures.append(f"{name}: does not compile: {error}")
                     continue
                 ptx = compiled.asm["ptx"]
-                usage = spilled_bytes(compiled)
-                registers, spilled = (usage[1], usage[0]) if usage else ("?", "?")
+                usage = resource_usage(compiled)
+                registers, spilled = (usage.registers, usage.spilled_bytes) if usage else ("?", "?")
                 rows.append(f"{name}: registers {registers}, spilled bytes {spilled}")
-                if usage is not None and usage[0]:
-                    failures.append(f"{name}: spills {usage[0]} bytes to local memory")
+                if usage is not None and usage.spilled_bytes:
+                    failures.append(f"{name}: spills {usage.spilled_bytes} bytes to local memory")
                 if layout == "contiguous" and not ("ld.global.v4" in ptx and "st.global.v4" in ptx):
                     failures.append(f"{name}: contiguous rows not vectorized")
                 orders = access_orders(compiled.asm["ttgir"])
@@ -118,9 +94,6 @@ SCRIPT = textwrap.dedent(
 @pytest.mark.slow
 def test_softmax_kernels_compile_for_sm90_without_spills(tmp_path):
     pytest.importorskip("triton.backends.nvidia.compiler")
-    # This process runs the interpreter (TRITON_INTERPRET=1); the child must not inherit it.
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
-    result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
+    result = run_compiled(SCRIPT, tmp_path)
     print(result.stdout)
     assert result.returncode == 0, result.stdout + result.stderr

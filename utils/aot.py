@@ -1,0 +1,138 @@
+"""Compile a Triton kernel ahead of time for an NVIDIA GPU this machine does not have.
+
+Triton compiles for a named target (``GPUTarget("cuda", 90, 32)`` is a Hopper H100/H200) down
+to PTX and, with the ptxas it ships, to a cubin — no GPU and no driver needed. That proves on a
+laptop what the interpreter cannot: that a kernel is valid compiled Triton for every
+specialization the launcher will create, which instructions it becomes (128-bit vector loads,
+``wgmma`` tensor-core ops), and whether ptxas had to spill registers to local memory.
+
+Two halves, because kernels are interpreted or compiled per *process* (``kernels.runtime``):
+
+* in the test (interpreter) process, :func:`run_compiled` runs a script in a child process
+  with compiled mode forced and its own Triton cache;
+* in that script, :func:`compile_kernel` builds the signature Triton's launcher would build for
+  real arguments (pointer element types, integers equal to 1 turned into constants, arguments
+  divisible by 16 marked so) and compiles it; :func:`resource_usage` reads registers and spilled
+  bytes from the cubin; :func:`vectorized` looks for 128-bit accesses in the PTX.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["HOPPER", "Usage", "compile_kernel", "resource_usage", "run_compiled", "vectorized"]
+
+#: (backend, compute capability, warp size) of an H100/H200.
+HOPPER = ("cuda", 90, 32)
+
+_VECTOR_LOADS = ("ld.global.v4", "ld.global.nc.v4")
+_VECTOR_STORES = ("st.global.v4",)
+
+
+def run_compiled(script: str, tmp_path: Path | str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run ``script`` in a child Python in compiled mode (kernels not interpreted), a fresh Triton cache.
+
+    The script is written to ``tmp_path`` first (``@triton.jit`` needs a kernel's source file). The
+    calling process runs the interpreter (``TRITON_INTERPRET=1``); the child must not inherit it.
+    """
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(KERNEL_LADDER_INTERPRET="0", TRITON_CACHE_DIR=str(Path(tmp_path) / "triton-cache"),
+               TRITON_DEFAULT_FP_FUSION="1")
+    path = Path(tmp_path) / "aot_script.py"
+    path.write_text(script)
+    return subprocess.run([sys.executable, str(path)], capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def compile_kernel(
+    fn,
+    types: Mapping[str, str] | Callable[[str], str],
+    constexprs: Mapping[str, object] | None = None,
+    *,
+    ones: Collection[str] = (),
+    divisible: Collection[str] | Callable[[str], bool] = (),
+    aligned_pointers: bool = True,
+    num_warps: int = 4,
+    num_stages: int | None = None,
+    target: tuple[str, int, int] = HOPPER,
+):
+    """Compile ``fn`` (a ``@triton.jit`` function, in compiled mode) for ``target``; returns Triton's kernel.
+
+    Args:
+        types: each runtime argument's type as Triton spells it (``"*bf16"``, ``"i32"``, ``"fp32"``),
+            as a mapping or a function of the argument's name.
+        constexprs: values of the constexpr parameters (and of any runtime argument to fix).
+        ones: integer arguments whose value is 1 (a unit stride): Triton's launcher specializes
+            those into constants, so the compiled code is the one a real call gets.
+        divisible: arguments to mark divisible by 16, as the launcher does for torch allocations and
+            sizes like 4096 (names, or a predicate on the name).
+        aligned_pointers: mark every pointer 16-byte aligned (a fresh torch allocation is; a view
+            sliced off an element boundary is not — pass False for the unspecialized case).
+        num_warps, num_stages: the launch options.
+
+    The result's ``.asm`` holds ``"ttgir"``, ``"ptx"`` and (with ptxas) ``"cubin"``.
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    constexprs = dict(constexprs or {})
+    is_divisible = divisible if callable(divisible) else (lambda name, names=frozenset(divisible): name in names)
+    type_of = types if callable(types) else types.__getitem__
+    signature, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if fn.params[i].is_constexpr or name in constexprs:
+            signature[name] = "constexpr"
+        elif name in ones:
+            signature[name], constexprs[name] = "constexpr", 1
+        else:
+            signature[name] = type_of(name)
+            if (aligned_pointers and name.endswith("_ptr")) or is_divisible(name):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    options = {"num_warps": num_warps}
+    if num_stages is not None:
+        options["num_stages"] = num_stages
+    source = ASTSource(fn=fn, signature=signature, attrs=attrs, constexprs=constexprs)
+    return triton.compile(source, target=GPUTarget(*target), options=options)
+
+
+@dataclass(frozen=True)
+class Usage:
+    """What ptxas allocated per thread: registers, and bytes spilled to stack/local memory."""
+
+    registers: int
+    spilled_bytes: int
+
+
+def resource_usage(compiled) -> Usage | None:
+    """Registers and spilled bytes of a compiled kernel, from its cubin (None without cuobjdump)."""
+    try:
+        import triton.backends.nvidia as nvidia
+    except ImportError:
+        return None
+    cuobjdump = os.path.join(os.path.dirname(nvidia.__file__), "bin", "cuobjdump")
+    if not os.path.exists(cuobjdump) or "cubin" not in compiled.asm:
+        return None
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+    try:
+        out = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    finally:
+        os.unlink(f.name)
+    found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", out)
+    if not found:
+        return None
+    return Usage(registers=int(found.group(1)), spilled_bytes=int(found.group(2)) + int(found.group(3)))
+
+
+def vectorized(ptx: str, loads: bool = True, stores: bool = True) -> bool:
+    """Whether the PTX has 128-bit global loads (and/or stores): what a streaming kernel needs."""
+    return (not loads or any(v in ptx for v in _VECTOR_LOADS)) and (
+        not stores or any(v in ptx for v in _VECTOR_STORES)
+    )
