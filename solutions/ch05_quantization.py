@@ -84,7 +84,7 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """Pack int4 values ``q`` (integers in [-8, 7], shape ``(N, K)``) two per byte along K.
 
     Teaches the nibble layout of ``kernels.quantize_weight(w, "int4")``: each value is stored as
-    the *unsigned* nibble ``u = q + 8`` in [0, 15] (offset-8, as GPTQ/Marlin kernels do), and byte
+    the *unsigned* nibble ``u = q + 8`` in [0, 15] (offset 8: an implicit zero point), and byte
     ``j`` of a row holds ``k = 2j`` in its low four bits and ``k = 2j + 1`` in its high four::
 
         byte[n, j] = u[n, 2j]  |  (u[n, 2j + 1] << 4)

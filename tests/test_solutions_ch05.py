@@ -2,7 +2,8 @@
 
 Each exercise is checked as the notebook checks it (same launchers, same kind of cases, same
 references), once with the solution (SOLVED) and once per negative control: a plausible wrong
-answer — the scale from the wrong maximum, truncating instead of rounding, a scale in bf16,
+answer — the scale from the wrong maximum, truncating instead of rounding, rounding ties away
+from zero (C's ``round``, caught by rows of exact ties), a scale in bf16,
 swapped nibbles, two's-complement nibbles, a sign-extending shift, the wrong group's scale, an
 int16 or int8 accumulator that overflows, a forgotten scale, a stub — that the checker must reject.
 A slow test compiles the three solution kernels ahead of time for sm_90 (a learner with a GPU runs them).
@@ -38,6 +39,14 @@ def _verdict(name, candidate, reference, cases, **kwargs):
     return check(name, candidate, reference, cases, **kwargs).solved
 
 
+def _tie_rows(dtype=torch.float32):
+    """Two rows whose largest magnitude is 127 (scale exactly 1) and whose other values are exact
+    halves, -39.5 ... 39.5: every one a tie, which only round-half-to-even gets right every time."""
+    halves = torch.arange(-40, 40, dtype=torch.float32) + 0.5
+    row = torch.cat([torch.tensor([127.0]), halves])
+    return torch.stack([row, -row.flip(0)]).to(dtype).to(DEVICE)
+
+
 # ----------------------------------------------------------------------------------------------
 # Exercise 1: int8 per channel
 # ----------------------------------------------------------------------------------------------
@@ -52,6 +61,7 @@ def int8_cases(gen: torch.Generator) -> list:
         (_randn(gen, 64, 129, dtype=torch.bfloat16),),
         (with_zero_row,),
         (_randn(gen, 70, 24).t(),),  # a transposed view: rows are strided
+        (_tie_rows(),),  # exact ties: round half to even
     ]
 
 
@@ -88,6 +98,22 @@ def int8_scale_in_input_dtype(w):
     return torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8), scales.float()
 
 
+def int8_round_half_away(w):
+    # C's round() (and libdevice.round): halves away from zero; differs from torch.round only at ties
+    w = w.float()
+    scales = w.abs().amax(dim=1) / 127
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    v = w / scales[:, None]
+    return (torch.sign(v) * torch.floor(v.abs() + 0.5)).clamp(-127, 127).to(torch.int8), scales
+
+
+def int8_floor_plus_half(w):
+    w = w.float()
+    scales = w.abs().amax(dim=1) / 127
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    return torch.floor(w / scales[:, None] + 0.5).clamp(-127, 127).to(torch.int8), scales
+
+
 def int8_per_tensor(w):
     w = w.float()
     scale = w.abs().max() / 127
@@ -101,7 +127,7 @@ def test_int8_per_channel_solution_is_solved():
 
 
 @pytest.mark.parametrize("wrong", [int8_signed_max, int8_over_128, int8_truncated, int8_scale_in_input_dtype,
-                                   int8_per_tensor])
+                                   int8_round_half_away, int8_floor_plus_half, int8_per_tensor])
 def test_int8_per_channel_wrong_variants_are_not_solved(wrong):
     assert not _verdict("ch05.quantize_int8_per_channel", wrong, int8_reference, int8_cases)
 
@@ -346,7 +372,8 @@ def per_token_cases(gen: torch.Generator) -> list:
     with_zero_row[2] = 0
     wide = _randn(gen, 8, 256, dtype=torch.bfloat16)
     return [(_randn(gen, 7, 300, dtype=torch.bfloat16, scale=3.0),), (_randn(gen, 1, 1),),
-            (_randn(gen, 33, 64, dtype=torch.float16),), (with_zero_row,), (wide[:, :200],)]
+            (_randn(gen, 33, 64, dtype=torch.float16),), (with_zero_row,), (wide[:, :200],),
+            (_tie_rows(torch.bfloat16),)]  # exact ties: round half to even
 
 
 def per_token_reference(x):
@@ -355,7 +382,8 @@ def per_token_reference(x):
 
 @triton.jit
 def _per_token_variant(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, BLOCK: tl.constexpr,
-                       QMAX: tl.constexpr, ROUND: tl.constexpr, SIGNED_MAX: tl.constexpr, MASK: tl.constexpr):
+                       QMAX: tl.constexpr, ROUND: tl.constexpr, SIGNED_MAX: tl.constexpr, MASK: tl.constexpr,
+                       HALF_AWAY: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < K
@@ -370,7 +398,9 @@ def _per_token_variant(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, BLOCK: 
     scale = tl.math.div_rn(amax, QMAX)
     scale = tl.where(scale > 0.0, scale, 1.0)
     v = tl.math.div_rn(x, scale)
-    if ROUND:
+    if HALF_AWAY:  # C's round() / libdevice.round: halves away from zero
+        v = tl.where(v >= 0.0, tl.floor(v + 0.5), -tl.floor(0.5 - v))
+    elif ROUND:
         v = (v + 12582912.0) - 12582912.0
     v = tl.minimum(tl.maximum(v, -127.0), 127.0)
     tl.store(q_ptr + row * stride_qm + cols, v.to(tl.int8), mask=mask)
@@ -381,7 +411,8 @@ def _per_token_wrong(**switches):
     def launch(x, q, scales):
         M, K = x.shape
         _per_token_variant[(M,)](x, q, scales, K, x.stride(0), q.stride(0), BLOCK=triton.next_power_of_2(K),
-                                 **{"QMAX": 127.0, "ROUND": True, "SIGNED_MAX": False, "MASK": True, **switches})
+                                 **{"QMAX": 127.0, "ROUND": True, "SIGNED_MAX": False, "MASK": True, "HALF_AWAY": False,
+                                    **switches})
         return q, scales
 
     return launch
@@ -399,6 +430,7 @@ def test_per_token_variant_switches_off_is_solved():
 
 @pytest.mark.parametrize("wrong", [
     pytest.param(_per_token_wrong(ROUND=False), id="truncated-not-rounded"),
+    pytest.param(_per_token_wrong(HALF_AWAY=True), id="ties-away-from-zero"),
     pytest.param(_per_token_wrong(QMAX=128.0), id="scale-over-128"),
     pytest.param(_per_token_wrong(SIGNED_MAX=True), id="max-not-abs-max"),
     pytest.param(_per_token_wrong(MASK=False), id="no-load-mask"),
