@@ -10,9 +10,6 @@ Sizes stay at a few dozen programs per case.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -23,6 +20,7 @@ import triton.language as tl
 
 import kernels
 from solutions import ch02_softmax as solutions
+from utils.aot import run_compiled
 from utils.exercises import check
 
 # exp overflows (to inf) and -inf - -inf (NaN) in numpy are what some negative controls are about.
@@ -585,28 +583,18 @@ def test_online_update_equals_two_pass_on_the_worked_example():
 
 COMPILE_SCRIPT = textwrap.dedent(
     """
-    import os, sys
-    os.environ["KERNEL_LADDER_INTERPRET"] = "0"
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    import sys
     from solutions import ch02_softmax as s
+    from utils.aot import compile_kernel
 
     CASES = [(s.row_sum_kernel, {"BLOCK": 1024}), (s.softmax_kernel, {"BLOCK": 16384}),
              (s.softmax_multirow_kernel, {"BLOCK": 128, "ROWS": 16}), (s.softmax_online_kernel, {"BLOCK": 4096}),
              (s.softmax_backward_kernel, {"BLOCK": 16384})]
     failures = []
     for fn, constexprs in CASES:
-        signature = {}
-        for i, name in enumerate(fn.arg_names):
-            if fn.params[i].is_constexpr:
-                signature[name] = "constexpr"
-            else:
-                signature[name] = "*bf16" if name.endswith("_ptr") else "i32"
-        attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-                 if name.endswith(("_ptr", "_stride")) or name == "n_cols"}
-        source = ASTSource(fn=fn, signature=signature, attrs=attrs, constexprs=constexprs)
-        ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
+        types = lambda name: "*bf16" if name.endswith("_ptr") else "i32"
+        divisible = lambda name: name.endswith("_stride") or name == "n_cols"
+        ptx = compile_kernel(fn, types, constexprs, divisible=divisible, num_warps=8).asm["ptx"]
         if fn is not s.row_sum_kernel and "st.global" not in ptx:
             failures.append(f"{fn.__name__}: no global store")
     print("\\n".join(failures) or "ok")
@@ -618,8 +606,5 @@ COMPILE_SCRIPT = textwrap.dedent(
 @pytest.mark.slow
 def test_solution_kernels_compile_for_sm90(tmp_path):
     pytest.importorskip("triton.backends.nvidia.compiler")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
-    result = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], capture_output=True, text=True, env=env,
-                            timeout=600)
+    result = run_compiled(COMPILE_SCRIPT, tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
