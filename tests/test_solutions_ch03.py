@@ -3,7 +3,8 @@
 Each exercise is checked as the notebook checks it (same launcher, same kind of cases), once with
 the solution (SOLVED) and once per negative control: a plausible mistake the checker must reject
 (eps outside the square root, dividing by BLOCK, the unbiased variance, the one-pass variance,
-padding lanes not zeroed, the missing mean term of the backward, a column sum that stops after
+padding lanes not zeroed, row strides ignored or misapplied (caught only by the cases of
+column slices), the missing mean term of the backward, a column sum that stops after
 one tile, ...). Cases stay at a few programs each: the interpreter runs every program in Python.
 The given (non-exercise) kernels — the RMSNorm dx kernel, both weight-gradient reductions and the
 launchers — are compared with float64 autograd.
@@ -154,6 +155,9 @@ def layer_norm_dx_cases(gen: torch.Generator) -> list:
         w = 1.0 + 0.5 * _randn(gen, n_cols)  # mean(w·g) is then clearly non-zero
         g = _randn(gen, n_rows, n_cols)
         cases.append(tuple(t.to(dtype).to(DEVICE) for t in (g, x, w)))
+    wide = _randn(gen, 2, 4, 1500)  # g and x: 1000 of every 1500 columns, row_stride 1500 != n_cols
+    g, x, w = wide[0][:, 200:1200], wide[1][:, 200:1200], 1.0 + 0.5 * _randn(gen, 1000)
+    cases.append(tuple(t.to(DEVICE) for t in (g, x, w)))
     return cases
 
 
@@ -321,6 +325,23 @@ def layer_norm_padding_not_zeroed_kernel(x_ptr, w_ptr, b_ptr, out_ptr, mean_ptr,
 
 
 @triton.jit
+def layer_norm_ignores_row_stride_kernel(x_ptr, w_ptr, b_ptr, out_ptr, mean_ptr, rstd_ptr, row_stride, n_cols,
+                                         eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)  # rows assumed packed
+    mean = tl.sum(x, axis=0) / n_cols
+    centred = tl.where(mask, x - mean, 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=0) / n_cols + eps)
+    w = tl.load(w_ptr + cols, mask=mask).to(tl.float32)
+    b = tl.load(b_ptr + cols, mask=mask).to(tl.float32)
+    tl.store(out_ptr + row * n_cols + cols, (centred * rstd * w + b).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(mean_ptr + row, mean)
+    tl.store(rstd_ptr + row, rstd)
+
+
+@triton.jit
 def layer_norm_dx_stub_kernel(grad_out_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, row_stride, n_cols,
                               BLOCK: tl.constexpr):
     pass
@@ -356,6 +377,40 @@ def layer_norm_dx_forgets_weight_kernel(grad_out_ptr, x_ptr, w_ptr, mean_ptr, rs
     x_hat = tl.where(mask, (x - tl.load(mean_ptr + row)) * rstd, 0.0)
     dx = (g - tl.sum(g, axis=0) / n_cols - x_hat * (tl.sum(g * x_hat, axis=0) / n_cols)) * rstd
     tl.store(dx_ptr + row * n_cols + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def layer_norm_dx_ignores_row_stride_kernel(grad_out_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, row_stride,
+                                            n_cols, BLOCK: tl.constexpr):
+    # loads g and x as if their rows were packed: right on contiguous inputs only
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    g = tl.load(grad_out_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.load(rstd_ptr + row)
+    x_hat = tl.where(mask, (x - tl.load(mean_ptr + row)) * rstd, 0.0)
+    g_hat = w * g
+    dx = (g_hat - tl.sum(g_hat, axis=0) / n_cols - x_hat * (tl.sum(g_hat * x_hat, axis=0) / n_cols)) * rstd
+    tl.store(dx_ptr + row * n_cols + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def layer_norm_dx_strided_store_kernel(grad_out_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, row_stride,
+                                       n_cols, BLOCK: tl.constexpr):
+    # stores dx with the inputs' row stride, though dx is contiguous
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    g = tl.load(grad_out_ptr + row * row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.load(rstd_ptr + row)
+    x_hat = tl.where(mask, (x - tl.load(mean_ptr + row)) * rstd, 0.0)
+    g_hat = w * g
+    dx = (g_hat - tl.sum(g_hat, axis=0) / n_cols - x_hat * (tl.sum(g_hat * x_hat, axis=0) / n_cols)) * rstd
+    tl.store(dx_ptr + row * row_stride + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -436,7 +491,8 @@ def test_layer_norm_kernel_solved():
     (layer_norm_stub_kernel, "never written"),
     (layer_norm_unbiased_kernel, "wrong values"),
     (layer_norm_padding_not_zeroed_kernel, "wrong values"),
-], ids=["stub", "unbiased-variance", "padding-not-zeroed"])
+    (layer_norm_ignores_row_stride_kernel, "wrong values"),
+], ids=["stub", "unbiased-variance", "padding-not-zeroed", "ignores-row-stride"])
 def test_layer_norm_kernel_wrong_variants_not_solved(wrong, says, capsys):
     assert not check_layer_norm(wrong)
     assert says in capsys.readouterr().out
@@ -462,7 +518,9 @@ def test_layer_norm_dx_kernel_solved():
     (layer_norm_dx_stub_kernel, "never written"),
     (layer_norm_dx_no_mean_term_kernel, "wrong values"),
     (layer_norm_dx_forgets_weight_kernel, "wrong values"),
-], ids=["stub", "missing-mean-term", "g-instead-of-w-g"])
+    (layer_norm_dx_ignores_row_stride_kernel, "wrong values"),
+    (layer_norm_dx_strided_store_kernel, "out of bounds"),
+], ids=["stub", "missing-mean-term", "g-instead-of-w-g", "ignores-row-stride", "dx-stored-with-row-stride"])
 def test_layer_norm_dx_kernel_wrong_variants_not_solved(wrong, says, capsys):
     assert not check_layer_norm_dx(wrong)
     assert says in capsys.readouterr().out
