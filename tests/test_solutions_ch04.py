@@ -98,7 +98,9 @@ def split_k_reference(a, b, split_k):
 
 def grid_cases(gen: torch.Generator) -> list:
     """(grid_m, grid_n, group_m): groups that divide the grid and groups that leave a short last band."""
-    fixed = [(8, 8, 4), (7, 5, 3), (1, 6, 4), (6, 1, 8), (5, 9, 1), (16, 3, 16)]
+    # (5, 3, 3): a last band of 2 rows starting at program 9, the one fixed case where counting inside the band
+    # from `pid` instead of from the band's start goes wrong (order_pid_not_band_local below)
+    fixed = [(8, 8, 4), (7, 5, 3), (1, 6, 4), (6, 1, 8), (5, 9, 1), (16, 3, 16), (5, 3, 3)]
     drawn = [tuple(int(v) for v in torch.randint(1, 13, (3,), generator=gen)) for _ in range(4)]
     return fixed + drawn
 
@@ -426,6 +428,15 @@ def order_columns_fastest(pid, grid_m, grid_n, group_m):
     return first_m + (pid % per_group) // grid_n, (pid % per_group) % grid_n
 
 
+def order_pid_not_band_local(pid, grid_m, grid_n, group_m):
+    # pid_m from `pid % group_size` instead of `(pid % per_group) % group_size` (an early version of Triton's
+    # matmul tutorial): right wherever the band starts at a multiple of its height, wrong in a short last band
+    per_group = group_m * grid_n
+    first_m = (pid // per_group) * group_m
+    size = min(grid_m - first_m, group_m)
+    return first_m + pid % size, (pid % per_group) // size
+
+
 def sectors_stub(layout, lanes_along, n_rows, n_cols, element_bytes):
     raise NotImplementedError
 
@@ -550,7 +561,8 @@ def test_wrong_split_k_is_not_solved(variant, diagnosis):
 @pytest.mark.parametrize(
     ("candidate", "diagnosis"),
     [(order_stub, "not implemented yet"), (order_row_major, "wrong values"),
-     (order_full_last_group, "wrong values"), (order_columns_fastest, "wrong values")],
+     (order_full_last_group, "wrong values"), (order_columns_fastest, "wrong values"),
+     (order_pid_not_band_local, "wrong values")],
     ids=lambda value: getattr(value, "__name__", ""),
 )
 def test_wrong_program_order_is_not_solved(candidate, diagnosis):
