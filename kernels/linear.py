@@ -190,13 +190,13 @@ def _linear_backward_op(
         launch_elementwise(linear_activation_backward_kernel, shape, [grad_out, saved], [grad_pre],
                            ACTIVATION=activation)
     g_rows = grad_pre.unsqueeze(0) if x.dim() == 1 else grad_pre
-    empty = x.new_empty(0)
-    grad_x = empty
+    # A distinct empty tensor for each gradient not needed: a custom op's outputs may not alias.
+    grad_x = x.new_empty(0)
     if need_x:
         grad_x = empty_output(x.shape, x)
         _launch(g_rows, weight, grad_x.view(x_rows.shape))
-    grad_weight = _reduced_product(g_rows.mT, x_rows, weight.shape) if need_weight else empty
-    grad_bias = empty
+    grad_weight = _reduced_product(g_rows.mT, x_rows, weight.shape) if need_weight else x.new_empty(0)
+    grad_bias = x.new_empty(0)
     if need_bias and bias is not None:
         ones = torch.ones((), dtype=x.dtype, device=x.device).expand(*g_rows.shape[:-2], 1, g_rows.shape[-2])
         grad_bias = _reduced_product(ones, g_rows, (1, weight.shape[0])).view(weight.shape[0])
@@ -205,10 +205,9 @@ def _linear_backward_op(
 
 @_linear_backward_op.register_fake
 def _linear_backward_fake(grad_out, x, weight, bias, saved, activation, need_x, need_weight, need_bias):
-    empty = x.new_empty(0)
-    grad_x = empty_output(x.shape, x) if need_x else empty
-    grad_weight = empty_output(weight.shape, weight) if need_weight else empty
-    grad_bias = empty_output((weight.shape[0],), x) if need_bias and bias is not None else empty
+    grad_x = empty_output(x.shape, x) if need_x else x.new_empty(0)
+    grad_weight = empty_output(weight.shape, weight) if need_weight else x.new_empty(0)
+    grad_bias = empty_output((weight.shape[0],), x) if need_bias and bias is not None else x.new_empty(0)
     return grad_x, grad_weight, grad_bias
 
 

@@ -150,6 +150,16 @@ def test_gradients_strided_x_without_bias_and_bf16(gen):
     _check_grads(rand(gen, 4, 20), w, rand(gen, 9).requires_grad_(), "relu", gen=gen)
 
 
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("needed", ["x", "weight", "bias"])
+def test_gradient_of_one_input_only(needed, activation, gen):
+    # The two gradients not needed come back as distinct empty tensors (a custom op's outputs may
+    # not alias each other).
+    x, w, b = rand(gen, 2, 3, 20), rand(gen, 9, 20), rand(gen, 9)
+    {"x": x, "weight": w, "bias": b}[needed].requires_grad_()
+    _check_grads(x, w, b, activation, gen=gen)
+
+
 @pytest.mark.parametrize("activation", ["gelu", "silu"])
 def test_recomputed_preactivation_gives_the_same_gradients(activation, gen):
     x, w, b = rand(gen, 6, 20).requires_grad_(), rand(gen, 11, 20).requires_grad_(), rand(gen, 11).requires_grad_()
