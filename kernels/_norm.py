@@ -264,17 +264,20 @@ def launch_norm(
 
 def check_eps(op: str, eps: object) -> float:
     """``eps`` must be a finite real number > 0; returns it as a float."""
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+    # torch.compile(dynamic=True) passes a Python float that it has made dynamic as a SymFloat.
+    if isinstance(eps, bool) or not isinstance(eps, (numbers.Real, torch.SymFloat)):
         raise TypeError(f"{op}: eps must be a positive float, got {type(eps).__name__}")
     value = float(eps)
-    if not math.isfinite(value) or value <= 0.0:
+    if not 0.0 < value < math.inf:  # comparisons, not math.isfinite: they also trace on a SymFloat
         raise ValueError(f"{op}: eps must be a finite number > 0, got {value}")
     return value
 
 
 def check_normalized_shape(op: str, normalized_shape: object) -> tuple[int, ...]:
     """``normalized_shape`` is an int or a non-empty sequence of non-negative ints."""
-    if isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
+    # torch.compile(dynamic=True) passes sizes taken from a tensor's shape as SymInts.
+    integer = (numbers.Integral, torch.SymInt)
+    if isinstance(normalized_shape, integer) and not isinstance(normalized_shape, bool):
         normalized_shape = (normalized_shape,)
     if not isinstance(normalized_shape, Sequence) or isinstance(normalized_shape, str):
         raise TypeError(
@@ -282,14 +285,14 @@ def check_normalized_shape(op: str, normalized_shape: object) -> tuple[int, ...]
         )
     dims = []
     for size in normalized_shape:
-        if isinstance(size, bool) or not isinstance(size, numbers.Integral):
+        if isinstance(size, bool) or not isinstance(size, integer):
             raise TypeError(
                 f"{op}: normalized_shape must be an int or a sequence of ints, "
                 f"got an element of type {type(size).__name__}"
             )
         if size < 0:
             raise ValueError(f"{op}: normalized_shape must have non-negative sizes, got {tuple(normalized_shape)}")
-        dims.append(int(size))
+        dims.append(size if isinstance(size, torch.SymInt) else int(size))
     if not dims:
         raise ValueError(f"{op}: normalized_shape must name at least one dim, got ()")
     return tuple(dims)

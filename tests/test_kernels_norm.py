@@ -574,6 +574,27 @@ def test_torch_compile_fullgraph_forward_and_backward(name, gen):
         torch.testing.assert_close(g, expected, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("name", list(OPS))
+def test_torch_compile_dynamic_shapes(name, gen):
+    # dynamic=True hands the checks SymInts (layer_norm's normalized_shape taken from x.shape) and
+    # SymFloats (eps): both must trace, and one graph must serve two shapes.
+    op = (lambda x, w, b: add_rms_norm(x, b, w)) if name == "add_rms_norm" else OPS[name][0]
+    torch._dynamo.reset()
+    compiled = torch.compile(op, fullgraph=True, dynamic=True)
+    for rows, cols in ((5, 70), (9, 33)):
+        x = make_input((rows, cols), torch.float32, "contiguous", gen).requires_grad_()
+        w = make_param(cols, torch.float32, gen).requires_grad_()
+        b = (make_input((rows, cols), torch.float32, "contiguous", gen) if name == "add_rms_norm"
+             else make_param(cols, torch.float32, gen)).requires_grad_()
+        inputs = [x, w, b] if name != "rms_norm" else [x, w]
+        got, want = compiled(x, w, b), op(x, w, b)
+        got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
+        dy = [make_input((rows, cols), torch.float32, "contiguous", gen) for _ in got]
+        for g, expected in zip([*got, *torch.autograd.grad(got, inputs, dy)],
+                               [*want, *torch.autograd.grad(want, inputs, dy)]):
+            torch.testing.assert_close(g, expected, rtol=0, atol=0)
+
+
 # --------------------------------------------------------------------------- bad input
 
 _X = torch.ones(4, 8)
