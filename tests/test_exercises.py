@@ -375,7 +375,8 @@ def test_tuple_of_outputs_gets_one_out_each():
     cases = [(torch.randn(50),)]
     assert check("pair", candidate, reference, cases, out=True).solved
     verdict = check("pair", lambda x, a, b: a.copy_(x + 1), reference, cases, out=True)
-    assert_not_solved(verdict, "[1]: 50 of 50 elements never written", "a: (50,) float32; b: (50,) float32")
+    # A tuple of outputs is diagnosed by the output arguments' names, not by position.
+    assert_not_solved(verdict, "b: 50 of 50 elements never written", "a: (50,) float32; b: (50,) float32")
 
 
 # ----------------------------------------------------------------------------------------------

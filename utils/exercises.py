@@ -627,9 +627,13 @@ def _tensor_problems(
 
 
 def _value_mismatch(
-    got: Any, expected: Any, rtol: float | None, atol: float | None, poisoned: bool, where: str = ""
+    got: Any, expected: Any, rtol: float | None, atol: float | None, poisoned: bool, where: str = "",
+    labels: Sequence[str] | None = None,
 ) -> list[str]:
-    """Problems with ``got`` against ``expected`` for tensors, numbers, strings and containers."""
+    """Problems with ``got`` against ``expected`` for tensors, numbers, strings and containers.
+
+    ``labels`` name the items of a tuple result (the output arguments' names), else they are ``[i]``.
+    """
     prefix = f"{where}: " if where else ""
     if isinstance(expected, torch.Tensor):
         return _tensor_problems(got, expected, rtol, atol, poisoned, where)
@@ -642,7 +646,8 @@ def _value_mismatch(
             return [f"{prefix}wrong length: got {len(got)} items, expected {len(expected)}"]
         problems: list[str] = []
         for i, (g, e) in enumerate(zip(got, expected)):
-            problems += _value_mismatch(g, e, rtol, atol, poisoned, f"{where}[{i}]")
+            item = labels[i] if labels is not None and i < len(labels) else f"{where}[{i}]"
+            problems += _value_mismatch(g, e, rtol, atol, poisoned, item)
         return problems
     if isinstance(expected, dict):
         if not isinstance(got, dict):
@@ -788,13 +793,14 @@ def _check_case(
             problems.append(damage)
     if run.error is not None:
         return problems, outputs
+    labels = [o.label for o in outputs] if out and isinstance(expected, (tuple, list)) else None
     if compare is not None:
         if out and _has_unwritten(got):
-            problems += _value_mismatch(got, expected, rtol, atol, poisoned=True)
+            problems += _value_mismatch(got, expected, rtol, atol, poisoned=True, labels=labels)
         else:
             problems += _custom_problems(compare, got, expected)
     else:
-        problems += _value_mismatch(got, expected, rtol, atol, poisoned=out)
+        problems += _value_mismatch(got, expected, rtol, atol, poisoned=out, labels=labels)
     return problems, outputs
 
 
