@@ -12,9 +12,6 @@ launchers — are compared with float64 autograd.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -25,6 +22,7 @@ import triton.language as tl
 
 import kernels
 from solutions import ch03_normalization as solutions
+from utils.aot import run_compiled
 from utils.exercises import check
 from utils.trace import trace
 
@@ -613,12 +611,8 @@ def test_atomic_and_two_stage_weight_gradients_agree_and_count():
 
 COMPILE_SCRIPT = textwrap.dedent(
     """
-    import os, sys
-    os.environ["KERNEL_LADDER_INTERPRET"] = "0"  # compiled mode: real @triton.jit kernels
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
     from solutions import ch03_normalization as s
+    from utils.aot import compile_kernel
 
     SCALARS = {"eps": "fp32"}
     CASES = [
@@ -631,17 +625,13 @@ COMPILE_SCRIPT = textwrap.dedent(
     ]
     FP32_POINTERS = {"mean_ptr", "rstd_ptr", "partial_ptr", "dw_partial_ptr", "db_partial_ptr", "dw_ptr", "db_ptr"}
     for fn, constexprs in CASES:
-        signature = {}
-        for i, name in enumerate(fn.arg_names):
-            if fn.params[i].is_constexpr:
-                signature[name] = "constexpr"
-            elif name.endswith("_ptr"):
-                signature[name] = "*fp32" if name in FP32_POINTERS else "*bf16"
-            else:
-                signature[name] = SCALARS.get(name, "i32")
+        def types(name):
+            if name.endswith("_ptr"):
+                return "*fp32" if name in FP32_POINTERS else "*bf16"
+            return SCALARS.get(name, "i32")
+
         warps = s.row_warps(constexprs.get("BLOCK", 1024))
-        source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-        ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ptx"]
+        ptx = compile_kernel(fn, types, constexprs, aligned_pointers=False, num_warps=warps).asm["ptx"]
         assert ".target sm_90" in ptx, fn.__name__
     print("ok")
     """
@@ -651,8 +641,5 @@ COMPILE_SCRIPT = textwrap.dedent(
 @pytest.mark.slow
 def test_solution_kernels_compile_for_sm90(tmp_path):
     pytest.importorskip("triton.backends.nvidia.compiler")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path))
-    result = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], capture_output=True, text=True, env=env,
-                            timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    result = run_compiled(COMPILE_SCRIPT, tmp_path)
     assert result.returncode == 0 and "ok" in result.stdout, result.stdout + result.stderr

@@ -8,9 +8,6 @@ stay at a few dozen program instances per case: the interpreter runs each in Pyt
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -22,6 +19,7 @@ import triton.language as tl
 
 import kernels
 from solutions import ch04_matmul as solutions
+from utils.aot import run_compiled
 from utils.coalescing import matrix_strides, tile_requests
 from utils.exercises import check
 from utils.l2cache import program_order
@@ -586,31 +584,18 @@ def test_wrong_warp_sectors_is_not_solved(candidate, diagnosis):
 
 COMPILE_SCRIPT = textwrap.dedent(
     """
-    import os, sys
-    os.environ["KERNEL_LADDER_INTERPRET"] = "0"  # compiled mode: real @triton.jit kernels
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    import sys
     from solutions import ch04_matmul as s
+    from utils.aot import compile_kernel
 
     TILES = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}
     CASES = [(s.matmul_naive_kernel, {"BLOCK_K": 128}, 1), (s.matmul_tiled_kernel, TILES, 8),
              (s.matmul_grouped_kernel, {**TILES, "GROUP_M": 8}, 8), (s.matmul_bias_gelu_kernel, TILES, 8),
              (s.matmul_split_k_kernel, {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64}, 4)]
+    types = lambda name: "*fp32" if name == "partial_ptr" else ("*bf16" if name.endswith("_ptr") else "i32")
     for fn, constexprs, warps in CASES:
-        signature = {}
-        for i, name in enumerate(fn.arg_names):
-            if fn.params[i].is_constexpr:
-                signature[name] = "constexpr"
-            elif name == "partial_ptr":
-                signature[name] = "*fp32"
-            elif name.endswith("_ptr"):
-                signature[name] = "*bf16"
-            else:
-                signature[name] = "i32"
-        source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-        ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                             options={"num_warps": warps, "num_stages": 3}).asm["ptx"]
+        ptx = compile_kernel(fn, types, constexprs, aligned_pointers=False, num_warps=warps,
+                             num_stages=3).asm["ptx"]
         if fn is not s.matmul_naive_kernel and "mma" not in ptx:
             sys.exit(f"{fn.__name__}: no tensor-core instruction in the PTX")
     print("ok")
@@ -622,8 +607,5 @@ COMPILE_SCRIPT = textwrap.dedent(
 def test_solution_kernels_compile_for_sm90(tmp_path):
     """The report times these kernels on a GPU: prove they are valid compiled Triton (and use tensor cores)."""
     pytest.importorskip("triton.backends.nvidia.compiler")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path))
-    result = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], capture_output=True, text=True, env=env,
-                            timeout=600)
+    result = run_compiled(COMPILE_SCRIPT, tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr

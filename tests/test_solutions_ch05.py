@@ -11,9 +11,6 @@ A slow test compiles the three solution kernels ahead of time for sm_90 (a learn
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -23,6 +20,7 @@ import triton.language as tl
 
 import kernels
 from solutions import ch05_quantization as solutions
+from utils.aot import run_compiled
 from utils.exercises import check
 
 # The checker's out-of-bounds diagnosis and the interpreter's numerics need the interpreter.
@@ -549,25 +547,13 @@ def test_w8a8_launcher_matches_kernels_quantized_linear():
 
 COMPILE_SCRIPT = textwrap.dedent(
     """
-    import os, sys
-    os.environ["KERNEL_LADDER_INTERPRET"] = "0"  # compiled mode: real @triton.jit kernels
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    import sys
     from solutions import ch05_quantization as s
+    from utils.aot import compile_kernel
 
     def ptx_of(fn, pointers, constexprs):
-        signature, attrs = {}, {}
-        for i, name in enumerate(fn.arg_names):
-            if fn.params[i].is_constexpr:
-                signature[name] = "constexpr"
-            elif name.endswith("_ptr"):
-                signature[name] = "*" + pointers[name]
-                attrs[(i,)] = [["tt.divisibility", 16]]
-            else:
-                signature[name] = "i32"
-        source = ASTSource(fn=fn, signature=signature, attrs=attrs, constexprs=constexprs)
-        return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+        types = lambda name: "*" + pointers[name] if name.endswith("_ptr") else "i32"
+        return compile_kernel(fn, types, constexprs, num_warps=4).asm["ptx"]
 
     failures = []
     for dtype in ("bf16", "fp16"):
@@ -595,9 +581,5 @@ COMPILE_SCRIPT = textwrap.dedent(
 @pytest.mark.slow
 def test_solution_kernels_compile_for_sm90(tmp_path):
     pytest.importorskip("triton.backends.nvidia.compiler")
-    # This process runs the interpreter (TRITON_INTERPRET=1); the child must not inherit it.
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path))
-    result = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], capture_output=True, text=True, env=env,
-                            timeout=600)
+    result = run_compiled(COMPILE_SCRIPT, tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
