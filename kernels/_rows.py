@@ -35,7 +35,7 @@ import triton.language as tl
 
 from ._elementwise import coalesce_dims
 
-__all__ = ["MAX_LEAD_DIMS", "RowLaunch", "merge_trailing", "plan_rows", "row_start"]
+__all__ = ["MAX_LEAD_DIMS", "RowLaunch", "load_rows", "merge_trailing", "plan_rows", "row_start", "store_rows"]
 
 #: Leading dims a kernel walks with div/mod after merging; more are split on the host.
 MAX_LEAD_DIMS: int = 3
@@ -52,6 +52,20 @@ def row_start(row, size1, size2, stride0, stride1, stride2):
     i1 = rest % size1
     i0 = rest // size1
     return i0 * stride0 + i1 * stride1 + i2 * stride2
+
+
+@triton.jit
+def load_rows(ptr, rows, cols, mask, size1, size2, stride0, stride1, stride2, col_stride):
+    """The ``(rows, cols)`` tile of an operand in float32 (masked-off lanes 0): a block of rows at once."""
+    offsets = row_start(rows, size1, size2, stride0, stride1, stride2)[:, None] + cols[None, :] * col_stride
+    return tl.load(ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def store_rows(ptr, value, rows, cols, mask, size1, size2, stride0, stride1, stride2, col_stride):
+    """Store a ``(rows, cols)`` tile, rounded once to the operand's dtype."""
+    offsets = row_start(rows, size1, size2, stride0, stride1, stride2)[:, None] + cols[None, :] * col_stride
+    tl.store(ptr + offsets, value.to(ptr.dtype.element_ty), mask=mask)
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ from ._norm import (
     plan_norm,
     walkable,
 )
-from ._rows import merge_trailing, row_start
+from ._rows import load_rows, merge_trailing, row_start, store_rows
 from ._validate import check_same_device, check_same_dtype, check_same_shape
 
 __all__ = ["layer_norm", "layer_norm_kernel", "layer_norm_backward_kernel"]
@@ -163,10 +163,8 @@ def layer_norm_backward_kernel(
             rows = row0 + i + tl.arange(0, TILE_ROWS)
             row_mask = rows < n_rows
             mask = row_mask[:, None] & col_mask[None, :]
-            dy = tl.load(dy_ptr + row_start(rows, size1, size2, dys0, dys1, dys2)[:, None] + cols[None, :] * dyc,
-                         mask=mask, other=0.0).to(tl.float32)
-            x = tl.load(x_ptr + row_start(rows, size1, size2, xs0, xs1, xs2)[:, None] + cols[None, :] * xc,
-                        mask=mask, other=0.0).to(tl.float32)
+            dy = load_rows(dy_ptr, rows, cols, mask, size1, size2, dys0, dys1, dys2, dyc)
+            x = load_rows(x_ptr, rows, cols, mask, size1, size2, xs0, xs1, xs2, xc)
             mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)[:, None]
             rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)[:, None]
             xhat = tl.where(mask, (x - mean) * rstd, 0.0)
@@ -176,8 +174,7 @@ def layer_norm_backward_kernel(
             mean_g = tl.sum(g, axis=1)[:, None] / n_cols
             mean_gx = tl.sum(g * xhat, axis=1)[:, None] / n_cols
             dx = (g - mean_g - xhat * mean_gx) * rstd
-            tl.store(dx_ptr + row_start(rows, size1, size2, dxs0, dxs1, dxs2)[:, None] + cols[None, :] * dxc,
-                     dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            store_rows(dx_ptr, dx, rows, cols, mask, size1, size2, dxs0, dxs1, dxs2, dxc)
             if WEIGHT_GRAD:
                 dw += dy * xhat
             if BIAS_GRAD:
@@ -224,10 +221,8 @@ def layer_norm_backward_kernel(
                 rows = row0 + i + tl.arange(0, TILE_ROWS)
                 row_mask = rows < n_rows
                 mask = row_mask[:, None] & c_mask[None, :]
-                dy = tl.load(dy_ptr + row_start(rows, size1, size2, dys0, dys1, dys2)[:, None] + c[None, :] * dyc,
-                             mask=mask, other=0.0).to(tl.float32)
-                x = tl.load(x_ptr + row_start(rows, size1, size2, xs0, xs1, xs2)[:, None] + c[None, :] * xc,
-                            mask=mask, other=0.0).to(tl.float32)
+                dy = load_rows(dy_ptr, rows, c, mask, size1, size2, dys0, dys1, dys2, dyc)
+                x = load_rows(x_ptr, rows, c, mask, size1, size2, xs0, xs1, xs2, xc)
                 mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)[:, None]
                 rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)[:, None]
                 mean_g = tl.load(scratch_ptr + 2 * rows, mask=row_mask, other=0.0)[:, None]
@@ -237,8 +232,7 @@ def layer_norm_backward_kernel(
                 if HAS_WEIGHT:
                     g = dy * w[None, :]
                 dx = (g - mean_g - xhat * mean_gx) * rstd
-                tl.store(dx_ptr + row_start(rows, size1, size2, dxs0, dxs1, dxs2)[:, None] + c[None, :] * dxc,
-                         dx.to(dx_ptr.dtype.element_ty), mask=mask)
+                store_rows(dx_ptr, dx, rows, c, mask, size1, size2, dxs0, dxs1, dxs2, dxc)
                 if WEIGHT_GRAD:
                     dw += dy * xhat
                 if BIAS_GRAD:

@@ -41,7 +41,7 @@ from ._norm import (
     plan_norm,
     walkable,
 )
-from ._rows import row_start
+from ._rows import load_rows, row_start, store_rows
 from ._validate import check_same_device, check_same_dtype, check_same_shape, check_tensor
 
 __all__ = ["rms_norm", "rms_norm_kernel", "rms_norm_backward_kernel"]
@@ -135,10 +135,8 @@ def rms_norm_backward_kernel(
             rows = row0 + i + tl.arange(0, TILE_ROWS)
             row_mask = rows < n_rows
             mask = row_mask[:, None] & col_mask[None, :]
-            dy = tl.load(dy_ptr + row_start(rows, size1, size2, dys0, dys1, dys2)[:, None] + cols[None, :] * dyc,
-                         mask=mask, other=0.0).to(tl.float32)
-            x = tl.load(x_ptr + row_start(rows, size1, size2, xs0, xs1, xs2)[:, None] + cols[None, :] * xc,
-                        mask=mask, other=0.0).to(tl.float32)
+            dy = load_rows(dy_ptr, rows, cols, mask, size1, size2, dys0, dys1, dys2, dyc)
+            x = load_rows(x_ptr, rows, cols, mask, size1, size2, xs0, xs1, xs2, xc)
             rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)[:, None]
             xhat = x * rstd
             g = dy
@@ -147,10 +145,8 @@ def rms_norm_backward_kernel(
             mean_gx = tl.sum(g * xhat, axis=1)[:, None] / n_cols
             dx = (g - xhat * mean_gx) * rstd
             if HAS_GRAD_SUM:
-                dx += tl.load(ds_ptr + row_start(rows, size1, size2, dss0, dss1, dss2)[:, None] + cols[None, :] * dsc,
-                              mask=mask, other=0.0).to(tl.float32)
-            tl.store(dx_ptr + row_start(rows, size1, size2, dxs0, dxs1, dxs2)[:, None] + cols[None, :] * dxc,
-                     dx.to(dx_ptr.dtype.element_ty), mask=mask)
+                dx += load_rows(ds_ptr, rows, cols, mask, size1, size2, dss0, dss1, dss2, dsc)
+            store_rows(dx_ptr, dx, rows, cols, mask, size1, size2, dxs0, dxs1, dxs2, dxc)
             if WEIGHT_GRAD:
                 dw += dy * xhat
         if WEIGHT_GRAD:
@@ -187,10 +183,8 @@ def rms_norm_backward_kernel(
                 rows = row0 + i + tl.arange(0, TILE_ROWS)
                 row_mask = rows < n_rows
                 mask = row_mask[:, None] & c_mask[None, :]
-                dy = tl.load(dy_ptr + row_start(rows, size1, size2, dys0, dys1, dys2)[:, None] + c[None, :] * dyc,
-                             mask=mask, other=0.0).to(tl.float32)
-                x = tl.load(x_ptr + row_start(rows, size1, size2, xs0, xs1, xs2)[:, None] + c[None, :] * xc,
-                            mask=mask, other=0.0).to(tl.float32)
+                dy = load_rows(dy_ptr, rows, c, mask, size1, size2, dys0, dys1, dys2, dyc)
+                x = load_rows(x_ptr, rows, c, mask, size1, size2, xs0, xs1, xs2, xc)
                 rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)[:, None]
                 mean_gx = tl.load(scratch_ptr + rows, mask=row_mask, other=0.0)[:, None]
                 xhat = x * rstd
@@ -199,10 +193,8 @@ def rms_norm_backward_kernel(
                     g = dy * w[None, :]
                 dx = (g - xhat * mean_gx) * rstd
                 if HAS_GRAD_SUM:
-                    dx += tl.load(ds_ptr + row_start(rows, size1, size2, dss0, dss1, dss2)[:, None] + c[None, :] * dsc,
-                                  mask=mask, other=0.0).to(tl.float32)
-                tl.store(dx_ptr + row_start(rows, size1, size2, dxs0, dxs1, dxs2)[:, None] + c[None, :] * dxc,
-                         dx.to(dx_ptr.dtype.element_ty), mask=mask)
+                    dx += load_rows(ds_ptr, rows, c, mask, size1, size2, dss0, dss1, dss2, dsc)
+                store_rows(dx_ptr, dx, rows, c, mask, size1, size2, dxs0, dxs1, dxs2, dxc)
                 if WEIGHT_GRAD:
                     dw += dy * xhat
             if WEIGHT_GRAD:
