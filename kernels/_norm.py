@@ -68,6 +68,7 @@ __all__ = [
     "MAX_FUSED_BLOCK",
     "MAX_FUSED_BLOCK_BACKWARD",
     "PROGRAMS_PER_SM",
+    "program_rows",
     "TILE_ELEMENTS",
     "NormConfig",
     "column_sum",
@@ -146,6 +147,20 @@ def column_sum(partial: torch.Tensor, shape: Sequence[int], dtype: torch.dtype) 
 # ----------------------------------------------------------------------------------------------
 # The launch rule
 # ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def program_rows(n_rows, rows_per_program, BLOCK: tl.constexpr, INDEX_64: tl.constexpr):
+    """This program's id, its first row, how many rows it has, and the column offsets of a block."""
+    pid = tl.program_id(0)
+    if INDEX_64:
+        pid = pid.to(tl.int64)
+    row0 = pid * rows_per_program
+    n_here = tl.minimum(rows_per_program, n_rows - row0)
+    cols = tl.arange(0, BLOCK)
+    if INDEX_64:
+        cols = cols.to(tl.int64)
+    return pid, row0, n_here, cols
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,16 @@ import triton
 import triton.language as tl
 
 from . import runtime
-from ._norm import check_eps, check_param, check_row_input, empty_output, empty_stats, launch_norm, plan_norm
+from ._norm import (
+    check_eps,
+    check_param,
+    check_row_input,
+    empty_output,
+    empty_stats,
+    launch_norm,
+    plan_norm,
+    program_rows,
+)
 from ._rows import row_start
 from ._validate import check_same_device, check_same_dtype, check_same_shape, check_tensor
 from .rms_norm import rms_norm_backward_launch
@@ -42,14 +51,7 @@ def add_rms_norm_kernel(
     INDEX_64: tl.constexpr,
 ):
     """s = round(x + r); y = s * rstd(s) * w — both stored — for this program's rows."""
-    pid = tl.program_id(0)
-    if INDEX_64:
-        pid = pid.to(tl.int64)
-    row0 = pid * rows_per_program
-    n_here = tl.minimum(rows_per_program, n_rows - row0)
-    cols = tl.arange(0, BLOCK)
-    if INDEX_64:
-        cols = cols.to(tl.int64)
+    pid, row0, n_here, cols = program_rows(n_rows, rows_per_program, BLOCK, INDEX_64)
     if not CHUNKED:
         col_mask = cols < n_cols
         if HAS_WEIGHT:

@@ -45,6 +45,7 @@ from ._norm import (
     empty_stats,
     launch_norm,
     plan_norm,
+    program_rows,
     walkable,
 )
 from ._rows import load_rows, merge_trailing, row_start, store_rows
@@ -63,14 +64,7 @@ def layer_norm_kernel(
     CHUNKED: tl.constexpr, INDEX_64: tl.constexpr,
 ):
     """y = (x - mean) * rstd * w + b for this program's rows, TILE_ROWS x BLOCK at a time."""
-    pid = tl.program_id(0)
-    if INDEX_64:
-        pid = pid.to(tl.int64)
-    row0 = pid * rows_per_program
-    n_here = tl.minimum(rows_per_program, n_rows - row0)
-    cols = tl.arange(0, BLOCK)
-    if INDEX_64:
-        cols = cols.to(tl.int64)
+    pid, row0, n_here, cols = program_rows(n_rows, rows_per_program, BLOCK, INDEX_64)
     if not CHUNKED:
         col_mask = cols < n_cols
         if HAS_WEIGHT:  # once per program, shared by all its rows
@@ -143,14 +137,7 @@ def layer_norm_backward_kernel(
     The chunked path computes both row means first (into ``scratch``, two float32 per row), then
     walks column chunks, each over all of the program's rows, keeping the chunk's dw/db in registers.
     """
-    pid = tl.program_id(0)
-    if INDEX_64:
-        pid = pid.to(tl.int64)
-    row0 = pid * rows_per_program
-    n_here = tl.minimum(rows_per_program, n_rows - row0)
-    cols = tl.arange(0, BLOCK)
-    if INDEX_64:
-        cols = cols.to(tl.int64)
+    pid, row0, n_here, cols = program_rows(n_rows, rows_per_program, BLOCK, INDEX_64)
     if not CHUNKED:
         col_mask = cols < n_cols
         if HAS_WEIGHT:

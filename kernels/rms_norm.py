@@ -39,6 +39,7 @@ from ._norm import (
     empty_stats,
     launch_norm,
     plan_norm,
+    program_rows,
     walkable,
 )
 from ._rows import load_rows, row_start, store_rows
@@ -57,14 +58,7 @@ def rms_norm_kernel(
     INDEX_64: tl.constexpr,
 ):
     """y = x * rstd * w for this program's rows_per_program rows, TILE_ROWS x BLOCK at a time."""
-    pid = tl.program_id(0)
-    if INDEX_64:
-        pid = pid.to(tl.int64)
-    row0 = pid * rows_per_program
-    n_here = tl.minimum(rows_per_program, n_rows - row0)
-    cols = tl.arange(0, BLOCK)
-    if INDEX_64:
-        cols = cols.to(tl.int64)
+    pid, row0, n_here, cols = program_rows(n_rows, rows_per_program, BLOCK, INDEX_64)
     if not CHUNKED:
         col_mask = cols < n_cols
         if HAS_WEIGHT:  # once per program, shared by all its rows
@@ -117,14 +111,7 @@ def rms_norm_backward_kernel(
     row first (into ``scratch``), then walks column chunks, each over all of the program's rows,
     so that the dw partial of a chunk stays in registers.
     """
-    pid = tl.program_id(0)
-    if INDEX_64:
-        pid = pid.to(tl.int64)
-    row0 = pid * rows_per_program
-    n_here = tl.minimum(rows_per_program, n_rows - row0)
-    cols = tl.arange(0, BLOCK)
-    if INDEX_64:
-        cols = cols.to(tl.int64)
+    pid, row0, n_here, cols = program_rows(n_rows, rows_per_program, BLOCK, INDEX_64)
     if not CHUNKED:
         col_mask = cols < n_cols
         if HAS_WEIGHT:
