@@ -26,6 +26,7 @@ import torch.nn.functional as F
 import kernels
 from bench import FORWARD_BOUND, Ladder, Step, register
 from bench.gpu import Check, Timing
+from bench.gpu import grads as gpu_grads
 from solutions import ch03_normalization as solutions
 
 SIZES = {"cpu": (64, 1000), "gpu": (4096, 16384), "smoke": (8, 96)}
@@ -107,8 +108,7 @@ def add_rms_norm_fused(x, residual, w):
 
 def grads(forward, *inputs: torch.Tensor, grad_out: torch.Tensor) -> tuple:
     """Forward, then autograd's backward: the gradients of every input (a tuple)."""
-    leaves = [t.detach().requires_grad_() for t in inputs]
-    return torch.autograd.grad(forward(*leaves), leaves, grad_out)
+    return gpu_grads(forward, inputs, grad_out)
 
 
 def rms_norm_solution_fwd_bwd(x, w, g):
@@ -291,7 +291,7 @@ register(
 
 
 def _float_grads(forward, *inputs, grad_out):
-    return grads(forward, *(t.float() for t in inputs), grad_out=grad_out.float())
+    return gpu_grads(forward, inputs, grad_out, upcast=True)
 
 
 def _add_rms_norm_float(x, residual, w, dtype):
