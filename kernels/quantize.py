@@ -413,20 +413,29 @@ class QuantizedWeight:
         numel = self.shape.numel()
         return self.nbytes * 8 / numel if numel else float("nan")
 
-    def dequantize(self) -> torch.Tensor:
-        """The ``(N, K)`` weight these values stand for, ``q * s``, in the original dtype.
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The ``(N, K)`` weight these values stand for, ``q * s``, in ``dtype`` (default: the
+        original weight's dtype).
 
-        Materializes the full weight (torch code, for reference and for error measurements);
-        :func:`kernels.quantized_linear` never does this.
+        ``q * s`` is computed in float32 (float64 when ``dtype`` is float64) and rounded once to
+        ``dtype``. The kernels never round it: they scale the fp32 accumulator. So a reference
+        for a bf16 or fp16 weight should ask for ``dequantize(torch.float64)``, or it carries the
+        rounding of every weight element to the low-precision dtype, an error the kernel does
+        not have. Materializes the full weight (torch code, for reference and for error
+        measurements); :func:`kernels.quantized_linear` never does this.
         """
+        dtype = self.dtype if dtype is None else dtype
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"QuantizedWeight.dequantize: dtype must be a floating torch.dtype, got {dtype!r}")
+        work = torch.float64 if dtype == torch.float64 else torch.float32
         n, k = self.shape
         if self.scheme == "int4":
             low = (self.data & 0xF).to(torch.int16) - 8
             high = (self.data >> 4).to(torch.int16) - 8
-            q = torch.stack([low, high], dim=-1).reshape(n, 2 * self.data.shape[1])[:, :k].float()
-            scales = self.scales.float().repeat_interleave(self.group_size, dim=1)[:, :k]
-            return (q * scales).to(self.dtype)
-        return (self.data.float() * self.scales.float()[:, None]).to(self.dtype)
+            q = torch.stack([low, high], dim=-1).reshape(n, 2 * self.data.shape[1])[:, :k].to(work)
+            scales = self.scales.to(work).repeat_interleave(self.group_size, dim=1)[:, :k]
+            return (q * scales).to(dtype)
+        return (self.data.to(work) * self.scales.to(work)[:, None]).to(dtype)
 
     def to(self, device: torch.device | str) -> QuantizedWeight:
         """A copy on ``device`` (scales keep their group-major layout)."""

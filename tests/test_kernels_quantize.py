@@ -96,6 +96,20 @@ def test_weight_dtypes_and_scale_dtypes(dtype, scheme, gen):
         assert qw.dequantize().dtype == dtype
 
 
+def test_dequantize_dtype_rounds_once(gen):
+    """dequantize(dtype) rounds the exact q * s once; the default is the weight's dtype."""
+    w = randn(24, 64, gen=gen, dtype=torch.bfloat16)
+    qw = kernels.quantize_weight(w, "int4", group_size=32)
+    exact = qw.dequantize(torch.float64)
+    assert exact.dtype == torch.float64
+    assert torch.equal(qw.dequantize(), exact.to(torch.bfloat16))
+    assert torch.equal(qw.dequantize(torch.float32), exact.float())
+    # q has 4 bits and a bf16 scale 8: the exact product needs up to 12, more than bf16 keeps
+    assert not torch.equal(qw.dequantize().double(), exact)
+    with pytest.raises(TypeError, match="dequantize: dtype"):
+        qw.dequantize(torch.int8)
+
+
 def test_strided_weight_is_read_in_place(gen):
     base = randn(300, 66, gen=gen)
     w = base.t()[:, ::1]  # (66, 300), column-major: the quantizer walks it through its strides
