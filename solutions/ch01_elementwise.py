@@ -93,11 +93,15 @@ def swiglu_backward(
 
     Everything is recomputed from ``gate`` and ``up``: the backward needs no saved
     intermediate, so a fused kernel reads gate, up, grad_out and writes the two gradients.
+
+    Computed in float32 and rounded once to the inputs' dtype, as the kernels do: the same ops
+    in bf16 round after each of six steps and can land two bf16 steps off the exact result.
     """
-    sig = torch.sigmoid(gate)
-    grad_up = grad_out * gate * sig
-    grad_gate = grad_out * up * sig * (1 + gate * (1 - sig))
-    return grad_gate, grad_up
+    g, u, go = gate.float(), up.float(), grad_out.float()
+    sig = torch.sigmoid(g)
+    grad_up = go * g * sig
+    grad_gate = go * u * sig * (1 + g * (1 - sig))
+    return grad_gate.to(gate.dtype), grad_up.to(up.dtype)
 
 
 @triton.jit

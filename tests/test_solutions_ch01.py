@@ -94,12 +94,22 @@ def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+# (gate, up, grad_out) in bf16 where the formula evaluated op by op in bf16 rounds to two bf16
+# steps off the exact grad_gate (e.g. 4.375 for 4.4375 at gate 6.5): rounding once, from fp32, does not.
+SWIGLU_BF16_DRIFT = tuple(
+    torch.tensor(values, dtype=torch.bfloat16, device=DEVICE)
+    for values in ([4.3125, 5.15625, 4.3125, 5.1875, 6.5], [0.98828125, 2.84375, -1.2734375, -2.078125, 1.8984375],
+                   [2.03125, -1.640625, 3.4375, -2.171875, 2.3125])
+)
+
+
 def swiglu_backward_cases(gen: torch.Generator) -> list:
     cases = []
     for size, dtype in [(700, torch.float32), (33, torch.float32), (300, torch.bfloat16)]:
         gate = (4 * torch.randn(size, generator=gen, device=gen.device)).to(dtype)
         up, grad_out = torch.randn(2, size, generator=gen, device=gen.device).to(dtype)
         cases.append((gate, up, grad_out))
+    cases.append(SWIGLU_BF16_DRIFT)
     return cases
 
 
@@ -300,6 +310,12 @@ def swiglu_backward_ignores_grad_out(gate, up, grad_out):
     return solutions.swiglu_backward(gate, up, torch.ones_like(grad_out))
 
 
+def swiglu_backward_op_by_op_in_bf16(gate, up, grad_out):
+    # the right formula, every op in the inputs' dtype (bf16 rounds six times)
+    sig = torch.sigmoid(gate)
+    return grad_out * up * sig * (1 + gate * (1 - sig)), grad_out * gate * sig
+
+
 def swiglu_backward_in_fp16(gate, up, grad_out):
     # the right formula, computed in fp16 and cast back
     grad_gate, grad_up = solutions.swiglu_backward(gate.half(), up.half(), grad_out.half())
@@ -392,6 +408,7 @@ def test_wrong_kernel_is_not_solved(name, kernel, diagnosis):
         (swiglu_backward_swapped, "wrong values"),
         (swiglu_backward_ignores_grad_out, "wrong values"),
         (swiglu_backward_in_fp16, "wrong values"),
+        (swiglu_backward_op_by_op_in_bf16, "wrong values"),
     ],
     ids=lambda value: getattr(value, "__name__", ""),
 )
@@ -399,6 +416,15 @@ def test_wrong_swiglu_backward_is_not_solved(candidate, diagnosis):
     verdict = check("ch01_elementwise.swiglu_backward", candidate, swiglu_backward_by_autograd, swiglu_backward_cases)
     assert not verdict.solved
     assert diagnosis in verdict.message, verdict.message
+
+
+def test_bf16_drift_case_alone_separates_rounding_once_from_op_by_op():
+    """The fixed bf16 case, not luck in the random ones, is what rejects op-by-op bf16."""
+    cases = [SWIGLU_BF16_DRIFT]
+    assert check("ch01_elementwise.swiglu_backward", solutions.swiglu_backward, swiglu_backward_by_autograd, cases).solved
+    verdict = check("ch01_elementwise.swiglu_backward", swiglu_backward_op_by_op_in_bf16, swiglu_backward_by_autograd,
+                    cases)
+    assert not verdict.solved and "wrong values" in verdict.message, verdict.message
 
 
 @pytest.mark.parametrize(
