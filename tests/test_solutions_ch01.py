@@ -421,9 +421,9 @@ def test_wrong_swiglu_backward_is_not_solved(candidate, diagnosis):
 def test_bf16_drift_case_alone_separates_rounding_once_from_op_by_op():
     """The fixed bf16 case, not luck in the random ones, is what rejects op-by-op bf16."""
     cases = [SWIGLU_BF16_DRIFT]
-    assert check("ch01_elementwise.swiglu_backward", solutions.swiglu_backward, swiglu_backward_by_autograd, cases).solved
-    verdict = check("ch01_elementwise.swiglu_backward", swiglu_backward_op_by_op_in_bf16, swiglu_backward_by_autograd,
-                    cases)
+    name = "ch01_elementwise.swiglu_backward"
+    assert check(name, solutions.swiglu_backward, swiglu_backward_by_autograd, cases).solved
+    verdict = check(name, swiglu_backward_op_by_op_in_bf16, swiglu_backward_by_autograd, cases)
     assert not verdict.solved and "wrong values" in verdict.message, verdict.message
 
 
