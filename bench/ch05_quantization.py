@@ -105,17 +105,6 @@ def qweight_of(data: torch.Tensor, scales: torch.Tensor, k: int, scheme: str, gr
     return QuantizedWeight(scheme, data, scales, (data.shape[0], k), dtype, group_size)
 
 
-def dequantized_float64(data: torch.Tensor, scales: torch.Tensor, k: int, scheme: str,
-                        group_size: int | None) -> torch.Tensor:
-    """``q * s`` in float64 (exact): the weight the kernels must multiply by."""
-    if scheme == "int4":
-        low = (data & 0xF).to(torch.int16) - 8
-        high = (data >> 4).to(torch.int16) - 8
-        q = torch.stack([low, high], dim=-1).reshape(data.shape[0], -1)[:, :k].double()
-        return q * scales.double().repeat_interleave(group_size, dim=1)[:, :k]
-    return data.double() * scales.double()[:, None]
-
-
 def _register(label: str, scheme: str, group_size: int | None, activations: str | None, m: int) -> None:
     def make_inputs(device, dtype, size):
         n, k = SIZES[size]
@@ -131,7 +120,7 @@ def _register(label: str, scheme: str, group_size: int | None, activations: str 
         return qweight_of(data, scales, x.shape[-1], scheme, group_size, x.dtype)
 
     def reference(x, w_bf16, data, scales):
-        return x.double() @ dequantized_float64(data, scales, x.shape[-1], scheme, group_size).T
+        return x.double() @ rebuild(x, data, scales).dequantize(torch.float64).T
 
     def dequantize_then_linear(x, w_bf16, data, scales):
         return F.linear(x, rebuild(x, data, scales).dequantize())
@@ -215,12 +204,7 @@ def per_token_dequantized(x: torch.Tensor) -> torch.Tensor:
 def _reference(x, qweight, bias, activations):
     """float32 ``F.linear`` with the dequantized weight (and per-token quantized x for W8A8)."""
     xs = per_token_dequantized(x) if activations else x.float()
-    return F.linear(xs, _dequantized_f32(qweight), None if bias is None else bias.float())
-
-
-def _dequantized_f32(qweight: QuantizedWeight) -> torch.Tensor:
-    n, k = qweight.shape
-    return dequantized_float64(qweight.data, qweight.scales, k, qweight.scheme, qweight.group_size).float()
+    return F.linear(xs, qweight.dequantize(torch.float32), None if bias is None else bias.float())
 
 
 def _run(x, qweight, bias, activations):
