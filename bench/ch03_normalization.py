@@ -10,7 +10,7 @@ Above the ideal, by design: the row-per-program solutions reload the weight for 
 ``kernels`` ops load it once per program (4 forward and 8 backward programs at the CPU size, up to
 2 per SM on a GPU), and their backward writes and reads a ``(programs, N)`` fp32 partial buffer
 per parameter. The CPU size's rows (1000) take the fused backward; the GPU size's (16384, above
-``kernels._norm.MAX_FUSED_BLOCK_BACKWARD``) take the chunked one, which reads ``g`` and ``x``
+``kernels.ops.norm.MAX_FUSED_BLOCK_BACKWARD``) take the chunked one, which reads ``g`` and ``x``
 twice — so the report's H200 model, scaled from the CPU size, is optimistic for the backward.
 
 ``gpu_checks(size)`` adds the chapter's entries to ``make gpu-check``: correctness in bf16 and

@@ -2,20 +2,29 @@
 
 ``import kernels`` works anywhere: with an NVIDIA GPU the kernels compile; without one they run
 in Triton's interpreter on the CPU (see :mod:`kernels.runtime`).
+
+Layout: the ops and their kernels live in :mod:`kernels.ops` (one module per op; ``kernels.softmax``
+is the function, ``kernels.ops.softmax`` its module); :mod:`kernels.autotune` holds matmul's tile
+configurations; the private modules (``_launch``, ``_elementwise``, ``_rows``, ``_activations``,
+``_validate``, ``_autograd``) are the helpers every op shares.
 """
 
-from . import runtime  # noqa: F401  (first: fixes the mode before any kernel is defined)
+from . import (  # noqa: F401  (public modules: kernels.autotune, kernels.ops.<op>)
+    autotune,
+    ops,
+    runtime,  # noqa: F401  (first: fixes the mode before any kernel is defined)
+)
 from ._autograd import forbid_double_backward
-from ._norm import column_sum_kernel, norm_launch_config
-from .add import add, add_kernel
-from .add_rms_norm import add_rms_norm, add_rms_norm_kernel
-from .cross_entropy import cross_entropy, cross_entropy_backward_kernel, cross_entropy_forward_kernel
-from .dropout import dropout, dropout_kernel, dropout_mask, dropout_mask_kernel
-from .gelu import gelu, gelu_backward_kernel, gelu_kernel
-from .layer_norm import layer_norm, layer_norm_backward_kernel, layer_norm_kernel
-from .linear import linear, linear_activation_backward_kernel
-from .matmul import (
-    MatmulConfig,
+from ._rows import RowConfig
+from .autotune import MatmulConfig
+from .ops.add import add, add_kernel
+from .ops.add_rms_norm import add_rms_norm, add_rms_norm_kernel
+from .ops.cross_entropy import cross_entropy, cross_entropy_backward_kernel, cross_entropy_forward_kernel
+from .ops.dropout import dropout, dropout_kernel, dropout_mask, dropout_mask_kernel
+from .ops.gelu import gelu, gelu_backward_kernel, gelu_kernel
+from .ops.layer_norm import layer_norm, layer_norm_backward_kernel, layer_norm_kernel
+from .ops.linear import linear, linear_activation_backward_kernel
+from .ops.matmul import (
     matmul,
     matmul_kernel,
     matmul_persistent,
@@ -26,14 +35,15 @@ from .matmul import (
     matmul_tiled,
     plan_matmul,
 )
-from .quantize import (
+from .ops.norm import column_sum_kernel, norm_launch_config
+from .ops.quantize import (
     QuantizedWeight,
     quantize_activations,
     quantize_int4_kernel,
     quantize_rows_kernel,
     quantize_weight,
 )
-from .quantized_linear import (
+from .ops.quantized_linear import (
     QuantizedLinearConfig,
     quantization_error,
     quantized_linear,
@@ -42,9 +52,9 @@ from .quantized_linear import (
     quantized_linear_reduce_kernel,
     w8a8_linear_kernel,
 )
-from .rms_norm import rms_norm, rms_norm_backward_kernel, rms_norm_kernel
-from .silu import silu, silu_backward_kernel, silu_kernel
-from .softmax import (
+from .ops.rms_norm import rms_norm, rms_norm_backward_kernel, rms_norm_kernel
+from .ops.silu import silu, silu_backward_kernel, silu_kernel
+from .ops.softmax import (
     log_softmax,
     softmax,
     softmax_backward_kernel,
@@ -53,13 +63,16 @@ from .softmax import (
     softmax_launch_config,
     softmax_online_kernel,
 )
-from .swiglu import swiglu, swiglu_backward_kernel, swiglu_kernel
+from .ops.swiglu import swiglu, swiglu_backward_kernel, swiglu_kernel
 
 forbid_double_backward()  # every backward op: a clear error for a gradient of a gradient
 
 __version__ = "0.1.0"
 __all__ = [
     "runtime",
+    "ops",
+    "autotune",
+    "RowConfig",
     # ops (torch.library custom ops in the ``kernels`` namespace, differentiable)
     "add",
     "gelu",

@@ -20,8 +20,11 @@ input keeps it in memory. So the kernels never need a ``.contiguous()`` copy of 
 The kernel-side convention, used by every kernel in this package::
 
     some_kernel(<input pointers>, <output pointers>, <op scalars>, n_elements, [index_base,]
-                size1, size2, size3, <for each input: stride0, stride1, stride2, stride3>,
+                size1, size2, size3, <for each input x: stride_x0, stride_x1, stride_x2, stride_x3>,
                 <op constexprs>, CONTIGUOUS, INDEX_64, BLOCK)
+
+(strides named ``stride_<operand><dim>``, as in Triton's tutorials; every kernel of the package
+follows that rule and comments its argument groups.)
 
 Outputs are always contiguous, so they take no strides. ``size0`` is implied by ``n_elements``.
 ``index_base`` (only when asked for) is the logical index of the slice's first element, which
@@ -39,14 +42,15 @@ import torch
 import triton
 import triton.language as tl
 
+from . import _launch
+from ._launch import coalesce_dims
+
 __all__ = [
     "BLOCK",
     "MAX_DIMS",
     "NUM_WARPS",
     "ElementwiseLaunch",
     "block_indices",
-    "coalesce_dims",
-    "empty_output",
     "launch_elementwise",
     "plan_elementwise",
     "strided_offset",
@@ -59,8 +63,6 @@ BLOCK: int = 1024
 NUM_WARPS: int = 4
 #: Dimensions a kernel walks with div/mod after coalescing; more are split on the host.
 MAX_DIMS: int = 4
-
-_INT32_MAX = 2**31 - 1
 
 
 @triton.jit
@@ -107,31 +109,6 @@ def operand_offset(idx, size1, size2, size3, stride0, stride1, stride2, stride3,
     return offset
 
 
-def coalesce_dims(
-    shape: Sequence[int], strides: Sequence[Sequence[int]]
-) -> tuple[list[int], list[list[int]]]:
-    """Merge dims that every operand can walk as one; drop size-1 dims.
-
-    ``strides[k]`` are operand k's strides over ``shape`` (0 for broadcast dims). Returns the
-    merged sizes and each operand's merged strides (outermost first). An empty result means a
-    single element.
-    """
-    sizes: list[int] = []
-    merged: list[list[int]] = [[] for _ in strides]
-    for dim, size in enumerate(shape):
-        if size == 1:
-            continue  # a size-1 dim's stride is never used
-        if sizes and all(ops[-1] == op_strides[dim] * size for ops, op_strides in zip(merged, strides)):
-            sizes[-1] *= size
-            for ops, op_strides in zip(merged, strides):
-                ops[-1] = op_strides[dim]
-        else:
-            sizes.append(size)
-            for ops, op_strides in zip(merged, strides):
-                ops.append(op_strides[dim])
-    return sizes, merged
-
-
 @dataclass(frozen=True)
 class ElementwiseLaunch:
     """One kernel launch over (a slice of) a coalesced iteration space."""
@@ -148,9 +125,9 @@ class ElementwiseLaunch:
 
 def _needs_int64(n_elements: int, index_base: int, sizes: Sequence[int], strides: Sequence[Sequence[int]]) -> bool:
     # The last program's indices run up to a full BLOCK past n_elements (masked, but computed).
-    if index_base + n_elements + BLOCK > _INT32_MAX:
+    if index_base + n_elements + BLOCK > _launch.INT32_MAX:
         return True
-    return any(sum((s - 1) * st for s, st in zip(sizes, op)) > _INT32_MAX for op in strides)
+    return any(sum((s - 1) * st for s, st in zip(sizes, op)) > _launch.INT32_MAX for op in strides)
 
 
 def plan_elementwise(
@@ -237,9 +214,3 @@ def launch_elementwise(
             **constexprs, CONTIGUOUS=launch.contiguous, INDEX_64=launch.index_64, BLOCK=BLOCK,
             num_warps=NUM_WARPS,
         )
-
-
-def empty_output(shape: Sequence[int], like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A fresh contiguous output tensor (what the fake kernels promise, too)."""
-    return torch.empty(tuple(shape), dtype=dtype or like.dtype, device=like.device)
-

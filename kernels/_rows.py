@@ -8,13 +8,17 @@ into a ``(n_rows, n_cols)`` matrix; instead each operand is described by
   last-dim softmax, ``n_rows`` for a softmax over dim 0 of a matrix), and
 * up to :data:`MAX_LEAD_DIMS` **leading dims** with a stride each, so that row ``r`` starts at
   :func:`row_start` ``(r, ...)``. Leading dims that every operand can walk as one are merged
-  first (:func:`kernels._elementwise.coalesce_dims`), so a contiguous or row-sliced tensor has a
+  first (:func:`kernels._launch.coalesce_dims`), so a contiguous or row-sliced tensor has a
   single leading dim; tensors that still need more are launched once per slice (rare).
 
 The kernel-side convention::
 
     some_row_kernel(<pointers>, <op scalars>, n_rows, n_cols, size1, size2,
-                    <for each operand: stride0, stride1, stride2, col_stride>, <constexprs>)
+                    <for each operand x: stride_x0, stride_x1, stride_x2, stride_xcol>, <constexprs>,
+                    BLOCK_ROWS, BLOCK_COLS, ...)
+
+A program's tile is ``BLOCK_ROWS x BLOCK_COLS``: several short rows side by side, or one chunk of
+a long row; every row kernel describes its launch with a :class:`RowConfig`.
 
 ``size0`` is implied by ``n_rows``. A column stride of 1 is specialized by Triton's JIT (it
 treats integer arguments equal to 1 as constants), so the contiguous case gets vectorized loads
@@ -33,14 +37,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ._elementwise import coalesce_dims
+from . import _launch
+from ._launch import coalesce_dims
 
-__all__ = ["MAX_LEAD_DIMS", "RowLaunch", "load_rows", "merge_trailing", "plan_rows", "row_start", "store_rows"]
+__all__ = [
+    "MAX_LEAD_DIMS", "RowConfig", "RowLaunch", "load_rows", "merge_trailing", "plan_rows", "row_start", "store_rows",
+]
 
 #: Leading dims a kernel walks with div/mod after merging; more are split on the host.
 MAX_LEAD_DIMS: int = 3
-
-_INT32_MAX = 2**31 - 1
 
 
 @triton.jit
@@ -66,6 +71,30 @@ def store_rows(ptr, value, rows, cols, mask, size1, size2, stride0, stride1, str
     """Store a ``(rows, cols)`` tile, rounded once to the operand's dtype."""
     offsets = row_start(rows, size1, size2, stride0, stride1, stride2)[:, None] + cols[None, :] * col_stride
     tl.store(ptr + offsets, value.to(ptr.dtype.element_ty), mask=mask)
+
+
+@dataclass(frozen=True)
+class RowConfig:
+    """How a row kernel tiles its rows: the one launch-configuration type of every row op.
+
+    ``block_cols`` columns per load — the whole row padded to a power of two, or one chunk of it
+    when ``chunked`` (a row too long for registers, walked in chunks: the online softmax, the
+    chunked norms and cross-entropy). ``block_rows`` rows side by side in one tile (short rows are
+    stacked until a tile holds a few thousand elements). A program handles ``rows_per_program``
+    rows, ``rows_per_program / block_rows`` tiles one after the other (the norms loop; softmax and
+    cross-entropy take one tile, ``rows_per_program == block_rows``). ``num_warps`` is a GPU launch
+    option (the interpreter ignores it).
+    """
+
+    block_cols: int
+    block_rows: int
+    chunked: bool
+    num_warps: int
+    rows_per_program: int
+
+    def programs(self, n_rows: int) -> int:
+        """Programs that cover ``n_rows`` rows (at least 1)."""
+        return max(1, -(-n_rows // self.rows_per_program))
 
 
 @dataclass(frozen=True)
@@ -134,7 +163,7 @@ def plan_rows(operands: Sequence[torch.Tensor], reduce_ndim: int = 1) -> list[Ro
     pad = MAX_LEAD_DIMS - len(inner_sizes)
     padded_sizes = [1] * pad + inner_sizes
     inner_rows = math.prod(inner_sizes)
-    index_64 = any((n_cols - 1) * abs(cs) > _INT32_MAX for cs in col_strides)
+    index_64 = any((n_cols - 1) * abs(cs) > _launch.INT32_MAX for cs in col_strides)
     launches = []
     for slice_number, outer_index in enumerate(itertools.product(*(range(s) for s in outer_sizes))):
         tensors = []
@@ -157,8 +186,3 @@ def plan_rows(operands: Sequence[torch.Tensor], reduce_ndim: int = 1) -> list[Ro
             )
         )
     return launches
-
-
-def next_power_of_2(n: int) -> int:
-    """The block size that holds ``n`` columns (at least 1)."""
-    return triton.next_power_of_2(max(int(n), 1))

@@ -1,11 +1,22 @@
-"""Shared test set-up: the runtime mode first, gpu-marked tests skipped without a GPU."""
+"""Shared test set-up: the runtime mode first, gpu-marked tests skipped without a GPU, and the fixtures
+every kernel test uses (``gen``: fresh, printed, replayable seeds; ``poisoned``: NaN-filled buffers).
+
+Helpers that are not fixtures (tolerances, ``assert_matches``, ``make_input``) are in ``tests/helpers.py``.
+"""
 
 from __future__ import annotations
+
+import os
+import secrets
 
 import pytest
 import torch
 
 import kernels  # noqa: F401  (sets the interpreter mode before any test module defines a kernel)
+from kernels import _launch
+
+#: Set to an integer to replay the inputs of a failed run (its seed is printed with the failure).
+SEED_ENV = "KERNEL_LADDER_SEED"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -23,3 +34,46 @@ def pytest_collection_modifyitems(config, items):
 def device() -> torch.device:
     """Where tensors go: the GPU when kernels compile, else the CPU."""
     return kernels.runtime.DEVICE
+
+
+def test_seed() -> int:
+    """The seed of this test's inputs: ``KERNEL_LADDER_SEED`` if set, else a fresh random one."""
+    forced = os.environ.get(SEED_ENV, "").strip()
+    return int(forced) if forced else secrets.randbits(31)
+
+
+test_seed.__test__ = False  # a helper, not a test
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    """A CPU generator with a fresh seed, printed (pytest shows it with a failure); replay it with
+    ``KERNEL_LADDER_SEED=<seed> pytest ...``. Draw on the CPU, then ``.to(device)``."""
+    seed = test_seed()
+    print(f"input seed: {seed} (replay: {SEED_ENV}={seed})")
+    return torch.Generator().manual_seed(seed)
+
+
+def _poison(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype.is_floating_point:
+        return t.fill_(float("nan"))
+    if t.dtype == torch.bool:
+        return t
+    return t.fill_(torch.iinfo(t.dtype).min)
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every buffer the ops allocate (``kernels._launch.empty``, the one allocation hook) starts as
+    NaN (floats) or the smallest integer, so an element a kernel forgets to write shows up.
+
+    ``raising=True``: if the hook is renamed, every test that relies on poisoning fails loudly
+    instead of silently testing unpoisoned memory.
+    """
+    real = _launch.empty
+
+    def empty(shape, dtype, device):
+        return _poison(real(shape, dtype, device))
+
+    monkeypatch.setattr(_launch, "empty", empty, raising=True)
+    return empty

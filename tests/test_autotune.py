@@ -1,4 +1,4 @@
-"""kernels._autotune: the fixed interpreter config, the GPU autotuner's wiring, pruning, the CPU timer.
+"""kernels.autotune: the fixed interpreter config, the GPU autotuner's wiring, pruning, the CPU timer.
 
 The GPU path is checked without a GPU: the ``triton.autotune`` wrapper is built (that needs no
 driver), its configs, key, pruner, heuristic and disk-cache request are inspected, and its tuning
@@ -7,7 +7,6 @@ loop is run end to end in the interpreter with a stand-in benchmarker.
 
 from __future__ import annotations
 
-import importlib
 import itertools
 
 import pytest
@@ -15,10 +14,10 @@ import torch
 import triton
 
 import kernels
-from kernels import _autotune as at
-from kernels._autotune import GPU_CONFIGS, INTERPRETER_CONFIG, MatmulConfig
+from kernels import autotune as at
+from kernels.autotune import GPU_CONFIGS, INTERPRETER_CONFIG, MatmulConfig
+from kernels.ops import matmul as mm
 
-mm = importlib.import_module("kernels.matmul")
 DEVICE = kernels.runtime.DEVICE
 
 
@@ -158,9 +157,9 @@ def test_autotune_cpu_times_each_config_and_labels_them():
     assert [t.seconds for t in report.timings] == [(1.0, 1.0)] * 3
     assert report.best == "a"
     assert "not GPU speed" in str(report) and "interpreter" in str(report)
-    with pytest.raises(ValueError, match=r"kernels\.autotune_cpu: repeats must be an int >= 1"):
+    with pytest.raises(ValueError, match=r"kernels\.autotune\.autotune_cpu: repeats must be an int >= 1"):
         at.autotune_cpu(lambda c: None, ["a"], repeats=0)
-    with pytest.raises(ValueError, match=r"kernels\.autotune_cpu: configs must not be empty"):
+    with pytest.raises(ValueError, match=r"kernels\.autotune\.autotune_cpu: configs must not be empty"):
         at.autotune_cpu(lambda c: None, [])
 
 

@@ -6,21 +6,17 @@ Every result is compared with a float64 reference on fresh random inputs; output
 
 from __future__ import annotations
 
-import secrets
-
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import DTYPES, LAYOUTS, assert_matches, make_input
 
 import kernels
-from kernels import _elementwise
+from kernels import _elementwise, _launch
+
+pytestmark = pytest.mark.usefixtures("poisoned")  # every buffer the ops allocate starts as NaN
 
 DEVICE = kernels.runtime.DEVICE
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-# (rtol, atol) against the float64 reference rounded to the output dtype. fp32 leaves room for
-# a GPU's approximate exp/erf; fp16/bf16 for one unit of rounding in the last place.
-TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-3, 1e-3), torch.bfloat16: (1.6e-2, 1e-2)}
-
 # name -> (kernels op, float64 reference, number of tensor inputs)
 OPS = {
     "add": (kernels.add, torch.add, 2),
@@ -29,67 +25,9 @@ OPS = {
     "silu": (kernels.silu, F.silu, 1),
     "swiglu": (kernels.swiglu, lambda gate, up: F.silu(gate) * up, 2),
 }
-OP_MODULES = ["kernels.add", "kernels.gelu", "kernels.silu", "kernels.swiglu", "kernels.dropout"]
 
 # Odd sizes, size-1 dims, empty tensors, up to 5 dims; each is a handful of programs at most.
 SHAPES = [(), (0,), (1,), (7,), (1, 1), (3, 0, 5), (33, 65), (2, 1, 67), (3, 4, 5, 6), (2, 3, 1, 4, 5)]
-LAYOUTS = ["contiguous", "transposed", "sliced", "expanded", "permuted"]
-
-
-@pytest.fixture(autouse=True)
-def poisoned_outputs(monkeypatch):
-    """Every output the ops allocate starts as NaN, so unwritten elements show."""
-    import sys
-
-    def poisoned(shape, like, dtype=None):
-        return torch.full(tuple(shape), float("nan"), dtype=dtype or like.dtype, device=like.device)
-
-    for name in OP_MODULES:
-        monkeypatch.setattr(sys.modules[name], "empty_output", poisoned, raising=False)
-
-
-@pytest.fixture
-def gen() -> torch.Generator:
-    """A generator with a fresh seed (printed, so a failure can be replayed)."""
-    seed = secrets.randbits(31)
-    print(f"input seed: {seed}")
-    return torch.Generator().manual_seed(seed)
-
-
-def make_input(shape, dtype, layout: str, gen: torch.Generator, scale: float = 2.0) -> torch.Tensor:
-    """A tensor of logical ``shape`` whose memory layout is ``layout`` (never a copy of another)."""
-    shape = tuple(shape)
-
-    def rand(*s):
-        return (torch.randn(s, generator=gen, dtype=torch.float64) * scale).to(dtype).to(DEVICE)
-
-    if layout == "contiguous" or len(shape) == 0:
-        return rand(*shape)
-    if layout == "transposed":
-        if len(shape) < 2:
-            return rand(*shape)
-        swapped = (*shape[:-2], shape[-1], shape[-2])
-        return rand(*swapped).transpose(-1, -2)
-    if layout == "sliced":  # a step in the last dim, an offset in the first
-        base = rand(shape[0] + 1, *shape[1:-1], 2 * shape[-1]) if len(shape) > 1 else rand(2 * shape[0] + 1)
-        return base[1:, ..., ::2] if len(shape) > 1 else base[1::2]
-    if layout == "expanded":  # stride 0 along the first dim
-        return rand(1, *shape[1:]).expand(shape)
-    if layout == "permuted":
-        order = list(reversed(range(len(shape))))
-        return rand(*(shape[d] for d in order)).permute(*order)
-    raise AssertionError(layout)
-
-
-def assert_matches(out: torch.Tensor, reference64: torch.Tensor, dtype: torch.dtype, contiguous: bool = True) -> None:
-    """``out`` has the reference's shape, the dtype, is contiguous and matches within tolerance."""
-    assert out.dtype == dtype
-    assert out.shape == reference64.shape
-    if contiguous:
-        assert out.is_contiguous()
-    rtol, atol = TOLERANCES[dtype]
-    expected = reference64.to(dtype)  # what a correctly rounded kernel would store
-    torch.testing.assert_close(out.double(), expected.double(), rtol=rtol, atol=atol, equal_nan=False)
 
 
 def reference_grads(reference, inputs, grad_out):
@@ -134,7 +72,7 @@ def test_forward_dtypes(name, dtype, layout, gen):
 def test_many_dims_beyond_the_kernel_rank(gen):
     """Six dims that no operand can merge: launched per slice of the leading dims, still right."""
     x = make_input((2, 3, 2, 3, 2, 5), torch.float32, "permuted", gen)
-    sizes, _ = _elementwise.coalesce_dims(x.shape, [x.stride()])
+    sizes, _ = _launch.coalesce_dims(x.shape, [x.stride()])
     assert len(sizes) > _elementwise.MAX_DIMS
     assert len(_elementwise.plan_elementwise(x.shape, [x], [torch.empty(x.shape)])) > 1
     assert_matches(kernels.gelu(x), F.gelu(x.double()), torch.float32)
@@ -144,7 +82,7 @@ def test_many_dims_beyond_the_kernel_rank(gen):
 
 def test_int64_index_path(monkeypatch, gen):
     """The int64 offset path (taken for tensors past 2**31 elements) computes the same values."""
-    monkeypatch.setattr(_elementwise, "_INT32_MAX", 100)
+    monkeypatch.setattr(_launch, "INT32_MAX", 100)
     for layout in ("contiguous", "transposed"):
         x = make_input((40, 70), torch.float32, layout, gen)
         assert _elementwise.plan_elementwise(x.shape, [x], [torch.empty(x.shape)])[0].index_64
@@ -342,18 +280,18 @@ def test_torch_compile_composes_ops_and_broadcasts(gen):
 
 def test_coalescing_merges_what_every_operand_can_walk_as_one():
     x = torch.empty(4, 5, 6)
-    assert _elementwise.coalesce_dims(x.shape, [x.stride()]) == ([120], [[1]])
+    assert _launch.coalesce_dims(x.shape, [x.stride()]) == ([120], [[1]])
     t = x.transpose(0, 2)  # no dims mergeable
-    assert _elementwise.coalesce_dims(t.shape, [t.stride()])[0] == [6, 5, 4]
+    assert _launch.coalesce_dims(t.shape, [t.stride()])[0] == [6, 5, 4]
     rows = torch.empty(4, 10)[:, :5]  # each row dense, rows apart
-    assert _elementwise.coalesce_dims(rows.shape, [rows.stride()]) == ([4, 5], [[10, 1]])
+    assert _launch.coalesce_dims(rows.shape, [rows.stride()]) == ([4, 5], [[10, 1]])
     bias = torch.empty(6).expand(4, 5, 6)  # stride 0 over the first two dims merges them
-    assert _elementwise.coalesce_dims(bias.shape, [bias.stride()]) == ([20, 6], [[0, 1]])
+    assert _launch.coalesce_dims(bias.shape, [bias.stride()]) == ([20, 6], [[0, 1]])
     # Mergeable for one operand but not the other: kept apart.
-    assert _elementwise.coalesce_dims(rows.shape, [rows.stride(), (5, 1)]) == ([4, 5], [[10, 1], [5, 1]])
+    assert _launch.coalesce_dims(rows.shape, [rows.stride(), (5, 1)]) == ([4, 5], [[10, 1], [5, 1]])
     # Size-1 dims vanish whatever their stride.
     odd = torch.empty(3, 1, 7).as_strided((3, 1, 7), (7, 999, 1))
-    assert _elementwise.coalesce_dims(odd.shape, [odd.stride()]) == ([21], [[1]])
+    assert _launch.coalesce_dims(odd.shape, [odd.stride()]) == ([21], [[1]])
 
 
 def test_plan_takes_the_flat_path_for_contiguous_operands():

@@ -7,22 +7,19 @@ so each case runs a handful of program instances in the interpreter.
 
 from __future__ import annotations
 
-import importlib
-import secrets
-
 import pytest
 import torch
+from helpers import DTYPES
+from helpers import assert_matches as _assert_matches
 
 import kernels
-from kernels._autotune import INTERPRETER_CONFIG, MatmulConfig, fit_config
+from kernels import _launch
+from kernels.autotune import INTERPRETER_CONFIG, MatmulConfig, fit_config
+from kernels.ops import matmul as mm
 
-mm = importlib.import_module("kernels.matmul")  # the module (kernels.matmul is the function)
+pytestmark = pytest.mark.usefixtures("poisoned")  # every buffer the ops allocate starts as NaN
 
 DEVICE = kernels.runtime.DEVICE
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-# (rtol, atol) against the float64 product rounded to the output dtype. fp32 leaves room for the
-# order of an fp32 accumulation; fp16/bf16 for one rounding of the output (inputs are exact).
-TOLERANCES = {torch.float32: (2e-5, 2e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
 
 SMALL = MatmulConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=1, num_warps=4, num_stages=2)
 SMALL_GROUPED = MatmulConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=8, num_warps=4, num_stages=2)
@@ -38,33 +35,13 @@ VARIANTS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def poisoned_outputs(monkeypatch):
-    """Every output the ops allocate starts as NaN, so unwritten elements show."""
-
-    def poisoned(shape, like, dtype=None):
-        return torch.full(tuple(shape), float("nan"), dtype=dtype or like.dtype, device=like.device)
-
-    monkeypatch.setattr(mm, "empty_output", poisoned)
-
-
-@pytest.fixture
-def gen() -> torch.Generator:
-    seed = secrets.randbits(31)
-    print(f"input seed: {seed}")
-    return torch.Generator().manual_seed(seed)
-
-
 def rand(gen, *shape, dtype=torch.float32):
     return torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype).to(DEVICE)
 
 
 def assert_matches(out, reference64, dtype, k=None):
-    assert out.dtype == dtype
-    assert out.shape == reference64.shape
-    assert out.is_contiguous()
-    rtol, atol = TOLERANCES[dtype]
-    torch.testing.assert_close(out.double(), reference64.to(dtype).double(), rtol=rtol, atol=atol)
+    """A K-long fp32 accumulation (its order differs from the reference's): twice the tolerance."""
+    _assert_matches(out, reference64, dtype, slack=2.0)
 
 
 def reference(a, b):
@@ -184,7 +161,7 @@ def test_batches_that_cannot_merge_and_chunked_grids(monkeypatch, gen):
 
 def test_int64_offsets(monkeypatch, gen):
     """The int64 offset path (taken when an offset can pass 2**31) computes the same values."""
-    monkeypatch.setattr(mm, "_INT32_MAX", 100)
+    monkeypatch.setattr(_launch, "INT32_MAX", 100)
     a, b = rand(gen, 2, 20, 33).transpose(-1, -2), rand(gen, 20, 18)
     assert mm._needs_int64(a)
     for variant in ("tiled_grouped", "split_k", "persistent"):
@@ -204,7 +181,7 @@ def test_empty_problems(variant, gen):
 
 
 def test_dispatch_rule():
-    sms = mm._num_sms()
+    sms = _launch.num_sms()
     cfg = mm.default_config(1, 64, 4096, torch.float16, "split_k")
     # Decode-shaped: one row, long K -> split so that ~2 programs per SM run.
     split = mm.choose_split_k(1, 64, 4096, 1, cfg, sms)
@@ -336,15 +313,15 @@ def test_broadcast_gradient_paths(gen):
     a = rand(gen, 3, 9, 20)
     g = rand(gen, 3, 9, 7)
     want = torch.einsum("bmk,bmn->kn", a.double(), g.double())
-    merged = mm._reduced_product(a.mT, g, (20, 7))
+    merged = mm.reduced_product(a.mT, g, (20, 7))
     torch.testing.assert_close(merged.double(), want, rtol=2e-5, atol=2e-5)
     a_perm = rand(gen, 9, 3, 20).transpose(0, 1)  # batch cannot fold into K
     want = torch.einsum("bmk,bmn->kn", a_perm.double(), g.double())
-    torch.testing.assert_close(mm._reduced_product(a_perm.mT, g, (20, 7)).double(), want, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(mm.reduced_product(a_perm.mT, g, (20, 7)).double(), want, rtol=2e-5, atol=2e-5)
     # Partially broadcast: (2, 1, ...) against (2, 3, ...) keeps dim 0 and sums dim 1.
     x, y = rand(gen, 2, 3, 5, 6), rand(gen, 2, 3, 6, 4)
     want = (x.double() @ y.double()).sum(1, keepdim=True)
-    torch.testing.assert_close(mm._reduced_product(x, y, (2, 1, 5, 4)).double(), want, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(mm.reduced_product(x, y, (2, 1, 5, 4)).double(), want, rtol=2e-5, atol=2e-5)
 
 
 def test_opcheck(gen):

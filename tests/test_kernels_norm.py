@@ -9,48 +9,23 @@ take fp32/fp16/bf16 only, so gradcheck would test torch, not them).
 from __future__ import annotations
 
 import math
-import secrets
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import DTYPES
+from helpers import assert_matches as _assert_matches
 
 import kernels  # noqa: F401  (fixes the mode first)
-from kernels import _norm, _rows
-from kernels.add_rms_norm import add_rms_norm
-from kernels.layer_norm import layer_norm
-from kernels.rms_norm import rms_norm
+from kernels import _launch, _rows
+from kernels.ops import norm as _norm
+from kernels.ops.add_rms_norm import add_rms_norm
+from kernels.ops.layer_norm import layer_norm
+from kernels.ops.rms_norm import rms_norm
+
+pytestmark = pytest.mark.usefixtures("poisoned")  # outputs and saved statistics start as NaN
 
 DEVICE = kernels.runtime.DEVICE
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-# (rtol, atol) against the float64 reference rounded to the output dtype: fp32 leaves room for a
-# GPU's approximate rsqrt and a different summation order; fp16/bf16 for one unit in the last place.
-TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-3, 1e-3), torch.bfloat16: (1.6e-2, 1e-2)}
-OP_MODULES = ["kernels._norm", "kernels.rms_norm", "kernels.layer_norm", "kernels.add_rms_norm"]
-
-
-@pytest.fixture(autouse=True)
-def poisoned_outputs(monkeypatch):
-    """Every output and statistic the ops allocate starts as NaN, so unwritten elements show."""
-
-    def poisoned(shape, like, dtype=None):
-        return torch.full(tuple(shape), float("nan"), dtype=dtype or like.dtype, device=like.device)
-
-    def poisoned_stats(x, ndim):
-        return torch.full(tuple(x.shape[: x.dim() - ndim]), float("nan"), dtype=torch.float32, device=x.device)
-
-    for name in OP_MODULES:
-        monkeypatch.setattr(sys.modules[name], "empty_output", poisoned)
-        monkeypatch.setattr(sys.modules[name], "empty_stats", poisoned_stats)
-
-
-@pytest.fixture
-def gen() -> torch.Generator:
-    """A generator with a fresh seed (printed, so a failure can be replayed)."""
-    seed = secrets.randbits(31)
-    print(f"input seed: {seed}")
-    return torch.Generator().manual_seed(seed)
 
 
 def rand(shape, dtype, gen, scale=1.0, shift=0.0) -> torch.Tensor:
@@ -82,12 +57,7 @@ def make_param(n, dtype, gen, strided=False, shift=1.0) -> torch.Tensor:
 
 
 def assert_matches(out, reference64, dtype, contiguous=True):
-    assert out.dtype == dtype
-    assert out.shape == reference64.shape
-    if contiguous:
-        assert out.is_contiguous()
-    rtol, atol = TOLERANCES[dtype]
-    torch.testing.assert_close(out.double(), reference64.to(dtype).double(), rtol=rtol, atol=atol)
+    _assert_matches(out, reference64, dtype, contiguous=contiguous)
 
 
 # float64 references ------------------------------------------------------------------------------
@@ -203,9 +173,9 @@ def test_long_rows_chunked_path(name, monkeypatch, gen):
     monkeypatch.setattr(_norm, "MAX_FUSED_BLOCK", 64)
     monkeypatch.setattr(_norm, "MAX_FUSED_BLOCK_BACKWARD", 64)
     monkeypatch.setattr(_norm, "CHUNK_BLOCK", 64)
-    monkeypatch.setattr(_norm, "_multiprocessor_count", lambda device: 1)  # 2 programs of 3 rows each
+    monkeypatch.setattr(_launch, "num_sms", lambda device=None: 1)  # 2 programs of 3 rows each
     config = _norm.norm_launch_config(6, 150, backward=True)
-    assert config.chunked and (config.n_programs, config.rows_per_program) == (2, 3)
+    assert config.chunked and (config.programs(6), config.rows_per_program) == (2, 3)
     op, reference = OPS[name]
     x = make_input((6, 150), torch.float32, "transposed", gen, shift=3.0).requires_grad_()
     w = make_param(150, torch.float32, gen).requires_grad_()
@@ -238,8 +208,7 @@ def test_real_long_rows(name, n_cols, gen):
 
 def test_int64_offset_path(monkeypatch, gen):
     """The int64 offset path (taken past 2**31 elements of stride) computes the same values."""
-    monkeypatch.setattr(_rows, "_INT32_MAX", 100)
-    monkeypatch.setattr(_norm, "_INT32_MAX", 100)
+    monkeypatch.setattr(_launch, "INT32_MAX", 100)
     x = make_input((10, 200), torch.float32, "transposed", gen).requires_grad_()
     assert _rows.plan_rows([x], 1)[0].index_64
     w = make_param(200, torch.float32, gen).requires_grad_()
@@ -405,33 +374,35 @@ def test_add_rms_norm_rounds_the_sum_first(dtype, gen):
 
 
 def test_launch_config_fills_the_gpu_and_keeps_partials_small(monkeypatch):
-    monkeypatch.setattr(_norm, "_multiprocessor_count", lambda device: 132)  # an H200
+    monkeypatch.setattr(_launch, "num_sms", lambda device=None: 132)  # an H200
     for n_rows in [1, 7, 300, 8192, 65536, 10**6]:
         for n_cols in [1, 64, 77, 1000, 4096, 8192, 16384, 20000]:
             for backward in (False, True):
                 c = _norm.norm_launch_config(n_rows, n_cols, backward=backward)
-                assert c.rows_per_program % c.tile_rows == 0
-                assert c.n_programs * c.rows_per_program >= n_rows > (c.n_programs - 1) * c.rows_per_program
+                assert c.rows_per_program % c.block_rows == 0
+                programs = c.programs(n_rows)
+                assert programs * c.rows_per_program >= n_rows > (programs - 1) * c.rows_per_program
                 if backward:
-                    assert c.n_programs <= 2 * 132  # the (n_programs, N) partial buffer: at most 264 rows
+                    assert programs <= 2 * 132  # the (n_programs, N) partial buffer: at most 264 rows
                 else:
-                    assert c.rows_per_program <= max(32, c.tile_rows)  # the weight read once per 32 rows
+                    assert c.rows_per_program <= max(32, c.block_rows)  # the weight read once per 32 rows
                 limit = _norm.MAX_FUSED_BLOCK_BACKWARD if backward else _norm.MAX_FUSED_BLOCK
                 assert c.chunked == (n_cols > limit)
-                assert c.block >= (n_cols if not c.chunked else 1) and c.tile_rows * c.block <= max(4096, c.block)
-                if n_rows >= 264 * c.tile_rows:
-                    assert c.n_programs >= 132  # every SM has a program
+                assert c.block_cols >= (n_cols if not c.chunked else 1)
+                assert c.block_rows * c.block_cols <= max(4096, c.block_cols)
+                if n_rows >= 264 * c.block_rows:
+                    assert programs >= 132  # every SM has a program
     c = _norm.norm_launch_config(8192, 4096, backward=True)
-    assert (c.tile_rows, c.rows_per_program, c.n_programs) == (1, 32, 256)
+    assert (c.block_rows, c.rows_per_program, c.programs(8192)) == (1, 32, 256)
     c = _norm.norm_launch_config(65536, 4096, backward=True)
-    assert (c.rows_per_program, c.n_programs) == (249, 264)
+    assert (c.rows_per_program, c.programs(65536)) == (249, 264)
     c = _norm.norm_launch_config(65536, 4096)
-    assert (c.rows_per_program, c.n_programs) == (32, 2048)
+    assert (c.rows_per_program, c.programs(65536)) == (32, 2048)
     # The forward's floor: 16 rows per parameter vector, while every SM keeps a program.
     c = _norm.norm_launch_config(4096, 4096)
-    assert (c.rows_per_program, c.n_programs) == (16, 256)
+    assert (c.rows_per_program, c.programs(4096)) == (16, 256)
     assert _norm.norm_launch_config(4096, 4096, params=2).rows_per_program == 31  # 4096 // 132 tiles
-    assert _norm.norm_launch_config(64, 4096).n_programs == 64  # decode: fill the SMs first
+    assert _norm.norm_launch_config(64, 4096).programs(64) == 64  # decode: fill the SMs first
 
 
 # --------------------------------------------------------------------------- memory traffic

@@ -8,25 +8,18 @@ even k); the Triton quantizers must reproduce them exactly — values, scales an
 from __future__ import annotations
 
 import math
-import secrets
 
 import pytest
 import torch
+from helpers import DTYPES
 
 import kernels
-from kernels import quantize as kq
+from kernels.ops import quantize as kq
+
+pytestmark = pytest.mark.usefixtures("poisoned")  # every buffer the quantizers allocate is poisoned
 
 DEVICE = kernels.runtime.DEVICE
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 E4M3 = torch.float8_e4m3fn
-
-
-@pytest.fixture
-def gen() -> torch.Generator:
-    """A generator with a fresh seed (printed, so a failure can be replayed)."""
-    seed = secrets.randbits(31)
-    print(f"input seed: {seed}")
-    return torch.Generator().manual_seed(seed)
 
 
 def randn(*shape, gen, dtype=torch.float32, scale=1.0):

@@ -9,39 +9,22 @@ test that can runs on both kernels: the one-block kernel at its real sizes, and 
 
 from __future__ import annotations
 
-import importlib
-import secrets
-
+import helpers
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import DTYPES, TOLERANCES
 
 import kernels
-from kernels import _rows
+from kernels import _launch, _rows
+from kernels.ops import softmax as sm
 
-sm = importlib.import_module("kernels.softmax")  # the module (``kernels.softmax`` is the function)
+pytestmark = pytest.mark.usefixtures("poisoned")  # every buffer the ops allocate starts as NaN
 
 DEVICE = kernels.runtime.DEVICE
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-# (rtol, atol) against the float64 reference rounded to the output dtype.
-TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-3, 1e-3), torch.bfloat16: (1.6e-2, 1e-2)}
 OPS = {"softmax": (sm.softmax, F.softmax), "log_softmax": (sm.log_softmax, F.log_softmax)}
 KERNEL_NAMES = ["softmax_kernel", "softmax_online_kernel", "softmax_backward_kernel",
                 "softmax_backward_online_kernel"]
-
-
-@pytest.fixture(autouse=True)
-def poisoned_outputs(monkeypatch):
-    """Every output the ops allocate starts as NaN, so unwritten elements show."""
-    monkeypatch.setattr(sm, "_empty_like", lambda t, dtype: torch.full_like(t, float("nan"), dtype=dtype))
-
-
-@pytest.fixture
-def gen() -> torch.Generator:
-    """A generator with a fresh seed (printed, so a failure can be replayed)."""
-    seed = secrets.randbits(31)
-    print(f"input seed: {seed}")
-    return torch.Generator().manual_seed(seed)
 
 
 @pytest.fixture
@@ -89,27 +72,15 @@ def rand(shape, dtype=torch.float32, gen=None, scale=3.0) -> torch.Tensor:
 
 
 def make_input(shape, dtype, layout: str, gen: torch.Generator) -> torch.Tensor:
-    """A tensor of logical ``shape`` laid out as ``layout`` (a view, never a copy)."""
-    if layout == "contiguous":
-        return rand(shape, dtype, gen)
-    if layout == "transposed":  # last two dims swapped in memory
-        return rand((*shape[:-2], shape[-1], shape[-2]), dtype, gen).transpose(-1, -2)
-    if layout == "sliced":  # an offset in the first dim, a step in the last
-        return rand((shape[0] + 1, *shape[1:-1], 2 * shape[-1]), dtype, gen)[1:, ..., ::2]
-    if layout == "permuted":
-        order = list(reversed(range(len(shape))))
-        return rand([shape[d] for d in order], dtype, gen).permute(*order)
-    if layout == "expanded":  # stride 0 along the first dim
-        return rand((1, *shape[1:]), dtype, gen).expand(shape)
-    raise AssertionError(layout)
+    """A tensor of logical ``shape`` laid out as ``layout`` (a view, never a copy), values N(0, 3²)."""
+    return helpers.make_input(shape, dtype, layout, gen, scale=3.0)
 
 
 def assert_matches(out: torch.Tensor, reference64: torch.Tensor, dtype: torch.dtype,
                    tolerance: torch.dtype | None = None) -> None:
-    assert out.dtype == dtype
-    assert out.shape == reference64.shape
-    rtol, atol = TOLERANCES[tolerance or dtype]
-    torch.testing.assert_close(out.double(), reference64.to(dtype).double(), rtol=rtol, atol=atol)
+    """Within ``dtype``'s tolerance, or a coarser dtype's (``tolerance``) for a mixed-dtype result."""
+    rtol, atol = helpers.tolerance(tolerance or dtype)
+    helpers.assert_matches(out, reference64, dtype, rtol=rtol, atol=atol)
 
 
 def reference_grad(reference, x, dim, grad_out):
@@ -151,7 +122,6 @@ def test_forward_matches_float64_reference(name, kind, shape, dim, monkeypatch, 
     x = rand(shape, gen=gen)
     out = op(x, dim)
     assert_matches(out, reference(x.double(), dim), torch.float32)
-    assert out.stride() == torch.empty_like(x).stride()
 
 
 LONG_DIM_SHAPES = {0: (40, 2, 3), 1: (2, 40, 3), -1: (2, 3, 40)}
@@ -166,7 +136,8 @@ def test_forward_honours_strides(name, dim, layout, path, gen):
     assert not x.is_contiguous()
     out = op(x, dim)
     assert_matches(out, reference(x.double(), dim), torch.float32)
-    assert out.stride() == torch.empty_like(x).stride()  # x's layout when dense, like torch
+    ref_layout = F.softmax(x, dim).stride()  # torch's own result: contiguous whatever x's layout
+    assert out.stride() == ref_layout and out.is_contiguous()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -201,7 +172,7 @@ def test_many_leading_dims_and_tiles_that_cross_them(launched, gen):
     # (4, 7) leading rows that do not merge: tiles of rows cross from one i1 to the next.
     y = rand((4, 9, 30), gen=gen)[:, 1:8]
     (launch,) = _rows.plan_rows([y])
-    assert launch.sizes == (4, 7) and sm.softmax_launch_config(30, torch.float32).rows_per_program > 7
+    assert launch.sizes == (4, 7) and sm.softmax_launch_config(30, torch.float32).block_rows > 7
     assert_matches(sm.log_softmax(y, -1), F.log_softmax(y.double(), -1), torch.float32)
 
 
@@ -217,13 +188,13 @@ def test_channel_softmax_tiles_run_along_contiguous_rows(name, launched, path, g
     (grad,) = torch.autograd.grad(out, [x], grad_out)
     assert_matches(grad, reference_grad(reference, x, 1, grad_out), torch.float32)
     for _, grid, constexprs in launched.calls:
-        rows = constexprs["ROWS_PER_PROGRAM"]
+        rows = constexprs["BLOCK_ROWS"]
         assert constexprs["LINEAR_ROWS"] and 35 % rows != 0 and grid == (2 * -(-35 // rows),)
 
 
 def test_int64_offsets_path(monkeypatch, gen):
     """The int64 column-offset path (strides that can pass 2**31) computes the same values."""
-    monkeypatch.setattr(_rows, "_INT32_MAX", 100)
+    monkeypatch.setattr(_launch, "INT32_MAX", 100)
     x = make_input((5, 40), torch.float32, "transposed", gen)
     assert _rows.plan_rows([x])[0].index_64  # 39 columns * a stride of 5 pass the patched limit
     assert_matches(sm.softmax(x, -1), F.softmax(x.double(), -1), torch.float32)
@@ -434,38 +405,44 @@ def test_torch_compile_fullgraph_forward_and_backward(name, gen):
 # --------------------------------------------------------------------------- the launch rule
 
 
+def shape(config) -> tuple[int, int, bool, int]:
+    """``(block_cols, block_rows, chunked, num_warps)`` of a launch config."""
+    return config.block_cols, config.block_rows, config.chunked, config.num_warps
+
+
 def test_launch_config_rule():
     config = sm.softmax_launch_config
     f32, bf16 = torch.float32, torch.bfloat16
     # short rows packed into 4096-element tiles, 4 warps
-    assert config(1, f32) == (1, 4096, False, 4)
-    assert config(100, f32) == (128, 32, False, 4)
-    assert config(1000, bf16) == (1024, 4, False, 4)
-    assert config(100, f32, n_rows=3) == (128, 4, False, 4)  # no more rows than there are
+    assert shape(config(1, f32)) == (1, 4096, False, 4)
+    assert shape(config(100, f32)) == (128, 32, False, 4)
+    assert shape(config(1000, bf16)) == (1024, 4, False, 4)
+    assert shape(config(100, f32, n_rows=3)) == (128, 4, False, 4)  # no more rows than there are
     # one row per block up to 32768 columns, about 32 values per thread
-    assert config(5000, f32) == (8192, 1, False, 8)
-    assert config(32768, f32) == (32768, 1, False, 32)
-    assert config(32769, f32) == (4096, 1, True, 8)  # then online, in 4096-column chunks
-    assert config(1_000_000, bf16).online
+    assert shape(config(5000, f32)) == (8192, 1, False, 8)
+    assert shape(config(32768, f32)) == (32768, 1, False, 32)
+    assert shape(config(32769, f32)) == (4096, 1, True, 8)  # then online, in 4096-column chunks
+    assert config(1_000_000, bf16).chunked
     # the backward keeps y and dy: one block up to 16384
-    assert config(16384, f32, backward=True) == (16384, 1, False, 32)
-    assert config(16385, f32, backward=True).online
+    assert shape(config(16384, f32, backward=True)) == (16384, 1, False, 32)
+    assert config(16385, f32, backward=True).chunked
     # rows contiguous in memory: a 32-byte sector of rows per program, 16 values per thread
-    assert config(1000, f32, transposed=True) == (1024, 8, False, 16)
-    assert config(1000, bf16, transposed=True) == (1024, 16, False, 32)
-    assert config(10, f32, transposed=True) == (16, 256, False, 8)
-    assert config(20000, f32, transposed=True) == (512, 8, True, 8)
-    assert config(0, f32).block == 1
+    assert shape(config(1000, f32, transposed=True)) == (1024, 8, False, 16)
+    assert shape(config(1000, bf16, transposed=True)) == (1024, 16, False, 32)
+    assert shape(config(10, f32, transposed=True)) == (16, 256, False, 8)
+    assert shape(config(20000, f32, transposed=True)) == (512, 8, True, 8)
+    assert config(0, f32).block_cols == 1
     for n_cols in (1, 7, 300, 4097, 32768, 40000, 10**6):
         for dtype in DTYPES:
             for backward in (False, True):
                 for transposed in (False, True):
                     c = config(n_cols, dtype, backward=backward, transposed=transposed)
-                    values = c.block * c.rows_per_program * (2 if backward and not c.online else 1)
-                    assert c.online == (triton_next_pow2(n_cols) * (2 if backward else 1)
+                    values = c.block_cols * c.block_rows * (2 if backward and not c.chunked else 1)
+                    assert c.chunked == (triton_next_pow2(n_cols) * (2 if backward else 1)
                                         > (sm.MAX_BLOCK if not transposed else sm.MAX_BLOCK // 2))
                     assert values <= sm.MAX_BLOCK and 4 <= c.num_warps <= 32
-                    assert c.block & (c.block - 1) == 0 and c.rows_per_program & (c.rows_per_program - 1) == 0
+                    assert c.block_cols & (c.block_cols - 1) == 0 and c.block_rows & (c.block_rows - 1) == 0
+                    assert c.rows_per_program == c.block_rows  # one tile a program
 
 
 def triton_next_pow2(n: int) -> int:

@@ -6,7 +6,8 @@ import triton
 import triton.language as tl
 
 import kernels  # noqa: F401  (fixes the mode before the kernel below is defined)
-from kernels._rows import merge_trailing, next_power_of_2, plan_rows, row_start
+from kernels._launch import next_power_of_2
+from kernels._rows import merge_trailing, plan_rows, row_start
 
 
 @triton.jit

@@ -36,18 +36,28 @@ _VECTOR_LOADS = ("ld.global.v4", "ld.global.nc.v4")
 _VECTOR_STORES = ("st.global.v4",)
 
 
-def run_compiled(script: str, tmp_path: Path | str, timeout: float = 600) -> subprocess.CompletedProcess:
+def run_compiled(script: str | os.PathLike, tmp_path: Path | str, timeout: float = 600,
+                 args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """Run ``script`` in a child Python in compiled mode (kernels not interpreted), a fresh Triton cache.
 
-    The script is written to ``tmp_path`` first (``@triton.jit`` needs a kernel's source file). The
-    calling process runs the interpreter (``TRITON_INTERPRET=1``); the child must not inherit it.
+    ``script`` is the path of a Python file (the compile scripts live in ``tests/aot/``, real files
+    that ruff checks), or the text of one, which is written to ``tmp_path`` first (``@triton.jit``
+    needs a kernel's source file). The calling process runs the interpreter
+    (``TRITON_INTERPRET=1``); the child must not inherit it. The repository is put on the child's
+    ``PYTHONPATH`` so that it imports this checkout's ``kernels`` and ``utils``.
     """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    repo = str(Path(__file__).resolve().parent.parent)
     env.update(KERNEL_LADDER_INTERPRET="0", TRITON_CACHE_DIR=str(Path(tmp_path) / "triton-cache"),
-               TRITON_DEFAULT_FP_FUSION="1")
-    path = Path(tmp_path) / "aot_script.py"
-    path.write_text(script)
-    return subprocess.run([sys.executable, str(path)], capture_output=True, text=True, env=env, timeout=timeout)
+               TRITON_DEFAULT_FP_FUSION="1",
+               PYTHONPATH=os.pathsep.join([repo, *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]))
+    if isinstance(script, str) and "\n" in script:
+        path = Path(tmp_path) / "aot_script.py"
+        path.write_text(script)
+    else:
+        path = Path(script)
+    return subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True, env=env,
+                          timeout=timeout)
 
 
 def compile_kernel(

@@ -12,56 +12,55 @@ import torch
 import triton
 import triton.language as tl
 
-from . import runtime
-from ._elementwise import block_indices, empty_output, launch_elementwise, operand_offset
-from ._validate import check_float_dtype, check_same_device, check_same_dtype, check_same_shape, check_tensor
+from .. import _activations, _launch, runtime
+from .._elementwise import block_indices, launch_elementwise, operand_offset
+from .._validate import check_float_dtype, check_same_device, check_same_dtype, check_same_shape, check_tensor
 
 __all__ = ["swiglu", "swiglu_kernel", "swiglu_backward_kernel"]
 
 
 @triton.jit
 def swiglu_kernel(
-    gate_ptr, up_ptr, out_ptr, n_elements,
-    size1, size2, size3,
-    gate_stride0, gate_stride1, gate_stride2, gate_stride3,
-    up_stride0, up_stride1, up_stride2, up_stride3,
+    gate_ptr, up_ptr, out_ptr,                        # inputs (any strides), output (contiguous)
+    n_elements, size1, size2, size3,                  # the coalesced iteration space
+    stride_gate0, stride_gate1, stride_gate2, stride_gate3,
+    stride_up0, stride_up1, stride_up2, stride_up3,
     CONTIGUOUS: tl.constexpr, INDEX_64: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """out[idx] = silu(gate[idx]) * up[idx]; out is contiguous, gate and up any strides."""
     idx, mask = block_indices(n_elements, INDEX_64, BLOCK)
     gate_offset = operand_offset(
-        idx, size1, size2, size3, gate_stride0, gate_stride1, gate_stride2, gate_stride3, CONTIGUOUS
+        idx, size1, size2, size3, stride_gate0, stride_gate1, stride_gate2, stride_gate3, CONTIGUOUS
     )
-    up_offset = operand_offset(idx, size1, size2, size3, up_stride0, up_stride1, up_stride2, up_stride3, CONTIGUOUS)
+    up_offset = operand_offset(idx, size1, size2, size3, stride_up0, stride_up1, stride_up2, stride_up3, CONTIGUOUS)
     gate = tl.load(gate_ptr + gate_offset, mask=mask).to(tl.float32)
     up = tl.load(up_ptr + up_offset, mask=mask).to(tl.float32)
-    out = gate * tl.sigmoid(gate) * up
+    out = _activations.silu(gate) * up
     tl.store(out_ptr + idx, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def swiglu_backward_kernel(
-    grad_out_ptr, gate_ptr, up_ptr, grad_gate_ptr, grad_up_ptr, n_elements,
-    size1, size2, size3,
-    g_stride0, g_stride1, g_stride2, g_stride3,
-    gate_stride0, gate_stride1, gate_stride2, gate_stride3,
-    up_stride0, up_stride1, up_stride2, up_stride3,
+    grad_out_ptr, gate_ptr, up_ptr,                   # inputs (any strides)
+    grad_gate_ptr, grad_up_ptr,                       # outputs (contiguous)
+    n_elements, size1, size2, size3,
+    stride_g0, stride_g1, stride_g2, stride_g3,       # grad_out
+    stride_gate0, stride_gate1, stride_gate2, stride_gate3,
+    stride_up0, stride_up1, stride_up2, stride_up3,
     CONTIGUOUS: tl.constexpr, INDEX_64: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """grad_gate = g * up * silu'(gate), grad_up = g * silu(gate), in one pass."""
     idx, mask = block_indices(n_elements, INDEX_64, BLOCK)
-    g_offset = operand_offset(idx, size1, size2, size3, g_stride0, g_stride1, g_stride2, g_stride3, CONTIGUOUS)
+    g_offset = operand_offset(idx, size1, size2, size3, stride_g0, stride_g1, stride_g2, stride_g3, CONTIGUOUS)
     gate_offset = operand_offset(
-        idx, size1, size2, size3, gate_stride0, gate_stride1, gate_stride2, gate_stride3, CONTIGUOUS
+        idx, size1, size2, size3, stride_gate0, stride_gate1, stride_gate2, stride_gate3, CONTIGUOUS
     )
-    up_offset = operand_offset(idx, size1, size2, size3, up_stride0, up_stride1, up_stride2, up_stride3, CONTIGUOUS)
+    up_offset = operand_offset(idx, size1, size2, size3, stride_up0, stride_up1, stride_up2, stride_up3, CONTIGUOUS)
     g = tl.load(grad_out_ptr + g_offset, mask=mask).to(tl.float32)
     gate = tl.load(gate_ptr + gate_offset, mask=mask).to(tl.float32)
     up = tl.load(up_ptr + up_offset, mask=mask).to(tl.float32)
-    s = tl.sigmoid(gate)
-    silu_gate = gate * s
-    grad_gate = g * up * s * (1.0 + gate * (1.0 - s))
-    grad_up = g * silu_gate
+    grad_gate = g * up * _activations.silu_grad(gate)
+    grad_up = g * _activations.silu(gate)
     tl.store(grad_gate_ptr + idx, grad_gate.to(grad_gate_ptr.dtype.element_ty), mask=mask)
     tl.store(grad_up_ptr + idx, grad_up.to(grad_up_ptr.dtype.element_ty), mask=mask)
 
@@ -81,7 +80,7 @@ def _check_swiglu_args(gate: object, up: object) -> None:
 def _swiglu_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     _check_swiglu_args(gate, up)
     runtime.require_launchable("kernels.swiglu", gate, up)
-    out = empty_output(gate.shape, gate)
+    out = _launch.empty_output(gate.shape, gate)
     launch_elementwise(swiglu_kernel, gate.shape, [gate, up], [out])
     return out
 
@@ -89,7 +88,7 @@ def _swiglu_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 @_swiglu_op.register_fake
 def _swiglu_fake(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     _check_swiglu_args(gate, up)
-    return empty_output(gate.shape, gate)
+    return _launch.empty_output(gate.shape, gate)
 
 
 @torch.library.custom_op("kernels::swiglu_backward", mutates_args=())
@@ -101,8 +100,8 @@ def _swiglu_backward_op(
     check_same_shape(op, "grad_out", grad_out, "gate", gate)
     check_same_device(op, "grad_out", grad_out, "gate", gate)
     runtime.require_launchable(op, grad_out, gate, up)
-    grad_gate = empty_output(gate.shape, gate)
-    grad_up = empty_output(up.shape, up)
+    grad_gate = _launch.empty_output(gate.shape, gate)
+    grad_up = _launch.empty_output(up.shape, up)
     launch_elementwise(swiglu_backward_kernel, gate.shape, [grad_out, gate, up], [grad_gate, grad_up])
     return grad_gate, grad_up
 
@@ -111,7 +110,7 @@ def _swiglu_backward_op(
 def _swiglu_backward_fake(
     grad_out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return empty_output(gate.shape, gate), empty_output(up.shape, up)
+    return _launch.empty_output(gate.shape, gate), _launch.empty_output(up.shape, up)
 
 
 def _swiglu_setup_context(ctx, inputs, output) -> None:

@@ -11,44 +11,42 @@ import torch
 import triton
 import triton.language as tl
 
-from . import runtime
-from ._elementwise import block_indices, empty_output, launch_elementwise, operand_offset
-from ._validate import check_float_dtype, check_same_device, check_same_shape, check_tensor
+from .. import _activations, _launch, runtime
+from .._elementwise import block_indices, launch_elementwise, operand_offset
+from .._validate import check_float_dtype, check_same_device, check_same_shape, check_tensor
 
 __all__ = ["silu", "silu_kernel", "silu_backward_kernel"]
 
 
 @triton.jit
 def silu_kernel(
-    x_ptr, out_ptr, n_elements,
-    size1, size2, size3,
-    x_stride0, x_stride1, x_stride2, x_stride3,
+    x_ptr, out_ptr,                                   # input (any strides), output (contiguous)
+    n_elements, size1, size2, size3,                  # the coalesced iteration space
+    stride_x0, stride_x1, stride_x2, stride_x3,
     CONTIGUOUS: tl.constexpr, INDEX_64: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """out[idx] = x[idx] * sigmoid(x[idx]); out is contiguous, x any strides."""
     idx, mask = block_indices(n_elements, INDEX_64, BLOCK)
-    x_offset = operand_offset(idx, size1, size2, size3, x_stride0, x_stride1, x_stride2, x_stride3, CONTIGUOUS)
+    x_offset = operand_offset(idx, size1, size2, size3, stride_x0, stride_x1, stride_x2, stride_x3, CONTIGUOUS)
     x = tl.load(x_ptr + x_offset, mask=mask).to(tl.float32)
-    y = x * tl.sigmoid(x)
-    tl.store(out_ptr + idx, y.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + idx, _activations.silu(x).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def silu_backward_kernel(
-    grad_out_ptr, x_ptr, grad_in_ptr, n_elements,
-    size1, size2, size3,
-    g_stride0, g_stride1, g_stride2, g_stride3,
-    x_stride0, x_stride1, x_stride2, x_stride3,
+    grad_out_ptr, x_ptr, grad_in_ptr,                 # inputs (any strides), output (contiguous)
+    n_elements, size1, size2, size3,
+    stride_g0, stride_g1, stride_g2, stride_g3,       # grad_out
+    stride_x0, stride_x1, stride_x2, stride_x3,
     CONTIGUOUS: tl.constexpr, INDEX_64: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """grad_in = grad_out * s * (1 + x * (1 - s)) with s = sigmoid(x)."""
+    """grad_in = grad_out * silu'(x) = grad_out * s * (1 + x * (1 - s)), s = sigmoid(x)."""
     idx, mask = block_indices(n_elements, INDEX_64, BLOCK)
-    g_offset = operand_offset(idx, size1, size2, size3, g_stride0, g_stride1, g_stride2, g_stride3, CONTIGUOUS)
-    x_offset = operand_offset(idx, size1, size2, size3, x_stride0, x_stride1, x_stride2, x_stride3, CONTIGUOUS)
+    g_offset = operand_offset(idx, size1, size2, size3, stride_g0, stride_g1, stride_g2, stride_g3, CONTIGUOUS)
+    x_offset = operand_offset(idx, size1, size2, size3, stride_x0, stride_x1, stride_x2, stride_x3, CONTIGUOUS)
     g = tl.load(grad_out_ptr + g_offset, mask=mask).to(tl.float32)
     x = tl.load(x_ptr + x_offset, mask=mask).to(tl.float32)
-    s = tl.sigmoid(x)
-    grad_in = g * s * (1.0 + x * (1.0 - s))
+    grad_in = g * _activations.silu_grad(x)
     tl.store(grad_in_ptr + idx, grad_in.to(grad_in_ptr.dtype.element_ty), mask=mask)
 
 
@@ -61,7 +59,7 @@ def _check_silu_args(x: object) -> None:
 def _silu_op(x: torch.Tensor) -> torch.Tensor:
     _check_silu_args(x)
     runtime.require_launchable("kernels.silu", x)
-    out = empty_output(x.shape, x)
+    out = _launch.empty_output(x.shape, x)
     launch_elementwise(silu_kernel, x.shape, [x], [out])
     return out
 
@@ -69,7 +67,7 @@ def _silu_op(x: torch.Tensor) -> torch.Tensor:
 @_silu_op.register_fake
 def _silu_fake(x: torch.Tensor) -> torch.Tensor:
     _check_silu_args(x)
-    return empty_output(x.shape, x)
+    return _launch.empty_output(x.shape, x)
 
 
 @torch.library.custom_op("kernels::silu_backward", mutates_args=())
@@ -79,14 +77,14 @@ def _silu_backward_op(grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     check_same_shape(op, "grad_out", grad_out, "x", x)
     check_same_device(op, "grad_out", grad_out, "x", x)
     runtime.require_launchable(op, grad_out, x)
-    grad_in = empty_output(x.shape, x)
+    grad_in = _launch.empty_output(x.shape, x)
     launch_elementwise(silu_backward_kernel, x.shape, [grad_out, x], [grad_in])
     return grad_in
 
 
 @_silu_backward_op.register_fake
 def _silu_backward_fake(grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    return empty_output(x.shape, x)
+    return _launch.empty_output(x.shape, x)
 
 
 def _silu_setup_context(ctx, inputs, output) -> None:

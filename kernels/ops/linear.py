@@ -1,6 +1,7 @@
 """A linear layer with a fused epilogue, ``activation(x @ weight^T + bias)``, as ``kernels::linear``.
 
-The forward pass is one matmul launch: the bias add and the activation (None, ReLU, GELU or SiLU)
+The forward pass is one matmul launch: the bias add and the activation (None, ReLU, GELU, tanh-GELU
+or SiLU, from :mod:`kernels._activations`)
 are applied to the float32 accumulator in the matmul kernel's epilogue, before its single store,
 so the (M, N) output is written once and never re-read — unfused, ``x @ W^T``, ``+ b`` and
 ``act(.)`` would write and read it three times over. Skinny (decode-shaped) inputs take the
@@ -14,7 +15,7 @@ The backward pass reuses the matmul kernels through strides (``W^T`` and ``X^T``
   with K = batch * seq when x is contiguous), ``db = 1^T @ G_z`` — the column sums of G_z as a
   matmul against a stride-0 vector of ones: fp32-accumulated, deterministic, no atomics.
 
-**Save or recompute the pre-activation?** GELU and SiLU need ``z = x W^T + b`` in the backward
+**Save or recompute the pre-activation?** GELU (both forms) and SiLU need ``z = x W^T + b`` in the backward
 pass. Saving it costs M*N*element_size bytes of memory held from forward to backward, plus one
 extra M*N store in the forward epilogue and one M*N load in the backward (both in the op's
 memory-bound part). Recomputing it costs a whole extra GEMM: 2*M*N*K FLOPs (half again the
@@ -32,44 +33,33 @@ import torch
 import triton
 import triton.language as tl
 
-from . import runtime
-from ._elementwise import block_indices, empty_output, launch_elementwise, operand_offset
-from ._validate import check_float_dtype, check_same_device, check_same_dtype, check_tensor
-from .matmul import _launch, _reduced_product
+from .. import _activations, _launch, runtime
+from .._elementwise import block_indices, launch_elementwise, operand_offset
+from .._validate import check_float_dtype, check_same_device, check_same_dtype, check_tensor
+from .matmul import launch_matmul, reduced_product
 
-__all__ = ["ACTIVATIONS", "linear", "linear_activation_backward_kernel"]
+__all__ = ["LINEAR_ACTIVATIONS", "linear", "linear_activation_backward_kernel"]
 
-#: The epilogue activations ``linear`` accepts (None is "none").
-ACTIVATIONS: tuple[str, ...] = ("relu", "gelu", "silu")
-
-_SQRT_HALF = tl.constexpr(0.7071067811865476)
-_INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
+#: The epilogue activations ``linear`` accepts (None is no activation); see :mod:`kernels._activations`.
+LINEAR_ACTIVATIONS: tuple[str, ...] = _activations.ACTIVATIONS
 
 
 @triton.jit
 def linear_activation_backward_kernel(
-    grad_ptr, saved_ptr, grad_pre_ptr, n_elements,
-    size1, size2, size3,
-    g_stride0, g_stride1, g_stride2, g_stride3,
-    s_stride0, s_stride1, s_stride2, s_stride3,
+    grad_ptr, saved_ptr, grad_pre_ptr,                # inputs (any strides), output (contiguous)
+    n_elements, size1, size2, size3,                  # the coalesced iteration space
+    stride_g0, stride_g1, stride_g2, stride_g3,       # grad (of the output)
+    stride_s0, stride_s1, stride_s2, stride_s3,       # saved: z for GELU/SiLU, y for ReLU
     ACTIVATION: tl.constexpr, CONTIGUOUS: tl.constexpr, INDEX_64: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """grad_pre = grad * act'(z); ``saved`` is z for GELU/SiLU, the output y for ReLU (y > 0 iff z > 0)."""
     idx, mask = block_indices(n_elements, INDEX_64, BLOCK)
-    g_offset = operand_offset(idx, size1, size2, size3, g_stride0, g_stride1, g_stride2, g_stride3, CONTIGUOUS)
-    s_offset = operand_offset(idx, size1, size2, size3, s_stride0, s_stride1, s_stride2, s_stride3, CONTIGUOUS)
+    g_offset = operand_offset(idx, size1, size2, size3, stride_g0, stride_g1, stride_g2, stride_g3, CONTIGUOUS)
+    s_offset = operand_offset(idx, size1, size2, size3, stride_s0, stride_s1, stride_s2, stride_s3, CONTIGUOUS)
     g = tl.load(grad_ptr + g_offset, mask=mask).to(tl.float32)
     s = tl.load(saved_ptr + s_offset, mask=mask).to(tl.float32)
-    if ACTIVATION == "relu":
-        d = tl.where(s > 0.0, g, 0.0)
-    elif ACTIVATION == "gelu":
-        cdf = 0.5 * (1.0 + tl.erf(s * _SQRT_HALF))
-        pdf = tl.exp(-0.5 * s * s) * _INV_SQRT_2PI
-        d = g * (cdf + s * pdf)
-    else:  # silu: d/dz z*sigmoid(z) = sigmoid(z) * (1 + z * (1 - sigmoid(z)))
-        sig = tl.sigmoid(s)
-        d = g * sig * (1.0 + s * (1.0 - sig))
-    tl.store(grad_pre_ptr + idx, d.to(grad_pre_ptr.dtype.element_ty), mask=mask)
+    grad_pre = g * _activations.derivative(s, ACTIVATION)
+    tl.store(grad_pre_ptr + idx, grad_pre.to(grad_pre_ptr.dtype.element_ty), mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -82,15 +72,15 @@ _OP = "kernels.linear"
 def _normalize_activation(activation: object) -> str:
     if activation is None:
         return "none"
-    expected = "None, " + ", ".join(repr(a) for a in ACTIVATIONS[:-1]) + f" or {ACTIVATIONS[-1]!r}"
+    expected = "None, " + ", ".join(repr(a) for a in LINEAR_ACTIVATIONS[:-1]) + f" or {LINEAR_ACTIVATIONS[-1]!r}"
     if not isinstance(activation, str):
         raise TypeError(f"{_OP}: activation must be {expected}, got {type(activation).__name__}")
-    if activation not in ACTIVATIONS:
+    if activation not in LINEAR_ACTIVATIONS:
         raise ValueError(f"{_OP}: activation must be {expected}, got {activation!r}")
     return activation
 
 
-def _check_linear_args(x: object, weight: object, bias: object, activation: str, op: str = _OP) -> tuple[int, ...]:
+def _check_args(x: object, weight: object, bias: object, activation: str, op: str = _OP) -> tuple[int, ...]:
     """Validate; returns the output shape (x.shape[:-1] + (out_features,))."""
     check_tensor(op, "x", x)
     check_tensor(op, "weight", weight)
@@ -135,29 +125,29 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def _saves_preactivation(activation: str, save_preactivation: bool) -> bool:
-    return save_preactivation and activation in ("gelu", "silu")
+    return save_preactivation and activation in ("gelu", "gelu_tanh", "silu")
 
 
 @torch.library.custom_op("kernels::linear", mutates_args=())
 def _linear_op(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str, save_preactivation: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    shape = _check_linear_args(x, weight, bias, activation)
+    shape = _check_args(x, weight, bias, activation)
     runtime.require_launchable(_OP, x, weight, *([bias] if bias is not None else []))
-    out = empty_output(shape, x)
-    preact = empty_output(shape, x) if _saves_preactivation(activation, save_preactivation) else x.new_empty(0)
+    out = _launch.empty_output(shape, x)
+    preact = _launch.empty_output(shape, x) if _saves_preactivation(activation, save_preactivation) else x.new_empty(0)
     rows = (*_rows(x).shape[:-1], weight.shape[0])
     saving = _saves_preactivation(activation, save_preactivation)
-    _launch(_rows(x), weight.t(), out.view(rows), bias=bias, activation=activation,
+    launch_matmul(_rows(x), weight.t(), out.view(rows), bias=bias, activation=activation,
                 preact=preact.view(rows) if saving else None)
     return out, preact
 
 
 @_linear_op.register_fake
 def _linear_fake(x, weight, bias, activation: str, save_preactivation: bool):
-    shape = _check_linear_args(x, weight, bias, activation)
-    preact = empty_output(shape, x) if _saves_preactivation(activation, save_preactivation) else x.new_empty(0)
-    return empty_output(shape, x), preact
+    shape = _check_args(x, weight, bias, activation)
+    preact = _launch.empty_output(shape, x) if _saves_preactivation(activation, save_preactivation) else x.new_empty(0)
+    return _launch.empty_output(shape, x), preact
 
 
 @torch.library.custom_op("kernels::linear_backward", mutates_args=())
@@ -173,7 +163,7 @@ def _linear_backward_op(
     need_bias: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     op = "kernels.linear (backward)"
-    shape = _check_linear_args(x, weight, bias, activation, op=op)
+    shape = _check_args(x, weight, bias, activation, op=op)
     check_same_device(op, "grad_out", grad_out, "x", x)
     runtime.require_launchable(op, grad_out, x, weight)
     grad_out = grad_out.to(x.dtype)
@@ -184,30 +174,30 @@ def _linear_backward_op(
     else:
         if activation != "relu" and saved.numel() != grad_out.numel():
             # The pre-activation was not kept: recompute z = x W^T + b with the forward kernel.
-            saved = empty_output(shape, x)
-            _launch(x_rows, weight.t(), saved.view(rows), bias=bias)
-        grad_pre = empty_output(shape, x)
+            saved = _launch.empty_output(shape, x)
+            launch_matmul(x_rows, weight.t(), saved.view(rows), bias=bias)
+        grad_pre = _launch.empty_output(shape, x)
         launch_elementwise(linear_activation_backward_kernel, shape, [grad_out, saved], [grad_pre],
                            ACTIVATION=activation)
     g_rows = grad_pre.unsqueeze(0) if x.dim() == 1 else grad_pre
     # A distinct empty tensor for each gradient not needed: a custom op's outputs may not alias.
     grad_x = x.new_empty(0)
     if need_x:
-        grad_x = empty_output(x.shape, x)
-        _launch(g_rows, weight, grad_x.view(x_rows.shape))
-    grad_weight = _reduced_product(g_rows.mT, x_rows, weight.shape) if need_weight else x.new_empty(0)
+        grad_x = _launch.empty_output(x.shape, x)
+        launch_matmul(g_rows, weight, grad_x.view(x_rows.shape))
+    grad_weight = reduced_product(g_rows.mT, x_rows, weight.shape) if need_weight else x.new_empty(0)
     grad_bias = x.new_empty(0)
     if need_bias and bias is not None:
         ones = torch.ones((), dtype=x.dtype, device=x.device).expand(*g_rows.shape[:-2], 1, g_rows.shape[-2])
-        grad_bias = _reduced_product(ones, g_rows, (1, weight.shape[0])).view(weight.shape[0])
+        grad_bias = reduced_product(ones, g_rows, (1, weight.shape[0])).view(weight.shape[0])
     return grad_x, grad_weight, grad_bias
 
 
 @_linear_backward_op.register_fake
 def _linear_backward_fake(grad_out, x, weight, bias, saved, activation, need_x, need_weight, need_bias):
-    grad_x = empty_output(x.shape, x) if need_x else x.new_empty(0)
-    grad_weight = empty_output(weight.shape, weight) if need_weight else x.new_empty(0)
-    grad_bias = empty_output((weight.shape[0],), x) if need_bias and bias is not None else x.new_empty(0)
+    grad_x = _launch.empty_output(x.shape, x) if need_x else x.new_empty(0)
+    grad_weight = _launch.empty_output(weight.shape, weight) if need_weight else x.new_empty(0)
+    grad_bias = _launch.empty_output((weight.shape[0],), x) if need_bias and bias is not None else x.new_empty(0)
     return grad_x, grad_weight, grad_bias
 
 
@@ -249,8 +239,8 @@ def linear(
         x: (..., in_features) float32, float16 or bfloat16, any strides (not copied).
         weight: (out_features, in_features), same dtype and device (the layout of ``nn.Linear``).
         bias: (out_features,) or None.
-        activation: None, ``"relu"``, ``"gelu"`` (exact, erf form) or ``"silu"``, applied to the
-            float32 accumulator before the store.
+        activation: None, ``"relu"``, ``"gelu"`` (exact, erf form), ``"gelu_tanh"`` (the tanh
+            approximation, GPT-2's) or ``"silu"``, applied to the float32 accumulator before the store.
 
     Returns:
         A new contiguous (..., out_features) tensor. Differentiable in x, weight and bias
@@ -258,7 +248,7 @@ def linear(
         pre-activation in the forward pass (see the module docstring for the trade).
     """
     act = _normalize_activation(activation)
-    _check_linear_args(x, weight, bias, act)
+    _check_args(x, weight, bias, act)
     needs_grad = torch.is_grad_enabled() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     )

@@ -2,9 +2,10 @@
 
 Broadcasting costs no memory: a broadcast operand becomes a stride-0 view (``expand``), and the
 strided launch reads it through those strides, so ``x + bias`` reads the bias row once per output
-row from cache instead of materializing a full-size copy. Both operands must share a dtype (no
-type promotion); the sum is computed in float32 and rounded once to the storage dtype, as torch
-does for float16 and bfloat16.
+row from cache instead of materializing a full-size copy. Dtypes promote by torch's rule
+(``torch.result_type``: fp16 + fp32 is fp32, but a 0-d tensor or a Python number does not promote
+a tensor with dims, so ``bf16 + 0-d fp32`` stays bf16); each operand is loaded in its own dtype,
+the sum computed in float32 and rounded once to the result dtype, as torch does for fp16 and bf16.
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import runtime
-from ._elementwise import block_indices, empty_output, launch_elementwise, operand_offset
-from ._validate import (
+from .. import _launch, runtime
+from .._elementwise import block_indices, launch_elementwise, operand_offset
+from .._validate import (
     check_broadcastable,
     check_float_dtype,
     check_same_device,
@@ -27,16 +28,16 @@ __all__ = ["add", "add_kernel"]
 
 @triton.jit
 def add_kernel(
-    x_ptr, y_ptr, out_ptr, n_elements,
-    size1, size2, size3,
-    x_stride0, x_stride1, x_stride2, x_stride3,
-    y_stride0, y_stride1, y_stride2, y_stride3,
+    x_ptr, y_ptr, out_ptr,                            # inputs (any strides, 0 where broadcast), output
+    n_elements, size1, size2, size3,                  # the coalesced iteration space
+    stride_x0, stride_x1, stride_x2, stride_x3,
+    stride_y0, stride_y1, stride_y2, stride_y3,
     CONTIGUOUS: tl.constexpr, INDEX_64: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """out[idx] = x[idx] + y[idx]; out is contiguous, x and y any strides (0 where broadcast)."""
     idx, mask = block_indices(n_elements, INDEX_64, BLOCK)
-    x_offset = operand_offset(idx, size1, size2, size3, x_stride0, x_stride1, x_stride2, x_stride3, CONTIGUOUS)
-    y_offset = operand_offset(idx, size1, size2, size3, y_stride0, y_stride1, y_stride2, y_stride3, CONTIGUOUS)
+    x_offset = operand_offset(idx, size1, size2, size3, stride_x0, stride_x1, stride_x2, stride_x3, CONTIGUOUS)
+    y_offset = operand_offset(idx, size1, size2, size3, stride_y0, stride_y1, stride_y2, stride_y3, CONTIGUOUS)
     x = tl.load(x_ptr + x_offset, mask=mask).to(tl.float32)
     y = tl.load(y_ptr + y_offset, mask=mask).to(tl.float32)
     tl.store(out_ptr + idx, (x + y).to(out_ptr.dtype.element_ty), mask=mask)
@@ -56,8 +57,9 @@ def _check_add_args(x: object, y: object) -> torch.Size:
 def _add_op(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     shape = _check_add_args(x, y)
     runtime.require_launchable("kernels.add", x, y)
-    # Mixed dtypes promote like torch (fp16 + fp32 -> fp32); each input is loaded in its own dtype.
-    out = empty_output(shape, x, torch.promote_types(x.dtype, y.dtype))
+    # Mixed dtypes promote like torch (torch.result_type: 0-d tensors do not promote dims); each
+    # input is loaded in its own dtype.
+    out = _launch.empty_output(shape, x, torch.result_type(x, y))
     # expand() makes stride-0 views: broadcasting without copies.
     launch_elementwise(add_kernel, shape, [x.expand(shape), y.expand(shape)], [out])
     return out
@@ -65,7 +67,7 @@ def _add_op(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 @_add_op.register_fake
 def _add_fake(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return empty_output(_check_add_args(x, y), x, torch.promote_types(x.dtype, y.dtype))
+    return _launch.empty_output(_check_add_args(x, y), x, torch.result_type(x, y))
 
 
 def _add_setup_context(ctx, inputs, output) -> None:
@@ -99,7 +101,8 @@ def add(x: torch.Tensor | float, y: torch.Tensor | float) -> torch.Tensor:
 
     Returns:
         A new contiguous tensor of the broadcast shape in the promoted dtype
-        (``torch.promote_types``), computed in float32. Differentiable: each input's gradient
+        (``torch.result_type``, torch's rule: a 0-d tensor does not promote a tensor with dims),
+        computed in float32. Differentiable: each input's gradient
         is summed over the dims it was broadcast along and given in its own dtype.
     """
     x, y = _scalar_to_tensor(x, y), _scalar_to_tensor(y, x)

@@ -14,9 +14,9 @@ only ``rstd`` (float32, one per row) for the backward; ``x`` is the op's input a
     dx = rstd * (g - xhat * mean(g * xhat))          dw = sum over rows of dy * xhat
 
 ``dx`` is one row reduction and one elementwise pass per row, like the forward. ``dw`` is a sum
-over rows, done in two stages (:mod:`kernels._norm`): each program adds its rows' ``dy * xhat``
+over rows, done in two stages (:mod:`kernels.ops.norm`): each program adds its rows' ``dy * xhat``
 into float32 registers and writes one row of a ``(n_programs, N)`` partial buffer, then
-:func:`~kernels._norm.column_sum_kernel` adds the buffer's rows, rounding to the weight's dtype.
+:func:`~kernels.ops.norm.column_sum_kernel` adds the buffer's rows, rounding to the weight's dtype.
 No atomics, and the result does not depend on scheduling.
 
 Rows longer than the fused limit take a chunked path in the same kernels (statistics pass, then
@@ -29,21 +29,20 @@ import torch
 import triton
 import triton.language as tl
 
-from . import runtime
-from ._norm import (
+from .. import _launch, runtime
+from .._rows import load_rows, row_start, store_rows
+from .._validate import check_same_device, check_same_dtype, check_same_shape, check_tensor
+from .norm import (
     check_eps,
     check_param,
     check_row_input,
     column_sum,
-    empty_output,
     empty_stats,
     launch_norm,
     plan_norm,
     program_rows,
     walkable,
 )
-from ._rows import load_rows, row_start, store_rows
-from ._validate import check_same_device, check_same_dtype, check_same_shape, check_tensor
 
 __all__ = ["rms_norm", "rms_norm_kernel", "rms_norm_backward_kernel"]
 
@@ -51,58 +50,64 @@ __all__ = ["rms_norm", "rms_norm_kernel", "rms_norm_backward_kernel"]
 @triton.jit
 def rms_norm_kernel(
     x_ptr, y_ptr, w_ptr, rstd_ptr, eps,
-    n_rows, n_cols, size1, size2,
-    xs0, xs1, xs2, xc, ys0, ys1, ys2, yc, wc,
-    rows_per_program,
-    HAS_WEIGHT: tl.constexpr, TILE_ROWS: tl.constexpr, BLOCK: tl.constexpr, CHUNKED: tl.constexpr,
+    n_rows, n_cols, size1, size2,                     # rows, their length, the merged leading dims
+    stride_x0, stride_x1, stride_x2, stride_xcol,
+    stride_y0, stride_y1, stride_y2, stride_ycol,
+    stride_w,                                         # the weight's (column) stride
+    rows_per_program,                                 # a multiple of BLOCK_ROWS
+    HAS_WEIGHT: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, CHUNKED: tl.constexpr,
     INDEX_64: tl.constexpr,
 ):
-    """y = x * rstd * w for this program's rows_per_program rows, TILE_ROWS x BLOCK at a time."""
-    pid, row0, n_here, cols = program_rows(n_rows, rows_per_program, BLOCK, INDEX_64)
+    """y = x * rstd * w for this program's rows_per_program rows, BLOCK_ROWS x BLOCK_COLS at a time."""
+    pid, row0, n_here, cols = program_rows(n_rows, rows_per_program, BLOCK_COLS, INDEX_64)
     if not CHUNKED:
         col_mask = cols < n_cols
         if HAS_WEIGHT:  # once per program, shared by all its rows
-            w = tl.load(w_ptr + cols * wc, mask=col_mask, other=0.0).to(tl.float32)
-    for i in range(0, n_here, TILE_ROWS):
-        rows = row0 + i + tl.arange(0, TILE_ROWS)
+            w = tl.load(w_ptr + cols * stride_w, mask=col_mask, other=0.0).to(tl.float32)
+    for i in range(0, n_here, BLOCK_ROWS):
+        rows = row0 + i + tl.arange(0, BLOCK_ROWS)
         row_mask = rows < n_rows
-        x_row = row_start(rows, size1, size2, xs0, xs1, xs2)[:, None]
-        y_row = row_start(rows, size1, size2, ys0, ys1, ys2)[:, None]
+        x_row = row_start(rows, size1, size2, stride_x0, stride_x1, stride_x2)[:, None]
+        y_row = row_start(rows, size1, size2, stride_y0, stride_y1, stride_y2)[:, None]
         if CHUNKED:
-            squares = tl.zeros([TILE_ROWS, BLOCK], dtype=tl.float32)
-            for start in range(0, n_cols, BLOCK):
+            squares = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
+            for start in range(0, n_cols, BLOCK_COLS):
                 c = start + cols
                 mask = row_mask[:, None] & (c < n_cols)[None, :]
-                x = tl.load(x_ptr + x_row + c[None, :] * xc, mask=mask, other=0.0).to(tl.float32)
+                x = tl.load(x_ptr + x_row + c[None, :] * stride_xcol, mask=mask, other=0.0).to(tl.float32)
                 squares += x * x
             rstd = tl.rsqrt(tl.sum(squares, axis=1) / n_cols + eps)
-            for start in range(0, n_cols, BLOCK):
+            for start in range(0, n_cols, BLOCK_COLS):
                 c = start + cols
                 mask = row_mask[:, None] & (c < n_cols)[None, :]
-                x = tl.load(x_ptr + x_row + c[None, :] * xc, mask=mask, other=0.0).to(tl.float32)
+                x = tl.load(x_ptr + x_row + c[None, :] * stride_xcol, mask=mask, other=0.0).to(tl.float32)
                 y = x * rstd[:, None]
                 if HAS_WEIGHT:
-                    y = y * tl.load(w_ptr + c * wc, mask=c < n_cols, other=0.0).to(tl.float32)[None, :]
-                tl.store(y_ptr + y_row + c[None, :] * yc, y.to(y_ptr.dtype.element_ty), mask=mask)
+                    y = y * tl.load(w_ptr + c * stride_w, mask=c < n_cols, other=0.0).to(tl.float32)[None, :]
+                tl.store(y_ptr + y_row + c[None, :] * stride_ycol, y.to(y_ptr.dtype.element_ty), mask=mask)
         else:
             mask = row_mask[:, None] & col_mask[None, :]
-            x = tl.load(x_ptr + x_row + cols[None, :] * xc, mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + x_row + cols[None, :] * stride_xcol, mask=mask, other=0.0).to(tl.float32)
             rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
             y = x * rstd[:, None]
             if HAS_WEIGHT:
                 y = y * w[None, :]
-            tl.store(y_ptr + y_row + cols[None, :] * yc, y.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.store(y_ptr + y_row + cols[None, :] * stride_ycol, y.to(y_ptr.dtype.element_ty), mask=mask)
         tl.store(rstd_ptr + rows, rstd, mask=row_mask)
 
 
 @triton.jit
 def rms_norm_backward_kernel(
     dy_ptr, x_ptr, dx_ptr, ds_ptr, w_ptr, rstd_ptr, scratch_ptr, dw_partial_ptr,
-    n_rows, n_cols, size1, size2,
-    dys0, dys1, dys2, dyc, xs0, xs1, xs2, xc, dxs0, dxs1, dxs2, dxc, dss0, dss1, dss2, dsc, wc,
-    rows_per_program,
+    n_rows, n_cols, size1, size2,                     # rows, their length, the merged leading dims
+    stride_dy0, stride_dy1, stride_dy2, stride_dycol,
+    stride_x0, stride_x1, stride_x2, stride_xcol,
+    stride_dx0, stride_dx1, stride_dx2, stride_dxcol,
+    stride_ds0, stride_ds1, stride_ds2, stride_dscol,
+    stride_w,                                         # the weight's (column) stride
+    rows_per_program,                                 # a multiple of BLOCK_ROWS
     HAS_WEIGHT: tl.constexpr, HAS_GRAD_SUM: tl.constexpr, WEIGHT_GRAD: tl.constexpr,
-    TILE_ROWS: tl.constexpr, BLOCK: tl.constexpr, CHUNKED: tl.constexpr, INDEX_64: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, CHUNKED: tl.constexpr, INDEX_64: tl.constexpr,
 ):
     """dx = rstd * (g - xhat * mean(g * xhat)) [+ ds], g = dy * w; this program's dw partial row.
 
@@ -111,19 +116,19 @@ def rms_norm_backward_kernel(
     row first (into ``scratch``), then walks column chunks, each over all of the program's rows,
     so that the dw partial of a chunk stays in registers.
     """
-    pid, row0, n_here, cols = program_rows(n_rows, rows_per_program, BLOCK, INDEX_64)
+    pid, row0, n_here, cols = program_rows(n_rows, rows_per_program, BLOCK_COLS, INDEX_64)
     if not CHUNKED:
         col_mask = cols < n_cols
         if HAS_WEIGHT:
-            w = tl.load(w_ptr + cols * wc, mask=col_mask, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + cols * stride_w, mask=col_mask, other=0.0).to(tl.float32)
         if WEIGHT_GRAD:
-            dw = tl.zeros([TILE_ROWS, BLOCK], dtype=tl.float32)
-        for i in range(0, n_here, TILE_ROWS):
-            rows = row0 + i + tl.arange(0, TILE_ROWS)
+            dw = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
+        for i in range(0, n_here, BLOCK_ROWS):
+            rows = row0 + i + tl.arange(0, BLOCK_ROWS)
             row_mask = rows < n_rows
             mask = row_mask[:, None] & col_mask[None, :]
-            dy = load_rows(dy_ptr, rows, cols, mask, size1, size2, dys0, dys1, dys2, dyc)
-            x = load_rows(x_ptr, rows, cols, mask, size1, size2, xs0, xs1, xs2, xc)
+            dy = load_rows(dy_ptr, rows, cols, mask, size1, size2, stride_dy0, stride_dy1, stride_dy2, stride_dycol)
+            x = load_rows(x_ptr, rows, cols, mask, size1, size2, stride_x0, stride_x1, stride_x2, stride_xcol)
             rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)[:, None]
             xhat = x * rstd
             g = dy
@@ -132,46 +137,47 @@ def rms_norm_backward_kernel(
             mean_gx = tl.sum(g * xhat, axis=1)[:, None] / n_cols
             dx = (g - xhat * mean_gx) * rstd
             if HAS_GRAD_SUM:
-                dx += load_rows(ds_ptr, rows, cols, mask, size1, size2, dss0, dss1, dss2, dsc)
-            store_rows(dx_ptr, dx, rows, cols, mask, size1, size2, dxs0, dxs1, dxs2, dxc)
+                dx += load_rows(ds_ptr, rows, cols, mask, size1, size2,
+                                stride_ds0, stride_ds1, stride_ds2, stride_dscol)
+            store_rows(dx_ptr, dx, rows, cols, mask, size1, size2, stride_dx0, stride_dx1, stride_dx2, stride_dxcol)
             if WEIGHT_GRAD:
                 dw += dy * xhat
         if WEIGHT_GRAD:
             tl.store(dw_partial_ptr + pid * n_cols + cols, tl.sum(dw, axis=0), mask=col_mask)
     else:
         # Pass 1: mean(g * xhat) of each row, kept in scratch (one float32 per row).
-        for i in range(0, n_here, TILE_ROWS):
-            rows = row0 + i + tl.arange(0, TILE_ROWS)
+        for i in range(0, n_here, BLOCK_ROWS):
+            rows = row0 + i + tl.arange(0, BLOCK_ROWS)
             row_mask = rows < n_rows
-            dy_row = row_start(rows, size1, size2, dys0, dys1, dys2)[:, None]
-            x_row = row_start(rows, size1, size2, xs0, xs1, xs2)[:, None]
+            dy_row = row_start(rows, size1, size2, stride_dy0, stride_dy1, stride_dy2)[:, None]
+            x_row = row_start(rows, size1, size2, stride_x0, stride_x1, stride_x2)[:, None]
             rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)[:, None]
-            acc = tl.zeros([TILE_ROWS, BLOCK], dtype=tl.float32)
-            for start in range(0, n_cols, BLOCK):
+            acc = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
+            for start in range(0, n_cols, BLOCK_COLS):
                 c = start + cols
                 mask = row_mask[:, None] & (c < n_cols)[None, :]
-                dy = tl.load(dy_ptr + dy_row + c[None, :] * dyc, mask=mask, other=0.0).to(tl.float32)
-                x = tl.load(x_ptr + x_row + c[None, :] * xc, mask=mask, other=0.0).to(tl.float32)
+                dy = tl.load(dy_ptr + dy_row + c[None, :] * stride_dycol, mask=mask, other=0.0).to(tl.float32)
+                x = tl.load(x_ptr + x_row + c[None, :] * stride_xcol, mask=mask, other=0.0).to(tl.float32)
                 g = dy
                 if HAS_WEIGHT:
-                    g = dy * tl.load(w_ptr + c * wc, mask=c < n_cols, other=0.0).to(tl.float32)[None, :]
+                    g = dy * tl.load(w_ptr + c * stride_w, mask=c < n_cols, other=0.0).to(tl.float32)[None, :]
                 acc += g * x * rstd
             tl.store(scratch_ptr + rows, tl.sum(acc, axis=1) / n_cols, mask=row_mask)
         tl.debug_barrier()  # pass 2 reads scratch values other threads wrote
         # Pass 2: column chunks outside, the program's rows inside: dx, and dw in registers.
-        for start in range(0, n_cols, BLOCK):
+        for start in range(0, n_cols, BLOCK_COLS):
             c = start + cols
             c_mask = c < n_cols
             if HAS_WEIGHT:
-                w = tl.load(w_ptr + c * wc, mask=c_mask, other=0.0).to(tl.float32)
+                w = tl.load(w_ptr + c * stride_w, mask=c_mask, other=0.0).to(tl.float32)
             if WEIGHT_GRAD:
-                dw = tl.zeros([TILE_ROWS, BLOCK], dtype=tl.float32)
-            for i in range(0, n_here, TILE_ROWS):
-                rows = row0 + i + tl.arange(0, TILE_ROWS)
+                dw = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
+            for i in range(0, n_here, BLOCK_ROWS):
+                rows = row0 + i + tl.arange(0, BLOCK_ROWS)
                 row_mask = rows < n_rows
                 mask = row_mask[:, None] & c_mask[None, :]
-                dy = load_rows(dy_ptr, rows, c, mask, size1, size2, dys0, dys1, dys2, dyc)
-                x = load_rows(x_ptr, rows, c, mask, size1, size2, xs0, xs1, xs2, xc)
+                dy = load_rows(dy_ptr, rows, c, mask, size1, size2, stride_dy0, stride_dy1, stride_dy2, stride_dycol)
+                x = load_rows(x_ptr, rows, c, mask, size1, size2, stride_x0, stride_x1, stride_x2, stride_xcol)
                 rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)[:, None]
                 mean_gx = tl.load(scratch_ptr + rows, mask=row_mask, other=0.0)[:, None]
                 xhat = x * rstd
@@ -180,8 +186,9 @@ def rms_norm_backward_kernel(
                     g = dy * w[None, :]
                 dx = (g - xhat * mean_gx) * rstd
                 if HAS_GRAD_SUM:
-                    dx += load_rows(ds_ptr, rows, c, mask, size1, size2, dss0, dss1, dss2, dsc)
-                store_rows(dx_ptr, dx, rows, c, mask, size1, size2, dxs0, dxs1, dxs2, dxc)
+                    dx += load_rows(ds_ptr, rows, c, mask, size1, size2,
+                                    stride_ds0, stride_ds1, stride_ds2, stride_dscol)
+                store_rows(dx_ptr, dx, rows, c, mask, size1, size2, stride_dx0, stride_dx1, stride_dx2, stride_dxcol)
                 if WEIGHT_GRAD:
                     dw += dy * xhat
             if WEIGHT_GRAD:
@@ -195,7 +202,7 @@ def rms_norm_backward_kernel(
 
 def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float, w_stride: int):
     """Launch the forward; returns ``(y, rstd)``."""
-    y = empty_output(x.shape, x)
+    y = _launch.empty_output(x.shape, x)
     rstd = empty_stats(x, 1)
     if x.shape[-1] == 0:
         rstd.fill_(eps**-0.5)  # the mean square of no elements is taken as 0
@@ -217,13 +224,13 @@ def rms_norm_backward_launch(
     grad_out = walkable(grad_out, 1)
     if grad_sum is not None:
         grad_sum = walkable(grad_sum, 1)
-    dx = empty_output(x.shape, x)
+    dx = _launch.empty_output(x.shape, x)
     n_cols = x.shape[-1]
     plan = plan_norm([grad_out, x, dx, grad_out if grad_sum is None else grad_sum], 1, backward=True)
     weight_grad = weight_grad and weight is not None
-    partial = torch.empty((plan.n_programs, n_cols) if weight_grad else (0,), dtype=torch.float32, device=x.device)
+    partial = _launch.empty((plan.n_programs, n_cols) if weight_grad else (0,), torch.float32, x.device)
     chunked = any(config.chunked for config in plan.configs)
-    scratch = torch.empty(rstd.numel() if chunked else 0, dtype=torch.float32, device=x.device)
+    scratch = _launch.empty((rstd.numel() if chunked else 0,), torch.float32, x.device)
     w_stride = 0 if weight is None else weight.stride(0)
     launch_norm(
         rms_norm_backward_kernel, plan, [(weight, w_stride)], per_row=[rstd.view(-1), scratch], partials=[partial],
@@ -264,7 +271,7 @@ def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> tu
 @_rms_norm_op.register_fake
 def _rms_norm_fake(x, weight, eps):
     _check_rms_norm_args(x, weight, eps)
-    return empty_output(x.shape, x), empty_stats(x, 1)
+    return _launch.empty_output(x.shape, x), empty_stats(x, 1)
 
 
 @torch.library.custom_op("kernels::rms_norm_backward", mutates_args=())
@@ -282,7 +289,7 @@ def _rms_norm_backward_op(
 @_rms_norm_backward_op.register_fake
 def _rms_norm_backward_fake(grad_out, x, weight, rstd, weight_grad):
     dw_shape = weight.shape if (weight_grad and weight is not None) else (0,)
-    return empty_output(x.shape, x), x.new_empty(dw_shape)
+    return _launch.empty_output(x.shape, x), x.new_empty(dw_shape)
 
 
 def _rms_norm_setup_context(ctx, inputs, output) -> None:

@@ -4,23 +4,23 @@
 normalized trailing dims, merged into one column stride, form a row of ``N`` columns; every other
 index is a row. Their kernels share one shape of work, chosen here by :func:`norm_launch_config`:
 
-* **A tile** is ``TILE_ROWS x BLOCK`` elements: ``BLOCK`` (a power of two) holds a whole row up to
-  :data:`MAX_FUSED_BLOCK` columns (the *fused* path: a row is loaded once, reduced and normalized
-  from registers). ``TILE_ROWS`` rows share the tile when rows are short, so that every iteration
+* **A tile** is ``BLOCK_ROWS x BLOCK_COLS`` elements: ``BLOCK_COLS`` (a power of two) holds a
+  whole row up to :data:`MAX_FUSED_BLOCK` columns (the *fused* path: a row is loaded once, reduced and normalized
+  from registers). ``BLOCK_ROWS`` rows share the tile when rows are short, so that every iteration
   moves about :data:`TILE_ELEMENTS` elements. Longer rows take the *chunked* path: one row at a
   time, in chunks of :data:`CHUNK_BLOCK` columns, a statistics pass and then an output pass (the
   row is read twice; a GPU serves the second read mostly from L2).
 * **Rows per program.** A program walks a contiguous group of ``rows_per_program`` rows, tile by
   tile, loading the weight (and bias) once for all of them. The rule::
 
-      n_tiles           = ceil(n_rows / TILE_ROWS)
+      n_tiles           = ceil(n_rows / BLOCK_ROWS)
       tiles_per_program = ceil(n_tiles / (PROGRAMS_PER_SM * SMs))       # fill the GPU first
-      forward only:       floor = min(ceil(MIN_FORWARD_ROWS_PER_PARAM * params / TILE_ROWS),
+      forward only:       floor = min(ceil(MIN_FORWARD_ROWS_PER_PARAM * params / BLOCK_ROWS),
                                       max(1, n_tiles // SMs))                # >= 1 program per SM
                           tiles_per_program = max(tiles_per_program, floor)
                           tiles_per_program = min(tiles_per_program,
-                                                  max(1, FORWARD_ROWS_PER_PROGRAM // TILE_ROWS))
-      rows_per_program  = TILE_ROWS * tiles_per_program
+                                                  max(1, FORWARD_ROWS_PER_PROGRAM // BLOCK_ROWS))
+      rows_per_program  = BLOCK_ROWS * tiles_per_program
       n_programs        = ceil(n_rows / rows_per_program)
 
   *Filling*: whenever there are enough tiles, every SM gets :data:`PROGRAMS_PER_SM` (2)
@@ -41,7 +41,7 @@ index is a row. Their kernels share one shape of work, chosen here by :func:`nor
   floor keeps the global traffic the tracer counts within 5% of the ideal wherever the launch
   has at least ``16 * params`` rows per SM (the CPU's sizes included), at no cost in occupancy.
 
-  Triton's interpreter acts as a GPU of :data:`INTERPRETER_SMS` SMs, so the CPU runs the same
+  Triton's interpreter acts as a GPU of :data:`kernels._launch.INTERPRETER_SMS` SMs, so the CPU runs the same
   multi-program reduction with few program instances.
 """
 
@@ -56,21 +56,20 @@ import torch
 import triton
 import triton.language as tl
 
-from . import runtime
-from ._rows import RowLaunch, merge_trailing, next_power_of_2, plan_rows
-from ._validate import check_float_dtype, check_same_device, check_same_dtype, check_tensor
+from .. import _launch
+from .._launch import next_power_of_2
+from .._rows import RowConfig, RowLaunch, merge_trailing, plan_rows
+from .._validate import check_float_dtype, check_same_device, check_same_dtype, check_tensor
 
 __all__ = [
     "CHUNK_BLOCK",
     "FORWARD_ROWS_PER_PROGRAM",
     "MIN_FORWARD_ROWS_PER_PARAM",
-    "INTERPRETER_SMS",
     "MAX_FUSED_BLOCK",
     "MAX_FUSED_BLOCK_BACKWARD",
     "PROGRAMS_PER_SM",
     "program_rows",
     "TILE_ELEMENTS",
-    "NormConfig",
     "column_sum",
     "column_sum_kernel",
     "launch_norm",
@@ -86,7 +85,7 @@ MAX_FUSED_BLOCK: int = 16384
 MAX_FUSED_BLOCK_BACKWARD: int = 8192
 #: Columns per chunk on the chunked (long-row) path.
 CHUNK_BLOCK: int = 4096
-#: Elements a tile aims at: short rows are stacked TILE_ROWS high up to this many elements.
+#: Elements a tile aims at: short rows are stacked BLOCK_ROWS high up to this many elements.
 TILE_ELEMENTS: int = 4096
 #: Programs per streaming multiprocessor when there are enough rows (see the module docstring).
 PROGRAMS_PER_SM: int = 2
@@ -94,10 +93,6 @@ PROGRAMS_PER_SM: int = 2
 FORWARD_ROWS_PER_PROGRAM: int = 32
 #: The forward's smallest share of rows per program, per parameter vector (weight, bias) it reads.
 MIN_FORWARD_ROWS_PER_PARAM: int = 16
-#: The SM count assumed in Triton's interpreter (it has no GPU to ask).
-INTERPRETER_SMS: int = 4
-
-_INT32_MAX = 2**31 - 1
 
 
 # ----------------------------------------------------------------------------------------------
@@ -129,12 +124,12 @@ def column_sum_kernel(
 def column_sum(partial: torch.Tensor, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """The column sums of a contiguous fp32 ``(P, N)`` buffer, as a new tensor of ``shape``/``dtype``."""
     n_partials, n_cols = partial.shape
-    out = torch.empty(tuple(shape), dtype=dtype, device=partial.device)
+    out = _launch.empty(shape, dtype, partial.device)
     if n_cols == 0:
         return out
     if n_partials == 0:
         return out.zero_()
-    sms = _multiprocessor_count(partial.device)
+    sms = _launch.num_sms(partial.device)
     # Enough column strips to give every SM one (at least 32 columns: a full sector of fp32 each
     # row), and partial rows stacked up to TILE_ELEMENTS per iteration.
     block_n = min(1024, max(32, next_power_of_2(triton.cdiv(n_cols, sms))))
@@ -150,43 +145,26 @@ def column_sum(partial: torch.Tensor, shape: Sequence[int], dtype: torch.dtype) 
 
 
 @triton.jit
-def program_rows(n_rows, rows_per_program, BLOCK: tl.constexpr, INDEX_64: tl.constexpr):
+def program_rows(n_rows, rows_per_program, BLOCK_COLS: tl.constexpr, INDEX_64: tl.constexpr):
     """This program's id, its first row, how many rows it has, and the column offsets of a block."""
     pid = tl.program_id(0)
     if INDEX_64:
         pid = pid.to(tl.int64)
     row0 = pid * rows_per_program
     n_here = tl.minimum(rows_per_program, n_rows - row0)
-    cols = tl.arange(0, BLOCK)
+    cols = tl.arange(0, BLOCK_COLS)
     if INDEX_64:
         cols = cols.to(tl.int64)
     return pid, row0, n_here, cols
 
 
-@dataclass(frozen=True)
-class NormConfig:
-    """How one norm launch splits its rows (see the module docstring for the rule)."""
-
-    block: int  # columns per load: the whole row (fused) or one chunk (chunked)
-    chunked: bool  # rows longer than the fused limit: statistics pass + output pass
-    tile_rows: int  # rows per loop iteration (a TILE_ROWS x BLOCK tile)
-    rows_per_program: int  # a multiple of tile_rows
-    n_programs: int
-    num_warps: int
-
-
-def _multiprocessor_count(device: torch.device) -> int:
-    if runtime.INTERPRETER or device.type != "cuda":
-        return INTERPRETER_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def norm_launch_config(
     n_rows: int, n_cols: int, device: torch.device | str = "cpu", *, backward: bool = False, params: int = 1
-) -> NormConfig:
-    """The tile, rows-per-program and grid of a norm over ``n_rows`` rows of ``n_cols`` columns.
+) -> RowConfig:
+    """The tile and rows-per-program of a norm over ``n_rows`` rows of ``n_cols`` columns.
 
     ``params`` is the number of parameter vectors (weight, bias) each program of the forward reads.
+    The launch has ``config.programs(n_rows)`` programs.
     """
     device = torch.device(device)
     max_fused = MAX_FUSED_BLOCK_BACKWARD if backward else MAX_FUSED_BLOCK
@@ -194,17 +172,15 @@ def norm_launch_config(
     block = CHUNK_BLOCK if chunked else next_power_of_2(n_cols)
     tile_rows = 1 if chunked else max(1, min(TILE_ELEMENTS // block, next_power_of_2(n_rows)))
     n_tiles = max(1, triton.cdiv(n_rows, tile_rows))
-    tiles_per_program = triton.cdiv(n_tiles, PROGRAMS_PER_SM * _multiprocessor_count(device))
+    sms = _launch.num_sms(device)
+    tiles_per_program = triton.cdiv(n_tiles, PROGRAMS_PER_SM * sms)
     if not backward:
-        sms = _multiprocessor_count(device)
         floor = min(triton.cdiv(MIN_FORWARD_ROWS_PER_PARAM * params, tile_rows), max(1, n_tiles // sms))
         tiles_per_program = max(tiles_per_program, floor)
         tiles_per_program = min(tiles_per_program, max(1, FORWARD_ROWS_PER_PROGRAM // tile_rows))
     rows_per_program = tile_rows * tiles_per_program
-    n_programs = max(1, triton.cdiv(n_rows, rows_per_program))
-    # 16 elements a thread for a full tile (two 16-byte loads in bf16), 4..16 warps.
-    num_warps = max(4, min(16, tile_rows * block // 512))
-    return NormConfig(block, chunked, tile_rows, rows_per_program, n_programs, num_warps)
+    return RowConfig(block_cols=block, block_rows=tile_rows, chunked=chunked,
+                     num_warps=_launch.num_warps_for(tile_rows * block), rows_per_program=rows_per_program)
 
 
 @dataclass(frozen=True)
@@ -212,7 +188,7 @@ class NormPlan:
     """The launches of one norm op: the row slices, each one's config, and program offsets."""
 
     launches: tuple[RowLaunch, ...]
-    configs: tuple[NormConfig, ...]
+    configs: tuple[RowConfig, ...]
     program_offsets: tuple[int, ...]  # each launch's first row in a (n_programs, N) partial buffer
     n_programs: int  # over all launches
 
@@ -230,9 +206,9 @@ def plan_norm(
         norm_launch_config(rl.n_rows, rl.n_cols, device, backward=backward, params=params) for rl in launches
     )
     offsets, total = [], 0
-    for config in configs:
+    for launch, config in zip(launches, configs):
         offsets.append(total)
-        total += config.n_programs
+        total += config.programs(launch.n_rows)
     return NormPlan(launches, configs, tuple(offsets), total)
 
 
@@ -249,7 +225,7 @@ def launch_norm(
 
         kernel(<row operands>, <params>, <per-row tensors>, <partial buffers>, <scalars>,
                n_rows, n_cols, size1, size2, <row operand strides>, <param column strides>,
-               rows_per_program, <constexprs>, TILE_ROWS, BLOCK, CHUNKED, INDEX_64)
+               rows_per_program, <constexprs>, BLOCK_ROWS, BLOCK_COLS, CHUNKED, INDEX_64)
 
     ``params`` are (tensor or None, column stride) pairs: weight/bias, read once per program; a
     missing one is replaced by a dummy pointer that the kernel never loads (its ``HAS_*``
@@ -263,11 +239,11 @@ def launch_norm(
         param_strides = [0 if p is None else stride for p, stride in params]
         rows = [t[launch.row_base :] for t in per_row]
         parts = [t[offset:] for t in partials]
-        index_64 = launch.index_64 or launch.n_rows + config.rows_per_program > _INT32_MAX
-        kernel[(config.n_programs,)](
+        index_64 = launch.index_64 or _launch.needs_int64(launch.n_rows + config.rows_per_program)
+        kernel[(config.programs(launch.n_rows),)](
             *launch.tensors, *param_ptrs, *rows, *parts, *scalars, *launch.args(), *param_strides,
             config.rows_per_program, **constexprs,
-            TILE_ROWS=config.tile_rows, BLOCK=config.block, CHUNKED=config.chunked, INDEX_64=index_64,
+            BLOCK_ROWS=config.block_rows, BLOCK_COLS=config.block_cols, CHUNKED=config.chunked, INDEX_64=index_64,
             num_warps=config.num_warps,
         )
 
@@ -360,11 +336,6 @@ def walkable(t: torch.Tensor, ndim: int) -> torch.Tensor:
     return t if merge_trailing(t, ndim) is not None else t.contiguous()
 
 
-def empty_output(shape: Sequence[int], like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A fresh contiguous tensor (what the fake kernels promise, too)."""
-    return torch.empty(tuple(shape), dtype=dtype or like.dtype, device=like.device)
-
-
 def empty_stats(x: torch.Tensor, ndim: int) -> torch.Tensor:
     """Per-row float32 statistics: a contiguous tensor of ``x``'s leading shape."""
-    return torch.empty(tuple(x.shape[: x.dim() - ndim]), dtype=torch.float32, device=x.device)
+    return _launch.empty(x.shape[: x.dim() - ndim], torch.float32, x.device)

@@ -16,9 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import runtime
-from ._elementwise import block_indices, empty_output, launch_elementwise, operand_offset
-from ._validate import (
+from .. import _launch, runtime
+from .._elementwise import block_indices, launch_elementwise, operand_offset
+from .._validate import (
     check_bool,
     check_float_dtype,
     check_probability,
@@ -32,9 +32,10 @@ __all__ = ["dropout", "dropout_mask", "dropout_kernel", "dropout_mask_kernel"]
 
 @triton.jit
 def dropout_kernel(
-    x_ptr, out_ptr, p, scale, seed, n_elements, index_base,
-    size1, size2, size3,
-    x_stride0, x_stride1, x_stride2, x_stride3,
+    x_ptr, out_ptr,                                   # input (any strides), output (contiguous)
+    p, scale, seed,                                   # drop probability, 1 / (1 - p), Philox key
+    n_elements, index_base, size1, size2, size3,      # the (slice of the) iteration space
+    stride_x0, stride_x1, stride_x2, stride_x3,
     CONTIGUOUS: tl.constexpr, INDEX_64: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """out[idx] = x[idx] * scale where tl.rand(seed, index_base + idx) >= p, else 0.
@@ -42,7 +43,7 @@ def dropout_kernel(
     ``index_base + idx`` is the element's logical row-major index in the whole tensor.
     """
     idx, mask = block_indices(n_elements, INDEX_64, BLOCK)
-    x_offset = operand_offset(idx, size1, size2, size3, x_stride0, x_stride1, x_stride2, x_stride3, CONTIGUOUS)
+    x_offset = operand_offset(idx, size1, size2, size3, stride_x0, stride_x1, stride_x2, stride_x3, CONTIGUOUS)
     x = tl.load(x_ptr + x_offset, mask=mask).to(tl.float32)
     # The counter is the element's logical index: the same in every launch layout.
     keep = tl.rand(seed, index_base + idx) >= p
@@ -53,8 +54,9 @@ def dropout_kernel(
 
 @triton.jit
 def dropout_mask_kernel(
-    mask_out_ptr, p, seed, n_elements, index_base,
-    size1, size2, size3,
+    mask_out_ptr,                                     # the boolean mask (contiguous)
+    p, seed,
+    n_elements, index_base, size1, size2, size3,
     CONTIGUOUS: tl.constexpr, INDEX_64: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """mask_out[idx] = tl.rand(seed, index_base + idx) >= p: the elements dropout_kernel keeps."""
@@ -75,14 +77,14 @@ def _dropout_op(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
     p = check_probability(op, "p", p)
     seed = check_seed(op, "seed", seed)
     runtime.require_launchable(op, x)
-    out = empty_output(x.shape, x)
+    out = _launch.empty_output(x.shape, x)
     launch_elementwise(dropout_kernel, x.shape, [x], [out], (p, _keep_scale(p), seed), with_index_base=True)
     return out
 
 
 @_dropout_op.register_fake
 def _dropout_fake(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
-    return empty_output(x.shape, x)
+    return _launch.empty_output(x.shape, x)
 
 
 def _dropout_setup_context(ctx, inputs, output) -> None:
@@ -106,7 +108,7 @@ def _dropout_mask_op(shape: Sequence[int], p: float, seed: int, device: torch.de
     if torch.device(device).type == "meta":
         raise ValueError(f"{op}: device must hold data (cpu or cuda), got meta; "
                          "under torch.compile or FakeTensorMode the mask's shape comes from the fake kernel")
-    mask = torch.empty(tuple(shape), dtype=torch.bool, device=device)
+    mask = _launch.empty(shape, torch.bool, device)
     runtime.require_launchable(op, mask)
     launch_elementwise(dropout_mask_kernel, mask.shape, [], [mask], (p, seed), with_index_base=True)
     return mask
@@ -172,5 +174,25 @@ def dropout_mask(
     shape = check_shape(op, "shape", shape)
     p = check_probability(op, "p", p)
     seed = check_seed(op, "seed", seed)
-    device = runtime.DEVICE if device is None else torch.device(device)
+    device = _check_mask_device(op, device)
     return _dropout_mask_op(list(shape), p, seed, device)
+
+
+def _check_mask_device(op: str, device: object) -> torch.device:
+    """``device`` as a torch.device that holds data and can run the kernels here."""
+    if device is None:
+        return runtime.DEVICE
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(
+            f"{op}: device must be a torch.device or a name like 'cpu' or 'cuda', got {device!r}"
+        ) from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"{op}: device {str(device)!r} was asked for, but no CUDA device is visible; "
+            f"pass device=None (kernels.runtime.DEVICE, here {runtime.DEVICE}) or 'cpu'"
+        )
+    if device.type not in ("cpu", "cuda", "meta"):
+        raise ValueError(f"{op}: device must be 'cpu' or 'cuda', got {str(device)!r}")
+    return device

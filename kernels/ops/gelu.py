@@ -2,8 +2,8 @@
 
 ``gelu(x) = x * Phi(x)`` with Phi the standard normal CDF: ``0.5 * x * (1 + erf(x / sqrt(2)))``.
 The tanh form replaces Phi(x) with ``0.5 * (1 + tanh(z))``, ``z = sqrt(2/pi) * (x + 0.044715 x^3)``,
-which equals ``sigmoid(2z)``: the kernel uses that identity (no libdevice tanh, and no
-cancellation in ``1 + tanh(z)`` for negative x).
+which equals ``sigmoid(2z)``. Both formulas and their derivatives are written once, in
+:mod:`kernels._activations` (the matmul epilogue of ``kernels.linear`` uses the same ones).
 
 One read and one write per element: the op is memory-bound, so everything happens in one pass
 in registers, in float32 whatever the storage dtype.
@@ -15,65 +15,52 @@ import torch
 import triton
 import triton.language as tl
 
-from . import runtime
-from ._elementwise import block_indices, empty_output, launch_elementwise, operand_offset
-from ._validate import check_choice, check_float_dtype, check_same_device, check_same_shape, check_tensor
+from .. import _activations, _launch, runtime
+from .._elementwise import block_indices, launch_elementwise, operand_offset
+from .._validate import check_choice, check_float_dtype, check_same_device, check_same_shape, check_tensor
 
 __all__ = ["APPROXIMATIONS", "gelu", "gelu_kernel", "gelu_backward_kernel"]
 
 #: The values of ``approximate``, as in ``torch.nn.functional.gelu``.
 APPROXIMATIONS: tuple[str, ...] = ("none", "tanh")
 
-_SQRT_HALF = tl.constexpr(0.7071067811865476)  # 1 / sqrt(2)
-_INV_SQRT_2PI = tl.constexpr(0.3989422804014327)  # 1 / sqrt(2 pi), the normal pdf's factor
-_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
-_TANH_CUBIC = tl.constexpr(0.044715)
-
 
 @triton.jit
 def gelu_kernel(
-    x_ptr, out_ptr, n_elements,
-    size1, size2, size3,
-    x_stride0, x_stride1, x_stride2, x_stride3,
-    APPROXIMATE_TANH: tl.constexpr, CONTIGUOUS: tl.constexpr, INDEX_64: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr, out_ptr,                                   # input (any strides), output (contiguous)
+    n_elements, size1, size2, size3,                  # the coalesced iteration space
+    stride_x0, stride_x1, stride_x2, stride_x3,
+    ACTIVATION: tl.constexpr,                         # "gelu" (erf) or "gelu_tanh"
+    CONTIGUOUS: tl.constexpr, INDEX_64: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """out[idx] = gelu(x[idx]) for BLOCK logical indices; out is contiguous, x any strides."""
     idx, mask = block_indices(n_elements, INDEX_64, BLOCK)
-    x_offset = operand_offset(idx, size1, size2, size3, x_stride0, x_stride1, x_stride2, x_stride3, CONTIGUOUS)
+    x_offset = operand_offset(idx, size1, size2, size3, stride_x0, stride_x1, stride_x2, stride_x3, CONTIGUOUS)
     x = tl.load(x_ptr + x_offset, mask=mask).to(tl.float32)
-    if APPROXIMATE_TANH:
-        z = _SQRT_2_OVER_PI * (x + _TANH_CUBIC * x * x * x)
-        y = x * tl.sigmoid(2.0 * z)  # 0.5 * (1 + tanh(z)) == sigmoid(2z)
-    else:
-        y = 0.5 * x * (1.0 + tl.erf(x * _SQRT_HALF))
+    y = _activations.apply(x, ACTIVATION)
     tl.store(out_ptr + idx, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def gelu_backward_kernel(
-    grad_out_ptr, x_ptr, grad_in_ptr, n_elements,
-    size1, size2, size3,
-    g_stride0, g_stride1, g_stride2, g_stride3,
-    x_stride0, x_stride1, x_stride2, x_stride3,
-    APPROXIMATE_TANH: tl.constexpr, CONTIGUOUS: tl.constexpr, INDEX_64: tl.constexpr, BLOCK: tl.constexpr,
+    grad_out_ptr, x_ptr, grad_in_ptr,                 # inputs (any strides), output (contiguous)
+    n_elements, size1, size2, size3,
+    stride_g0, stride_g1, stride_g2, stride_g3,       # grad_out
+    stride_x0, stride_x1, stride_x2, stride_x3,
+    ACTIVATION: tl.constexpr, CONTIGUOUS: tl.constexpr, INDEX_64: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """grad_in[idx] = grad_out[idx] * gelu'(x[idx]); recomputes from x, nothing else saved."""
     idx, mask = block_indices(n_elements, INDEX_64, BLOCK)
-    g_offset = operand_offset(idx, size1, size2, size3, g_stride0, g_stride1, g_stride2, g_stride3, CONTIGUOUS)
-    x_offset = operand_offset(idx, size1, size2, size3, x_stride0, x_stride1, x_stride2, x_stride3, CONTIGUOUS)
+    g_offset = operand_offset(idx, size1, size2, size3, stride_g0, stride_g1, stride_g2, stride_g3, CONTIGUOUS)
+    x_offset = operand_offset(idx, size1, size2, size3, stride_x0, stride_x1, stride_x2, stride_x3, CONTIGUOUS)
     g = tl.load(grad_out_ptr + g_offset, mask=mask).to(tl.float32)
     x = tl.load(x_ptr + x_offset, mask=mask).to(tl.float32)
-    if APPROXIMATE_TANH:
-        z = _SQRT_2_OVER_PI * (x + _TANH_CUBIC * x * x * x)
-        dz_dx = _SQRT_2_OVER_PI * (1.0 + 3.0 * _TANH_CUBIC * x * x)
-        s = tl.sigmoid(2.0 * z)
-        # d/dx [x * sigmoid(2z)] = s + 2 x s (1 - s) dz/dx
-        dy_dx = s + 2.0 * x * s * (1.0 - s) * dz_dx
-    else:
-        cdf = 0.5 * (1.0 + tl.erf(x * _SQRT_HALF))
-        pdf = tl.exp(-0.5 * x * x) * _INV_SQRT_2PI
-        dy_dx = cdf + x * pdf
-    tl.store(grad_in_ptr + idx, (g * dy_dx).to(grad_in_ptr.dtype.element_ty), mask=mask)
+    grad_in = g * _activations.derivative(x, ACTIVATION)
+    tl.store(grad_in_ptr + idx, grad_in.to(grad_in_ptr.dtype.element_ty), mask=mask)
+
+
+def _activation_name(approximate: str) -> str:
+    return "gelu_tanh" if approximate == "tanh" else "gelu"
 
 
 def _check_gelu_args(x: object, approximate: object) -> None:
@@ -86,15 +73,15 @@ def _check_gelu_args(x: object, approximate: object) -> None:
 def _gelu_op(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     _check_gelu_args(x, approximate)
     runtime.require_launchable("kernels.gelu", x)
-    out = empty_output(x.shape, x)
-    launch_elementwise(gelu_kernel, x.shape, [x], [out], APPROXIMATE_TANH=approximate == "tanh")
+    out = _launch.empty_output(x.shape, x)
+    launch_elementwise(gelu_kernel, x.shape, [x], [out], ACTIVATION=_activation_name(approximate))
     return out
 
 
 @_gelu_op.register_fake
 def _gelu_fake(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     _check_gelu_args(x, approximate)
-    return empty_output(x.shape, x)
+    return _launch.empty_output(x.shape, x)
 
 
 @torch.library.custom_op("kernels::gelu_backward", mutates_args=())
@@ -104,16 +91,16 @@ def _gelu_backward_op(grad_out: torch.Tensor, x: torch.Tensor, approximate: str 
     check_same_shape(op, "grad_out", grad_out, "x", x)
     check_same_device(op, "grad_out", grad_out, "x", x)
     runtime.require_launchable(op, grad_out, x)
-    grad_in = empty_output(x.shape, x)
+    grad_in = _launch.empty_output(x.shape, x)
     launch_elementwise(
-        gelu_backward_kernel, x.shape, [grad_out, x], [grad_in], APPROXIMATE_TANH=approximate == "tanh"
+        gelu_backward_kernel, x.shape, [grad_out, x], [grad_in], ACTIVATION=_activation_name(approximate)
     )
     return grad_in
 
 
 @_gelu_backward_op.register_fake
 def _gelu_backward_fake(grad_out: torch.Tensor, x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
-    return empty_output(x.shape, x)
+    return _launch.empty_output(x.shape, x)
 
 
 def _gelu_setup_context(ctx, inputs, output) -> None:

@@ -13,7 +13,7 @@ next block never sees).
 
 **Backward.** ``s`` feeds both outputs, so ``ds = d(sum) + rms_norm_backward(d(normed))``, and
 ``dx = dresidual = ds`` (one tensor, returned for both). It reuses
-:func:`kernels.rms_norm.rms_norm_backward_kernel` with its ``HAS_GRAD_SUM`` input, and the saved
+:func:`kernels.ops.rms_norm.rms_norm_backward_kernel` with its ``HAS_GRAD_SUM`` input, and the saved
 ``s`` in place of ``x``; ``dweight`` is reduced in two stages like ``rms_norm``'s.
 """
 
@@ -23,19 +23,18 @@ import torch
 import triton
 import triton.language as tl
 
-from . import runtime
-from ._norm import (
+from .. import _launch, runtime
+from .._rows import row_start
+from .._validate import check_same_device, check_same_dtype, check_same_shape, check_tensor
+from .norm import (
     check_eps,
     check_param,
     check_row_input,
-    empty_output,
     empty_stats,
     launch_norm,
     plan_norm,
     program_rows,
 )
-from ._rows import row_start
-from ._validate import check_same_device, check_same_dtype, check_same_shape, check_tensor
 from .rms_norm import rms_norm_backward_launch
 
 __all__ = ["add_rms_norm", "add_rms_norm_kernel"]
@@ -44,58 +43,62 @@ __all__ = ["add_rms_norm", "add_rms_norm_kernel"]
 @triton.jit
 def add_rms_norm_kernel(
     x_ptr, r_ptr, y_ptr, s_ptr, w_ptr, rstd_ptr, eps,
-    n_rows, n_cols, size1, size2,
-    xs0, xs1, xs2, xc, rs0, rs1, rs2, rc, ys0, ys1, ys2, yc, ss0, ss1, ss2, sc, wc,
-    rows_per_program,
-    HAS_WEIGHT: tl.constexpr, TILE_ROWS: tl.constexpr, BLOCK: tl.constexpr, CHUNKED: tl.constexpr,
+    n_rows, n_cols, size1, size2,                     # rows, their length, the merged leading dims
+    stride_x0, stride_x1, stride_x2, stride_xcol,
+    stride_r0, stride_r1, stride_r2, stride_rcol,
+    stride_y0, stride_y1, stride_y2, stride_ycol,
+    stride_s0, stride_s1, stride_s2, stride_scol,
+    stride_w,                                         # the weight's (column) stride
+    rows_per_program,                                 # a multiple of BLOCK_ROWS
+    HAS_WEIGHT: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, CHUNKED: tl.constexpr,
     INDEX_64: tl.constexpr,
 ):
     """s = round(x + r); y = s * rstd(s) * w — both stored — for this program's rows."""
-    pid, row0, n_here, cols = program_rows(n_rows, rows_per_program, BLOCK, INDEX_64)
+    pid, row0, n_here, cols = program_rows(n_rows, rows_per_program, BLOCK_COLS, INDEX_64)
     if not CHUNKED:
         col_mask = cols < n_cols
         if HAS_WEIGHT:
-            w = tl.load(w_ptr + cols * wc, mask=col_mask, other=0.0).to(tl.float32)
-    for i in range(0, n_here, TILE_ROWS):
-        rows = row0 + i + tl.arange(0, TILE_ROWS)
+            w = tl.load(w_ptr + cols * stride_w, mask=col_mask, other=0.0).to(tl.float32)
+    for i in range(0, n_here, BLOCK_ROWS):
+        rows = row0 + i + tl.arange(0, BLOCK_ROWS)
         row_mask = rows < n_rows
-        x_row = row_start(rows, size1, size2, xs0, xs1, xs2)[:, None]
-        r_row = row_start(rows, size1, size2, rs0, rs1, rs2)[:, None]
-        y_row = row_start(rows, size1, size2, ys0, ys1, ys2)[:, None]
-        s_row = row_start(rows, size1, size2, ss0, ss1, ss2)[:, None]
+        x_row = row_start(rows, size1, size2, stride_x0, stride_x1, stride_x2)[:, None]
+        r_row = row_start(rows, size1, size2, stride_r0, stride_r1, stride_r2)[:, None]
+        y_row = row_start(rows, size1, size2, stride_y0, stride_y1, stride_y2)[:, None]
+        s_row = row_start(rows, size1, size2, stride_s0, stride_s1, stride_s2)[:, None]
         if CHUNKED:
-            squares = tl.zeros([TILE_ROWS, BLOCK], dtype=tl.float32)
-            for start in range(0, n_cols, BLOCK):
+            squares = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
+            for start in range(0, n_cols, BLOCK_COLS):
                 c = start + cols
                 mask = row_mask[:, None] & (c < n_cols)[None, :]
-                x = tl.load(x_ptr + x_row + c[None, :] * xc, mask=mask, other=0.0).to(tl.float32)
-                r = tl.load(r_ptr + r_row + c[None, :] * rc, mask=mask, other=0.0).to(tl.float32)
+                x = tl.load(x_ptr + x_row + c[None, :] * stride_xcol, mask=mask, other=0.0).to(tl.float32)
+                r = tl.load(r_ptr + r_row + c[None, :] * stride_rcol, mask=mask, other=0.0).to(tl.float32)
                 s = (x + r).to(s_ptr.dtype.element_ty)
-                tl.store(s_ptr + s_row + c[None, :] * sc, s, mask=mask)
+                tl.store(s_ptr + s_row + c[None, :] * stride_scol, s, mask=mask)
                 s = s.to(tl.float32)
                 squares += s * s
             rstd = tl.rsqrt(tl.sum(squares, axis=1) / n_cols + eps)
             tl.debug_barrier()  # the output pass reads back sums other threads stored
-            for start in range(0, n_cols, BLOCK):
+            for start in range(0, n_cols, BLOCK_COLS):
                 c = start + cols
                 mask = row_mask[:, None] & (c < n_cols)[None, :]
-                s = tl.load(s_ptr + s_row + c[None, :] * sc, mask=mask, other=0.0).to(tl.float32)
+                s = tl.load(s_ptr + s_row + c[None, :] * stride_scol, mask=mask, other=0.0).to(tl.float32)
                 y = s * rstd[:, None]
                 if HAS_WEIGHT:
-                    y = y * tl.load(w_ptr + c * wc, mask=c < n_cols, other=0.0).to(tl.float32)[None, :]
-                tl.store(y_ptr + y_row + c[None, :] * yc, y.to(y_ptr.dtype.element_ty), mask=mask)
+                    y = y * tl.load(w_ptr + c * stride_w, mask=c < n_cols, other=0.0).to(tl.float32)[None, :]
+                tl.store(y_ptr + y_row + c[None, :] * stride_ycol, y.to(y_ptr.dtype.element_ty), mask=mask)
         else:
             mask = row_mask[:, None] & col_mask[None, :]
-            x = tl.load(x_ptr + x_row + cols[None, :] * xc, mask=mask, other=0.0).to(tl.float32)
-            r = tl.load(r_ptr + r_row + cols[None, :] * rc, mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + x_row + cols[None, :] * stride_xcol, mask=mask, other=0.0).to(tl.float32)
+            r = tl.load(r_ptr + r_row + cols[None, :] * stride_rcol, mask=mask, other=0.0).to(tl.float32)
             s = (x + r).to(s_ptr.dtype.element_ty)  # rounded first: the residual stream's value
-            tl.store(s_ptr + s_row + cols[None, :] * sc, s, mask=mask)
+            tl.store(s_ptr + s_row + cols[None, :] * stride_scol, s, mask=mask)
             s = s.to(tl.float32)
             rstd = tl.rsqrt(tl.sum(s * s, axis=1) / n_cols + eps)
             y = s * rstd[:, None]
             if HAS_WEIGHT:
                 y = y * w[None, :]
-            tl.store(y_ptr + y_row + cols[None, :] * yc, y.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.store(y_ptr + y_row + cols[None, :] * stride_ycol, y.to(y_ptr.dtype.element_ty), mask=mask)
         tl.store(rstd_ptr + rows, rstd, mask=row_mask)
 
 
@@ -125,7 +128,7 @@ def _add_rms_norm_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     w_stride = _check_add_rms_norm_args(x, residual, weight, eps)
     runtime.require_launchable(_OP, x)
-    y, s = empty_output(x.shape, x), empty_output(x.shape, x)
+    y, s = _launch.empty_output(x.shape, x), _launch.empty_output(x.shape, x)
     rstd = empty_stats(x, 1)
     if x.shape[-1] == 0:
         rstd.fill_(eps**-0.5)
@@ -138,7 +141,7 @@ def _add_rms_norm_op(
 @_add_rms_norm_op.register_fake
 def _add_rms_norm_fake(x, residual, weight, eps):
     _check_add_rms_norm_args(x, residual, weight, eps)
-    return empty_output(x.shape, x), empty_output(x.shape, x), empty_stats(x, 1)
+    return _launch.empty_output(x.shape, x), _launch.empty_output(x.shape, x), empty_stats(x, 1)
 
 
 @torch.library.custom_op("kernels::add_rms_norm_backward", mutates_args=())
@@ -158,7 +161,7 @@ def _add_rms_norm_backward_op(
 @_add_rms_norm_backward_op.register_fake
 def _add_rms_norm_backward_fake(grad_normed, grad_sum, s, weight, rstd, weight_grad):
     dw_shape = weight.shape if (weight_grad and weight is not None) else (0,)
-    return empty_output(s.shape, s), s.new_empty(dw_shape)
+    return _launch.empty_output(s.shape, s), s.new_empty(dw_shape)
 
 
 def _add_rms_norm_setup_context(ctx, inputs, output) -> None:

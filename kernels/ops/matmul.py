@@ -12,7 +12,7 @@ Three kernels share the tile loop (``_accumulate``) and the epilogue (``_store_t
 
 * ``matmul_kernel`` — one program per output tile, in **grouped order**: programs walk
   ``GROUP_M`` tile-rows column by column, so consecutive programs share B tiles *and* A tiles
-  in L2 (``GROUP_M = 1`` is plain row-major order). Autotuned on a GPU (:mod:`kernels._autotune`).
+  in L2 (``GROUP_M = 1`` is plain row-major order). Autotuned on a GPU (:mod:`kernels.autotune`).
 * ``matmul_split_k_kernel`` — for skinny, decode-shaped problems (small M, long K) whose tile
   grid cannot fill the GPU: the K range is split ``SPLIT_K`` ways, each program writes an fp32
   partial tile to a ``(SPLIT_K, M, N)`` workspace, and ``matmul_split_k_reduce_kernel`` sums
@@ -33,8 +33,8 @@ TF32 tensor cores on a GPU exactly when ``torch.backends.cuda.matmul.allow_tf32`
 **Dispatch** (:func:`plan_matmul`): split-K when the problem is skinny — M <= 64 and the tiled
 grid has fewer tiles than the GPU has SMs — with ``SPLIT_K = min(2 * SMs // tiles, K // 256, 16)``
 (each split keeps >= 256 of K), if that is at least 2; otherwise the tiled kernel, autotuned on
-a GPU, with :data:`kernels._autotune.INTERPRETER_CONFIG` in the interpreter (where "SMs" is
-:data:`kernels._autotune.INTERPRETER_NUM_PROGRAMS`).
+a GPU, with :data:`kernels.autotune.INTERPRETER_CONFIG` in the interpreter (where "SMs" is
+:data:`kernels._launch.INTERPRETER_SMS`).
 """
 
 from __future__ import annotations
@@ -49,19 +49,19 @@ import torch
 import triton
 import triton.language as tl
 
-from . import runtime
-from ._autotune import (
-    INTERPRETER_NUM_PROGRAMS,
+from .. import _activations, _launch, runtime
+from .._validate import check_float_dtype, check_same_device, check_same_dtype, check_tensor
+from ..autotune import (
     MatmulConfig,
     default_config,
     make_autotuned,
     size_bucket,
 )
-from ._elementwise import empty_output
-from ._validate import check_float_dtype, check_same_device, check_same_dtype, check_tensor
 
 __all__ = [
-    "ACTIVATIONS",
+    "EPILOGUE_ACTIVATIONS",
+    "launch_matmul",
+    "reduced_product",
     "MatmulConfig",
     "MatmulPlan",
     "matmul",
@@ -76,8 +76,8 @@ __all__ = [
     "matmul_persistent_kernel",
 ]
 
-#: Epilogue activations (``kernels.linear``'s; ``"none"`` for plain matmul).
-ACTIVATIONS: tuple[str, ...] = ("none", "relu", "gelu", "silu")
+#: What the epilogue can apply (:mod:`kernels._activations`; ``"none"`` for plain matmul).
+EPILOGUE_ACTIVATIONS: tuple[str, ...] = ("none", *_activations.ACTIVATIONS)
 
 #: Split-K applies only to problems with at most this many rows (decode-shaped).
 SPLIT_K_MAX_M = 64
@@ -85,9 +85,7 @@ SPLIT_K_MAX_M = 64
 SPLIT_K_MIN_K_PER_SPLIT = 256
 SPLIT_K_MAX = 16
 
-_INT32_MAX = 2**31 - 1
 _MAX_GRID_YZ = 65535  # CUDA's limit on grid dims 1 and 2
-_SQRT_HALF = tl.constexpr(0.7071067811865476)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -151,20 +149,6 @@ def _accumulate(
 
 
 @triton.jit
-def _activation(x, ACTIVATION: tl.constexpr):
-    """The epilogue activation of a float32 tile."""
-    if ACTIVATION == "relu":
-        y = tl.maximum(x, 0.0)
-    elif ACTIVATION == "gelu":
-        y = 0.5 * x * (1.0 + tl.erf(x * _SQRT_HALF))  # exact (erf) GELU, like F.gelu's default
-    elif ACTIVATION == "silu":
-        y = x * tl.sigmoid(x)
-    else:
-        y = x
-    return y
-
-
-@triton.jit
 def _store_tile(
     acc, c_ptr, bias_ptr, preact_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn, stride_bias,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, STORE_PREACT: tl.constexpr,
@@ -177,7 +161,7 @@ def _store_tile(
     c_offsets = offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
     if STORE_PREACT:
         tl.store(preact_ptr + c_offsets, acc.to(preact_ptr.dtype.element_ty), mask=mask)
-    acc = _activation(acc, ACTIVATION)
+    acc = _activations.apply(acc, ACTIVATION)
     tl.store(c_ptr + c_offsets, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
@@ -403,7 +387,7 @@ def _plan_launches(
     a_full = a.expand(*batch, M, K)
     b_full = b.expand(*batch, K, N)
     operands = [a_full, b_full, c] + ([preact] if preact is not None else [])
-    sizes, strides = _coalesce_batch(batch, [t.stride()[:-2] for t in operands])
+    sizes, strides = _launch.coalesce_dims(batch, [t.stride()[:-2] for t in operands])
     if not sizes:
         sizes, strides = [1], [[0] for _ in operands]
     outer, inner = sizes[:-1], sizes[-1]
@@ -421,51 +405,15 @@ def _plan_launches(
     return launches
 
 
-def _coalesce_batch(shape: Sequence[int], strides: Sequence[Sequence[int]]) -> tuple[list[int], list[list[int]]]:
-    """Batch dims merged where every operand chains; size-1 dims dropped (cf. _elementwise.coalesce_dims)."""
-    sizes: list[int] = []
-    merged: list[list[int]] = [[] for _ in strides]
-    for dim, size in enumerate(shape):
-        if size == 1:
-            continue
-        if sizes and all(ops[-1] == op[dim] * size for ops, op in zip(merged, strides)):
-            sizes[-1] *= size
-            for ops, op in zip(merged, strides):
-                ops[-1] = op[dim]
-        else:
-            sizes.append(size)
-            for ops, op in zip(merged, strides):
-                ops.append(op[dim])
-    return sizes, merged
-
-
 def _needs_int64(*views: torch.Tensor | None, slack: int = 512) -> bool:
     """Some offset of these views (plus a tile's worth of masked overrun) can pass 2**31."""
     for v in views:
         if v is None or v.numel() == 0:
             continue
         extent = sum((size - 1) * stride for size, stride in zip(v.shape, v.stride()))
-        if extent + slack * max(v.stride()) > _INT32_MAX:
+        if extent + slack * max(v.stride()) > _launch.INT32_MAX:
             return True
     return False
-
-
-def _input_precision(dtype: torch.dtype) -> str:
-    """``"tf32"`` for fp32 on a GPU when torch allows TF32 matmuls, else ``"ieee"`` (exact fp32 products)."""
-    if dtype == torch.float32 and not runtime.INTERPRETER and torch.backends.cuda.matmul.allow_tf32:
-        return "tf32"
-    return "ieee"
-
-
-def _num_sms() -> int:
-    if runtime.INTERPRETER or not torch.cuda.is_available():
-        return INTERPRETER_NUM_PROGRAMS
-    return _device_sms(torch.cuda.current_device())
-
-
-@functools.cache
-def _device_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 # ----------------------------------------------------------------------------------------------
@@ -509,7 +457,7 @@ def plan_matmul(M: int, N: int, K: int, dtype: torch.dtype = torch.float32, batc
     (fitted to the problem) in the interpreter.
     """
     split_config = default_config(M, N, K, dtype, "split_k")
-    split = choose_split_k(M, N, K, batch, split_config, _num_sms())
+    split = choose_split_k(M, N, K, batch, split_config, _launch.num_sms())
     if split > 1:
         return MatmulPlan("split_k", split_config, split)
     if runtime.INTERPRETER:
@@ -555,7 +503,7 @@ def _run_tiled(launch: _Launch3d, config: MatmulConfig | None, activation: str) 
         a, b, c, bias, preact, M, N, K, *a.stride(), *b.stride(), *c.stride(), bias_stride,
         size_bucket(M), size_bucket(N), size_bucket(K),
     )
-    common = dict(INPUT_PRECISION=_input_precision(a.dtype), INDEX_64=_needs_int64(a, b, c, launch.preact),
+    common = dict(INPUT_PRECISION=_launch.dot_input_precision(a.dtype), INDEX_64=_needs_int64(a, b, c, launch.preact),
                   **epilogue)
     if config is None:
         grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]), batch)
@@ -574,7 +522,7 @@ def _run_persistent(launch: _Launch3d, config: MatmulConfig, num_programs: int, 
     grid = (max(1, min(num_programs, tiles)),)
     matmul_persistent_kernel[grid](
         a, b, c, bias, preact, M, N, K, batch, *a.stride(), *b.stride(), *c.stride(), bias_stride,
-        **config.meta, EVEN_K=K % config.BLOCK_K == 0, INPUT_PRECISION=_input_precision(a.dtype),
+        **config.meta, EVEN_K=K % config.BLOCK_K == 0, INPUT_PRECISION=_launch.dot_input_precision(a.dtype),
         INDEX_64=_needs_int64(a, b, c, launch.preact), **epilogue, **config.launch_options,
     )
 
@@ -605,19 +553,19 @@ def _run_split_k(launch: _Launch3d, config: MatmulConfig, split_k: int, activati
     k_per_split = triton.cdiv(triton.cdiv(max(K, 1), split_k), config.BLOCK_K) * config.BLOCK_K
     split_k = max(1, triton.cdiv(K, k_per_split))
     # K == 0: no partials at all; the reduction then writes epilogue(0).
-    ws = torch.empty((batch, split_k if K > 0 else 0, M, N), dtype=torch.float32, device=launch.c.device)
+    ws = _launch.empty((batch, split_k if K > 0 else 0, M, N), torch.float32, launch.c.device)
     if K > 0:
         a, b = launch.a, launch.b
         grid = (triton.cdiv(M, config.BLOCK_M) * triton.cdiv(N, config.BLOCK_N), split_k, batch)
         matmul_split_k_kernel[grid](
             a, b, ws, M, N, K, k_per_split, *a.stride(), *b.stride(),
-            **config.meta, EVEN_K=K % config.BLOCK_K == 0, INPUT_PRECISION=_input_precision(a.dtype),
+            **config.meta, EVEN_K=K % config.BLOCK_K == 0, INPUT_PRECISION=_launch.dot_input_precision(a.dtype),
             INDEX_64=_needs_int64(a, b, ws), **config.launch_options,
         )
     _run_reduce(ws, launch, activation)
 
 
-def _launch(
+def launch_matmul(
     a: torch.Tensor,
     b: torch.Tensor,
     c: torch.Tensor,
@@ -649,13 +597,13 @@ def _launch(
         elif kind == "split_k":
             _run_split_k(launch, cfg or default_config(M, N, K, a.dtype, "split_k"), split, activation)
         elif kind == "persistent":
-            programs = num_programs if num_programs is not None else _num_sms()
+            programs = num_programs if num_programs is not None else _launch.num_sms()
             _run_persistent(launch, cfg or default_config(M, N, K, a.dtype, "persistent"), programs, activation)
         else:
             raise AssertionError(kind)
 
 
-def _reduced_product(x: torch.Tensor, y: torch.Tensor, out_shape: Sequence[int]) -> torch.Tensor:
+def reduced_product(x: torch.Tensor, y: torch.Tensor, out_shape: Sequence[int]) -> torch.Tensor:
     """``x @ y`` summed over the batch dims that ``out_shape`` does not have (or has as 1).
 
     The gradient of a broadcast operand. Three ways, cheapest first: no dim reduced (a plain
@@ -665,7 +613,7 @@ def _reduced_product(x: torch.Tensor, y: torch.Tensor, out_shape: Sequence[int])
     summed in order by the split-K reduction kernel.
     """
     out_shape = tuple(out_shape)
-    out = empty_output(out_shape, x)
+    out = _launch.empty_output(out_shape, x)
     if out.numel() == 0:
         return out
     batch = tuple(torch.broadcast_shapes(x.shape[:-2], y.shape[:-2]))
@@ -673,7 +621,7 @@ def _reduced_product(x: torch.Tensor, y: torch.Tensor, out_shape: Sequence[int])
     target = (1,) * (len(batch) - len(out_shape[:-2])) + out_shape[:-2]
     reduced = [d for d in range(len(batch)) if target[d] == 1 and batch[d] != 1]
     if not reduced:
-        _launch(x, y, out.view(*batch, R, C))
+        launch_matmul(x, y, out.view(*batch, R, C))
         return out
     x_full, y_full = x.expand(*batch, R, Kb), y.expand(*batch, Kb, C)
     if len(reduced) == len([d for d in batch if d != 1]):
@@ -681,17 +629,17 @@ def _reduced_product(x: torch.Tensor, y: torch.Tensor, out_shape: Sequence[int])
         sy = _merged_stride([*zip(batch, y_full.stride()[:-2]), (Kb, y_full.stride(-2))])
         if sx is not None and sy is not None:
             depth = math.prod(batch) * Kb
-            _launch(_view(x_full, (R, depth), (x_full.stride(-2), sx), 0),
+            launch_matmul(_view(x_full, (R, depth), (x_full.stride(-2), sx), 0),
                     _view(y_full, (depth, C), (sy, y_full.stride(-1)), 0), out.view(R, C))
             return out
     kept = [d for d in range(len(batch)) if d not in reduced]
     order = reduced + kept
-    workspace = torch.empty([batch[d] for d in order] + [R, C], dtype=torch.float32, device=out.device)
+    workspace = _launch.empty([batch[d] for d in order] + [R, C], torch.float32, out.device)
     inverse = [order.index(d) for d in range(len(batch))] + [len(batch), len(batch) + 1]
     split = math.prod(batch[d] for d in reduced)
     if split == 0:
         return out.zero_()
-    _launch(x, y, workspace.permute(*inverse))
+    launch_matmul(x, y, workspace.permute(*inverse))
     rows = math.prod(batch[d] for d in kept) * R
     target_view = out.view(1, rows, C)
     _run_reduce(workspace.view(1, split, rows, C), _Launch3d(a=target_view, b=target_view, c=target_view,
@@ -758,15 +706,15 @@ def _matmul_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     _check_operands("kernels.matmul", a, b, min_dim=2)
     shape = _product_shape("kernels.matmul", a, b)
     runtime.require_launchable("kernels.matmul", a, b)
-    out = empty_output(shape, a)
-    _launch(a, b, out)
+    out = _launch.empty_output(shape, a)
+    launch_matmul(a, b, out)
     return out
 
 
 @_matmul_op.register_fake
 def _matmul_fake(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     _check_operands("kernels.matmul", a, b, min_dim=2)
-    return empty_output(_product_shape("kernels.matmul", a, b), a)
+    return _launch.empty_output(_product_shape("kernels.matmul", a, b), a)
 
 
 @torch.library.custom_op("kernels::matmul_backward", mutates_args=())
@@ -779,15 +727,15 @@ def _matmul_backward_op(
     runtime.require_launchable(op, grad_out, a, b)
     grad_out = grad_out.to(a.dtype)
     # dA = G @ B^T and dB = A^T @ G: the same kernels, the transposes are stride swaps.
-    grad_a = _reduced_product(grad_out, b.mT, a.shape) if need_a else a.new_empty(0)
-    grad_b = _reduced_product(a.mT, grad_out, b.shape) if need_b else b.new_empty(0)
+    grad_a = reduced_product(grad_out, b.mT, a.shape) if need_a else a.new_empty(0)
+    grad_b = reduced_product(a.mT, grad_out, b.shape) if need_b else b.new_empty(0)
     return grad_a, grad_b
 
 
 @_matmul_backward_op.register_fake
 def _matmul_backward_fake(grad_out, a, b, need_a: bool, need_b: bool):
-    grad_a = empty_output(a.shape, a) if need_a else a.new_empty(0)
-    grad_b = empty_output(b.shape, b) if need_b else b.new_empty(0)
+    grad_a = _launch.empty_output(a.shape, a) if need_a else a.new_empty(0)
+    grad_b = _launch.empty_output(b.shape, b) if need_b else b.new_empty(0)
     return grad_a, grad_b
 
 
@@ -851,7 +799,7 @@ def _launcher(op: str, a: object, b: object, config: object) -> tuple[torch.Tens
     shape = _product_shape(op, a, b)
     _check_config(op, config)
     runtime.require_launchable(op, a, b)
-    return empty_output(shape, a), shape
+    return _launch.empty_output(shape, a), shape
 
 
 def matmul_tiled(a: torch.Tensor, b: torch.Tensor, config: MatmulConfig | None = None) -> torch.Tensor:
@@ -867,7 +815,7 @@ def matmul_tiled(a: torch.Tensor, b: torch.Tensor, config: MatmulConfig | None =
         A new contiguous (batch..., M, N) tensor. Not differentiable (use :func:`matmul`).
     """
     out, _ = _launcher("kernels.matmul_tiled", a, b, config)
-    _launch(a, b, out, method="tiled", config=config)
+    launch_matmul(a, b, out, method="tiled", config=config)
     return out
 
 
@@ -887,7 +835,7 @@ def matmul_split_k(
     """
     split_k = _positive_int("kernels.matmul_split_k", "split_k", split_k)
     out, _ = _launcher("kernels.matmul_split_k", a, b, config)
-    _launch(a, b, out, method="split_k", config=config, split_k=split_k)
+    launch_matmul(a, b, out, method="split_k", config=config, split_k=split_k)
     return out
 
 
@@ -900,7 +848,7 @@ def matmul_persistent(
         a, b: as for :func:`matmul_tiled`.
         config: tiles and launch options, or None for the persistent default.
         num_programs: programs to launch (at most one per tile); None for the GPU's SM count
-            (:data:`kernels._autotune.INTERPRETER_NUM_PROGRAMS` in the interpreter).
+            (:data:`kernels._launch.INTERPRETER_SMS` in the interpreter).
 
     Returns:
         A new contiguous (batch..., M, N) tensor.
@@ -908,5 +856,5 @@ def matmul_persistent(
     if num_programs is not None:
         num_programs = _positive_int("kernels.matmul_persistent", "num_programs", num_programs)
     out, _ = _launcher("kernels.matmul_persistent", a, b, config)
-    _launch(a, b, out, method="persistent", config=config, num_programs=num_programs)
+    launch_matmul(a, b, out, method="persistent", config=config, num_programs=num_programs)
     return out

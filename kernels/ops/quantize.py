@@ -58,9 +58,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import runtime
-from ._rows import plan_rows, row_start
-from ._validate import FLOAT_DTYPES, check_choice, check_float_dtype, check_tensor
+from .. import _launch, runtime
+from .._rows import plan_rows, row_start
+from .._validate import FLOAT_DTYPES, check_choice, check_float_dtype, check_tensor
 
 __all__ = [
     "SCHEMES",
@@ -109,46 +109,46 @@ def _round_half_even(v):
 def quantize_rows_kernel(
     x_ptr, q_ptr, scale_ptr,
     n_rows, n_cols, size1, size2,
-    x_stride0, x_stride1, x_stride2, x_col_stride, q_row_stride,
-    FP8: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
+    stride_x0, stride_x1, stride_x2, stride_xcol, stride_qrow,
+    FP8: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, CHUNKED: tl.constexpr,
 ):
-    """Symmetric per-row quantization of ``ROWS`` rows: ``s = amax / QMAX``, ``q = round(x / s)``.
+    """Symmetric per-row quantization of ``BLOCK_ROWS`` rows: ``s = amax / QMAX``, ``q = round(x / s)``.
 
     int8 (``FP8=False``): QMAX 127, q rounded half-to-even and clamped to [-127, 127].
     fp8 (``FP8=True``): QMAX 448, q = (x / s) cast to e4m3 (round to nearest even, saturating).
     ``x`` is read through its strides (leading dims via ``row_start``); ``q`` is written with
-    row stride ``q_row_stride`` and unit column stride; ``scale`` is contiguous, one per row, in
+    row stride ``stride_qrow`` and unit column stride; ``scale`` is contiguous, one per row, in
     its own dtype — and q is computed with the stored (rounded) scale. A row that fits in one
-    block (``SINGLE_BLOCK``) is read once; longer rows are read twice (amax pass, quantize pass).
+    block is read once; longer rows (``CHUNKED``) are read twice (amax pass, quantize pass).
     """
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_mask = rows < n_rows
-    x_start = row_start(rows, size1, size2, x_stride0, x_stride1, x_stride2)
-    q_start = rows.to(tl.int64) * q_row_stride
-    cols = tl.arange(0, BLOCK)
+    x_start = row_start(rows, size1, size2, stride_x0, stride_x1, stride_x2)
+    q_start = rows.to(tl.int64) * stride_qrow
+    cols = tl.arange(0, BLOCK_COLS)
     if FP8:
         qmax = 448.0
     else:
         qmax = 127.0
-    if SINGLE_BLOCK:
+    if not CHUNKED:
         mask = row_mask[:, None] & (cols < n_cols)[None, :]
-        x = tl.load(x_ptr + x_start[:, None] + cols[None, :] * x_col_stride, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + x_start[:, None] + cols[None, :] * stride_xcol, mask=mask, other=0.0).to(tl.float32)
         amax = tl.max(tl.abs(x), axis=1)
     else:
-        amax = tl.zeros((ROWS,), dtype=tl.float32)
-        for c0 in range(0, n_cols, BLOCK):
+        amax = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
+        for c0 in range(0, n_cols, BLOCK_COLS):
             c = c0 + cols
             mask = row_mask[:, None] & (c < n_cols)[None, :]
-            x = tl.load(x_ptr + x_start[:, None] + c[None, :] * x_col_stride, mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + x_start[:, None] + c[None, :] * stride_xcol, mask=mask, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
     scale = tl.math.div_rn(amax, qmax).to(scale_ptr.dtype.element_ty).to(tl.float32)
     scale = tl.where(scale > 0.0, scale, 1.0)  # all-zero rows (or an amax that underflows): q = 0
     tl.store(scale_ptr + rows, scale.to(scale_ptr.dtype.element_ty), mask=row_mask)
-    for c0 in range(0, n_cols, BLOCK):
+    for c0 in range(0, n_cols, BLOCK_COLS):
         c = c0 + cols
         mask = row_mask[:, None] & (c < n_cols)[None, :]
-        if not SINGLE_BLOCK:
-            x = tl.load(x_ptr + x_start[:, None] + c[None, :] * x_col_stride, mask=mask, other=0.0).to(tl.float32)
+        if CHUNKED:
+            x = tl.load(x_ptr + x_start[:, None] + c[None, :] * stride_xcol, mask=mask, other=0.0).to(tl.float32)
         v = tl.math.div_rn(x, scale[:, None])
         v = tl.minimum(tl.maximum(v, -qmax), qmax)
         if FP8:
@@ -162,25 +162,25 @@ def quantize_rows_kernel(
 def quantize_int4_kernel(
     w_ptr, packed_ptr, scale_ptr,
     n_rows, n_cols,
-    w_row_stride, w_col_stride, packed_row_stride, scale_row_stride, scale_group_stride,
-    GROUP_SIZE: tl.constexpr, ROWS: tl.constexpr,
+    stride_wn, stride_wk, stride_pn, stride_sn, stride_sg,
+    GROUP_SIZE: tl.constexpr, BLOCK_ROWS: tl.constexpr,
 ):
-    """One K-group of ``ROWS`` rows: ``s = amax / 7``, ``q = clamp(round(w / s), -8, 7)``, packed.
+    """One K-group of ``BLOCK_ROWS`` rows: ``s = amax / 7``, ``q = clamp(round(w / s), -8, 7)``, packed.
 
-    The group's even and odd columns are loaded as two ``(ROWS, GROUP_SIZE / 2)`` halves, so
+    The group's even and odd columns are loaded as two ``(BLOCK_ROWS, GROUP_SIZE / 2)`` halves, so
     packing needs no shuffle: byte ``j`` of the group is ``(q_even[j] + 8) | (q_odd[j] + 8) << 4``.
     Columns past ``n_cols`` read as 0 (so a short last group's scale comes from its own elements)
     and bytes past ``ceil(n_cols / 2)`` are not written.
     """
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     group = tl.program_id(1)
     row_mask = rows < n_rows
     half = tl.arange(0, GROUP_SIZE // 2)
     k_even = group * GROUP_SIZE + 2 * half
-    w_row = rows.to(tl.int64) * w_row_stride
-    base = w_ptr + w_row[:, None] + k_even[None, :] * w_col_stride
+    w_row = rows.to(tl.int64) * stride_wn
+    base = w_ptr + w_row[:, None] + k_even[None, :] * stride_wk
     even = tl.load(base, mask=row_mask[:, None] & (k_even < n_cols)[None, :], other=0.0).to(tl.float32)
-    odd = tl.load(base + w_col_stride, mask=row_mask[:, None] & (k_even + 1 < n_cols)[None, :], other=0.0)
+    odd = tl.load(base + stride_wk, mask=row_mask[:, None] & (k_even + 1 < n_cols)[None, :], other=0.0)
     odd = odd.to(tl.float32)
     amax = tl.maximum(tl.max(tl.abs(even), axis=1), tl.max(tl.abs(odd), axis=1))
     scale = tl.math.div_rn(amax, 7.0).to(scale_ptr.dtype.element_ty).to(tl.float32)
@@ -191,9 +191,9 @@ def quantize_int4_kernel(
     high = (q_odd + 8.0).to(tl.uint8)
     packed = low | (high << 4)
     byte = group * (GROUP_SIZE // 2) + half
-    out = packed_ptr + rows.to(tl.int64)[:, None] * packed_row_stride + byte[None, :]
+    out = packed_ptr + rows.to(tl.int64)[:, None] * stride_pn + byte[None, :]
     tl.store(out, packed, mask=row_mask[:, None] & (byte < (n_cols + 1) // 2)[None, :])
-    scale_out = scale_ptr + rows.to(tl.int64) * scale_row_stride + group * scale_group_stride
+    scale_out = scale_ptr + rows.to(tl.int64) * stride_sn + group * stride_sg
     tl.store(scale_out, scale.to(scale_ptr.dtype.element_ty), mask=row_mask)
 
 
@@ -204,7 +204,7 @@ def _block_elements() -> int:
     return _INTERPRETER_BLOCK_ELEMENTS if runtime.INTERPRETER else _GPU_BLOCK_ELEMENTS
 
 
-def _launch_quantize_rows(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, fp8: bool) -> None:
+def launch_quantize_rows(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, fp8: bool) -> None:
     """Quantize every row of ``x`` (any leading dims, any strides) into ``q`` (contiguous, x's
     shape) and ``scales`` (contiguous, x.shape[:-1])."""
     n_cols = x.shape[-1]
@@ -219,14 +219,14 @@ def _launch_quantize_rows(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor
         start = launch.row_base
         quantize_rows_kernel[(triton.cdiv(launch.n_rows, rows),)](
             launch.tensors[0], q_rows[start:], scale_rows[start:], *launch.args(), q_rows.stride(0),
-            FP8=fp8, ROWS=rows, BLOCK=block, SINGLE_BLOCK=n_cols <= block, num_warps=4,
+            FP8=fp8, BLOCK_ROWS=rows, BLOCK_COLS=block, CHUNKED=n_cols > block, num_warps=4,
         )
 
 
 def _int4_storage(n: int, k: int, group_size: int, scale_dtype: torch.dtype, device) -> tuple[torch.Tensor, ...]:
-    packed = torch.empty((n, (k + 1) // 2), dtype=torch.uint8, device=device)
+    packed = _launch.empty((n, (k + 1) // 2), torch.uint8, device)
     groups = math.ceil(k / group_size)
-    scales = torch.empty((groups, n), dtype=scale_dtype, device=device).t()  # (N, groups), group-major
+    scales = _launch.empty((groups, n), scale_dtype, device).t()  # (N, groups), group-major
     return packed, scales
 
 
@@ -238,7 +238,7 @@ def _launch_quantize_int4(w: torch.Tensor, packed: torch.Tensor, scales: torch.T
     grid = (triton.cdiv(n, rows), scales.shape[1])
     quantize_int4_kernel[grid](
         w, packed, scales, n, k, w.stride(0), w.stride(1), packed.stride(0), scales.stride(0), scales.stride(1),
-        GROUP_SIZE=group_size, ROWS=rows, num_warps=4,
+        GROUP_SIZE=group_size, BLOCK_ROWS=rows, num_warps=4,
     )
 
 
@@ -302,17 +302,17 @@ def _quantize_rows_op(x: torch.Tensor, fp8: bool, scale_dtype: torch.dtype) -> t
     op = "kernels.quantize_rows"
     _check_rows_args(op, x, fp8, scale_dtype)
     runtime.require_launchable(op, x)
-    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn if fp8 else torch.int8, device=x.device)
-    scales = torch.empty(x.shape[:-1], dtype=scale_dtype, device=x.device)
-    _launch_quantize_rows(x, q, scales, fp8)
+    q = _launch.empty(x.shape, torch.float8_e4m3fn if fp8 else torch.int8, x.device)
+    scales = _launch.empty(x.shape[:-1], scale_dtype, x.device)
+    launch_quantize_rows(x, q, scales, fp8)
     return q, scales
 
 
 @_quantize_rows_op.register_fake
 def _quantize_rows_fake(x: torch.Tensor, fp8: bool, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     _check_rows_args("kernels.quantize_rows", x, fp8, scale_dtype)
-    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn if fp8 else torch.int8, device=x.device)
-    return q, torch.empty(x.shape[:-1], dtype=scale_dtype, device=x.device)
+    q = _launch.empty(x.shape, torch.float8_e4m3fn if fp8 else torch.int8, x.device)
+    return q, _launch.empty(x.shape[:-1], scale_dtype, x.device)
 
 
 def _check_int4_args(op: str, w: object, group_size: object, scale_dtype: object) -> None:

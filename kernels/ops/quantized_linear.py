@@ -67,21 +67,20 @@ import torch
 import triton
 import triton.language as tl
 
-from . import runtime
-from ._elementwise import empty_output
-from ._rows import plan_rows, row_start
-from ._validate import FLOAT_DTYPES, check_choice, check_float_dtype, check_tensor
+from .. import _launch, runtime
+from .._rows import plan_rows, row_start
+from .._validate import FLOAT_DTYPES, check_choice, check_float_dtype, check_tensor
 from .quantize import (
     INT4_GROUP_SIZES,
     SCHEMES,
     STORAGE_DTYPES,
     QuantizedWeight,
-    _launch_quantize_rows,
+    launch_quantize_rows,
     quantize_weight,
 )
 
 __all__ = [
-    "ACTIVATIONS",
+    "ACTIVATION_SCHEMES",
     "QuantizedLinearConfig",
     "choose_config",
     "quantized_linear",
@@ -93,7 +92,7 @@ __all__ = [
 ]
 
 #: Values of ``activations``: ``None`` (weight-only) or ``"int8"`` (W8A8, int8 weights only).
-ACTIVATIONS: tuple[str | None, ...] = (None, "int8")
+ACTIVATION_SCHEMES: tuple[str | None, ...] = (None, "int8")
 
 _SCHEME_IDS = {"int8": 0, "int4": 1, "fp8": 2}
 _INT4 = tl.constexpr(1)
@@ -101,14 +100,14 @@ _REDUCE_BLOCK = 1024
 
 
 @triton.jit
-def _write_tile(acc, rm, rn, M, N, pid_k, bias_ptr, bias_stride, out_ptr, partial_ptr,
+def _write_tile(acc, rm, rn, M, N, pid_k, bias_ptr, stride_bias, out_ptr, partial_ptr,
                 HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
     """The epilogue: bias and the one store to the (M, N) output, or an fp32 split-K partial."""
     mask = (rm < M)[:, None] & (rn < N)[None, :]
     rows = rm.to(tl.int64)
     if SPLIT_K == 1:
         if HAS_BIAS:
-            acc += tl.load(bias_ptr + rn * bias_stride, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+            acc += tl.load(bias_ptr + rn * stride_bias, mask=rn < N, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + rows[:, None] * N + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(partial_ptr + (pid_k.to(tl.int64) * M + rows)[:, None] * N + rn[None, :], acc, mask=mask)
@@ -117,8 +116,8 @@ def _write_tile(acc, rm, rn, M, N, pid_k, bias_ptr, bias_stride, out_ptr, partia
 @triton.jit
 def quantized_linear_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, partial_ptr,
-    M, K, size1, size2, x_stride0, x_stride1, x_stride2, x_stride_k,
-    N, w_cols, w_stride_n, w_stride_k, scale_stride_n, scale_stride_g, bias_stride, k_blocks_per_split,
+    M, K, size1, size2, stride_x0, stride_x1, stride_x2, stride_xk,
+    N, w_cols, stride_wn, stride_wk, stride_sn, stride_sg, stride_bias, k_blocks_per_split,
     SCHEME: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -126,8 +125,8 @@ def quantized_linear_kernel(
     """out[m, n] = sum_k x[m, k] * dequant(w)[n, k] (+ bias[n]) for one BLOCK_M x BLOCK_N tile
     and one split of K, dequantizing each weight tile in registers (SCHEME 0 int8, 1 int4, 2 fp8).
 
-    x: (M, K) rows through ``row_start`` (leading dims) and ``x_stride_k``; w: (N, w_cols) values
-    (w_cols = K) or packed bytes (w_cols = ceil(K/2)), strides ``w_stride_n, w_stride_k``; scales
+    x: (M, K) rows through ``row_start`` (leading dims) and ``stride_xk``; w: (N, w_cols) values
+    (w_cols = K) or packed bytes (w_cols = ceil(K/2)), strides ``stride_wn, stride_wk``; scales
     (N,) or (N, groups). ``w_cols`` is its own argument so that Triton sees its divisibility by 16
     and vectorizes the weight loads (``(K + 1) // 2`` computed in the kernel would hide it).
     """
@@ -138,9 +137,9 @@ def quantized_linear_kernel(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = rm < M
     n_mask = rn < N
-    x_row = row_start(rm, size1, size2, x_stride0, x_stride1, x_stride2)
-    w_row = rn.to(tl.int64) * w_stride_n
-    scale_row = rn.to(tl.int64) * scale_stride_n
+    x_row = row_start(rm, size1, size2, stride_x0, stride_x1, stride_x2)
+    w_row = rn.to(tl.int64) * stride_wn
+    scale_row = rn.to(tl.int64) * stride_sn
     dot_dtype = x_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     kb_start = pid_k * k_blocks_per_split
@@ -149,35 +148,35 @@ def quantized_linear_kernel(
         rk = kb * BLOCK_K + tl.arange(0, BLOCK_K)
         if INDEX_64:
             rk = rk.to(tl.int64)
-        xk = tl.load(x_ptr + x_row[:, None] + rk[None, :] * x_stride_k,
+        xk = tl.load(x_ptr + x_row[:, None] + rk[None, :] * stride_xk,
                      mask=m_mask[:, None] & (rk < K)[None, :], other=0.0)
         if SCHEME == _INT4:
             # x's even and odd columns (k = 2j, 2j + 1) meet the low and high nibbles of byte j.
             xe, xo = tl.split(tl.reshape(xk, (BLOCK_M, BLOCK_K // 2, 2)))
             j = kb * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
-            packed = tl.load(w_ptr + w_row[None, :] + j[:, None] * w_stride_k,
+            packed = tl.load(w_ptr + w_row[None, :] + j[:, None] * stride_wk,
                              mask=(j < w_cols)[:, None] & n_mask[None, :], other=0x88)
             low = ((packed & 0xF).to(tl.int8) - 8).to(dot_dtype)  # exact: integers in [-8, 7]
             high = ((packed >> 4).to(tl.int8) - 8).to(dot_dtype)
             part = tl.dot(xe, low, input_precision=INPUT_PRECISION)
             part = tl.dot(xo, high, part, input_precision=INPUT_PRECISION)
             group = (kb * BLOCK_K) // GROUP_SIZE  # BLOCK_K <= GROUP_SIZE: one group per step
-            s = tl.load(scale_ptr + scale_row + group * scale_stride_g, mask=n_mask, other=0.0)
+            s = tl.load(scale_ptr + scale_row + group * stride_sg, mask=n_mask, other=0.0)
             acc += part * s.to(tl.float32)[None, :]
         else:
-            w = tl.load(w_ptr + w_row[None, :] + rk[:, None] * w_stride_k,
+            w = tl.load(w_ptr + w_row[None, :] + rk[:, None] * stride_wk,
                         mask=(rk < w_cols)[:, None] & n_mask[None, :], other=0.0)
             acc = tl.dot(xk, w.to(dot_dtype), acc, input_precision=INPUT_PRECISION)  # exact conversion
     if SCHEME != _INT4:  # one scale per output channel: factor it out of the K sum
         s = tl.load(scale_ptr + scale_row, mask=n_mask, other=0.0)
         acc = acc * s.to(tl.float32)[None, :]
-    _write_tile(acc, rm, rn, M, N, pid_k, bias_ptr, bias_stride, out_ptr, partial_ptr, HAS_BIAS, SPLIT_K)
+    _write_tile(acc, rm, rn, M, N, pid_k, bias_ptr, stride_bias, out_ptr, partial_ptr, HAS_BIAS, SPLIT_K)
 
 
 @triton.jit
 def w8a8_linear_kernel(
     xq_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, partial_ptr,
-    M, K, N, xq_stride_m, w_stride_n, w_stride_k, w_scale_stride, bias_stride, k_blocks_per_split,
+    M, K, N, stride_xqm, stride_wn, stride_wk, stride_wscale, stride_bias, k_blocks_per_split,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -190,26 +189,26 @@ def w8a8_linear_kernel(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = rm < M
     n_mask = rn < N
-    x_row = rm.to(tl.int64) * xq_stride_m
-    w_row = rn.to(tl.int64) * w_stride_n
+    x_row = rm.to(tl.int64) * stride_xqm
+    w_row = rn.to(tl.int64) * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     kb_start = pid_k * k_blocks_per_split
     kb_end = tl.minimum(kb_start + k_blocks_per_split, tl.cdiv(K, BLOCK_K))
     for kb in range(kb_start, kb_end):
         rk = kb * BLOCK_K + tl.arange(0, BLOCK_K)
         a = tl.load(xq_ptr + x_row[:, None] + rk[None, :], mask=m_mask[:, None] & (rk < K)[None, :], other=0)
-        b = tl.load(w_ptr + w_row[None, :] + rk[:, None] * w_stride_k, mask=(rk < K)[:, None] & n_mask[None, :],
+        b = tl.load(w_ptr + w_row[None, :] + rk[:, None] * stride_wk, mask=(rk < K)[:, None] & n_mask[None, :],
                     other=0)
         acc = tl.dot(a, b, acc)  # int8 x int8 -> int32
     x_scale = tl.load(x_scale_ptr + rm, mask=m_mask, other=0.0)
-    w_scale = tl.load(w_scale_ptr + rn.to(tl.int64) * w_scale_stride, mask=n_mask, other=0.0).to(tl.float32)
+    w_scale = tl.load(w_scale_ptr + rn.to(tl.int64) * stride_wscale, mask=n_mask, other=0.0).to(tl.float32)
     out = acc.to(tl.float32) * x_scale[:, None] * w_scale[None, :]
-    _write_tile(out, rm, rn, M, N, pid_k, bias_ptr, bias_stride, out_ptr, partial_ptr, HAS_BIAS, SPLIT_K)
+    _write_tile(out, rm, rn, M, N, pid_k, bias_ptr, stride_bias, out_ptr, partial_ptr, HAS_BIAS, SPLIT_K)
 
 
 @triton.jit
 def quantized_linear_reduce_kernel(
-    partial_ptr, bias_ptr, out_ptr, n_elements, N, bias_stride,
+    partial_ptr, bias_ptr, out_ptr, n_elements, N, stride_bias,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """out = sum over the SPLIT_K fp32 partials (in split order: deterministic) + bias."""
@@ -219,15 +218,15 @@ def quantized_linear_reduce_kernel(
     for s in tl.static_range(SPLIT_K):
         acc += tl.load(partial_ptr + s * n_elements + idx, mask=mask, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + (idx % N) * bias_stride, mask=mask, other=0.0).to(tl.float32)
+        acc += tl.load(bias_ptr + (idx % N) * stride_bias, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + idx, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def quantized_linear_backward_kernel(
     grad_ptr, w_ptr, scale_ptr, grad_x_ptr,
-    M, N, size1, size2, g_stride0, g_stride1, g_stride2, g_stride_n,
-    K, w_cols, w_stride_n, w_stride_k, scale_stride_n, scale_stride_g,
+    M, N, size1, size2, stride_g0, stride_g1, stride_g2, stride_gn,
+    K, w_cols, stride_wn, stride_wk, stride_sn, stride_sg,
     SCHEME: tl.constexpr, GROUP_SIZE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -236,20 +235,20 @@ def quantized_linear_backward_kernel(
     The reduction runs over N, so a weight scale (per n; int4: per n and k's group, one group per
     tile since BLOCK_K <= GROUP_SIZE) multiplies the grad tile, rounded to grad's dtype for the
     dot. int4 tiles accumulate even and odd columns separately (low and high nibbles) and join
-    them before the store. grad: rows through ``row_start`` and ``g_stride_n``; grad_x: (M, K)
+    them before the store. grad: rows through ``row_start`` and ``stride_gn``; grad_x: (M, K)
     contiguous.
     """
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = rm < M
-    g_row = row_start(rm, size1, size2, g_stride0, g_stride1, g_stride2)
+    g_row = row_start(rm, size1, size2, stride_g0, stride_g1, stride_g2)
     dot_dtype = grad_ptr.dtype.element_ty
     if SCHEME == _INT4:
         j = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
         acc_even = tl.zeros((BLOCK_M, BLOCK_K // 2), dtype=tl.float32)
         acc_odd = tl.zeros((BLOCK_M, BLOCK_K // 2), dtype=tl.float32)
-        scale_col = ((pid_k * BLOCK_K) // GROUP_SIZE) * scale_stride_g
+        scale_col = ((pid_k * BLOCK_K) // GROUP_SIZE) * stride_sg
     else:
         rk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
         acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
@@ -257,20 +256,20 @@ def quantized_linear_backward_kernel(
     for n0 in range(0, N, BLOCK_N):
         rn = n0 + tl.arange(0, BLOCK_N)
         n_mask = rn < N
-        g = tl.load(grad_ptr + g_row[:, None] + rn[None, :] * g_stride_n, mask=m_mask[:, None] & n_mask[None, :],
+        g = tl.load(grad_ptr + g_row[:, None] + rn[None, :] * stride_gn, mask=m_mask[:, None] & n_mask[None, :],
                     other=0.0)
-        s = tl.load(scale_ptr + rn.to(tl.int64) * scale_stride_n + scale_col, mask=n_mask, other=0.0)
+        s = tl.load(scale_ptr + rn.to(tl.int64) * stride_sn + scale_col, mask=n_mask, other=0.0)
         g = (g.to(tl.float32) * s.to(tl.float32)[None, :]).to(dot_dtype)
-        w_row = rn.to(tl.int64) * w_stride_n
+        w_row = rn.to(tl.int64) * stride_wn
         if SCHEME == _INT4:
-            packed = tl.load(w_ptr + w_row[:, None] + j[None, :] * w_stride_k,
+            packed = tl.load(w_ptr + w_row[:, None] + j[None, :] * stride_wk,
                              mask=n_mask[:, None] & (j < w_cols)[None, :], other=0x88)
             low = ((packed & 0xF).to(tl.int8) - 8).to(dot_dtype)
             high = ((packed >> 4).to(tl.int8) - 8).to(dot_dtype)
             acc_even = tl.dot(g, low, acc_even, input_precision=INPUT_PRECISION)
             acc_odd = tl.dot(g, high, acc_odd, input_precision=INPUT_PRECISION)
         else:
-            w = tl.load(w_ptr + w_row[:, None] + rk[None, :] * w_stride_k,
+            w = tl.load(w_ptr + w_row[:, None] + rk[None, :] * stride_wk,
                         mask=n_mask[:, None] & (rk < w_cols)[None, :], other=0.0)
             acc = tl.dot(g, w.to(dot_dtype), acc, input_precision=INPUT_PRECISION)
     if SCHEME == _INT4:
@@ -298,12 +297,6 @@ class QuantizedLinearConfig:
     SPLIT_K: int = 1
     num_warps: int = 4
     num_stages: int = 3
-
-
-def _num_sms(device: torch.device) -> int:
-    if runtime.INTERPRETER or device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def choose_config(M: int, N: int, K: int, scheme: str, group_size: int | None = None,
@@ -341,7 +334,7 @@ def choose_config(M: int, N: int, K: int, scheme: str, group_size: int | None = 
     block_n = max(16, min(block_n, triton.next_power_of_2(max(N, 1))))
     tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
     k_blocks = triton.cdiv(max(K, 1), block_k)
-    target = 2 * _num_sms(device)
+    target = 2 * _launch.num_sms(device)
     split = 1
     if tiles < target:
         weight_bytes = N * K * (0.5 if scheme == "int4" else 1.0)
@@ -378,12 +371,6 @@ def _check_config(op: str, config: QuantizedLinearConfig, scheme: str, group_siz
 # --------------------------------------------------------------------------- launch
 
 
-def _input_precision(x: torch.Tensor) -> str:
-    if x.dtype == torch.float32 and not (x.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32):
-        return "ieee"
-    return "tf32"  # ignored for fp16/bf16 operands
-
-
 def _reduce_partials(partial: torch.Tensor, bias: torch.Tensor | None, out2d: torch.Tensor, split: int) -> None:
     n_elements, n = out2d.numel(), out2d.shape[1]
     quantized_linear_reduce_kernel[(triton.cdiv(n_elements, _REDUCE_BLOCK),)](
@@ -411,19 +398,19 @@ def _launch_weight_only(x, data, scales, bias, scheme, group_size, K, out2d, con
                     for launch in plan_rows([x], reduce_ndim=1)]
     else:  # nothing to read from x: one launch that writes the bias (or zeros)
         launches = [(x, 0, M_total, (1, 1, 0, 0, 0, 1), False)]
-    scale_stride_g = scales.stride(1) if scales.dim() == 2 else 0
+    scale_group_stride = scales.stride(1) if scales.dim() == 2 else 0
     for x_slice, row_base, rows, row_args, index_64 in launches:
         per_split, split = _split(K, rows, N, config)
         out_slice = out2d[row_base: row_base + rows]
-        partial = torch.empty((split, rows, N), dtype=torch.float32, device=x.device) if split > 1 else out_slice
+        partial = _launch.empty((split, rows, N), torch.float32, x.device) if split > 1 else out_slice
         grid = (triton.cdiv(rows, config.BLOCK_M), triton.cdiv(N, config.BLOCK_N), split)
         quantized_linear_kernel[grid](
             x_slice, data, scales, bias if bias is not None else out_slice, out_slice, partial,
             rows, K, *row_args,
-            N, data.shape[1], data.stride(0), data.stride(1), scales.stride(0), scale_stride_g,
+            N, data.shape[1], data.stride(0), data.stride(1), scales.stride(0), scale_group_stride,
             bias.stride(0) if bias is not None else 0, per_split,
             SCHEME=_SCHEME_IDS[scheme], GROUP_SIZE=group_size or 1, HAS_BIAS=bias is not None, SPLIT_K=split,
-            INPUT_PRECISION=_input_precision(x), INDEX_64=index_64,
+            INPUT_PRECISION=_launch.dot_input_precision(x.dtype), INDEX_64=index_64,
             BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
@@ -433,12 +420,12 @@ def _launch_weight_only(x, data, scales, bias, scheme, group_size, K, out2d, con
 
 def _launch_w8a8(x, data, scales, bias, K, out2d, config) -> None:
     N, M = data.shape[0], out2d.shape[0]
-    xq = torch.empty(x.shape, dtype=torch.int8, device=x.device)
-    x_scales = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
-    _launch_quantize_rows(x, xq, x_scales, fp8=False)
+    xq = _launch.empty(x.shape, torch.int8, x.device)
+    x_scales = _launch.empty(x.shape[:-1], torch.float32, x.device)
+    launch_quantize_rows(x, xq, x_scales, fp8=False)
     xq2d = xq.view(M, K)
     per_split, split = _split(K, M, N, config)
-    partial = torch.empty((split, M, N), dtype=torch.float32, device=x.device) if split > 1 else out2d
+    partial = _launch.empty((split, M, N), torch.float32, x.device) if split > 1 else out2d
     grid = (triton.cdiv(M, config.BLOCK_M), triton.cdiv(N, config.BLOCK_N), split)
     w8a8_linear_kernel[grid](
         xq2d, x_scales, data, scales, bias if bias is not None else out2d, out2d, partial,
@@ -455,7 +442,7 @@ def _launch_w8a8(x, data, scales, bias, K, out2d, config) -> None:
 # --------------------------------------------------------------------------- validation
 
 
-def _check_linear_args(op: str, x: object, data: object, scales: object, bias: object, scheme: object,
+def _check_quantized_linear_args(op: str, x: object, data: object, scales: object, bias: object, scheme: object,
                        group_size: object, in_features: object, activations: object) -> None:
     check_tensor(op, "x", x)
     check_float_dtype(op, "x", x)
@@ -540,11 +527,11 @@ def _quantized_linear_op(
     scheme: str, group_size: int, in_features: int, activations: str, config: list[int] | None,
 ) -> torch.Tensor:
     op = "kernels.quantized_linear"
-    _check_linear_args(op, x, data, scales, bias, scheme, group_size, in_features, activations)
+    _check_quantized_linear_args(op, x, data, scales, bias, scheme, group_size, in_features, activations)
     n = data.shape[0]
     chosen = _config_from_list(op, config, x, n, scheme, group_size, activations)
     runtime.require_launchable(op, x, data, scales, *([bias] if bias is not None else []))
-    out = empty_output((*x.shape[:-1], n), x)
+    out = _launch.empty_output((*x.shape[:-1], n), x)
     if out.numel() == 0:
         return out
     out2d = out.view(-1, n)
@@ -561,10 +548,10 @@ def _quantized_linear_fake(
     scheme: str, group_size: int, in_features: int, activations: str, config: list[int] | None,
 ) -> torch.Tensor:
     op = "kernels.quantized_linear"
-    _check_linear_args(op, x, data, scales, bias, scheme, group_size, in_features, activations)
+    _check_quantized_linear_args(op, x, data, scales, bias, scheme, group_size, in_features, activations)
     if config is not None:
         _config_from_list(op, config, x, data.shape[0], scheme, group_size, activations)
-    return empty_output((*x.shape[:-1], data.shape[0]), x)
+    return _launch.empty_output((*x.shape[:-1], data.shape[0]), x)
 
 
 def _backward_config(M: int, K: int, scheme: str, group_size: int) -> tuple[int, int, int, int, int]:
@@ -594,7 +581,7 @@ def _quantized_linear_backward_op(
     _check_backward_args(op, grad_out, data, scales, scheme, group_size, in_features)
     runtime.require_launchable(op, grad_out, data, scales)
     K, N = in_features, data.shape[0]
-    grad_x = empty_output((*grad_out.shape[:-1], K), grad_out)
+    grad_x = _launch.empty_output((*grad_out.shape[:-1], K), grad_out)
     if grad_x.numel() == 0:
         return grad_x
     grad_x2d = grad_x.view(-1, K)
@@ -602,14 +589,15 @@ def _quantized_linear_backward_op(
         return grad_x.zero_()
     M_total = grad_x2d.shape[0]
     block_m, block_n, block_k, warps, stages = _backward_config(M_total, K, scheme, group_size)
-    scale_stride_g = scales.stride(1) if scales.dim() == 2 else 0
+    scale_group_stride = scales.stride(1) if scales.dim() == 2 else 0
     for launch in plan_rows([grad_out], reduce_ndim=1):
         rows = launch.n_rows
         grid = (triton.cdiv(rows, block_m), triton.cdiv(K, block_k))
         quantized_linear_backward_kernel[grid](
             launch.tensors[0], data, scales, grad_x2d[launch.row_base:],
-            *launch.args(), K, data.shape[1], data.stride(0), data.stride(1), scales.stride(0), scale_stride_g,
-            SCHEME=_SCHEME_IDS[scheme], GROUP_SIZE=group_size or 1, INPUT_PRECISION=_input_precision(grad_out),
+            *launch.args(), K, data.shape[1], data.stride(0), data.stride(1), scales.stride(0), scale_group_stride,
+            SCHEME=_SCHEME_IDS[scheme], GROUP_SIZE=group_size or 1,
+            INPUT_PRECISION=_launch.dot_input_precision(grad_out.dtype),
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
         )
     return grad_x
@@ -621,7 +609,7 @@ def _quantized_linear_backward_fake(
 ) -> torch.Tensor:
     _check_backward_args("kernels.quantized_linear (backward)", grad_out, data, scales, scheme, group_size,
                          in_features)
-    return empty_output((*grad_out.shape[:-1], in_features), grad_out)
+    return _launch.empty_output((*grad_out.shape[:-1], in_features), grad_out)
 
 
 def _quantized_linear_setup_context(ctx, inputs, output) -> None:
@@ -680,13 +668,13 @@ def quantized_linear(
             f"got {type(qweight).__name__}"
         )
     check_tensor(op, "x", x)
-    if activations not in ACTIVATIONS:
+    if activations not in ACTIVATION_SCHEMES:
         raise ValueError(f"{op}: activations must be None (weight-only) or 'int8' (W8A8), got {activations!r}")
     if config is not None and not isinstance(config, QuantizedLinearConfig):
         raise TypeError(f"{op}: config must be a kernels.QuantizedLinearConfig or None, got {type(config).__name__}")
     group_size = qweight.group_size or 0
     acts = "none" if activations is None else activations
-    _check_linear_args(op, x, qweight.data, qweight.scales, bias, qweight.scheme, group_size,
+    _check_quantized_linear_args(op, x, qweight.data, qweight.scales, bias, qweight.scheme, group_size,
                        qweight.in_features, acts)
     config_list = list(astuple(config)) if config is not None else None
     if config is not None:

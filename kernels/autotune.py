@@ -41,7 +41,6 @@ __all__ = [
     "MatmulConfig",
     "GPU_CONFIGS",
     "INTERPRETER_CONFIG",
-    "INTERPRETER_NUM_PROGRAMS",
     "TUNING_KEY",
     "size_bucket",
     "fit_config",
@@ -142,9 +141,6 @@ GPU_CONFIGS: tuple[MatmulConfig, ...] = (
 #: remainders do not waste much numpy work.
 INTERPRETER_CONFIG: MatmulConfig = MatmulConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4,
                                                 num_stages=2)
-
-#: Programs the persistent kernel launches in the interpreter (a GPU launches one per SM).
-INTERPRETER_NUM_PROGRAMS: int = 4
 
 #: The arguments of ``matmul_kernel`` that the autotuner keys on (dtypes are added by Triton).
 TUNING_KEY: tuple[str, ...] = ("M_BUCKET", "N_BUCKET", "K_BUCKET", "INPUT_PRECISION", "ACTIVATION")
@@ -328,9 +324,9 @@ def autotune_cpu(
         A :class:`CpuAutotuneReport` (``.best``, ``.timings``, printable as a table).
     """
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"kernels.autotune_cpu: repeats must be an int >= 1, got {repeats!r}")
+        raise ValueError(f"kernels.autotune.autotune_cpu: repeats must be an int >= 1, got {repeats!r}")
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"kernels.autotune_cpu: warmup must be an int >= 0, got {warmup!r}")
+        raise ValueError(f"kernels.autotune.autotune_cpu: warmup must be an int >= 0, got {warmup!r}")
     report = CpuAutotuneReport()
     for config in configs:
         for _ in range(warmup):
@@ -342,6 +338,6 @@ def autotune_cpu(
             seconds.append(timer() - start)
         report.timings.append(CpuTiming(config, tuple(seconds)))
     if not report.timings:
-        raise ValueError("kernels.autotune_cpu: configs must not be empty")
+        raise ValueError("kernels.autotune.autotune_cpu: configs must not be empty")
     return report
 

@@ -18,7 +18,7 @@ has none of the cancellation of ``E[x^2] - E[x]^2``), and ``y`` is written. It s
     dw = sum over rows of dy * xhat            db = sum over rows of dy
 
 ``dx`` is two row reductions and one elementwise pass; ``dw`` and ``db`` are reduced in two
-stages (per-program float32 partial rows, then :func:`~kernels._norm.column_sum_kernel`).
+stages (per-program float32 partial rows, then :func:`~kernels.ops.norm.column_sum_kernel`).
 
 Rows longer than the fused limit take a chunked path: the statistics pass combines per-chunk
 means and centred sums of squares with Chan et al.'s parallel update (as stable as the fused
@@ -34,22 +34,21 @@ import torch
 import triton
 import triton.language as tl
 
-from . import runtime
-from ._norm import (
+from .. import _launch, runtime
+from .._rows import load_rows, merge_trailing, row_start, store_rows
+from .._validate import check_same_device, check_same_dtype, check_same_shape
+from .norm import (
     check_eps,
     check_normalized_shape,
     check_param,
     check_row_input,
     column_sum,
-    empty_output,
     empty_stats,
     launch_norm,
     plan_norm,
     program_rows,
     walkable,
 )
-from ._rows import load_rows, merge_trailing, row_start, store_rows
-from ._validate import check_same_device, check_same_dtype, check_same_shape
 
 __all__ = ["layer_norm", "layer_norm_kernel", "layer_norm_backward_kernel"]
 
@@ -57,36 +56,38 @@ __all__ = ["layer_norm", "layer_norm_kernel", "layer_norm_backward_kernel"]
 @triton.jit
 def layer_norm_kernel(
     x_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, eps,
-    n_rows, n_cols, size1, size2,
-    xs0, xs1, xs2, xc, ys0, ys1, ys2, yc, wc, bc,
-    rows_per_program,
-    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, TILE_ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    n_rows, n_cols, size1, size2,                     # rows, their length, the merged leading dims
+    stride_x0, stride_x1, stride_x2, stride_xcol,
+    stride_y0, stride_y1, stride_y2, stride_ycol,
+    stride_w, stride_b,                               # the weight's and bias's strides
+    rows_per_program,                                 # a multiple of BLOCK_ROWS
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
     CHUNKED: tl.constexpr, INDEX_64: tl.constexpr,
 ):
-    """y = (x - mean) * rstd * w + b for this program's rows, TILE_ROWS x BLOCK at a time."""
-    pid, row0, n_here, cols = program_rows(n_rows, rows_per_program, BLOCK, INDEX_64)
+    """y = (x - mean) * rstd * w + b for this program's rows, BLOCK_ROWS x BLOCK_COLS at a time."""
+    pid, row0, n_here, cols = program_rows(n_rows, rows_per_program, BLOCK_COLS, INDEX_64)
     if not CHUNKED:
         col_mask = cols < n_cols
         if HAS_WEIGHT:  # once per program, shared by all its rows
-            w = tl.load(w_ptr + cols * wc, mask=col_mask, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + cols * stride_w, mask=col_mask, other=0.0).to(tl.float32)
         if HAS_BIAS:
-            b = tl.load(b_ptr + cols * bc, mask=col_mask, other=0.0).to(tl.float32)
-    for i in range(0, n_here, TILE_ROWS):
-        rows = row0 + i + tl.arange(0, TILE_ROWS)
+            b = tl.load(b_ptr + cols * stride_b, mask=col_mask, other=0.0).to(tl.float32)
+    for i in range(0, n_here, BLOCK_ROWS):
+        rows = row0 + i + tl.arange(0, BLOCK_ROWS)
         row_mask = rows < n_rows
-        x_row = row_start(rows, size1, size2, xs0, xs1, xs2)[:, None]
-        y_row = row_start(rows, size1, size2, ys0, ys1, ys2)[:, None]
+        x_row = row_start(rows, size1, size2, stride_x0, stride_x1, stride_x2)[:, None]
+        y_row = row_start(rows, size1, size2, stride_y0, stride_y1, stride_y2)[:, None]
         if CHUNKED:
             # Chan's update: merge each chunk's (count, mean, centred sum of squares) into the row's.
-            count = tl.zeros([TILE_ROWS], dtype=tl.float32)
-            mean = tl.zeros([TILE_ROWS], dtype=tl.float32)
-            m2 = tl.zeros([TILE_ROWS], dtype=tl.float32)
-            for start in range(0, n_cols, BLOCK):
+            count = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+            mean = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+            m2 = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+            for start in range(0, n_cols, BLOCK_COLS):
                 c = start + cols
                 c_mask = c < n_cols
                 mask = row_mask[:, None] & c_mask[None, :]
-                x = tl.load(x_ptr + x_row + c[None, :] * xc, mask=mask, other=0.0).to(tl.float32)
-                n_chunk = tl.minimum(n_cols - start, BLOCK).to(tl.float32)
+                x = tl.load(x_ptr + x_row + c[None, :] * stride_xcol, mask=mask, other=0.0).to(tl.float32)
+                n_chunk = tl.minimum(n_cols - start, BLOCK_COLS).to(tl.float32)
                 chunk_mean = tl.sum(x, axis=1) / n_chunk
                 centred = tl.where(mask, x - chunk_mean[:, None], 0.0)
                 chunk_m2 = tl.sum(centred * centred, axis=1)
@@ -96,20 +97,20 @@ def layer_norm_kernel(
                 m2 += chunk_m2 + delta * delta * (count * n_chunk / total)
                 count = total
             rstd = tl.rsqrt(m2 / n_cols + eps)
-            for start in range(0, n_cols, BLOCK):
+            for start in range(0, n_cols, BLOCK_COLS):
                 c = start + cols
                 c_mask = c < n_cols
                 mask = row_mask[:, None] & c_mask[None, :]
-                x = tl.load(x_ptr + x_row + c[None, :] * xc, mask=mask, other=0.0).to(tl.float32)
+                x = tl.load(x_ptr + x_row + c[None, :] * stride_xcol, mask=mask, other=0.0).to(tl.float32)
                 y = (x - mean[:, None]) * rstd[:, None]
                 if HAS_WEIGHT:
-                    y = y * tl.load(w_ptr + c * wc, mask=c_mask, other=0.0).to(tl.float32)[None, :]
+                    y = y * tl.load(w_ptr + c * stride_w, mask=c_mask, other=0.0).to(tl.float32)[None, :]
                 if HAS_BIAS:
-                    y = y + tl.load(b_ptr + c * bc, mask=c_mask, other=0.0).to(tl.float32)[None, :]
-                tl.store(y_ptr + y_row + c[None, :] * yc, y.to(y_ptr.dtype.element_ty), mask=mask)
+                    y = y + tl.load(b_ptr + c * stride_b, mask=c_mask, other=0.0).to(tl.float32)[None, :]
+                tl.store(y_ptr + y_row + c[None, :] * stride_ycol, y.to(y_ptr.dtype.element_ty), mask=mask)
         else:
             mask = row_mask[:, None] & col_mask[None, :]
-            x = tl.load(x_ptr + x_row + cols[None, :] * xc, mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + x_row + cols[None, :] * stride_xcol, mask=mask, other=0.0).to(tl.float32)
             mean = tl.sum(x, axis=1) / n_cols
             centred = tl.where(mask, x - mean[:, None], 0.0)
             rstd = tl.rsqrt(tl.sum(centred * centred, axis=1) / n_cols + eps)
@@ -118,7 +119,7 @@ def layer_norm_kernel(
                 y = y * w[None, :]
             if HAS_BIAS:
                 y = y + b[None, :]
-            tl.store(y_ptr + y_row + cols[None, :] * yc, y.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.store(y_ptr + y_row + cols[None, :] * stride_ycol, y.to(y_ptr.dtype.element_ty), mask=mask)
         tl.store(mean_ptr + rows, mean, mask=row_mask)
         tl.store(rstd_ptr + rows, rstd, mask=row_mask)
 
@@ -126,32 +127,35 @@ def layer_norm_kernel(
 @triton.jit
 def layer_norm_backward_kernel(
     dy_ptr, x_ptr, dx_ptr, w_ptr, mean_ptr, rstd_ptr, scratch_ptr, dw_partial_ptr, db_partial_ptr,
-    n_rows, n_cols, size1, size2,
-    dys0, dys1, dys2, dyc, xs0, xs1, xs2, xc, dxs0, dxs1, dxs2, dxc, wc,
-    rows_per_program,
+    n_rows, n_cols, size1, size2,                     # rows, their length, the merged leading dims
+    stride_dy0, stride_dy1, stride_dy2, stride_dycol,
+    stride_x0, stride_x1, stride_x2, stride_xcol,
+    stride_dx0, stride_dx1, stride_dx2, stride_dxcol,
+    stride_w,                                         # the weight's (column) stride
+    rows_per_program,                                 # a multiple of BLOCK_ROWS
     HAS_WEIGHT: tl.constexpr, WEIGHT_GRAD: tl.constexpr, BIAS_GRAD: tl.constexpr,
-    TILE_ROWS: tl.constexpr, BLOCK: tl.constexpr, CHUNKED: tl.constexpr, INDEX_64: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, CHUNKED: tl.constexpr, INDEX_64: tl.constexpr,
 ):
     """dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * w; this program's dw/db partial rows.
 
     The chunked path computes both row means first (into ``scratch``, two float32 per row), then
     walks column chunks, each over all of the program's rows, keeping the chunk's dw/db in registers.
     """
-    pid, row0, n_here, cols = program_rows(n_rows, rows_per_program, BLOCK, INDEX_64)
+    pid, row0, n_here, cols = program_rows(n_rows, rows_per_program, BLOCK_COLS, INDEX_64)
     if not CHUNKED:
         col_mask = cols < n_cols
         if HAS_WEIGHT:
-            w = tl.load(w_ptr + cols * wc, mask=col_mask, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + cols * stride_w, mask=col_mask, other=0.0).to(tl.float32)
         if WEIGHT_GRAD:
-            dw = tl.zeros([TILE_ROWS, BLOCK], dtype=tl.float32)
+            dw = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
         if BIAS_GRAD:
-            db = tl.zeros([TILE_ROWS, BLOCK], dtype=tl.float32)
-        for i in range(0, n_here, TILE_ROWS):
-            rows = row0 + i + tl.arange(0, TILE_ROWS)
+            db = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
+        for i in range(0, n_here, BLOCK_ROWS):
+            rows = row0 + i + tl.arange(0, BLOCK_ROWS)
             row_mask = rows < n_rows
             mask = row_mask[:, None] & col_mask[None, :]
-            dy = load_rows(dy_ptr, rows, cols, mask, size1, size2, dys0, dys1, dys2, dyc)
-            x = load_rows(x_ptr, rows, cols, mask, size1, size2, xs0, xs1, xs2, xc)
+            dy = load_rows(dy_ptr, rows, cols, mask, size1, size2, stride_dy0, stride_dy1, stride_dy2, stride_dycol)
+            x = load_rows(x_ptr, rows, cols, mask, size1, size2, stride_x0, stride_x1, stride_x2, stride_xcol)
             mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)[:, None]
             rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)[:, None]
             xhat = tl.where(mask, (x - mean) * rstd, 0.0)
@@ -161,7 +165,7 @@ def layer_norm_backward_kernel(
             mean_g = tl.sum(g, axis=1)[:, None] / n_cols
             mean_gx = tl.sum(g * xhat, axis=1)[:, None] / n_cols
             dx = (g - mean_g - xhat * mean_gx) * rstd
-            store_rows(dx_ptr, dx, rows, cols, mask, size1, size2, dxs0, dxs1, dxs2, dxc)
+            store_rows(dx_ptr, dx, rows, cols, mask, size1, size2, stride_dx0, stride_dx1, stride_dx2, stride_dxcol)
             if WEIGHT_GRAD:
                 dw += dy * xhat
             if BIAS_GRAD:
@@ -172,44 +176,44 @@ def layer_norm_backward_kernel(
             tl.store(db_partial_ptr + pid * n_cols + cols, tl.sum(db, axis=0), mask=col_mask)
     else:
         # Pass 1: mean(g) and mean(g * xhat) of each row, kept in scratch (2 float32 per row).
-        for i in range(0, n_here, TILE_ROWS):
-            rows = row0 + i + tl.arange(0, TILE_ROWS)
+        for i in range(0, n_here, BLOCK_ROWS):
+            rows = row0 + i + tl.arange(0, BLOCK_ROWS)
             row_mask = rows < n_rows
-            dy_row = row_start(rows, size1, size2, dys0, dys1, dys2)[:, None]
-            x_row = row_start(rows, size1, size2, xs0, xs1, xs2)[:, None]
+            dy_row = row_start(rows, size1, size2, stride_dy0, stride_dy1, stride_dy2)[:, None]
+            x_row = row_start(rows, size1, size2, stride_x0, stride_x1, stride_x2)[:, None]
             mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)[:, None]
             rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)[:, None]
-            acc_g = tl.zeros([TILE_ROWS, BLOCK], dtype=tl.float32)
-            acc_gx = tl.zeros([TILE_ROWS, BLOCK], dtype=tl.float32)
-            for start in range(0, n_cols, BLOCK):
+            acc_g = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
+            acc_gx = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
+            for start in range(0, n_cols, BLOCK_COLS):
                 c = start + cols
                 mask = row_mask[:, None] & (c < n_cols)[None, :]
-                dy = tl.load(dy_ptr + dy_row + c[None, :] * dyc, mask=mask, other=0.0).to(tl.float32)
-                x = tl.load(x_ptr + x_row + c[None, :] * xc, mask=mask, other=0.0).to(tl.float32)
+                dy = tl.load(dy_ptr + dy_row + c[None, :] * stride_dycol, mask=mask, other=0.0).to(tl.float32)
+                x = tl.load(x_ptr + x_row + c[None, :] * stride_xcol, mask=mask, other=0.0).to(tl.float32)
                 g = dy
                 if HAS_WEIGHT:
-                    g = dy * tl.load(w_ptr + c * wc, mask=c < n_cols, other=0.0).to(tl.float32)[None, :]
+                    g = dy * tl.load(w_ptr + c * stride_w, mask=c < n_cols, other=0.0).to(tl.float32)[None, :]
                 acc_g += g
                 acc_gx += g * tl.where(mask, (x - mean) * rstd, 0.0)
             tl.store(scratch_ptr + 2 * rows, tl.sum(acc_g, axis=1) / n_cols, mask=row_mask)
             tl.store(scratch_ptr + 2 * rows + 1, tl.sum(acc_gx, axis=1) / n_cols, mask=row_mask)
         tl.debug_barrier()  # pass 2 reads scratch values other threads wrote
         # Pass 2: column chunks outside, the program's rows inside: dx, and dw/db in registers.
-        for start in range(0, n_cols, BLOCK):
+        for start in range(0, n_cols, BLOCK_COLS):
             c = start + cols
             c_mask = c < n_cols
             if HAS_WEIGHT:
-                w = tl.load(w_ptr + c * wc, mask=c_mask, other=0.0).to(tl.float32)
+                w = tl.load(w_ptr + c * stride_w, mask=c_mask, other=0.0).to(tl.float32)
             if WEIGHT_GRAD:
-                dw = tl.zeros([TILE_ROWS, BLOCK], dtype=tl.float32)
+                dw = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
             if BIAS_GRAD:
-                db = tl.zeros([TILE_ROWS, BLOCK], dtype=tl.float32)
-            for i in range(0, n_here, TILE_ROWS):
-                rows = row0 + i + tl.arange(0, TILE_ROWS)
+                db = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
+            for i in range(0, n_here, BLOCK_ROWS):
+                rows = row0 + i + tl.arange(0, BLOCK_ROWS)
                 row_mask = rows < n_rows
                 mask = row_mask[:, None] & c_mask[None, :]
-                dy = load_rows(dy_ptr, rows, c, mask, size1, size2, dys0, dys1, dys2, dyc)
-                x = load_rows(x_ptr, rows, c, mask, size1, size2, xs0, xs1, xs2, xc)
+                dy = load_rows(dy_ptr, rows, c, mask, size1, size2, stride_dy0, stride_dy1, stride_dy2, stride_dycol)
+                x = load_rows(x_ptr, rows, c, mask, size1, size2, stride_x0, stride_x1, stride_x2, stride_xcol)
                 mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)[:, None]
                 rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)[:, None]
                 mean_g = tl.load(scratch_ptr + 2 * rows, mask=row_mask, other=0.0)[:, None]
@@ -219,7 +223,7 @@ def layer_norm_backward_kernel(
                 if HAS_WEIGHT:
                     g = dy * w[None, :]
                 dx = (g - mean_g - xhat * mean_gx) * rstd
-                store_rows(dx_ptr, dx, rows, c, mask, size1, size2, dxs0, dxs1, dxs2, dxc)
+                store_rows(dx_ptr, dx, rows, c, mask, size1, size2, stride_dx0, stride_dx1, stride_dx2, stride_dxcol)
                 if WEIGHT_GRAD:
                     dw += dy * xhat
                 if BIAS_GRAD:
@@ -241,7 +245,7 @@ def _param_stride(p: torch.Tensor | None, ndim: int) -> int:
 
 def _layer_norm_forward(x, normalized_shape, weight, bias, eps):
     ndim = len(normalized_shape)
-    y = empty_output(x.shape, x)
+    y = _launch.empty_output(x.shape, x)
     mean, rstd = empty_stats(x, ndim), empty_stats(x, ndim)
     if math.prod(normalized_shape) == 0:  # the statistics of no elements: mean 0, variance 0
         mean.zero_()
@@ -259,16 +263,16 @@ def _layer_norm_backward_launch(grad_out, x, normalized_shape, weight, mean, rst
     ndim = len(normalized_shape)
     grad_out = walkable(grad_out, ndim)
     n_cols = math.prod(normalized_shape)
-    dx = empty_output(x.shape, x)
+    dx = _launch.empty_output(x.shape, x)
     plan = plan_norm([grad_out, x, dx], ndim, backward=True)
     weight_grad = weight_grad and weight is not None
 
     def partial(needed: bool) -> torch.Tensor:
-        return torch.empty((plan.n_programs, n_cols) if needed else (0,), dtype=torch.float32, device=x.device)
+        return _launch.empty((plan.n_programs, n_cols) if needed else (0,), torch.float32, x.device)
 
     dw_partial, db_partial = partial(weight_grad), partial(bias_grad)
     chunked = any(config.chunked for config in plan.configs)
-    scratch = torch.empty((rstd.numel(), 2) if chunked else (0, 2), dtype=torch.float32, device=x.device)
+    scratch = _launch.empty((rstd.numel(), 2) if chunked else (0, 2), torch.float32, x.device)
     launch_norm(
         layer_norm_backward_kernel, plan, [(weight, _param_stride(weight, ndim))],
         per_row=[mean.view(-1), rstd.view(-1), scratch], partials=[dw_partial, db_partial],
@@ -313,7 +317,7 @@ def _layer_norm_op(
 def _layer_norm_fake(x, normalized_shape, weight, bias, eps):
     normalized_shape = _check_layer_norm_args(x, normalized_shape, weight, bias, eps)
     ndim = len(normalized_shape)
-    return empty_output(x.shape, x), empty_stats(x, ndim), empty_stats(x, ndim)
+    return _launch.empty_output(x.shape, x), empty_stats(x, ndim), empty_stats(x, ndim)
 
 
 @torch.library.custom_op("kernels::layer_norm_backward", mutates_args=())
@@ -335,7 +339,7 @@ def _layer_norm_backward_fake(grad_out, x, normalized_shape, weight, mean, rstd,
     shape = tuple(normalized_shape)
     dw = x.new_empty(shape if (weight_grad and weight is not None) else (0,))
     db = x.new_empty(shape if bias_grad else (0,))
-    return empty_output(x.shape, x), dw, db
+    return _launch.empty_output(x.shape, x), dw, db
 
 
 def _layer_norm_setup_context(ctx, inputs, output) -> None:

@@ -10,7 +10,7 @@ Two forward kernels, chosen per row length by :func:`softmax_launch_config`:
 
 * :func:`softmax_kernel` holds a whole row in registers (one block of ``next_power_of_2(n_cols)``
   columns, up to :data:`MAX_BLOCK`), and packs several short rows into one program
-  (``ROWS_PER_PROGRAM``) so that every program has enough work. It reads ``x`` once and writes
+  (``BLOCK_ROWS``) so that every program has enough work. It reads ``x`` once and writes
   ``y`` once: exactly the ideal traffic.
 * :func:`softmax_online_kernel` takes rows longer than that in chunks of ``ONLINE_BLOCK``
   columns. A first pass keeps, per lane, a running maximum and a running sum rescaled whenever the
@@ -35,9 +35,8 @@ memory (a softmax over a dim that is not the innermost, e.g. the channels of an 
 tile's threads run along the rows, and a program takes a 32-byte sector's worth of rows when the
 tile has room, so that no sector is fetched for a fraction of its bytes. (This needs the tile's
 rows to be one run of memory: one leading dim, or an innermost leading size that is a multiple of
-``rows_per_program``; otherwise row starts are computed per row and the compiler cannot see the
-contiguity.) The output has ``x``'s memory layout when ``x`` is dense, like torch's
-(``torch.empty_like``).
+``BLOCK_ROWS``; otherwise row starts are computed per row and the compiler cannot see the
+contiguity.) The output is a new contiguous tensor whatever ``x``'s layout, as torch's is.
 
 Rows that are entirely ``-inf`` give NaN, as torch does (``exp(-inf - -inf)``), in both kernels and
 both ops; rows with some ``-inf`` entries give exact zeros (softmax) and ``-inf`` (log-softmax) there.
@@ -46,21 +45,20 @@ both ops; rows with some ``-inf`` entries give exact zeros (softmax) and ``-inf`
 from __future__ import annotations
 
 import numbers
-from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from . import runtime
-from ._rows import next_power_of_2, plan_rows, row_start
-from ._validate import FLOAT_DTYPES, check_float_dtype, check_same_device, check_same_shape, check_tensor
+from .. import _launch, runtime
+from .._launch import next_power_of_2
+from .._rows import RowConfig, plan_rows, row_start
+from .._validate import FLOAT_DTYPES, check_float_dtype, check_same_device, check_same_shape, check_tensor
 
 __all__ = [
     "MAX_BLOCK",
     "ONLINE_BLOCK",
     "ROW_TILE",
-    "SoftmaxLaunchConfig",
     "log_softmax",
     "softmax",
     "softmax_backward_kernel",
@@ -96,30 +94,30 @@ _NEG_INF = tl.constexpr(float("-inf"))
 
 
 @triton.jit
-def _tile_rows(n_rows, size2, ROWS: tl.constexpr, LINEAR_ROWS: tl.constexpr):
-    """This program's first row and the mask of its ``ROWS`` rows that exist.
+def _tile_rows(n_rows, size2, BLOCK_ROWS: tl.constexpr, LINEAR_ROWS: tl.constexpr):
+    """This program's first row and the mask of its ``BLOCK_ROWS`` rows that exist.
 
-    Plain tiles are rows ``pid * ROWS ..``. With ``LINEAR_ROWS`` a tile never crosses a run of the
+    Plain tiles are rows ``pid * BLOCK_ROWS ..``. With ``LINEAR_ROWS`` a tile never crosses a run of the
     innermost leading dim (``size2`` rows that are one stride apart): the grid has
-    ``cdiv(size2, ROWS)`` tiles per run, the last one of each run masked where it overhangs.
+    ``cdiv(size2, BLOCK_ROWS)`` tiles per run, the last one of each run masked where it overhangs.
     """
     pid = tl.program_id(0)
-    lanes = tl.arange(0, ROWS)
+    lanes = tl.arange(0, BLOCK_ROWS)
     if LINEAR_ROWS:
-        tiles_per_run = tl.cdiv(size2, ROWS)
-        start = (pid % tiles_per_run) * ROWS  # position of the tile in its run
+        tiles_per_run = tl.cdiv(size2, BLOCK_ROWS)
+        start = (pid % tiles_per_run) * BLOCK_ROWS  # position of the tile in its run
         first_row = (pid // tiles_per_run) * size2 + start
         row_ok = start + lanes < size2
     else:
-        first_row = pid * ROWS
+        first_row = pid * BLOCK_ROWS
         row_ok = first_row + lanes < n_rows
     return first_row, row_ok
 
 
 @triton.jit
 def _tile_row_offsets(first_row, size1, size2, stride0, stride1, stride2,
-                      ROWS: tl.constexpr, LINEAR_ROWS: tl.constexpr):
-    """int64 memory offsets of rows ``first_row .. first_row + ROWS - 1``.
+                      BLOCK_ROWS: tl.constexpr, LINEAR_ROWS: tl.constexpr):
+    """int64 memory offsets of rows ``first_row .. first_row + BLOCK_ROWS - 1``.
 
     With ``LINEAR_ROWS`` (no tile crosses a run of the innermost leading dim, see
     :func:`_tile_rows`) one row start is computed and the rest are ``+ k * stride2``: fewer integer
@@ -128,29 +126,29 @@ def _tile_row_offsets(first_row, size1, size2, stride0, stride1, stride2,
     """
     if LINEAR_ROWS:
         base = row_start(first_row, size1, size2, stride0, stride1, stride2)
-        offsets = base + tl.arange(0, ROWS).to(tl.int64) * stride2
+        offsets = base + tl.arange(0, BLOCK_ROWS).to(tl.int64) * stride2
     else:
-        offsets = row_start(first_row + tl.arange(0, ROWS), size1, size2, stride0, stride1, stride2)
+        offsets = row_start(first_row + tl.arange(0, BLOCK_ROWS), size1, size2, stride0, stride1, stride2)
     return offsets
 
 
 @triton.jit
 def softmax_kernel(
     x_ptr, y_ptr, n_rows, n_cols, size1, size2,
-    x_stride0, x_stride1, x_stride2, x_col_stride,
-    y_stride0, y_stride1, y_stride2, y_col_stride,
-    LOG: tl.constexpr, BLOCK: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr,
+    stride_x0, stride_x1, stride_x2, stride_xcol,
+    stride_y0, stride_y1, stride_y2, stride_ycol,
+    LOG: tl.constexpr, BLOCK_COLS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
     LINEAR_ROWS: tl.constexpr, INDEX_64: tl.constexpr,
 ):
-    """y = softmax(x) (``LOG``: log_softmax) of ROWS_PER_PROGRAM whole rows, each in one block."""
-    first_row, row_ok = _tile_rows(n_rows, size2, ROWS_PER_PROGRAM, LINEAR_ROWS)
-    cols = tl.arange(0, BLOCK)
+    """y = softmax(x) (``LOG``: log_softmax) of BLOCK_ROWS whole rows, each in one block."""
+    first_row, row_ok = _tile_rows(n_rows, size2, BLOCK_ROWS, LINEAR_ROWS)
+    cols = tl.arange(0, BLOCK_COLS)
     if INDEX_64:
         cols = cols.to(tl.int64)
     mask = row_ok[:, None] & (cols < n_cols)[None, :]
-    x_rows = _tile_row_offsets(first_row, size1, size2, x_stride0, x_stride1, x_stride2,
-                               ROWS_PER_PROGRAM, LINEAR_ROWS)
-    x = tl.load(x_ptr + (x_rows[:, None] + (cols * x_col_stride)[None, :]), mask=mask)
+    x_rows = _tile_row_offsets(first_row, size1, size2, stride_x0, stride_x1, stride_x2,
+                               BLOCK_ROWS, LINEAR_ROWS)
+    x = tl.load(x_ptr + (x_rows[:, None] + (cols * stride_xcol)[None, :]), mask=mask)
     # Padding columns are -inf (they add exp(-inf) = 0); padding rows are 0, so they compute
     # harmless numbers instead of NaN. A select after the upcast works for every dtype.
     fill = tl.where(row_ok, _NEG_INF, 0.0)
@@ -163,37 +161,37 @@ def softmax_kernel(
         y = z - tl.log(s)[:, None]
     else:
         y = e * (1.0 / s)[:, None]
-    y_rows = _tile_row_offsets(first_row, size1, size2, y_stride0, y_stride1, y_stride2,
-                               ROWS_PER_PROGRAM, LINEAR_ROWS)
-    tl.store(y_ptr + (y_rows[:, None] + (cols * y_col_stride)[None, :]), y.to(y_ptr.dtype.element_ty), mask=mask)
+    y_rows = _tile_row_offsets(first_row, size1, size2, stride_y0, stride_y1, stride_y2,
+                               BLOCK_ROWS, LINEAR_ROWS)
+    tl.store(y_ptr + (y_rows[:, None] + (cols * stride_ycol)[None, :]), y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def softmax_online_kernel(
     x_ptr, y_ptr, n_rows, n_cols, size1, size2,
-    x_stride0, x_stride1, x_stride2, x_col_stride,
-    y_stride0, y_stride1, y_stride2, y_col_stride,
-    LOG: tl.constexpr, BLOCK: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr,
+    stride_x0, stride_x1, stride_x2, stride_xcol,
+    stride_y0, stride_y1, stride_y2, stride_ycol,
+    LOG: tl.constexpr, BLOCK_COLS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
     LINEAR_ROWS: tl.constexpr, INDEX_64: tl.constexpr,
 ):
-    """y = softmax(x) (``LOG``: log_softmax) of rows longer than a block, in BLOCK-column chunks.
+    """y = softmax(x) (``LOG``: log_softmax) of rows longer than a block, in BLOCK_COLS-column chunks.
 
     Pass 1 keeps a running maximum ``m`` and a sum ``s`` rescaled to it, per lane (no reduction
     inside the loop); the lanes are combined at the end. Pass 2 writes the output.
     """
-    first_row, row_ok = _tile_rows(n_rows, size2, ROWS_PER_PROGRAM, LINEAR_ROWS)
-    lanes = tl.arange(0, BLOCK)
+    first_row, row_ok = _tile_rows(n_rows, size2, BLOCK_ROWS, LINEAR_ROWS)
+    lanes = tl.arange(0, BLOCK_COLS)
     if INDEX_64:
         lanes = lanes.to(tl.int64)
-    x_rows = _tile_row_offsets(first_row, size1, size2, x_stride0, x_stride1, x_stride2,
-                               ROWS_PER_PROGRAM, LINEAR_ROWS)
+    x_rows = _tile_row_offsets(first_row, size1, size2, stride_x0, stride_x1, stride_x2,
+                               BLOCK_ROWS, LINEAR_ROWS)
     fill = tl.where(row_ok, _NEG_INF, 0.0)
-    m_lane = tl.full((ROWS_PER_PROGRAM, BLOCK), _NEG_INF, tl.float32)
-    s_lane = tl.zeros((ROWS_PER_PROGRAM, BLOCK), tl.float32)
-    for start in range(0, n_cols, BLOCK):
+    m_lane = tl.full((BLOCK_ROWS, BLOCK_COLS), _NEG_INF, tl.float32)
+    s_lane = tl.zeros((BLOCK_ROWS, BLOCK_COLS), tl.float32)
+    for start in range(0, n_cols, BLOCK_COLS):
         cols = start + lanes
         mask = row_ok[:, None] & (cols < n_cols)[None, :]
-        x = tl.load(x_ptr + (x_rows[:, None] + (cols * x_col_stride)[None, :]), mask=mask)
+        x = tl.load(x_ptr + (x_rows[:, None] + (cols * stride_xcol)[None, :]), mask=mask)
         x = tl.where(mask, x.to(tl.float32), fill[:, None])
         m_new = tl.maximum(m_lane, x)
         # A lane that has seen only -inf keeps m = -inf and s = 0; rescaling it by
@@ -209,105 +207,105 @@ def softmax_online_kernel(
     s = tl.where(s == 0.0, 1.0, s)
     log_s = tl.log(s)
     inv_s = 1.0 / s
-    y_rows = _tile_row_offsets(first_row, size1, size2, y_stride0, y_stride1, y_stride2,
-                               ROWS_PER_PROGRAM, LINEAR_ROWS)
-    n_chunks = tl.cdiv(n_cols, BLOCK)
+    y_rows = _tile_row_offsets(first_row, size1, size2, stride_y0, stride_y1, stride_y2,
+                               BLOCK_ROWS, LINEAR_ROWS)
+    n_chunks = tl.cdiv(n_cols, BLOCK_COLS)
     for i in range(0, n_chunks):
         # Last chunk first: on a GPU the chunks pass 1 read last are the likeliest still in L2.
-        cols = (n_chunks - 1 - i) * BLOCK + lanes
+        cols = (n_chunks - 1 - i) * BLOCK_COLS + lanes
         mask = row_ok[:, None] & (cols < n_cols)[None, :]
-        x = tl.load(x_ptr + (x_rows[:, None] + (cols * x_col_stride)[None, :]), mask=mask)
+        x = tl.load(x_ptr + (x_rows[:, None] + (cols * stride_xcol)[None, :]), mask=mask)
         x = tl.where(mask, x.to(tl.float32), fill[:, None])
         z = x - m[:, None]
         if LOG:
             y = z - log_s[:, None]
         else:
             y = tl.exp(z) * inv_s[:, None]
-        tl.store(y_ptr + (y_rows[:, None] + (cols * y_col_stride)[None, :]), y.to(y_ptr.dtype.element_ty),
+        tl.store(y_ptr + (y_rows[:, None] + (cols * stride_ycol)[None, :]), y.to(y_ptr.dtype.element_ty),
                  mask=mask)
 
 
 @triton.jit
 def softmax_backward_kernel(
     y_ptr, dy_ptr, dx_ptr, n_rows, n_cols, size1, size2,
-    y_stride0, y_stride1, y_stride2, y_col_stride,
-    dy_stride0, dy_stride1, dy_stride2, dy_col_stride,
-    dx_stride0, dx_stride1, dx_stride2, dx_col_stride,
-    LOG: tl.constexpr, BLOCK: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr,
+    stride_y0, stride_y1, stride_y2, stride_ycol,
+    stride_dy0, stride_dy1, stride_dy2, stride_dycol,
+    stride_dx0, stride_dx1, stride_dx2, stride_dxcol,
+    LOG: tl.constexpr, BLOCK_COLS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
     LINEAR_ROWS: tl.constexpr, INDEX_64: tl.constexpr,
 ):
-    """dx from the saved output y and dy, ROWS_PER_PROGRAM whole rows per program.
+    """dx from the saved output y and dy, BLOCK_ROWS whole rows per program.
 
     softmax: ``dx = y * (dy - sum(dy * y))``; ``LOG`` (y = log_softmax): ``dx = dy - exp(y) * sum(dy)``.
     """
-    first_row, row_ok = _tile_rows(n_rows, size2, ROWS_PER_PROGRAM, LINEAR_ROWS)
-    cols = tl.arange(0, BLOCK)
+    first_row, row_ok = _tile_rows(n_rows, size2, BLOCK_ROWS, LINEAR_ROWS)
+    cols = tl.arange(0, BLOCK_COLS)
     if INDEX_64:
         cols = cols.to(tl.int64)
     mask = row_ok[:, None] & (cols < n_cols)[None, :]
-    y_rows = _tile_row_offsets(first_row, size1, size2, y_stride0, y_stride1, y_stride2,
-                               ROWS_PER_PROGRAM, LINEAR_ROWS)
-    dy_rows = _tile_row_offsets(first_row, size1, size2, dy_stride0, dy_stride1, dy_stride2,
-                                ROWS_PER_PROGRAM, LINEAR_ROWS)
-    y = tl.load(y_ptr + (y_rows[:, None] + (cols * y_col_stride)[None, :]), mask=mask)
-    dy = tl.load(dy_ptr + (dy_rows[:, None] + (cols * dy_col_stride)[None, :]), mask=mask)
+    y_rows = _tile_row_offsets(first_row, size1, size2, stride_y0, stride_y1, stride_y2,
+                               BLOCK_ROWS, LINEAR_ROWS)
+    dy_rows = _tile_row_offsets(first_row, size1, size2, stride_dy0, stride_dy1, stride_dy2,
+                                BLOCK_ROWS, LINEAR_ROWS)
+    y = tl.load(y_ptr + (y_rows[:, None] + (cols * stride_ycol)[None, :]), mask=mask)
+    dy = tl.load(dy_ptr + (dy_rows[:, None] + (cols * stride_dycol)[None, :]), mask=mask)
     y = tl.where(mask, y.to(tl.float32), 0.0)
     dy = tl.where(mask, dy.to(tl.float32), 0.0)
     if LOG:
         dx = dy - tl.exp(y) * tl.sum(dy, axis=1)[:, None]
     else:
         dx = y * (dy - tl.sum(dy * y, axis=1)[:, None])
-    dx_rows = _tile_row_offsets(first_row, size1, size2, dx_stride0, dx_stride1, dx_stride2,
-                                ROWS_PER_PROGRAM, LINEAR_ROWS)
-    tl.store(dx_ptr + (dx_rows[:, None] + (cols * dx_col_stride)[None, :]), dx.to(dx_ptr.dtype.element_ty),
+    dx_rows = _tile_row_offsets(first_row, size1, size2, stride_dx0, stride_dx1, stride_dx2,
+                                BLOCK_ROWS, LINEAR_ROWS)
+    tl.store(dx_ptr + (dx_rows[:, None] + (cols * stride_dxcol)[None, :]), dx.to(dx_ptr.dtype.element_ty),
              mask=mask)
 
 
 @triton.jit
 def softmax_backward_online_kernel(
     y_ptr, dy_ptr, dx_ptr, n_rows, n_cols, size1, size2,
-    y_stride0, y_stride1, y_stride2, y_col_stride,
-    dy_stride0, dy_stride1, dy_stride2, dy_col_stride,
-    dx_stride0, dx_stride1, dx_stride2, dx_col_stride,
-    LOG: tl.constexpr, BLOCK: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr,
+    stride_y0, stride_y1, stride_y2, stride_ycol,
+    stride_dy0, stride_dy1, stride_dy2, stride_dycol,
+    stride_dx0, stride_dx1, stride_dx2, stride_dxcol,
+    LOG: tl.constexpr, BLOCK_COLS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
     LINEAR_ROWS: tl.constexpr, INDEX_64: tl.constexpr,
 ):
     """The backward for rows longer than a block: pass 1 sums ``dy * y`` (``LOG``: ``dy``), pass 2 writes dx."""
-    first_row, row_ok = _tile_rows(n_rows, size2, ROWS_PER_PROGRAM, LINEAR_ROWS)
-    lanes = tl.arange(0, BLOCK)
+    first_row, row_ok = _tile_rows(n_rows, size2, BLOCK_ROWS, LINEAR_ROWS)
+    lanes = tl.arange(0, BLOCK_COLS)
     if INDEX_64:
         lanes = lanes.to(tl.int64)
-    y_rows = _tile_row_offsets(first_row, size1, size2, y_stride0, y_stride1, y_stride2,
-                               ROWS_PER_PROGRAM, LINEAR_ROWS)
-    dy_rows = _tile_row_offsets(first_row, size1, size2, dy_stride0, dy_stride1, dy_stride2,
-                                ROWS_PER_PROGRAM, LINEAR_ROWS)
-    acc = tl.zeros((ROWS_PER_PROGRAM, BLOCK), tl.float32)
-    for start in range(0, n_cols, BLOCK):
+    y_rows = _tile_row_offsets(first_row, size1, size2, stride_y0, stride_y1, stride_y2,
+                               BLOCK_ROWS, LINEAR_ROWS)
+    dy_rows = _tile_row_offsets(first_row, size1, size2, stride_dy0, stride_dy1, stride_dy2,
+                                BLOCK_ROWS, LINEAR_ROWS)
+    acc = tl.zeros((BLOCK_ROWS, BLOCK_COLS), tl.float32)
+    for start in range(0, n_cols, BLOCK_COLS):
         cols = start + lanes
         mask = row_ok[:, None] & (cols < n_cols)[None, :]
-        dy = tl.load(dy_ptr + (dy_rows[:, None] + (cols * dy_col_stride)[None, :]), mask=mask)
+        dy = tl.load(dy_ptr + (dy_rows[:, None] + (cols * stride_dycol)[None, :]), mask=mask)
         dy = tl.where(mask, dy.to(tl.float32), 0.0)
         if LOG:
             acc += dy
         else:
-            y = tl.load(y_ptr + (y_rows[:, None] + (cols * y_col_stride)[None, :]), mask=mask)
+            y = tl.load(y_ptr + (y_rows[:, None] + (cols * stride_ycol)[None, :]), mask=mask)
             acc += dy * tl.where(mask, y.to(tl.float32), 0.0)
     total = tl.sum(acc, axis=1)
-    dx_rows = _tile_row_offsets(first_row, size1, size2, dx_stride0, dx_stride1, dx_stride2,
-                                ROWS_PER_PROGRAM, LINEAR_ROWS)
-    n_chunks = tl.cdiv(n_cols, BLOCK)
+    dx_rows = _tile_row_offsets(first_row, size1, size2, stride_dx0, stride_dx1, stride_dx2,
+                                BLOCK_ROWS, LINEAR_ROWS)
+    n_chunks = tl.cdiv(n_cols, BLOCK_COLS)
     for i in range(0, n_chunks):
-        cols = (n_chunks - 1 - i) * BLOCK + lanes  # reverse order: L2 still holds the last chunks
+        cols = (n_chunks - 1 - i) * BLOCK_COLS + lanes  # reverse order: L2 still holds the last chunks
         mask = row_ok[:, None] & (cols < n_cols)[None, :]
-        y = tl.load(y_ptr + (y_rows[:, None] + (cols * y_col_stride)[None, :]), mask=mask)
-        dy = tl.load(dy_ptr + (dy_rows[:, None] + (cols * dy_col_stride)[None, :]), mask=mask)
+        y = tl.load(y_ptr + (y_rows[:, None] + (cols * stride_ycol)[None, :]), mask=mask)
+        dy = tl.load(dy_ptr + (dy_rows[:, None] + (cols * stride_dycol)[None, :]), mask=mask)
         y = tl.where(mask, y.to(tl.float32), 0.0)
         dy = tl.where(mask, dy.to(tl.float32), 0.0)
         if LOG:
             dx = dy - tl.exp(y) * total[:, None]
         else:
             dx = y * (dy - total[:, None])
-        tl.store(dx_ptr + (dx_rows[:, None] + (cols * dx_col_stride)[None, :]), dx.to(dx_ptr.dtype.element_ty),
+        tl.store(dx_ptr + (dx_rows[:, None] + (cols * stride_dxcol)[None, :]), dx.to(dx_ptr.dtype.element_ty),
                  mask=mask)
 
 
@@ -316,27 +314,10 @@ def softmax_backward_online_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
-class SoftmaxLaunchConfig(NamedTuple):
-    """How one row launch runs (see :func:`softmax_launch_config`)."""
-
-    #: Columns per block: the whole row (padded to a power of two), or one chunk when ``online``.
-    block: int
-    #: Rows each program handles side by side (a power of two).
-    rows_per_program: int
-    #: Rows too long for one block: the chunked, online kernels.
-    online: bool
-    #: Warps per program on a GPU (ignored by the interpreter).
-    num_warps: int
-
-
-def _warps_for(values: int, values_per_thread: int) -> int:
-    return max(4, min(32, values // (32 * values_per_thread)))
-
-
 def softmax_launch_config(
     n_cols: int, dtype: torch.dtype, *, n_rows: int | None = None, transposed: bool = False,
     backward: bool = False,
-) -> SoftmaxLaunchConfig:
+) -> RowConfig:
     """The kernel configuration for rows of ``n_cols`` elements of ``dtype``.
 
     The rule (``block = next_power_of_2(n_cols)``):
@@ -344,7 +325,7 @@ def softmax_launch_config(
     * **One block per row** when the tile's float32 values fit :data:`MAX_BLOCK`: the forward
       holds ``block`` values per row, the backward ``2 * block`` (``y`` and ``dy``). So rows up to
       32768 columns (forward) and 16384 (backward) stay in registers. Short rows are then packed
-      until a program holds :data:`ROW_TILE` elements (``rows_per_program = ROW_TILE // block``),
+      until a program holds :data:`ROW_TILE` elements (``block_rows = ROW_TILE // block``),
       never more rows than there are (``n_rows``, if given).
     * **Online** otherwise, in chunks of :data:`ONLINE_BLOCK` columns (the forward keeps three
       lane arrays: running max, running sum, the chunk).
@@ -358,12 +339,14 @@ def softmax_launch_config(
     Args:
         n_cols: length of a row (the softmax dim).
         dtype: the storage dtype (float32, float16 or bfloat16); it sets the rows per sector.
-        n_rows: number of rows, if known (caps ``rows_per_program``).
+        n_rows: number of rows, if known (caps ``block_rows``).
         transposed: see above.
         backward: the configuration of the backward kernels.
 
     Returns:
-        A :class:`SoftmaxLaunchConfig` ``(block, rows_per_program, online, num_warps)``.
+        A :class:`kernels._rows.RowConfig`: ``block_cols`` columns a load, ``block_rows`` rows a
+        program (``rows_per_program`` is the same: one tile a program), ``chunked`` for the online
+        kernels, ``num_warps``.
     """
     op = "kernels.softmax_launch_config"
     if isinstance(n_cols, bool) or not isinstance(n_cols, numbers.Integral) or n_cols < 0:
@@ -382,20 +365,17 @@ def softmax_launch_config(
         rows = min(max(ROW_TILE // block, sector_rows), capacity // (block * arrays))
         if row_cap is not None:
             rows = min(rows, row_cap)
-        return SoftmaxLaunchConfig(block, rows, False, _warps_for(block * rows * arrays, per_thread))
+        warps = _launch.num_warps_for(block * rows * arrays, per_thread, max_warps=32)
+        return RowConfig(block_cols=block, block_rows=rows, chunked=False, num_warps=warps, rows_per_program=rows)
     rows = sector_rows if row_cap is None else min(sector_rows, row_cap)
     chunk = max(1, min(ONLINE_BLOCK // rows, block))
-    return SoftmaxLaunchConfig(chunk, rows, True, _warps_for(chunk * rows, 16))
+    warps = _launch.num_warps_for(chunk * rows, 16, max_warps=32)
+    return RowConfig(block_cols=chunk, block_rows=rows, chunked=True, num_warps=warps, rows_per_program=rows)
 
 
 # ----------------------------------------------------------------------------------------------
 # Launchers
 # ----------------------------------------------------------------------------------------------
-
-
-def _empty_like(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The output: ``t``'s memory layout when it is dense (like torch), else contiguous."""
-    return torch.empty_like(t, dtype=dtype)
 
 
 def _rows_view(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -409,11 +389,11 @@ def _launch_rows(forward: bool, operands: list[torch.Tensor], dtype: torch.dtype
         s0, s1, s2, col = launch.strides[:4]  # the first operand (x or y) decides the layout
         size1, size2 = launch.sizes
         # Rows contiguous in memory, columns not: tiles must run along the rows (LINEAR_ROWS) to
-        # be coalesced, so their rows_per_program is capped by the run length, size2.
+        # be coalesced, so their block_rows is capped by the run length, size2.
         transposed = col != 1 and s2 == 1 and size2 > 1
         config = softmax_launch_config(launch.n_cols, dtype, n_rows=size2 if transposed else launch.n_rows,
                                        transposed=transposed, backward=not forward)
-        rows = config.rows_per_program
+        rows = config.block_rows
         # Linear tiles cost nothing extra when runs are whole tiles (or there is one run).
         linear_rows = transposed or size2 % rows == 0 or size2 == launch.n_rows
         if linear_rows:
@@ -421,12 +401,12 @@ def _launch_rows(forward: bool, operands: list[torch.Tensor], dtype: torch.dtype
         else:
             tiles = triton.cdiv(launch.n_rows, rows)
         if forward:
-            kernel = softmax_online_kernel if config.online else softmax_kernel
+            kernel = softmax_online_kernel if config.chunked else softmax_kernel
         else:
-            kernel = softmax_backward_online_kernel if config.online else softmax_backward_kernel
+            kernel = softmax_backward_online_kernel if config.chunked else softmax_backward_kernel
         kernel[(tiles,)](
             *launch.tensors, *launch.args(),
-            LOG=log, BLOCK=config.block, ROWS_PER_PROGRAM=rows, LINEAR_ROWS=linear_rows,
+            LOG=log, BLOCK_COLS=config.block_cols, BLOCK_ROWS=rows, LINEAR_ROWS=linear_rows,
             INDEX_64=launch.index_64, num_warps=config.num_warps,
         )
 
@@ -489,7 +469,7 @@ def _forward(op: str, x: torch.Tensor, dim: int, dtype: torch.dtype | None, log:
     dim = _check_forward_args(op, x, dim, dtype)
     runtime.require_launchable(op, x)
     out_dtype = dtype or x.dtype
-    y = _empty_like(x, out_dtype)
+    y = _launch.empty_output(x.shape, x, out_dtype)
     _launch_rows(True, [_rows_view(x, dim), _rows_view(y, dim)], x.dtype, log)
     return y
 
@@ -498,7 +478,7 @@ def _backward(op: str, grad_out: torch.Tensor, out: torch.Tensor, dim: int, inpu
               log: bool) -> torch.Tensor:
     dim = _check_backward_args(op, grad_out, out, dim, input_dtype)
     runtime.require_launchable(op, grad_out, out)
-    grad_in = _empty_like(out, input_dtype)
+    grad_in = _launch.empty_output(out.shape, out, input_dtype)
     _launch_rows(False, [_rows_view(t, dim) for t in (out, grad_out, grad_in)], out.dtype, log)
     return grad_in
 
@@ -511,7 +491,7 @@ def _softmax_op(x: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> 
 @_softmax_op.register_fake
 def _softmax_fake(x: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> torch.Tensor:
     _check_forward_args("kernels.softmax", x, dim, dtype)
-    return _empty_like(x, dtype or x.dtype)
+    return _launch.empty_output(x.shape, x, dtype or x.dtype)
 
 
 @torch.library.custom_op("kernels::log_softmax", mutates_args=())
@@ -522,7 +502,7 @@ def _log_softmax_op(x: torch.Tensor, dim: int, dtype: torch.dtype | None = None)
 @_log_softmax_op.register_fake
 def _log_softmax_fake(x: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> torch.Tensor:
     _check_forward_args("kernels.log_softmax", x, dim, dtype)
-    return _empty_like(x, dtype or x.dtype)
+    return _launch.empty_output(x.shape, x, dtype or x.dtype)
 
 
 @torch.library.custom_op("kernels::softmax_backward", mutates_args=())
@@ -535,7 +515,7 @@ def _softmax_backward_op(grad_out: torch.Tensor, out: torch.Tensor, dim: int,
 def _softmax_backward_fake(grad_out: torch.Tensor, out: torch.Tensor, dim: int,
                            input_dtype: torch.dtype) -> torch.Tensor:
     _check_backward_args("kernels.softmax (backward)", grad_out, out, dim, input_dtype)
-    return _empty_like(out, input_dtype)
+    return _launch.empty_output(out.shape, out, input_dtype)
 
 
 @torch.library.custom_op("kernels::log_softmax_backward", mutates_args=())
@@ -548,7 +528,7 @@ def _log_softmax_backward_op(grad_out: torch.Tensor, out: torch.Tensor, dim: int
 def _log_softmax_backward_fake(grad_out: torch.Tensor, out: torch.Tensor, dim: int,
                                input_dtype: torch.dtype) -> torch.Tensor:
     _check_backward_args("kernels.log_softmax (backward)", grad_out, out, dim, input_dtype)
-    return _empty_like(out, input_dtype)
+    return _launch.empty_output(out.shape, out, input_dtype)
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -587,7 +567,7 @@ def softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None) ->
             torch, which casts ``x`` first, ``x`` is read in its own dtype and computed in float32.
 
     Returns:
-        A new tensor of ``x``'s shape (and memory layout, when ``x`` is dense), computed in
+        A new contiguous tensor of ``x``'s shape (torch's layout too), computed in
         float32. Rows that are all ``-inf`` give NaN, like torch. Differentiable; the backward
         (``kernels::softmax_backward``) uses only the saved output.
     """
@@ -604,7 +584,7 @@ def log_softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None
         dtype: the output's dtype (float32, float16 or bfloat16); ``None`` keeps ``x``'s.
 
     Returns:
-        A new tensor of ``x``'s shape (and memory layout, when ``x`` is dense), computed in
+        A new contiguous tensor of ``x``'s shape (torch's layout too), computed in
         float32 as ``(x - max) - log(sum(exp(x - max)))``. Rows that are all ``-inf`` give NaN,
         like torch. Differentiable; the backward (``kernels::log_softmax_backward``) uses only
         the saved output.

@@ -5,10 +5,10 @@
 (``eps = 0`` is the plain negative log-likelihood of the softmax). Rows whose target is
 ``ignore_index`` contribute nothing; ``"mean"`` divides by the number of the others.
 
-**No softmax is materialized.** Each program walks its rows in chunks of ``BLOCK`` columns with a
+**No softmax is materialized.** Each program walks its rows in chunks of ``BLOCK_COLS`` columns with a
 running maximum ``m`` and a running sum of exponentials rescaled to it (``s <- s * exp(m - m') +
 sum exp(x - m')``, the online log-sum-exp), so a 128k-word row is read once, in registers, and
-only one float per row — the loss — is written. Short rows are stacked ``ROWS`` to a tile.
+only one float per row — the loss — is written. Short rows are stacked ``BLOCK_ROWS`` to a tile.
 
 **The gradient is computed in the forward pass.** ``d loss_i / d x_i[c] = softmax(x_i)[c] - (1 - eps)
 [c == y_i] - eps / V`` (times ``1/n_valid`` for ``"mean"``) needs only the row's log-sum-exp, which
@@ -50,19 +50,18 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from . import runtime
-from ._rows import next_power_of_2, plan_rows, row_start
-from ._validate import check_choice, check_float_dtype, check_same_device, check_tensor
+from .. import _launch, runtime
+from .._launch import next_power_of_2
+from .._rows import RowConfig, plan_rows, row_start
+from .._validate import check_choice, check_float_dtype, check_same_device, check_tensor
 
 __all__ = [
     "REDUCTIONS",
-    "CrossEntropyConfig",
     "cross_entropy",
     "cross_entropy_backward_kernel",
     "cross_entropy_forward_kernel",
@@ -74,7 +73,7 @@ REDUCTIONS: tuple[str, ...] = ("mean", "sum", "none")
 
 #: Columns per chunk of a long row (the interpreter takes bigger chunks: fewer Python iterations).
 MAX_BLOCK: int = 16384 if runtime.INTERPRETER else 4096
-#: Elements a tile aims at: short rows are stacked ROWS high up to this many.
+#: Elements a tile aims at: short rows are stacked BLOCK_ROWS high up to this many.
 TILE_ELEMENTS: int = 65536 if runtime.INTERPRETER else 4096
 
 _OP = "kernels.cross_entropy"
@@ -83,50 +82,53 @@ _FLOAT_MIN = tl.constexpr(-3.4028234663852886e38)  # a finite start for the runn
 
 @triton.jit
 def cross_entropy_forward_kernel(
-    logits_ptr, target_ptr, loss_ptr, grad_ptr,
+    logits_ptr, target_ptr, loss_ptr, grad_ptr,       # x (rows of V logits), targets, losses, gradient
     ignore_index, label_smoothing, grad_scale,
-    n_rows, n_cols, size1, size2,
-    x_s0, x_s1, x_s2, x_cs, t_s0, t_s1, t_s2, t_cs, o_s0, o_s1, o_s2, o_cs, g_s0, g_s1, g_s2, g_cs,
-    COMPUTE_GRAD: tl.constexpr, SMOOTHING: tl.constexpr, ONE_CHUNK: tl.constexpr, INDEX_64: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    n_rows, n_cols, size1, size2,                     # rows, V, the merged leading dims
+    stride_x0, stride_x1, stride_x2, stride_xcol,
+    stride_t0, stride_t1, stride_t2, stride_tcol,
+    stride_o0, stride_o1, stride_o2, stride_ocol,
+    stride_g0, stride_g1, stride_g2, stride_gcol,
+    COMPUTE_GRAD: tl.constexpr, SMOOTHING: tl.constexpr, CHUNKED: tl.constexpr, INDEX_64: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
 ):
-    """Loss of ROWS rows (and, with COMPUTE_GRAD, their gradient), by online log-sum-exp.
+    """Loss of BLOCK_ROWS rows (and, with COMPUTE_GRAD, their gradient), by online log-sum-exp.
 
     ``loss[r] = lse - (1 - eps) x[y] - eps/V sum(x)`` with ``lse = max + log(sum exp(x - max))``
     (0 for ignored rows), written in
     ``loss_ptr``'s dtype. With COMPUTE_GRAD, ``grad[r, c] = grad_scale * (softmax[c] - (1 - eps)
-    [c == y] - eps/V)`` (0 for ignored rows), in ``grad_ptr``'s dtype. ONE_CHUNK: the row fits in one
-    block, so it is loaded once and kept in registers for both; otherwise a statistics pass over
-    chunks, then (only for the gradient) a second pass.
+    [c == y] - eps/V)`` (0 for ignored rows), in ``grad_ptr``'s dtype. Unless CHUNKED, the row fits
+    in one block, so it is loaded once and kept in registers for both; CHUNKED: a statistics pass
+    over chunks, then (only for the gradient) a second pass.
     """
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_mask = rows < n_rows
-    x_row = row_start(rows, size1, size2, x_s0, x_s1, x_s2)
-    target = tl.load(target_ptr + row_start(rows, size1, size2, t_s0, t_s1, t_s2), mask=row_mask,
+    x_row = row_start(rows, size1, size2, stride_x0, stride_x1, stride_x2)
+    target = tl.load(target_ptr + row_start(rows, size1, size2, stride_t0, stride_t1, stride_t2), mask=row_mask,
                      other=ignore_index).to(tl.int64)
     valid = row_mask & (target != ignore_index)  # ignored rows read no logits at all
     safe_target = tl.where(valid, target, 0)
-    x_target = tl.load(logits_ptr + x_row + safe_target * x_cs, mask=valid, other=0.0).to(tl.float32)
-    cols0 = tl.arange(0, BLOCK)
+    x_target = tl.load(logits_ptr + x_row + safe_target * stride_xcol, mask=valid, other=0.0).to(tl.float32)
+    cols0 = tl.arange(0, BLOCK_COLS)
     if INDEX_64:
         cols0 = cols0.to(tl.int64)
 
-    if ONE_CHUNK:
+    if not CHUNKED:
         mask = valid[:, None] & (cols0 < n_cols)[None, :]
-        x = tl.load(logits_ptr + x_row[:, None] + (cols0 * x_cs)[None, :], mask=mask,
+        x = tl.load(logits_ptr + x_row[:, None] + (cols0 * stride_xcol)[None, :], mask=mask,
                     other=float("-inf")).to(tl.float32)
         row_max = tl.maximum(tl.max(x, 1), _FLOAT_MIN)
         sum_exp = tl.sum(tl.exp(x - row_max[:, None]), 1)
         if SMOOTHING:
             sum_x = tl.sum(tl.where(mask, x, 0.0), 1)
     else:
-        row_max = tl.full([ROWS], _FLOAT_MIN, tl.float32)
-        sum_exp = tl.zeros([ROWS], tl.float32)
-        sum_x = tl.zeros([ROWS], tl.float32)
-        for start in range(0, n_cols, BLOCK):
+        row_max = tl.full([BLOCK_ROWS], _FLOAT_MIN, tl.float32)
+        sum_exp = tl.zeros([BLOCK_ROWS], tl.float32)
+        sum_x = tl.zeros([BLOCK_ROWS], tl.float32)
+        for start in range(0, n_cols, BLOCK_COLS):
             cols = start + cols0
             mask = valid[:, None] & (cols < n_cols)[None, :]
-            x = tl.load(logits_ptr + x_row[:, None] + (cols * x_cs)[None, :], mask=mask,
+            x = tl.load(logits_ptr + x_row[:, None] + (cols * stride_xcol)[None, :], mask=mask,
                         other=float("-inf")).to(tl.float32)
             new_max = tl.maximum(row_max, tl.max(x, 1))
             # One exp per element: the running sum is rescaled once per chunk, not per element.
@@ -141,52 +143,53 @@ def cross_entropy_forward_kernel(
     if SMOOTHING:
         loss += label_smoothing * (row_max - sum_x / n_cols)
     loss = tl.where(valid, loss, 0.0)
-    tl.store(loss_ptr + row_start(rows, size1, size2, o_s0, o_s1, o_s2), loss.to(loss_ptr.dtype.element_ty),
-             mask=row_mask)
+    loss_offsets = row_start(rows, size1, size2, stride_o0, stride_o1, stride_o2)
+    tl.store(loss_ptr + loss_offsets, loss.to(loss_ptr.dtype.element_ty), mask=row_mask)
 
     if COMPUTE_GRAD:
-        g_row = row_start(rows, size1, size2, g_s0, g_s1, g_s2)
+        g_row = row_start(rows, size1, size2, stride_g0, stride_g1, stride_g2)
         smooth = label_smoothing / n_cols
-        if ONE_CHUNK:
+        if not CHUNKED:
             g = tl.exp((x - row_max[:, None]) - log_sum[:, None]) - smooth
             g = tl.where(cols0[None, :] == safe_target[:, None], g - (1.0 - label_smoothing), g)
             g = tl.where(valid[:, None], g * grad_scale, 0.0)
-            tl.store(grad_ptr + g_row[:, None] + (cols0 * g_cs)[None, :], g.to(grad_ptr.dtype.element_ty),
+            tl.store(grad_ptr + g_row[:, None] + (cols0 * stride_gcol)[None, :], g.to(grad_ptr.dtype.element_ty),
                      mask=row_mask[:, None] & (cols0 < n_cols)[None, :])
         else:
-            for start in range(0, n_cols, BLOCK):
+            for start in range(0, n_cols, BLOCK_COLS):
                 cols = start + cols0
                 col_mask = (cols < n_cols)[None, :]
-                x = tl.load(logits_ptr + x_row[:, None] + (cols * x_cs)[None, :], mask=valid[:, None] & col_mask,
+                x = tl.load(logits_ptr + x_row[:, None] + (cols * stride_xcol)[None, :], mask=valid[:, None] & col_mask,
                             other=0.0).to(tl.float32)
                 g = tl.exp((x - row_max[:, None]) - log_sum[:, None]) - smooth
                 g = tl.where(cols[None, :] == safe_target[:, None], g - (1.0 - label_smoothing), g)
                 g = tl.where(valid[:, None], g * grad_scale, 0.0)
-                tl.store(grad_ptr + g_row[:, None] + (cols * g_cs)[None, :], g.to(grad_ptr.dtype.element_ty),
+                tl.store(grad_ptr + g_row[:, None] + (cols * stride_gcol)[None, :], g.to(grad_ptr.dtype.element_ty),
                          mask=row_mask[:, None] & col_mask)
 
 
 @triton.jit
 def cross_entropy_backward_kernel(
-    grad_ptr, scale_ptr,
+    grad_ptr, scale_ptr,                              # the gradient (scaled in place), the scales
     n_rows, n_cols, size1, size2,
-    g_s0, g_s1, g_s2, g_cs, s_s0, s_s1, s_s2, s_cs,
-    INDEX_64: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    stride_g0, stride_g1, stride_g2, stride_gcol,
+    stride_s0, stride_s1, stride_s2, stride_scol,
+    INDEX_64: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
 ):
-    """``grad[r, :] *= scale[r]`` in place for ROWS rows; a tile whose scales are all 1 is left untouched."""
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    """``grad[r, :] *= scale[r]`` in place for BLOCK_ROWS rows; a tile whose scales are all 1 is left untouched."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_mask = rows < n_rows
-    scale = tl.load(scale_ptr + row_start(rows, size1, size2, s_s0, s_s1, s_s2), mask=row_mask,
+    scale = tl.load(scale_ptr + row_start(rows, size1, size2, stride_s0, stride_s1, stride_s2), mask=row_mask,
                     other=1.0).to(tl.float32)
-    g_row = row_start(rows, size1, size2, g_s0, g_s1, g_s2)
-    cols0 = tl.arange(0, BLOCK)
+    g_row = row_start(rows, size1, size2, stride_g0, stride_g1, stride_g2)
+    cols0 = tl.arange(0, BLOCK_COLS)
     if INDEX_64:
         cols0 = cols0.to(tl.int64)
     if tl.sum((scale != 1.0).to(tl.int32), 0) != 0:  # loss.backward() passes exactly 1: nothing to do
-        for start in range(0, n_cols, BLOCK):
+        for start in range(0, n_cols, BLOCK_COLS):
             cols = start + cols0
             mask = row_mask[:, None] & (cols < n_cols)[None, :]
-            offsets = g_row[:, None] + (cols * g_cs)[None, :]
+            offsets = g_row[:, None] + (cols * stride_gcol)[None, :]
             g = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)
             tl.store(grad_ptr + offsets, (g * scale[:, None]).to(grad_ptr.dtype.element_ty), mask=mask)
 
@@ -196,17 +199,7 @@ def cross_entropy_backward_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class CrossEntropyConfig:
-    """How a cross-entropy launch tiles its rows."""
-
-    block: int  # columns per load (the whole row when one_chunk)
-    rows: int  # rows per program (stacked when rows are short)
-    one_chunk: bool  # the row fits in one block: loaded once, kept in registers
-    num_warps: int
-
-
-def cross_entropy_launch_config(n_rows: int, n_cols: int) -> CrossEntropyConfig:
+def cross_entropy_launch_config(n_rows: int, n_cols: int) -> RowConfig:
     """The tile of a cross-entropy over ``n_rows`` rows of ``n_cols`` classes.
 
     A row of up to :data:`MAX_BLOCK` columns is one block (loaded once); a longer one is walked in
@@ -214,8 +207,8 @@ def cross_entropy_launch_config(n_rows: int, n_cols: int) -> CrossEntropyConfig:
     """
     block = min(next_power_of_2(n_cols), MAX_BLOCK)
     rows = max(1, min(TILE_ELEMENTS // block, next_power_of_2(n_rows)))
-    num_warps = max(4, min(16, rows * block // 512))
-    return CrossEntropyConfig(block=block, rows=rows, one_chunk=n_cols <= block, num_warps=num_warps)
+    return RowConfig(block_cols=block, block_rows=rows, chunked=n_cols > block,
+                     num_warps=_launch.num_warps_for(rows * block), rows_per_program=rows)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -305,9 +298,7 @@ def _poisonable(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Every buffer the real op allocates goes through here (tests poison them)."""
-    return torch.empty(shape, dtype=dtype, device=device)
+
 
 
 # ----------------------------------------------------------------------------------------------
@@ -326,11 +317,12 @@ def _launch_forward(logits, target, loss_rows, grad, ignore_index, label_smoothi
     for launch in plan_rows(operands):
         config = cross_entropy_launch_config(launch.n_rows, n_classes)
         pointers = list(launch.tensors)
-        grid = (triton.cdiv(launch.n_rows, config.rows),)
+        grid = (config.programs(launch.n_rows),)
         cross_entropy_forward_kernel[grid](
             *pointers, ignore_index, float(label_smoothing), float(grad_scale), *launch.args(),
-            COMPUTE_GRAD=compute_grad, SMOOTHING=label_smoothing != 0.0, ONE_CHUNK=config.one_chunk,
-            INDEX_64=launch.index_64, ROWS=config.rows, BLOCK=config.block, num_warps=config.num_warps,
+            COMPUTE_GRAD=compute_grad, SMOOTHING=label_smoothing != 0.0, CHUNKED=config.chunked,
+            INDEX_64=launch.index_64, BLOCK_ROWS=config.block_rows, BLOCK_COLS=config.block_cols,
+            num_warps=config.num_warps,
         )
 
 
@@ -345,12 +337,10 @@ def _cross_entropy_op(
     n_valid = _check_target_values(target, x.shape[-1], ignore_index)
     n_rows = math.prod(x.shape[:-1])
     if reduction == "none":
-        loss_rows = _empty(tuple(target.shape), logits.dtype, logits.device)
+        loss_rows = _launch.empty(tuple(target.shape), logits.dtype, logits.device)
     else:
-        loss_rows = _empty((n_rows,), torch.float32, logits.device)
+        loss_rows = _launch.empty((n_rows,), torch.float32, logits.device)
     grad = _empty_grad(logits, compute_grad)
-    if compute_grad:
-        grad = _poisonable(grad)
     # "mean" divides by the non-ignored rows; with none of them the loss is 0/0 = NaN (like torch)
     # and every row's gradient is 0 (ignored rows write zeros), so the scale is never used.
     grad_scale = 1.0 / n_valid if reduction == "mean" and n_valid > 0 else 1.0
@@ -388,10 +378,10 @@ def _cross_entropy_backward_op(grad_logits: torch.Tensor, grad_loss: torch.Tenso
         raise ValueError(f"{op}: grad_loss of shape {tuple(grad_loss.shape)} does not match rows {tuple(lead)}")
     for launch in plan_rows([g, scale]):
         config = cross_entropy_launch_config(launch.n_rows, g.shape[-1])
-        grid = (triton.cdiv(launch.n_rows, config.rows),)
+        grid = (config.programs(launch.n_rows),)
         cross_entropy_backward_kernel[grid](
-            *launch.tensors, *launch.args(), INDEX_64=launch.index_64, ROWS=config.rows, BLOCK=config.block,
-            num_warps=config.num_warps,
+            *launch.tensors, *launch.args(), INDEX_64=launch.index_64, BLOCK_ROWS=config.block_rows,
+            BLOCK_COLS=config.block_cols, num_warps=config.num_warps,
         )
 
 

@@ -1,0 +1,47 @@
+"""Compile the cross-entropy kernels for sm_90 (every switch, bf16 and fp32): logits loads and gradient
+stores vectorized on contiguous rows.
+
+Run by tests/test_kernels_compile_cross_entropy.py in a compiled-mode child process.
+"""
+
+import sys
+
+from kernels.ops import cross_entropy as ce
+from utils.aot import compile_kernel, vectorized
+
+FLOATS = {"label_smoothing", "grad_scale"}
+# Divisible by 16, as Triton's launcher specializes them for torch allocations and 128k rows.
+ALIGNED = {"n_cols", "stride_x0", "stride_x1", "stride_x2", "stride_g0", "stride_g1", "stride_g2"}
+
+
+def compile_ptx(fn, pointers, constexprs, ones, num_warps):
+    types = lambda name: "*" + pointers[name] if name.endswith("_ptr") else ("fp32" if name in FLOATS else "i32")
+    return compile_kernel(fn, types, constexprs, ones=ones, divisible=ALIGNED, num_warps=num_warps).asm["ptx"]
+
+
+failures = []
+LONG, SHORT = (4, 131072), (64, 256)  # chunked long rows; short rows stacked BLOCK_ROWS high
+# (dtype, gradient pass?, rows x classes, contiguous?): every switch of the kernel, both dtypes.
+FORWARD = [("bf16", grad, shape, True) for grad in (False, True) for shape in (LONG, SHORT)]
+FORWARD += [("bf16", True, LONG, False), ("fp32", False, LONG, True), ("fp32", True, SHORT, True)]
+for dtype, grad, shape, contiguous in FORWARD:
+    config = ce.cross_entropy_launch_config(*shape)
+    pointers = {"logits_ptr": dtype, "target_ptr": "i64", "loss_ptr": "fp32", "grad_ptr": dtype}
+    constexprs = {"COMPUTE_GRAD": grad, "SMOOTHING": grad, "CHUNKED": config.chunked,
+                  "INDEX_64": not contiguous, "BLOCK_ROWS": config.block_rows, "BLOCK_COLS": config.block_cols}
+    ones = ("stride_xcol", "stride_gcol") if contiguous else ()
+    ptx = compile_ptx(ce.cross_entropy_forward_kernel, pointers, constexprs, ones, config.num_warps)
+    what = f"forward {dtype} grad={grad} {config}"
+    if contiguous and not vectorized(ptx, stores=False):
+        failures.append(what + ": logits loads not vectorized")
+    if contiguous and grad and not ("st.global.v4" in ptx or "st.global.v2" in ptx):
+        failures.append(what + ": gradient stores not vectorized")
+for dtype, contiguous in (("bf16", True), ("fp32", False)):
+    config = ce.cross_entropy_launch_config(*LONG)
+    ptx = compile_ptx(ce.cross_entropy_backward_kernel, {"grad_ptr": dtype, "scale_ptr": dtype},
+                      {"INDEX_64": not contiguous, "BLOCK_ROWS": config.block_rows, "BLOCK_COLS": config.block_cols},
+                      ("stride_gcol",) if contiguous else (), config.num_warps)
+    if contiguous and not vectorized(ptx):
+        failures.append(f"backward {dtype}: not vectorized")
+print("\n".join(failures) or "ok")
+sys.exit(1 if failures else 0)

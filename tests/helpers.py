@@ -1,0 +1,134 @@
+"""What every kernel test shares: tolerances, the comparison with a float64 reference, layouts.
+
+* :data:`TOLERANCES` — ``(rtol, atol)`` of an output against the float64 reference *rounded to the
+  output's dtype*: one unit of rounding for fp16/bf16, and room for a GPU's approximate ``exp`` /
+  ``erf`` (or TF32) in fp32. Ops that accumulate long sums (matmul, a K-reduction) pass
+  ``slack=2``.
+* :func:`assert_matches` — elementwise within that tolerance, **or**, when torch's own result in
+  the low precision is given (``lowp=``), flash-attention's criterion: the kernel's largest error
+  against float64 is at most twice torch's own largest error (plus ``atol``). The second form
+  scales with the problem (long rows, large values), so a fresh random seed cannot push a correct
+  kernel over a fixed bound.
+* :func:`make_input` — a tensor of a logical shape in a given memory layout (transposed, sliced,
+  expanded, permuted), never a hidden copy.
+
+The fixtures (``gen``: a seeded generator whose seed is printed and can be replayed with
+``KERNEL_LADDER_SEED``; ``poisoned``: every buffer the ops allocate starts as NaN) live in
+``tests/conftest.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import kernels
+
+__all__ = ["DEVICE", "DTYPES", "LAYOUTS", "TOLERANCES", "assert_matches", "make_input", "tolerance"]
+
+DEVICE = kernels.runtime.DEVICE
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+LAYOUTS = ("contiguous", "transposed", "sliced", "expanded", "permuted")
+
+#: (rtol, atol) against the float64 reference rounded to the output dtype.
+TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float64: (1e-10, 1e-12),
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (1e-3, 1e-3),
+    torch.bfloat16: (1.6e-2, 1e-2),
+}
+
+
+def tolerance(dtype: torch.dtype, slack: float = 1.0) -> tuple[float, float]:
+    """``(rtol, atol)`` for ``dtype``, times ``slack``."""
+    rtol, atol = TOLERANCES[dtype]
+    return rtol * slack, atol * slack
+
+
+def assert_matches(
+    out: torch.Tensor,
+    reference64: torch.Tensor,
+    dtype: torch.dtype | None = None,
+    *,
+    lowp: torch.Tensor | None = None,
+    slack: float = 1.0,
+    rtol: float | None = None,
+    atol: float | None = None,
+    equal_nan: bool = False,
+    contiguous: bool = True,
+    what: str = "output",
+) -> None:
+    """Assert that ``out`` matches the float64 ``reference64`` to ``dtype``'s precision (see the module).
+
+    ``dtype``, when given, must be ``out``'s dtype (it defaults to it). NaN and inf must sit where
+    the reference has them (NaN only with ``equal_nan``). ``lowp`` is torch's own result in the low
+    precision: then a kernel whose largest error is at most twice torch's also passes.
+    ``contiguous`` (default): ``out`` must also be a contiguous tensor, what every op promises.
+    """
+    if dtype is not None:
+        assert out.dtype == dtype, f"{what}: dtype {out.dtype}, expected {dtype}"
+    dtype = out.dtype
+    assert out.shape == reference64.shape, f"{what}: shape {tuple(out.shape)}, expected {tuple(reference64.shape)}"
+    if contiguous:
+        assert out.is_contiguous(), f"{what}: not contiguous (strides {out.stride()})"
+    default_rtol, default_atol = tolerance(dtype, slack)
+    rtol = default_rtol if rtol is None else rtol
+    atol = default_atol if atol is None else atol
+    got = out.detach().double().cpu()
+    exact = reference64.detach().double().cpu()
+    rounded = exact.to(dtype).double()
+    both_nan = torch.isnan(got) & torch.isnan(rounded)
+    if not equal_nan:
+        assert not both_nan.any(), f"{what}: NaN where a NaN was not allowed ({int(both_nan.sum())} elements)"
+    error = (got - rounded).abs()
+    ok = (error <= atol + rtol * rounded.abs()) | (got == rounded) | both_nan
+    if bool(ok.all()):
+        return
+    special = ~torch.isfinite(rounded) | ~torch.isfinite(got)
+    if lowp is not None and not bool((~ok & special).any()):
+        ours = (got - exact).abs().max().item()
+        theirs = (lowp.detach().double().cpu() - exact).abs().max().item()
+        if ours <= 2 * theirs + atol:
+            return
+        criterion = f"; and max error {ours:.3g} > 2 x torch's own {dtype} error {theirs:.3g} + atol {atol:g}"
+    else:
+        criterion = ""
+    bad = ~ok
+    worst = int(torch.where(bad, torch.nan_to_num(error, nan=float("inf")), torch.full_like(error, -1)).argmax())
+    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), got.shape)) if got.dim() else ()
+    raise AssertionError(
+        f"{what} ({dtype}): {int(bad.sum())} of {bad.numel()} elements outside rtol={rtol:g}, atol={atol:g}; "
+        f"worst at {index}: got {got.reshape(-1)[worst].item():.6g}, expected {rounded.reshape(-1)[worst].item():.6g}"
+        f"{criterion} (KERNEL_LADDER_SEED replays the inputs: see the seed printed above)"
+    )
+
+
+def make_input(
+    shape, dtype: torch.dtype, layout: str, gen: torch.Generator, scale: float = 2.0, device=DEVICE
+) -> torch.Tensor:
+    """A tensor of logical ``shape`` whose memory layout is ``layout`` (never a copy of another).
+
+    ``contiguous``; ``transposed`` (last two dims swapped in memory); ``sliced`` (an offset in dim 0,
+    a step of 2 in the last dim); ``expanded`` (stride 0 along dim 0); ``permuted`` (all dims
+    reversed in memory). Values are ``scale`` times standard normal, drawn in float64 on the CPU.
+    """
+    shape = tuple(shape)
+
+    def rand(*s):
+        return (torch.randn(s, generator=gen, dtype=torch.float64) * scale).to(dtype).to(device)
+
+    if layout == "contiguous" or len(shape) == 0:
+        return rand(*shape)
+    if layout == "transposed":
+        if len(shape) < 2:
+            return rand(*shape)
+        swapped = (*shape[:-2], shape[-1], shape[-2])
+        return rand(*swapped).transpose(-1, -2)
+    if layout == "sliced":
+        base = rand(shape[0] + 1, *shape[1:-1], 2 * shape[-1]) if len(shape) > 1 else rand(2 * shape[0] + 1)
+        return base[1:, ..., ::2] if len(shape) > 1 else base[1::2]
+    if layout == "expanded":
+        return rand(1, *shape[1:]).expand(shape)
+    if layout == "permuted":
+        order = list(reversed(range(len(shape))))
+        return rand(*(shape[d] for d in order)).permute(*order)
+    raise ValueError(f"unknown layout {layout!r}; one of {LAYOUTS}")
