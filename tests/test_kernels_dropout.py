@@ -167,3 +167,13 @@ def test_torch_compile_with_seed_from_the_caller(gen, seed):
     (g_compiled,) = torch.autograd.grad(got, [x], grad_out)
     (g_eager,) = torch.autograd.grad(layer(x, seed), [x], grad_out)
     torch.testing.assert_close(g_compiled, g_eager, rtol=0, atol=0)
+
+
+def test_dropout_mask_device_errors_name_the_op():
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"kernels\.dropout_mask: device 'cuda' was asked for, but no CUDA device"):
+            kernels.dropout_mask((4, 4), 0.5, seed=1, device="cuda")
+    with pytest.raises(ValueError, match=r"kernels\.dropout_mask: device must be a torch\.device or a name"):
+        kernels.dropout_mask((4, 4), 0.5, seed=1, device="not-a-device")
+    with pytest.raises(ValueError, match=r"kernels\.dropout_mask: device must hold data"):
+        kernels.dropout_mask((4, 4), 0.5, seed=1, device="meta")

@@ -130,6 +130,19 @@ def test_add_promotes_mixed_dtypes_like_torch(x_dtype, y_dtype, gen):
     torch.testing.assert_close(gy.double(), ty.double(), rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("tensor_dtype", DTYPES)
+@pytest.mark.parametrize("zero_dim_dtype", DTYPES)
+def test_add_zero_dim_tensors_promote_like_torch(tensor_dtype, zero_dim_dtype, gen):
+    """torch.result_type: a 0-d tensor does not promote a tensor with dims (bf16 + 0-d fp32 is bf16);
+    two 0-d tensors, or two with dims, promote normally. Every pairing, both orders."""
+    x = make_input((4, 9), tensor_dtype, "contiguous", gen)
+    s = make_input((), zero_dim_dtype, "contiguous", gen)
+    for a, b in ((x, s), (s, x), (s, s.to(tensor_dtype)), (x, x.to(zero_dim_dtype))):
+        out = kernels.add(a, b)
+        assert out.dtype == torch.result_type(a, b) == (a + b).dtype, (a.dtype, a.dim(), b.dtype, b.dim())
+        assert_matches(out, a.double() + b.double(), out.dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_add_python_scalar_takes_the_tensors_dtype(dtype, gen):
     x = make_input((5, 7), dtype, "sliced", gen)

@@ -244,6 +244,30 @@ def test_activations_long_rows_take_the_two_pass_path(gen):
     assert torch.equal(q, rq) and torch.equal(s, rs)
 
 
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("n_cols", [77, 20000])  # one block, and the two-pass (chunked) path
+def test_activation_rows_with_nan_or_inf_get_a_nan_scale_and_zero_values(fmt, n_cols, gen):
+    """A NaN or +-inf has no quantized form: the row's scale is NaN and its values 0, so whatever is
+    computed from it is NaN; the other rows are quantized exactly as without them."""
+    x = randn(5, n_cols, gen=gen, scale=4.0)
+    x[0, 3], x[1, n_cols - 1], x[2, 0] = float("nan"), float("inf"), -float("inf")
+    q, s = kernels.quantize_activations(x, fmt)
+    assert s[:3].isnan().all() and (q[:3].float() == 0).all()
+    rq, rs = reference_rows(x[3:], fmt == "fp8")
+    assert torch.equal(q[3:].view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s[3:], rs)
+
+
+@pytest.mark.parametrize("scheme,group_size", [("int8", None), ("int4", 32), ("fp8", None)])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_quantize_weight_rejects_non_finite_weights(scheme, group_size, bad, gen):
+    w = randn(6, 64, gen=gen)
+    w[4, 17] = bad
+    w[5, 1] = bad
+    with pytest.raises(ValueError, match=r"kernels\.quantize_weight: w has 2 non-finite value\(s\) \(NaN or \+-inf; "
+                                         r"the first at \[4, 17\] is (nan|inf|-inf)\).*torch\.nan_to_num"):
+        kernels.quantize_weight(w, scheme, group_size=group_size)
+
+
 def test_rounding_is_half_to_even():
     # amax 127 -> scale exactly 1: x / s are the values themselves, ties included
     x = torch.tensor([[127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.49999]], device=DEVICE)

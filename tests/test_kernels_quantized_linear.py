@@ -177,6 +177,22 @@ def w8a8_reference(x, qw, bias=None):
     return out + bias.double() if bias is not None else out
 
 
+def test_non_finite_activations_give_non_finite_outputs(gen):
+    """Weight-only keeps x in floating point: NaN and inf propagate exactly as in F.linear. W8A8 has
+    no int8 form for them: those rows come out all NaN (never finite, never a wrong-signed inf), the
+    other rows as without them."""
+    _, qw, bias = make_layer(10, 96, "int8", None, gen)
+    x = randn(4, 96, gen=gen)
+    x[0, 5], x[1, 6], x[2, 7] = float("nan"), float("inf"), -float("inf")
+    want = reference(x, qw, bias)
+    out = quantized_linear(x, qw, bias)
+    assert torch.equal(out.isnan(), want.isnan()) and torch.equal(out.isinf(), want.isinf())
+    assert torch.equal(out.isinf() & (out > 0), want.isinf() & (want > 0))
+    w8a8 = quantized_linear(x, qw, bias, activations="int8")
+    assert w8a8[:3].isnan().all()
+    torch.testing.assert_close(w8a8[3:].double(), w8a8_reference(x[3:], qw, bias), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("x_shape,n", [((1, 256), 64), ((2, 5, 300), 97), ((33, 64), 20)])
 def test_w8a8_matches_int_reference(dtype, x_shape, n, gen):

@@ -20,7 +20,9 @@ scheme    values ``q``                                  scales                  
 ``round`` is round-half-to-even (``torch.round``), divisions are IEEE-exact, and scales are
 computed in float32 and then stored in ``scale_dtype`` (float32 by default); the values are
 quantized with the *stored* scale, so ``dequantize()`` is exactly ``q * s``. A row or group that
-is all zeros gets scale 1 (and zeros).
+is all zeros gets scale 1 (and zeros). **Non-finite values**: :func:`quantize_weight` rejects a
+weight holding NaN or +-inf with an error (no format can represent them); at run time (W8A8
+activations) a row holding one gets zero values and a NaN scale, so its results are NaN.
 
 **int4 packing (nibble order).** Values are stored as unsigned nibbles ``u = q + 8`` in
 [0, 15] (offset 8), two per byte along K::
@@ -100,6 +102,12 @@ _GPU_BLOCK_ELEMENTS = 4096
 
 
 @triton.jit
+def _is_nonfinite(x):
+    """NaN (the one value unequal to itself) or +-inf."""
+    return (x != x) | (tl.abs(x) == float("inf"))
+
+
+@triton.jit
 def _round_half_even(v):
     """Round fp32 ``v`` (|v| < 2**22) to the nearest integer, ties to even (as torch.round)."""
     return (v + _ROUNDING_MAGIC) - _ROUNDING_MAGIC
@@ -130,19 +138,27 @@ def quantize_rows_kernel(
         qmax = 448.0
     else:
         qmax = 127.0
+    # A NaN or +-inf has no int8/e4m3 value; counted separately (tl.max may skip NaN on a GPU).
     if not CHUNKED:
         mask = row_mask[:, None] & (cols < n_cols)[None, :]
         x = tl.load(x_ptr + x_start[:, None] + cols[None, :] * stride_xcol, mask=mask, other=0.0).to(tl.float32)
         amax = tl.max(tl.abs(x), axis=1)
+        nonfinite = tl.sum(_is_nonfinite(x).to(tl.int32), axis=1)
     else:
         amax = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
+        nonfinite = tl.zeros((BLOCK_ROWS,), dtype=tl.int32)
         for c0 in range(0, n_cols, BLOCK_COLS):
             c = c0 + cols
             mask = row_mask[:, None] & (c < n_cols)[None, :]
             x = tl.load(x_ptr + x_start[:, None] + c[None, :] * stride_xcol, mask=mask, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+            nonfinite += tl.sum(_is_nonfinite(x).to(tl.int32), axis=1)
     scale = tl.math.div_rn(amax, qmax).to(scale_ptr.dtype.element_ty).to(tl.float32)
     scale = tl.where(scale > 0.0, scale, 1.0)  # all-zero rows (or an amax that underflows): q = 0
+    # A row holding a NaN or an inf: zero values and a NaN scale, so everything computed from the
+    # row (its dequantized values, a W8A8 output row) is NaN, never a finite or wrong-signed number.
+    bad_row = nonfinite > 0
+    scale = tl.where(bad_row, float("nan"), scale)
     tl.store(scale_ptr + rows, scale.to(scale_ptr.dtype.element_ty), mask=row_mask)
     for c0 in range(0, n_cols, BLOCK_COLS):
         c = c0 + cols
@@ -150,7 +166,7 @@ def quantize_rows_kernel(
         if CHUNKED:
             x = tl.load(x_ptr + x_start[:, None] + c[None, :] * stride_xcol, mask=mask, other=0.0).to(tl.float32)
         v = tl.math.div_rn(x, scale[:, None])
-        v = tl.minimum(tl.maximum(v, -qmax), qmax)
+        v = tl.where(bad_row[:, None], 0.0, tl.minimum(tl.maximum(v, -qmax), qmax))
         if FP8:
             q = v.to(tl.float8e4nv)
         else:
@@ -280,6 +296,23 @@ def _check_weight(op: str, w: object) -> torch.Tensor:
             f"{op}: w must be a 2-D (out_features, in_features) weight, like nn.Linear's, got shape {tuple(w.shape)}"
         )
     return w
+
+
+def _check_finite(op: str, w: torch.Tensor) -> None:
+    """A weight to quantize holds only finite values (one host synchronization: an offline step).
+
+    NaN and +-inf have no int8/int4/e4m3 representation, and one of them would also make its
+    row's (or group's) scale non-finite; rejecting them is clearer than a silently wrong layer.
+    """
+    finite = torch.isfinite(w)
+    if w.numel() and not bool(finite.all()):
+        bad = (~finite).nonzero()
+        first = tuple(int(i) for i in bad[0])
+        raise ValueError(
+            f"{op}: w has {bad.shape[0]} non-finite value(s) (NaN or +-inf; the first at {list(first)} is "
+            f"{w[first].item()}), which no quantized format can represent. Find where they came from, or "
+            "replace them (e.g. torch.nan_to_num) before quantizing"
+        )
 
 
 def _check_rows_args(op: str, x: object, fp8: object, scale_dtype: object) -> None:
@@ -472,6 +505,10 @@ def quantize_weight(w: torch.Tensor, scheme: str, group_size: int | None = None,
 
     Returns:
         A :class:`QuantizedWeight` (not differentiable: quantized weights are frozen).
+
+    Raises:
+        ValueError: if ``w`` holds a NaN or an infinity (checked with one host synchronization;
+            quantization is an offline step).
     """
     op = "kernels.quantize_weight"
     _check_weight(op, w)
@@ -479,6 +516,7 @@ def quantize_weight(w: torch.Tensor, scheme: str, group_size: int | None = None,
     group_size = check_group_size(op, scheme, group_size)
     _check_scale_dtype(op, scale_dtype)
     w = w.detach()
+    _check_finite(op, w)
     if scheme == "int4":
         data, scales = _quantize_int4_op(w, group_size, scale_dtype)
     else:
@@ -499,7 +537,9 @@ def quantize_activations(x: torch.Tensor, dtype: str = "int8") -> tuple[torch.Te
 
     Returns:
         ``(q, scales)``: q contiguous, x's shape, int8 or float8_e4m3fn; scales float32 of shape
-        ``x.shape[:-1]``.
+        ``x.shape[:-1]``. A row holding a NaN or an infinity has no quantized form: its values are
+        0 and its scale NaN, so everything computed from it (a W8A8 output row) is NaN — as
+        non-finite as torch's result from such a row, never a finite or wrong-signed number.
     """
     op = "kernels.quantize_activations"
     check_choice(op, "dtype", dtype, ("int8", "fp8"))
