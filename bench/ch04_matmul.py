@@ -24,8 +24,7 @@ import torch.nn.functional as F
 
 import kernels
 from bench import Ladder, Step, register
-from kernels import linear
-from kernels import MatmulConfig, matmul, matmul_persistent, matmul_split_k, matmul_tiled
+from kernels import MatmulConfig, linear, matmul, matmul_persistent, matmul_split_k, matmul_tiled
 from solutions import ch04_matmul as solutions
 
 #: (M, N, K) of each matmul ladder: tiny on the CPU (the naive step runs M*N interpreted programs).

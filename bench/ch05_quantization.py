@@ -37,8 +37,7 @@ import torch.nn.functional as F
 
 import kernels
 from bench import Ladder, Step, register
-from kernels import QuantizedWeight, quantize_weight
-from kernels import quantized_linear
+from kernels import QuantizedWeight, quantize_weight, quantized_linear
 
 #: (N, K) of the ladders' layer: out_features, in_features.
 SIZES = {"cpu": (256, 512), "gpu": (14336, 4096)}
