@@ -53,6 +53,7 @@ from .ops.quantized_linear import (
     w8a8_linear_kernel,
 )
 from .ops.rms_norm import rms_norm, rms_norm_backward_kernel, rms_norm_kernel
+from .ops.rope import rope, rope_cos_sin, rope_kernel
 from .ops.silu import silu, silu_backward_kernel, silu_kernel
 from .ops.softmax import (
     log_softmax,
@@ -95,6 +96,8 @@ __all__ = [
     "rms_norm",
     "layer_norm",
     "add_rms_norm",
+    "rope",
+    "rope_cos_sin",
     "norm_launch_config",
     # matmul's launchers with an explicit configuration, and its dispatch rule
     "MatmulConfig",
@@ -135,4 +138,5 @@ __all__ = [
     "layer_norm_backward_kernel",
     "add_rms_norm_kernel",
     "column_sum_kernel",
+    "rope_kernel",
 ]
