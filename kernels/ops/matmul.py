@@ -8,7 +8,8 @@ element of A is then read ``N / BLOCK_N`` times and each of B ``M / BLOCK_M`` ti
 
     bytes read  =  (M*K * ceil(N/BN)  +  K*N * ceil(M/BM)) * element size        (+ M*N written)
 
-Three kernels share the tile loop (``_accumulate``) and the epilogue (``_store_tile``):
+Three kernels share the tile loop (``accumulate``) and the epilogue (``store_tile``), @triton.jit
+functions other GEMM-shaped kernels call too (``kernels.gated_mlp``):
 
 * ``matmul_kernel`` — one program per output tile, in **grouped order**: programs walk
   ``GROUP_M`` tile-rows column by column, so consecutive programs share B tiles *and* A tiles
@@ -94,7 +95,7 @@ _MAX_GRID_YZ = 65535  # CUDA's limit on grid dims 1 and 2
 
 
 @triton.jit
-def _tile_coords(tile_id, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+def tile_coords(tile_id, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """(pid_m, pid_n) of the ``tile_id``-th tile in grouped order (row-major when GROUP_M == 1)."""
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -109,7 +110,7 @@ def _tile_coords(tile_id, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GR
 
 
 @triton.jit
-def _accumulate(
+def accumulate(
     a_ptr, b_ptr, pid_m, pid_n, M, N, k_start, k_len,
     stride_am, stride_ak, stride_bk, stride_bn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -149,7 +150,7 @@ def _accumulate(
 
 
 @triton.jit
-def _store_tile(
+def store_tile(
     acc, c_ptr, bias_ptr, preact_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn, stride_bias,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, STORE_PREACT: tl.constexpr,
 ):
@@ -184,11 +185,11 @@ def matmul_kernel(
     batch index (stride 0 for a broadcast operand). ``M_BUCKET``/``N_BUCKET``/``K_BUCKET`` are
     not used by the kernel: they are the autotuner's key (powers of two of M, N, K).
     """
-    pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pid_b = tl.program_id(1)
     if INDEX_64:
         pid_b = pid_b.to(tl.int64)
-    acc = _accumulate(
+    acc = accumulate(
         a_ptr + pid_b * stride_ab, b_ptr + pid_b * stride_bb, pid_m, pid_n, M, N, 0, K,
         stride_am, stride_ak, stride_bk, stride_bn,
         BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INPUT_PRECISION, INDEX_64,
@@ -198,7 +199,7 @@ def matmul_kernel(
     if INDEX_64:
         offs_m = offs_m.to(tl.int64)
         offs_n = offs_n.to(tl.int64)
-    _store_tile(
+    store_tile(
         acc, c_ptr + pid_b * stride_cb, bias_ptr, preact_ptr + pid_b * stride_cb, offs_m, offs_n, M, N,
         stride_cm, stride_cn, stride_bias, HAS_BIAS, ACTIVATION, STORE_PREACT,
     )
@@ -218,7 +219,7 @@ def matmul_split_k_kernel(
     The workspace is a contiguous float32 (batch, SPLIT_K, M, N) buffer; K_PER_SPLIT is a
     multiple of BLOCK_K, so EVEN_K (K % BLOCK_K == 0) holds for every split.
     """
-    pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pid_s = tl.program_id(1)
     pid_b = tl.program_id(2)
     split_k = tl.num_programs(1)
@@ -227,7 +228,7 @@ def matmul_split_k_kernel(
         pid_s = pid_s.to(tl.int64)
     k_start = pid_s * K_PER_SPLIT
     k_len = tl.minimum(K - k_start, K_PER_SPLIT)
-    acc = _accumulate(
+    acc = accumulate(
         a_ptr + pid_b * stride_ab, b_ptr + pid_b * stride_bb, pid_m, pid_n, M, N, k_start, k_len,
         stride_am, stride_ak, stride_bk, stride_bn,
         BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INPUT_PRECISION, INDEX_64,
@@ -274,7 +275,7 @@ def matmul_split_k_reduce_kernel(
     for _ in range(0, SPLIT_K):
         acc += tl.load(ws, mask=mask, other=0.0)
         ws += plane
-    _store_tile(
+    store_tile(
         acc, c_ptr + pid_b * stride_cb, bias_ptr, preact_ptr + pid_b * stride_cb, offs_m, offs_n, M, N,
         stride_cm, stride_cn, stride_bias, HAS_BIAS, ACTIVATION, STORE_PREACT,
     )
@@ -300,10 +301,10 @@ def matmul_persistent_kernel(
     num_tiles = tiles_per_batch * BATCH
     for tile_id in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0)):
         pid_b = tile_id // tiles_per_batch
-        pid_m, pid_n = _tile_coords(tile_id % tiles_per_batch, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        pid_m, pid_n = tile_coords(tile_id % tiles_per_batch, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         if INDEX_64:
             pid_b = pid_b.to(tl.int64)
-        acc = _accumulate(
+        acc = accumulate(
             a_ptr + pid_b * stride_ab, b_ptr + pid_b * stride_bb, pid_m, pid_n, M, N, 0, K,
             stride_am, stride_ak, stride_bk, stride_bn,
             BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INPUT_PRECISION, INDEX_64,
@@ -313,7 +314,7 @@ def matmul_persistent_kernel(
         if INDEX_64:
             offs_m = offs_m.to(tl.int64)
             offs_n = offs_n.to(tl.int64)
-        _store_tile(
+        store_tile(
             acc, c_ptr + pid_b * stride_cb, bias_ptr, preact_ptr + pid_b * stride_cb, offs_m, offs_n, M, N,
             stride_cm, stride_cn, stride_bias, HAS_BIAS, ACTIVATION, STORE_PREACT,
         )
