@@ -778,8 +778,9 @@ class Trace:
         """One row per Triton launch, then one per torch op, then the totals; exact byte counts.
 
         Kept within 100 characters for the usual names: an aten op is named without its
-        ``.default`` overload, and ops that launch no kernel (views, allocations) are of kind
-        ``view/alloc``.
+        ``.default`` overload, ops that launch no kernel (views, allocations) are of kind
+        ``view/alloc``, and the out-of-bounds column (``OOB``) appears only when some launch
+        accessed memory outside every tensor argument.
         """
         header = ("kind", "name", "grid", "read B", "write B", "total B", "FLOPs", "sectors",
                   "unique", "OOB")
@@ -797,7 +798,9 @@ class Trace:
                      _format_count(self.bytes_written), _format_count(self.bytes), _format_count(self.flops),
                      _format_count(self.sectors), _format_count(self.unique_sectors),
                      _format_count(self.out_of_bounds)))
-        widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+        if not self.out_of_bounds:
+            rows = [row[:-1] for row in rows]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         lines = []
         for n, row in enumerate(rows):
             cells = [c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
