@@ -308,6 +308,10 @@ def test_table_and_summary_name_the_rows_and_totals():
     assert isinstance(t, Trace)
     text = str(t)
     assert "add_kernel" in text and "aten.mul.Tensor" in text and f"{12 * n + 12 * n:,}" in text
+    assert "sectors" in text.splitlines()[0]
+    with trace() as torch_only:
+        _ = x * y
+    assert "sectors" not in torch_only.table() and "aten.mul.Tensor" in torch_only.table()  # Triton-only columns
     s = t.summary()
     assert s["launches"] == 2 and s["triton_launches"] == 1 and s["torch_ops"] == 1
     assert s["bytes"] == 24 * n and s["bytes_read"] == 16 * n and s["bytes_written"] == 8 * n

@@ -779,8 +779,9 @@ class Trace:
 
         Kept within 100 characters for the usual names: an aten op is named without its
         ``.default`` overload, ops that launch no kernel (views, allocations) are of kind
-        ``view/alloc``, and the out-of-bounds column (``OOB``) appears only when some launch
-        accessed memory outside every tensor argument.
+        ``view/alloc``, the sector columns (``sectors``, ``unique``: Triton launches only) appear
+        only when the trace has a Triton launch, and the out-of-bounds column (``OOB``) only when
+        some launch accessed memory outside every tensor argument.
         """
         header = ("kind", "name", "grid", "read B", "write B", "total B", "FLOPs", "sectors",
                   "unique", "OOB")
@@ -798,8 +799,9 @@ class Trace:
                      _format_count(self.bytes_written), _format_count(self.bytes), _format_count(self.flops),
                      _format_count(self.sectors), _format_count(self.unique_sectors),
                      _format_count(self.out_of_bounds)))
-        if not self.out_of_bounds:
-            rows = [row[:-1] for row in rows]
+        keep = [i for i, name in enumerate(header)
+                if (name not in ("sectors", "unique") or self.launches) and (name != "OOB" or self.out_of_bounds)]
+        rows = [tuple(row[i] for i in keep) for row in rows]
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         lines = []
         for n, row in enumerate(rows):
