@@ -74,7 +74,7 @@ def device_for_tests() -> torch.device:
 def describe() -> str:
     """One line naming the mode, the device and the versions, for notebooks and reports."""
     if INTERPRETER:
-        where = "Triton interpreter on the CPU (times are the interpreter's, not a GPU's)"
+        where = "Triton interpreter on the CPU (times are not a GPU's)"
     elif torch.cuda.is_available():
         where = f"compiled on {torch.cuda.get_device_name()}"
     else:

@@ -90,11 +90,21 @@ def matmul_cases(gen: torch.Generator) -> list[tuple[int, int, int, torch.dtype]
     return cases
 
 
+#: The notebook's fixed cases before the last one was added: BLOCK * stride * elem_bytes is a multiple of
+#: 32 in every one, so no sector is shared by two programs and one global set of sectors gives the same count.
+NOTEBOOK_SECTOR_CASES_ALIGNED = [(1000, 1, 256, 4), (1000, 2, 256, 4), (999, 3, 256, 4), (500, 8, 128, 4),
+                                 (100, 16, 64, 4), (300, 5, 64, 2), (70, 16, 32, 2)]
+#: The case the notebook adds: 8 * 3 * 2 = 48 bytes per program, so neighbouring programs share sectors.
+SHARED_SECTOR_CASE = (100, 3, 8, 2)
+NOTEBOOK_SECTOR_CASES = [*NOTEBOOK_SECTOR_CASES_ALIGNED, SHARED_SECTOR_CASE]
+
+
 def sector_cases(gen: torch.Generator) -> list[tuple[int, int, int, int]]:
-    # (100, 16, 64, 4): 64-byte steps skip every other sector, so dividing the span by 32 is wrong.
-    cases = [(1000, 1, 256, 4), (300, 16, 64, 2), (100, 16, 64, 4)]
+    # The notebook's cases, every time. (100, 16, 64, 4): 64-byte steps skip every other sector, so dividing
+    # the span by 32 is wrong; (100, 3, 8, 2): programs share sectors, so one global set undercounts.
+    cases = list(NOTEBOOK_SECTOR_CASES)
     for _ in range(4):
-        BLOCK = 2 ** _randint(gen, 5, 9)
+        BLOCK = 2 ** _randint(gen, 2, 9)  # small BLOCKs too: there a program's span need not end on a sector
         n = _randint(gen, 1, 4 * BLOCK)  # at most 4 programs
         cases.append((n, _randint(gen, 1, 20), BLOCK, (2, 4)[_randint(gen, 0, 2)]))
     return cases
@@ -224,11 +234,30 @@ def _sectors_ignoring_mask(n, stride, BLOCK, elem_bytes=4):
     return sol.sectors_touched(programs * BLOCK, stride, BLOCK, elem_bytes)
 
 
+def _sectors_global_set(n, stride, BLOCK, elem_bytes=4):
+    # One set over every lane of the launch: what a perfect cache would fetch, not what the loads touch
+    # (each program's load pays for its own sectors, even those its neighbour also fetched).
+    return len({(i * stride * elem_bytes) // 32 for i in range(n)})
+
+
 @pytest.mark.parametrize("wrong", [_stub, _sectors_one_per_element, _sectors_from_total_bytes,
-                                   _sectors_ignoring_mask],
-                         ids=["stub", "one-per-element", "total-bytes-over-32", "ignores-mask"])
+                                   _sectors_ignoring_mask, _sectors_global_set],
+                         ids=["stub", "one-per-element", "total-bytes-over-32", "ignores-mask", "global-set"])
 def test_sectors_touched_wrong_variants_not_solved(wrong):
     assert_not_solved(check_sectors(wrong))
+
+
+def test_global_set_passes_aligned_cases_and_only_the_shared_sector_case_catches_it():
+    # Why the notebook has the case (100, 3, 8, 2): on the seven cases before it, the global-set
+    # variant is indistinguishable from the per-program count, since no program's span ends mid-sector.
+    assert all((BLOCK * stride * elem_bytes) % 32 == 0
+               for _, stride, BLOCK, elem_bytes in NOTEBOOK_SECTOR_CASES_ALIGNED)
+    assert check("ch00_gpu_model.sectors_touched", _sectors_global_set, traced_sectors,
+                 NOTEBOOK_SECTOR_CASES_ALIGNED).solved
+    assert sol.sectors_touched(*SHARED_SECTOR_CASE) == 25 and _sectors_global_set(*SHARED_SECTOR_CASE) == 19
+    assert_not_solved(check("ch00_gpu_model.sectors_touched", _sectors_global_set, traced_sectors,
+                            NOTEBOOK_SECTOR_CASES))
+    assert check("ch00_gpu_model.sectors_touched", sol.sectors_touched, traced_sectors, NOTEBOOK_SECTOR_CASES).solved
 
 
 @triton.jit

@@ -22,6 +22,8 @@ import kernels
 from solutions import ch02_softmax as solutions
 from utils.aot import run_compiled
 from utils.exercises import check
+from utils.memory import peak_memory
+from utils.trace import trace
 
 # exp overflows (to inf) and -inf - -inf (NaN) in numpy are what some negative controls are about.
 pytestmark = [
@@ -54,7 +56,31 @@ def multirow_launcher(kernel):
 
 
 def online_launcher(kernel):
-    return lambda x, out: solutions.launch_softmax_online(kernel, x, out, block=ONLINE_BLOCK)
+    # As the notebook's check: the kernel under the tracer, failed if it reads x more than twice.
+    def launch(x, out):
+        with trace() as traced:
+            solutions.launch_softmax_online(kernel, x, out, block=ONLINE_BLOCK)
+        x_reads = traced.launches[-1].per_tensor["x_ptr"].bytes_read / (x.numel() * x.element_size())
+        if x_reads > 2:
+            raise RuntimeError(f"the kernel read x {x_reads:.2f} times; the online update gets max and sum "
+                               "in one pass, and the output takes a second")
+        return out
+
+    return launch
+
+
+def ce_within_memory(candidate):
+    # As the notebook's check: failed if more than four float32 N x chunk_size slices are alive at once.
+    def run(logits, target, chunk_size):
+        with peak_memory() as memory:
+            loss = candidate(logits, target, chunk_size)
+        budget = 4 * logits.shape[0] * chunk_size * 4 + 1024
+        if memory.peak_bytes > budget:
+            raise MemoryError(f"{memory.peak_bytes:,} bytes alive at once, over the {budget:,} of four float32 "
+                              "N x chunk_size slices: is an N x V tensor (or a float32 copy of the logits) made?")
+        return loss
+
+    return run
 
 
 def backward_launcher(kernel):
@@ -333,6 +359,28 @@ def online_chunk_local(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLO
 
 
 @triton.jit
+def online_three_passes(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK: tl.constexpr):
+    # right values, but the max and the sum take a pass each: three reads of x instead of two
+    row = tl.program_id(0).to(tl.int64)
+    row_max = -float("inf")
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * x_row_stride + cols, mask=cols < n_cols, other=-float("inf")).to(tl.float32)
+        row_max = tl.maximum(row_max, tl.max(x, axis=0))
+    row_sum = 0.0
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * x_row_stride + cols, mask=cols < n_cols, other=-float("inf")).to(tl.float32)
+        row_sum += tl.sum(tl.exp(x - row_max), axis=0)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=-float("inf")).to(tl.float32)
+        tl.store(out_ptr + row * out_row_stride + cols, (tl.exp(x - row_max) / row_sum).to(out_ptr.dtype.element_ty),
+                 mask=mask)
+
+
+@triton.jit
 def online_no_mask(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     running_max = -float("inf")
@@ -474,6 +522,11 @@ def ce_skips_last_chunk(logits, target, chunk_size):
     return (running_max + torch.log(running_sum) - picked).mean().to(logits.dtype)
 
 
+def ce_upcasts_all_logits(logits, target, chunk_size):
+    # right value, but a float32 copy of the whole N x V logits (and torch's N x V log-probabilities)
+    return F.cross_entropy(logits.float(), target).to(logits.dtype)
+
+
 def ce_forgets_target(logits, target, chunk_size):
     # the mean log-sum-exp: the target's logit is never subtracted
     stats = solutions.stats_by_chunks(solutions.online_softmax_update, logits.float(), chunk_size)
@@ -494,7 +547,7 @@ KERNEL_EXERCISES = {
 
 PYTHON_EXERCISES = {
     "online_softmax_update": (stats_candidate, stats_reference, stats_cases),
-    "chunked_cross_entropy": (lambda f: f, ce_reference, ce_cases),
+    "chunked_cross_entropy": (ce_within_memory, ce_reference, ce_cases),
 }
 
 
@@ -528,6 +581,7 @@ WRONG_KERNELS = [
     ("softmax_online_kernel", online_stub, "never written"),
     ("softmax_online_kernel", online_no_rescale, "wrong values"),
     ("softmax_online_kernel", online_chunk_local, "wrong values"),
+    ("softmax_online_kernel", online_three_passes, "read x 3.00 times"),
     ("softmax_online_kernel", online_no_mask, "out of bounds"),
     ("softmax_online_kernel", online_out_uses_x_stride, "out of bounds"),
     ("softmax_backward_kernel", backward_stub, "never written"),
@@ -557,6 +611,7 @@ WRONG_FUNCTIONS = [
     ("chunked_cross_entropy", ce_no_max, "NaN/inf"),
     ("chunked_cross_entropy", ce_skips_last_chunk, "wrong value"),
     ("chunked_cross_entropy", ce_forgets_target, "wrong value"),
+    ("chunked_cross_entropy", ce_upcasts_all_logits, "alive at once"),
 ]
 
 

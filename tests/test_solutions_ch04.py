@@ -23,6 +23,7 @@ from utils.aot import run_compiled
 from utils.coalescing import matrix_strides, tile_requests
 from utils.exercises import check
 from utils.l2cache import program_order
+from utils.trace import trace
 
 pytestmark = pytest.mark.interpreter  # out-of-bounds diagnoses need the interpreter's tracer
 
@@ -150,16 +151,65 @@ def naive_launcher(kernel):
     return lambda a, b, out: solutions.naive_matmul(a, b, out, BLOCK_K=32, kernel=kernel)
 
 
+class TileOrderError(Exception):
+    """The values are right, but the programs computed the tiles in another order than the exercise's."""
+
+
+def tile_order_problem(owner: np.ndarray, block_m: int, block_n: int) -> str | None:
+    """As the notebook's: None if program pid wrote exactly tile (pid // grid_n, pid % grid_n), else why not."""
+    grid_m, grid_n = -(-owner.shape[0] // block_m), -(-owner.shape[1] // block_n)
+    tiles = np.empty((grid_m, grid_n), dtype=np.int64)
+    for i in range(grid_m):
+        for j in range(grid_n):
+            tile = owner[i * block_m:(i + 1) * block_m, j * block_n:(j + 1) * block_n]
+            if (tile < 0).any() or (tile != tile.flat[0]).any():
+                return None  # unwritten or shared tiles: the value check says what is wrong
+            tiles[i, j] = tile.flat[0]
+    row_major = np.arange(grid_m * grid_n).reshape(grid_m, grid_n)
+    if (tiles == row_major).all():
+        return None
+    if (tiles == row_major.reshape(grid_n, grid_m).T).all():
+        return (f"the tile order is column-major: program pid computed tile (pid % grid_m, pid // grid_m) of the "
+                f"{grid_m} x {grid_n} tile grid; the exercise asks for row-major, (pid // grid_n, pid % grid_n)")
+    i, j = (int(v[0]) for v in np.nonzero(tiles != row_major))
+    return (f"program {tiles[i, j]} computed tile ({i}, {j}) of the {grid_m} x {grid_n} tile grid; in row-major "
+            f"order that tile is program {row_major[i, j]}'s (pid // grid_n, pid % grid_n)")
+
+
+def in_row_major_order(launch, tensor="c_ptr", block_m=32, block_n=32, planes=1):
+    """As the notebook's check: the launcher under the tracer, then which program wrote each output tile."""
+    def run(*args):
+        with trace(record_access=True) as traced:
+            launch(*args)
+        owner = traced.launches[-1].access[tensor]
+        owner = owner.reshape(planes, -1, owner.shape[-1])
+        for plane in range(planes):  # split-K: plane s is written by programs s * tiles + tile
+            tiles = -(-owner.shape[1] // block_m) * -(-owner.shape[2] // block_n)
+            problem = tile_order_problem(np.where(owner[plane] >= 0, owner[plane] - plane * tiles, -1),
+                                         block_m, block_n)
+            if problem:
+                raise TileOrderError(problem)
+        return args[-1]
+
+    return run
+
+
 def tiled_launcher(kernel):
-    return lambda a, b, out: solutions.tiled_matmul(a, b, out, BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, kernel=kernel)
+    return in_row_major_order(
+        lambda a, b, out: solutions.tiled_matmul(a, b, out, BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, kernel=kernel))
 
 
 def bias_launcher(kernel):
-    return lambda a, b, bias, out: solutions.bias_gelu_matmul(a, b, bias, out, kernel=kernel)
+    return in_row_major_order(lambda a, b, bias, out: solutions.bias_gelu_matmul(a, b, bias, out, kernel=kernel))
 
 
 def split_k_launcher(kernel):
-    return lambda a, b, split_k, out: solutions.split_k_matmul(a, b, split_k, out, kernel=kernel)
+    def run(a, b, split_k, out):
+        planes = solutions.split_k_slices(a.shape[1], split_k, 32)[1]
+        launch = lambda a, b, split_k, out: solutions.split_k_matmul(a, b, split_k, out, kernel=kernel)  # noqa: E731
+        return in_row_major_order(launch, "partial_ptr", block_m=16, block_n=32, planes=planes)(a, b, split_k, out)
+
+    return run
 
 
 KERNEL_EXERCISES = {
@@ -276,6 +326,20 @@ def tiled_wrong_grid_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, 
     grid_n = tl.cdiv(N, BLOCK_N)
     rm = (pid // grid_m) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = (pid % grid_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = _tile_product(a_ptr, b_ptr, rm, rn, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                        BLOCK_M, BLOCK_N, BLOCK_K)
+    tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def tiled_column_major_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
+                              stride_cn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # right values, but program pid computes tile (pid % grid_m, pid // grid_m): column-major tile order
+    pid = tl.program_id(0)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    rm = (pid % grid_m) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = (pid // grid_m) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = _tile_product(a_ptr, b_ptr, rm, rn, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
                         BLOCK_M, BLOCK_N, BLOCK_K)
     tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
@@ -523,6 +587,7 @@ WRONG_KERNELS = [
     ("matmul_tiled_kernel", tiled_no_k_mask_kernel, "out of bounds"),
     ("matmul_tiled_kernel", tiled_wrong_grid_kernel, "never written"),
     ("matmul_tiled_kernel", tiled_overwrites_accumulator_kernel, "wrong values"),
+    ("matmul_tiled_kernel", tiled_column_major_kernel, "the tile order is column-major"),
     ("matmul_bias_gelu_kernel", bias_stub_kernel, "never written"),
     ("matmul_split_k_kernel", split_k_stub_kernel, "NaN"),
 ]
@@ -536,6 +601,24 @@ def test_wrong_kernel_is_not_solved(name, kernel, diagnosis):
     assert not verdict.solved
     assert verdict.message.startswith(f"❌ NOT SOLVED — ch04_matmul.{name}")
     assert diagnosis in verdict.message, verdict.message
+
+
+def test_column_major_tiles_have_right_values_so_only_the_order_check_catches_them():
+    # Without the access-map check the column-major kernel is SOLVED: every value is right.
+    plain = lambda a, b, out: solutions.tiled_matmul(a, b, out, kernel=tiled_column_major_kernel)  # noqa: E731
+    assert check("ch04_matmul.matmul_tiled_kernel", plain, matmul_reference, matmul_cases, out=True).solved
+    verdict = check("ch04_matmul.matmul_tiled_kernel", tiled_launcher(tiled_column_major_kernel), matmul_reference,
+                    matmul_cases, out=True)
+    assert not verdict.solved and "TileOrderError" in verdict.message and "3 x 2 tile grid" in verdict.message
+
+
+def test_tile_order_problem_names_a_permuted_order():
+    owner = np.repeat(np.repeat(np.array([[0, 1], [3, 2]]), 4, axis=0), 4, axis=1)
+    assert tile_order_problem(owner, 4, 4) == ("program 3 computed tile (1, 0) of the 2 x 2 tile grid; in row-major "
+                                               "order that tile is program 2's (pid // grid_n, pid % grid_n)")
+    assert tile_order_problem(np.repeat(np.repeat(np.arange(4).reshape(2, 2), 4, 0), 4, 1), 4, 4) is None
+    owner[0, 0] = -1  # an unwritten element: left to the value check
+    assert tile_order_problem(owner, 4, 4) is None
 
 
 @pytest.mark.parametrize(("variant", "diagnosis"), [("gelu_then_bias", "wrong values"), ("no_bias", "wrong values"),

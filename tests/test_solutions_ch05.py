@@ -22,6 +22,7 @@ import kernels
 from solutions import ch05_quantization as solutions
 from utils.aot import run_compiled
 from utils.exercises import check
+from utils.trace import trace
 
 # The checker's out-of-bounds diagnosis and the interpreter's numerics need the interpreter.
 pytestmark = pytest.mark.interpreter
@@ -240,8 +241,24 @@ def test_pack_and_unpack_match_the_library_layout():
 # ----------------------------------------------------------------------------------------------
 
 
+def reading_packed_once(launch):
+    """As the notebook's check: the launch under the tracer, failed if a row of 16-row output tiles reads
+    the packed weight more than once (each byte must give both its nibbles)."""
+
+    def run(x, packed, scales, group_size, out):
+        with trace() as traced:
+            launch(x, packed, scales, group_size, out)
+        reads = traced.launches[-1].per_tensor["packed_ptr"].bytes_read / packed.nbytes
+        if reads > triton.cdiv(x.shape[0], 16):
+            raise RuntimeError(f"the kernel read the packed weight {reads:.2f} times for {triton.cdiv(x.shape[0], 16)} "
+                               "row(s) of output tiles: each byte should be loaded once and give both its nibbles")
+        return out
+
+    return run
+
+
 def int4_launcher(kernel):
-    """The notebook's launcher: 16 x 64 tiles, one scale group per K step."""
+    """The notebook's launcher (16 x 64 tiles, one scale group per K step) and its check of the packed reads."""
 
     def launch(x, packed, scales, group_size, out):
         M, K = x.shape
@@ -251,7 +268,7 @@ def int4_launcher(kernel):
                      scales.stride(1), out.stride(0), GROUP_SIZE=group_size, BLOCK_M=16, BLOCK_N=64)
         return out
 
-    return launch
+    return reading_packed_once(launch)
 
 
 def int4_linear_cases(gen: torch.Generator) -> list:
@@ -281,7 +298,8 @@ def int4_stub_kernel(x_ptr, packed_ptr, scale_ptr, out_ptr, M, N, K, stride_xm, 
 @triton.jit
 def _int4_variant(x_ptr, packed_ptr, scale_ptr, out_ptr, M, N, K, stride_xm, stride_pn, stride_sn, stride_sg,
                   stride_om, GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  SWAP: tl.constexpr, FIRST_GROUP_SCALE: tl.constexpr, OFFSET: tl.constexpr):
+                  SWAP: tl.constexpr, FIRST_GROUP_SCALE: tl.constexpr, OFFSET: tl.constexpr,
+                  RELOAD: tl.constexpr):
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     half = tl.arange(0, GROUP_SIZE // 2)
@@ -293,6 +311,8 @@ def _int4_variant(x_ptr, packed_ptr, scale_ptr, out_ptr, M, N, K, stride_xm, str
         byte = g * (GROUP_SIZE // 2) + half
         packed = tl.load(packed_ptr + rn[None, :] * stride_pn + byte[:, None], mask=(rn < N)[None, :], other=0x88)
         low = ((packed & 0xF).to(tl.int8) - OFFSET).to(x_ptr.dtype.element_ty)
+        if RELOAD:  # loads the same bytes again for the high nibbles: right values, twice the weight traffic
+            packed = tl.load(packed_ptr + rn[None, :] * stride_pn + byte[:, None], mask=(rn < N)[None, :], other=0x88)
         high = ((packed >> 4).to(tl.int8) - OFFSET).to(x_ptr.dtype.element_ty)
         if SWAP:
             part = tl.dot(x_even, high) + tl.dot(x_odd, low)
@@ -312,10 +332,10 @@ def _int4_wrong(**switches):
         grid = (triton.cdiv(M, 16), triton.cdiv(N, 64))
         _int4_variant[grid](x, packed, scales, out, M, N, K, x.stride(0), packed.stride(0), scales.stride(0),
                             scales.stride(1), out.stride(0), GROUP_SIZE=group_size, BLOCK_M=16, BLOCK_N=64,
-                            **{"SWAP": False, "FIRST_GROUP_SCALE": False, "OFFSET": 8, **switches})
+                            **{"SWAP": False, "FIRST_GROUP_SCALE": False, "OFFSET": 8, "RELOAD": False, **switches})
         return out
 
-    return launch
+    return reading_packed_once(launch)
 
 
 def test_int4_linear_solution_is_solved():
@@ -334,10 +354,19 @@ def test_int4_linear_variant_switches_off_is_solved():
     pytest.param(_int4_wrong(SWAP=True), id="nibbles-swapped"),
     pytest.param(_int4_wrong(FIRST_GROUP_SCALE=True), id="first-group-scale-everywhere"),
     pytest.param(_int4_wrong(OFFSET=0), id="offset-8-forgotten"),
+    pytest.param(_int4_wrong(RELOAD=True), id="packed-bytes-loaded-twice"),
 ])
 def test_int4_linear_wrong_variants_are_not_solved(wrong):
     assert not _verdict("ch05.int4_linear_kernel", wrong, int4_linear_reference, int4_linear_cases, out=True,
                         rtol=1e-4, atol=1e-4)
+
+
+def test_int4_reload_is_caught_by_the_traffic_check_alone(capsys):
+    # Its values are right: only the count of packed bytes read rejects it, and the verdict says so.
+    verdict = check("ch05_quantization.int4_linear_kernel", _int4_wrong(RELOAD=True), int4_linear_reference,
+                    int4_linear_cases, rtol=1e-4, atol=1e-4, out=True)
+    assert not verdict.solved and "read the packed weight 2.00 times" in verdict.message, verdict.message
+    assert "wrong value" not in verdict.message
 
 
 def test_int4_linear_launcher_matches_kernels_quantized_linear():

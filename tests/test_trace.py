@@ -186,10 +186,12 @@ def test_missing_mask_reports_out_of_bounds_accesses():
     assert launch.per_tensor["x_ptr"].bytes_read == 4 * n  # attribution keeps in-bounds only
     assert launch.bytes == 12 * BLOCK  # the stray accesses still moved bytes
     assert torch.count_nonzero(out_buf[BLOCK + n:2 * BLOCK]) == 24  # faithful: it did write there
+    assert t.table().splitlines()[0].endswith("OOB") and t.table().splitlines()[-1].endswith(" 72")
 
     with trace() as t_masked:
         add_kernel[(1,)](x, y, out, n, BLOCK=BLOCK)
     assert t_masked.launches[0].out_of_bounds == 0
+    assert "OOB" not in t_masked.table()  # the column appears only when something went out of bounds
 
 
 def test_block_out_of_bounds_stops_stray_accesses_before_they_happen():
@@ -306,6 +308,10 @@ def test_table_and_summary_name_the_rows_and_totals():
     assert isinstance(t, Trace)
     text = str(t)
     assert "add_kernel" in text and "aten.mul.Tensor" in text and f"{12 * n + 12 * n:,}" in text
+    assert "sectors" in text.splitlines()[0]
+    with trace() as torch_only:
+        _ = x * y
+    assert "sectors" not in torch_only.table() and "aten.mul.Tensor" in torch_only.table()  # Triton-only columns
     s = t.summary()
     assert s["launches"] == 2 and s["triton_launches"] == 1 and s["torch_ops"] == 1
     assert s["bytes"] == 24 * n and s["bytes_read"] == 16 * n and s["bytes_written"] == 8 * n

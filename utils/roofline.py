@@ -175,9 +175,10 @@ class Prediction:
         return arithmetic_intensity(self.bytes, self.flops)
 
     def __str__(self) -> str:
-        return (f"roofline model on {self.gpu} ({self.dtype}): {_format_time(self.time_s)}, {self.bound}-bound "
-                f"(memory {_format_time(self.memory_time_s)}, compute {_format_time(self.compute_time_s)}) "
-                "— a model from datasheet peaks, not a measurement")
+        # At most ~100 characters: "model (H200 SXM, fp32): 164 ns, memory-bound (memory 164 ns, compute 0 s), not ..."
+        return (f"model ({self.gpu}, {self.dtype}): {_format_time(self.time_s)}, {self.bound}-bound "
+                f"(memory {_format_time(self.memory_time_s)}, compute {_format_time(self.compute_time_s)}), "
+                "not a measurement")
 
 
 def _format_time(seconds: float) -> str:

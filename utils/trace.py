@@ -775,8 +775,15 @@ class Trace:
         }
 
     def table(self) -> str:
-        """One row per Triton launch, then one per torch op, then the totals; exact byte counts."""
-        header = ("kind", "name", "grid", "read B", "written B", "total B", "FLOPs", "sectors",
+        """One row per Triton launch, then one per torch op, then the totals; exact byte counts.
+
+        Kept within 100 characters for the usual names: an aten op is named without its
+        ``.default`` overload, ops that launch no kernel (views, allocations) are of kind
+        ``view/alloc``, the sector columns (``sectors``, ``unique``: Triton launches only) appear
+        only when the trace has a Triton launch, and the out-of-bounds column (``OOB``) only when
+        some launch accessed memory outside every tensor argument.
+        """
+        header = ("kind", "name", "grid", "read B", "write B", "total B", "FLOPs", "sectors",
                   "unique", "OOB")
         rows = [header]
         for x in self.launches:
@@ -785,14 +792,17 @@ class Trace:
                          _format_count(x.sectors), _format_count(x.unique_sectors),
                          _format_count(x.out_of_bounds)))
         for op in self.torch_ops:
-            rows.append(("torch" if op.launches else "torch (no kernel)", op.name, "", _format_count(op.bytes_read),
-                         _format_count(op.bytes_written), _format_count(op.bytes), _format_count(op.flops),
-                         "", "", ""))
+            rows.append(("torch" if op.launches else "view/alloc", op.name.removesuffix(".default"), "",
+                         _format_count(op.bytes_read), _format_count(op.bytes_written), _format_count(op.bytes),
+                         _format_count(op.flops), "", "", ""))
         rows.append(("total", f"{self.num_launches} launches", "", _format_count(self.bytes_read),
                      _format_count(self.bytes_written), _format_count(self.bytes), _format_count(self.flops),
                      _format_count(self.sectors), _format_count(self.unique_sectors),
                      _format_count(self.out_of_bounds)))
-        widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+        keep = [i for i, name in enumerate(header)
+                if (name not in ("sectors", "unique") or self.launches) and (name != "OOB" or self.out_of_bounds)]
+        rows = [tuple(row[i] for i in keep) for row in rows]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         lines = []
         for n, row in enumerate(rows):
             cells = [c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
