@@ -42,8 +42,8 @@ __all__ = [
 
 #: The largest offset an int32 index can hold.
 INT32_MAX: int = 2**31 - 1
-#: The SM count assumed in Triton's interpreter (it has no GPU to ask).
-INTERPRETER_SMS: int = 4
+#: The SM count assumed in Triton's interpreter (defined in :mod:`kernels.runtime`, the mode's home).
+INTERPRETER_SMS: int = runtime.INTERPRETER_SMS
 
 
 # ----------------------------------------------------------------------------------------------

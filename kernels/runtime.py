@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-__all__ = ["INTERPRETER", "DEVICE", "mode", "device_for_tests", "require_launchable", "describe"]
+__all__ = ["INTERPRETER", "INTERPRETER_SMS", "DEVICE", "mode", "device_for_tests", "require_launchable", "describe"]
 
 
 def _choose_interpreter() -> bool:
@@ -56,6 +56,11 @@ if INTERPRETER:
     import warnings
 
     warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"triton\.runtime\.interpreter")
+
+#: The streaming multiprocessors Triton's interpreter acts as (it has no GPU to ask): launch rules that
+#: size a grid by the GPU (programs per SM, split-K, persistent kernels) run on the CPU with this many,
+#: so the same multi-program schedules execute with few (slow, interpreted) program instances.
+INTERPRETER_SMS: int = 4
 
 #: Where the package's tensors live by default: the GPU when kernels compile, else the CPU.
 DEVICE: torch.device = torch.device("cuda" if (torch.cuda.is_available() and not INTERPRETER) else "cpu")
