@@ -106,7 +106,8 @@ def check_probability(op: str, name: str, value: object) -> float:
 
 def check_choice(op: str, name: str, value: object, choices: Sequence[str]) -> str:
     """``value`` must be one of the strings ``choices``."""
-    expected = " or ".join(repr(c) for c in choices)
+    names = [repr(c) for c in choices]
+    expected = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
     if not isinstance(value, str):
         raise TypeError(f"{op}: {name} must be {expected}, got {_type_name(value)}")
     if value not in choices:

@@ -282,7 +282,7 @@ def test_rounding_is_half_to_even():
 def test_bad_input_errors():
     w = torch.randn(8, 64, device=DEVICE)
     floats = "float32, float16 or bfloat16"
-    with pytest.raises(ValueError, match=r"kernels\.quantize_weight: scheme must be 'int8' or 'int4' or 'fp8', "
+    with pytest.raises(ValueError, match=r"kernels\.quantize_weight: scheme must be 'int8', 'int4' or 'fp8', "
                                          r"got 'int3'"):
         kernels.quantize_weight(w, "int3")
     with pytest.raises(ValueError, match=r"kernels\.quantize_weight: group_size must be a power of two from 32 to 4096 "

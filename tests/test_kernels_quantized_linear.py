@@ -362,7 +362,7 @@ def test_bad_input_errors(gen):
         quantized_linear(x, qw, config=(16, 16, 64, 1, 4, 1))
     # the custom op checks what it is given, too (scheme, group size, packed shapes)
     ops = torch.ops.kernels.quantized_linear.default
-    with pytest.raises(ValueError, match=op + r"scheme must be 'int8' or 'int4' or 'fp8', got 'int2'"):
+    with pytest.raises(ValueError, match=op + r"scheme must be 'int8', 'int4' or 'fp8', got 'int2'"):
         ops(x, qw.data, qw.scales, None, "int2", 0, 64, "none", None)
     with pytest.raises(ValueError, match=op + r"group_size for scheme 'int4' must be one of 32, 64, .* got 48"):
         ops(x, qw4.data, qw4.scales, None, "int4", 48, 64, "none", None)

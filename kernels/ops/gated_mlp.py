@@ -45,7 +45,7 @@ from .. import _activations, _launch, runtime
 from .._rows import plan_rows, row_start
 from .._validate import check_choice, check_float_dtype, check_same_device, check_same_dtype, check_tensor
 from ..autotune import MatmulConfig, fit_config
-from .matmul import accumulate, reduced_product, store_tile, tile_coords
+from .matmul import accumulate, launch_matmul, reduced_product, store_tile, tile_coords
 
 __all__ = ["GATED_ACTIVATIONS", "dual_matmul_kernel", "gated_mlp", "gated_mlp_backward_kernel", "gated_mlp_kernel"]
 
@@ -320,19 +320,8 @@ def _gated_mlp_op(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_d
     runtime.require_launchable(_OP, x, w_gate, w_up, w_down)
     h = _gated_forward(x, w_gate, w_up, activation)
     out = _launch.empty_output(x.shape, x)
-    h_view = h.view(*x.shape[:-1], w_gate.shape[0])
-    if out.numel():
-        reduced_product(h_view, w_down.t(), out.shape) if False else _down(h_view, w_down, out)
+    launch_matmul(h, w_down.t(), out.view(h.shape[0], x.shape[-1]))  # h and out are contiguous
     return out, h
-
-
-def _down(h_view: torch.Tensor, w_down: torch.Tensor, out: torch.Tensor) -> None:
-    from .matmul import launch_matmul
-
-    rows = (*h_view.shape[:-1],)
-    launch_matmul(h_view.reshape(-1, h_view.shape[-1]) if h_view.dim() != 2 else h_view, w_down.t(),
-                  out.view(-1, out.shape[-1]) if out.dim() != 2 else out)
-    del rows
 
 
 @_gated_mlp_op.register_fake

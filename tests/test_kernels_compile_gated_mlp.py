@@ -1,0 +1,20 @@
+"""The gated-MLP kernels compile for a Hopper GPU (sm_90) at the tiles the launcher picks, without register
+spills, on tensor cores (see tests/aot/gated_mlp.py). No GPU is needed: Triton compiles ahead of time."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from utils.aot import run_compiled
+
+SCRIPT = Path(__file__).parent / "aot" / "gated_mlp.py"  # run in a compiled-mode child process
+
+
+@pytest.mark.slow
+def test_gated_mlp_kernels_compile_for_sm90_without_spills(tmp_path):
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    result = run_compiled(SCRIPT, tmp_path)
+    print(result.stdout)
+    assert result.returncode == 0, result.stdout + result.stderr
