@@ -44,6 +44,7 @@ import numbers
 import os
 import secrets
 import traceback
+import zlib
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -53,6 +54,7 @@ import torch
 import kernels  # noqa: F401  (fixes interpreter vs compiled mode before any solution kernel is defined)
 
 __all__ = [
+    "CHECK_SEED_ENV",
     "SOLUTIONS_ENV",
     "MissingSolutionError",
     "Verdict",
@@ -65,6 +67,10 @@ __all__ = [
 
 #: Environment variable that switches exercise stubs to their solutions.
 SOLUTIONS_ENV = "KERNEL_LADDER_SOLUTIONS"
+#: When set, :func:`check` draws random cases from a seed derived from its value and the check's
+#: name instead of a fresh one, so that a NOT SOLVED verdict (which describes its inputs) is the
+#: same on every run: learner-mode notebook runs set it (``utils.notebooks``), learners do not.
+CHECK_SEED_ENV = "KERNEL_LADDER_CHECK_SEED"
 
 SOLVED_MARK = "✅ SOLVED"
 NOT_SOLVED_MARK = "❌ NOT SOLVED"
@@ -816,6 +822,14 @@ def _has_unwritten(value: Any) -> bool:
     return False
 
 
+def _seed_from_environment(name: str) -> int | None:
+    """The seed :data:`CHECK_SEED_ENV` fixes for the check ``name``, or None if it is not set."""
+    base = os.environ.get(CHECK_SEED_ENV, "").strip()
+    if not base:
+        return None
+    return zlib.crc32(f"{base}:{name}".encode()) & 0x7FFFFFFF
+
+
 def check(
     name: str,
     candidate: Callable[..., Any],
@@ -840,7 +854,7 @@ def check(
             (if the reference rejects float64, it runs in the inputs' dtype).
         cases: a list of argument tuples, or ``make_cases(gen)`` returning one, called with a
             freshly seeded CPU ``torch.Generator`` (draw on the CPU, then ``.to(device)``), so
-            each run sees new random inputs.
+            each run sees new random inputs (unless :data:`CHECK_SEED_ENV` is set).
         out: allocate the outputs for the candidate: contiguous, shaped and typed like the
             reference's result, poisoned, between guard regions.
         rtol, atol: override the tolerance (default: :func:`default_tolerance` of the output
@@ -853,10 +867,13 @@ def check(
     shape, NaNs, unwritten elements, out-of-bounds accesses — becomes a NOT SOLVED verdict; the
     checker raises only for mistakes in how it is called (or in the reference).
     """
-    fresh = callable(cases)
-    if fresh:
+    drawn = callable(cases)
+    fresh = False
+    if drawn:
         if seed is None:
-            seed = secrets.randbits(31)
+            seed = _seed_from_environment(name)
+        if seed is None:
+            seed, fresh = secrets.randbits(31), True
         # A CPU generator: the same seed gives the same inputs on every machine (draw, then .to(device)).
         generator = torch.Generator()
         generator.manual_seed(seed)
@@ -873,8 +890,9 @@ def check(
         if problems:
             lines = [f"{NOT_SOLVED_MARK} — {name}", "   " + _describe_case(index, len(case_list), names, case, outputs)]
             lines += [f"   • {p}" for p in problems]
-            if fresh:
-                lines.append(f"   (fresh random inputs; check(..., seed={seed}) reproduces them)")
+            if drawn:
+                inputs = "fresh random inputs" if fresh else "random inputs"
+                lines.append(f"   ({inputs}; check(..., seed={seed}) reproduces them)")
             verdict = Verdict(name=name, solved=False, message="\n".join(lines))
             print(verdict.message)
             return verdict
