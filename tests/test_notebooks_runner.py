@@ -260,3 +260,11 @@ def test_chapter_notebooks_lists_chapter_folders_only(tmp_path: Path) -> None:
         (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / relative).write_text("{}")
     assert chapter_notebooks(tmp_path) == [tmp_path / "00_a/00_a.ipynb", tmp_path / "01_b/01_b.ipynb"]
+
+
+def test_make_test_runs_nbval_in_learner_mode_with_the_seed_the_committed_outputs_were_made_with() -> None:
+    makefile = (REPO / "Makefile").read_text()
+    recipe = makefile.split("\ntest: setup\n", 1)[1].split("\n\n", 1)[0]
+    nbval = next(line for line in recipe.splitlines() if "-m pytest chapters" in line)
+    assert "KERNEL_LADDER_SOLUTIONS=0" in nbval and f"KERNEL_LADDER_CHECK_SEED={LEARNER_CHECK_SEED}" in nbval
+    assert "--nbval" in recipe and "-m pytest tests" in recipe
