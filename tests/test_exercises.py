@@ -10,9 +10,11 @@ about a millisecond per program).
 from __future__ import annotations
 
 import contextlib
+import random
 import sys
 import types
 
+import numpy as np
 import pytest
 import torch
 import triton
@@ -944,3 +946,29 @@ def test_check_seed_from_the_environment_makes_a_not_solved_verdict_reproducible
     assert first.split("seed=")[1] != other.split("seed=")[1]  # each check its own seed
     monkeypatch.delenv(exercises.CHECK_SEED_ENV)
     assert "(fresh random inputs; check(..., seed=" in run("seeded") and run("seeded") != run("seeded")
+
+
+def test_a_check_leaves_the_global_random_generators_as_it_found_them():
+    # A reference that draws from the global generators (as a traced measurement may) would
+    # otherwise consume more of them when every case runs (solved) than when the first fails
+    # (learner mode), and a later cell's "random" inputs would depend on the learner's code.
+    # numpy's legacy global generator is under test here, hence the noqa: NPY002 below.
+    def reseed() -> None:
+        torch.manual_seed(0)
+        np.random.seed(0)  # noqa: NPY002
+        random.seed(0)
+
+    def draws() -> tuple[float, float, float]:
+        return torch.rand(1).item(), float(np.random.rand()), random.random()  # noqa: NPY002
+
+    def measured(n: int) -> int:
+        draws()
+        return torch.randn(n).numel()
+
+    after = {}
+    for label, candidate in (("solved", lambda n: n), ("not solved", lambda n: n + 1)):
+        reseed()
+        assert check("rng", candidate, measured, [(3,), (4,), (5,)]).solved == (label == "solved")
+        after[label] = draws()
+    reseed()
+    assert after["solved"] == after["not solved"] == draws()

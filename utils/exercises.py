@@ -56,6 +56,7 @@ import inspect
 import math
 import numbers
 import os
+import random
 import secrets
 import textwrap
 import traceback
@@ -1227,6 +1228,43 @@ def _wrapped(lines: Sequence[str]) -> list[str]:
     return result
 
 
+@contextlib.contextmanager
+def _global_random_state_kept():
+    """Leave torch's, numpy's and Python's global random generators as they were found.
+
+    A reference or a candidate that draws from them would otherwise leave them in a state that
+    depends on how many cases ran — on the verdict — and a later cell's random inputs with them.
+    """
+    # numpy's legacy global generator is the very state a notebook's np.random calls share.
+    python_state, numpy_state = random.getstate(), np.random.get_state()  # noqa: NPY002
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)  # noqa: NPY002
+
+
+def _first_failure(
+    name: str,
+    candidate: Callable[..., Any],
+    reference: Callable[..., Any],
+    case_list: Sequence[tuple],
+    names: list[str],
+    out: bool,
+    rtol: float | None,
+    atol: float | None,
+    compare: Callable[[Any, Any], Any] | None,
+) -> tuple[int, tuple, list[str], list[_Guarded]] | None:
+    """The first case that fails — its index, the case, its problems and outputs — or None."""
+    for index, case in enumerate(case_list):
+        problems, outputs = _check_case(name, candidate, reference, case, names, out, rtol, atol, compare)
+        if problems:
+            return index, case, problems, outputs
+    return None
+
+
 def _seed_from_environment(name: str) -> int | None:
     """The seed :data:`CHECK_SEED_ENV` fixes for the check ``name``, or None if it is not set."""
     base = os.environ.get(CHECK_SEED_ENV, "").strip()
@@ -1290,18 +1328,19 @@ def check(
     case_list = [c if isinstance(c, tuple) else (c,) for c in case_list]
     names = _parameter_names(candidate, reference)
 
-    for index, case in enumerate(case_list):
-        problems, outputs = _check_case(name, candidate, reference, case, names, out, rtol, atol, compare)
-        if problems:
-            lines = [f"{NOT_SOLVED_MARK} — {name}", "   " + _describe_case(index, len(case_list), names, case, outputs)]
-            lines += [f"   • {p}" for p in problems]
-            if drawn:
-                inputs = "fresh random inputs" if fresh else "random inputs"
-                lines.append(f"   ({inputs}; check(..., seed={seed}) reproduces them)")
-            verdict = Verdict(name=name, solved=False, message="\n".join(_wrapped(lines)))
-            _LAST_VERDICTS[name] = False
-            print(verdict.message)
-            return verdict
+    with _global_random_state_kept():
+        failure = _first_failure(name, candidate, reference, case_list, names, out, rtol, atol, compare)
+    if failure is not None:
+        index, case, problems, outputs = failure
+        lines = [f"{NOT_SOLVED_MARK} — {name}", "   " + _describe_case(index, len(case_list), names, case, outputs)]
+        lines += [f"   • {p}" for p in problems]
+        if drawn:
+            inputs = "fresh random inputs" if fresh else "random inputs"
+            lines.append(f"   ({inputs}; check(..., seed={seed}) reproduces them)")
+        verdict = Verdict(name=name, solved=False, message="\n".join(_wrapped(lines)))
+        _LAST_VERDICTS[name] = False
+        print(verdict.message)
+        return verdict
 
     count = len(case_list)
     matched = "the case matches" if count == 1 else f"all {count} cases match"

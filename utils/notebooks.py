@@ -225,14 +225,22 @@ def _comparable(cell: NotebookNode, strip_verdicts: bool) -> dict[str, list[obje
     return dict(compared)
 
 
+def _excerpt(text: str, at: int, width: int = 60) -> str:
+    """``width`` characters of ``text`` around position ``at``, with … where it is cut."""
+    start = max(0, min(at - width // 3, len(text) - width))
+    piece = text[start : start + width]
+    return ("…" if start > 0 else "") + piece + ("…" if start + width < len(text) else "")
+
+
 def _first_difference(expected: object, got: object) -> str:
-    """Where two compared values first differ, in one or two short lines."""
+    """Where two compared values first differ: the line, and both versions around the first change."""
     if not (isinstance(expected, str) and isinstance(got, str)):
-        return f"expected {str(expected)[:70]!r}, got {str(got)[:70]!r}"
+        return f"expected {_excerpt(str(expected), 0)!r}, got {_excerpt(str(got), 0)!r}"
     expected_lines, got_lines = expected.splitlines(), got.splitlines()
     for number, (left, right) in enumerate(zip(expected_lines, got_lines), start=1):
         if left != right:
-            return f"line {number}: expected {left[:70]!r}, got {right[:70]!r}"
+            at = next((i for i, (a, b) in enumerate(zip(left, right)) if a != b), min(len(left), len(right)))
+            return f"line {number}: expected {_excerpt(left, at)!r}, got {_excerpt(right, at)!r}"
     if len(expected_lines) != len(got_lines):
         return f"expected {len(expected_lines)} lines, got {len(got_lines)}"
     return "the same lines, different line endings"
