@@ -18,7 +18,7 @@ help:
 	@echo "make lab        set up, then open the course in JupyterLab"
 	@echo "make test       set up, then run every test (kernels, utils, solutions, notebooks)"
 	@echo "make report     set up, then run every ladder step and write docs/results.md"
-	@echo "make notebooks  re-execute every chapter notebook in solution mode and save the outputs"
+	@echo "make notebooks  run every chapter notebook in both modes, save the learner-mode outputs"
 	@echo "make gpu-check  on a GPU machine, with its own python3: correctness at real sizes + timings"
 	@echo "make lint       ruff"
 
@@ -47,15 +47,21 @@ $(LAB_STAMP): $(STAMP)
 LAB_INTERPRET ?= 1
 # Jupyter refuses to run as root (containers, CI boxes) unless told; extra flags go in LAB_FLAGS.
 LAB_FLAGS ?= $(if $(filter 0,$(shell id -u)),--allow-root,)
+# Lab serves the whole repository (the lessons send the learner to solutions/, kernels/ and docs/)
+# and opens on the first chapter.
+LAB_START ?= $(firstword $(sort $(wildcard chapters/*/*.ipynb)))
 lab: $(LAB_STAMP)
-	KERNEL_LADDER_INTERPRET=$(LAB_INTERPRET) $(VENV)/bin/jupyter lab --notebook-dir=chapters $(LAB_FLAGS)
+	KERNEL_LADDER_INTERPRET=$(LAB_INTERPRET) $(VENV)/bin/jupyter lab --ServerApp.root_dir="$(CURDIR)" \
+	  --LabApp.default_url="/lab/tree/$(LAB_START)" $(LAB_FLAGS)
 
-# Unit tests (compiled on a GPU machine), then every notebook under nbval in solution mode, its outputs
-# compared with the committed ones — which were produced in the interpreter, so the notebooks run there.
+# Unit tests (compiled on a GPU machine), among them every notebook in solution mode: every check solved,
+# every other output as committed (tests/test_notebooks_solutions.py). Then every notebook under nbval in
+# learner mode, compared with the committed outputs — a learner-mode run in the interpreter, made with
+# this check seed (utils.notebooks.LEARNER_CHECK_SEED), so the notebooks run there, with it.
 test: setup
 	$(PY) -m pytest tests --timeout=900 -p no:cacheprovider $(PYTEST_FLAGS)
-	KERNEL_LADDER_SOLUTIONS=1 KERNEL_LADDER_INTERPRET=1 $(PY) -m pytest chapters --nbval --nbval-current-env \
-	  --timeout=900 -p no:cacheprovider $(PYTEST_FLAGS)
+	KERNEL_LADDER_SOLUTIONS=0 KERNEL_LADDER_CHECK_SEED=0 KERNEL_LADDER_INTERPRET=1 $(PY) -m pytest chapters \
+	  --nbval --nbval-current-env --timeout=900 -p no:cacheprovider $(PYTEST_FLAGS)
 
 test-fast: setup
 	$(PY) -m pytest tests -x -q -m "not slow" $(PYTEST_FLAGS)
@@ -63,6 +69,8 @@ test-fast: setup
 report: setup
 	$(PY) -m bench
 
+# Each notebook in solution mode (every check solved), then in learner mode (none solved, everything else
+# the same); the learner-mode run is saved: what a learner sees on first open.
 notebooks: setup
 	$(PY) -m utils.notebooks execute chapters
 

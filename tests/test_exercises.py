@@ -10,9 +10,11 @@ about a millisecond per program).
 from __future__ import annotations
 
 import contextlib
+import random
 import sys
 import types
 
+import numpy as np
 import pytest
 import torch
 import triton
@@ -129,11 +131,22 @@ def first_line(verdict: Verdict) -> str:
     return verdict.message.splitlines()[0]
 
 
+def flat(text: str) -> str:
+    """The text with its line wrapping undone (verdicts are wrapped at 100 characters)."""
+    return " ".join(text.split())
+
+
 def assert_not_solved(verdict: Verdict, *fragments: str) -> None:
     assert not verdict.solved and not bool(verdict)
     assert first_line(verdict) == f"❌ NOT SOLVED — {verdict.name}"
+    assert all(len(line) <= 100 for line in verdict.message.splitlines()), verdict.message
     for fragment in fragments:
-        assert fragment in verdict.message, f"{fragment!r} not in:\n{verdict.message}"
+        assert flat(fragment) in flat(verdict.message), f"{fragment!r} not in:\n{verdict.message}"
+
+
+def assert_not_in(verdict: Verdict, *fragments: str) -> None:
+    for fragment in fragments:
+        assert flat(fragment) not in flat(verdict.message), f"{fragment!r} should not be in:\n{verdict.message}"
 
 
 @pytest.fixture
@@ -222,6 +235,9 @@ def test_off_by_one_start_leaves_the_first_element_unwritten():
     verdict = check_add(add_shifted_store_kernel)
     assert_not_solved(verdict, "1 of 1000 elements never written (still NaN) — the first 1 element")
     assert "wrong values" not in verdict.message  # the others are right
+    if kernels.runtime.INTERPRETER:
+        assert_not_solved(verdict, "no program's store reached index 0: the offsets skip it")
+        assert_not_in(verdict, "grid", "mask")
 
 
 @triton.jit
@@ -231,17 +247,26 @@ def add_short_mask_kernel(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=mask) + tl.load(y_ptr + offs, mask=mask), mask=mask)
 
 
+@interpreter_only
 def test_mask_one_short_points_at_the_bound():
     verdict = check_add(add_short_mask_kernel)
     assert_not_solved(verdict, "1 of 1000 elements never written (still NaN) — the last 1 element (from index (999,))",
-                      "is the mask's bound or the grid too small?")
-    assert "does the kernel store" not in verdict.message
+                      "the store to index 999 was masked off (by program 0): is the mask's bound too tight?")
+    assert_not_in(verdict, "does the kernel store", "grid", "offset")  # one program, BLOCK > n: not the grid
+
+
+def test_without_the_tracer_the_checker_says_where_not_why(no_tracer):
+    verdict = check_add(add_short_mask_kernel)
+    assert_not_solved(verdict, "1 of 1000 elements never written (still NaN) — the last 1 element (from index (999,))")
+    assert_not_in(verdict, "mask", "grid", "program")
 
 
 def test_result_that_ignores_an_input_is_wrong_values():
     verdict = check_add(add_ignores_y_kernel)
     assert_not_solved(verdict, "wrong values in ", "of 1000 elements; worst at index (")
     assert "never written" not in verdict.message
+    # Every element stored once by its own program, every one wrong: no cause, no place to name.
+    assert_not_in(verdict, "grid", "mask", "program", "where:")
 
 
 def test_nan_output_is_reported_as_nan_not_as_unwritten():
@@ -302,6 +327,238 @@ def test_kernel_that_ignores_strides_fails_on_the_transposed_case():
     verdict = check("row_scale", launch, row_scale_reference, row_scale_cases, out=True)
     assert_not_solved(verdict, "case 2 of 2: x: (6, 37) float32 strides (1, 6)", "wrong values in ")
     assert "worst at index (" in verdict.message and "of 222 elements" in verdict.message
+
+
+# ----------------------------------------------------------------------------------------------
+# Where a wrong output comes from: planted bugs, each diagnosed from the tracer's store maps.
+# Every hint must name the cause the evidence shows, and not the causes it does not.
+
+MAPPING = "the pid → offset mapping"
+
+
+@triton.jit
+def add_without_pid_offset_kernel(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.arange(0, BLOCK)  # forgot pid * BLOCK: every program does the first block
+    in_bounds = offsets < n
+    x = tl.load(x_ptr + offsets, mask=in_bounds)
+    tl.store(out_ptr + offsets, x + tl.load(y_ptr + offsets, mask=in_bounds), mask=in_bounds)
+
+
+@triton.jit
+def add_pid_mod_2_kernel(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offsets = (tl.program_id(0) % 2) * BLOCK + tl.arange(0, BLOCK)  # blocks 0, 1, 0, 1, ...
+    in_bounds = offsets < n
+    x = tl.load(x_ptr + offsets, mask=in_bounds)
+    tl.store(out_ptr + offsets, x + tl.load(y_ptr + offsets, mask=in_bounds), mask=in_bounds)
+
+
+@triton.jit
+def add_tail_load_kernel(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    in_bounds = offsets < n
+    y = tl.load(y_ptr + offsets, mask=offsets < (n // BLOCK) * BLOCK, other=0.0)  # drops y in the tail
+    tl.store(out_ptr + offsets, tl.load(x_ptr + offsets, mask=in_bounds) + y, mask=in_bounds)
+
+
+@triton.jit
+def add_tail_store_kernel(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    in_bounds = offsets < n
+    x = tl.load(x_ptr + offsets, mask=in_bounds)
+    y = tl.load(y_ptr + offsets, mask=in_bounds)
+    tl.store(out_ptr + offsets, x + y, mask=offsets < (n // BLOCK) * BLOCK)  # full blocks only
+
+
+@triton.jit
+def add_first_lanes_kernel(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    in_bounds = offsets < n
+    y = tl.load(y_ptr + offsets, mask=in_bounds & (tl.arange(0, BLOCK) >= 4), other=0.0)  # lanes 0..3 lose y
+    tl.store(out_ptr + offsets, tl.load(x_ptr + offsets, mask=in_bounds) + y, mask=in_bounds)
+
+
+def sized_cases(*sizes: int):
+    def cases(gen: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(torch.randn(n, generator=gen).to(DEVICE), torch.randn(n, generator=gen).to(DEVICE)) for n in sizes]
+
+    return cases
+
+
+def check_planted(kernel, sizes=SIZES, programs=None) -> Verdict:
+    def launch(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor) -> None:
+        n = out.numel()
+        kernel[(programs(n) if programs else triton.cdiv(n, BLOCK),)](x, y, out, n, BLOCK=BLOCK)
+
+    return check("ch99_test.add_kernel", launch, torch.add, sized_cases(*sizes), out=True)
+
+
+@interpreter_only
+def test_offsets_without_pid_are_the_offset_mapping_not_the_grid():
+    verdict = check_planted(add_without_pid_offset_kernel)  # n = 1000 passes (one program); n = 2500 does not
+    assert_not_solved(
+        verdict,
+        "case 2 of 2",
+        "every program (3) stored to the same elements, indices 0..1023: the offsets do not depend on the program id "
+        "(is pid * BLOCK missing from them?)",
+        "no program stored to indices 1024..2499",
+        "where: the first block (indices 0..1023) is right, every later block is wrong",
+    )
+    assert_not_in(verdict, "grid", "mask")
+
+
+@interpreter_only
+def test_blocks_by_pid_mod_2_overlap_and_leave_their_own_blocks():
+    verdict = check_planted(add_pid_mod_2_kernel, sizes=(3500,))  # 4 programs: blocks 0, 1, 0, 1
+    assert_not_solved(
+        verdict,
+        f"programs 0 and 2 both stored to index 0 (2048 elements stored by more than one program): {MAPPING} "
+        "sends two programs to the same elements",
+        "program 2 stored to indices 0..1023, outside its own block 2048..3071 (BLOCK = 1024): its offsets do not "
+        "start at pid * BLOCK",
+        "no program stored to indices 2048..3499",
+    )
+    assert_not_in(verdict, "grid", "mask", "every program")
+
+
+@interpreter_only
+def test_a_grid_one_program_short_is_the_grid():
+    verdict = check_planted(add_kernel, sizes=(2500,), programs=lambda n: triton.cdiv(n, BLOCK) - 1)
+    assert_not_solved(
+        verdict,
+        "452 of 2500 elements never written (still NaN) — the last 452 elements (from index (2048,))",
+        "the grid is too small: 2 programs × 1024 lanes reach at most 2048 of the 2500 elements; no store reached "
+        "indices 2048..2499",
+    )
+    assert_not_in(verdict, "mask", MAPPING, "where:")
+
+
+@interpreter_only
+def test_a_mask_one_short_in_the_last_of_several_blocks_is_the_mask():
+    verdict = check_planted(add_short_mask_kernel, sizes=(2500,))
+    assert_not_solved(verdict, "the store to index 2499 was masked off (by program 2): is the mask's bound too tight?",
+                      "where: wrong only in the padded tail, the last partial block (indices 2048..2499)")
+    assert_not_in(verdict, "grid", MAPPING)
+
+
+@interpreter_only
+def test_a_wrong_padded_tail_is_the_mask_there():
+    verdict = check_planted(add_tail_load_kernel, sizes=(2500,))
+    assert_not_solved(
+        verdict,
+        "wrong values in ",
+        "where: wrong only in the padded tail, the last partial block (indices 2048..2499); every full block is "
+        "right — only there is the mask partly off: check it and the loads' `other=`",
+    )
+    assert_not_in(verdict, "grid", MAPPING, "never written", "stored")
+    stored = check_planted(add_tail_store_kernel, sizes=(2500,))  # the tail's store masked off instead
+    assert_not_solved(
+        stored,
+        "452 of 2500 elements never written",
+        "the store to indices 2048..2499 was masked off (by program 2): is the mask's bound too tight?",
+        "where: wrong only in the padded tail",
+    )
+    assert_not_in(stored, "grid", MAPPING)
+
+
+@interpreter_only
+def test_the_same_lanes_wrong_in_every_block_are_periodic_by_block():
+    verdict = check_planted(add_first_lanes_kernel, sizes=(2500,))
+    assert_not_solved(
+        verdict,
+        "wrong values in 12 of 2500 elements",
+        "where: the same lanes of every block of 1024 (BLOCK) are wrong: lanes 0..3 — periodic with period BLOCK; "
+        "the other lanes are right",
+    )
+    assert_not_in(verdict, "grid", "mask", MAPPING, "padded tail", "first block")
+    one_block = check_planted(add_first_lanes_kernel, sizes=(1000,))  # one block: no period to see
+    assert_not_solved(one_block, "where: first wrong at index 0; wrong: indices 0..3, right elsewhere")
+    assert_not_in(one_block, "periodic", "grid", "mask")
+
+
+# A 2-D tiled kernel (a scaled copy, so that only the tiling is under test): one program per
+# 32 x 32 tile, row-major tile order, as chapter 04's matmul.
+TILED_CORRECT, TILED_PID_DIV_GRID_M, TILED_TILE_SWAPPED = 0, 1, 2
+
+
+@triton.jit
+def tiled_double_kernel(x_ptr, out_ptr, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BUG: tl.constexpr):
+    pid = tl.program_id(0)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    if BUG == 1:
+        pid_m = pid // grid_m  # should be pid // grid_n
+    else:
+        pid_m = pid // grid_n
+    pid_n = pid % grid_n
+    if BUG == 2:
+        pid_m, pid_n = pid_n, pid_m  # the tile's row and column index swapped
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
+    offsets = rows[:, None] * N + cols[None, :]
+    tl.store(out_ptr + offsets, 2 * tl.load(x_ptr + offsets, mask=in_bounds), mask=in_bounds)
+
+
+def check_tiled(bug: int) -> Verdict:
+    def launch(x: torch.Tensor, out: torch.Tensor) -> None:
+        M, N = x.shape
+        grid = (triton.cdiv(M, 32) * triton.cdiv(N, 32),)  # (70, 50): 3 x 2 tiles, 6 programs
+        tiled_double_kernel[grid](x, out, M, N, BLOCK_M=32, BLOCK_N=32, BUG=bug)
+
+    def cases(gen: torch.Generator) -> list[tuple[torch.Tensor]]:
+        return [(torch.randn(70, 50, generator=gen).to(DEVICE),)]
+
+    return check("ch99_test.tiled", launch, lambda x: 2 * x, cases, out=True)
+
+
+def test_tiled_kernel_is_solved():
+    verdict = check_tiled(TILED_CORRECT)
+    assert verdict.solved, verdict.message
+
+
+@interpreter_only
+def test_tile_index_from_the_wrong_grid_size_is_the_offset_mapping():
+    verdict = check_tiled(TILED_PID_DIV_GRID_M)  # tiles (0,0) (0,1) (0,0) (1,1) (1,0) (1,1)
+    assert_not_solved(
+        verdict,
+        "300 of 3500 elements never written",
+        f"programs 0 and 2 both stored to index (0, 0) (1600 elements stored by more than one program): {MAPPING} "
+        "sends two programs to the same elements",
+        "no program stored to rows 64..69 (every column)",
+    )
+    assert_not_in(verdict, "grid is too small", "mask", "where:")  # the rows are named once
+
+
+@interpreter_only
+def test_tile_rows_and_columns_swapped_leave_programs_idle():
+    verdict = check_tiled(TILED_TILE_SWAPPED)  # programs 4 and 5 get tile column 2, past N
+    assert_not_solved(
+        verdict,
+        "programs 4 and 5 stored nothing here (every lane masked off) while rows 64..69 (every column) were never "
+        "stored: the pid → tile mapping leaves part of the output to no program",
+    )
+    assert_not_in(verdict, "grid is too small", "mask's bound", "where:")
+
+
+@interpreter_only
+def test_store_maps_record_who_stored_each_element():
+    from utils.trace import trace
+
+    x, out = torch.randn(2500), torch.empty(2500)
+    with trace(record_writes=True, torch_ops=False) as traced:
+        add_pid_mod_2_kernel[(3,)](x, x, out, 2500, BLOCK=BLOCK)
+    stores = traced.launches[0].store_maps
+    assert set(stores) == {"out_ptr"}  # the tensors stored to, not the inputs
+    stored = stores["out_ptr"]
+    assert stored.lanes == BLOCK and stored.data_ptr == out.data_ptr()
+    assert stored.programs == {0: (0, 1023, 1024), 1: (1024, 2047, 1024), 2: (0, 1023, 1024)}
+    assert (stored.first[:1024] == 0).all() and (stored.last[:1024] == 2).all()
+    assert (stored.first[1024:2048] == 1).all() and (stored.last[2048:] == -1).all()
+    assert (stored.masked == -1).all()  # every masked-off lane pointed past the end
+    with trace(record_writes=True, torch_ops=False) as traced:
+        add_short_mask_kernel[(1,)](x[:1000], x[:1000], out[:1000], 1000, BLOCK=BLOCK)
+    short = traced.launches[0].store_maps["out_ptr"]
+    assert short.masked[999] == 0 and (short.masked[:999] == -1).all() and short.last[999] == -1
 
 
 # ----------------------------------------------------------------------------------------------
@@ -571,3 +828,147 @@ def test_solution_mode_with_a_missing_solution_is_a_clear_error(monkeypatch, fak
 def test_malformed_exercise_name():
     with pytest.raises(ValueError, match="<module in solutions>.<attribute>"):
         exercise("add_kernel")
+
+
+# ----------------------------------------------------------------------------------------------
+# An exercise that builds on another: the other one's stub is named, not this exercise
+
+
+@pytest.fixture
+def learner_registry(monkeypatch):
+    """Learner mode with an empty registry of stubs and verdicts (restored afterwards)."""
+    monkeypatch.delenv(exercises.SOLUTIONS_ENV, raising=False)
+    monkeypatch.setattr(exercises, "_STUBS", {})
+    monkeypatch.setattr(exercises, "_LAST_VERDICTS", {})
+
+
+def test_a_stub_raised_in_an_earlier_exercise_is_named(learner_registry):
+    @exercise("ch99_fake.programs_needed")
+    def programs_needed(n: int, block: int) -> int:
+        raise NotImplementedError
+
+    @exercise("ch99_fake.grid_for")
+    def grid_for(n: int) -> tuple[int]:
+        return (programs_needed(n, 256),)
+
+    verdict = check("ch99_fake.grid_for", grid_for, lambda n: (-(-n // 256),), [(1000,)])
+    assert_not_solved(
+        verdict,
+        "not implemented yet: this check runs programs_needed (exercise ch99_fake.programs_needed), which is still "
+        "a stub (it raised NotImplementedError): solve that exercise first",
+    )
+    assert_not_in(verdict, "the stub raised")
+    # Its own stub raising is still "the stub", as before.
+    assert_not_solved(check("ch99_fake.programs_needed", programs_needed, lambda n, b: -(-n // b), [(1000, 256)]),
+                      "not implemented yet (the stub raised NotImplementedError)")
+
+
+def test_a_helper_that_is_not_an_exercise_is_named(learner_registry):
+    def tile_count(n: int) -> int:
+        raise NotImplementedError  # a helper the learner has yet to write
+
+    @exercise("ch99_fake.grid_for")
+    def grid_for(n: int) -> tuple[int]:
+        return (tile_count(n),)
+
+    verdict = check("ch99_fake.grid_for", grid_for, lambda n: (4,), [(1000,)])
+    assert_not_solved(verdict, "not implemented yet: tile_count (line ",
+                      "raised NotImplementedError — a function this check runs, not the exercise ch99_fake.grid_for")
+
+
+@interpreter_only
+def test_an_unsolved_earlier_kernel_this_check_launches_is_named(learner_registry):
+    @exercise("ch99_fake.add_kernel")
+    @triton.jit
+    def add_stub(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        pass
+
+    def add_twice(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor) -> None:  # an exercise built on add
+        launcher(add_stub)(x, y, out)
+        out.mul_(2)
+
+    assert not check("ch99_fake.add_kernel", launcher(add_stub), torch.add, add_cases, out=True).solved
+    verdict = check("ch99_fake.add_twice", add_twice, lambda x, y: 2 * (x + y), add_cases, out=True)
+    assert_not_solved(verdict, "this check launches add_stub (exercise ch99_fake.add_kernel), whose own check is NOT "
+                               "SOLVED yet: solve that exercise first")
+    # Once add's check is solved (the learner fixed it), add_twice's failure is its own.
+    exercises._LAST_VERDICTS["ch99_fake.add_kernel"] = True
+    assert_not_in(check("ch99_fake.add_twice", add_twice, lambda x, y: 2 * (x + y), add_cases, out=True),
+                  "ch99_fake.add_kernel")
+
+
+def test_an_unsolved_earlier_function_this_check_uses_is_named(learner_registry):
+    @exercise("ch99_fake.double")
+    def double(x: int) -> int:
+        return x  # wrong: the learner is not done
+
+    @exercise("ch99_fake.quadruple")
+    def quadruple(x: int) -> int:
+        return double(double(x))
+
+    assert not check("ch99_fake.double", double, lambda x: 2 * x, [(3,)]).solved
+    verdict = check("ch99_fake.quadruple", quadruple, lambda x: 4 * x, [(3,)])
+    assert_not_solved(verdict, "this check's code uses double (exercise ch99_fake.double), whose own check is NOT "
+                               "SOLVED yet", "wrong value: got 3, expected 12")
+    never_checked = check("ch99_fake.other", lambda x: x, lambda x: 4 * x, [(3,)])  # does not use double
+    assert_not_in(never_checked, "ch99_fake.double")
+
+
+# ----------------------------------------------------------------------------------------------
+# Printed width and reproducible verdicts
+
+
+def test_every_printed_line_fits_in_100_characters(capsys):
+    def fails_loudly(x):
+        raise ValueError("a message long enough to need wrapping: " + "word " * 40)
+
+    long_name = "ch99_a_chapter_with_a_long_name.an_exercise_with_a_rather_long_name_too"
+    verdict = check(long_name, fails_loudly, lambda x: x, [(torch.randn(3),)])
+    printed = capsys.readouterr().out
+    assert printed == verdict.message + "\n"
+    assert all(len(line) <= 100 for line in printed.splitlines()), printed
+    assert all(line.startswith("   ") for line in printed.splitlines()[1:])  # the block stays one indented block
+    assert flat("word " * 40) in flat(printed)
+    solved = check(long_name + "_and_then_some_more", lambda: 1, lambda: 1, [()]).message
+    assert all(len(line) <= 100 for line in solved.splitlines())
+
+
+def test_check_seed_from_the_environment_makes_a_not_solved_verdict_reproducible(monkeypatch):
+    def cases(gen):
+        return [(torch.randn(4, generator=gen),)]
+
+    def run(name):
+        return check(name, lambda x: x + 1, lambda x: x, cases).message
+
+    monkeypatch.setenv(exercises.CHECK_SEED_ENV, "0")
+    first, again, other = run("seeded"), run("seeded"), run("seeded too")
+    assert first == again and "(random inputs; check(..., seed=" in first
+    assert first.split("seed=")[1] != other.split("seed=")[1]  # each check its own seed
+    monkeypatch.delenv(exercises.CHECK_SEED_ENV)
+    assert "(fresh random inputs; check(..., seed=" in run("seeded") and run("seeded") != run("seeded")
+
+
+def test_a_check_leaves_the_global_random_generators_as_it_found_them():
+    # A reference that draws from the global generators (as a traced measurement may) would
+    # otherwise consume more of them when every case runs (solved) than when the first fails
+    # (learner mode), and a later cell's "random" inputs would depend on the learner's code.
+    # numpy's legacy global generator is under test here, hence the noqa: NPY002 below.
+    def reseed() -> None:
+        torch.manual_seed(0)
+        np.random.seed(0)  # noqa: NPY002
+        random.seed(0)
+
+    def draws() -> tuple[float, float, float]:
+        return torch.rand(1).item(), float(np.random.rand()), random.random()  # noqa: NPY002
+
+    def measured(n: int) -> int:
+        draws()
+        return torch.randn(n).numel()
+
+    after = {}
+    for label, candidate in (("solved", lambda n: n), ("not solved", lambda n: n + 1)):
+        reseed()
+        assert check("rng", candidate, measured, [(3,), (4,), (5,)]).solved == (label == "solved")
+        after[label] = draws()
+    reseed()
+    assert after["solved"] == after["not solved"] == draws()

@@ -31,6 +31,20 @@ How the checker sees what went wrong:
   else's memory;
 * the reference runs in float64 where the inputs are floating point, and the result is rounded
   to the output's dtype, so a correct kernel matches within a tolerance set by its dtype.
+
+How it says where and why:
+
+* where: the wrong or unwritten elements' shape — the first wrong index, the rows or columns,
+  and for a 1-D kernel (one program per BLOCK) "the first block right, every later block wrong",
+  "wrong only in the padded tail" or "the same lanes of every block" (periodic by BLOCK);
+* why, only from evidence: the tracer's store maps (``trace(record_writes=True)``) say which
+  program stored to each output element and which masked a store to it off. Two programs storing
+  the same elements, or a program storing outside its own block, is the ``pid → offset`` mapping;
+  the grid is named only when its programs' lanes cannot cover the output; the mask only when a
+  store to a missing element was masked off (or when the padded tail alone is wrong);
+* which code: a stub raising ``NotImplementedError`` in another exercise (or in a helper) is
+  named instead of the exercise checked, and so is another exercise this check runs whose own
+  check said NOT SOLVED (learner-mode stubs are registered by :func:`exercise`).
 """
 
 from __future__ import annotations
@@ -42,8 +56,12 @@ import inspect
 import math
 import numbers
 import os
+import random
 import secrets
+import textwrap
 import traceback
+import types
+import zlib
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -53,6 +71,7 @@ import torch
 import kernels  # noqa: F401  (fixes interpreter vs compiled mode before any solution kernel is defined)
 
 __all__ = [
+    "CHECK_SEED_ENV",
     "SOLUTIONS_ENV",
     "MissingSolutionError",
     "Verdict",
@@ -65,6 +84,10 @@ __all__ = [
 
 #: Environment variable that switches exercise stubs to their solutions.
 SOLUTIONS_ENV = "KERNEL_LADDER_SOLUTIONS"
+#: When set, :func:`check` draws random cases from a seed derived from its value and the check's
+#: name instead of a fresh one, so that a NOT SOLVED verdict (which describes its inputs) is the
+#: same on every run: learner-mode notebook runs set it (``utils.notebooks``), learners do not.
+CHECK_SEED_ENV = "KERNEL_LADDER_CHECK_SEED"
 
 SOLVED_MARK = "✅ SOLVED"
 NOT_SOLVED_MARK = "❌ NOT SOLVED"
@@ -134,9 +157,92 @@ def exercise(name: str) -> Callable[[T], T]:
     def mark(stub: T) -> T:
         if solution_mode():
             return solution(name)
+        _STUBS[name] = stub  # so that another exercise's check can say it depends on this one
         return stub
 
     return mark
+
+
+# Learner-mode stubs by exercise name, and each check's last verdict: a check whose code runs
+# another exercise's unsolved stub names that exercise instead of blaming its own.
+_STUBS: dict[str, Any] = {}
+_LAST_VERDICTS: dict[str, bool] = {}
+
+
+def _code_of(function: Any) -> types.CodeType | None:
+    """The code object of a function, of a ``@triton.jit`` kernel (its ``.fn``), or of a partial."""
+    function = getattr(function, "func", function)  # functools.partial
+    function = getattr(function, "fn", function)  # triton.JITFunction
+    code = getattr(function, "__code__", None)
+    return code if isinstance(code, types.CodeType) else None
+
+
+def _same_code(a: types.CodeType, b: types.CodeType) -> bool:
+    # The interpreter may run a rewritten copy of a kernel: same name, file and first line.
+    return a is b or (a.co_name, a.co_filename, a.co_firstlineno) == (b.co_name, b.co_filename, b.co_firstlineno)
+
+
+def _exercise_owning(code: types.CodeType) -> str | None:
+    """The exercise whose learner-mode stub this code is, if any."""
+    for name, stub in _STUBS.items():
+        stub_code = _code_of(stub)
+        if stub_code is not None and _same_code(code, stub_code):
+            return name
+    return None
+
+
+def _stub_label(name: str) -> str:
+    stub = _STUBS.get(name)
+    function = getattr(stub, "fn", stub)
+    return f"{getattr(function, '__name__', name.rpartition('.')[2])} (exercise {name})"
+
+
+def _referenced(function: Any, depth: int = 3) -> list[Any]:
+    """Objects the code of ``function`` names (globals, closure cells), following the same module's functions."""
+    found: list[Any] = []
+    seen: set[int] = set()
+
+    def codes(code: types.CodeType) -> list[types.CodeType]:
+        nested = [c for c in code.co_consts if isinstance(c, types.CodeType)]
+        return [code, *(inner for c in nested for inner in codes(c))]
+
+    def walk(current: Any, left: int) -> None:
+        current = getattr(current, "func", current)
+        code = getattr(current, "__code__", None)
+        if not isinstance(code, types.CodeType) or id(current) in seen:
+            return
+        seen.add(id(current))
+        namespace = getattr(current, "__globals__", {}) or {}
+        values = [namespace[n] for c in codes(code) for n in c.co_names if n in namespace]
+        for cell in getattr(current, "__closure__", None) or ():
+            with contextlib.suppress(ValueError):  # an empty cell
+                values.append(cell.cell_contents)
+        for value in values:
+            found.append(value)
+            if left and isinstance(value, types.FunctionType) and value.__module__ == current.__module__:
+                walk(value, left - 1)
+
+    walk(function, depth)
+    return found
+
+
+def _unsolved_helpers(name: str, candidate: Callable[..., Any], launches: Sequence[Any]) -> list[str]:
+    """Sentences naming other exercises whose stubs this check runs and whose own checks are NOT SOLVED."""
+    others = {n: stub for n, stub in _STUBS.items() if n != name and _LAST_VERDICTS.get(n) is False}
+    if not others:
+        return []
+    launched = {str(getattr(launch, "kernel", "")) for launch in launches}
+    referenced = {id(value) for value in _referenced(candidate)}
+    found = []
+    for other, stub in others.items():
+        kernel = getattr(getattr(stub, "fn", None), "__name__", None)
+        if kernel is not None and kernel in launched:
+            found.append(f"this check launches {_stub_label(other)}, whose own check is NOT SOLVED yet: "
+                         "solve that exercise first")
+        elif id(stub) in referenced:
+            found.append(f"this check's code uses {_stub_label(other)}, whose own check is NOT SOLVED yet: "
+                         "solve that exercise first")
+    return found
 
 
 # --------------------------------------------------------------------------------------------
@@ -320,7 +426,8 @@ def _trace_context() -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
     try:
         # Blocking stray accesses keeps a wild pointer from corrupting memory; they are still counted.
-        return trace(torch_ops=False, block_out_of_bounds=True)
+        # The store maps say which program wrote each output element: the evidence for the hints.
+        return trace(torch_ops=False, block_out_of_bounds=True, record_writes=True)
     except TypeError:
         pass
     except Exception:
@@ -358,6 +465,7 @@ class _Run:
     value: Any = None
     error: BaseException | None = None
     out_of_bounds: list[str] = dataclasses.field(default_factory=list)
+    launches: list[Any] = dataclasses.field(default_factory=list)
 
 
 def _run_traced(call: Callable[[], Any]) -> _Run:
@@ -369,6 +477,7 @@ def _run_traced(call: Callable[[], Any]) -> _Run:
     except Exception as error:  # the learner's code may fail in any way: that is a verdict
         run.error = error
     run.out_of_bounds = _out_of_bounds(recorded)
+    run.launches = list(getattr(recorded, "launches", None) or [])
     return run
 
 
@@ -403,9 +512,34 @@ def _where(error: BaseException) -> str:
     return ""
 
 
-def _describe_error(error: BaseException) -> str:
-    if any(isinstance(e, NotImplementedError) for e in _chain(error)):
-        return "not implemented yet (the stub raised NotImplementedError)"
+def _not_implemented(error: NotImplementedError, name: str | None, candidate: Any) -> str:
+    """Which stub raised NotImplementedError: this exercise's, another exercise's, or a helper's."""
+    default = "not implemented yet (the stub raised NotImplementedError)"
+    frame = error.__traceback__
+    if frame is None or name is None:
+        return default
+    while frame.tb_next is not None:
+        frame = frame.tb_next
+    code, line = frame.tb_frame.f_code, frame.tb_lineno
+    owner = _exercise_owning(code)
+    if owner is not None and owner != name:
+        return (f"not implemented yet: this check runs {_stub_label(owner)}, which is still a stub "
+                "(it raised NotImplementedError): solve that exercise first")
+    if owner == name or name not in _STUBS or code.co_name.startswith("<"):
+        return default
+    own = _code_of(_STUBS[name])
+    candidate_code = _code_of(candidate)
+    if (own is not None and _same_code(code, own)) or (candidate_code is not None and _same_code(code, candidate_code)):
+        return default
+    # The exercise checked is registered and is not what raised: a helper it calls did.
+    return (f"not implemented yet: {code.co_name} (line {line}) raised NotImplementedError — "
+            f"a function this check runs, not the exercise {name} itself")
+
+
+def _describe_error(error: BaseException, name: str | None = None, candidate: Any = None) -> str:
+    stub_error = next((e for e in _chain(error) if isinstance(e, NotImplementedError)), None)
+    if stub_error is not None:
+        return _not_implemented(stub_error, name, candidate)
     root = _root_error(error)
     text = str(root).strip()
     lines = text.splitlines()
@@ -509,10 +643,11 @@ def _value_problems(
     rtol: float | None,
     atol: float | None,
     prefix: str,
-) -> list[str]:
-    """Wrong values and unexpected NaN/inf among the ``considered`` flat elements."""
+) -> tuple[list[str], torch.Tensor]:
+    """Wrong values and unexpected NaN/inf among the ``considered`` flat elements, and where they are."""
     total = expected.numel()
     problems: list[str] = []
+    wrong = torch.zeros(total, dtype=torch.bool)
     if expected.dtype.is_floating_point:
         default_rtol, default_atol = default_tolerance(expected.dtype)
         rtol = default_rtol if rtol is None else rtol
@@ -536,6 +671,7 @@ def _value_problems(
         excess = torch.zeros_like(e)
         excess[both_finite] = ((g - e).abs() - (atol + rtol * e.abs()))[both_finite]
         bad = (both_finite & (excess > 0)) | bad_special
+        wrong = bad | bad_nonfinite
         count = int(bad.sum())
         if count:
             if bool((both_finite & (excess > 0)).any()):
@@ -549,6 +685,7 @@ def _value_problems(
             )
     else:
         bad = considered & (got != expected)
+        wrong = bad
         count = int(bad.sum())
         if count:
             if expected.dtype == torch.bool:
@@ -562,7 +699,7 @@ def _value_problems(
                 f"{prefix}wrong values in {count} of {total} elements; {where} at index "
                 f"{_fmt_index(worst, shape)}: got {got[worst].item()}, expected {expected[worst].item()}"
             )
-    return problems
+    return problems, wrong
 
 
 def _where_unwritten(unwritten: torch.Tensor, shape: Sequence[int]) -> str:
@@ -575,16 +712,17 @@ def _where_unwritten(unwritten: torch.Tensor, shape: Sequence[int]) -> str:
     indices = torch.nonzero(unwritten).reshape(-1)
     first, last = int(indices[0]), int(indices[-1])
     run = last - first + 1 == count
+    # Where, not why: the cause is told from the tracer's store maps (_store_causes), when it has them.
     if run and last == total - 1:
-        return (f" — the last {_plural(count, 'element')} (from index {_fmt_index(first, shape)}): "
-                "is the mask's bound or the grid too small?")
+        return f" — the last {_plural(count, 'element')} (from index {_fmt_index(first, shape)})"
     if run and first == 0:
-        return f" — the first {_plural(count, 'element')}: is an offset shifted?"
+        return f" — the first {_plural(count, 'element')}"
     return f"; first at index {_fmt_index(first, shape)}, last at {_fmt_index(last, shape)}"
 
 
 def _tensor_problems(
-    got: Any, expected: torch.Tensor, rtol: float | None, atol: float | None, poisoned: bool, where: str
+    got: Any, expected: torch.Tensor, rtol: float | None, atol: float | None, poisoned: bool, where: str,
+    stores: Callable[[torch.Tensor], Any] | None = None,
 ) -> list[str]:
     """Problems with ``got`` as an answer equal to ``expected`` (empty if it matches)."""
     prefix = f"{where}: " if where else ""
@@ -606,6 +744,7 @@ def _tensor_problems(
     flat_expected = expected.detach().cpu().reshape(-1)
     problems: list[str] = []
     considered = torch.ones(total, dtype=torch.bool)
+    unwritten = torch.zeros(total, dtype=torch.bool)
     if poisoned and flat_got.dtype in _POISON_BITS:
         int_dtype, bits = _POISON_BITS[flat_got.dtype]
         unwritten = flat_got.view(int_dtype) == bits
@@ -622,13 +761,17 @@ def _tensor_problems(
             problems.append(f"{prefix}{count} of {total} elements never written (still the poison {sentinel})"
                             f"{_where_unwritten(unwritten, shape)}")
             considered &= ~unwritten
-    problems += _value_problems(flat_got, flat_expected, considered, shape, rtol, atol, prefix)
+    value_problems, wrong = _value_problems(flat_got, flat_expected, considered, shape, rtol, atol, prefix)
+    problems += value_problems
+    if problems:
+        written_by = stores(got) if stores is not None else None
+        problems += [prefix + hint for hint in _layout_hints(unwritten.numpy(), wrong.numpy(), shape, written_by)]
     return problems
 
 
 def _value_mismatch(
     got: Any, expected: Any, rtol: float | None, atol: float | None, poisoned: bool, where: str = "",
-    labels: Sequence[str] | None = None,
+    labels: Sequence[str] | None = None, stores: Callable[[torch.Tensor], Any] | None = None,
 ) -> list[str]:
     """Problems with ``got`` against ``expected`` for tensors, numbers, strings and containers.
 
@@ -636,7 +779,7 @@ def _value_mismatch(
     """
     prefix = f"{where}: " if where else ""
     if isinstance(expected, torch.Tensor):
-        return _tensor_problems(got, expected, rtol, atol, poisoned, where)
+        return _tensor_problems(got, expected, rtol, atol, poisoned, where, stores)
     if isinstance(got, torch.Tensor) and got.numel() == 1 and not isinstance(expected, (tuple, list, dict)):
         got = got.item()
     if isinstance(expected, (tuple, list)):
@@ -647,7 +790,7 @@ def _value_mismatch(
         problems: list[str] = []
         for i, (g, e) in enumerate(zip(got, expected)):
             item = labels[i] if labels is not None and i < len(labels) else f"{where}[{i}]"
-            problems += _value_mismatch(g, e, rtol, atol, poisoned, item)
+            problems += _value_mismatch(g, e, rtol, atol, poisoned, item, stores=stores)
         return problems
     if isinstance(expected, dict):
         if not isinstance(got, dict):
@@ -656,7 +799,8 @@ def _value_mismatch(
             return [f"{prefix}wrong keys: got {sorted(map(str, got))}, expected {sorted(map(str, expected))}"]
         problems = []
         for key in expected:
-            problems += _value_mismatch(got[key], expected[key], rtol, atol, poisoned, f"{where}[{key!r}]")
+            problems += _value_mismatch(got[key], expected[key], rtol, atol, poisoned, f"{where}[{key!r}]",
+                                        stores=stores)
         return problems
     if isinstance(expected, bool) or isinstance(expected, numbers.Integral):
         if isinstance(got, numbers.Number) and not isinstance(got, complex) and got == expected:
@@ -687,6 +831,247 @@ def _custom_problems(compare: Callable[[Any, Any], Any], got: Any, expected: Any
     if answer is False:
         return ["does not match the reference"]
     return [str(answer)]
+
+
+# --------------------------------------------------------------------------------------------
+# Where a wrong output is, and what the tracer's store maps say about why
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Stores:
+    """What the one launch that stored into an output did, in the output's flat element order."""
+
+    kernel: str
+    grid: tuple[int, ...]
+    programs: int
+    first: np.ndarray  # program of the first store to each element, -1 where none
+    last: np.ndarray  # program of the last store
+    masked: np.ndarray  # the last program whose store addressed the element with a masked-off lane
+    lanes: int  # the most lanes of one store instruction (BLOCK for a 1-D kernel)
+    ranges: dict[int, tuple[int, int, int]]  # program -> (lowest, highest element it stored, count)
+
+
+def _store_resolver(launches: Sequence[Any]) -> Callable[[torch.Tensor], _Stores | None]:
+    """``resolve(tensor)``: the store map of the one launch that stored into ``tensor``, or None."""
+
+    def resolve(tensor: torch.Tensor) -> _Stores | None:
+        if not isinstance(tensor, torch.Tensor) or tensor.numel() == 0 or not tensor.is_contiguous():
+            return None
+        pointer = tensor.data_ptr()
+        found = [
+            (launch, stored)
+            for launch in launches
+            for stored in (getattr(launch, "store_maps", None) or {}).values()
+            if stored.data_ptr == pointer
+        ]
+        # Several launches (or arguments) storing into it: program ids no longer say who wrote what.
+        if len(found) != 1 or found[0][1].first.size != tensor.numel():
+            return None
+        launch, stored = found[0]
+        return _Stores(
+            kernel=str(launch.kernel), grid=tuple(launch.grid), programs=int(launch.programs),
+            first=stored.first, last=stored.last, masked=stored.masked, lanes=int(stored.lanes),
+            ranges=dict(stored.programs),
+        )
+
+    return resolve
+
+
+def _runs(indices: np.ndarray) -> list[tuple[int, int]]:
+    """Ascending indices -> maximal runs of consecutive ones, as (first, last)."""
+    if indices.size == 0:
+        return []
+    breaks = np.nonzero(np.diff(indices) != 1)[0]
+    starts = np.concatenate([indices[:1], indices[breaks + 1]])
+    ends = np.concatenate([indices[breaks], indices[-1:]])
+    return list(zip(starts.tolist(), ends.tolist()))
+
+
+def _fmt_flat(index: int, shape: Sequence[int]) -> str:
+    return str(index) if len(shape) <= 1 else _fmt_index(index, shape)
+
+
+def _span_text(first: int, last: int, shape: Sequence[int]) -> str:
+    if first == last:
+        return f"index {_fmt_flat(first, shape)}"
+    return f"indices {_fmt_flat(first, shape)}..{_fmt_flat(last, shape)}"
+
+
+def _ranges_text(values: Sequence[int] | np.ndarray, limit: int = 3) -> str:
+    """``[0, 1, 2, 3, 9]`` -> ``'0..3, 9'`` (at most ``limit`` runs, then how many in all)."""
+    runs = _runs(np.asarray(sorted(values), dtype=np.int64))
+    parts = [str(a) if a == b else f"{a}..{b}" for a, b in runs[:limit]]
+    if len(runs) > limit:
+        parts.append(f"… ({len(runs)} runs)")
+    return ", ".join(parts)
+
+
+def _programs_text(programs: Sequence[int]) -> str:
+    programs = sorted(programs)
+    if len(programs) == 1:
+        return f"program {programs[0]}"
+    if len(programs) <= 4:
+        return "programs " + ", ".join(map(str, programs[:-1])) + f" and {programs[-1]}"
+    return "programs " + ", ".join(map(str, programs[:3])) + f", … ({len(programs)} in all)"
+
+
+def _region_text(mask: np.ndarray, shape: Sequence[int]) -> str:
+    """Where the True elements of a flat mask are, as rows / columns / a box / index ranges."""
+    indices = np.nonzero(mask)[0]
+    if len(shape) >= 2 and indices.size:
+        rows, cols = int(np.prod(shape[:-1])), int(shape[-1])
+        grid = mask.reshape(rows, cols)
+        bad_rows, bad_cols = grid.any(axis=1), grid.any(axis=0)
+        row_text = "rows" if len(shape) == 2 else "rows (leading dims flattened)"
+        if bool((grid == bad_rows[:, None]).all()):
+            return f"{row_text} {_ranges_text(np.nonzero(bad_rows)[0])} (every column)"
+        if bool((grid == bad_cols[None, :]).all()):
+            return f"columns {_ranges_text(np.nonzero(bad_cols)[0])} (every row)"
+        if bool((grid == (bad_rows[:, None] & bad_cols[None, :])).all()):
+            return (f"{row_text} {_ranges_text(np.nonzero(bad_rows)[0])} × columns "
+                    f"{_ranges_text(np.nonzero(bad_cols)[0])}")
+    runs = _runs(indices)
+    text = ", ".join(_span_text(a, b, shape).split(" ", 1)[1] for a, b in runs[:3])
+    if len(runs) > 3:
+        text += f", … ({len(runs)} runs)"
+    return ("index " if indices.size == 1 else "indices ") + text
+
+
+def _block_size(stores: _Stores, total: int) -> int | None:
+    """BLOCK if the launch is one program per flat block of ``lanes`` elements (a 1-D kernel), else None."""
+    block = stores.lanes
+    if block <= 0 or len(stores.grid) != 1 or stores.programs != -(-total // block):
+        return None
+    if any(count and high - low >= block for low, high, count in stores.ranges.values()):
+        return None  # a program stored to a wider span than one block: tiles, rows or loops, not blocks
+    return block
+
+
+def _store_causes(unwritten: np.ndarray, stores: _Stores, shape: Sequence[int], block: int | None) -> list[str]:
+    """What the store maps show about why elements are missing: only what the evidence shows."""
+    total = unwritten.size
+    storing = {p: r for p, r in stores.ranges.items() if r[2] > 0}
+    never_stored = unwritten & (stores.last < 0)
+    unaddressed = never_stored & (stores.masked < 0)
+    masked_off = never_stored & (stores.masked >= 0)
+    causes: list[str] = []
+    mapping = False
+    if len(storing) > 1 and len(set(storing.values())) == 1:
+        low, high, _ = next(iter(storing.values()))
+        question = " (is pid * BLOCK missing from them?)" if block else ""
+        causes.append(f"every program ({len(storing)}) stored to the same elements, {_span_text(low, high, shape)}: "
+                      f"the offsets do not depend on the program id{question}")
+        mapping = True
+    else:
+        shared = (stores.first >= 0) & (stores.first != stores.last)
+        if shared.any():
+            i = int(np.argmax(shared))
+            causes.append(
+                f"programs {int(stores.first[i])} and {int(stores.last[i])} both stored to index "
+                f"{_fmt_flat(i, shape)} ({_plural(int(shared.sum()), 'element')} stored by more than one "
+                "program): the pid → offset mapping sends two programs to the same elements"
+            )
+            mapping = True
+        if block:
+            for program in sorted(storing):
+                low, high, _ = storing[program]
+                own_low, own_high = program * block, min((program + 1) * block, total) - 1
+                if low < own_low or high > own_high:
+                    causes.append(
+                        f"program {program} stored to {_span_text(low, high, shape)}, outside its own block "
+                        f"{own_low}..{own_high} (BLOCK = {block}): its offsets do not start at pid * BLOCK"
+                    )
+                    mapping = True
+                    break
+    # Programs whose store lanes pointed into the output but were all masked off. In a 1-D kernel
+    # that is the mask's doing; in a 2-D tile a masked lane past the last column points at the next
+    # row, so there it only says the programs' tiles miss the output.
+    idle = [p for p, r in stores.ranges.items() if r[2] == 0]
+    if not mapping and idle and not block and never_stored.any():
+        causes.append(
+            f"{_programs_text(idle)} stored nothing here (every lane masked off) while "
+            f"{_region_text(never_stored, shape)} were never stored: the pid → tile mapping leaves part of "
+            "the output to no program"
+        )
+        return causes
+    if mapping:
+        if unaddressed.any() or masked_off.any():
+            causes.append(f"no program stored to {_region_text(never_stored, shape)}")
+        return causes
+    if unaddressed.any():
+        reach = stores.programs * stores.lanes
+        if reach < total:
+            causes.append(
+                f"the grid is too small: {_plural(stores.programs, 'program')} × {stores.lanes} lanes reach at "
+                f"most {reach} of the {total} elements; no store reached {_region_text(unaddressed, shape)}"
+            )
+        else:
+            skipped = "it" if int(unaddressed.sum()) == 1 else "them"
+            causes.append(f"no program's store reached {_region_text(unaddressed, shape)}: the offsets skip {skipped}")
+    if masked_off.any():
+        program = int(stores.masked[int(np.argmax(masked_off))])
+        causes.append(f"the store to {_region_text(masked_off, shape)} was masked off (by program {program}): "
+                      "is the mask's bound too tight?")
+    return causes
+
+
+def _block_shape(bad: np.ndarray, block: int) -> str | None:
+    """The wrong elements' pattern over the blocks of a 1-D launch, or None if it has none to name."""
+    total = bad.size
+    blocks = -(-total // block)
+    if blocks < 2:
+        return None
+    indices = np.nonzero(bad)[0]
+    bad_blocks = sorted(set((indices // block).tolist()))
+    tail = total % block
+    if tail and bad_blocks == [blocks - 1]:
+        start = (blocks - 1) * block
+        return (f"wrong only in the padded tail, the last partial block (indices {start}..{total - 1}); every "
+                "full block is right — only there is the mask partly off: check it and the loads' `other=`")
+    lanes = sorted(set((indices % block).tolist()))
+    if len(bad_blocks) >= 2 and len(lanes) < block:
+        periodic = True
+        for k in range(blocks):
+            valid = min(block, total - k * block)
+            in_block = bad[k * block : k * block + valid]
+            expected = np.zeros(valid, dtype=bool)
+            expected[[lane for lane in lanes if lane < valid]] = True
+            if not np.array_equal(in_block, expected):
+                periodic = False
+                break
+        if periodic:
+            return (f"the same lanes of every block of {block} (BLOCK) are wrong: lanes {_ranges_text(lanes)} — "
+                    "periodic with period BLOCK; the other lanes are right")
+    if bad_blocks == list(range(1, blocks)):
+        return f"the first block (indices 0..{block - 1}) is right, every later block is wrong"
+    return None
+
+
+def _layout_hints(
+    unwritten: np.ndarray, wrong: np.ndarray, shape: Sequence[int], stores: _Stores | None
+) -> list[str]:
+    """Where the wrong or unwritten elements are (their shape) and, from the store maps, why."""
+    bad = unwritten | wrong
+    total = bad.size
+    count = int(bad.sum())
+    if count == 0 or total < 2:
+        return []
+    hints: list[str] = []
+    block = _block_size(stores, total) if stores is not None else None
+    if stores is not None:
+        hints += _store_causes(unwritten, stores, shape, block)
+    if count == total:
+        return hints
+    pattern = _block_shape(bad, block) if block else None
+    if pattern is None and (wrong.any() or len(shape) >= 2):
+        region = _region_text(bad, shape)
+        if not any(region in hint for hint in hints):  # not said already (the unwritten line says 1-D runs)
+            first = int(np.argmax(bad))
+            pattern = f"first wrong at index {_fmt_flat(first, shape)}; wrong: {region}, right elsewhere"
+    if pattern:
+        hints.append(f"where: {pattern}")
+    return hints
 
 
 # --------------------------------------------------------------------------------------------
@@ -753,6 +1138,7 @@ def _guard_case(case: tuple, names: list[str]) -> tuple[tuple, list[_Guarded]]:
 
 
 def _check_case(
+    name: str,
     candidate: Callable[..., Any],
     reference: Callable[..., Any],
     case: tuple,
@@ -785,22 +1171,28 @@ def _check_case(
 
     problems: list[str] = []
     if run.error is not None:
-        problems.append(_describe_error(run.error))
+        problems.append(_describe_error(run.error, name, candidate))
     problems += run.out_of_bounds
     for guarded in outputs + input_guards:
         damage = guarded.guard_damage()
         if damage:
             problems.append(damage)
     if run.error is not None:
+        if not problems[0].startswith("not implemented yet: this check runs"):
+            problems = _unsolved_helpers(name, candidate, run.launches) + problems
         return problems, outputs
     labels = [o.label for o in outputs] if out and isinstance(expected, (tuple, list)) else None
+    stores = _store_resolver(run.launches)
     if compare is not None:
         if out and _has_unwritten(got):
-            problems += _value_mismatch(got, expected, rtol, atol, poisoned=True, labels=labels)
+            problems += _value_mismatch(got, expected, rtol, atol, poisoned=True, labels=labels, stores=stores)
         else:
             problems += _custom_problems(compare, got, expected)
     else:
-        problems += _value_mismatch(got, expected, rtol, atol, poisoned=out, labels=labels)
+        problems += _value_mismatch(got, expected, rtol, atol, poisoned=out, labels=labels, stores=stores)
+    if problems:
+        # An unsolved exercise this one builds on comes first: it is the likelier cause.
+        problems = _unsolved_helpers(name, candidate, run.launches) + problems
     return problems, outputs
 
 
@@ -814,6 +1206,71 @@ def _has_unwritten(value: Any) -> bool:
     if isinstance(value, (tuple, list)):
         return any(_has_unwritten(v) for v in value)
     return False
+
+
+#: Printed verdict lines are wrapped to this width (a notebook's output column).
+LINE_WIDTH = 100
+
+
+def _wrapped(lines: Sequence[str]) -> list[str]:
+    """Every line within :data:`LINE_WIDTH`, continuations indented under their first line's text."""
+    result: list[str] = []
+    for block in lines:
+        for line in block.split("\n"):
+            if len(line) <= LINE_WIDTH:
+                result.append(line)
+                continue
+            text = line.lstrip(" ")
+            indent = " " * (len(line) - len(text))
+            hanging = indent + ("  " if text.startswith("• ") else "") + "  "
+            result += textwrap.wrap(text, width=LINE_WIDTH, initial_indent=indent, subsequent_indent=hanging,
+                                    break_long_words=False, break_on_hyphens=False)
+    return result
+
+
+@contextlib.contextmanager
+def _global_random_state_kept():
+    """Leave torch's, numpy's and Python's global random generators as they were found.
+
+    A reference or a candidate that draws from them would otherwise leave them in a state that
+    depends on how many cases ran — on the verdict — and a later cell's random inputs with them.
+    """
+    # numpy's legacy global generator is the very state a notebook's np.random calls share.
+    python_state, numpy_state = random.getstate(), np.random.get_state()  # noqa: NPY002
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)  # noqa: NPY002
+
+
+def _first_failure(
+    name: str,
+    candidate: Callable[..., Any],
+    reference: Callable[..., Any],
+    case_list: Sequence[tuple],
+    names: list[str],
+    out: bool,
+    rtol: float | None,
+    atol: float | None,
+    compare: Callable[[Any, Any], Any] | None,
+) -> tuple[int, tuple, list[str], list[_Guarded]] | None:
+    """The first case that fails — its index, the case, its problems and outputs — or None."""
+    for index, case in enumerate(case_list):
+        problems, outputs = _check_case(name, candidate, reference, case, names, out, rtol, atol, compare)
+        if problems:
+            return index, case, problems, outputs
+    return None
+
+
+def _seed_from_environment(name: str) -> int | None:
+    """The seed :data:`CHECK_SEED_ENV` fixes for the check ``name``, or None if it is not set."""
+    base = os.environ.get(CHECK_SEED_ENV, "").strip()
+    if not base:
+        return None
+    return zlib.crc32(f"{base}:{name}".encode()) & 0x7FFFFFFF
 
 
 def check(
@@ -840,7 +1297,7 @@ def check(
             (if the reference rejects float64, it runs in the inputs' dtype).
         cases: a list of argument tuples, or ``make_cases(gen)`` returning one, called with a
             freshly seeded CPU ``torch.Generator`` (draw on the CPU, then ``.to(device)``), so
-            each run sees new random inputs.
+            each run sees new random inputs (unless :data:`CHECK_SEED_ENV` is set).
         out: allocate the outputs for the candidate: contiguous, shaped and typed like the
             reference's result, poisoned, between guard regions.
         rtol, atol: override the tolerance (default: :func:`default_tolerance` of the output
@@ -853,10 +1310,13 @@ def check(
     shape, NaNs, unwritten elements, out-of-bounds accesses — becomes a NOT SOLVED verdict; the
     checker raises only for mistakes in how it is called (or in the reference).
     """
-    fresh = callable(cases)
-    if fresh:
+    drawn = callable(cases)
+    fresh = False
+    if drawn:
         if seed is None:
-            seed = secrets.randbits(31)
+            seed = _seed_from_environment(name)
+        if seed is None:
+            seed, fresh = secrets.randbits(31), True
         # A CPU generator: the same seed gives the same inputs on every machine (draw, then .to(device)).
         generator = torch.Generator()
         generator.manual_seed(seed)
@@ -868,19 +1328,24 @@ def check(
     case_list = [c if isinstance(c, tuple) else (c,) for c in case_list]
     names = _parameter_names(candidate, reference)
 
-    for index, case in enumerate(case_list):
-        problems, outputs = _check_case(candidate, reference, case, names, out, rtol, atol, compare)
-        if problems:
-            lines = [f"{NOT_SOLVED_MARK} — {name}", "   " + _describe_case(index, len(case_list), names, case, outputs)]
-            lines += [f"   • {p}" for p in problems]
-            if fresh:
-                lines.append(f"   (fresh random inputs; check(..., seed={seed}) reproduces them)")
-            verdict = Verdict(name=name, solved=False, message="\n".join(lines))
-            print(verdict.message)
-            return verdict
+    with _global_random_state_kept():
+        failure = _first_failure(name, candidate, reference, case_list, names, out, rtol, atol, compare)
+    if failure is not None:
+        index, case, problems, outputs = failure
+        lines = [f"{NOT_SOLVED_MARK} — {name}", "   " + _describe_case(index, len(case_list), names, case, outputs)]
+        lines += [f"   • {p}" for p in problems]
+        if drawn:
+            inputs = "fresh random inputs" if fresh else "random inputs"
+            lines.append(f"   ({inputs}; check(..., seed={seed}) reproduces them)")
+        verdict = Verdict(name=name, solved=False, message="\n".join(_wrapped(lines)))
+        _LAST_VERDICTS[name] = False
+        print(verdict.message)
+        return verdict
 
     count = len(case_list)
     matched = "the case matches" if count == 1 else f"all {count} cases match"
-    verdict = Verdict(name=name, solved=True, message=f"{SOLVED_MARK} — {name}: {matched} the reference")
+    message = "\n".join(_wrapped([f"{SOLVED_MARK} — {name}: {matched} the reference"]))
+    verdict = Verdict(name=name, solved=True, message=message)
+    _LAST_VERDICTS[name] = True
     print(verdict.message)
     return verdict

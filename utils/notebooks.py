@@ -1,10 +1,28 @@
-"""Running the chapter notebooks: in solution mode to commit their outputs, in learner mode to test them.
+"""Running the chapter notebooks: committing what a learner first sees, proving solution mode.
 
-``python -m utils.notebooks execute chapters`` (what ``make notebooks`` runs) re-executes every
-``chapters/*/*.ipynb`` in solution mode (``KERNEL_LADDER_SOLUTIONS=1``), top to bottom in one
-fresh ``python3`` kernel whose working directory is the notebook's folder, and saves it with its
-new outputs (execution counts 1..n) and with the metadata noise of a run (timings, the machine's
-Python version) removed, so that a re-run changes only what really changed.
+The committed outputs of a chapter notebook are what a learner sees on first open: the lesson's
+plots, tables and traces, and every check's verdict as the learner gets it (``❌ NOT SOLVED``,
+``solution mode: False``). ``python -m utils.notebooks execute chapters`` (what ``make notebooks``
+runs) produces them. For each ``chapters/*/*.ipynb`` it runs the notebook twice, top to bottom,
+each time in one fresh ``python3`` kernel whose working directory is the notebook's folder:
+
+1. in solution mode (``KERNEL_LADDER_SOLUTIONS=1``): it must finish and every check must say
+   ``✅ SOLVED``;
+2. in learner mode (``KERNEL_LADDER_SOLUTIONS=0``, the stubs as written): it must finish and
+   every check must say ``❌ NOT SOLVED``, the same checks in the same order;
+3. every other output must be the same in both runs, compared as nbval compares them
+   (:func:`output_differences`). A difference means that a later cell depends on the learner's
+   code (it should use ``kernels`` or the solutions): the notebook is refused and the cell named.
+
+Only then is the learner-mode run saved (execution counts 1..n, a run's metadata noise
+removed). ``make test`` then re-runs the notebooks under nbval in learner mode against the
+committed outputs, and ``tests/test_notebooks_solutions.py`` runs them in solution mode through
+:func:`solution_mode_problems`: every check solved, every other output as committed.
+
+A NOT SOLVED verdict describes the random inputs it failed on (and prints their seed), so a
+learner-mode run sets ``KERNEL_LADDER_CHECK_SEED`` (:data:`LEARNER_CHECK_SEED`): each check then
+draws its inputs from a seed derived from that value and its name, and prints the same verdict
+on every run. A learner's own runs leave it unset and get fresh inputs.
 
 :func:`run_notebook` runs one notebook in either mode and returns it, for tests;
 :func:`verdict_lines` and :func:`error_outputs` read what a run printed.
@@ -14,23 +32,29 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
+from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import nbformat
 from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
 from nbformat import NotebookNode
 
 __all__ = [
     "KERNEL_NAME",
+    "LEARNER_CHECK_SEED",
     "chapter_notebooks",
     "error_outputs",
     "execute_notebooks",
     "main",
     "normalize",
+    "output_differences",
     "run_notebook",
+    "solution_mode_problems",
     "verdict_lines",
 ]
 
@@ -38,9 +62,24 @@ __all__ = [
 KERNEL_NAME = "python3"
 #: Seconds one cell may take before the run is abandoned (notebooks are meant to take < 60 s in all).
 CELL_TIMEOUT_S = 600
+#: ``KERNEL_LADDER_CHECK_SEED`` in learner-mode runs (``make notebooks``, ``make test``'s nbval):
+#: the NOT SOLVED verdicts committed are then the ones every such run prints.
+LEARNER_CHECK_SEED = "0"
 
-_SOLUTIONS_ENV = "KERNEL_LADDER_SOLUTIONS"  # as utils.exercises.SOLUTIONS_ENV (not imported: keeps this light)
-_VERDICT_MARKS = ("✅ SOLVED", "❌ NOT SOLVED")
+# As utils.exercises.SOLUTIONS_ENV and CHECK_SEED_ENV (not imported: keeps this module light).
+_SOLUTIONS_ENV = "KERNEL_LADDER_SOLUTIONS"
+_CHECK_SEED_ENV = "KERNEL_LADDER_CHECK_SEED"
+_SOLVED, _NOT_SOLVED = "✅ SOLVED", "❌ NOT SOLVED"
+_VERDICT_MARKS = (_SOLVED, _NOT_SOLVED)
+# A verdict block: its first line, then the lines utils.exercises.check indents under it.
+_VERDICT_BLOCK = re.compile(r"^(?:✅ SOLVED|❌ NOT SOLVED) — ([^\s:]+)[^\n]*\n?(?:   [^\n]*(?:\n|$))*", re.MULTILINE)
+# nbval neither runs nor compares cells so tagged; nor do we.
+_NOT_COMPARED_TAGS = ("nbval-ignore-output", "nbval-skip")
+# nbval's default skips: what a run may change without the lesson changing.
+_SKIPPED_KEYS = frozenset(
+    ("metadata", "traceback", "prompt_number", "output_type", "name", "execution_count")
+    + ("application/vnd.jupyter.widget-view+json", "image/png", "image/jpeg")
+)
 
 # Cell metadata a run or an editor adds that says nothing about the lesson.
 _NOISY_CELL_METADATA = ("execution", "ExecuteTime", "collapsed", "scrolled", "vscode")
@@ -66,6 +105,8 @@ def chapter_notebooks(root: str | os.PathLike = "chapters") -> list[Path]:
 def _kernel_env(solutions: bool) -> dict[str, str]:
     env = dict(os.environ)
     env[_SOLUTIONS_ENV] = "1" if solutions else "0"
+    if not solutions:  # reproducible NOT SOLVED verdicts (solution mode keeps fresh inputs)
+        env[_CHECK_SEED_ENV] = LEARNER_CHECK_SEED
     # Committed outputs are the interpreter's (its exact traffic counts are what the lessons
     # print), so notebooks are run and re-run there, on a GPU machine too.
     env.setdefault("KERNEL_LADDER_INTERPRET", "1")
@@ -118,6 +159,11 @@ def verdict_lines(notebook: NotebookNode) -> list[str]:
     return lines
 
 
+def _verdict_name(line: str) -> str:
+    """``'demo.answer'`` from ``'✅ SOLVED — demo.answer: …'`` or ``'❌ NOT SOLVED — demo.answer'``."""
+    return line.split(" — ", 1)[-1].split(":", 1)[0].strip()
+
+
 def error_outputs(notebook: NotebookNode, include_tagged: bool = False) -> list[str]:
     """``"cell N: Name: value"`` for every error output (cells tagged ``raises-exception`` skipped)."""
     errors = []
@@ -128,6 +174,233 @@ def error_outputs(notebook: NotebookNode, include_tagged: bool = False) -> list[
             if output.get("output_type") == "error":
                 errors.append(f"cell {index}: {output.get('ename')}: {output.get('evalue')}")
     return errors
+
+
+# ----------------------------------------------------------------------------------------------
+# Comparing two runs as nbval does
+
+
+def _without_verdicts(text: str) -> str:
+    """``text`` with every verdict block replaced by ``<verdict NAME>`` (its name kept, its outcome not)."""
+    return _VERDICT_BLOCK.sub(lambda m: f"<verdict {m.group(1)}>\n", text)
+
+
+def _process_carriage_returns(text: str) -> str:
+    # As nbval: a carriage return not followed by a newline discards the line so far (a progress bar).
+    return re.sub(r"^.*\r(?=[^\n])", "", text, flags=re.MULTILINE)
+
+
+def _comparable(cell: NotebookNode, strip_verdicts: bool) -> dict[str, list[object]]:
+    """A cell's outputs the way nbval compares them: key (stream name, MIME type, ename, …) -> values.
+
+    Streams of the same name are merged (how a print is split depends on flush timing), images
+    and the run's bookkeeping are left out; with ``strip_verdicts`` every verdict block is reduced
+    to the name of its check.
+    """
+    streams: dict[str, str] = {}
+    compared: dict[str, list[object]] = defaultdict(list)
+    for output in cell.get("outputs", []):
+        if output.get("output_type") == "stream":
+            name = output.get("name", "stdout")
+            streams[name] = streams.get(name, "") + output.get("text", "")
+            continue
+        for key, value in output.items():
+            if key in _SKIPPED_KEYS:
+                continue
+            if key == "data":
+                for mime, data in value.items():
+                    if mime not in _SKIPPED_KEYS:
+                        if isinstance(data, list):
+                            data = "".join(data)
+                        if strip_verdicts and mime == "text/plain" and isinstance(data, str):
+                            data = _without_verdicts(data)
+                        compared[mime].append(data)
+            else:
+                compared[key].append(value)
+    for name, text in streams.items():
+        text = _process_carriage_returns(text)
+        if strip_verdicts:
+            text = _without_verdicts(text)
+        compared[name] = [text]
+    return dict(compared)
+
+
+def _excerpt(text: str, at: int, width: int = 60) -> str:
+    """``width`` characters of ``text`` around position ``at``, with … where it is cut."""
+    start = max(0, min(at - width // 3, len(text) - width))
+    piece = text[start : start + width]
+    return ("…" if start > 0 else "") + piece + ("…" if start + width < len(text) else "")
+
+
+def _first_difference(expected: object, got: object) -> str:
+    """Where two compared values first differ: the line, and both versions around the first change."""
+    if not (isinstance(expected, str) and isinstance(got, str)):
+        return f"expected {_excerpt(str(expected), 0)!r}, got {_excerpt(str(got), 0)!r}"
+    expected_lines, got_lines = expected.splitlines(), got.splitlines()
+    for number, (left, right) in enumerate(zip(expected_lines, got_lines), start=1):
+        if left != right:
+            at = next((i for i, (a, b) in enumerate(zip(left, right)) if a != b), min(len(left), len(right)))
+            return f"line {number}: expected {_excerpt(left, at)!r}, got {_excerpt(right, at)!r}"
+    if len(expected_lines) != len(got_lines):
+        return f"expected {len(expected_lines)} lines, got {len(got_lines)}"
+    return "the same lines, different line endings"
+
+
+def _cell_label(index: int, cell: NotebookNode) -> str:
+    first = next((line.strip() for line in cell.source.splitlines() if line.strip()), "")
+    return f"cell {index} ({first[:50]!r})"
+
+
+def output_differences(
+    expected: NotebookNode,
+    got: NotebookNode,
+    strip_verdicts: bool = True,
+) -> list[str]:
+    """One line per code cell whose outputs differ between two runs of the same notebook.
+
+    Compared the way nbval compares a run with the committed outputs: cells tagged
+    ``nbval-ignore-output`` or ``nbval-skip`` are left out, so are images and a run's
+    bookkeeping (execution counts, metadata, tracebacks), and streams are merged per name. With
+    ``strip_verdicts`` (the default) a check's verdict block counts only by its name, so a run
+    in solution mode (✅) and one in learner mode (❌) compare equal where nothing else differs.
+    """
+    if len(expected.cells) != len(got.cells):
+        return [f"the notebooks have {len(expected.cells)} and {len(got.cells)} cells"]
+    differences = []
+    for index, (left, right) in enumerate(zip(expected.cells, got.cells)):
+        if left.cell_type != "code":
+            continue
+        if left.source != right.source:
+            differences.append(f"{_cell_label(index, left)}: the source differs")
+            continue
+        if any(tag in left.get("metadata", {}).get("tags", []) for tag in _NOT_COMPARED_TAGS):
+            continue
+        a, b = _comparable(left, strip_verdicts), _comparable(right, strip_verdicts)
+        if a == b:
+            continue
+        if set(a) != set(b):
+            what = f"output kinds {sorted(a)} vs {sorted(b)}"
+        else:
+            key = next(k for k in a if a[k] != b[k])
+            if len(a[key]) != len(b[key]):
+                what = f"{key}: {len(a[key])} outputs vs {len(b[key])}"
+            else:
+                left_value, right_value = next((x, y) for x, y in zip(a[key], b[key]) if x != y)
+                what = f"{key}: {_first_difference(left_value, right_value)}"
+        differences.append(f"{_cell_label(index, left)}: {what}")
+    return differences
+
+
+# ----------------------------------------------------------------------------------------------
+# The two modes
+
+
+def _run(path: Path, solutions: bool, timeout: int) -> tuple[NotebookNode | None, list[str]]:
+    """Run in one mode; return the notebook (None if it stopped) and its errors."""
+    mode = "solution" if solutions else "learner"
+    try:
+        notebook = run_notebook(path, solutions=solutions, timeout=timeout)
+    except CellExecutionError as error:
+        stopped = re.sub(r"\x1b\[[0-9;]*m", "", str(error)).strip().splitlines()
+        return None, [f"stopped in {mode} mode:", *(f"  {line}" for line in stopped[-15:])]
+    errors = [f"{mode} mode: error output in {error}" for error in error_outputs(notebook)]
+    return notebook, errors
+
+
+def _verdict_problems(notebook: NotebookNode, solutions: bool) -> list[str]:
+    """The verdicts that are not what the mode must print (all ✅ in solution mode, all ❌ in learner mode)."""
+    wanted, mode = (_SOLVED, "solution") if solutions else (_NOT_SOLVED, "learner")
+    verdicts = verdict_lines(notebook)
+    wrong = [line for line in verdicts if not line.startswith(wanted + " — ")]
+    if not wrong:
+        return []
+    return [f"{len(wrong)} of {len(verdicts)} checks do not say {wanted} in {mode} mode:",
+            *(f"  {line}" for line in wrong)]
+
+
+def solution_mode_problems(path: str | os.PathLike, timeout: int = CELL_TIMEOUT_S) -> list[str]:
+    """What is wrong with the notebook at ``path`` when it runs in solution mode (empty if nothing).
+
+    It must run to the end, every check must say ✅ SOLVED — the same checks, in the same order,
+    as the committed (learner-mode) outputs show — and every other output must match the
+    committed one (:func:`output_differences`): the test that the committed outputs, made in
+    learner mode, are also what solution mode prints.
+    """
+    path = Path(path)
+    committed = nbformat.read(path, as_version=4)
+    notebook, problems = _run(path, solutions=True, timeout=timeout)
+    if notebook is None:
+        return problems
+    problems += _verdict_problems(notebook, solutions=True)
+    committed_names = [_verdict_name(line) for line in verdict_lines(committed)]
+    names = [_verdict_name(line) for line in verdict_lines(notebook)]
+    if names != committed_names:
+        problems.append(f"checks run in solution mode {names} are not the committed ones {committed_names}")
+    problems += [
+        f"solution mode differs from the committed outputs in {difference}"
+        for difference in output_differences(committed, notebook)
+    ]
+    return problems
+
+
+def _learner_mode_notebook(path: Path, timeout: int) -> tuple[NotebookNode | None, list[str], str]:
+    """Run ``path`` in both modes; return the learner-mode run if it may be saved, the problems, timings."""
+    started = time.perf_counter()
+    solved, problems = _run(path, solutions=True, timeout=timeout)
+    if solved is None:
+        return None, problems, ""
+    problems += _verdict_problems(solved, solutions=True)
+    if problems:
+        return None, problems, ""
+    middle = time.perf_counter()
+    learner, problems = _run(path, solutions=False, timeout=timeout)
+    if learner is None:
+        return None, problems, ""
+    problems += _verdict_problems(learner, solutions=False)
+    names = [_verdict_name(line) for line in verdict_lines(solved)]
+    learner_names = [_verdict_name(line) for line in verdict_lines(learner)]
+    if names != learner_names:
+        problems.append(f"the checks differ between solution mode {names} and learner mode {learner_names}")
+    problems += [
+        f"{difference} — in solution and learner mode: a cell after an exercise depends on the learner's code "
+        "(use kernels or the solutions there)"
+        for difference in output_differences(solved, learner)
+    ]
+    ended = time.perf_counter()
+    return learner, problems, f"{middle - started:.1f} s + {ended - middle:.1f} s"
+
+
+def execute_notebooks(paths: Sequence[Path], timeout: int = CELL_TIMEOUT_S, stream=None) -> int:
+    """Run ``paths`` in both modes and save the learner-mode outputs; print progress; return failures.
+
+    A notebook is saved only if it runs to the end in both modes, every check says ✅ in
+    solution mode and ❌ in learner mode, and every other output is the same in both; otherwise
+    the file is left as it was and the reasons are printed.
+    """
+    stream = stream or sys.stdout
+    failures = 0
+    for number, path in enumerate(paths, start=1):
+        prefix = f"[{number}/{len(paths)}] {path}"
+        print(f"{prefix}: running in solution mode, then in learner mode ...", file=stream, flush=True)
+        try:
+            notebook, problems, seconds = _learner_mode_notebook(Path(path), timeout)
+        except Exception as error:  # a kernel that does not start, an unreadable file: go on with the others
+            notebook, problems = None, [f"{type(error).__name__}: {error}"]
+        if problems or notebook is None:
+            failures += 1
+            print(f"{prefix}: FAILED, not saved:", file=stream)
+            for line in problems:
+                print(f"    {line}", file=stream)
+            continue
+        nbformat.write(normalize(notebook), path)
+        checks = len(verdict_lines(notebook))
+        print(
+            f"{prefix}: saved the learner-mode run, {len(notebook.cells)} cells, {checks} checks "
+            f"(✅ in solution mode, ❌ in learner mode), {seconds}",
+            file=stream,
+            flush=True,
+        )
+    return failures
 
 
 def normalize(notebook: NotebookNode) -> NotebookNode:
@@ -164,46 +437,13 @@ def _coalesce_streams(outputs: list[NotebookNode]) -> list[NotebookNode]:
     return merged
 
 
-def execute_notebooks(paths: Sequence[Path], timeout: int = CELL_TIMEOUT_S, stream=None) -> int:
-    """Re-execute ``paths`` in solution mode and save them; print one progress line each; return failures."""
-    stream = stream or sys.stdout
-    failures = 0
-    for number, path in enumerate(paths, start=1):
-        prefix = f"[{number}/{len(paths)}] {path}"
-        print(f"{prefix}: running in solution mode ...", file=stream, flush=True)
-        started = time.perf_counter()
-        try:
-            notebook = run_notebook(path, solutions=True, timeout=timeout)
-        except Exception as error:  # report and go on with the others; the file is left as it was
-            failures += 1
-            summary = str(error).strip().splitlines()
-            print(f"{prefix}: FAILED, not saved: {type(error).__name__}", file=stream)
-            for line in summary[-15:]:
-                print(f"    {line}", file=stream)
-            continue
-        seconds = time.perf_counter() - started
-        verdicts = verdict_lines(notebook)
-        unsolved = [v for v in verdicts if not v.startswith(_VERDICT_MARKS[0])]
-        if unsolved:  # solution mode must solve every exercise; keep the committed outputs
-            failures += 1
-            print(f"{prefix}: FAILED, not saved: {len(unsolved)} of {len(verdicts)} checks NOT SOLVED", file=stream)
-            for line in unsolved:
-                print(f"    {line}", file=stream)
-            continue
-        nbformat.write(normalize(notebook), path)
-        print(
-            f"{prefix}: saved, {len(notebook.cells)} cells, {len(verdicts)} checks solved, {seconds:.1f} s",
-            file=stream,
-            flush=True,
-        )
-    return failures
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line: ``python -m utils.notebooks execute [PATH ...]`` (default ``chapters``)."""
     parser = argparse.ArgumentParser(prog="python -m utils.notebooks", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    execute = commands.add_parser("execute", help="re-execute notebooks in solution mode and save their outputs")
+    execute = commands.add_parser(
+        "execute", help="run notebooks in solution and in learner mode, save the learner-mode outputs"
+    )
     execute.add_argument(
         "paths", nargs="*", default=["chapters"], help="folders holding NN_topic/*.ipynb, or notebooks"
     )

@@ -46,6 +46,7 @@ __all__ = [
     "SECTOR_BYTES",
     "TensorTraffic",
     "SectorAccess",
+    "StoreMap",
     "Launch",
     "TorchOp",
     "Trace",
@@ -98,6 +99,31 @@ class SectorAccess:
 
 
 @dataclass
+class StoreMap:
+    """Which programs stored to each element of one tensor argument (``trace(record_writes=True)``).
+
+    The arrays run over the argument's memory in storage order, from its first element to its
+    last (``extent`` elements from ``data_ptr``): for a contiguous tensor, its flat index. Only
+    ``tl.store`` counts (atomics, meant to be shared, do not).
+    """
+
+    data_ptr: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    #: Linear program id (x + gx*(y + gy*z)) of the first and of the last store to each element, -1 if none.
+    first: np.ndarray
+    last: np.ndarray
+    #: The last program whose store addressed the element with that lane masked off, -1 if none.
+    masked: np.ndarray
+    #: The most lanes (pointers, masked or not) of one store instruction that addressed this tensor:
+    #: BLOCK for a 1-D kernel, BLOCK_M * BLOCK_N for a 2-D tile.
+    lanes: int = 0
+    #: program -> (lowest, highest element index it stored to, elements stored); (-1, -1, 0) for a
+    #: program whose stores here were all masked off.
+    programs: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+
+
+@dataclass
 class Launch:
     """One Triton kernel launch, as the interpreter executed it."""
 
@@ -128,6 +154,8 @@ class Launch:
     #: them (program by program), with the program's linear id and the sectors it touched — the
     #: ordered stream a cache model (``utils.l2cache``) replays.
     sector_log: list[SectorAccess] = field(default_factory=list)
+    #: With ``trace(record_writes=True)``: arg name -> which program stored to each of its elements.
+    store_maps: dict[str, StoreMap] = field(default_factory=dict)
 
     def program_sectors(self) -> dict[int, list[SectorAccess]]:
         """``sector_log`` grouped by program (linear id, ascending), each program's instructions in order."""
@@ -235,9 +263,9 @@ _LOAD, _STORE, _ATOMIC = 0, 1, 2
 
 
 class _Span:
-    __slots__ = ("name", "lo", "hi", "itemsize", "shape", "strides", "traffic", "access")
+    __slots__ = ("name", "lo", "hi", "itemsize", "shape", "strides", "traffic", "access", "stores")
 
-    def __init__(self, name: str, tensor: torch.Tensor, record_access: bool) -> None:
+    def __init__(self, name: str, tensor: torch.Tensor, record_access: bool, record_writes: bool = False) -> None:
         self.name = name
         self.lo = tensor.data_ptr()
         extent = _view_extent(tensor)
@@ -248,13 +276,21 @@ class _Span:
         self.traffic = TensorTraffic()
         keep = record_access and extent <= ACCESS_MAP_MAX_ELEMENTS
         self.access = np.full(max(extent, 1), -1, dtype=np.int32) if keep else None
+        self.stores: StoreMap | None = None
+        if record_writes and 0 < extent <= ACCESS_MAP_MAX_ELEMENTS:
+            self.stores = StoreMap(
+                data_ptr=self.lo, shape=self.shape, strides=self.strides,
+                first=np.full(extent, -1, dtype=np.int32), last=np.full(extent, -1, dtype=np.int32),
+                masked=np.full(extent, -1, dtype=np.int32),
+            )
 
 
 class _LaunchState:
     def __init__(self, kernel: str, requested_grid: Any, record_access: bool, block_oob: bool,
-                 record_sectors: bool = False) -> None:
+                 record_sectors: bool = False, record_writes: bool = False) -> None:
         self.kernel = kernel
         self.record_sectors = record_sectors
+        self.record_writes = record_writes
         self.requested_rank = len(requested_grid) if isinstance(requested_grid, tuple) else None
         self.record_access = record_access
         self.block_oob = block_oob
@@ -279,7 +315,7 @@ class _LaunchState:
                 value = base  # triton.runtime.jit.TensorWrapper (reinterpreted dtype)
             if isinstance(value, torch.Tensor) and name not in seen:
                 seen.add(name)
-                self.spans.append(_Span(name, value, self.record_access))
+                self.spans.append(_Span(name, value, self.record_access, self.record_writes))
 
         for i, value in enumerate(args_hst):
             add(arg_names[i] if i < len(arg_names) else f"arg{i}", value)
@@ -311,10 +347,12 @@ class _LaunchState:
                 lanes = np.broadcast_to(lanes, pointers.shape)
             active = pointers[lanes]
         n = active.size
+        itemsize = max(1, ptrs.get_element_ty().primitive_bitwidth // 8)
+        if kind == _STORE and self.record_writes:
+            self._note_store(builder, pointers, lanes, itemsize)
         if n == 0:
             return None
         active = active.astype(np.uint64, copy=False)
-        itemsize = max(1, ptrs.get_element_ty().primitive_bitwidth // 8)
         nbytes = n * itemsize
         if kind != _STORE:
             launch.bytes_read += nbytes
@@ -361,6 +399,35 @@ class _LaunchState:
         blocked[blocked] = ~outside
         return blocked
 
+    def _note_store(self, builder: Any, pointers: np.ndarray, lanes: np.ndarray | None, itemsize: int) -> None:
+        """Record, per element of each tensor this store addresses, the program storing it or masking it off."""
+        flat = pointers.reshape(-1).astype(np.uint64, copy=False)
+        on = np.ones(flat.size, dtype=bool) if lanes is None else lanes.reshape(-1)
+        program = self.program_id(builder)
+        for span in self.spans:
+            stores = span.stores
+            if stores is None:
+                continue
+            inside = (flat >= np.uint64(span.lo)) & (flat < np.uint64(span.hi))
+            if not inside.any():
+                continue
+            stores.lanes = max(stores.lanes, int(flat.size))
+            elements = ((flat - np.uint64(span.lo)) // np.uint64(span.itemsize)).astype(np.int64)
+            stored = elements[inside & on]
+            switched_off = elements[inside & ~on]
+            if switched_off.size:
+                stores.masked[switched_off] = program
+            low, high, count = stores.programs.get(program, (-1, -1, 0))
+            if stored.size:
+                fresh = stored[stores.first[stored] < 0]
+                stores.first[fresh] = program
+                stores.last[stored] = program
+                lowest, highest = int(stored.min()), int(stored.max())
+                low = lowest if low < 0 else min(low, lowest)
+                high = max(high, highest)
+                count += int(stored.size)
+            stores.programs[program] = (low, high, count)
+
     def _log(self, builder: Any, kind: int, tensor: str, sectors: np.ndarray) -> None:
         kind_name = ("load", "store", "atomic")[kind]
         self.launch.sector_log.append(SectorAccess(self.program_id(builder), kind_name, tensor, sectors))
@@ -393,6 +460,8 @@ class _LaunchState:
         for span in self.spans:
             if span.access is not None:
                 launch.access[span.name] = span.access[_logical_offsets(span.shape, span.strides)]
+            if span.stores is not None and span.stores.lanes:  # only the tensors the kernel stored to
+                launch.store_maps[span.name] = span.stores
         self.sector_chunks = []
         return launch
 
@@ -630,6 +699,7 @@ def _wrap_grid_call(original):
             record_access=any(t.record_access for t in _STATE.active),
             block_oob=any(t.block_out_of_bounds for t in _STATE.active),
             record_sectors=any(getattr(t, "record_sectors", False) for t in _STATE.active),
+            record_writes=any(getattr(t, "record_writes", False) for t in _STATE.active),
         )
         _STATE.launch = state
         _STATE.in_launch += 1
@@ -691,8 +761,10 @@ class Trace:
     """What a ``with trace() as t:`` block recorded; totals cover Triton launches and torch ops."""
 
     def __init__(self, record_access: bool = False, torch_ops: bool = True,
-                 block_out_of_bounds: bool = False, record_sectors: bool = False) -> None:
+                 block_out_of_bounds: bool = False, record_sectors: bool = False,
+                 record_writes: bool = False) -> None:
         self.record_access = record_access
+        self.record_writes = record_writes
         self.record_sectors = record_sectors
         self.count_torch = torch_ops
         self.block_out_of_bounds = block_out_of_bounds
@@ -820,7 +892,7 @@ class Trace:
 
 
 def trace(record_access: bool = False, torch_ops: bool = True, block_out_of_bounds: bool = False,
-          record_sectors: bool = False) -> Trace:
+          record_sectors: bool = False, record_writes: bool = False) -> Trace:
     """Record Triton launches (in the interpreter) and torch aten ops inside a ``with`` block.
 
     Args:
@@ -833,6 +905,9 @@ def trace(record_access: bool = False, torch_ops: bool = True, block_out_of_boun
             so that tracing never changes what a kernel does.
         record_sectors: keep, per launch, every memory instruction's program id and sectors in
             execution order (``Launch.sector_log``), for cache models such as ``utils.l2cache``.
+        record_writes: keep, per launch and tensor argument, which programs stored to each element
+            and which masked a store to it off (``Launch.store_maps``): the exercise checker's evidence
+            for where a wrong result comes from.
     """
     return Trace(record_access=record_access, torch_ops=torch_ops, block_out_of_bounds=block_out_of_bounds,
-                 record_sectors=record_sectors)
+                 record_sectors=record_sectors, record_writes=record_writes)
