@@ -27,6 +27,7 @@ CHAPTER_MODULES = [
     "bench.ch03_normalization",
     "bench.ch04_matmul",
     "bench.ch05_quantization",
+    "bench.ch06_fused_ops",
 ]
 
 

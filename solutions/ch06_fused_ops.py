@@ -18,8 +18,6 @@ __all__ = [
     "rope_token_kernel",
     "launch_rope_tokens",
     "rope_backward",
-    "chunk_rows_for_budget",
-    "fused_linear_ce_chunk",
 ]
 
 

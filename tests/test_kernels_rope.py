@@ -227,13 +227,16 @@ def test_backward_half_precision(dtype, gen):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("table", ["(B, T, R)", "(T, R)"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_one_launch_reads_q_k_and_the_tables_once(dtype, gen):
-    """q and k straight from a fused qkv view: one launch, every element of q, k, cos, sin read once,
-    every output written once (the ideal), and no copy of the strided views."""
-    batch, hq, hk, seq_len, d = 2, 4, 2, 6, 32
+def test_one_launch_reads_q_k_and_the_tables_once(dtype, table, gen):
+    """q and k straight from a fused qkv view: one launch, every element of q, k, cos, sin read once
+    (a (T, R) table once for the whole batch), every output written once (the ideal), and no copy."""
+    batch, hq, hk, seq_len, d = 3, 4, 2, 6, 32
     _, q, k = fused_qkv(batch, seq_len, hq, hk, d, gen, dtype=dtype)
-    cos, sin = tables(batch, seq_len, d, gen)
+    cos, sin = tables(batch, seq_len, d, gen, shared=table == "(T, R)")
+    if table == "(T, R)":
+        cos, sin = cos[0], sin[0]
     with trace() as t:
         q_embed, k_embed = kernels.rope(q, k, cos, sin)
     assert t.num_launches == 1 and t.launches[0].kernel == "rope_kernel"

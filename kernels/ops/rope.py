@@ -18,7 +18,8 @@ negation and a ``cat``), ``* sin`` and ``+`` for q, then again for k: about ten 
 writing a full-size intermediate. Here one program takes a run of tokens; for each token it
 loads the token's cos/sin row once and rotates every head of q and of k with it, reading each
 element of q, k, cos and sin once and writing each output once (the ideal traffic, counted by the
-tests). A program never materializes ``rotate_half``: it loads the two halves of the pair as two
+tests; a ``(T, R)`` table shared by the batch is read once, not once per sequence). A program
+never materializes ``rotate_half``: it loads the two halves of the pair as two
 tiles and combines them in registers.
 
 **Layouts.** ``q`` and ``k`` are read through their strides: in a model they are usually views of
@@ -88,7 +89,7 @@ def _rotate_heads(
 @triton.jit
 def rope_kernel(
     q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr,
-    n_tokens, seq_len, tokens_per_program,            # tokens are (b, t) pairs, b-major
+    n_units, batch, seq_len, units_per_program,       # a unit: a token (b, t), or a position t (SHARED_TABLE)
     n_heads_q, n_heads_k, head_dim, half,             # half = rotary width / 2
     stride_qb, stride_qh, stride_qt, stride_qd,       # q as (B, H, T, D), whatever its memory layout
     stride_kb, stride_kh, stride_kt, stride_kd,
@@ -96,10 +97,11 @@ def rope_kernel(
     stride_kob, stride_koh, stride_kot, stride_kod,
     stride_cb, stride_ct, stride_cd,                  # cos and sin as (B, T, R); stride_cb 0 for (T, R)
     stride_sb, stride_st, stride_sd,
-    INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr, HAS_REST: tl.constexpr,
+    INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr, HAS_REST: tl.constexpr, SHARED_TABLE: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
 ):
-    """Rotate q and k for this program's tokens: each token's cos/sin row is read once for all heads.
+    """Rotate q and k for this program's units: each cos/sin row is read once for all the heads (and,
+    with ``SHARED_TABLE`` — one table for the whole batch — once for every sequence of the batch).
 
     Pair ``j`` is features ``(j, j + half)`` (rotate-half) or ``(2j, 2j + 1)`` (``INTERLEAVED``);
     features ``>= 2 * half`` pass through (``HAS_REST``).
@@ -115,24 +117,31 @@ def rope_kernel(
         hi = j + half
     rest = 2 * half + tl.arange(0, BLOCK_REST)
     rest_mask = rest < head_dim
-    first = pid.to(tl.int64) * tokens_per_program
-    for i in range(0, tokens_per_program):
-        token = first + i
-        if token < n_tokens:
-            b = token // seq_len
-            t = token % seq_len
-            c_base = b * stride_cb + t * stride_ct
-            s_base = b * stride_sb + t * stride_st
+    first = pid.to(tl.int64) * units_per_program
+    for i in range(0, units_per_program):
+        unit = first + i
+        if unit < n_units:
+            if SHARED_TABLE:  # a position: its table row once, then every sequence of the batch
+                t = unit
+                b_first = 0
+                b_count = batch
+            else:  # a token (b, t): its own table row
+                t = unit % seq_len
+                b_first = unit // seq_len
+                b_count = 1
+            c_base = b_first * stride_cb + t * stride_ct
+            s_base = b_first * stride_sb + t * stride_st
             c1 = tl.load(cos_ptr + c_base + lo * stride_cd, mask=pair_mask, other=0.0).to(tl.float32)
             c2 = tl.load(cos_ptr + c_base + hi * stride_cd, mask=pair_mask, other=0.0).to(tl.float32)
             s1 = tl.load(sin_ptr + s_base + lo * stride_sd, mask=pair_mask, other=0.0).to(tl.float32)
             s2 = tl.load(sin_ptr + s_base + hi * stride_sd, mask=pair_mask, other=0.0).to(tl.float32)
-            _rotate_heads(q_ptr, q_out_ptr, b * stride_qb + t * stride_qt, b * stride_qob + t * stride_qot,
-                          stride_qh, stride_qd, stride_qoh, stride_qod, n_heads_q,
-                          c1, c2, s1, s2, lo, hi, pair_mask, rest, rest_mask, BLOCK_HQ, BACKWARD, HAS_REST)
-            _rotate_heads(k_ptr, k_out_ptr, b * stride_kb + t * stride_kt, b * stride_kob + t * stride_kot,
-                          stride_kh, stride_kd, stride_koh, stride_kod, n_heads_k,
-                          c1, c2, s1, s2, lo, hi, pair_mask, rest, rest_mask, BLOCK_HK, BACKWARD, HAS_REST)
+            for b in range(b_first, b_first + b_count):
+                _rotate_heads(q_ptr, q_out_ptr, b * stride_qb + t * stride_qt, b * stride_qob + t * stride_qot,
+                              stride_qh, stride_qd, stride_qoh, stride_qod, n_heads_q,
+                              c1, c2, s1, s2, lo, hi, pair_mask, rest, rest_mask, BLOCK_HQ, BACKWARD, HAS_REST)
+                _rotate_heads(k_ptr, k_out_ptr, b * stride_kb + t * stride_kt, b * stride_kob + t * stride_kot,
+                              stride_kh, stride_kd, stride_koh, stride_kod, n_heads_k,
+                              c1, c2, s1, s2, lo, hi, pair_mask, rest, rest_mask, BLOCK_HK, BACKWARD, HAS_REST)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -158,10 +167,13 @@ def _launch_rope(q, k, q_out, k_out, cos, sin, unsqueeze_dim: int, interleaved: 
     qo, ko = _as_bhtd(q_out, unsqueeze_dim), _as_bhtd(k_out, unsqueeze_dim)
     batch, n_heads_q, seq_len, head_dim = qv.shape
     n_heads_k = kv.shape[1]
-    n_tokens = batch * seq_len
-    if n_tokens == 0 or head_dim == 0:
+    if batch * seq_len == 0 or head_dim == 0:
         return
     c, s = _tables(cos, batch), _tables(sin, batch)
+    # One table for the batch (a (T, R) or (1, T, R) table): a program takes positions, every
+    # sequence of each, so the table is read once in all; else tokens, each with its own row.
+    shared = c.stride(0) == 0 and s.stride(0) == 0 and batch > 1
+    n_units = seq_len if shared else batch * seq_len
     half = c.shape[-1] // 2
     block_half = next_power_of_2(half)
     rest = head_dim - 2 * half
@@ -169,15 +181,15 @@ def _launch_rope(q, k, q_out, k_out, cos, sin, unsqueeze_dim: int, interleaved: 
     block_hq = max(1, min(next_power_of_2(n_heads_q), TILE_ELEMENTS // block_half))
     block_hk = max(1, min(next_power_of_2(n_heads_k), TILE_ELEMENTS // block_half))
     # Enough programs to fill the GPU twice over; the interpreter's 4 "SMs" keep the CPU's count small.
-    programs = min(n_tokens, 2 * _launch.num_sms(q.device) * (8 if not runtime.INTERPRETER else 1))
-    tokens_per_program = triton.cdiv(n_tokens, programs)
-    grid = (triton.cdiv(n_tokens, tokens_per_program),)
+    programs = min(n_units, 2 * _launch.num_sms(q.device) * (8 if not runtime.INTERPRETER else 1))
+    units_per_program = triton.cdiv(n_units, programs)
+    grid = (triton.cdiv(n_units, units_per_program),)
     rope_kernel[grid](
         qv, kv, qo, ko, c, s,
-        n_tokens, seq_len, tokens_per_program,
+        n_units, batch, seq_len, units_per_program,
         n_heads_q, n_heads_k, head_dim, half,
         *qv.stride(), *kv.stride(), *qo.stride(), *ko.stride(), *c.stride(), *s.stride(),
-        INTERLEAVED=interleaved, BACKWARD=backward, HAS_REST=rest > 0,
+        INTERLEAVED=interleaved, BACKWARD=backward, HAS_REST=rest > 0, SHARED_TABLE=shared,
         BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half, BLOCK_REST=block_rest,
         num_warps=_launch.num_warps_for(block_hq * block_half * 2),
     )

@@ -12,16 +12,17 @@ from utils.aot import compile_kernel, resource_usage
 # What Triton's launcher specializes: unit feature strides become constants; sizes and strides of
 # real shapes (D = 128, H * D, T * H * D) are divisible by 16.
 UNIT = {"stride_qd", "stride_kd", "stride_qod", "stride_kod", "stride_cd", "stride_sd"}
-UNSPECIALIZED = {"n_tokens", "seq_len", "tokens_per_program", "n_heads_q", "n_heads_k", "stride_cb", "stride_sb"}
+UNSPECIALIZED = {"n_units", "batch", "seq_len", "units_per_program", "n_heads_q", "n_heads_k", "stride_cb", "stride_sb"}
 
 failures, compiled_count = [], 0
 for dtype in ("bf16", "fp32"):
     for interleaved in (False, True):
         for backward in (False, True):
-            for rest in (False, True):
+            for rest, shared in ((False, False), (True, True)):
                 half = 32 if rest else 64  # head dim 128: full rotary, or R = 64 (partial)
                 constexprs = {"INTERLEAVED": interleaved, "BACKWARD": backward, "HAS_REST": rest,
-                              "BLOCK_HQ": 32, "BLOCK_HK": 8, "BLOCK_HALF": half, "BLOCK_REST": 64 if rest else 1}
+                              "SHARED_TABLE": shared, "BLOCK_HQ": 32, "BLOCK_HK": 8, "BLOCK_HALF": half,
+                              "BLOCK_REST": 64 if rest else 1}
 
                 def types(name):
                     if name in ("cos_ptr", "sin_ptr"):
