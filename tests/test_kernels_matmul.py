@@ -438,3 +438,13 @@ def test_gpu_each_variant_and_gradients(gen):
     ref = torch.autograd.grad(torch.matmul(a, b), (a, b), grad)
     for g, r in zip(got, ref):
         torch.testing.assert_close(g.float(), r.float(), rtol=1.6e-2, atol=1.0)
+
+
+@pytest.mark.parametrize("method", ["tiled", "split_k", "persistent"])
+def test_launch_matmul_accumulates_into_c(method, gen):
+    """``accumulate=True`` adds a @ b into c's old values (how chunked gradients are summed), in fp32."""
+    a, b = rand(gen, 33, 40), rand(gen, 40, 21)
+    c = rand(gen, 33, 21)
+    before = c.clone()
+    mm.launch_matmul(a, b, c, method=method, config=SMALL_GROUPED, split_k=3, num_programs=3, accumulate=True)
+    _assert_matches(c, before.double() + reference(a, b), torch.float32, slack=2.0)

@@ -40,6 +40,7 @@ a GPU, with :data:`kernels.autotune.INTERPRETER_CONFIG` in the interpreter (wher
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -153,13 +154,20 @@ def accumulate(
 def store_tile(
     acc, c_ptr, bias_ptr, preact_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn, stride_bias,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, STORE_PREACT: tl.constexpr,
+    ACCUMULATE: tl.constexpr = False,
 ):
-    """The epilogue: + bias, (store the pre-activation), activation, cast, one masked store."""
+    """The epilogue: + bias, (+ C's old value), (store the pre-activation), activation, cast, one store.
+
+    ``ACCUMULATE`` (``C += A @ B``) reads the tile of C first: how a gradient is summed over chunks
+    (chapter 06's fused linear cross-entropy adds each chunk's weight gradient into an fp32 buffer).
+    """
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n * stride_bias, mask=offs_n < N, other=0.0)
         acc = acc + bias.to(tl.float32)[None, :]
     c_offsets = offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    if ACCUMULATE:
+        acc += tl.load(c_ptr + c_offsets, mask=mask, other=0.0).to(tl.float32)
     if STORE_PREACT:
         tl.store(preact_ptr + c_offsets, acc.to(preact_ptr.dtype.element_ty), mask=mask)
     acc = _activations.apply(acc, ACTIVATION)
@@ -177,7 +185,8 @@ def matmul_kernel(
     M_BUCKET, N_BUCKET, K_BUCKET,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, STORE_PREACT: tl.constexpr, INDEX_64: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, STORE_PREACT: tl.constexpr, ACCUMULATE: tl.constexpr,
+    INDEX_64: tl.constexpr,
 ):
     """C[b] = epilogue(A[b] @ B[b]) for one BLOCK_M x BLOCK_N tile; grid (tiles, batch).
 
@@ -201,7 +210,7 @@ def matmul_kernel(
         offs_n = offs_n.to(tl.int64)
     store_tile(
         acc, c_ptr + pid_b * stride_cb, bias_ptr, preact_ptr + pid_b * stride_cb, offs_m, offs_n, M, N,
-        stride_cm, stride_cn, stride_bias, HAS_BIAS, ACTIVATION, STORE_PREACT,
+        stride_cm, stride_cn, stride_bias, HAS_BIAS, ACTIVATION, STORE_PREACT, ACCUMULATE,
     )
 
 
@@ -249,7 +258,8 @@ def matmul_split_k_reduce_kernel(
     M, N, SPLIT_K,
     stride_cb, stride_cm, stride_cn,
     stride_bias,
-    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, STORE_PREACT: tl.constexpr, INDEX_64: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, STORE_PREACT: tl.constexpr, ACCUMULATE: tl.constexpr,
+    INDEX_64: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """C[b] = epilogue(sum over s of WS[b, s]) for one tile, s in order 0..SPLIT_K-1; grid (tiles, batch).
@@ -277,7 +287,7 @@ def matmul_split_k_reduce_kernel(
         ws += plane
     store_tile(
         acc, c_ptr + pid_b * stride_cb, bias_ptr, preact_ptr + pid_b * stride_cb, offs_m, offs_n, M, N,
-        stride_cm, stride_cn, stride_bias, HAS_BIAS, ACTIVATION, STORE_PREACT,
+        stride_cm, stride_cn, stride_bias, HAS_BIAS, ACTIVATION, STORE_PREACT, ACCUMULATE,
     )
 
 
@@ -291,7 +301,8 @@ def matmul_persistent_kernel(
     stride_bias,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, STORE_PREACT: tl.constexpr, INDEX_64: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, STORE_PREACT: tl.constexpr, ACCUMULATE: tl.constexpr,
+    INDEX_64: tl.constexpr,
 ):
     """The tiled matmul with a fixed grid: program p computes tiles p, p + P, p + 2P, ... (P programs).
 
@@ -316,7 +327,7 @@ def matmul_persistent_kernel(
             offs_n = offs_n.to(tl.int64)
         store_tile(
             acc, c_ptr + pid_b * stride_cb, bias_ptr, preact_ptr + pid_b * stride_cb, offs_m, offs_n, M, N,
-            stride_cm, stride_cn, stride_bias, HAS_BIAS, ACTIVATION, STORE_PREACT,
+            stride_cm, stride_cn, stride_bias, HAS_BIAS, ACTIVATION, STORE_PREACT, ACCUMULATE,
         )
 
 
@@ -334,6 +345,7 @@ class _Launch3d:
     c: torch.Tensor  # (B, M, N)
     bias: torch.Tensor | None
     preact: torch.Tensor | None  # (B, M, N), laid out like c
+    accumulate: bool = False  # c += a @ b (c read in the epilogue) instead of c = a @ b
 
     @property
     def sizes(self) -> tuple[int, int, int, int]:
@@ -482,7 +494,8 @@ def _epilogue_args(launch: _Launch3d, activation: str):
     bias = launch.bias if launch.bias is not None else c  # a dummy pointer when HAS_BIAS is False
     preact = launch.preact if launch.preact is not None else c
     bias_stride = launch.bias.stride(0) if launch.bias is not None else 0
-    constexprs = dict(HAS_BIAS=launch.bias is not None, ACTIVATION=activation, STORE_PREACT=launch.preact is not None)
+    constexprs = dict(HAS_BIAS=launch.bias is not None, ACTIVATION=activation, STORE_PREACT=launch.preact is not None,
+                      ACCUMULATE=launch.accumulate)
     return bias, preact, bias_stride, constexprs
 
 
@@ -578,22 +591,26 @@ def launch_matmul(
     bias: torch.Tensor | None = None,
     activation: str = "none",
     preact: torch.Tensor | None = None,
+    accumulate: bool = False,
 ) -> None:
     """Write ``epilogue(a @ b)`` into ``c`` (shapes already checked; c of the broadcast shape).
 
     ``method``: ``"auto"`` (the dispatch rule), ``"tiled"``, ``"split_k"`` or ``"persistent"``;
     ``config`` None means the default for the method (autotuned for tiled on a GPU).
+    ``accumulate``: ``c += a @ b`` (then never autotuned: the tuner's repeated runs would add again).
     """
     if c.numel() == 0:
         return
     for launch in _plan_launches(a, b, c, bias, preact):
+        if accumulate:
+            launch = dataclasses.replace(launch, accumulate=True)
         batch, M, N, K = launch.sizes
         kind, cfg, split = method, config, split_k
         if kind == "auto":
             plan = plan_matmul(M, N, K, a.dtype, batch)
             kind, cfg, split = plan.method, plan.config, plan.split_k
         if kind == "tiled":
-            _run_tiled(launch, cfg if cfg is not None or not runtime.INTERPRETER
+            _run_tiled(launch, cfg if cfg is not None or not (runtime.INTERPRETER or accumulate)
                        else default_config(M, N, K, a.dtype, "tiled"), activation)
         elif kind == "split_k":
             _run_split_k(launch, cfg or default_config(M, N, K, a.dtype, "split_k"), split, activation)

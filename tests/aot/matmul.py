@@ -19,6 +19,8 @@ def compile_one(fn, dtype, constexprs, num_warps=8, num_stages=3, out_dtype=None
 
     # What Triton's launcher specializes for torch allocations and sizes divisible by 16.
     divisible = ("M", "N", "K", "stride_am", "stride_bk", "stride_cm")
+    if "ACCUMULATE" in fn.arg_names:
+        constexprs = {"ACCUMULATE": False, **constexprs}  # C = A @ B unless a case asks for C += A @ B
     return compile_kernel(fn, types, constexprs, divisible=divisible, num_warps=num_warps,
                           num_stages=num_stages).asm["ptx"]
 
@@ -51,6 +53,9 @@ CASES = [
                                             "INDEX_64": False}, "wgmma"),
     (mm.matmul_persistent_kernel, "fp32", {**TILE32, "EVEN_K": True, "INPUT_PRECISION": "tf32", **EPI_NONE,
                                             "INDEX_64": True}, "mma"),
+    # C += A @ B into an fp32 gradient buffer (the fused linear cross-entropy's weight gradient)
+    (mm.matmul_kernel, "bf16", {**TILE, "EVEN_K": False, "INPUT_PRECISION": "ieee", **EPI_NONE,
+                                 "ACCUMULATE": True, "INDEX_64": False}, "wgmma"),
     (mm.matmul_split_k_kernel, "bf16", {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8,
                                          "EVEN_K": True, "INPUT_PRECISION": "ieee", "INDEX_64": False}, "wgmma"),
     (mm.matmul_split_k_kernel, "fp32", {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8,
