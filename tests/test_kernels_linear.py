@@ -14,6 +14,7 @@ from helpers import assert_matches as _assert_matches
 
 import kernels
 from kernels.ops import linear as lin
+from utils.trace import trace
 
 pytestmark = pytest.mark.usefixtures("poisoned")  # every buffer the ops allocate starts as NaN
 
@@ -223,3 +224,16 @@ def test_gpu_real_sizes_forward_and_backward(activation, gen):
     for g, r in zip(got, ref):
         scale = r.float().abs().max().item()
         torch.testing.assert_close(g.float(), r.float(), rtol=2e-2, atol=2e-2 * scale)
+
+
+@pytest.mark.parametrize("op", ["linear", "gated_mlp"])
+def test_backward_materializes_no_zeros_for_the_saved_intermediate(op, gen):
+    """The pre-activation (linear) and h (gated_mlp) are outputs without a gradient: autograd must not
+    allocate and fill an M x N tensor of zeros for them in every backward."""
+    x = rand(gen, 8, 32).requires_grad_()
+    w = rand(gen, 24, 32)
+    out = kernels.linear(x, w, activation="gelu") if op == "linear" else kernels.gated_mlp(x, w, w, w.t())
+    grad = torch.ones_like(out)
+    with trace() as t:
+        out.backward(grad)
+    assert not [o for o in t.torch_ops if "zeros" in o.name or "fill" in o.name], t.table()

@@ -375,9 +375,12 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(x, w_gate, w_up, w_down, h)
     ctx.activation = activation
     ctx.mark_non_differentiable(h)
+    ctx.set_materialize_grads(False)  # no M x F zeros for h's (absent) gradient
 
 
-def _backward(ctx, grad_out: torch.Tensor, _grad_h):
+def _backward(ctx, grad_out: torch.Tensor | None, _grad_h):
+    if grad_out is None:  # the output took no part in what is differentiated
+        return None, None, None, None, None
     x, w_gate, w_up, w_down, h = ctx.saved_tensors
     need_x = ctx.needs_input_grad[0]
     need_weights = any(ctx.needs_input_grad[1:4])

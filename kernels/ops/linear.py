@@ -213,9 +213,12 @@ def _linear_setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(x, weight, bias, saved)
     ctx.activation = activation
     ctx.mark_non_differentiable(preact)
+    ctx.set_materialize_grads(False)  # no M x N zeros for the pre-activation's (absent) gradient
 
 
-def _linear_backward(ctx, grad_out: torch.Tensor, _grad_preact: torch.Tensor | None):
+def _linear_backward(ctx, grad_out: torch.Tensor | None, _grad_preact: torch.Tensor | None):
+    if grad_out is None:  # the output took no part in what is differentiated
+        return None, None, None, None, None
     x, weight, bias, saved = ctx.saved_tensors
     need_x, need_weight, need_bias = ctx.needs_input_grad[:3]
     if saved is None:
