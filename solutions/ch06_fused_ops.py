@@ -18,6 +18,8 @@ __all__ = [
     "rope_token_kernel",
     "launch_rope_tokens",
     "rope_backward",
+    "fused_linear_ce_chunk",
+    "chunk_size_for_budget",
 ]
 
 
@@ -109,3 +111,47 @@ def rope_backward(grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     g1, g2 = g[..., :half], g[..., half:]
     c1, c2, s1, s2 = c[..., :half], c[..., half:], s[..., :half], s[..., half:]
     return torch.cat((g1 * c1 + g2 * s2, g2 * c2 - g1 * s1), dim=-1).to(grad.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# The fused linear + cross-entropy
+# ----------------------------------------------------------------------------------------------
+
+
+def fused_linear_ce_chunk(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, n_valid: int,
+                          ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Exercise 3: one chunk of rows of ``mean cross_entropy(x @ weight.T, target)`` over the whole batch.
+
+    Teaches what makes chunking exact: the mean divides by the number of non-ignored rows of the
+    *whole* batch (``n_valid``), not of the chunk, so every chunk's loss and gradients carry the
+    same ``1 / n_valid``; then the chunks' losses and weight gradients simply add up. With
+    ``p = softmax(z)``, ``z = x W^T``, the logits' gradient is ``(p - onehot(y)) / n_valid`` on
+    non-ignored rows (0 on ignored ones), and ``grad_x = G W``, ``grad_W = G^T x``.
+
+    Returns ``(loss_sum, grad_x, grad_weight)``: the chunk's share of the loss (0-d), ``grad_x`` of
+    x's shape and ``grad_weight`` of the weight's, all float32.
+    """
+    z = x.float() @ weight.float().T
+    valid = target != ignore_index
+    safe = torch.where(valid, target, torch.zeros_like(target))
+    log_p = torch.log_softmax(z, dim=-1)
+    nll = -log_p.gather(1, safe[:, None]).squeeze(1)
+    loss_sum = torch.where(valid, nll, torch.zeros_like(nll)).sum() / n_valid
+    grad_z = log_p.exp()
+    grad_z[torch.arange(z.shape[0], device=z.device), safe] -= 1.0
+    grad_z = torch.where(valid[:, None], grad_z, torch.zeros_like(grad_z)) / n_valid
+    return loss_sum, grad_z @ weight.float(), grad_z.T @ x.float()
+
+
+def chunk_size_for_budget(budget_bytes: int, bytes_per_row: int, n_rows: int) -> int:
+    """Exercise 4: the largest power-of-two chunk of rows whose working memory fits ``budget_bytes``.
+
+    Teaches sizing a chunk from a memory budget: the fused loss's extra memory grows linearly with
+    the chunk (its logits, overwritten in place by their gradient, and a few floats of statistics
+    per row), so ``chunk = budget // bytes_per_row`` rounded *down* to a power of two (tiles stay
+    whole), at least 1 (a single row must run whatever the budget), at most the next power of two
+    of ``n_rows`` (no chunk larger than the batch).
+    """
+    fit = max(1, budget_bytes // max(1, bytes_per_row))
+    chunk = 1 << (fit.bit_length() - 1)
+    return max(1, min(chunk, triton.next_power_of_2(max(1, n_rows))))
