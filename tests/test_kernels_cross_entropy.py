@@ -720,11 +720,14 @@ def test_launch_config_stacks_short_rows_and_chunks_long_ones():
 # --------------------------------------------------------------------------- custom-op plumbing
 
 
-@pytest.mark.parametrize("reduction, compute_grad", [("mean", True), ("none", True), ("sum", False)])
-def test_opcheck_forward(reduction, compute_grad, gen):
+@pytest.mark.parametrize("reduction, compute_grad, options", [
+    ("mean", True, False), ("none", True, False), ("sum", False, False), ("mean", True, True), ("none", True, True),
+], ids=str)
+def test_opcheck_forward(reduction, compute_grad, options, gen):
     logits = randn((6, 37), gen).requires_grad_(compute_grad)
     target = targets((6,), 37, gen)
-    args = (logits, target, None, -100, reduction, 0.1, None, 0.0, False, compute_grad)
+    weight, softcap, z_loss = (class_weights(37, gen), 7.0, 1e-2) if options else (None, None, 0.0)
+    args = (logits, target, weight, -100, reduction, 0.1, softcap, z_loss, options, compute_grad)
     torch.library.opcheck(torch.ops.kernels.cross_entropy.default, args)
 
 
@@ -736,23 +739,27 @@ def test_opcheck_backward(gen):
 
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_torch_compile_fullgraph_forward_and_backward(backend, gen):
-    def step(x, t):
-        return cross_entropy(x, t, label_smoothing=0.1) * 3.0 + cross_entropy(x, t, reduction="none").sum()
+    def step(x, t, w):
+        loss, z = cross_entropy(x, t, label_smoothing=0.1, weight=w, softcap=6.0, z_loss=1e-2, return_z_loss=True)
+        return loss * 3.0 + cross_entropy(x, t, reduction="none").sum() + z.detach() * 0
 
     torch._dynamo.reset()
     compiled = torch.compile(step, fullgraph=True, backend=backend)
     logits = randn((6, 37), gen)
     target = targets((6,), 37, gen)
+    weight = class_weights(37, gen)
     x = logits.clone().requires_grad_()
-    loss = compiled(x, target)
+    loss = compiled(x, target, weight)
     loss.backward()
     xr = logits.double().requires_grad_()
-    want = F.cross_entropy(xr, target, label_smoothing=0.1) * 3.0 + F.cross_entropy(xr, target, reduction="none").sum()
+    capped = 6.0 * torch.tanh(xr / 6.0)
+    want = (F.cross_entropy(capped, target, label_smoothing=0.1, weight=weight.double())
+            + 1e-2 * z_term(capped, target)) * 3.0 + F.cross_entropy(xr, target, reduction="none").sum()
     want.backward()
     torch.testing.assert_close(loss.double(), want.detach(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(x.grad.double(), xr.grad, rtol=1e-5, atol=1e-6)
     with torch.no_grad():
-        torch.testing.assert_close(compiled(logits, target).double(), want.detach(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(compiled(logits, target, weight).double(), want.detach(), rtol=1e-5, atol=1e-5)
 
 
 def test_torch_compile_accepts_an_ignore_index_it_has_made_dynamic(gen):
