@@ -411,6 +411,89 @@ def test_kernels_custom_ops_are_counted_by_their_triton_launches_only():
     assert t.num_launches == 2
 
 
+_hidden_lib_defined = False
+
+
+def _hidden_work_op():
+    """A ``kernels`` custom op that hides torch work behind its Triton launch: a sum, a host sync, a copy."""
+    global _hidden_lib_defined
+    if not _hidden_lib_defined:
+
+        @torch.library.custom_op("kernels::_trace_test_hidden_work", mutates_args=())
+        def _trace_test_hidden_work(x: torch.Tensor) -> torch.Tensor:
+            scale = x.sum()  # an aten reduction: a kernel and n * 4 bytes
+            if scale.item() > 1e30:  # a host synchronization
+                raise AssertionError("unreachable")
+            flat = x.t().contiguous().t()  # a composite op: a copy (aten.clone)
+            out = torch.empty_like(flat)  # an allocation: moves nothing, not listed
+            add_kernel[(triton.cdiv(x.numel(), BLOCK),)](flat, flat, out, x.numel(), BLOCK=BLOCK)
+            return out
+
+        @_trace_test_hidden_work.register_fake
+        def _(x):
+            return torch.empty_like(x)
+
+        _hidden_lib_defined = True
+    return torch.ops.kernels._trace_test_hidden_work
+
+
+def test_torch_work_inside_a_kernels_op_is_counted_and_attributed_to_it():
+    op = _hidden_work_op()
+    x = torch.randn(30, 50)
+    with trace() as t:
+        y = op(x)
+        z = y + 1
+    torch.testing.assert_close(z, 2 * x + 1)
+    inside = "kernels._trace_test_hidden_work.default"
+    assert [(o.name, o.inside) for o in t.torch_ops] == [
+        ("aten.sum.default", inside), ("aten._local_scalar_dense.default", inside), ("aten.clone.default", inside),
+        ("aten.add.Tensor", ""),
+    ]
+    summed, synced, copied, _ = t.torch_ops
+    assert (summed.bytes_read, summed.bytes_written) == (x.nbytes, 4)
+    assert (synced.bytes_read, copied.bytes_read, copied.bytes_written) == (4, x.nbytes, x.nbytes)
+    (launch,) = t.launches  # the Triton launch inside is still a launch, with its exact traffic
+    assert launch.kernel == "add_kernel" and launch.bytes == 3 * x.nbytes
+    assert t.num_launches == 1 + 4
+
+
+def test_negative_control_an_opaque_kernels_op_hides_its_torch_work(monkeypatch):
+    """What the test above catches: counting the custom op as one opaque op (the tracer's old view)."""
+    from utils import trace as tracing
+
+    opaque = lambda self, func, args, kwargs: func(*args, **kwargs)  # noqa: E731
+    monkeypatch.setattr(tracing._TorchCounter, "_run_kernels_op", opaque)
+    x = torch.randn(30, 50)
+    with trace() as t:
+        _hidden_work_op()(x)
+    assert t.torch_ops == [] and t.num_launches == 1  # the sum, the sync and the copy unseen
+
+
+def test_kernels_ops_torch_work_composes_with_peak_memory_in_either_order():
+    from utils.memory import peak_memory
+
+    op = _hidden_work_op()
+    x = torch.randn(30, 50)
+    with trace() as outer, peak_memory(cuda=False) as inner:
+        op(x)
+    with peak_memory(cuda=False) as memory, trace() as t:
+        op(x)
+    assert inner.peak_bytes == memory.peak_bytes >= 2 * x.nbytes  # the copy and the output
+    # With peak_memory on top, it runs the op's body itself: the tracer sees the same work, unattributed.
+    assert [o.name for o in outer.torch_ops if o.launches] == [o.name for o in t.torch_ops]
+    assert outer.bytes == t.bytes and outer.num_launches == t.num_launches == 4
+
+
+def test_composite_ops_under_inference_mode_are_counted_by_what_they_run():
+    x = torch.randn(40, 30)
+    with torch.inference_mode():
+        y = torch.randn(40, 30)
+        with trace() as t:
+            y.t().contiguous()
+    assert [o.name for o in t.torch_ops if o.launches] == ["aten.clone.default"]
+    assert t.bytes == 2 * x.nbytes
+
+
 def test_torch_ops_can_be_left_out():
     x = torch.randn(10)
     with trace(torch_ops=False) as t:

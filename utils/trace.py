@@ -7,7 +7,9 @@ counts, per kernel launch, the bytes that the masked-in lanes really move, the 3
 they touch, the FLOPs of every dot, which tensor argument each access belongs to, and the
 accesses that fall outside every tensor argument (a missing mask). Alongside, a
 ``TorchDispatchMode`` counts the bytes each aten op reads and writes, so a naive torch version
-and a fused kernel are compared on the same scale::
+and a fused kernel are compared on the same scale. That includes the torch work a ``kernels``
+custom op does inside its implementation (``TorchOp.inside`` names the op), so an op cannot hide
+a reduction or a host sync (``aten._local_scalar_dense``) behind its one Triton launch::
 
     from utils.trace import trace
     with trace() as t:
@@ -179,6 +181,8 @@ class TorchOp:
     flops: int = 0
     #: 1 for an op that runs a kernel, 0 for views and allocations (they move nothing).
     launches: int = 1
+    #: The ``kernels::`` custom op whose implementation ran this aten op ("" for one called directly).
+    inside: str = ""
 
     @property
     def bytes(self) -> int:
@@ -571,20 +575,59 @@ def _torch_op(func: Any, args: tuple, kwargs: dict, out: Any) -> TorchOp:
 
 
 class _TorchCounter(TorchDispatchMode):
-    """Counts every aten op below autograd; ``kernels::`` ops are left to their Triton launches."""
+    """Counts every aten op below autograd, including those a ``kernels::`` custom op runs inside.
+
+    A ``kernels::`` op is not counted as an op of its own: its Triton launches are recorded as
+    launches, and its implementation runs with this mode re-entered, so the aten ops it runs
+    (a reduction, a copy, a host sync) are counted too, with :attr:`TorchOp.inside` naming the op.
+    Views and allocations inside such an op are left out: they move nothing and launch nothing.
+    (Under a ``utils.memory.peak_memory`` entered after the trace, that recorder runs the op's body
+    itself: the same work is counted, without ``inside`` and with the views listed.)
+    """
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func.namespace == "kernels" and not _STATE.in_launch:
+            return self._run_kernels_op(func, args, kwargs)
+        if func._can_decompose():
+            # A composite op reaches this mode undecomposed where autograd is not in the way (inside
+            # a custom op, under inference mode): count what it runs (``contiguous`` -> ``clone``).
+            with self:
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
         out = func(*args, **kwargs)
         # The interpreter's own copies of kernel arguments are not the program's traffic.
-        if _STATE.in_launch or func.namespace == "kernels":
+        if _STATE.in_launch:
             return out
-        op = None
-        for active in _STATE.active:
-            if active.count_torch:
-                op = op or _torch_op(func, args, kwargs, out)
-                active.torch_ops.append(op)
+        counting = [active for active in _STATE.active if active.count_torch]
+        if counting:
+            op = _torch_op(func, args, kwargs, out)
+            if _STATE.inside:
+                op.inside = _STATE.inside[-1]
+            if op.launches or not op.inside:
+                for active in counting:
+                    active.torch_ops.append(op)
         return out
+
+    def _run_kernels_op(self, func, args, kwargs):
+        """Run a ``kernels::`` op's implementation below this mode's dispatch key, with the mode active."""
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if not tensors or any(_is_fake(t) or t.device.type == "meta" for t in tensors):
+            return func(*args, **kwargs)  # a tracer's fake tensors: nothing runs, nothing to count
+        backend = getattr(torch._C.DispatchKey, torch._C._dispatch_key_for_device(tensors[0].device.type))
+        _STATE.inside.append(str(func))
+        try:
+            with self:
+                return func.redispatch(torch._C.DispatchKeySet(backend), *args, **kwargs)
+        finally:
+            _STATE.inside.pop()
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake  # noqa: PLC0415 (imported by torch already)
+
+    return is_fake(t)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -597,6 +640,8 @@ class _GlobalState:
         self.active: list[Trace] = []
         self.launch: _LaunchState | None = None
         self.in_launch = 0
+        #: The ``kernels::`` ops whose implementations are running (innermost last).
+        self.inside: list[str] = []
         self.installed: list[tuple[type, str, Any, Any]] = []
         self.mode: _TorchCounter | None = None
 

@@ -1,42 +1,75 @@
 """Cross-entropy over large vocabularies, forward and backward, as ``kernels::cross_entropy``.
 
-``loss_i = logsumexp(x_i) - (1 - eps) * x_i[y_i] - (eps / V) * sum_c x_i[c]`` for a row ``x_i`` of
-``V`` logits and a target class ``y_i`` — torch's formula, label smoothing ``eps`` included
-(``eps = 0`` is the plain negative log-likelihood of the softmax). Rows whose target is
-``ignore_index`` contribute nothing; ``"mean"`` divides by the number of the others.
+For a row ``x`` of ``V`` logits with target class ``y``, class weights ``w`` (all 1 by default)
+and label smoothing ``eps``, torch's definition::
+
+    loss = (1 - eps) * w[y] * (lse - z[y]) + eps / V * sum_c w[c] * (lse - z[c]),   lse = logsumexp(z)
+
+where ``z = x``, or with ``softcap`` (Gemma-2's final-logit soft-capping) ``z = softcap *
+tanh(x / softcap)``, computed in the kernel and never stored. ``z_loss`` (PaLM's auxiliary loss)
+adds ``z_loss * lse**2`` per row. Rows whose target is ``ignore_index`` contribute nothing;
+``"mean"`` divides the cross-entropy by the sum of the non-ignored rows' target weights (their
+number without weights) and the z-loss by the number of non-ignored rows (it is not weighted), as
+torch does for the one and Liger-Kernel for the other.
 
 **No softmax is materialized.** Each program walks its rows in chunks of ``BLOCK_COLS`` columns with a
 running maximum ``m`` and a running sum of exponentials rescaled to it (``s <- s * exp(m - m') +
-sum exp(x - m')``, the online log-sum-exp), so a 128k-word row is read once, in registers, and
-only one float per row — the loss — is written. Short rows are stacked ``BLOCK_ROWS`` to a tile.
+sum exp(z - m')``, the online log-sum-exp), so a 128k-word row is read once, in registers, and
+only one float per row is written. Short rows are stacked ``BLOCK_ROWS`` to a tile. The per-row
+math (soft-capping, the online update, the loss and the gradient of a chunk) is a set of
+``@triton.jit`` helpers that another kernel can call on logits it computes itself (chapter 06's
+fused linear cross-entropy).
 
-**The gradient is computed in the forward pass.** ``d loss_i / d x_i[c] = softmax(x_i)[c] - (1 - eps)
-[c == y_i] - eps / V`` (times ``1/n_valid`` for ``"mean"``) needs only the row's log-sum-exp, which
-the forward has just computed; so when a gradient will be needed (``logits.requires_grad`` and
-grad mode on), the forward also writes it, once, into a buffer of the logits' shape and dtype (a
-row that fits in one block is still read once; a longer row is read a second time for it, which
-a GPU serves largely from L2). The backward then only scales that buffer by ``grad_output`` (per
+**The gradient is computed in the forward pass.** ``d loss / d z[c] = A p[c] - B [c == y] - C w[c]``
+with ``p = softmax(z)``, ``A = (1 - eps) w[y] + eps / V sum(w)``, ``B = (1 - eps) w[y]``,
+``C = eps / V`` (plus ``2 z_loss lse p[c]``), times the reduction's scale, and times
+``1 - tanh(x / softcap)**2`` with soft-capping. It needs only the row's log-sum-exp, which the
+forward has just computed; so when a gradient will be needed (``logits.requires_grad`` and grad
+mode on), the forward also writes it, once, into a buffer of the logits' shape and dtype (a row
+that fits in one block is still read once; a longer row is read a second time for it, which a
+GPU serves largely from L2). The backward then only scales that buffer by ``grad_output`` (per
 row for ``"none"``), *in place* (``kernels::cross_entropy_backward``), and skips even that when
-the scale is exactly 1, as for ``loss.backward()``. Without a gradient the forward is one pass:
-logits read once, targets read, the loss written. Consequences: one backward per loss (a second
-one through a retained graph is refused with an error); under ``torch.compile`` the traced
-backward scales out of place (a traced graph must not mutate a saved tensor). Checking the
-targets (every one in ``[0, V)`` or ``ignore_index``) and counting the non-ignored rows costs one
-host synchronization per call.
+the scale is exactly 1, as for ``loss.backward()``. Consequences: one backward per loss (a
+second one through a retained graph is refused with an error); no double backward (a gradient
+penalty through this gradient raises the op's error instead of silently contributing nothing);
+under ``torch.compile`` the traced backward scales out of place (a traced graph must not mutate
+a saved tensor).
+
+**No host synchronization, no torch work.** A call is three launches, all Triton:
+
+1. ``cross_entropy_targets_kernel`` (one program) reads the targets once: checks that every one is
+   a class in ``[0, V)`` or ``ignore_index``, counts the non-ignored rows and sums their target
+   weights, and writes the reduction's scales (``1 / count`` or ``1 / weight sum`` for "mean")
+   into a small device buffer;
+2. ``cross_entropy_forward_kernel`` reads the logits (and the targets again, one integer per row),
+   reads the scales from that buffer — no value goes through the host — and writes the per-row
+   losses and the gradient;
+3. ``cross_entropy_reduce_kernel`` (one program, "mean" and "sum" only) sums the per-row losses in
+   a fixed order: deterministic, no atomics.
+
+An out-of-range target sets a flag in the device buffer, checked with ``torch._assert_async``.
+On the CPU that raises at once, and the error (a ``ValueError``) names the op, the valid range
+and the targets' range. On CUDA it is a device-side assertion, like the one torch's own
+``F.cross_entropy`` raises for a bad target: it does not stop the host, the failure surfaces as
+``CUDA error: device-side assert triggered`` at the next synchronizing call, and the CUDA context
+is unusable afterwards (run the same batch on the CPU, or with ``CUDA_LAUNCH_BLOCKING=1``, to see
+which call and which targets). That check is one tiny aten kernel (``aten._assert_async``).
 
 **Memory.** What torch keeps for ``F.cross_entropy`` forward + backward, per element of the
 ``N x V`` logits: the log-probabilities (saved for the backward), the gradient of the NLL
 (a one-hot ``N x V`` scatter) and the gradient of the log-softmax — three ``N x V`` tensors alive
 at the backward's peak. What this op keeps: the gradient buffer (it becomes ``logits.grad``
-without a copy) and one float32 per row. Measured with ``utils.memory.peak_memory`` on the CPU
-(N = 32, V = 32768, forward + backward, the logits themselves excluded), in bytes:
+without a copy), one float32 per row and a few bytes of scales. Measured with
+``utils.memory.peak_memory`` on the CPU (N = 32, V = 32768, forward + backward, the logits
+themselves excluded; ``tests/test_kernels_cross_entropy.py`` measures this table again and
+fails if it drifts), in bytes:
 
 ===================================================  ==========  =========  =====
 comparison                                                torch       ours  ratio
 ===================================================  ==========  =========  =====
-fp32 logits, ``F.cross_entropy(logits, y)``          12,582,920  4,194,440  0.333
-bf16 logits, ``F.cross_entropy(logits, y)``           6,291,460  2,097,288  0.333
-bf16 logits, ``F.cross_entropy(logits.float(), y)``  12,582,920  2,097,288  0.167
+fp32 logits, ``F.cross_entropy(logits, y)``          12,582,920  4,194,472  0.333
+bf16 logits, ``F.cross_entropy(logits, y)``           6,291,460  2,097,318  0.333
+bf16 logits, ``F.cross_entropy(logits.float(), y)``  12,582,920  2,097,318  0.167
 ===================================================  ==========  =========  =====
 
 That is 12, 6 and 12 bytes per logit for torch against 4, 2 and 2 for this op. So the "at most a
@@ -56,16 +89,26 @@ import triton
 import triton.language as tl
 
 from .. import _launch, runtime
-from .._launch import next_power_of_2
+from .._autograd import _raise_for
+from .._launch import coalesce_dims, next_power_of_2
 from .._rows import RowConfig, plan_rows, row_start
-from .._validate import check_choice, check_float_dtype, check_same_device, check_tensor
+from .._validate import check_bool, check_choice, check_float_dtype, check_same_device, check_tensor
 
 __all__ = [
     "REDUCTIONS",
     "cross_entropy",
     "cross_entropy_backward_kernel",
     "cross_entropy_forward_kernel",
+    "cross_entropy_grad_chunk",
+    "cross_entropy_grad_coefficients",
     "cross_entropy_launch_config",
+    "cross_entropy_reduce_kernel",
+    "cross_entropy_row_loss",
+    "cross_entropy_targets_kernel",
+    "online_logsumexp_update",
+    "softcap_logits",
+    "softcapped",
+    "tanh",
 ]
 
 #: The values of ``reduction``, as in ``torch.nn.functional.cross_entropy``.
@@ -75,31 +118,224 @@ REDUCTIONS: tuple[str, ...] = ("mean", "sum", "none")
 MAX_BLOCK: int = 16384 if runtime.INTERPRETER else 4096
 #: Elements a tile aims at: short rows are stacked BLOCK_ROWS high up to this many.
 TILE_ELEMENTS: int = 65536 if runtime.INTERPRETER else 4096
+#: Targets (or per-row losses) the one-program targets and reduce kernels take per iteration.
+SCAN_BLOCK: int = 16384 if runtime.INTERPRETER else 1024
 
 _OP = "kernels.cross_entropy"
 _FLOAT_MIN = tl.constexpr(-3.4028234663852886e38)  # a finite start for the running max (no inf - inf)
+_INT64_MAX = tl.constexpr(2**63 - 1)
+_INT64_MIN = tl.constexpr(-(2**63))
+# Slots of the targets kernel's outputs.
+_CHECK_SLOTS = 3  # int64: all targets valid (1/0), the lowest and the highest non-ignored target
+_SCALE_SLOTS = 3  # float32: the cross-entropy's scale, the z-loss's scale, the sum of the class weights
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-row math: @triton.jit helpers any kernel can call on a (BLOCK_ROWS, BLOCK_COLS) chunk
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def tanh(u):
+    """``tanh(u)`` in float32 from ``exp``, accurate to a few ulp everywhere (no libdevice needed).
+
+    ``(1 - e) / (1 + e)`` with ``e = exp(-2|u|)`` never overflows, but loses relative precision as
+    ``|u| -> 0`` (``1 - e`` cancels); below ``|u| = 1/4`` the Taylor series to ``u**9`` is used
+    instead (its next term is below 1e-8 relative there).
+    """
+    a = tl.abs(u)
+    e = tl.exp(-2.0 * a)
+    big = (1.0 - e) / (1.0 + e)
+    a2 = a * a
+    small = a * (1.0 + a2 * (-1.0 / 3.0 + a2 * (2.0 / 15.0 + a2 * (-17.0 / 315.0 + a2 * (62.0 / 2835.0)))))
+    t = tl.where(a < 0.25, small, big)
+    return tl.where(u < 0, -t, t)
+
+
+@triton.jit
+def softcap_logits(x, cap):
+    """Gemma-2's soft-capping: ``(cap * tanh(x / cap), d/dx = 1 - tanh(x / cap)**2)`` in float32.
+
+    The derivative is formed as ``4e / (1 + e)**2`` (``e = exp(-2|x / cap|)``), which keeps its
+    relative precision where ``1 - tanh**2`` would cancel (large ``|x|``).
+    """
+    u = x * (1.0 / cap)
+    e = tl.exp(-2.0 * tl.abs(u))
+    derivative = 4.0 * e / ((1.0 + e) * (1.0 + e))
+    return cap * tanh(u), derivative
+
+
+@triton.jit
+def softcapped(x, cap):
+    """``cap * tanh(x / cap)`` alone (the statistics pass needs no derivative)."""
+    return cap * tanh(x * (1.0 / cap))
+
+
+@triton.jit
+def online_logsumexp_update(row_max, sum_exp, z):
+    """Fold a ``(rows, cols)`` chunk ``z`` (masked lanes ``-inf``) into the running ``(max, sum exp(z - max))``.
+
+    Start from ``(_FLOAT_MIN, 0)``: a finite max, so that a row with every lane masked gives
+    ``(_FLOAT_MIN, 0)`` and never ``inf - inf``. One ``exp`` per element: the running sum is
+    rescaled once per chunk.
+    """
+    new_max = tl.maximum(row_max, tl.max(z, 1))
+    sum_exp = sum_exp * tl.exp(row_max - new_max) + tl.sum(tl.exp(z - new_max[:, None]), 1)
+    return new_max, sum_exp
+
+
+@triton.jit
+def cross_entropy_row_loss(row_max, log_sum, z_target, w_target, sum_wz, class_weight_sum, label_smoothing,
+                           n_cols, SMOOTHING: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+    """torch's per-row cross-entropy from the row's statistics (unscaled, before the reduction).
+
+    ``lse = row_max + log_sum`` is never formed: at ``|z| ~ 1e4`` its rounding (fp32 spacing 1e-3)
+    would be the loss's error; differences from the max are exact (like torch's log_softmax).
+    ``sum_wz`` is ``sum_c w[c] z[c]`` (``sum_c z[c]`` unweighted), used only with SMOOTHING;
+    ``class_weight_sum`` is ``sum_c w[c]``, used only with SMOOTHING and HAS_WEIGHT.
+    """
+    loss = (1.0 - label_smoothing) * w_target * (log_sum + (row_max - z_target))
+    if SMOOTHING:
+        if HAS_WEIGHT:
+            loss += label_smoothing / n_cols * (class_weight_sum * (log_sum + row_max) - sum_wz)
+        else:
+            loss += label_smoothing * (log_sum + (row_max - sum_wz / n_cols))
+    return loss
+
+
+@triton.jit
+def cross_entropy_grad_coefficients(row_max, log_sum, w_target, class_weight_sum, label_smoothing, n_cols,
+                                    z_loss, z_scale, SMOOTHING: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                                    Z_LOSS: tl.constexpr):
+    """Per-row ``(A, B, Z)`` of the gradient ``ce_scale (A p - B [c == y] - eps/V w[c]) + Z p``.
+
+    ``A = (1 - eps) w[y] + eps / V sum(w)`` (1 without weights: ``(1 - eps) + eps``), ``B = (1 - eps)
+    w[y]`` and ``Z = 2 z_loss lse z_scale`` (0 without the z-loss).
+    """
+    b = (1.0 - label_smoothing) * w_target
+    if HAS_WEIGHT:
+        a = b
+        if SMOOTHING:
+            a += label_smoothing / n_cols * class_weight_sum
+    else:
+        a = w_target * 0.0 + 1.0  # (1 - eps) + eps, exactly
+    if Z_LOSS:
+        z = 2.0 * z_loss * z_scale * (row_max + log_sum)
+    else:
+        z = a * 0.0
+    return a, b, z
+
+
+@triton.jit
+def cross_entropy_grad_chunk(z, cols, target, row_max, log_sum, a, b, zc, w, ce_scale, label_smoothing, n_cols,
+                             SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr):
+    """``d loss / d z`` over a ``(rows, cols)`` chunk of (capped) logits ``z``, in float32.
+
+    ``w`` is the chunk's class weights (``[1, cols]``) or 1.0; ``a, b, zc`` come from
+    :func:`cross_entropy_grad_coefficients`. Rows are not masked here: the caller zeroes ignored ones.
+    """
+    p = tl.exp((z - row_max[:, None]) - log_sum[:, None])
+    g = a[:, None] * p
+    g = tl.where(cols[None, :] == target[:, None], g - b[:, None], g)
+    if SMOOTHING:
+        g -= (label_smoothing / n_cols) * w
+    g = ce_scale * g
+    if Z_LOSS:
+        g += zc[:, None] * p
+    return g
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def cross_entropy_targets_kernel(
+    target_ptr, weight_ptr, check_ptr, scale_ptr,     # targets, class weights; outputs: the check, the scales
+    ignore_index, n_rows, n_cols, size1, size2,       # rows (targets), V, the merged leading dims
+    stride_t0, stride_t1, stride_t2, stride_w,
+    HAS_WEIGHT: tl.constexpr, CLASS_WEIGHT_SUM: tl.constexpr, MEAN: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """One program reads every target once, in a fixed order, and writes what the loss kernel needs.
+
+    ``check = [every non-ignored target in [0, V), lowest, highest]`` (int64; 0, 0 for the range
+    without any) and ``scale = [ce_scale, z_scale, sum(w)]`` (float32): for ``MEAN``, ``ce_scale`` is
+    1 / (the non-ignored rows' target weights summed, or counted without weights) and ``z_scale``
+    1 / (their count), NaN when that is 0 (``0 / 0``, like torch); otherwise both are 1.
+    ``sum(w)`` over all classes only with CLASS_WEIGHT_SUM (weights and label smoothing).
+    """
+    lanes = tl.arange(0, BLOCK)
+    count = tl.zeros([BLOCK], tl.int32)
+    bad = tl.zeros([BLOCK], tl.int32)
+    weight_sum = tl.zeros([BLOCK], tl.float32)
+    lowest = tl.full([BLOCK], _INT64_MAX, tl.int64)
+    highest = tl.full([BLOCK], _INT64_MIN, tl.int64)
+    for start in range(0, n_rows, BLOCK):
+        rows = start + lanes
+        in_batch = rows < n_rows
+        target = tl.load(target_ptr + row_start(rows, size1, size2, stride_t0, stride_t1, stride_t2), mask=in_batch,
+                         other=ignore_index).to(tl.int64)
+        valid = in_batch & (target != ignore_index)
+        in_range = valid & (target >= 0) & (target < n_cols)
+        count += valid.to(tl.int32)
+        bad += (valid & ~in_range).to(tl.int32)
+        lowest = tl.minimum(lowest, tl.where(valid, target, _INT64_MAX))
+        highest = tl.maximum(highest, tl.where(valid, target, _INT64_MIN))
+        if HAS_WEIGHT:
+            w = tl.load(weight_ptr + tl.where(in_range, target, 0) * stride_w, mask=in_range, other=0.0)
+            weight_sum += w.to(tl.float32)
+    n_valid = tl.sum(count, 0)
+    any_valid = n_valid > 0
+    tl.store(check_ptr, (tl.sum(bad, 0) == 0).to(tl.int64))
+    tl.store(check_ptr + 1, tl.where(any_valid, tl.min(lowest, 0), 0))
+    tl.store(check_ptr + 2, tl.where(any_valid, tl.max(highest, 0), 0))
+
+    count_f = n_valid.to(tl.float32)
+    if MEAN:
+        if HAS_WEIGHT:
+            total = tl.sum(weight_sum, 0)
+        else:
+            total = count_f
+        ce_scale = tl.where(total != 0.0, 1.0 / tl.where(total != 0.0, total, 1.0), float("nan"))
+        z_scale = tl.where(any_valid, 1.0 / tl.where(any_valid, count_f, 1.0), float("nan"))
+    else:
+        ce_scale = count_f * 0.0 + 1.0
+        z_scale = ce_scale
+    tl.store(scale_ptr, ce_scale)
+    tl.store(scale_ptr + 1, z_scale)
+    class_weight_sum = tl.zeros([BLOCK], tl.float32)
+    if CLASS_WEIGHT_SUM:
+        for start in range(0, n_cols, BLOCK):
+            cols = start + lanes
+            class_weight_sum += tl.load(weight_ptr + cols * stride_w, mask=cols < n_cols, other=0.0).to(tl.float32)
+    tl.store(scale_ptr + 2, tl.sum(class_weight_sum, 0))
 
 
 @triton.jit
 def cross_entropy_forward_kernel(
-    logits_ptr, target_ptr, loss_ptr, grad_ptr,       # x (rows of V logits), targets, losses, gradient
-    ignore_index, label_smoothing, grad_scale,
+    logits_ptr, target_ptr, loss_ptr, z_ptr, grad_ptr,  # x (rows of V logits), targets; per-row losses, z terms; grad
+    weight_ptr, scale_ptr,                            # class weights (V,), the targets kernel's scales
+    ignore_index, label_smoothing, softcap, z_loss,
     n_rows, n_cols, size1, size2,                     # rows, V, the merged leading dims
     stride_x0, stride_x1, stride_x2, stride_xcol,
     stride_t0, stride_t1, stride_t2, stride_tcol,
     stride_o0, stride_o1, stride_o2, stride_ocol,
+    stride_z0, stride_z1, stride_z2, stride_zcol,
     stride_g0, stride_g1, stride_g2, stride_gcol,
-    COMPUTE_GRAD: tl.constexpr, SMOOTHING: tl.constexpr, CHUNKED: tl.constexpr, INDEX_64: tl.constexpr,
+    stride_w,
+    COMPUTE_GRAD: tl.constexpr, SMOOTHING: tl.constexpr, HAS_WEIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    Z_LOSS: tl.constexpr, RETURN_Z: tl.constexpr, CHUNKED: tl.constexpr, INDEX_64: tl.constexpr,
     BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
 ):
     """Loss of BLOCK_ROWS rows (and, with COMPUTE_GRAD, their gradient), by online log-sum-exp.
 
-    ``loss[r] = lse - (1 - eps) x[y] - eps/V sum(x)`` with ``lse = max + log(sum exp(x - max))``
-    (0 for ignored rows), written in
-    ``loss_ptr``'s dtype. With COMPUTE_GRAD, ``grad[r, c] = grad_scale * (softmax[c] - (1 - eps)
-    [c == y] - eps/V)`` (0 for ignored rows), in ``grad_ptr``'s dtype. Unless CHUNKED, the row fits
-    in one block, so it is loaded once and kept in registers for both; CHUNKED: a statistics pass
-    over chunks, then (only for the gradient) a second pass.
+    ``loss[r] = ce_scale * ce + z_scale * z_loss * lse**2`` (0 for ignored rows), with ``ce`` from
+    :func:`cross_entropy_row_loss` and the scales read from ``scale_ptr`` (written by
+    :func:`cross_entropy_targets_kernel`); with RETURN_Z, ``z[r]`` is the z term alone. With
+    COMPUTE_GRAD, ``grad[r, :]`` is the loss's gradient with respect to the row (0 for ignored
+    rows). Unless CHUNKED, the row fits in one block, so it is loaded once and kept in registers
+    for both; CHUNKED: a statistics pass over chunks, then (only for the gradient) a second pass.
     """
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_mask = rows < n_rows
@@ -108,64 +344,132 @@ def cross_entropy_forward_kernel(
                      other=ignore_index).to(tl.int64)
     valid = row_mask & (target != ignore_index)  # ignored rows read no logits at all
     safe_target = tl.where(valid, target, 0)
-    x_target = tl.load(logits_ptr + x_row + safe_target * stride_xcol, mask=valid, other=0.0).to(tl.float32)
+    z_target = tl.load(logits_ptr + x_row + safe_target * stride_xcol, mask=valid, other=0.0).to(tl.float32)
+    if SOFTCAP:
+        z_target = softcapped(z_target, softcap)
+    if HAS_WEIGHT:
+        w_target = tl.load(weight_ptr + safe_target * stride_w, mask=valid, other=0.0).to(tl.float32)
+    else:
+        w_target = tl.where(valid, 1.0, 0.0)
+    ce_scale = tl.load(scale_ptr)
+    z_scale = tl.load(scale_ptr + 1)
+    class_weight_sum = tl.load(scale_ptr + 2)
     cols0 = tl.arange(0, BLOCK_COLS)
     if INDEX_64:
         cols0 = cols0.to(tl.int64)
 
+    row_max = tl.full([BLOCK_ROWS], _FLOAT_MIN, tl.float32)
+    sum_exp = tl.zeros([BLOCK_ROWS], tl.float32)
+    sum_wz = tl.zeros([BLOCK_ROWS], tl.float32)
     if not CHUNKED:
-        mask = valid[:, None] & (cols0 < n_cols)[None, :]
-        x = tl.load(logits_ptr + x_row[:, None] + (cols0 * stride_xcol)[None, :], mask=mask,
-                    other=float("-inf")).to(tl.float32)
-        row_max = tl.maximum(tl.max(x, 1), _FLOAT_MIN)
-        sum_exp = tl.sum(tl.exp(x - row_max[:, None]), 1)
+        col_mask = cols0 < n_cols
+        mask = valid[:, None] & col_mask[None, :]
+        x = tl.load(logits_ptr + x_row[:, None] + (cols0 * stride_xcol)[None, :], mask=mask, other=0.0).to(tl.float32)
+        if SOFTCAP:
+            x, dz = softcap_logits(x, softcap)
+        z = tl.where(mask, x, float("-inf"))
+        row_max, sum_exp = online_logsumexp_update(row_max, sum_exp, z)
+        w = 1.0
         if SMOOTHING:
-            sum_x = tl.sum(tl.where(mask, x, 0.0), 1)
+            if HAS_WEIGHT:
+                w = tl.load(weight_ptr + cols0 * stride_w, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+            sum_wz = tl.sum(tl.where(mask, x * w, 0.0), 1)
     else:
-        row_max = tl.full([BLOCK_ROWS], _FLOAT_MIN, tl.float32)
-        sum_exp = tl.zeros([BLOCK_ROWS], tl.float32)
-        sum_x = tl.zeros([BLOCK_ROWS], tl.float32)
         for start in range(0, n_cols, BLOCK_COLS):
             cols = start + cols0
-            mask = valid[:, None] & (cols < n_cols)[None, :]
+            col_mask = cols < n_cols
+            mask = valid[:, None] & col_mask[None, :]
             x = tl.load(logits_ptr + x_row[:, None] + (cols * stride_xcol)[None, :], mask=mask,
-                        other=float("-inf")).to(tl.float32)
-            new_max = tl.maximum(row_max, tl.max(x, 1))
-            # One exp per element: the running sum is rescaled once per chunk, not per element.
-            sum_exp = sum_exp * tl.exp(row_max - new_max) + tl.sum(tl.exp(x - new_max[:, None]), 1)
-            row_max = new_max
+                        other=0.0).to(tl.float32)
+            if SOFTCAP:
+                x = softcapped(x, softcap)
+            row_max, sum_exp = online_logsumexp_update(row_max, sum_exp, tl.where(mask, x, float("-inf")))
             if SMOOTHING:
-                sum_x += tl.sum(tl.where(mask, x, 0.0), 1)
-    # lse = row_max + log_sum is never formed: at |x| ~ 1e4 its rounding (fp32 spacing 1e-3) would
-    # be the loss's error; differences from the max are exact (like torch's log_softmax).
+                if HAS_WEIGHT:
+                    w_stat = tl.load(weight_ptr + cols * stride_w, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+                    sum_wz += tl.sum(tl.where(mask, x * w_stat, 0.0), 1)
+                else:
+                    sum_wz += tl.sum(tl.where(mask, x, 0.0), 1)
     log_sum = tl.log(tl.where(valid, sum_exp, 1.0))  # ignored rows: nothing summed, unused
-    loss = log_sum + (1.0 - label_smoothing) * (row_max - x_target)
-    if SMOOTHING:
-        loss += label_smoothing * (row_max - sum_x / n_cols)
+    ce = cross_entropy_row_loss(row_max, log_sum, z_target, w_target, sum_wz, class_weight_sum, label_smoothing,
+                                n_cols, SMOOTHING, HAS_WEIGHT)
+    loss = ce_scale * ce
+    if Z_LOSS:
+        lse = row_max + log_sum
+        z_term = tl.where(valid, z_scale * z_loss * lse * lse, 0.0)
+        loss += z_term
+    else:
+        z_term = loss * 0.0
     loss = tl.where(valid, loss, 0.0)
-    loss_offsets = row_start(rows, size1, size2, stride_o0, stride_o1, stride_o2)
-    tl.store(loss_ptr + loss_offsets, loss.to(loss_ptr.dtype.element_ty), mask=row_mask)
+    tl.store(loss_ptr + row_start(rows, size1, size2, stride_o0, stride_o1, stride_o2),
+             loss.to(loss_ptr.dtype.element_ty), mask=row_mask)
+    if RETURN_Z:
+        tl.store(z_ptr + row_start(rows, size1, size2, stride_z0, stride_z1, stride_z2),
+                 z_term.to(z_ptr.dtype.element_ty), mask=row_mask)
 
     if COMPUTE_GRAD:
+        a, b, zc = cross_entropy_grad_coefficients(row_max, log_sum, w_target, class_weight_sum, label_smoothing,
+                                                   n_cols, z_loss, z_scale, SMOOTHING, HAS_WEIGHT, Z_LOSS)
         g_row = row_start(rows, size1, size2, stride_g0, stride_g1, stride_g2)
-        smooth = label_smoothing / n_cols
         if not CHUNKED:
-            g = tl.exp((x - row_max[:, None]) - log_sum[:, None]) - smooth
-            g = tl.where(cols0[None, :] == safe_target[:, None], g - (1.0 - label_smoothing), g)
-            g = tl.where(valid[:, None], g * grad_scale, 0.0)
+            g = cross_entropy_grad_chunk(z, cols0, safe_target, row_max, log_sum, a, b, zc, w, ce_scale,
+                                         label_smoothing, n_cols, SMOOTHING, Z_LOSS)
+            if SOFTCAP:
+                g = g * dz
+            g = tl.where(valid[:, None], g, 0.0)
             tl.store(grad_ptr + g_row[:, None] + (cols0 * stride_gcol)[None, :], g.to(grad_ptr.dtype.element_ty),
                      mask=row_mask[:, None] & (cols0 < n_cols)[None, :])
         else:
             for start in range(0, n_cols, BLOCK_COLS):
                 cols = start + cols0
-                col_mask = (cols < n_cols)[None, :]
-                x = tl.load(logits_ptr + x_row[:, None] + (cols * stride_xcol)[None, :], mask=valid[:, None] & col_mask,
+                col_mask = cols < n_cols
+                mask = valid[:, None] & col_mask[None, :]
+                x = tl.load(logits_ptr + x_row[:, None] + (cols * stride_xcol)[None, :], mask=mask,
                             other=0.0).to(tl.float32)
-                g = tl.exp((x - row_max[:, None]) - log_sum[:, None]) - smooth
-                g = tl.where(cols[None, :] == safe_target[:, None], g - (1.0 - label_smoothing), g)
-                g = tl.where(valid[:, None], g * grad_scale, 0.0)
+                if SOFTCAP:
+                    x, dx = softcap_logits(x, softcap)
+                w_grad = 1.0
+                if SMOOTHING:
+                    if HAS_WEIGHT:
+                        w_grad = tl.load(weight_ptr + cols * stride_w, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+                g = cross_entropy_grad_chunk(x, cols, safe_target, row_max, log_sum, a, b, zc, w_grad, ce_scale,
+                                             label_smoothing, n_cols, SMOOTHING, Z_LOSS)
+                if SOFTCAP:
+                    g = g * dx
+                g = tl.where(valid[:, None], g, 0.0)
                 tl.store(grad_ptr + g_row[:, None] + (cols * stride_gcol)[None, :], g.to(grad_ptr.dtype.element_ty),
-                         mask=row_mask[:, None] & col_mask)
+                         mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def cross_entropy_reduce_kernel(
+    loss_rows_ptr, z_rows_ptr, scale_ptr, loss_ptr, z_ptr,  # per-row losses and z terms (float32); the outputs
+    n_rows,
+    RETURN_Z: tl.constexpr, MEAN: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """One program sums the (already scaled) per-row losses in a fixed order: the same bits every run.
+
+    For MEAN, a NaN scale (no non-ignored row, or their weights sum to 0) makes the loss NaN, as
+    torch's ``0 / 0``.
+    """
+    lanes = tl.arange(0, BLOCK)
+    total = tl.zeros([BLOCK], tl.float32)
+    z_total = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, n_rows, BLOCK):
+        rows = start + lanes
+        total += tl.load(loss_rows_ptr + rows, mask=rows < n_rows, other=0.0)
+        if RETURN_Z:
+            z_total += tl.load(z_rows_ptr + rows, mask=rows < n_rows, other=0.0)
+    loss = tl.sum(total, 0)
+    z = tl.sum(z_total, 0)
+    if MEAN:
+        ce_scale = tl.load(scale_ptr)
+        z_scale = tl.load(scale_ptr + 1)
+        loss = tl.where(ce_scale == ce_scale, loss, float("nan"))
+        z = tl.where(z_scale == z_scale, z, float("nan"))
+    tl.store(loss_ptr, loss.to(loss_ptr.dtype.element_ty))
+    if RETURN_Z:
+        tl.store(z_ptr, z.to(z_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -229,8 +533,12 @@ def _expected_target_shape(logits: torch.Tensor) -> tuple[int, ...]:
     return (logits.shape[0], *logits.shape[2:])
 
 
-def _check_args(logits: object, target: object, ignore_index: object, reduction: object,
-                label_smoothing: object) -> None:
+def _is_real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _check_args(logits: object, target: object, weight: object, ignore_index: object, reduction: object,
+                label_smoothing: object, softcap: object, z_loss: object, return_z_loss: object) -> None:
     check_tensor(_OP, "logits", logits)
     check_tensor(_OP, "target", target)
     check_float_dtype(_OP, "logits", logits)
@@ -254,51 +562,84 @@ def _check_args(logits: object, target: object, ignore_index: object, reduction:
     n_classes = logits.shape[0] if logits.dim() == 1 else logits.shape[1]
     if n_classes == 0:
         raise ValueError(f"{_OP}: logits must have at least one class, got shape {tuple(logits.shape)}")
+    if weight is not None:
+        check_tensor(_OP, "weight", weight)
+        check_float_dtype(_OP, "weight", weight)
+        check_same_device(_OP, "logits", logits, "weight", weight)
+        if tuple(weight.shape) != (n_classes,):
+            raise ValueError(f"{_OP}: weight must hold one weight per class, shape ({n_classes},), "
+                             f"got {tuple(weight.shape)}")
     # torch.compile passes a Python int that it has made dynamic as a SymInt.
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, (numbers.Integral, torch.SymInt)):
         raise TypeError(f"{_OP}: ignore_index must be an int, got {type(ignore_index).__name__}")
     check_choice(_OP, "reduction", reduction, REDUCTIONS)
-    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, numbers.Real):
+    if not _is_real(label_smoothing):
         raise TypeError(f"{_OP}: label_smoothing must be a float in [0, 1], got {type(label_smoothing).__name__}")
     if not 0.0 <= float(label_smoothing) <= 1.0:
         raise ValueError(f"{_OP}: label_smoothing must be in [0, 1], got {float(label_smoothing)}")
-
-
-def _check_target_values(target: torch.Tensor, n_classes: int, ignore_index: int) -> int:
-    """Every target is a class in [0, V) or ignore_index (one host sync); returns the non-ignored count."""
-    if target.numel() == 0:
-        return 0
-    valid = target != ignore_index
-    lowest = torch.where(valid, target, 0).min()
-    highest = torch.where(valid, target, 0).max()
-    low, high, n_valid = torch.stack([lowest.long(), highest.long(), valid.sum()]).tolist()
-    if low < 0 or high >= n_classes:
-        bad = low if low < 0 else high
-        raise ValueError(
-            f"{_OP}: target must hold class indices in [0, {n_classes}) or ignore_index={ignore_index}, "
-            f"got {bad} (targets range over [{low}, {high}]). Check the labels against the vocabulary size, "
-            f"or pass the padding label as ignore_index"
-        )
-    return n_valid
+    if softcap is not None:
+        if not _is_real(softcap):
+            raise TypeError(f"{_OP}: softcap must be None or a positive float, got {type(softcap).__name__}")
+        if not (math.isfinite(float(softcap)) and float(softcap) > 0):
+            raise ValueError(f"{_OP}: softcap must be a positive, finite float (Gemma-2 uses 30.0), got {softcap}")
+    if not _is_real(z_loss):
+        raise TypeError(f"{_OP}: z_loss must be a float >= 0, got {type(z_loss).__name__}")
+    if not (math.isfinite(float(z_loss)) and float(z_loss) >= 0):
+        raise ValueError(f"{_OP}: z_loss must be a finite float >= 0 (PaLM uses 1e-4), got {z_loss}")
+    check_bool(_OP, "return_z_loss", return_z_loss)
 
 
 def _loss_shape(logits: torch.Tensor, reduction: str) -> tuple[int, ...]:
     return _expected_target_shape(logits) if reduction == "none" else ()
 
 
+def _z_shape(logits: torch.Tensor, reduction: str, return_z_loss: bool) -> tuple[int, ...]:
+    return _loss_shape(logits, reduction) if return_z_loss else (0,)
+
+
 def _empty_grad(logits: torch.Tensor, compute_grad: bool) -> torch.Tensor:
-    """The gradient buffer: the logits' shape, dtype and (dense) layout; empty without a gradient."""
-    if compute_grad:
-        return torch.empty_like(logits, memory_format=torch.preserve_format)
-    return logits.new_empty((0,))
+    """The gradient buffer: the logits' shape, dtype and layout, like ``torch.empty_like``; empty without one.
+
+    ``torch.empty_like``'s strides (the logits' own when they are dense, else their dim order,
+    packed) are taken from a meta tensor; the buffer itself comes from ``_launch.empty`` (the
+    poisoning hook) with its dims in that order, permuted back. A transposed or channels-last
+    input gets a gradient of its own layout: no transposed writes.
+    """
+    if not compute_grad:
+        return _launch.empty((0,), logits.dtype, logits.device)
+    strides = torch.empty_like(logits, device="meta").stride()
+    order = sorted(range(logits.dim()), key=lambda d: (-strides[d], d))
+    buffer = _launch.empty([logits.shape[d] for d in order], logits.dtype, logits.device)
+    return buffer.permute([order.index(d) for d in range(logits.dim())])
 
 
-def _poisonable(t: torch.Tensor) -> torch.Tensor:
-    """Identity; tests replace it to fill fresh buffers with NaN."""
-    return t
+def _target_rows(target: torch.Tensor, lead: tuple[int, ...]) -> torch.Tensor:
+    """The targets as a tensor of the row shape, walkable by the one-program targets kernel.
+
+    That kernel walks at most three leading dims; targets whose dims do not merge into three (a
+    permuted 4-d target) are copied contiguous first — the one copy this op can make, of one
+    integer per row.
+    """
+    t = target.reshape(lead)
+    sizes, _ = coalesce_dims(t.shape, [t.stride()])
+    return t if len(sizes) <= 3 else t.contiguous()
 
 
-
+def _assert_targets(check: torch.Tensor, n_classes: int, ignore_index: int) -> None:
+    """Raise if the targets kernel found a target outside ``[0, V)`` (``check[0] == 0``), without a host sync."""
+    message = f"{_OP}: target must hold class indices in [0, {n_classes}) or ignore_index={ignore_index}"
+    if check.device.type != "cpu":
+        torch._assert_async(check[0], message)  # a device-side assertion: see the module docstring
+        return
+    try:
+        torch._assert_async(check[0], message)  # on the CPU: checked at once
+    except RuntimeError:
+        low, high = check[1:].tolist()  # only on the way to the error
+        bad = low if low < 0 else high
+        raise ValueError(
+            f"{message}, got {bad} (targets range over [{low}, {high}]). Check the labels against the "
+            "vocabulary size, or pass the padding label as ignore_index"
+        ) from None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -306,21 +647,43 @@ def _poisonable(t: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 
 
-def _launch_forward(logits, target, loss_rows, grad, ignore_index, label_smoothing, grad_scale) -> None:
+def _launch_targets(target_rows, weight, check, scales, n_classes, ignore_index, mean, class_weight_sum) -> None:
+    t = target_rows.reshape(-1) if target_rows.dim() == 0 else target_rows
+    sizes, (strides,) = coalesce_dims(t.shape, [t.stride()])
+    sizes = [1] * (3 - len(sizes)) + sizes
+    strides = [0] * (3 - len(strides)) + strides
+    w = weight if weight is not None else scales  # without weights: never read
+    cross_entropy_targets_kernel[(1,)](
+        t, w, check, scales, ignore_index, t.numel(), n_classes, sizes[1], sizes[2], *strides,
+        w.stride(0) if weight is not None else 0,
+        HAS_WEIGHT=weight is not None, CLASS_WEIGHT_SUM=class_weight_sum, MEAN=mean, BLOCK=SCAN_BLOCK,
+    )
+
+
+def _launch_forward(logits, target_rows, weight, scales, loss_rows, z_rows, grad, ignore_index, label_smoothing,
+                    softcap, z_loss) -> None:
     x = _class_last(logits)
     n_classes = x.shape[-1]
     lead = x.shape[:-1]
-    t = target.reshape(lead) if target.dim() == 0 else target
-    operands = [x, t.unsqueeze(-1).expand(x.shape), loss_rows.view(lead).unsqueeze(-1).expand(x.shape)]
     compute_grad = grad.numel() > 0
+    return_z = z_rows is not None
+    z_out = z_rows if return_z else loss_rows  # without the z terms: never written
+
+    def per_row(t):
+        return t.view(lead).unsqueeze(-1).expand(x.shape)
+
+    operands = [x, target_rows.unsqueeze(-1).expand(x.shape), per_row(loss_rows), per_row(z_out)]
     operands.append(_class_last(grad) if compute_grad else x)  # without a gradient: never written
+    w = weight if weight is not None else scales  # without weights: never read
+    stride_w = weight.stride(0) if weight is not None else 0
     for launch in plan_rows(operands):
         config = cross_entropy_launch_config(launch.n_rows, n_classes)
-        pointers = list(launch.tensors)
         grid = (config.programs(launch.n_rows),)
         cross_entropy_forward_kernel[grid](
-            *pointers, ignore_index, float(label_smoothing), float(grad_scale), *launch.args(),
-            COMPUTE_GRAD=compute_grad, SMOOTHING=label_smoothing != 0.0, CHUNKED=config.chunked,
+            *launch.tensors[:4], launch.tensors[4], w, scales,
+            ignore_index, float(label_smoothing), float(softcap or 1.0), float(z_loss), *launch.args(), stride_w,
+            COMPUTE_GRAD=compute_grad, SMOOTHING=label_smoothing != 0.0, HAS_WEIGHT=weight is not None,
+            SOFTCAP=softcap is not None, Z_LOSS=z_loss != 0.0, RETURN_Z=return_z, CHUNKED=config.chunked,
             INDEX_64=launch.index_64, BLOCK_ROWS=config.block_rows, BLOCK_COLS=config.block_cols,
             num_warps=config.num_warps,
         )
@@ -328,37 +691,61 @@ def _launch_forward(logits, target, loss_rows, grad, ignore_index, label_smoothi
 
 @torch.library.custom_op("kernels::cross_entropy", mutates_args=())
 def _cross_entropy_op(
-    logits: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str, label_smoothing: float,
-    compute_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_args(logits, target, ignore_index, reduction, label_smoothing)
-    runtime.require_launchable(_OP, logits, target)
+    logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int, reduction: str,
+    label_smoothing: float, softcap: float | None, z_loss: float, return_z_loss: bool, compute_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(loss, z term or an empty tensor, the gradient buffer or an empty one, an empty anchor)``.
+
+    The anchor is a 0-element output that autograd links to this op's node: the backward saves it
+    to give a gradient computed under ``create_graph=True`` a graph whose backward raises.
+    """
+    _check_args(logits, target, weight, ignore_index, reduction, label_smoothing, softcap, z_loss, return_z_loss)
+    runtime.require_launchable(_OP, logits, target, *([weight] if weight is not None else []))
+    device = logits.device
     x = _class_last(logits)
-    n_valid = _check_target_values(target, x.shape[-1], ignore_index)
-    n_rows = math.prod(x.shape[:-1])
+    n_classes = x.shape[-1]
+    lead = tuple(x.shape[:-1])
+    n_rows = math.prod(lead)
+    mean = reduction == "mean"
+    target_rows = _target_rows(target, lead)
+
+    check = _launch.empty((_CHECK_SLOTS,), torch.int64, device)
+    scales = _launch.empty((_SCALE_SLOTS,), torch.float32, device)
+    _launch_targets(target_rows, weight, check, scales, n_classes, ignore_index, mean,
+                    class_weight_sum=weight is not None and label_smoothing != 0.0)
+    _assert_targets(check, n_classes, ignore_index)
+
     if reduction == "none":
-        loss_rows = _launch.empty(tuple(target.shape), logits.dtype, logits.device)
+        loss_rows = _launch.empty(lead, logits.dtype, device)
+        z_rows = _launch.empty(lead, logits.dtype, device) if return_z_loss else None
     else:
-        loss_rows = _launch.empty((n_rows,), torch.float32, logits.device)
+        loss_rows = _launch.empty((n_rows,), torch.float32, device)
+        z_rows = _launch.empty((n_rows,), torch.float32, device) if return_z_loss else None
     grad = _empty_grad(logits, compute_grad)
-    # "mean" divides by the non-ignored rows; with none of them the loss is 0/0 = NaN (like torch)
-    # and every row's gradient is 0 (ignored rows write zeros), so the scale is never used.
-    grad_scale = 1.0 / n_valid if reduction == "mean" and n_valid > 0 else 1.0
-    _launch_forward(logits, target, loss_rows, grad, ignore_index, label_smoothing, grad_scale)
+    _launch_forward(logits, target_rows, weight, scales, loss_rows, z_rows, grad, ignore_index, label_smoothing,
+                    softcap, z_loss)
     if reduction == "none":
-        loss = loss_rows
-    elif reduction == "sum":
-        loss = loss_rows.sum().to(logits.dtype)
+        loss = loss_rows.view(_loss_shape(logits, reduction))
+        z = z_rows.view(loss.shape) if return_z_loss else _launch.empty((0,), logits.dtype, device)
     else:
-        loss = (loss_rows.sum() / n_valid).to(logits.dtype)
-    return loss, grad
+        loss = _launch.empty((), logits.dtype, device)
+        z = _launch.empty(() if return_z_loss else (0,), logits.dtype, device)
+        cross_entropy_reduce_kernel[(1,)](
+            loss_rows, z_rows if return_z_loss else loss_rows, scales, loss, z, n_rows,
+            RETURN_Z=return_z_loss, MEAN=mean, BLOCK=SCAN_BLOCK,
+        )
+    anchor = _launch.empty((0,), torch.float32, device)
+    return loss, z, grad, anchor
 
 
 @_cross_entropy_op.register_fake
-def _cross_entropy_fake(logits, target, ignore_index, reduction, label_smoothing, compute_grad):
-    _check_args(logits, target, ignore_index, reduction, label_smoothing)
+def _cross_entropy_fake(logits, target, weight, ignore_index, reduction, label_smoothing, softcap, z_loss,
+                        return_z_loss, compute_grad):
+    _check_args(logits, target, weight, ignore_index, reduction, label_smoothing, softcap, z_loss, return_z_loss)
     loss = logits.new_empty(_loss_shape(logits, reduction))
-    return loss, _empty_grad(logits, compute_grad)
+    z = logits.new_empty(_z_shape(logits, reduction, return_z_loss))
+    grad = torch.empty_like(logits) if compute_grad else logits.new_empty((0,))  # _empty_grad's layout
+    return loss, z, grad, logits.new_empty((0,), dtype=torch.float32)
 
 
 @torch.library.custom_op("kernels::cross_entropy_backward", mutates_args=("grad_logits",))
@@ -390,17 +777,38 @@ def _cross_entropy_backward_fake(grad_logits, grad_loss) -> None:
     return None
 
 
+#: The inputs of ``kernels::cross_entropy`` after (logits, target): none of them gets a gradient.
+_NO_GRADIENTS = (None,) * 9
+
+
+class _NoDoubleBackward(torch.autograd.Function):
+    """The gradient handed out under ``create_graph=True``: its own backward raises the op's error.
+
+    Its inputs link it into the graph: the forward's anchor output (so a backward through the
+    gradient reaches this node whatever it differentiates), and ``grad_loss`` (which may itself
+    require a gradient).
+    """
+
+    @staticmethod
+    def forward(ctx, grad, anchor, grad_loss):
+        return grad
+
+    @staticmethod
+    def backward(ctx, *grads):
+        _raise_for(f"{_OP} (backward)")(ctx, *grads)
+
+
 def _setup_context(ctx, inputs, output) -> None:
     *_, compute_grad = inputs
-    loss, grad = output
+    _, z, grad, anchor = output
     ctx.compute_grad = compute_grad
     ctx.backward_ran = False
-    ctx.save_for_backward(grad)
-    ctx.mark_non_differentiable(grad)
+    ctx.save_for_backward(grad, anchor)
+    ctx.mark_non_differentiable(z, grad)
     ctx.set_materialize_grads(False)  # no N x V zeros for the buffer's (absent) gradient
 
 
-def _backward(ctx, grad_loss: torch.Tensor, _grad_of_grad_buffer: torch.Tensor | None):
+def _backward(ctx, grad_loss, _grad_z, _grad_of_grad_buffer, _grad_anchor):
     if not ctx.compute_grad:
         raise RuntimeError(
             f"{_OP}: the forward ran with compute_grad=False, so no gradient was computed; call "
@@ -413,18 +821,23 @@ def _backward(ctx, grad_loss: torch.Tensor, _grad_of_grad_buffer: torch.Tensor |
             "loss again for each backward"
         )
     ctx.backward_ran = True
-    (grad,) = ctx.saved_tensors
+    grad, anchor = ctx.saved_tensors
     if grad_loss is None:  # the loss took no part in what is being differentiated
-        return None, None, None, None, None, None
+        return (None, *_NO_GRADIENTS)
     if _tracing(grad, grad_loss):
         # A traced backward (torch.compile, AOTAutograd) must not mutate a saved activation: scale
         # out of place, which Inductor can do in the dead buffer's memory.
         g = _class_last(grad)
         scale = grad_loss.reshape(()) if grad_loss.dim() == 0 or grad.dim() == 1 else grad_loss.unsqueeze(-1)
-        grad = _unmove(g * scale, grad)
-    else:
+        return (_unmove(g * scale, grad), *_NO_GRADIENTS)
+    create_graph = torch.is_grad_enabled()
+    with torch.no_grad():
         _cross_entropy_backward_op(grad, grad_loss)
-    return grad, None, None, None, None, None
+    if create_graph:
+        # A first-order backward merely recorded (create_graph=True) works; differentiating the
+        # gradient it returns reaches _NoDoubleBackward, which raises.
+        grad = _NoDoubleBackward.apply(grad, anchor, grad_loss)
+    return (grad, *_NO_GRADIENTS)
 
 
 def _tracing(*tensors: torch.Tensor) -> bool:
@@ -452,7 +865,11 @@ def cross_entropy(
     ignore_index: int = -100,
     reduction: str = "mean",
     label_smoothing: float = 0.0,
-) -> torch.Tensor:
+    weight: torch.Tensor | None = None,
+    softcap: float | None = None,
+    z_loss: float = 0.0,
+    return_z_loss: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy of ``logits`` against class indices, like ``torch.nn.functional.cross_entropy``.
 
     Args:
@@ -460,20 +877,38 @@ def cross_entropy(
             with the classes in dim 1 (like torch); any strides (not copied). Vocabularies of any
             size: the softmax is never stored.
         target: int64 (or int32) class indices of shape ``(N,)``, ``()`` or ``(N, d1, ...)``; each a
-            class in ``[0, V)`` or ``ignore_index`` (checked, with one host synchronization).
+            class in ``[0, V)`` or ``ignore_index`` (checked on the device, without a host
+            synchronization: on CUDA a bad target is a device-side assertion, see the module docstring).
         ignore_index: rows with this target add nothing to the loss or the gradient; ``"mean"``
             averages over the others (all ignored: NaN, like torch).
         reduction: ``"mean"``, ``"sum"`` or ``"none"`` (per-row losses, of ``target``'s shape).
         label_smoothing: ``eps`` in [0, 1]: the target distribution is ``(1 - eps)`` one-hot plus
             ``eps / V`` everywhere (torch's definition).
+        weight: per-class weights ``(V,)`` (float32/16, bf16, whatever the logits' dtype; any stride),
+            torch's ``weight``: row ``i``'s loss is scaled by ``weight[target_i]`` (the smoothing term
+            by each class's weight), and ``"mean"`` divides by the non-ignored rows' target weights
+            summed. Not differentiable (as in torch): a weight that requires a gradient is refused.
+        softcap: Gemma-2's final-logit soft-capping: the loss is computed on ``softcap *
+            tanh(logits / softcap)`` (in the kernel, never stored), with the gradient through it.
+        z_loss: PaLM's auxiliary loss: ``z_loss * logsumexp(row)**2`` is added for each non-ignored row,
+            reduced like the loss — except that ``"mean"`` divides it by the number of non-ignored rows,
+            unweighted (as Liger-Kernel does) — with its gradient.
+        return_z_loss: also return the z-loss term alone, reduced the same way, for logging. It is
+            not differentiable (its gradient is already in the loss's).
 
     Returns:
-        The loss in the logits' dtype (computed in float32). Differentiable with respect to
-        ``logits``: when ``logits.requires_grad`` and grad mode is on, the forward also writes the
-        gradient (one extra pass), and the backward only scales it by the incoming gradient,
-        in place (``kernels::cross_entropy_backward``), so one backward per loss.
+        The loss in the logits' dtype (computed in float32), or ``(loss, z_loss_term)`` with
+        ``return_z_loss``. Differentiable with respect to ``logits``: when ``logits.requires_grad``
+        and grad mode is on, the forward also writes the gradient (one extra pass for long rows),
+        and the backward only scales it by the incoming gradient, in place
+        (``kernels::cross_entropy_backward``), so one backward per loss, and no double backward.
     """
-    _check_args(logits, target, ignore_index, reduction, label_smoothing)
+    _check_args(logits, target, weight, ignore_index, reduction, label_smoothing, softcap, z_loss, return_z_loss)
+    if weight is not None and weight.requires_grad and torch.is_grad_enabled():
+        raise ValueError(f"{_OP}: weight is not differentiable (as in torch's cross_entropy); pass weight.detach()")
     compute_grad = bool(logits.requires_grad and torch.is_grad_enabled())
-    loss, _ = _cross_entropy_op(logits, target, int(ignore_index), reduction, float(label_smoothing), compute_grad)
-    return loss
+    loss, z, _, _ = _cross_entropy_op(
+        logits, target, weight, int(ignore_index), reduction, float(label_smoothing),
+        None if softcap is None else float(softcap), float(z_loss), bool(return_z_loss), compute_grad,
+    )
+    return (loss, z) if return_z_loss else loss
