@@ -821,7 +821,7 @@ def _t(*values):
         (lambda: cross_entropy(_X, _T.to("meta")), ValueError,
          r"^kernels\.cross_entropy: logits and target must be on the same device, got \S+ and meta"),
         (lambda: cross_entropy(_X, _T, reduction="avg"), ValueError,
-         r"^kernels\.cross_entropy: reduction must be 'mean' or 'sum' or 'none', got 'avg'"),
+         r"^kernels\.cross_entropy: reduction must be 'mean', 'sum' or 'none', got 'avg'"),
         (lambda: cross_entropy(_X, _T, reduction=None), TypeError, r"^kernels\.cross_entropy: reduction must be"),
         (lambda: cross_entropy(_X, _T, label_smoothing=1.5), ValueError,
          r"^kernels\.cross_entropy: label_smoothing must be in \[0, 1\], got 1\.5"),
