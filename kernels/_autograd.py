@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["COVERED", "forbid_double_backward"]
+__all__ = ["COVERED", "forbid_double_backward", "gradient_reusable"]
 
 #: The backward ops given a raising formula (filled on import of ``kernels``).
 COVERED: list[str] = []
@@ -47,3 +47,18 @@ def forbid_double_backward() -> list[str]:
         done.append(name)
     COVERED[:] = done
     return done
+
+
+def gradient_reusable(grad: torch.Tensor) -> bool:
+    """Whether an op that asked for an in-place backward may write its input gradient into ``grad``.
+
+    The ops' ``in_place_backward=True`` (``rms_norm``, ``add_rms_norm``, ``swiglu``) write the
+    gradient they return into the buffer of the gradient they receive, saving one allocation of
+    its size. That is only sound when nothing else reads ``grad`` afterwards, which the op cannot
+    check: the caller promises it by opting in. What the op does check, falling back to a fresh
+    buffer otherwise: ``grad`` is contiguous (so no stride-0 view such as the ``ones.expand(...)``
+    that ``y.sum().backward()`` hands down, whose elements share memory), it does not require grad
+    and grad mode is off (under ``create_graph=True`` the out-of-place op runs, recorded with its
+    double-backward error, instead of a mutation autograd cannot see).
+    """
+    return grad.is_contiguous() and not grad.requires_grad and not torch.is_grad_enabled()

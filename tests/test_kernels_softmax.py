@@ -23,6 +23,7 @@ pytestmark = pytest.mark.usefixtures("poisoned")  # every buffer the ops allocat
 
 DEVICE = kernels.runtime.DEVICE
 OPS = {"softmax": (sm.softmax, F.softmax), "log_softmax": (sm.log_softmax, F.log_softmax)}
+BACKWARD_OPS = {"softmax": torch.ops.kernels.softmax_backward, "log_softmax": torch.ops.kernels.log_softmax_backward}
 KERNEL_NAMES = ["softmax_kernel", "softmax_online_kernel", "softmax_backward_kernel",
                 "softmax_backward_online_kernel"]
 
@@ -257,6 +258,40 @@ def test_rows_of_100k_columns_and_the_largest_block(name, launched, gen):
     assert_matches(grad, reference_grad(reference, x, -1, grad_out), torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("name", list(OPS))
+def test_16bit_backward_keeps_32768_columns_in_one_block(name, dtype, launched, gen):
+    """y and dy stay 16-bit in registers: 32768 columns take the one-block backward, fp32 the online one."""
+    op, _ = OPS[name]
+    x = rand((2, 32768), dtype, gen).requires_grad_()
+    grad_out = rand((2, 32768), dtype, gen, scale=1.0)
+    out = op(x, -1)
+    launched.clear()
+    (grad,) = torch.autograd.grad(out, [x], grad_out)
+    assert launched == ["softmax_backward_kernel"]
+    assert_matches(grad, formula_grad(name, out, -1, grad_out), dtype)
+    launched.clear()
+    BACKWARD_OPS[name](grad_out.float(), out.detach().float(), -1, torch.float32)
+    assert launched == ["softmax_backward_online_kernel"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", list(OPS))
+def test_backward_nan_rows_and_exact_rows(name, dtype, gen):
+    """A NaN in dy makes its row's dx all NaN (as torch's); the re-decode leaves every other row as it was."""
+    x = rand((4, 300), dtype, gen)
+    out = OPS[name][0](x, -1)
+    grad_out = rand((4, 300), dtype, gen, scale=1.0)
+    grad_out[1, 7] = float("nan")
+    got = BACKWARD_OPS[name](grad_out, out, -1, dtype)
+    torch_backward = torch._softmax_backward_data if name == "softmax" else torch._log_softmax_backward_data
+    want = torch_backward(grad_out.float(), out.float(), -1, torch.float32)
+    assert torch.isnan(got[1]).all() and torch.isnan(want[1]).all()
+    assert not torch.isnan(got[[0, 2, 3]]).any()
+    keep = [0, 2, 3]
+    assert_matches(got[keep], formula_grad(name, out[keep], -1, grad_out[keep]), dtype)
+
+
 # --------------------------------------------------------------------------- extremes, empty, 0-d
 
 
@@ -423,24 +458,34 @@ def test_launch_config_rule():
     assert shape(config(32768, f32)) == (32768, 1, False, 32)
     assert shape(config(32769, f32)) == (4096, 1, True, 8)  # then online, in 4096-column chunks
     assert config(1_000_000, bf16).chunked
-    # the backward keeps y and dy: one block up to 16384
+    # the backward keeps y and dy in their storage dtype: one block up to 16384 fp32, 32768 bf16/fp16
     assert shape(config(16384, f32, backward=True)) == (16384, 1, False, 32)
     assert config(16385, f32, backward=True).chunked
+    assert shape(config(32768, bf16, backward=True)) == (32768, 1, False, 32)
+    assert shape(config(32768, torch.float16, backward=True)) == (32768, 1, False, 32)
+    assert config(32769, bf16, backward=True).chunked
+    assert config(32768, bf16, backward=True, grad_dtype=f32).chunked  # 6 bytes a column
+    assert shape(config(16384, bf16, backward=True, grad_dtype=f32)) == (16384, 1, False, 32)
+    assert shape(config(1000, bf16, backward=True)) == (1024, 4, False, 4)
     # rows contiguous in memory: a 32-byte sector of rows per program, 16 values per thread
     assert shape(config(1000, f32, transposed=True)) == (1024, 8, False, 16)
     assert shape(config(1000, bf16, transposed=True)) == (1024, 16, False, 32)
     assert shape(config(10, f32, transposed=True)) == (16, 256, False, 8)
     assert shape(config(20000, f32, transposed=True)) == (512, 8, True, 8)
+    assert config(16384, bf16, transposed=True, backward=True).chunked  # counted as fp32 (addresses)
     assert config(0, f32).block_cols == 1
-    for n_cols in (1, 7, 300, 4097, 32768, 40000, 10**6):
+    for n_cols in (1, 7, 300, 4097, 16384, 32768, 40000, 10**6):
         for dtype in DTYPES:
             for backward in (False, True):
                 for transposed in (False, True):
                     c = config(n_cols, dtype, backward=backward, transposed=transposed)
-                    values = c.block_cols * c.block_rows * (2 if backward and not c.chunked else 1)
-                    assert c.chunked == (triton_next_pow2(n_cols) * (2 if backward else 1)
-                                        > (sm.MAX_BLOCK if not transposed else sm.MAX_BLOCK // 2))
-                    assert values <= sm.MAX_BLOCK and 4 <= c.num_warps <= 32
+                    # y and dy (as fp32 when transposed), or the fp32 row
+                    col_bytes = (8 if transposed else 2 * dtype.itemsize) if backward else 4
+                    words = c.block_cols * c.block_rows * (col_bytes if not c.chunked else 4) // 4
+                    capacity = sm.MAX_BLOCK if not transposed else sm.MAX_BLOCK // 2
+                    assert c.chunked == (triton_next_pow2(n_cols) * col_bytes // 4 > capacity)
+                    assert words <= sm.MAX_BLOCK and 4 <= c.num_warps <= 32
+                    assert c.num_warps & (c.num_warps - 1) == 0
                     assert c.block_cols & (c.block_cols - 1) == 0 and c.block_rows & (c.block_rows - 1) == 0
                     assert c.rows_per_program == c.block_rows  # one tile a program
 
@@ -477,7 +522,8 @@ def _kernel_bytes(t, kernel: str) -> int:
 @pytest.mark.interpreter
 @pytest.mark.parametrize("case, dtype", [(case, torch.float32) for case in ("rows_1000", "dim0", "sliced", "3d_dim1",
                                                                            "short_rows")]
-                         + [("dim0", torch.bfloat16), ("sliced", torch.float16)], ids=str)
+                         + [("dim0", torch.bfloat16), ("sliced", torch.float16), ("rows_32768", torch.bfloat16)],
+                         ids=str)
 @pytest.mark.parametrize("name", list(OPS))
 def test_one_block_kernels_move_the_ideal_bytes(name, case, dtype, gen):
     """Forward: x read once, y written once; backward: y and dy read once, dx written once."""
@@ -490,6 +536,7 @@ def test_one_block_kernels_move_the_ideal_bytes(name, case, dtype, gen):
         "sliced": lambda: (make_input((25, 333), dtype, "sliced", gen), -1),
         "3d_dim1": lambda: (rand((3, 77, 5), dtype, gen), 1),
         "short_rows": lambda: (rand((1000, 3), dtype, gen), -1),
+        "rows_32768": lambda: (rand((2, 32768), dtype, gen), -1),  # 16-bit: the one-block backward's limit
     }[case]()
     x.requires_grad_()
     grad_out = make_input(tuple(x.shape), dtype, "transposed", gen)

@@ -62,6 +62,7 @@ from .._rows import RowConfig, RowLaunch, merge_trailing, plan_rows
 from .._validate import check_float_dtype, check_same_device, check_same_dtype, check_tensor
 
 __all__ = [
+    "CASTINGS",
     "CHUNK_BLOCK",
     "FORWARD_ROWS_PER_PROGRAM",
     "MIN_FORWARD_ROWS_PER_PARAM",
@@ -261,6 +262,40 @@ def check_eps(op: str, eps: object) -> float:
     value = float(eps)
     if not 0.0 < value < math.inf:  # comparisons, not math.isfinite: they also trace on a SymFloat
         raise ValueError(f"{op}: eps must be a finite number > 0, got {value}")
+    return value
+
+
+#: The RMSNorm casting modes: the order of roundings of Hugging Face's RMSNorm modules.
+CASTINGS: tuple[str, ...] = ("none", "llama", "gemma")
+
+
+def check_casting(op: str, casting: object) -> bool:
+    """``casting`` is one of :data:`CASTINGS`; returns whether ``x * rstd`` is rounded before the scale."""
+    if not isinstance(casting, str):
+        raise TypeError(f"{op}: casting must be a str, one of {CASTINGS}, got {type(casting).__name__}")
+    if casting not in CASTINGS:
+        raise ValueError(f"{op}: casting must be one of {CASTINGS}, got {casting!r}")
+    return casting == "llama"
+
+
+def check_offset(op: str, offset: object, weight: object) -> float:
+    """``offset`` is a finite real number, and 0 unless there is a weight for it to shift."""
+    if isinstance(offset, bool) or not isinstance(offset, (numbers.Real, torch.SymFloat)):
+        raise TypeError(f"{op}: offset must be a float, got {type(offset).__name__}")
+    value = float(offset)
+    if not -math.inf < value < math.inf:
+        raise ValueError(f"{op}: offset must be a finite number, got {value}")
+    if weight is None and value != 0.0:
+        raise ValueError(
+            f"{op}: offset={value} needs a weight: the output is scaled by (offset + weight), and "
+            "weight=None means no scale at all; pass the weight (Gemma's are stored as w, applied as 1 + w)"
+        )
+    return value
+
+
+def check_flag(op: str, name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{op}: {name} must be a bool, got {type(value).__name__}")
     return value
 
 

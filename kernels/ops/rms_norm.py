@@ -30,10 +30,14 @@ import triton
 import triton.language as tl
 
 from .. import _launch, runtime
+from .._autograd import gradient_reusable
 from .._rows import load_rows, row_start, store_rows
 from .._validate import check_same_device, check_same_dtype, check_same_shape, check_tensor
 from .norm import (
+    check_casting,
     check_eps,
+    check_flag,
+    check_offset,
     check_param,
     check_row_input,
     column_sum,
@@ -49,21 +53,27 @@ __all__ = ["rms_norm", "rms_norm_kernel", "rms_norm_backward_kernel"]
 
 @triton.jit
 def rms_norm_kernel(
-    x_ptr, y_ptr, w_ptr, rstd_ptr, eps,
+    x_ptr, y_ptr, w_ptr, rstd_ptr, eps, offset,
     n_rows, n_cols, size1, size2,                     # rows, their length, the merged leading dims
     stride_x0, stride_x1, stride_x2, stride_xcol,
     stride_y0, stride_y1, stride_y2, stride_ycol,
     stride_w,                                         # the weight's (column) stride
     rows_per_program,                                 # a multiple of BLOCK_ROWS
-    HAS_WEIGHT: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, CHUNKED: tl.constexpr,
-    INDEX_64: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_OFFSET: tl.constexpr, ROUND_BEFORE_SCALE: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, CHUNKED: tl.constexpr, INDEX_64: tl.constexpr,
 ):
-    """y = x * rstd * w for this program's rows_per_program rows, BLOCK_ROWS x BLOCK_COLS at a time."""
+    """y = x * rstd * (offset + w) for this program's rows_per_program rows, BLOCK_ROWS x BLOCK_COLS at a time.
+
+    ``ROUND_BEFORE_SCALE`` (``casting="llama"``): ``x * rstd`` is rounded to y's dtype before the
+    scale multiplies it; otherwise the product is rounded once, at the store.
+    """
     pid, row0, n_here, cols = program_rows(n_rows, rows_per_program, BLOCK_COLS, INDEX_64)
     if not CHUNKED:
         col_mask = cols < n_cols
         if HAS_WEIGHT:  # once per program, shared by all its rows
             w = tl.load(w_ptr + cols * stride_w, mask=col_mask, other=0.0).to(tl.float32)
+            if HAS_OFFSET:
+                w = w + offset
     for i in range(0, n_here, BLOCK_ROWS):
         rows = row0 + i + tl.arange(0, BLOCK_ROWS)
         row_mask = rows < n_rows
@@ -82,14 +92,21 @@ def rms_norm_kernel(
                 mask = row_mask[:, None] & (c < n_cols)[None, :]
                 x = tl.load(x_ptr + x_row + c[None, :] * stride_xcol, mask=mask, other=0.0).to(tl.float32)
                 y = x * rstd[:, None]
+                if ROUND_BEFORE_SCALE:
+                    y = y.to(y_ptr.dtype.element_ty).to(tl.float32)
                 if HAS_WEIGHT:
-                    y = y * tl.load(w_ptr + c * stride_w, mask=c < n_cols, other=0.0).to(tl.float32)[None, :]
+                    wc = tl.load(w_ptr + c * stride_w, mask=c < n_cols, other=0.0).to(tl.float32)
+                    if HAS_OFFSET:
+                        wc = wc + offset
+                    y = y * wc[None, :]
                 tl.store(y_ptr + y_row + c[None, :] * stride_ycol, y.to(y_ptr.dtype.element_ty), mask=mask)
         else:
             mask = row_mask[:, None] & col_mask[None, :]
             x = tl.load(x_ptr + x_row + cols[None, :] * stride_xcol, mask=mask, other=0.0).to(tl.float32)
             rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
             y = x * rstd[:, None]
+            if ROUND_BEFORE_SCALE:  # Llama's order: the normalized value in x's dtype, then the scale
+                y = y.to(y_ptr.dtype.element_ty).to(tl.float32)
             if HAS_WEIGHT:
                 y = y * w[None, :]
             tl.store(y_ptr + y_row + cols[None, :] * stride_ycol, y.to(y_ptr.dtype.element_ty), mask=mask)
@@ -98,7 +115,7 @@ def rms_norm_kernel(
 
 @triton.jit
 def rms_norm_backward_kernel(
-    dy_ptr, x_ptr, dx_ptr, ds_ptr, w_ptr, rstd_ptr, scratch_ptr, dw_partial_ptr,
+    dy_ptr, x_ptr, dx_ptr, ds_ptr, w_ptr, rstd_ptr, scratch_ptr, dw_partial_ptr, offset,
     n_rows, n_cols, size1, size2,                     # rows, their length, the merged leading dims
     stride_dy0, stride_dy1, stride_dy2, stride_dycol,
     stride_x0, stride_x1, stride_x2, stride_xcol,
@@ -106,10 +123,14 @@ def rms_norm_backward_kernel(
     stride_ds0, stride_ds1, stride_ds2, stride_dscol,
     stride_w,                                         # the weight's (column) stride
     rows_per_program,                                 # a multiple of BLOCK_ROWS
-    HAS_WEIGHT: tl.constexpr, HAS_GRAD_SUM: tl.constexpr, WEIGHT_GRAD: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_GRAD_SUM: tl.constexpr, WEIGHT_GRAD: tl.constexpr,
     BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, CHUNKED: tl.constexpr, INDEX_64: tl.constexpr,
 ):
-    """dx = rstd * (g - xhat * mean(g * xhat)) [+ ds], g = dy * w; this program's dw partial row.
+    """dx = rstd * (g - xhat * mean(g * xhat)) [+ ds], g = dy * (offset + w); this program's dw partial row.
+
+    ``dx`` may be ``dy``'s own buffer (the in-place backward): every element of ``dy`` is loaded
+    by the program that owns its row before that program stores the element's ``dx`` (the store
+    depends on the load), and no program reads another's rows.
 
     ``ds`` (``HAS_GRAD_SUM``) is the gradient arriving at the normalized tensor from elsewhere:
     ``kernels.add_rms_norm``'s residual sum. The chunked path computes ``mean(g * xhat)`` of every
@@ -121,6 +142,8 @@ def rms_norm_backward_kernel(
         col_mask = cols < n_cols
         if HAS_WEIGHT:
             w = tl.load(w_ptr + cols * stride_w, mask=col_mask, other=0.0).to(tl.float32)
+            if HAS_OFFSET:
+                w = w + offset
         if WEIGHT_GRAD:
             dw = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
         for i in range(0, n_here, BLOCK_ROWS):
@@ -160,7 +183,10 @@ def rms_norm_backward_kernel(
                 x = tl.load(x_ptr + x_row + c[None, :] * stride_xcol, mask=mask, other=0.0).to(tl.float32)
                 g = dy
                 if HAS_WEIGHT:
-                    g = dy * tl.load(w_ptr + c * stride_w, mask=c < n_cols, other=0.0).to(tl.float32)[None, :]
+                    wc = tl.load(w_ptr + c * stride_w, mask=c < n_cols, other=0.0).to(tl.float32)
+                    if HAS_OFFSET:
+                        wc = wc + offset
+                    g = dy * wc[None, :]
                 acc += g * x * rstd
             tl.store(scratch_ptr + rows, tl.sum(acc, axis=1) / n_cols, mask=row_mask)
         tl.debug_barrier()  # pass 2 reads scratch values other threads wrote
@@ -170,6 +196,8 @@ def rms_norm_backward_kernel(
             c_mask = c < n_cols
             if HAS_WEIGHT:
                 w = tl.load(w_ptr + c * stride_w, mask=c_mask, other=0.0).to(tl.float32)
+                if HAS_OFFSET:
+                    w = w + offset
             if WEIGHT_GRAD:
                 dw = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
             for i in range(0, n_here, BLOCK_ROWS):
@@ -200,15 +228,16 @@ def rms_norm_backward_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
-def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float, w_stride: int):
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float, w_stride: int, offset: float = 0.0,
+                     round_before_scale: bool = False):
     """Launch the forward; returns ``(y, rstd)``."""
     y = _launch.empty_output(x.shape, x)
     rstd = empty_stats(x, 1)
     if x.shape[-1] == 0:
         rstd.fill_(eps**-0.5)  # the mean square of no elements is taken as 0
     plan = plan_norm([x, y], 1, params=int(weight is not None))
-    launch_norm(rms_norm_kernel, plan, [(weight, w_stride)], per_row=[rstd.view(-1)], scalars=[eps],
-                HAS_WEIGHT=weight is not None)
+    launch_norm(rms_norm_kernel, plan, [(weight, w_stride)], per_row=[rstd.view(-1)], scalars=[eps, offset],
+                HAS_WEIGHT=weight is not None, HAS_OFFSET=offset != 0.0, ROUND_BEFORE_SCALE=round_before_scale)
     return y, rstd
 
 
@@ -219,12 +248,19 @@ def rms_norm_backward_launch(
     rstd: torch.Tensor,
     weight_grad: bool,
     grad_sum: torch.Tensor | None = None,
+    offset: float = 0.0,
+    dx: torch.Tensor | None = None,
 ):
-    """``(dx, dw)`` (``dx`` plus ``grad_sum`` when given); ``dw`` empty unless ``weight_grad``."""
+    """``(dx, dw)`` (``dx`` plus ``grad_sum`` when given); ``dw`` empty unless ``weight_grad``.
+
+    ``dx``: the buffer to write into (the in-place backward passes ``grad_out`` itself, which must
+    then be contiguous); a fresh one by default.
+    """
     grad_out = walkable(grad_out, 1)
     if grad_sum is not None:
         grad_sum = walkable(grad_sum, 1)
-    dx = _launch.empty_output(x.shape, x)
+    if dx is None:
+        dx = _launch.empty_output(x.shape, x)
     n_cols = x.shape[-1]
     plan = plan_norm([grad_out, x, dx, grad_out if grad_sum is None else grad_sum], 1, backward=True)
     weight_grad = weight_grad and weight is not None
@@ -234,7 +270,8 @@ def rms_norm_backward_launch(
     w_stride = 0 if weight is None else weight.stride(0)
     launch_norm(
         rms_norm_backward_kernel, plan, [(weight, w_stride)], per_row=[rstd.view(-1), scratch], partials=[partial],
-        HAS_WEIGHT=weight is not None, HAS_GRAD_SUM=grad_sum is not None, WEIGHT_GRAD=weight_grad,
+        scalars=[offset], HAS_WEIGHT=weight is not None, HAS_OFFSET=offset != 0.0, HAS_GRAD_SUM=grad_sum is not None,
+        WEIGHT_GRAD=weight_grad,
     )
     if not weight_grad:
         return dx, x.new_empty((0,))
@@ -242,13 +279,14 @@ def rms_norm_backward_launch(
 
 
 # ----------------------------------------------------------------------------------------------
-# The custom op
+# The custom ops
 # ----------------------------------------------------------------------------------------------
 
 _OP = "kernels.rms_norm"
 
 
-def _check_rms_norm_args(x: object, weight: object, eps: object) -> int:
+def _check_rms_norm_args(x: object, weight: object, eps: object, offset: object = 0.0, casting: object = "none",
+                         in_place_backward: object = False) -> int:
     """Validate; returns the weight's stride (0 without a weight)."""
     check_tensor(_OP, "x", x)
     if x.dim() == 0:
@@ -256,73 +294,140 @@ def _check_rms_norm_args(x: object, weight: object, eps: object) -> int:
     normalized_shape = (x.shape[-1],)
     check_row_input(_OP, "x", x, normalized_shape)
     check_eps(_OP, eps)
+    check_casting(_OP, casting)
+    check_offset(_OP, offset, weight)
+    check_flag(_OP, "in_place_backward", in_place_backward)
     if weight is None:
         return 0
     return check_param(_OP, "weight", weight, x, normalized_shape, "x's last dim")
 
 
 @torch.library.custom_op("kernels::rms_norm", mutates_args=())
-def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    w_stride = _check_rms_norm_args(x, weight, eps)
+def _rms_norm_op(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float = 0.0, casting: str = "none",
+    in_place_backward: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    w_stride = _check_rms_norm_args(x, weight, eps, offset, casting, in_place_backward)
     runtime.require_launchable(_OP, x)
-    return rms_norm_forward(x, weight, eps, w_stride)
+    return rms_norm_forward(x, weight, eps, w_stride, offset, casting == "llama")
 
 
 @_rms_norm_op.register_fake
-def _rms_norm_fake(x, weight, eps):
-    _check_rms_norm_args(x, weight, eps)
+def _rms_norm_fake(x, weight, eps, offset=0.0, casting="none", in_place_backward=False):
+    _check_rms_norm_args(x, weight, eps, offset, casting, in_place_backward)
     return _launch.empty_output(x.shape, x), empty_stats(x, 1)
+
+
+def _check_backward_args(op: str, grad_out: torch.Tensor, x: torch.Tensor) -> None:
+    check_same_shape(op, "grad_out", grad_out, "x", x)
+    check_same_dtype(op, "grad_out", grad_out, "x", x)
+    check_same_device(op, "grad_out", grad_out, "x", x)
 
 
 @torch.library.custom_op("kernels::rms_norm_backward", mutates_args=())
 def _rms_norm_backward_op(
-    grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, rstd: torch.Tensor, weight_grad: bool
+    grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, rstd: torch.Tensor, weight_grad: bool,
+    offset: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     op = f"{_OP} (backward)"
-    check_same_shape(op, "grad_out", grad_out, "x", x)
-    check_same_dtype(op, "grad_out", grad_out, "x", x)
-    check_same_device(op, "grad_out", grad_out, "x", x)
+    _check_backward_args(op, grad_out, x)
     runtime.require_launchable(op, grad_out, x)
-    return rms_norm_backward_launch(grad_out, x, weight, rstd, weight_grad)
+    return rms_norm_backward_launch(grad_out, x, weight, rstd, weight_grad, offset=offset)
 
 
 @_rms_norm_backward_op.register_fake
-def _rms_norm_backward_fake(grad_out, x, weight, rstd, weight_grad):
+def _rms_norm_backward_fake(grad_out, x, weight, rstd, weight_grad, offset=0.0):
     dw_shape = weight.shape if (weight_grad and weight is not None) else (0,)
     return _launch.empty_output(x.shape, x), x.new_empty(dw_shape)
 
 
+@torch.library.custom_op("kernels::rms_norm_backward_inplace", mutates_args=("grad_out",))
+def _rms_norm_backward_inplace_op(
+    grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, rstd: torch.Tensor, weight_grad: bool,
+    offset: float = 0.0,
+) -> torch.Tensor:
+    """The backward writing ``dx`` over ``grad_out`` (contiguous); returns ``dw`` (empty unless ``weight_grad``)."""
+    op = f"{_OP} (backward)"
+    _check_backward_args(op, grad_out, x)
+    if not grad_out.is_contiguous():
+        raise ValueError(f"{op}: the in-place backward needs a contiguous grad_out, got strides {grad_out.stride()}")
+    runtime.require_launchable(op, grad_out, x)
+    return rms_norm_backward_launch(grad_out, x, weight, rstd, weight_grad, offset=offset, dx=grad_out)[1]
+
+
+@_rms_norm_backward_inplace_op.register_fake
+def _rms_norm_backward_inplace_fake(grad_out, x, weight, rstd, weight_grad, offset=0.0):
+    return x.new_empty(weight.shape if (weight_grad and weight is not None) else (0,))
+
+
 def _rms_norm_setup_context(ctx, inputs, output) -> None:
-    x, weight, _ = inputs
+    x, weight, _, offset, _, in_place_backward = inputs
     _, rstd = output
     ctx.save_for_backward(x, weight, rstd)
+    ctx.offset = offset
+    ctx.in_place_backward = in_place_backward
     ctx.mark_non_differentiable(rstd)
 
 
 def _rms_norm_backward(ctx, grad_out: torch.Tensor, _grad_rstd):
     x, weight, rstd = ctx.saved_tensors
     weight_grad = weight is not None and ctx.needs_input_grad[1]
-    dx, dw = _rms_norm_backward_op(grad_out, x, weight, rstd, weight_grad)
-    return dx, (dw if weight_grad else None), None
+    if ctx.in_place_backward and gradient_reusable(grad_out):
+        dw = _rms_norm_backward_inplace_op(grad_out, x, weight, rstd, weight_grad, ctx.offset)
+        dx = grad_out  # now holds dx
+    else:
+        dx, dw = _rms_norm_backward_op(grad_out, x, weight, rstd, weight_grad, ctx.offset)
+    return dx, (dw if weight_grad else None), None, None, None, None
 
 
 _rms_norm_op.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup_context)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float = 1e-6,
+    offset: float = 0.0,
+    casting: str = "none",
+    in_place_backward: bool = False,
+) -> torch.Tensor:
     """RMSNorm over the last dim of ``x``, like ``torch.nn.functional.rms_norm(x, (N,), weight, eps)``.
 
-    ``y = x / sqrt(mean(x**2, -1) + eps) * weight``, computed in float32 and rounded once.
+    ``y = x / sqrt(mean(x**2, -1) + eps) * (offset + weight)``; ``rstd`` is computed in float32.
 
     Args:
         x: float32, float16 or bfloat16 tensor of shape ``(..., N)``, any strides (not copied).
         weight: ``(N,)`` tensor of ``x``'s dtype and device (any stride), or ``None`` for no scale.
         eps: added to the mean square; a finite number > 0.
+        offset: added to the weight, in float32: Gemma stores ``w`` and scales by ``1 + w``
+            (``offset=1.0``). Must be 0 without a weight.
+        casting: the order of roundings (they differ only for fp16/bf16), named after the Hugging
+            Face modules whose numerics each one reproduces:
+
+            * ``"none"`` (default): everything in float32, rounded once at the end — the most
+              accurate, and ``F.rms_norm``'s result.
+            * ``"llama"``: ``LlamaRMSNorm``: ``x * rstd`` in float32 is rounded to ``x``'s dtype,
+              then multiplied by the weight in that dtype (``weight * h.to(input_dtype)``): two
+              roundings.
+            * ``"gemma"``: ``GemmaRMSNorm``: everything in float32, ``* (1 + w.float())``,
+              rounded once — the same computation as ``"none"`` (kernels' ``"none"`` is already
+              float32 throughout; the name is there so that a Gemma patch says what it means).
+
+            Given the same float32 ``rstd`` the output equals the Hugging Face module's bit for bit
+            (``tests/test_kernels_norm.py`` checks it). ``rstd`` itself is a float32 reduction
+            whose last bit depends on the order of the sum, which no two implementations share;
+            on random inputs that changes about 1 output element in 10**5 by one bf16 step.
+        in_place_backward: write ``dx`` into the incoming gradient's buffer instead of a new
+            one, saving an allocation of ``x``'s size during the backward (peak memory). Only
+            when nothing else uses that gradient: see :func:`kernels._autograd.gradient_reusable`
+            and the module docstring for what goes wrong otherwise. Off by default.
 
     Returns:
         A new contiguous tensor of ``x``'s shape and dtype. Differentiable in ``x`` and
-        ``weight`` (the backward is ``kernels::rms_norm_backward``; it saves only ``rstd``, one
-        float32 per row, besides the inputs).
+        ``weight`` (the backward is ``kernels::rms_norm_backward``, or with ``in_place_backward``
+        ``kernels::rms_norm_backward_inplace``; it saves only ``rstd``, one float32 per row,
+        besides the inputs). The backward is the same for every casting mode: the gradient of
+        ``x * rstd * (offset + w)`` computed in float32 and rounded once.
     """
-    _check_rms_norm_args(x, weight, eps)
-    return _rms_norm_op(x, weight, float(eps))[0]
+    _check_rms_norm_args(x, weight, eps, offset, casting, in_place_backward)
+    return _rms_norm_op(x, weight, float(eps), float(offset), casting, in_place_backward)[0]

@@ -29,6 +29,20 @@ The backward uses the saved output ``y``: softmax ``dx = y * (dy - sum(dy * y))`
 first accumulates the sum, then writes ``dx``: softmax reads ``y`` and ``dy`` twice (5/3 = 1.67x the
 ideal), log-softmax reads ``dy`` twice and ``y`` once (4/3 = 1.33x).
 
+**How long a row the one-block backward takes.** It must hold ``y`` and ``dy`` of the whole row
+across the reduction. It keeps them in registers in their *storage* dtype and converts each element
+to float32 where it is used, so a program holds ``2 * itemsize`` bytes per column: 128 KiB at
+32768 columns of bf16 or fp16 — the same as the forward's fp32 row at 32768 — and at 16384
+columns of fp32. (ptxas, sm_90, 32 warps: 63-64 registers a thread and no spills at both limits;
+``tests/aot/softmax.py`` checks every variant.) For that the compiler must not keep float32 copies
+of ``y`` and ``dy`` from the reduction for the final product (it did: 48 bytes a thread spilled at
+32768 bf16 columns), so the kernel decodes them a second time after the reduction, through a form
+the compiler cannot merge with the first (:func:`_decode_after`: the 16-bit pattern OR-ed with
+``isnan(sum)``, which leaves every value as it is — a row whose sum is NaN gives NaN either way).
+fp32 rows of 16385-32768 columns stay online: ``y`` and ``dy`` would take 256 KiB, the whole
+register file of an SM. So at 32768 columns the bf16/fp16 backward moves exactly the ideal bytes
+(it moved 1.67x before), fp32 still 1.67x.
+
 Layouts are honoured without copies: the reduced ``dim`` is moved last (a view) and the rows are
 planned by :func:`kernels._rows.plan_rows`. When the rows, not the columns, are contiguous in
 memory (a softmax over a dim that is not the innermost, e.g. the channels of an NCHW tensor), the
@@ -68,11 +82,12 @@ __all__ = [
     "softmax_online_kernel",
 ]
 
-#: The most float32 values a one-block program keeps in registers: the row (forward), or the row
-#: of ``y`` and of ``dy`` (backward, so its rows fit up to half this). 32768 values are 128 KiB,
-#: half an H100/H200 SM's register file; with 32 warps (1024 threads) that is 32 values per
-#: thread, inside the 64 registers per thread a 1024-thread program may use (ptxas: 64 registers,
-#: no spills, for the forward at 32768 and the backward at 16384). The backward at 32768 spills.
+#: The most 32-bit registers' worth of tile data a one-block program keeps: the forward's row in
+#: float32, or the backward's row of ``y`` and of ``dy`` in their storage dtypes (so 16384 columns
+#: of fp32, 32768 of bf16/fp16). 32768 words are 128 KiB, half an H100/H200 SM's register file;
+#: with 32 warps (1024 threads) that is 32 words per thread, inside the 64 registers per thread a
+#: 1024-thread program may use (ptxas: 63-64 registers, no spills, for the forward at 32768 and
+#: the backward at its two limits; ``tests/aot/softmax.py``). An fp32 backward at 32768 spills.
 MAX_BLOCK: int = 32768
 #: Columns per chunk of the online kernels (rows longer than a block).
 ONLINE_BLOCK: int = 4096
@@ -226,6 +241,21 @@ def softmax_online_kernel(
 
 
 @triton.jit
+def _decode_after(v, total):
+    """``v`` (loaded in its storage dtype) in float32, decoded anew after the reduction ``total``.
+
+    For a 16-bit ``v`` the bits are OR-ed with ``isnan(total)`` first: 0 unless the row's sum is
+    NaN, when every ``dx`` of the row is NaN whatever ``v`` is. The compiler cannot prove it is a
+    no-op, so it keeps the 16-bit ``v`` alive across the reduction instead of the float32 copy it
+    made for the reduction: half the registers (see the module docstring).
+    """
+    if v.dtype.primitive_bitwidth == 16:
+        nan = (total != total).to(tl.int16)
+        v = (v.to(tl.int16, bitcast=True) | nan).to(v.dtype, bitcast=True)
+    return v.to(tl.float32)
+
+
+@triton.jit
 def softmax_backward_kernel(
     y_ptr, dy_ptr, dx_ptr, n_rows, n_cols, size1, size2,
     stride_y0, stride_y1, stride_y2, stride_ycol,
@@ -237,6 +267,7 @@ def softmax_backward_kernel(
     """dx from the saved output y and dy, BLOCK_ROWS whole rows per program.
 
     softmax: ``dx = y * (dy - sum(dy * y))``; ``LOG`` (y = log_softmax): ``dx = dy - exp(y) * sum(dy)``.
+    ``y`` and ``dy`` stay in their storage dtype in registers; each use converts to float32.
     """
     first_row, row_ok = _tile_rows(n_rows, size2, BLOCK_ROWS, LINEAR_ROWS)
     cols = tl.arange(0, BLOCK_COLS)
@@ -247,14 +278,14 @@ def softmax_backward_kernel(
                                BLOCK_ROWS, LINEAR_ROWS)
     dy_rows = _tile_row_offsets(first_row, size1, size2, stride_dy0, stride_dy1, stride_dy2,
                                 BLOCK_ROWS, LINEAR_ROWS)
-    y = tl.load(y_ptr + (y_rows[:, None] + (cols * stride_ycol)[None, :]), mask=mask)
-    dy = tl.load(dy_ptr + (dy_rows[:, None] + (cols * stride_dycol)[None, :]), mask=mask)
-    y = tl.where(mask, y.to(tl.float32), 0.0)
-    dy = tl.where(mask, dy.to(tl.float32), 0.0)
+    y = tl.load(y_ptr + (y_rows[:, None] + (cols * stride_ycol)[None, :]), mask=mask, other=0.0)
+    dy = tl.load(dy_ptr + (dy_rows[:, None] + (cols * stride_dycol)[None, :]), mask=mask, other=0.0)
     if LOG:
-        dx = dy - tl.exp(y) * tl.sum(dy, axis=1)[:, None]
+        total = tl.sum(dy.to(tl.float32), axis=1)[:, None]
+        dx = _decode_after(dy, total) - tl.exp(y.to(tl.float32)) * total
     else:
-        dx = y * (dy - tl.sum(dy * y, axis=1)[:, None])
+        total = tl.sum(dy.to(tl.float32) * y.to(tl.float32), axis=1)[:, None]
+        dx = _decode_after(y, total) * (_decode_after(dy, total) - total)
     dx_rows = _tile_row_offsets(first_row, size1, size2, stride_dx0, stride_dx1, stride_dx2,
                                 BLOCK_ROWS, LINEAR_ROWS)
     tl.store(dx_ptr + (dx_rows[:, None] + (cols * stride_dxcol)[None, :]), dx.to(dx_ptr.dtype.element_ty),
@@ -316,21 +347,24 @@ def softmax_backward_online_kernel(
 
 def softmax_launch_config(
     n_cols: int, dtype: torch.dtype, *, n_rows: int | None = None, transposed: bool = False,
-    backward: bool = False,
+    backward: bool = False, grad_dtype: torch.dtype | None = None,
 ) -> RowConfig:
     """The kernel configuration for rows of ``n_cols`` elements of ``dtype``.
 
     The rule (``block = next_power_of_2(n_cols)``):
 
-    * **One block per row** when the tile's float32 values fit :data:`MAX_BLOCK`: the forward
-      holds ``block`` values per row, the backward ``2 * block`` (``y`` and ``dy``). So rows up to
-      32768 columns (forward) and 16384 (backward) stay in registers. Short rows are then packed
-      until a program holds :data:`ROW_TILE` elements (``block_rows = ROW_TILE // block``),
-      never more rows than there are (``n_rows``, if given).
+    * **One block per row** when the tile's data fit :data:`MAX_BLOCK` 32-bit registers: the
+      forward holds its row in float32 (4 bytes a column), the backward ``y`` and ``dy`` in their
+      storage dtypes (4 bytes a column for bf16/fp16, 8 for fp32; 8 for every dtype when
+      ``transposed``). So rows up to 32768 columns (forward; backward in bf16/fp16) and 16384
+      (backward in fp32) stay in registers. Short rows
+      are then packed until a program holds :data:`ROW_TILE` elements (``block_rows = ROW_TILE //
+      block``), never more rows than there are (``n_rows``, if given).
     * **Online** otherwise, in chunks of :data:`ONLINE_BLOCK` columns (the forward keeps three
       lane arrays: running max, running sum, the chunk).
-    * **Warps**: enough for about 32 float32 values per thread (4 to 32 warps: a 4096-value tile
-      gets 4, 32768 gets 32); 16 values when ``transposed``. An online chunk of 4096 gets 8.
+    * **Warps**: enough for about 32 registers of tile data per thread (4 to 32 warps: a
+      4096-column fp32 tile gets 4, 32768 gets 32); 16 when ``transposed``. An online chunk of
+      4096 gets 8.
     * ``transposed``: the rows, not the columns, are contiguous in memory (a softmax over a dim
       that is not the innermost). The tile's threads then run along the rows, and a program takes
       at least ``32 bytes / itemsize`` rows (8 for float32, 16 for 16-bit dtypes) so that each
@@ -338,10 +372,12 @@ def softmax_launch_config(
 
     Args:
         n_cols: length of a row (the softmax dim).
-        dtype: the storage dtype (float32, float16 or bfloat16); it sets the rows per sector.
+        dtype: the storage dtype (float32, float16 or bfloat16) of ``x`` (forward) or ``y``
+            (backward); it sets the rows per sector.
         n_rows: number of rows, if known (caps ``block_rows``).
         transposed: see above.
         backward: the configuration of the backward kernels.
+        grad_dtype: the backward's ``dy`` dtype (default: ``dtype``).
 
     Returns:
         A :class:`kernels._rows.RowConfig`: ``block_cols`` columns a load, ``block_rows`` rows a
@@ -351,21 +387,30 @@ def softmax_launch_config(
     op = "kernels.softmax_launch_config"
     if isinstance(n_cols, bool) or not isinstance(n_cols, numbers.Integral) or n_cols < 0:
         raise ValueError(f"{op}: n_cols must be a non-negative int, got {n_cols!r}")
-    if dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{op}: dtype must be torch.float32, torch.float16 or torch.bfloat16, got {dtype!r}")
+    for name, value in (("dtype", dtype), ("grad_dtype", dtype if grad_dtype is None else grad_dtype)):
+        if value not in FLOAT_DTYPES:
+            raise TypeError(f"{op}: {name} must be torch.float32, torch.float16 or torch.bfloat16, got {value!r}")
     if n_rows is not None and (isinstance(n_rows, bool) or not isinstance(n_rows, numbers.Integral) or n_rows < 0):
         raise ValueError(f"{op}: n_rows must be a non-negative int or None, got {n_rows!r}")
-    arrays = 2 if backward else 1  # float32 tile arrays a one-block program keeps (y and dy)
+    # Bytes a one-block program keeps per column: the forward's float32 row, the backward's y and dy
+    # (counted as fp32 when transposed: each element then needs its own 64-bit address, which
+    # 16-bit storage does not shrink; ptxas spills 16-bit tiles of twice the rows).
+    if backward:
+        col_bytes = 8 if transposed else dtype.itemsize + (grad_dtype or dtype).itemsize
+    else:
+        col_bytes = 4
     per_thread = _VALUES_PER_THREAD_TRANSPOSED if transposed else _VALUES_PER_THREAD
-    capacity = MAX_BLOCK * per_thread // _VALUES_PER_THREAD  # float32 values a program may keep
+    capacity = 4 * MAX_BLOCK * per_thread // _VALUES_PER_THREAD  # bytes of tile data a program may keep
     sector_rows = _SECTOR_BYTES // dtype.itemsize if transposed else 1
     row_cap = next_power_of_2(n_rows) if n_rows is not None else None
     block = next_power_of_2(n_cols)
-    if block * arrays <= capacity:
-        rows = min(max(ROW_TILE // block, sector_rows), capacity // (block * arrays))
+    if block * col_bytes <= capacity:
+        fit = 1 << (capacity // (block * col_bytes)).bit_length() - 1  # a power of two
+        rows = min(max(ROW_TILE // block, sector_rows), fit)
         if row_cap is not None:
             rows = min(rows, row_cap)
-        warps = _launch.num_warps_for(block * rows * arrays, per_thread, max_warps=32)
+        words = next_power_of_2(block * rows * col_bytes // 4)  # 32-bit registers of tile data
+        warps = _launch.num_warps_for(words, per_thread, max_warps=32)
         return RowConfig(block_cols=block, block_rows=rows, chunked=False, num_warps=warps, rows_per_program=rows)
     rows = sector_rows if row_cap is None else min(sector_rows, row_cap)
     chunk = max(1, min(ONLINE_BLOCK // rows, block))
@@ -383,8 +428,10 @@ def _rows_view(t: torch.Tensor, dim: int) -> torch.Tensor:
     return t.reshape(1) if t.dim() == 0 else t.movedim(dim, -1)
 
 
-def _launch_rows(forward: bool, operands: list[torch.Tensor], dtype: torch.dtype, log: bool) -> None:
+def _launch_rows(forward: bool, operands: list[torch.Tensor], log: bool) -> None:
     """Launch the forward (x, y) or backward (y, dy, dx) kernels over every row of ``operands``."""
+    dtype = operands[0].dtype  # x or y
+    grad_dtype = None if forward else operands[1].dtype
     for launch in plan_rows(operands):
         s0, s1, s2, col = launch.strides[:4]  # the first operand (x or y) decides the layout
         size1, size2 = launch.sizes
@@ -392,7 +439,7 @@ def _launch_rows(forward: bool, operands: list[torch.Tensor], dtype: torch.dtype
         # be coalesced, so their block_rows is capped by the run length, size2.
         transposed = col != 1 and s2 == 1 and size2 > 1
         config = softmax_launch_config(launch.n_cols, dtype, n_rows=size2 if transposed else launch.n_rows,
-                                       transposed=transposed, backward=not forward)
+                                       transposed=transposed, backward=not forward, grad_dtype=grad_dtype)
         rows = config.block_rows
         # Linear tiles cost nothing extra when runs are whole tiles (or there is one run).
         linear_rows = transposed or size2 % rows == 0 or size2 == launch.n_rows
@@ -470,7 +517,7 @@ def _forward(op: str, x: torch.Tensor, dim: int, dtype: torch.dtype | None, log:
     runtime.require_launchable(op, x)
     out_dtype = dtype or x.dtype
     y = _launch.empty_output(x.shape, x, out_dtype)
-    _launch_rows(True, [_rows_view(x, dim), _rows_view(y, dim)], x.dtype, log)
+    _launch_rows(True, [_rows_view(x, dim), _rows_view(y, dim)], log)
     return y
 
 
@@ -479,7 +526,7 @@ def _backward(op: str, grad_out: torch.Tensor, out: torch.Tensor, dim: int, inpu
     dim = _check_backward_args(op, grad_out, out, dim, input_dtype)
     runtime.require_launchable(op, grad_out, out)
     grad_in = _launch.empty_output(out.shape, out, input_dtype)
-    _launch_rows(False, [_rows_view(t, dim) for t in (out, grad_out, grad_in)], out.dtype, log)
+    _launch_rows(False, [_rows_view(t, dim) for t in (out, grad_out, grad_in)], log)
     return grad_in
 
 

@@ -37,12 +37,13 @@ def access_orders(ttgir):
 
 failures, rows = [], []
 KERNELS = [(sm.softmax_kernel, False, 32768), (sm.softmax_online_kernel, False, 100_000),
-           (sm.softmax_backward_kernel, True, 16384), (sm.softmax_backward_online_kernel, True, 100_000)]
+           (sm.softmax_backward_kernel, True, 32768), (sm.softmax_backward_online_kernel, True, 100_000)]
 for fn, backward, n_cols in KERNELS:
     for log in (False, True):
         variants = [
             # the largest size of this kernel's path, contiguous rows
-            ("contiguous", torch.bfloat16 if log else torch.float32, n_cols, True, False),
+            ("contiguous", torch.bfloat16 if log else torch.float32, n_cols if fn is not sm.softmax_backward_kernel
+             else 16384, True, False),
             # a softmax over a non-innermost dim, with int64 column offsets
             ("transposed", torch.float16, 1000 if not fn.__name__.endswith("online_kernel") else n_cols,
              True, True),
@@ -50,6 +51,10 @@ for fn, backward, n_cols in KERNELS:
         if not log:  # per-row offsets, no specialization at all
             variants.append(("general", torch.float32, 300 if "online" not in fn.__name__ else n_cols,
                              False, False))
+        if fn is sm.softmax_backward_kernel:  # its limits: 16384 fp32, 32768 for 16-bit y and dy
+            variants += [("contiguous", dtype, 32768, True, False) for dtype in (torch.bfloat16, torch.float16)]
+            if log:  # (fp32 at 16384 without LOG is the first variant)
+                variants.append(("contiguous", torch.float32, 16384, True, False))
         for layout, dtype, cols, linear_rows, index_64 in variants:
             config = sm.softmax_launch_config(cols, dtype, transposed=layout == "transposed", backward=backward)
             assert config.chunked == ("online" in fn.__name__), (fn.__name__, config)
