@@ -22,6 +22,7 @@ from kernels.ops import norm as _norm
 from kernels.ops.add_rms_norm import add_rms_norm
 from kernels.ops.layer_norm import layer_norm
 from kernels.ops.rms_norm import rms_norm
+from utils.memory import peak_memory
 
 pytestmark = pytest.mark.usefixtures("poisoned")  # outputs and saved statistics start as NaN
 
@@ -56,8 +57,8 @@ def make_param(n, dtype, gen, strided=False, shift=1.0) -> torch.Tensor:
     return rand((n,), dtype, gen, 0.5, shift)
 
 
-def assert_matches(out, reference64, dtype, contiguous=True):
-    _assert_matches(out, reference64, dtype, contiguous=contiguous)
+def assert_matches(out, reference64, dtype, contiguous=True, **kwargs):
+    _assert_matches(out, reference64, dtype, contiguous=contiguous, **kwargs)
 
 
 # float64 references ------------------------------------------------------------------------------
@@ -680,3 +681,134 @@ def test_gpu_int64_offsets():
     y = rms_norm(x, w)
     for where in (slice(0, 4), slice(rows - 4, rows)):
         assert_matches(y[where], rms_reference(x[where], w), torch.bfloat16)
+
+
+# --------------------------------------------------------------------------- rms_norm's options
+
+
+def hf_llama_rms_norm(x, weight, rstd):
+    """Hugging Face's LlamaRMSNorm, transcribed, with a given float32 rstd: round, then scale in x's dtype."""
+    h = x.to(torch.float32) * rstd[..., None]
+    return weight * h.to(x.dtype)
+
+
+def hf_gemma_rms_norm(x, weight, rstd):
+    """Hugging Face's GemmaRMSNorm, transcribed, with a given float32 rstd: all in float32, (1 + w)."""
+    out = x.float() * rstd[..., None]
+    return (out * (1.0 + weight.float())).type_as(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("n_cols", [77, 300])  # a few rows per tile, and one
+def test_casting_modes_reproduce_hugging_face_bit_for_bit(dtype, n_cols, gen):
+    """Given the same float32 rstd, 'llama' and 'gemma' (offset 1) equal HF's modules to the last bit,
+    and 'none' is F.rms_norm's one rounding; the modes really differ (a negative control)."""
+    x = make_input((33, n_cols), dtype, "contiguous", gen)
+    w = make_param(n_cols, dtype, gen)
+    rms = torch.ops.kernels.rms_norm
+    llama, rstd = rms(x, w, 1e-6, 0.0, "llama", False)
+    assert torch.equal(llama, hf_llama_rms_norm(x, w, rstd))
+    gemma, rstd_g = rms(x, w, 1e-6, 1.0, "gemma", False)
+    assert torch.equal(rstd_g, rstd) and torch.equal(gemma, hf_gemma_rms_norm(x, w, rstd))
+    none, _ = rms(x, w, 1e-6, 0.0, "none", False)
+    assert torch.equal(none, (x.float() * rstd[:, None] * w.float()).to(dtype))
+    assert not torch.equal(llama, none)  # two roundings against one: some elements differ
+    assert_matches(kernels.rms_norm(x, w, casting="llama"), rms_reference(x, w), dtype)
+
+
+def test_casting_modes_against_transformers_modules(gen):
+    llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    gemma = pytest.importorskip("transformers.models.gemma.modeling_gemma")
+    x = make_input((64, 256), torch.bfloat16, "contiguous", gen)
+    w = make_param(256, torch.bfloat16, gen)
+    hf_llama = llama.LlamaRMSNorm(256, eps=1e-6).to(DEVICE, torch.bfloat16)
+    hf_gemma = gemma.GemmaRMSNorm(256, eps=1e-6).to(DEVICE, torch.bfloat16)
+    with torch.no_grad():
+        hf_llama.weight.copy_(w)
+        hf_gemma.weight.copy_(w - 1.0)
+        ours_and_theirs = [(kernels.rms_norm(x, w, casting="llama"), hf_llama(x)),
+                           (kernels.rms_norm(x, w - 1.0, offset=1.0, casting="gemma"), hf_gemma(x))]
+    for ours, theirs in ours_and_theirs:
+        # Only rstd's last bit (an fp32 sum in another order) can differ: one bf16 step, rarely.
+        differ = ours != theirs
+        assert differ.float().mean().item() <= 1e-3
+        assert ((ours.float() - theirs.float()).abs() <= 2 ** -7 * theirs.float().abs().clamp_min(1e-3)).all()
+
+
+@pytest.mark.parametrize("offset", [1.0, -0.5])
+def test_offset_shifts_the_weight_forward_and_backward(offset, gen):
+    x = make_input((9, 70), torch.float32, "transposed", gen).requires_grad_()
+    w = make_param(70, torch.float32, gen).requires_grad_()
+    y = kernels.rms_norm(x, w, offset=offset)
+    g = make_input((9, 70), torch.float32, "contiguous", gen)
+    dx, dw = torch.autograd.grad(y, [x, w], g)
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    want = rms_reference(x64, w64 + offset)
+    tx, tw = torch.autograd.grad(want, [x64, w64], g.double())
+    assert_matches(y, want, torch.float32)
+    assert_matches(dx, tx, torch.float32)
+    assert_matches(dw, tw, torch.float32, slack=2.0)
+
+
+def test_in_place_backward_reuses_the_incoming_gradient(gen):
+    """dx is written over grad_out's buffer (its data_ptr), equal to the out-of-place result; with
+    create_graph the out-of-place op runs; and the documented hazard: the caller's tensor is gone."""
+    x = make_input((16, 96), torch.float32, "contiguous", gen).requires_grad_()
+    w = make_param(96, torch.float32, gen).requires_grad_()
+    g = make_input((16, 96), torch.float32, "contiguous", gen)
+    want = torch.autograd.grad(kernels.rms_norm(x, w), [x, w], g)
+    g_in_place = g.clone()
+    got = torch.autograd.grad(kernels.rms_norm(x, w, in_place_backward=True), [x, w], g_in_place)
+    assert got[0].data_ptr() == g_in_place.data_ptr()  # the buffer was reused ...
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+    assert torch.equal(g_in_place, want[0])  # ... so the caller's gradient now holds dx: the aliasing rule
+    # A stride-0 gradient (y.sum().backward() hands down ones.expand(...)) cannot be written in
+    # place: the out-of-place op runs, with the same result.
+    (dx_sum,) = torch.autograd.grad(kernels.rms_norm(x, w, in_place_backward=True).sum(), [x])
+    (want_sum,) = torch.autograd.grad(kernels.rms_norm(x, w).sum(), [x])
+    torch.testing.assert_close(dx_sum, want_sum, rtol=0, atol=0)
+    # Under create_graph (a gradient that is itself differentiated) the out-of-place op runs too.
+    g_graph = g.clone()
+    (dx_graph,) = torch.autograd.grad(kernels.rms_norm(x, w, in_place_backward=True), [x], g_graph,
+                                      create_graph=True)
+    assert dx_graph.data_ptr() != g_graph.data_ptr() and torch.equal(g_graph, g)
+
+
+def test_in_place_backward_lowers_peak_memory(gen):
+    x = make_input((64, 512), torch.float32, "contiguous", gen).requires_grad_()
+    w = make_param(512, torch.float32, gen)
+    peaks = {}
+    for in_place in (False, True):
+        y = kernels.rms_norm(x, w, in_place_backward=in_place)
+        g = torch.randn(y.shape, generator=gen).to(DEVICE)
+        with peak_memory() as peak:
+            (dx,) = torch.autograd.grad(y, [x], g)
+        peaks[in_place] = peak.peak_bytes
+        del dx
+    assert peaks[True] <= peaks[False] - x.nbytes, peaks
+
+
+def test_rms_norm_options_opcheck_compile_and_errors(gen):
+    x = make_input((6, 40), torch.float32, "contiguous", gen)
+    w = make_param(40, torch.float32, gen)
+    torch.library.opcheck(torch.ops.kernels.rms_norm.default, (x, w, 1e-6, 1.0, "llama", True))
+    y, rstd = torch.ops.kernels.rms_norm(x, w, 1e-6, 1.0, "gemma", False)
+    g = make_input((6, 40), torch.float32, "contiguous", gen)
+    torch.library.opcheck(torch.ops.kernels.rms_norm_backward_inplace.default, (g.clone(), x, w, rstd, True, 1.0))
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda a, b: kernels.rms_norm(a, b, offset=1.0, casting="llama"), fullgraph=True)
+    xg = x.clone().requires_grad_()
+    torch.testing.assert_close(compiled(xg, w), kernels.rms_norm(x, w, offset=1.0, casting="llama"), rtol=0, atol=0)
+    compiled(xg, w).sum().backward()
+    assert xg.grad is not None
+    for kwargs, error, message in [
+        (dict(casting="fp32"), ValueError, r"kernels\.rms_norm: casting must be one of \('none', 'llama', 'gemma'\)"),
+        (dict(offset=float("nan")), ValueError, r"offset must be a finite number"),
+        (dict(offset="1"), TypeError, r"offset must be a float"),
+        (dict(in_place_backward=1), TypeError, r"in_place_backward must be a bool"),
+    ]:
+        with pytest.raises(error, match=message):
+            kernels.rms_norm(x, w, **kwargs)
+    with pytest.raises(ValueError, match=r"offset=1\.0 needs a weight"):
+        kernels.rms_norm(x, None, offset=1.0)

@@ -15,14 +15,14 @@ from utils.aot import compile_kernel, resource_usage
 FP32_POINTERS = {"rstd_ptr", "mean_ptr", "scratch_ptr", "dw_partial_ptr", "db_partial_ptr", "partial_ptr"}
 COLUMN_STRIDES = {"stride_xcol", "stride_ycol", "stride_w", "stride_b", "stride_rcol", "stride_scol",
                   "stride_dycol", "stride_dxcol", "stride_dscol"}
-UNSPECIALIZED = {"n_rows", "rows_per_program", "size2", "n_partials", "eps"}
+UNSPECIALIZED = {"n_rows", "rows_per_program", "size2", "n_partials", "eps", "offset"}
 
 
 def compile_variant(fn, constexprs, dtype, contiguous, index_64, num_warps):
     def types(name):
         if name.endswith("_ptr"):
             return "*fp32" if name in FP32_POINTERS else "*" + dtype
-        return "fp32" if name == "eps" else ("i64" if index_64 else "i32")
+        return "fp32" if name in ("eps", "offset") else ("i64" if index_64 else "i32")
 
     # Triton specializes ints equal to 1; torch allocations and strides like 4096 are divisible by 16.
     ones = [n for n in fn.arg_names if contiguous and (n in COLUMN_STRIDES or n == "size1")]
@@ -35,9 +35,10 @@ def stack_bytes(compiled):
     return usage.spilled_bytes if usage else None
 
 
-RMS = {"HAS_WEIGHT": True}
+RMS = {"HAS_WEIGHT": True, "HAS_OFFSET": True, "ROUND_BEFORE_SCALE": True}
+ADD_RMS = {"HAS_WEIGHT": True}
 LN = {"HAS_WEIGHT": True, "HAS_BIAS": True}
-RMS_BACKWARD = {"HAS_WEIGHT": True, "HAS_GRAD_SUM": True, "WEIGHT_GRAD": True}
+RMS_BACKWARD = {"HAS_WEIGHT": True, "HAS_OFFSET": True, "HAS_GRAD_SUM": True, "WEIGHT_GRAD": True}
 LN_BACKWARD = {"HAS_WEIGHT": True, "WEIGHT_GRAD": True, "BIAS_GRAD": True}
 SHORT, FUSED_MAX = (8192, 256, "bf16", True, False), (8192, 16384, "fp16", True, False)
 CHUNKED = (64, 20000, "bf16", True, False)
@@ -47,14 +48,15 @@ STRIDED_INT64 = (512, 1000, "fp32", False, True)
 # a strided int64 launch once per direction.
 VARIANTS = [
     *[(fn, flags, False, shape) for fn, flags in ((rms_norm_kernel, RMS), (layer_norm_kernel, LN),
-                                                  (add_rms_norm_kernel, RMS))
+                                                  (add_rms_norm_kernel, ADD_RMS))
       for shape in (SHORT, FUSED_MAX, CHUNKED)],
     *[(fn, flags, True, shape) for fn, flags in ((rms_norm_backward_kernel, RMS_BACKWARD),
                                                  (layer_norm_backward_kernel, LN_BACKWARD))
       for shape in (SHORT, FUSED_MAX, CHUNKED)],
-    (rms_norm_kernel, {"HAS_WEIGHT": False}, False, SHORT),
+    (rms_norm_kernel, {"HAS_WEIGHT": False, "HAS_OFFSET": False, "ROUND_BEFORE_SCALE": False}, False, SHORT),
     (layer_norm_kernel, {"HAS_WEIGHT": False, "HAS_BIAS": False}, False, SHORT),
-    (rms_norm_backward_kernel, {"HAS_WEIGHT": False, "HAS_GRAD_SUM": False, "WEIGHT_GRAD": False}, True, SHORT),
+    (rms_norm_backward_kernel, {"HAS_WEIGHT": False, "HAS_OFFSET": False, "HAS_GRAD_SUM": False,
+                                "WEIGHT_GRAD": False}, True, SHORT),
     (layer_norm_backward_kernel, {"HAS_WEIGHT": False, "WEIGHT_GRAD": False, "BIAS_GRAD": True}, True, SHORT),
     (layer_norm_kernel, LN, False, STRIDED_INT64),
     (rms_norm_backward_kernel, RMS_BACKWARD, True, STRIDED_INT64),
