@@ -65,7 +65,7 @@ from .ops.softmax import (
     softmax_launch_config,
     softmax_online_kernel,
 )
-from .ops.swiglu import swiglu, swiglu_backward_kernel, swiglu_kernel
+from .ops.swiglu import geglu, swiglu, swiglu_backward_kernel, swiglu_kernel
 
 forbid_double_backward()  # every backward op: a clear error for a gradient of a gradient
 
@@ -80,6 +80,7 @@ __all__ = [
     "gelu",
     "silu",
     "swiglu",
+    "geglu",
     "dropout",
     "dropout_mask",
     "cross_entropy",

@@ -8,11 +8,17 @@ from __future__ import annotations
 
 import os
 import secrets
+import tempfile
 
 import pytest
 import torch
 
-import kernels  # noqa: F401  (sets the interpreter mode before any test module defines a kernel)
+# Inductor's on-disk graph cache does not know when a custom op's definition changes: a graph
+# compiled by an earlier run (with an op since renamed or re-faked) would be reused. One fresh
+# cache per test run.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="kernel-ladder-inductor-"))
+
+import kernels  # noqa: F401,E402  (sets the interpreter mode before any test module defines a kernel)
 from kernels import _launch
 
 #: Set to an integer to replay the inputs of a failed run (its seed is printed with the failure).

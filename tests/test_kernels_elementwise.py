@@ -24,6 +24,7 @@ OPS = {
     "gelu_tanh": (lambda x: kernels.gelu(x, approximate="tanh"), lambda x: F.gelu(x, approximate="tanh"), 1),
     "silu": (kernels.silu, F.silu, 1),
     "swiglu": (kernels.swiglu, lambda gate, up: F.silu(gate) * up, 2),
+    "geglu": (kernels.geglu, lambda gate, up: F.gelu(gate, approximate="tanh") * up, 2),
 }
 
 # Odd sizes, size-1 dims, empty tensors, up to 5 dims; each is a handful of programs at most.
@@ -187,7 +188,7 @@ def test_no_hidden_copies(monkeypatch, gen):
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "transposed", "expanded"])
-@pytest.mark.parametrize("name", ["gelu", "gelu_tanh", "silu", "swiglu", "add"])
+@pytest.mark.parametrize("name", ["gelu", "gelu_tanh", "silu", "swiglu", "geglu", "add"])
 def test_backward_matches_float64_autograd(name, layout, gen):
     op, reference, arity = OPS[name]
     shape = (17, 130)
@@ -202,7 +203,7 @@ def test_backward_matches_float64_autograd(name, layout, gen):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("name", ["gelu", "gelu_tanh", "silu", "swiglu"])
+@pytest.mark.parametrize("name", ["gelu", "gelu_tanh", "silu", "swiglu", "geglu"])
 def test_backward_half_precision(name, dtype, gen):
     op, reference, arity = OPS[name]
     inputs = [make_input((7, 151), dtype, "contiguous", gen).requires_grad_() for _ in range(arity)]
@@ -410,3 +411,23 @@ def test_gpu_large_tensors(dtype):
     m = torch.randn(8192, 8193, device="cuda", dtype=dtype)
     assert_matches(kernels.gelu(m.t()), F.gelu(m.t().double()), dtype)
     assert_matches(kernels.add(m, m[0]), m.double() + m[0].double(), dtype)
+
+
+@pytest.mark.parametrize("op", [kernels.swiglu, kernels.geglu], ids=["swiglu", "geglu"])
+def test_in_place_backward_writes_grad_gate_into_the_incoming_gradient(op, gen):
+    gate = make_input((9, 130), torch.float32, "transposed", gen).requires_grad_()
+    up = make_input((9, 130), torch.float32, "contiguous", gen).requires_grad_()
+    g = make_input((9, 130), torch.float32, "contiguous", gen)
+    want = torch.autograd.grad(op(gate, up), [gate, up], g)
+    g_reused = g.clone()
+    got = torch.autograd.grad(op(gate, up, in_place_backward=True), [gate, up], g_reused)
+    assert got[0].data_ptr() == g_reused.data_ptr()  # the buffer was reused, and now holds grad_gate
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # a stride-0 gradient and create_graph=True take the out-of-place backward, same values
+    (dgate,) = torch.autograd.grad(op(gate, up, in_place_backward=True).sum(), [gate])
+    torch.testing.assert_close(dgate, torch.autograd.grad(op(gate, up).sum(), [gate])[0], rtol=0, atol=0)
+    g_graph = g.clone()
+    (dgate,) = torch.autograd.grad(op(gate, up, in_place_backward=True), [gate], g_graph, create_graph=True)
+    assert dgate.data_ptr() != g_graph.data_ptr() and torch.equal(g_graph, g)
+    torch.library.opcheck(torch.ops.kernels.swiglu_backward_inplace.default, (g.clone(), gate.detach(), up.detach()))
