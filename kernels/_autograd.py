@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["COVERED", "forbid_double_backward", "gradient_reusable"]
+__all__ = ["COVERED", "NoDoubleBackward", "forbid_double_backward", "gradient_reusable", "recorded_gradient"]
 
 #: The backward ops given a raising formula (filled on import of ``kernels``).
 COVERED: list[str] = []
@@ -26,6 +26,31 @@ def _raise_for(public_name: str):
         )
 
     return backward
+
+
+class NoDoubleBackward(torch.autograd.Function):
+    """A gradient handed out under ``create_graph=True`` by an op whose backward mutates a buffer (and so
+    cannot have the raising formula above): the identity, whose own backward raises the op's error.
+
+    Its other inputs link it into the graph: an output of the forward (a 0-element anchor, so that
+    a backward through the gradient reaches this node whatever it differentiates) and the incoming
+    gradient (which may itself require a gradient).
+    """
+
+    @staticmethod
+    def forward(ctx, public_name, grad, *links):
+        ctx.public_name = public_name
+        return grad
+
+    @staticmethod
+    def backward(ctx, *grads):
+        _raise_for(ctx.public_name)(ctx, *grads)
+
+
+def recorded_gradient(public_name: str, grad: torch.Tensor, *links: torch.Tensor) -> torch.Tensor:
+    """``grad``, as the result of a first-order backward recorded under ``create_graph=True``: usable,
+    but differentiating it raises ``public_name``'s double-backward error (see :class:`NoDoubleBackward`)."""
+    return NoDoubleBackward.apply(public_name, grad, *links)
 
 
 def _no_context(ctx, inputs, output) -> None:

@@ -89,7 +89,7 @@ import triton
 import triton.language as tl
 
 from .. import _launch, runtime
-from .._autograd import _raise_for
+from .._autograd import recorded_gradient
 from .._launch import coalesce_dims, next_power_of_2
 from .._rows import RowConfig, plan_rows, row_start
 from .._validate import check_bool, check_choice, check_float_dtype, check_same_device, check_tensor
@@ -126,8 +126,8 @@ _FLOAT_MIN = tl.constexpr(-3.4028234663852886e38)  # a finite start for the runn
 _INT64_MAX = tl.constexpr(2**63 - 1)
 _INT64_MIN = tl.constexpr(-(2**63))
 # Slots of the targets kernel's outputs.
-_CHECK_SLOTS = 3  # int64: all targets valid (1/0), the lowest and the highest non-ignored target
-_SCALE_SLOTS = 3  # float32: the cross-entropy's scale, the z-loss's scale, the sum of the class weights
+CHECK_SLOTS = 3  # int64: all targets valid (1/0), the lowest and the highest non-ignored target
+SCALE_SLOTS = 3  # float32: the cross-entropy's scale, the z-loss's scale, the sum of the class weights
 
 
 # ----------------------------------------------------------------------------------------------
@@ -569,24 +569,30 @@ def _check_args(logits: object, target: object, weight: object, ignore_index: ob
         if tuple(weight.shape) != (n_classes,):
             raise ValueError(f"{_OP}: weight must hold one weight per class, shape ({n_classes},), "
                              f"got {tuple(weight.shape)}")
+    check_loss_options(_OP, ignore_index, reduction, label_smoothing, softcap, z_loss)
+    check_bool(_OP, "return_z_loss", return_z_loss)
+
+
+def check_loss_options(op: str, ignore_index: object, reduction: object, label_smoothing: object, softcap: object,
+                       z_loss: object) -> None:
+    """The scalar options shared with ``kernels.fused_linear_cross_entropy``; errors name ``op``."""
     # torch.compile passes a Python int that it has made dynamic as a SymInt.
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, (numbers.Integral, torch.SymInt)):
-        raise TypeError(f"{_OP}: ignore_index must be an int, got {type(ignore_index).__name__}")
-    check_choice(_OP, "reduction", reduction, REDUCTIONS)
+        raise TypeError(f"{op}: ignore_index must be an int, got {type(ignore_index).__name__}")
+    check_choice(op, "reduction", reduction, REDUCTIONS)
     if not _is_real(label_smoothing):
-        raise TypeError(f"{_OP}: label_smoothing must be a float in [0, 1], got {type(label_smoothing).__name__}")
+        raise TypeError(f"{op}: label_smoothing must be a float in [0, 1], got {type(label_smoothing).__name__}")
     if not 0.0 <= float(label_smoothing) <= 1.0:
-        raise ValueError(f"{_OP}: label_smoothing must be in [0, 1], got {float(label_smoothing)}")
+        raise ValueError(f"{op}: label_smoothing must be in [0, 1], got {float(label_smoothing)}")
     if softcap is not None:
         if not _is_real(softcap):
-            raise TypeError(f"{_OP}: softcap must be None or a positive float, got {type(softcap).__name__}")
+            raise TypeError(f"{op}: softcap must be None or a positive float, got {type(softcap).__name__}")
         if not (math.isfinite(float(softcap)) and float(softcap) > 0):
-            raise ValueError(f"{_OP}: softcap must be a positive, finite float (Gemma-2 uses 30.0), got {softcap}")
+            raise ValueError(f"{op}: softcap must be a positive, finite float (Gemma-2 uses 30.0), got {softcap}")
     if not _is_real(z_loss):
-        raise TypeError(f"{_OP}: z_loss must be a float >= 0, got {type(z_loss).__name__}")
+        raise TypeError(f"{op}: z_loss must be a float >= 0, got {type(z_loss).__name__}")
     if not (math.isfinite(float(z_loss)) and float(z_loss) >= 0):
-        raise ValueError(f"{_OP}: z_loss must be a finite float >= 0 (PaLM uses 1e-4), got {z_loss}")
-    check_bool(_OP, "return_z_loss", return_z_loss)
+        raise ValueError(f"{op}: z_loss must be a finite float >= 0 (PaLM uses 1e-4), got {z_loss}")
 
 
 def _loss_shape(logits: torch.Tensor, reduction: str) -> tuple[int, ...]:
@@ -625,7 +631,7 @@ def _target_rows(target: torch.Tensor, lead: tuple[int, ...]) -> torch.Tensor:
     return t if len(sizes) <= 3 else t.contiguous()
 
 
-def _assert_targets(check: torch.Tensor, n_classes: int, ignore_index: int) -> None:
+def assert_targets(check: torch.Tensor, n_classes: int, ignore_index: int) -> None:
     """Raise if the targets kernel found a target outside ``[0, V)`` (``check[0] == 0``), without a host sync."""
     message = f"{_OP}: target must hold class indices in [0, {n_classes}) or ignore_index={ignore_index}"
     if check.device.type != "cpu":
@@ -647,7 +653,7 @@ def _assert_targets(check: torch.Tensor, n_classes: int, ignore_index: int) -> N
 # ----------------------------------------------------------------------------------------------
 
 
-def _launch_targets(target_rows, weight, check, scales, n_classes, ignore_index, mean, class_weight_sum) -> None:
+def launch_targets(target_rows, weight, check, scales, n_classes, ignore_index, mean, class_weight_sum) -> None:
     t = target_rows.reshape(-1) if target_rows.dim() == 0 else target_rows
     sizes, (strides,) = coalesce_dims(t.shape, [t.stride()])
     sizes = [1] * (3 - len(sizes)) + sizes
@@ -660,7 +666,7 @@ def _launch_targets(target_rows, weight, check, scales, n_classes, ignore_index,
     )
 
 
-def _launch_forward(logits, target_rows, weight, scales, loss_rows, z_rows, grad, ignore_index, label_smoothing,
+def launch_forward(logits, target_rows, weight, scales, loss_rows, z_rows, grad, ignore_index, label_smoothing,
                     softcap, z_loss) -> None:
     x = _class_last(logits)
     n_classes = x.shape[-1]
@@ -709,11 +715,11 @@ def _cross_entropy_op(
     mean = reduction == "mean"
     target_rows = _target_rows(target, lead)
 
-    check = _launch.empty((_CHECK_SLOTS,), torch.int64, device)
-    scales = _launch.empty((_SCALE_SLOTS,), torch.float32, device)
-    _launch_targets(target_rows, weight, check, scales, n_classes, ignore_index, mean,
+    check = _launch.empty((CHECK_SLOTS,), torch.int64, device)
+    scales = _launch.empty((SCALE_SLOTS,), torch.float32, device)
+    launch_targets(target_rows, weight, check, scales, n_classes, ignore_index, mean,
                     class_weight_sum=weight is not None and label_smoothing != 0.0)
-    _assert_targets(check, n_classes, ignore_index)
+    assert_targets(check, n_classes, ignore_index)
 
     if reduction == "none":
         loss_rows = _launch.empty(lead, logits.dtype, device)
@@ -722,7 +728,7 @@ def _cross_entropy_op(
         loss_rows = _launch.empty((n_rows,), torch.float32, device)
         z_rows = _launch.empty((n_rows,), torch.float32, device) if return_z_loss else None
     grad = _empty_grad(logits, compute_grad)
-    _launch_forward(logits, target_rows, weight, scales, loss_rows, z_rows, grad, ignore_index, label_smoothing,
+    launch_forward(logits, target_rows, weight, scales, loss_rows, z_rows, grad, ignore_index, label_smoothing,
                     softcap, z_loss)
     if reduction == "none":
         loss = loss_rows.view(_loss_shape(logits, reduction))
@@ -781,23 +787,6 @@ def _cross_entropy_backward_fake(grad_logits, grad_loss) -> None:
 _NO_GRADIENTS = (None,) * 9
 
 
-class _NoDoubleBackward(torch.autograd.Function):
-    """The gradient handed out under ``create_graph=True``: its own backward raises the op's error.
-
-    Its inputs link it into the graph: the forward's anchor output (so a backward through the
-    gradient reaches this node whatever it differentiates), and ``grad_loss`` (which may itself
-    require a gradient).
-    """
-
-    @staticmethod
-    def forward(ctx, grad, anchor, grad_loss):
-        return grad
-
-    @staticmethod
-    def backward(ctx, *grads):
-        _raise_for(f"{_OP} (backward)")(ctx, *grads)
-
-
 def _setup_context(ctx, inputs, output) -> None:
     *_, compute_grad = inputs
     _, z, grad, anchor = output
@@ -824,7 +813,7 @@ def _backward(ctx, grad_loss, _grad_z, _grad_of_grad_buffer, _grad_anchor):
     grad, anchor = ctx.saved_tensors
     if grad_loss is None:  # the loss took no part in what is being differentiated
         return (None, *_NO_GRADIENTS)
-    if _tracing(grad, grad_loss):
+    if tracing(grad, grad_loss):
         # A traced backward (torch.compile, AOTAutograd) must not mutate a saved activation: scale
         # out of place, which Inductor can do in the dead buffer's memory.
         g = _class_last(grad)
@@ -835,12 +824,12 @@ def _backward(ctx, grad_loss, _grad_z, _grad_of_grad_buffer, _grad_anchor):
         _cross_entropy_backward_op(grad, grad_loss)
     if create_graph:
         # A first-order backward merely recorded (create_graph=True) works; differentiating the
-        # gradient it returns reaches _NoDoubleBackward, which raises.
-        grad = _NoDoubleBackward.apply(grad, anchor, grad_loss)
+        # gradient it returns raises the op's error.
+        grad = recorded_gradient(f"{_OP} (backward)", grad, anchor, grad_loss)
     return (grad, *_NO_GRADIENTS)
 
 
-def _tracing(*tensors: torch.Tensor) -> bool:
+def tracing(*tensors: torch.Tensor) -> bool:
     """Whether the backward is being traced (by Dynamo, AOTAutograd or make_fx) rather than run."""
     if torch.compiler.is_compiling():
         return True
