@@ -21,6 +21,7 @@ from .ops.add import add, add_kernel
 from .ops.add_rms_norm import add_rms_norm, add_rms_norm_kernel
 from .ops.cross_entropy import cross_entropy, cross_entropy_backward_kernel, cross_entropy_forward_kernel
 from .ops.dropout import dropout, dropout_kernel, dropout_mask, dropout_mask_kernel
+from .ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 from .ops.gated_mlp import dual_matmul_kernel, gated_mlp, gated_mlp_backward_kernel, gated_mlp_kernel
 from .ops.gelu import gelu, gelu_backward_kernel, gelu_kernel
 from .ops.layer_norm import layer_norm, layer_norm_backward_kernel, layer_norm_kernel
@@ -101,6 +102,7 @@ __all__ = [
     "rope",
     "rope_cos_sin",
     "gated_mlp",
+    "fused_linear_cross_entropy",
     "norm_launch_config",
     # matmul's launchers with an explicit configuration, and its dispatch rule
     "MatmulConfig",
