@@ -15,6 +15,8 @@ from solutions import ch06_fused_ops as solutions
 ROPE_SIZES = {"cpu": (2, 8, 2, 64, 64), "gpu": (8, 32, 8, 4096, 128)}
 #: Gated MLP: (tokens, hidden, intermediate).
 MLP_SIZES = {"cpu": (64, 128, 256), "gpu": (4096, 4096, 14336)}
+#: Fused linear + cross-entropy: (tokens, hidden, vocab); on a GPU Llama-3-8B's head at 8k tokens.
+LOSS_SIZES = {"cpu": (64, 32, 1024), "gpu": (8192, 4096, 128256)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -119,6 +121,58 @@ register(
 )
 
 
+# ----------------------------------------------------------------------------------------------
+# Fused linear + cross-entropy
+# ----------------------------------------------------------------------------------------------
+
+
+def _loss_inputs(device, dtype, size):
+    tokens, hidden, vocab = LOSS_SIZES[size]
+    gen = torch.Generator(device="cpu").manual_seed(8)
+    x = torch.randn(tokens, hidden, generator=gen).to(device, dtype)
+    weight = (torch.randn(vocab, hidden, generator=gen) * hidden**-0.5).to(device, dtype)
+    target = torch.randint(0, vocab, (tokens,), generator=gen).to(device)
+    return x, weight, target
+
+
+def _with_grads(loss_fn):
+    """A step returning the loss and the gradients of x and the weight (forward + backward)."""
+
+    def step(x, weight, target):
+        x, weight = x.detach().requires_grad_(), weight.detach().requires_grad_()
+        loss = loss_fn(x, weight, target)
+        grad_x, grad_w = torch.autograd.grad(loss, (x, weight))
+        return loss.detach(), grad_x, grad_w
+
+    return step
+
+
+def loss_torch(x, weight, target):
+    """HF's LM head and loss: the (N, V) logits, upcast to fp32, F.cross_entropy."""
+    return F.cross_entropy(F.linear(x, weight).float(), target)
+
+
+def loss_reference(x, weight, target):
+    return _with_grads(lambda a, w, t: F.cross_entropy(F.linear(a, w), t))(x.double(), weight.double(), target)
+
+
+register(
+    Ladder(
+        chapter="06_fused_ops",
+        op="linear + cross-entropy fwd+bwd",
+        make_inputs=_loss_inputs,
+        reference=loss_reference,
+        steps=[
+            Step("torch: logits, .float(), F.cross_entropy", _with_grads(loss_torch), baseline=True),
+            Step("kernels.fused_linear_cross_entropy (chunks)",
+                 _with_grads(lambda x, w, t: kernels.fused_linear_cross_entropy(x, w, t))),
+        ],
+        ideal_bytes=lambda x, w, t, out: 2 * (x.numel() + w.numel()) * x.element_size() + t.numel() * 8,
+        note="64 tokens, hidden 32, vocab 1024 on the CPU; the ideal reads x and W and writes their gradients",
+    )
+)
+
+
 def gpu_checks(size: str) -> list:
     """``make gpu-check`` entries: rope and the gated MLP in bf16/fp16, then timed against torch."""
     from bench.gpu import Check, Timing, compiled, grads
@@ -138,7 +192,27 @@ def gpu_checks(size: str) -> list:
         entries.append(Check("gated_mlp backward", dtype,
                              lambda a=(x, wg, wu, wd), g=g: grads(kernels.gated_mlp, a, g),
                              lambda a=(x, wg, wu, wd), g=g: grads(mlp_torch, a, g, upcast=True), tol=3e-2))
+    from bench.gpu import Peak
+
     device = kernels.runtime.DEVICE
+    for dtype in (torch.bfloat16,):
+        x, w, t = _loss_inputs(device, dtype, "gpu" if size == "gpu" else "cpu")
+        entries.append(Check("fused_linear_cross_entropy fwd+bwd", dtype,
+                             lambda a=(x, w, t): _with_grads(lambda p, q, r: kernels.fused_linear_cross_entropy(
+                                 p, q, r))(*a),
+                             lambda a=(x, w, t): _with_grads(loss_torch)(a[0].float(), a[1].float(), a[2]), tol=3e-2))
+    x, w, t = _loss_inputs(device, torch.bfloat16, "gpu" if size == "gpu" else "cpu")
+    tokens, hidden, vocab = LOSS_SIZES["gpu" if size == "gpu" else "cpu"]
+    op = f"linear+CE fwd+bwd bf16 {tokens}x{hidden}x{vocab}"
+    loss_flops = 3 * 2 * tokens * hidden * vocab
+    fused = _with_grads(lambda p, q, r: kernels.fused_linear_cross_entropy(p, q, r))
+    entries += [
+        Timing(op, "torch eager", lambda: _with_grads(loss_torch)(x, w, t), flops=loss_flops, baseline=True),
+        Timing(op, "kernels.fused_linear_cross_entropy", lambda: fused(x, w, t), flops=loss_flops,
+               target="no slower than torch eager at <= 1/5 of its peak memory"),
+        Peak(op, "torch eager", lambda: _with_grads(loss_torch)(x, w, t), baseline=True),
+        Peak(op, "kernels.fused_linear_cross_entropy", lambda: fused(x, w, t), target="<= 1/5 of torch's"),
+    ]
     q, k, cos, sin = _rope_inputs(device, torch.bfloat16, size if size == "gpu" else "cpu")
     rope_bytes = 2 * (q.numel() + k.numel()) * q.element_size() + 2 * cos.numel() * cos.element_size()
     op = "rope bf16 " + "x".join(map(str, ROPE_SIZES["gpu" if size == "gpu" else "cpu"]))

@@ -153,6 +153,7 @@ def test_peak_memory_is_a_chunk_of_logits_not_all_of_them(gen):
 def test_chunk_rows_rule():
     assert flce.chunk_rows(8192, 128256, 4096) == 256  # ceil(128256 / 4096) = 32 chunks' worth
     assert flce.chunk_rows(10, 100, 1000) == 10  # V < H: the whole batch at once
+    assert flce.chunk_rows(4096, 128256, 512) == 64  # 16 rows by the rule: a tile's 64 at least
     assert flce.chunk_rows(0, 10, 10) == 1
 
 

@@ -48,21 +48,27 @@ from .._validate import check_float_dtype, check_same_device, check_same_dtype, 
 from . import cross_entropy as ce
 from .matmul import launch_matmul
 
-__all__ = ["chunk_rows", "fused_linear_cross_entropy"]
+__all__ = ["MIN_CHUNK_ROWS", "chunk_rows", "fused_linear_cross_entropy"]
 
 _OP = "kernels.fused_linear_cross_entropy"
 
 
+#: The smallest default chunk: a matmul tile's rows (64-128 on a GPU). Fewer rows would leave most of
+#: every tile's dot products padding and multiply the launches, for a buffer that is small anyway.
+MIN_CHUNK_ROWS: int = 64
+
+
 def chunk_rows(n_rows: int, vocab: int, hidden: int) -> int:
-    """The default chunk: ``next_power_of_2(ceil(n_rows / ceil(vocab / hidden)))``, 1 to ``n_rows``.
+    """The default chunk: ``next_power_of_2(ceil(n_rows / ceil(vocab / hidden)))``, at least
+    :data:`MIN_CHUNK_ROWS`, at most ``n_rows``.
 
     The ``(chunk, V)`` logits buffer is then about the size of ``x`` (``n_rows x hidden``): the
-    loss costs no more memory than one more activation of the model.
+    loss costs no more memory than one more activation of the model (Liger-Kernel's rule).
     """
     if n_rows <= 0:
         return 1
     chunk = triton.next_power_of_2(max(1, math.ceil(n_rows / max(1, math.ceil(vocab / max(1, hidden))))))
-    return max(1, min(chunk, n_rows))
+    return max(1, min(max(chunk, MIN_CHUNK_ROWS), n_rows))
 
 
 # ----------------------------------------------------------------------------------------------
