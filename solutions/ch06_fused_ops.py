@@ -128,19 +128,20 @@ def fused_linear_ce_chunk(x: torch.Tensor, weight: torch.Tensor, target: torch.T
     ``p = softmax(z)``, ``z = x W^T``, the logits' gradient is ``(p - onehot(y)) / n_valid`` on
     non-ignored rows (0 on ignored ones), and ``grad_x = G W``, ``grad_W = G^T x``.
 
-    Returns ``(loss_sum, grad_x, grad_weight)``: the chunk's share of the loss (0-d), ``grad_x`` of
-    x's shape and ``grad_weight`` of the weight's, all float32.
+    Returns ``(loss_share, grad_x, grad_weight)``: the chunk's share of the loss (0-d: its rows'
+    losses summed and divided by ``n_valid``), ``grad_x`` of x's shape and ``grad_weight`` of the
+    weight's, all float32.
     """
     z = x.float() @ weight.float().T
     valid = target != ignore_index
     safe = torch.where(valid, target, torch.zeros_like(target))
     log_p = torch.log_softmax(z, dim=-1)
     nll = -log_p.gather(1, safe[:, None]).squeeze(1)
-    loss_sum = torch.where(valid, nll, torch.zeros_like(nll)).sum() / n_valid
+    loss_share = torch.where(valid, nll, torch.zeros_like(nll)).sum() / n_valid
     grad_z = log_p.exp()
     grad_z[torch.arange(z.shape[0], device=z.device), safe] -= 1.0
     grad_z = torch.where(valid[:, None], grad_z, torch.zeros_like(grad_z)) / n_valid
-    return loss_sum, grad_z @ weight.float(), grad_z.T @ x.float()
+    return loss_share, grad_z @ weight.float(), grad_z.T @ x.float()
 
 
 def chunk_size_for_budget(budget_bytes: int, bytes_per_row: int, n_rows: int) -> int:
@@ -150,7 +151,7 @@ def chunk_size_for_budget(budget_bytes: int, bytes_per_row: int, n_rows: int) ->
     the chunk (its logits, overwritten in place by their gradient, and a few floats of statistics
     per row), so ``chunk = budget // bytes_per_row`` rounded *down* to a power of two (tiles stay
     whole), at least 1 (a single row must run whatever the budget), at most the next power of two
-    of ``n_rows`` (no chunk larger than the batch).
+    of ``n_rows`` (one chunk, padded to a power of two, holds the whole batch).
     """
     fit = max(1, budget_bytes // max(1, bytes_per_row))
     chunk = 1 << (fit.bit_length() - 1)

@@ -25,7 +25,7 @@ backward (the down projection's weight gradient needs it, as autograd's would).
 * ``dW_gate = d_gate^T x``, ``dW_up = d_up^T x`` (the matmul kernels; leading dims of ``x`` folded
   into the reduction).
 
-Recomputing the two GEMMs costs ``4 M F H`` FLOPs (a third more than the backward's other
+Recomputing the two GEMMs costs ``4 M F H`` FLOPs (40% more than the backward's other
 ``8 M F H`` plus ``2 M F H``) and saves ``2 M F`` elements of memory held from forward to backward —
 the trade activation checkpointing makes, taken here because an MLP's intermediates are the
 largest activations of a transformer block.
