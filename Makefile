@@ -54,14 +54,13 @@ lab: $(LAB_STAMP)
 	KERNEL_LADDER_INTERPRET=$(LAB_INTERPRET) $(VENV)/bin/jupyter lab --ServerApp.root_dir="$(CURDIR)" \
 	  --LabApp.default_url="/lab/tree/$(LAB_START)" $(LAB_FLAGS)
 
-# Unit tests (compiled on a GPU machine), among them every notebook in solution mode: every check solved,
-# every other output as committed (tests/test_notebooks_solutions.py). Then every notebook under nbval in
-# learner mode, compared with the committed outputs — a learner-mode run in the interpreter, made with
-# this check seed (utils.notebooks.LEARNER_CHECK_SEED), so the notebooks run there, with it.
+# Every test (compiled on a GPU machine) in two processes (pytest-xdist; the long ones stolen first),
+# among them every notebook in both modes at once against its committed outputs (tests/test_notebooks.py):
+# solution mode solves every check and prints the rest as committed, learner mode prints exactly what is
+# committed. TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest tests --timeout=900 -p no:cacheprovider $(PYTEST_FLAGS)
-	KERNEL_LADDER_SOLUTIONS=0 KERNEL_LADDER_CHECK_SEED=0 KERNEL_LADDER_INTERPRET=1 $(PY) -m pytest chapters \
-	  --nbval --nbval-current-env --timeout=900 -p no:cacheprovider $(PYTEST_FLAGS)
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist worksteal --timeout=900 -p no:cacheprovider $(PYTEST_FLAGS)
 
 test-fast: setup
 	$(PY) -m pytest tests -x -q -m "not slow" $(PYTEST_FLAGS)

@@ -25,7 +25,16 @@ from kernels import _launch
 SEED_ENV = "KERNEL_LADDER_SEED"
 
 
+# Under pytest-xdist (``make test`` runs two workers on two cores) each worker's torch keeps to one
+# thread, so the workers do not fight over the cores.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(config, items):
+    # The longest tests first (the notebooks, then the rest marked slow): with work stealing, two
+    # workers then finish together instead of one waiting on the last notebook.
+    items.sort(key=lambda item: 0 if "test_notebooks.py" in item.nodeid else 1 if "slow" in item.keywords else 2)
     compiled = torch.cuda.is_available() and not kernels.runtime.INTERPRETER
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device (sizes too large for the interpreter)")
     skip_interpreter = pytest.mark.skip(reason="counts or diagnoses through Triton's interpreter; kernels compile here")

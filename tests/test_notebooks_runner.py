@@ -1,9 +1,10 @@
 """The notebook runner (utils.notebooks) on small notebooks made here.
 
 ``execute`` must save the learner-mode run only when solution mode solves every check, learner
-mode solves none, and nothing else differs between the two; ``solution_mode_problems`` (what
-``test_notebooks_solutions.py`` asserts empty for every chapter) must find a solution that does
-not solve and a cell that depends on the learner's code. Each notebook here runs in a fresh
+mode solves none, and nothing else differs between the two; ``notebook_problems`` (what
+``test_notebooks.py`` asserts empty for every chapter) must find a solution that does not solve,
+a cell that depends on the learner's code, and committed outputs that a learner-mode run no
+longer prints. Each notebook here runs in a fresh
 kernel (a few seconds each).
 """
 
@@ -17,11 +18,11 @@ import nbformat
 import pytest
 
 from utils.notebooks import (
-    LEARNER_CHECK_SEED,
     chapter_notebooks,
     error_outputs,
     main,
     normalize,
+    notebook_problems,
     output_differences,
     run_notebook,
     solution_mode_problems,
@@ -235,9 +236,37 @@ def test_chapter_notebooks_lists_chapter_folders_only(tmp_path: Path) -> None:
     assert chapter_notebooks(tmp_path) == [tmp_path / "00_a/00_a.ipynb", tmp_path / "01_b/01_b.ipynb"]
 
 
-def test_make_test_runs_nbval_in_learner_mode_with_the_seed_the_committed_outputs_were_made_with() -> None:
+@pytest.mark.slow
+def test_notebook_problems_is_empty_for_a_good_notebook(executed) -> None:
+    assert notebook_problems(executed["paths"]["good"]) == []
+
+
+@pytest.mark.slow
+def test_notebook_problems_finds_stale_committed_outputs_and_a_changed_verdict(tmp_path) -> None:
+    path = _commit_learner_run(tmp_path, "05_stale", GOOD)
+    notebook = nbformat.read(path, as_version=4)
+    lesson = next(i for i, cell in enumerate(notebook.cells) if cell.source == LESSON[0])
+    notebook.cells[lesson].outputs[0]["text"] = "a\nc\n"  # committed before the lesson changed
+    check = next(i for i, cell in enumerate(notebook.cells) if cell.source == CHECK[0])
+    assert notebook.cells[check].outputs[0]["text"].startswith("❌ NOT SOLVED — demo.answer")
+    nbformat.write(notebook, path)
+    problems = notebook_problems(path)
+    assert problems == [
+        "solution mode differs from the committed outputs in cell 4 ('import sys'): stdout: line 2: "
+        "expected 'c', got 'b'",
+        "learner mode differs from the committed outputs in cell 4 ('import sys'): stdout: line 2: "
+        "expected 'c', got 'b' (refresh them: make notebooks)",
+    ]
+    # A learner-mode verdict that differs from the committed one (another seed, another diagnosis):
+    notebook.cells[lesson].outputs[0]["text"] = "a\nb\n"
+    notebook.cells[check].outputs[0]["text"] = notebook.cells[check].outputs[0]["text"].replace("got 0", "got 1")
+    nbformat.write(notebook, path)
+    (problem,) = notebook_problems(path)
+    assert problem.startswith("learner mode differs from the committed outputs in cell 2 (\"check('demo.answer'")
+
+
+def test_make_test_runs_the_tests_in_two_processes_with_the_notebooks_among_them() -> None:
     makefile = (REPO / "Makefile").read_text()
     recipe = makefile.split("\ntest: setup\n", 1)[1].split("\n\n", 1)[0]
-    nbval = next(line for line in recipe.splitlines() if "-m pytest chapters" in line)
-    assert "KERNEL_LADDER_SOLUTIONS=0" in nbval and f"KERNEL_LADDER_CHECK_SEED={LEARNER_CHECK_SEED}" in nbval
-    assert "--nbval" in recipe and "-m pytest tests" in recipe
+    assert "-m pytest tests" in recipe and "-n $(TEST_WORKERS)" in recipe and "TEST_WORKERS ?= 2" in makefile
+    assert (REPO / "tests" / "test_notebooks.py").exists()

@@ -4,7 +4,8 @@ The committed outputs of a chapter notebook are what a learner sees on first ope
 plots, tables and traces, and every check's verdict as the learner gets it (``❌ NOT SOLVED``,
 ``solution mode: False``). ``python -m utils.notebooks execute chapters`` (what ``make notebooks``
 runs) produces them. For each ``chapters/*/*.ipynb`` it runs the notebook twice, top to bottom,
-each time in one fresh ``python3`` kernel whose working directory is the notebook's folder:
+at the same time, each run in its own fresh ``python3`` kernel whose working directory is the
+notebook's folder:
 
 1. in solution mode (``KERNEL_LADDER_SOLUTIONS=1``): it must finish and every check must say
    ``✅ SOLVED``;
@@ -15,9 +16,10 @@ each time in one fresh ``python3`` kernel whose working directory is the noteboo
    code (it should use ``kernels`` or the solutions): the notebook is refused and the cell named.
 
 Only then is the learner-mode run saved (execution counts 1..n, a run's metadata noise
-removed). ``make test`` then re-runs the notebooks under nbval in learner mode against the
-committed outputs, and ``tests/test_notebooks_solutions.py`` runs them in solution mode through
-:func:`solution_mode_problems`: every check solved, every other output as committed.
+removed). ``make test`` proves both modes against the committed outputs through
+:func:`notebook_problems` (``tests/test_notebooks.py``): solution mode solves every check and
+prints everything else as committed; learner mode prints exactly what is committed, verdicts
+included — the comparison nbval makes, honouring the same cell tags, with both runs at once.
 
 A NOT SOLVED verdict describes the random inputs it failed on (and prints their seed), so a
 learner-mode run sets ``KERNEL_LADDER_CHECK_SEED`` (:data:`LEARNER_CHECK_SEED`): each check then
@@ -37,6 +39,7 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import nbformat
@@ -52,6 +55,7 @@ __all__ = [
     "execute_notebooks",
     "main",
     "normalize",
+    "notebook_problems",
     "output_differences",
     "run_notebook",
     "solution_mode_problems",
@@ -318,6 +322,41 @@ def _verdict_problems(notebook: NotebookNode, solutions: bool) -> list[str]:
             *(f"  {line}" for line in wrong)]
 
 
+def _run_both(path: Path, timeout: int) -> tuple[tuple[NotebookNode | None, list[str]], ...]:
+    """Run ``path`` in solution mode and in learner mode at once, each in its own kernel.
+
+    The kernels are separate processes, so on two cores both runs take about the time of one.
+    """
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="notebook-mode") as pool:
+        solved = pool.submit(_run, path, True, timeout)
+        learner = pool.submit(_run, path, False, timeout)
+        return solved.result(), learner.result()
+
+
+def _solution_run_problems(committed: NotebookNode, notebook: NotebookNode) -> list[str]:
+    """A solution-mode run against the committed (learner-mode) outputs: all ✅, the same checks, the rest equal."""
+    problems = _verdict_problems(notebook, solutions=True)
+    committed_names = [_verdict_name(line) for line in verdict_lines(committed)]
+    names = [_verdict_name(line) for line in verdict_lines(notebook)]
+    if names != committed_names:
+        problems.append(f"checks run in solution mode {names} are not the committed ones {committed_names}")
+    problems += [
+        f"solution mode differs from the committed outputs in {difference}"
+        for difference in output_differences(committed, notebook)
+    ]
+    return problems
+
+
+def _learner_run_problems(committed: NotebookNode, notebook: NotebookNode) -> list[str]:
+    """A learner-mode run against the committed outputs: all ❌ and every output equal, verdicts included."""
+    problems = _verdict_problems(notebook, solutions=False)
+    problems += [
+        f"learner mode differs from the committed outputs in {difference} (refresh them: make notebooks)"
+        for difference in output_differences(committed, notebook, strip_verdicts=False)
+    ]
+    return problems
+
+
 def solution_mode_problems(path: str | os.PathLike, timeout: int = CELL_TIMEOUT_S) -> list[str]:
     """What is wrong with the notebook at ``path`` when it runs in solution mode (empty if nothing).
 
@@ -331,30 +370,37 @@ def solution_mode_problems(path: str | os.PathLike, timeout: int = CELL_TIMEOUT_
     notebook, problems = _run(path, solutions=True, timeout=timeout)
     if notebook is None:
         return problems
-    problems += _verdict_problems(notebook, solutions=True)
-    committed_names = [_verdict_name(line) for line in verdict_lines(committed)]
-    names = [_verdict_name(line) for line in verdict_lines(notebook)]
-    if names != committed_names:
-        problems.append(f"checks run in solution mode {names} are not the committed ones {committed_names}")
-    problems += [
-        f"solution mode differs from the committed outputs in {difference}"
-        for difference in output_differences(committed, notebook)
-    ]
+    return problems + _solution_run_problems(committed, notebook)
+
+
+def notebook_problems(path: str | os.PathLike, timeout: int = CELL_TIMEOUT_S) -> list[str]:
+    """What is wrong with the notebook at ``path`` in either mode (empty if nothing): ``make test``'s check.
+
+    Both modes run at once, in two kernels. Solution mode as :func:`solution_mode_problems`
+    requires; learner mode (with :data:`LEARNER_CHECK_SEED`) must run to the end, every check
+    must say ❌ NOT SOLVED, and every output must be the committed one, verdicts included, the
+    way nbval compares (``nbval-ignore-output`` and ``nbval-skip`` cells and images left out):
+    the proof that the committed outputs are current and that an unsolved notebook runs through.
+    """
+    path = Path(path)
+    committed = nbformat.read(path, as_version=4)
+    (solved, solved_errors), (learner, learner_errors) = _run_both(path, timeout)
+    problems = solved_errors + learner_errors
+    if solved is not None:
+        problems += _solution_run_problems(committed, solved)
+    if learner is not None:
+        problems += _learner_run_problems(committed, learner)
     return problems
 
 
 def _learner_mode_notebook(path: Path, timeout: int) -> tuple[NotebookNode | None, list[str], str]:
-    """Run ``path`` in both modes; return the learner-mode run if it may be saved, the problems, timings."""
+    """Run ``path`` in both modes (at once); return the learner-mode run if it may be saved, the problems, time."""
     started = time.perf_counter()
-    solved, problems = _run(path, solutions=True, timeout=timeout)
-    if solved is None:
-        return None, problems, ""
-    problems += _verdict_problems(solved, solutions=True)
+    (solved, problems), (learner, learner_problems) = _run_both(path, timeout)
+    if solved is None or learner is None:
+        return None, problems + learner_problems, ""
+    problems += _verdict_problems(solved, solutions=True) + learner_problems
     if problems:
-        return None, problems, ""
-    middle = time.perf_counter()
-    learner, problems = _run(path, solutions=False, timeout=timeout)
-    if learner is None:
         return None, problems, ""
     problems += _verdict_problems(learner, solutions=False)
     names = [_verdict_name(line) for line in verdict_lines(solved)]
@@ -366,8 +412,7 @@ def _learner_mode_notebook(path: Path, timeout: int) -> tuple[NotebookNode | Non
         "(use kernels or the solutions there)"
         for difference in output_differences(solved, learner)
     ]
-    ended = time.perf_counter()
-    return learner, problems, f"{middle - started:.1f} s + {ended - middle:.1f} s"
+    return learner, problems, f"{time.perf_counter() - started:.1f} s for both"
 
 
 def execute_notebooks(paths: Sequence[Path], timeout: int = CELL_TIMEOUT_S, stream=None) -> int:
@@ -381,7 +426,7 @@ def execute_notebooks(paths: Sequence[Path], timeout: int = CELL_TIMEOUT_S, stre
     failures = 0
     for number, path in enumerate(paths, start=1):
         prefix = f"[{number}/{len(paths)}] {path}"
-        print(f"{prefix}: running in solution mode, then in learner mode ...", file=stream, flush=True)
+        print(f"{prefix}: running in solution mode and in learner mode ...", file=stream, flush=True)
         try:
             notebook, problems, seconds = _learner_mode_notebook(Path(path), timeout)
         except Exception as error:  # a kernel that does not start, an unreadable file: go on with the others
