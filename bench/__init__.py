@@ -28,6 +28,7 @@ CHAPTER_MODULES = [
     "bench.ch04_matmul",
     "bench.ch05_quantization",
     "bench.ch06_fused_ops",
+    "bench.ch07_flash_attention",
 ]
 
 
@@ -76,13 +77,40 @@ class Ladder:
         return int(sum(t.numel() * t.element_size() for t in tensors))
 
 
+@dataclass
+class Figure:
+    """A chart the report draws beside the ladders' (for example bytes against the sequence length).
+
+    ``draw(ax)`` measures what it plots (traced, like a ladder), draws it on the matplotlib axes and
+    returns a caption stating the numbers; the report saves it as ``docs/img/ch<chapter>_<name>.png``.
+    """
+
+    chapter: str
+    name: str
+    draw: Callable[..., str]
+
+
 _LADDERS: list[Ladder] = []
+_FIGURES: list[Figure] = []
 
 
 def register(ladder: Ladder) -> Ladder:
     """Add a ladder to the report (called at import by the chapter modules)."""
     _LADDERS.append(ladder)
     return ladder
+
+
+def register_figure(figure: Figure) -> Figure:
+    """Add a figure to the report (called at import by the chapter modules)."""
+    _FIGURES.append(figure)
+    return figure
+
+
+def figures(chapters: Sequence[str] | None = None) -> list[Figure]:
+    """Every registered figure (importing the chapter modules), optionally only some chapters'."""
+    for module in CHAPTER_MODULES:
+        importlib.import_module(module)
+    return [f for f in _FIGURES if not chapters or any(f.chapter.startswith(c) for c in chapters)]
 
 
 def ladders(chapters: Sequence[str] | None = None) -> list[Ladder]:

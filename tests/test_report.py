@@ -11,37 +11,57 @@ import bench
 from bench import report
 
 
+CHAPTERS = sorted({ladder.chapter for ladder in bench.ladders()})
+
+
 @pytest.mark.interpreter
-def test_every_ladder_step_is_correct_and_counted(tmp_path):
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_every_ladder_step_is_correct_and_counted(chapter):
     rows = []
-    for ladder in bench.ladders():
+    for ladder in bench.ladders([chapter]):
         rows += report.run_ladder(ladder, gpu=False)
-    assert {r.chapter for r in rows} >= {"00_gpu_model", "01_elementwise"}
+    assert rows
     for r in rows:
         assert r.correct in ("ok", "n/a"), (r.op, r.step, r.correct, r.max_error)
         assert r.bytes > 0 and r.launches >= 1 and r.model_us > 0
-    by = {(r.op, r.step): r for r in rows}
-    # Exact traffic of the top steps: vector add reads two fp32 vectors and writes one.
-    add = by[("vector add", "triton kernels.add")]
-    assert add.bytes == add.ideal_bytes == 12 * 2048 and add.launches == 1
-    # The Python loop launches two kernels per element (add, copy_); its selects are views.
-    assert by[("vector add", "python loop")].launches == 2 * 2048
-    # Fusion: the fused SwiGLU moves the ideal bytes in one launch; the 3-launch chain moves more.
-    fused = by[("swiglu", "triton kernels.swiglu (fused)")]
-    chain = by[("swiglu", "torch sigmoid, mul, mul")]
-    assert fused.launches == 1 and fused.bytes_ratio <= 1.05
-    assert chain.launches == 3 and chain.bytes > 2 * fused.bytes
-    # Every production forward kernel moves at most 1.05x the ideal bytes; each chapter marks its own.
+    # Every production forward kernel moves at most its bound (1.05x the ideal bytes unless its ladder
+    # says otherwise); the first chapters all mark one.
     bounded = [r for r in rows if r.max_ratio is not None]
-    assert {r.chapter for r in bounded} >= {"00_gpu_model", "01_elementwise", "02_softmax", "03_normalization"}
+    if chapter in ("00_gpu_model", "01_elementwise", "02_softmax", "03_normalization"):
+        assert bounded
     for r in bounded:
-        assert r.bytes_ratio <= r.max_ratio == bench.FORWARD_BOUND, (r.op, r.step, r.bytes_ratio)
+        assert r.bytes_ratio <= r.max_ratio <= 1.1, (r.op, r.step, r.bytes_ratio)
+    by = {(r.op, r.step): r for r in rows}
+    if chapter == "00_gpu_model":
+        # Exact traffic of the top step: vector add reads two fp32 vectors and writes one.
+        add = by[("vector add", "triton kernels.add")]
+        assert add.bytes == add.ideal_bytes == 12 * 2048 and add.launches == 1
+        # The Python loop launches two kernels per element (add, copy_); its selects are views.
+        assert by[("vector add", "python loop")].launches == 2 * 2048
+    if chapter == "01_elementwise":
+        # Fusion: the fused SwiGLU moves the ideal bytes in one launch; the 3-launch chain moves more.
+        fused = by[("swiglu", "triton kernels.swiglu (fused)")]
+        chain = by[("swiglu", "torch sigmoid, mul, mul")]
+        assert fused.launches == 1 and fused.bytes_ratio <= 1.05
+        assert chain.launches == 3 and chain.bytes > 2 * fused.bytes
 
+
+def test_results_keep_the_hand_written_sections_and_show_the_figures(tmp_path):
+    rows = report.run_ladder(bench.ladders(["00"])[0], gpu=False)
+
+    def draw(ax):
+        ax.plot([1, 2], [3, 4])
+        return "a caption with its numbers: 3 and 4"
+
+    drawn = report.draw_figures([bench.Figure("99_test", "demo", draw)], tmp_path / "img")
+    assert [(p.name, c) for p, c in drawn] == [("ch99_test_demo.png", "a caption with its numbers: 3 and 4")]
+    assert drawn[0][0].stat().st_size > 0
     path = tmp_path / "results.md"
     path.write_text("# Results\n\nhand-written GPU section\n")
-    report.write_results(rows, report.machine(), [], path)
+    report.write_results(rows, report.machine(), [], path, drawn)
     text = path.read_text()
     assert "hand-written GPU section" in text and "| vector add |" in text and "model" in text
+    assert "![ch99_test_demo](img/ch99_test_demo.png)" in text and "a caption with its numbers" in text
     report.write_results(rows, "again", [], path)  # regenerates in place, keeps the rest
     assert path.read_text().count(report.BEGIN) == 1 and "again" in path.read_text()
 
