@@ -712,6 +712,7 @@ FORWARD_GPU_CONFIGS: tuple[AttentionConfig, ...] = (
     AttentionConfig(64, 128, 4, 2),
     AttentionConfig(64, 64, 4, 3),
     AttentionConfig(64, 64, 8, 2),
+    AttentionConfig(64, 32, 8, 2),
 )
 #: dK/dV candidates: a key block held on chip, query blocks streamed.
 BACKWARD_DKDV_GPU_CONFIGS: tuple[AttentionConfig, ...] = (
@@ -965,7 +966,7 @@ def _check_tensors(op: str, q: object, k: object, v: object, rank: int, layout: 
             what = layout.replace("H", "Hq" if name == "q" else "Hkv").replace("T", "Tq" if name == "q" else "Tk")
             raise ValueError(f"{op}: {name} must be {rank}-D {what}, got shape {tuple(t.shape)}")
     head_dims = (q.shape[-1], k.shape[-1], v.shape[-1])
-    if len(set(head_dims)) != 1:
+    if not head_dims[0] == head_dims[1] == head_dims[2]:
         raise ValueError(f"{op}: q, k and v must share the head dim D (the last dim), got {head_dims[0]}, "
                          f"{head_dims[1]} and {head_dims[2]}")
     d = head_dims[0]
@@ -1350,12 +1351,17 @@ def hf_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Te
     return out.transpose(1, 2), None
 
 
-def register_hf_attention(name: str = "kernels_flash_attention") -> str:
+def register_hf_attention(name: str = "kernel_ladder") -> str:
     """Register :func:`hf_attention` with transformers' ``AttentionInterface`` under ``name``; returns the name.
 
     Then ``AutoModel.from_pretrained(..., attn_implementation=name)`` (or setting
     ``config._attn_implementation``) runs every attention layer through :func:`flash_attention`.
+    The name must not contain ``flash``: transformers takes such names for its own flash-attn
+    integrations and looks for that package.
     """
+    if "flash" in name:
+        raise ValueError(f"kernels.ops.flash_attention.register_hf_attention: name must not contain 'flash' "
+                         f"(transformers reserves such names for its flash-attn integrations), got {name!r}")
     from transformers import AttentionInterface  # noqa: PLC0415 (an optional dependency)
 
     AttentionInterface.register(name, hf_attention)
