@@ -21,6 +21,14 @@ from .ops.add import add, add_kernel
 from .ops.add_rms_norm import add_rms_norm, add_rms_norm_kernel
 from .ops.cross_entropy import cross_entropy, cross_entropy_backward_kernel, cross_entropy_forward_kernel
 from .ops.dropout import dropout, dropout_kernel, dropout_mask, dropout_mask_kernel
+from .ops.flash_attention import (
+    flash_attention,
+    flash_attention_backward_dkdv_kernel,
+    flash_attention_backward_dq_kernel,
+    flash_attention_backward_preprocess_kernel,
+    flash_attention_forward_kernel,
+    flash_attention_varlen,
+)
 from .ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 from .ops.gated_mlp import dual_matmul_kernel, gated_mlp, gated_mlp_backward_kernel, gated_mlp_kernel
 from .ops.gelu import gelu, gelu_backward_kernel, gelu_kernel
@@ -103,6 +111,8 @@ __all__ = [
     "rope_cos_sin",
     "gated_mlp",
     "fused_linear_cross_entropy",
+    "flash_attention",
+    "flash_attention_varlen",
     "norm_launch_config",
     # matmul's launchers with an explicit configuration, and its dispatch rule
     "MatmulConfig",
@@ -147,4 +157,8 @@ __all__ = [
     "gated_mlp_kernel",
     "gated_mlp_backward_kernel",
     "dual_matmul_kernel",
+    "flash_attention_forward_kernel",
+    "flash_attention_backward_preprocess_kernel",
+    "flash_attention_backward_dkdv_kernel",
+    "flash_attention_backward_dq_kernel",
 ]
