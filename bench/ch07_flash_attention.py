@@ -73,7 +73,8 @@ def forward_ideal(q, k, v, out) -> int:
     does not skip): the bytes a program must load. On a GPU the re-reads are served by L2; what
     DRAM sees is closer to each tensor once (the tracer's distinct sectors).
     """
-    block_m = kernels.ops.flash_attention.interpreter_block_m(q.shape[-1]) if kernels.runtime.INTERPRETER else 128
+    config = kernels.ops.flash_attention.INTERPRETER_CONFIG
+    block_m = config.BLOCK_M if kernels.runtime.INTERPRETER else 128  # autotuned on a GPU: 64 or 128
     blocks = triton.cdiv(q.shape[2], block_m)
     kv_bytes = (k.numel() + v.numel()) * k.element_size() * (q.shape[1] // k.shape[1])
     lse_bytes = q.shape[0] * q.shape[1] * q.shape[2] * 4
