@@ -38,33 +38,33 @@ LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * log2(e))
 
 @triton.jit
 def attention_row_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,  # q, k, v, out: contiguous (BH, T, D); lse: (BH, Tq) fp32
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,  # q, k, v, out: contiguous (BH, T, D); lse (BH, Tq) fp32
     seq_q, seq_k, scale,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
-    """The second step of the ladder (given in the notebook): a ``(BLOCK_M, BLOCK_K)`` tile holds the
-    scores of ``BLOCK_M`` queries against *every* key (``BLOCK_K >= seq_k``), so the softmax is an
-    ordinary one. Right, and linear in bytes — but the tile grows with the sequence."""
+    """The second step of the ladder (given in the notebook): a ``(BLOCK_M, BLOCK_K)`` tile holds
+    the scores of ``BLOCK_M`` queries against *every* key (``BLOCK_K >= seq_k``), so the softmax is
+    an ordinary one. Right, and nothing T x T is written — but the tile, and the whole K and V it
+    loads, grow with the sequence."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     keys = tl.arange(0, BLOCK_K)
     d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + bh * seq_q * HEAD_DIM + rows[:, None] * HEAD_DIM + d[None, :],
-                mask=rows[:, None] < seq_q, other=0.0)
-    k = tl.load(k_ptr + bh * seq_k * HEAD_DIM + keys[:, None] * HEAD_DIM + d[None, :],
-                mask=keys[:, None] < seq_k, other=0.0)
-    v = tl.load(v_ptr + bh * seq_k * HEAD_DIM + keys[:, None] * HEAD_DIM + d[None, :],
-                mask=keys[:, None] < seq_k, other=0.0)
+    q_rows = bh * seq_q * HEAD_DIM + rows[:, None] * HEAD_DIM + d[None, :]
+    kv_rows = bh * seq_k * HEAD_DIM + keys[:, None] * HEAD_DIM + d[None, :]
+    q = tl.load(q_ptr + q_rows, mask=rows[:, None] < seq_q, other=0.0)
+    k = tl.load(k_ptr + kv_rows, mask=keys[:, None] < seq_k, other=0.0)  # every key at once
+    v = tl.load(v_ptr + kv_rows, mask=keys[:, None] < seq_k, other=0.0)
     s = tl.dot(q, tl.trans(k)) * (scale * 1.4426950408889634)  # base-2 scores
     s = tl.where(keys[None, :] < seq_k, s, float("-inf"))
     m = tl.max(s, axis=1)
     p = tl.math.exp2(s - m[:, None])
     l = tl.sum(p, axis=1)
     o = tl.dot(p.to(v.dtype), v) / l[:, None]
-    tl.store(out_ptr + bh * seq_q * HEAD_DIM + rows[:, None] * HEAD_DIM + d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=rows[:, None] < seq_q)
-    tl.store(lse_ptr + bh * seq_q + rows, (m + tl.math.log2(l)) / 1.4426950408889634, mask=rows < seq_q)
+    tl.store(out_ptr + q_rows, o.to(out_ptr.dtype.element_ty), mask=rows[:, None] < seq_q)
+    lse = (m + tl.math.log2(l)) / 1.4426950408889634  # back to natural log
+    tl.store(lse_ptr + bh * seq_q + rows, lse, mask=rows < seq_q)
 
 
 def _check_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -100,11 +100,14 @@ def online_softmax_update(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, s
     ``(M, N)`` with its values ``(N, D)`` moves the maximum to ``m_new = max(m, rowmax(scores))``;
     everything summed so far was relative to the old maximum, so it is rescaled by
     ``alpha = exp(m - m_new)`` before the tile's own terms are added. ``acc / l`` is then the
-    softmax-weighted average of every value seen.
+    softmax-weighted average of every value seen. A row that has seen no key yet (all ``-inf``,
+    possibly after this tile too) would compute ``exp(-inf - (-inf))``, NaN: the exponentials are
+    taken against 0 instead, which gives 0 for every ``-inf``.
     """
     m_new = torch.maximum(m, scores.amax(dim=1))
-    alpha = torch.exp(m - m_new)  # exp(-inf) = 0 for the first tile
-    p = torch.exp(scores - m_new[:, None])
+    m_safe = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
+    alpha = torch.exp(m - m_safe)  # 0 for the first tile (m = -inf)
+    p = torch.exp(scores - m_safe[:, None])
     return m_new, l * alpha + p.sum(dim=1), acc * alpha[:, None] + p @ v
 
 
@@ -115,7 +118,7 @@ def online_softmax_update(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, s
 
 @triton.jit
 def flash_forward_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,  # q, k, v, out: contiguous (BH, T, D); lse: (BH, Tq) fp32
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,  # q, k, v, out: contiguous (BH, T, D); lse (BH, Tq) fp32
     seq_q, seq_k, scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
@@ -152,7 +155,8 @@ def flash_forward_kernel(
         m = m_new
     tl.store(out_ptr + bh * seq_q * HEAD_DIM + rows[:, None] * HEAD_DIM + d[None, :],
              (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=rows[:, None] < seq_q)
-    tl.store(lse_ptr + bh * seq_q + rows, (m + tl.math.log2(l)) / 1.4426950408889634, mask=rows < seq_q)
+    lse = (m + tl.math.log2(l)) / 1.4426950408889634  # back to natural log
+    tl.store(lse_ptr + bh * seq_q + rows, lse, mask=rows < seq_q)
 
 
 def launch_flash_forward(kernel, q, k, v, out, lse, BLOCK_M: int = 16, BLOCK_N: int = 16):
@@ -182,7 +186,7 @@ def causal_key_blocks(start_m: int, BLOCK_M: int, BLOCK_N: int, seq_q: int, seq_
     """
     offset = seq_k - seq_q
     last_row = min(start_m + BLOCK_M, seq_q) - 1
-    last_key = min(last_row + offset, seq_k - 1)  # the last row sees furthest
+    last_key = last_row + offset  # the last row sees furthest (at most seq_k - 1: last_row < seq_q)
     first_key = 0 if window is None else max(0, start_m + offset - window + 1)  # the first row, least far
     if last_key < first_key:
         return 0, 0

@@ -63,6 +63,7 @@ def fold_cases(gen):
         scores[:, :widths[0]] += 8.0
         scores[0, -widths[-1]:] += 12.0
         scores[1, 1::3] = float("-inf")
+        scores[2, :widths[0]] = float("-inf")  # row 2 sees no key of the first tile
         cases.append((scores, torch.randn(total, dims, generator=gen), widths))
     return cases
 
@@ -72,6 +73,13 @@ def update_without_rescaling_acc(m, l, acc, scores, v):
     alpha = torch.exp(m - m_new)
     p = torch.exp(scores - m_new[:, None])
     return m_new, l * alpha + p.sum(dim=1), acc + p @ v  # acc still relative to the old maximum
+
+
+def update_without_the_infinity_guard(m, l, acc, scores, v):
+    m_new = torch.maximum(m, scores.amax(dim=1))
+    alpha = torch.exp(m - m_new)  # exp(-inf - (-inf)) = NaN for a row that has seen no key yet
+    p = torch.exp(scores - m_new[:, None])
+    return m_new, l * alpha + p.sum(dim=1), acc * alpha[:, None] + p @ v
 
 
 def update_with_the_tile_maximum(m, l, acc, scores, v):
@@ -85,10 +93,12 @@ def test_online_softmax_update_solution_solves():
                  fold_cases).solved
 
 
-@pytest.mark.parametrize("wrong", [update_without_rescaling_acc, update_with_the_tile_maximum])
-def test_online_softmax_update_negative_controls(wrong):
+@pytest.mark.parametrize(("wrong", "diagnosis"), [(update_without_rescaling_acc, "wrong"),
+                                                  (update_with_the_tile_maximum, "wrong"),
+                                                  (update_without_the_infinity_guard, "NaN")])
+def test_online_softmax_update_negative_controls(wrong, diagnosis):
     verdict = check("ch07.online_softmax_update", fold_with(wrong), fold_reference, fold_cases)
-    assert not verdict.solved and "wrong" in verdict.message, verdict.message
+    assert not verdict.solved and diagnosis in verdict.message, verdict.message
 
 
 # ----------------------------------------------------------------------------------------------
@@ -218,12 +228,9 @@ def blocks_by_scan(start_m, BLOCK_M, BLOCK_N, seq_q, seq_k, window=None):
     return (0, 0) if not keys else (min(keys) // BLOCK_N * BLOCK_N, max(keys) + 1)
 
 
-def all_blocks(function, cases):
-    return [function(start_m, *case) for case in cases for start_m in range(0, case[2], case[0])]
-
-
-BLOCK_CASES = [(16, 16, 64, 64, None), (16, 32, 40, 100, None), (32, 16, 1, 77, None), (16, 16, 50, 20, None),
-               (16, 16, 64, 64, 24), (8, 16, 30, 90, 5), (16, 8, 33, 33, 1), (64, 64, 10, 300, 128)]
+SHAPES = [(16, 16, 64, 64, None), (16, 32, 40, 100, None), (32, 16, 1, 77, None), (16, 16, 50, 20, None),
+          (16, 16, 64, 64, 24), (8, 16, 30, 90, 5), (16, 8, 33, 33, 1), (64, 64, 10, 300, 128)]
+BLOCK_CASES = [(start_m, *shape) for shape in SHAPES for start_m in range(0, shape[2], shape[0])]
 
 
 def top_left_blocks(start_m, BLOCK_M, BLOCK_N, seq_q, seq_k, window=None):
@@ -242,18 +249,16 @@ def blocks_to_the_end(start_m, BLOCK_M, BLOCK_N, seq_q, seq_k, window=None):
 
 
 def test_causal_key_blocks_solution_solves_and_matches_the_scan_widely():
-    assert check("ch07.causal_key_blocks", lambda cases: all_blocks(solutions.causal_key_blocks, cases),
-                 lambda cases: all_blocks(blocks_by_scan, cases), [(BLOCK_CASES,)]).solved
-    wide = [(bm, bn, tq, tk, w) for bm in (4, 16) for bn in (4, 8) for tq in (1, 5, 33) for tk in (1, 7, 40)
-            for w in (None, 1, 3, 50)]
-    assert all_blocks(solutions.causal_key_blocks, wide) == all_blocks(blocks_by_scan, wide)
+    assert check("ch07.causal_key_blocks", solutions.causal_key_blocks, blocks_by_scan, BLOCK_CASES).solved
+    wide = [(m0, bm, bn, tq, tk, w) for bm in (4, 16) for bn in (4, 8) for tq in (1, 5, 33) for tk in (1, 7, 40)
+            for w in (None, 1, 3, 50) for m0 in range(0, tq, bm)]
+    assert [solutions.causal_key_blocks(*c) for c in wide] == [blocks_by_scan(*c) for c in wide]
 
 
 @pytest.mark.parametrize("wrong", [top_left_blocks, blocks_without_the_window, blocks_to_the_end])
 def test_causal_key_blocks_negative_controls(wrong):
-    verdict = check("ch07.causal_key_blocks", lambda cases: all_blocks(wrong, cases),
-                    lambda cases: all_blocks(blocks_by_scan, cases), [(BLOCK_CASES,)])
-    assert not verdict.solved
+    verdict = check("ch07.causal_key_blocks", wrong, blocks_by_scan, BLOCK_CASES)
+    assert not verdict.solved and "start_m=" in verdict.message, verdict.message
 
 
 # ----------------------------------------------------------------------------------------------
