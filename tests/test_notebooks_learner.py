@@ -1,10 +1,9 @@
 """The committed chapter notebooks are what a learner sees on first open: no exercise shown solved.
 
 Their outputs are a learner-mode run (``make notebooks`` saves it, ``utils.notebooks``): every
-check's verdict is ``❌ NOT SOLVED`` and the first cell says ``solution mode: False``. ``make
-test``'s nbval run proves that learner mode still prints exactly these outputs, and
-``test_notebooks_solutions.py`` that solution mode solves every check and prints everything else
-the same. This test only reads the files.
+check's verdict is ``❌ NOT SOLVED`` and the first cell says ``solution mode: False``.
+``test_notebooks.py`` proves that learner mode still prints exactly these outputs and that
+solution mode solves every check and prints everything else the same. This test only reads the files.
 """
 
 from __future__ import annotations

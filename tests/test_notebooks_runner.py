@@ -270,3 +270,10 @@ def test_make_test_runs_the_tests_in_two_processes_with_the_notebooks_among_them
     recipe = makefile.split("\ntest: setup\n", 1)[1].split("\n\n", 1)[0]
     assert "-m pytest tests" in recipe and "-n $(TEST_WORKERS)" in recipe and "TEST_WORKERS ?= 2" in makefile
     assert (REPO / "tests" / "test_notebooks.py").exists()
+
+
+@pytest.mark.slow
+def test_a_cell_tagged_nbval_skip_is_not_run(tmp_path: Path) -> None:
+    path = _write(tmp_path, "06_skip", ("print('runs')", []), ("1 / 0", ["nbval-skip"]), ("print('after')", []))
+    notebook = run_notebook(path, solutions=False)
+    assert [cell.get("outputs", []) == [] for cell in notebook.cells] == [False, True, False]

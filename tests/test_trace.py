@@ -362,6 +362,16 @@ def test_torch_matmul_flops_and_bytes():
     assert t.flops == 5 * 2 * M * N * K
 
 
+def test_a_batched_matmul_is_one_launch_its_reshape_a_view():
+    # torch.matmul of 4-D operands folds them into a bmm and reshapes its result with
+    # aten._unsafe_view, which moves nothing (its schema does not mark it a view).
+    q, k = torch.randn(2, 3, 16, 8), torch.randn(2, 3, 8, 16)
+    with trace() as t:
+        q @ k
+    assert [op.name for op in t.torch_ops if op.launches] == ["aten.bmm.default"]
+    assert t.bytes == 4 * (2 * 3 * 16 * 8 * 2 + 2 * 3 * 16 * 16) and t.num_launches == 1
+
+
 def test_torch_in_place_and_out_variants():
     n = 256
     x, y, o = torch.randn(n), torch.randn(n), torch.empty(n)

@@ -66,7 +66,7 @@ __all__ = [
 KERNEL_NAME = "python3"
 #: Seconds one cell may take before the run is abandoned (notebooks are meant to take < 60 s in all).
 CELL_TIMEOUT_S = 600
-#: ``KERNEL_LADDER_CHECK_SEED`` in learner-mode runs (``make notebooks``, ``make test``'s nbval):
+#: ``KERNEL_LADDER_CHECK_SEED`` in learner-mode runs (``make notebooks``, ``make test``):
 #: the NOT SOLVED verdicts committed are then the ones every such run prints.
 LEARNER_CHECK_SEED = "0"
 
@@ -129,7 +129,7 @@ def run_notebook(
 
     ``solutions=True`` runs it in solution mode (stubs replaced by their solutions),
     ``solutions=False`` in learner mode (stubs as written). The kernel's working directory is
-    the notebook's folder. A cell that raises stops the run with ``nbclient``'s
+    the notebook's folder; cells tagged ``nbval-skip`` are not run. A cell that raises stops the run with ``nbclient``'s
     ``CellExecutionError`` unless it is tagged ``raises-exception`` (or ``allow_errors``).
     The file on disk is not changed.
     """
@@ -140,6 +140,7 @@ def run_notebook(
         timeout=timeout,
         kernel_name=KERNEL_NAME,
         allow_errors=allow_errors,
+        skip_cells_with_tag="nbval-skip",  # as nbval: a cell so tagged is not run (nor compared)
         resources={"metadata": {"path": str(path.resolve().parent)}},
     )
     client.execute(env=_kernel_env(solutions))

@@ -474,10 +474,11 @@ class _LaunchState:
 # Torch side
 # ----------------------------------------------------------------------------------------------
 
-# Ops that allocate or relabel memory without moving it.
+# Ops that allocate or relabel memory without moving it (``_unsafe_view`` is a view its schema
+# does not mark as one: a batched matmul's result reshaped).
 _ALLOCATIONS = frozenset({
     "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted",
-    "resize_", "set_", "lift_fresh",
+    "resize_", "set_", "lift_fresh", "_unsafe_view",
 })
 # Factories that take a tensor only for its shape, dtype and device: they write, never read it.
 _METADATA_INPUT = frozenset({
