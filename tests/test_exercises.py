@@ -877,6 +877,31 @@ def test_a_helper_that_is_not_an_exercise_is_named(learner_registry):
 
 
 @interpreter_only
+def test_a_jit_helper_stub_called_from_a_given_kernel_is_the_exercise_itself(learner_registry, monkeypatch):
+    # The exercise is a @triton.jit helper; the check launches a given kernel that calls it. The
+    # interpreter runs a rewritten copy of the helper (its first line the def, not the decorators).
+    @exercise("ch99_fake.offset_of")
+    @triton.jit
+    def offset_of(pid, BLOCK: tl.constexpr):
+        raise NotImplementedError
+
+    @triton.jit
+    def copy_kernel(x_ptr, out_ptr, BLOCK: tl.constexpr):
+        offsets = offset_of(tl.program_id(0), BLOCK) + tl.arange(0, BLOCK)
+        tl.store(out_ptr + offsets, tl.load(x_ptr + offsets))
+
+    monkeypatch.setitem(copy_kernel.fn.__globals__, "offset_of", offset_of)  # as a notebook's global
+
+    def copy(x: torch.Tensor, out: torch.Tensor) -> None:
+        copy_kernel[(x.numel() // 16,)](x, out, BLOCK=16)
+
+    cases = [(torch.randn(64, device=DEVICE),)]
+    verdict = check("ch99_fake.offset_of", copy, lambda x: x.clone(), cases, out=True)
+    assert_not_solved(verdict, "not implemented yet (the stub raised NotImplementedError)")
+    assert_not_in(verdict, "a function this check runs")
+
+
+@interpreter_only
 def test_an_unsolved_earlier_kernel_this_check_launches_is_named(learner_registry):
     @exercise("ch99_fake.add_kernel")
     @triton.jit
