@@ -9,7 +9,6 @@ import math
 
 import torch
 import torch.nn.functional as F
-import triton
 
 import kernels
 from bench import Figure, Ladder, Step, register, register_figure

@@ -10,7 +10,6 @@ import pytest
 import bench
 from bench import report
 
-
 CHAPTERS = sorted({ladder.chapter for ladder in bench.ladders()})
 
 
