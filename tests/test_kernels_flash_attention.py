@@ -555,18 +555,23 @@ def test_double_backward_is_refused_clearly(gen):
 
 
 def test_gpu_configs_fit_every_head_dim():
-    """On a GPU every kernel keeps at least one candidate at each head-dim tile (16 ... 256), the
-    pruner drops what overflows shared memory or the accumulator register budget, and what the
-    interpreter runs is one fixed config."""
+    """On a GPU every kernel keeps candidates at each head-dim tile (16 ... 256 in 16-bit types, with or
+    without soft-capping; up to 128 in fp32); the pruner drops those past their register limits or the
+    shared memory, and falls back to the smallest tiles when nothing fits (fp32 at 256)."""
+    smem = 227 * 1024
     for kind, configs in fa._GPU_CONFIGS.items():
         for block_d in (16, 32, 64, 128, 256):
-            for element_size in (2, 4):
-                assert any(fa.fits(c, kind, block_d, element_size, 227 * 1024) for c in configs), (kind, block_d)
+            for element_size, softcap in ((2, False), (2, True), (4, False), (4, True)):
+                if element_size == 4 and block_d > 128:
+                    continue
+                assert any(fa.fits(c, kind, block_d, element_size, softcap, shared_memory=smem) for c in configs), \
+                    (kind, block_d, element_size, softcap)
         prune = fa._pruner(kind)
         triton_configs = [c.to_triton() for c in configs]
-        kept = prune(triton_configs, {"q_ptr": torch.empty(1, dtype=torch.bfloat16)}, BLOCK_D=256)
-        assert 1 <= len(kept) < len(triton_configs)
-    assert fa.fits(fa.INTERPRETER_CONFIG, "forward", 256, 4, 227 * 1024)
+        for dtype, block_d in ((torch.bfloat16, 256), (torch.bfloat16, 64), (torch.float32, 128)):
+            kept = prune(triton_configs, {"q_ptr": torch.empty(1, dtype=dtype)}, BLOCK_D=block_d, SOFTCAP=False)
+            assert 1 <= len(kept) < len(triton_configs) or block_d == 64, (kind, dtype, block_d)
+        assert len(prune(triton_configs, {"q_ptr": torch.empty(1)}, BLOCK_D=256, SOFTCAP=True)) == 1
 
 
 def _bad(**changes):

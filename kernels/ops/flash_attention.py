@@ -194,7 +194,7 @@ def _key_range(m0, m_last, seqlen_k, diagonal, window, CAUSAL: tl.constexpr, HAS
     full_hi = tl.maximum(full_hi, lo)
     full_lo = tl.minimum(tl.maximum(full_lo, lo), full_hi)
     if INDEX_64:  # the loops multiply these by strides
-        return lo.to(tl.int64), full_lo.to(tl.int64), full_hi.to(tl.int64), hi.to(tl.int64)
+        lo, full_lo, full_hi, hi = lo.to(tl.int64), full_lo.to(tl.int64), full_hi.to(tl.int64), hi.to(tl.int64)
     return lo, full_lo, full_hi, hi
 
 
@@ -222,7 +222,7 @@ def _query_range(n0, n_last, seqlen_q, diagonal, window, CAUSAL: tl.constexpr, H
     full_hi = tl.maximum(tl.minimum(full_hi, hi), lo)
     full_lo = tl.minimum(tl.maximum(full_lo, lo), full_hi)
     if INDEX_64:  # the loops multiply these by strides
-        return lo.to(tl.int64), full_lo.to(tl.int64), full_hi.to(tl.int64), hi.to(tl.int64)
+        lo, full_lo, full_hi, hi = lo.to(tl.int64), full_lo.to(tl.int64), full_hi.to(tl.int64), hi.to(tl.int64)
     return lo, full_lo, full_hi, hi
 
 
@@ -315,15 +315,15 @@ def flash_attention_forward_kernel(
     batch = tl.program_id(2)
     q_start, seqlen_q, k_start, seqlen_k = _sequence(cu_seqlens_q_ptr, cu_seqlens_k_ptr, batch, seqlen_q,
                                                      seqlen_k, VARLEN)
+    kv_head = head // group_size
+    if INDEX_64:
+        head = head.to(tl.int64)
+        kv_head = kv_head.to(tl.int64)
+        batch = batch.to(tl.int64)
+        q_start = q_start.to(tl.int64)
+        k_start = k_start.to(tl.int64)
     m0 = pid_m * BLOCK_M
     if m0 < seqlen_q:  # a varlen program past its sequence's end does nothing
-        kv_head = head // group_size
-        if INDEX_64:
-            head = head.to(tl.int64)
-            kv_head = kv_head.to(tl.int64)
-            batch = batch.to(tl.int64)
-            q_start = q_start.to(tl.int64)
-            k_start = k_start.to(tl.int64)
         rows = m0 + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
         offs_n = tl.arange(0, BLOCK_N)
@@ -494,13 +494,13 @@ def flash_attention_backward_dkdv_kernel(
     batch = tl.program_id(2)
     q_start, seqlen_q, k_start, seqlen_k = _sequence(cu_seqlens_q_ptr, cu_seqlens_k_ptr, batch, seqlen_q,
                                                      seqlen_k, VARLEN)
+    if INDEX_64:
+        kv_head = kv_head.to(tl.int64)
+        batch = batch.to(tl.int64)
+        q_start = q_start.to(tl.int64)
+        k_start = k_start.to(tl.int64)
     n0 = pid_n * BLOCK_N
-    if n0 < seqlen_k:
-        if INDEX_64:
-            kv_head = kv_head.to(tl.int64)
-            batch = batch.to(tl.int64)
-            q_start = q_start.to(tl.int64)
-            k_start = k_start.to(tl.int64)
+    if n0 < seqlen_k:  # a varlen program past its sequence's end does nothing
         cols = n0 + tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
         offs_m = tl.arange(0, BLOCK_M)
@@ -616,15 +616,15 @@ def flash_attention_backward_dq_kernel(
     batch = tl.program_id(2)
     q_start, seqlen_q, k_start, seqlen_k = _sequence(cu_seqlens_q_ptr, cu_seqlens_k_ptr, batch, seqlen_q,
                                                      seqlen_k, VARLEN)
+    kv_head = head // group_size
+    if INDEX_64:
+        head = head.to(tl.int64)
+        kv_head = kv_head.to(tl.int64)
+        batch = batch.to(tl.int64)
+        q_start = q_start.to(tl.int64)
+        k_start = k_start.to(tl.int64)
     m0 = pid_m * BLOCK_M
     if m0 < seqlen_q:
-        kv_head = head // group_size
-        if INDEX_64:
-            head = head.to(tl.int64)
-            kv_head = kv_head.to(tl.int64)
-            batch = batch.to(tl.int64)
-            q_start = q_start.to(tl.int64)
-            k_start = k_start.to(tl.int64)
         rows = m0 + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
         offs_n = tl.arange(0, BLOCK_N)
@@ -675,93 +675,117 @@ class AttentionConfig:
     """One tile configuration of a flash-attention kernel.
 
     ``BLOCK_M`` query rows by ``BLOCK_N`` keys per step (powers of two >= 16, ``tl.dot``'s
-    smallest shape); ``num_warps`` and ``num_stages`` (software pipelining of the K/V or Q/dO
-    loads) are launch options.
+    smallest shape); ``num_warps`` and ``num_stages`` (software pipelining of the streamed K/V or
+    Q/dO tiles) are launch options. ``max_head_dim``: the widest head-dim tile of 16-bit inputs
+    at which ptxas fits the kernel in registers for sm_90 without spilling; ``max_head_dim_fp32``
+    for float32 inputs (by default half), ``max_head_dim_softcap`` with soft-capping (``tanh`` takes
+    registers; the backward kernels also keep the cap's derivative, one more score-sized tile, live;
+    0: never with soft-capping). Measured, not
+    modelled: ``tests/aot/flash_attention.py`` compiles every GPU config at its limits (and at head
+    dims 64 and 128 below them) and fails on any spill.
     """
 
     BLOCK_M: int
     BLOCK_N: int
     num_warps: int = 4
     num_stages: int = 2
+    max_head_dim: int = 256
+    max_head_dim_fp32: int | None = None  # None: half of max_head_dim
+    max_head_dim_softcap: int | None = None  # None: max_head_dim
+
+    def head_dim_limit(self, element_size: int, softcap: bool = False) -> int:
+        """The widest head-dim tile this config takes for inputs of ``element_size`` bytes (with soft-capping)."""
+        if element_size <= 2:
+            limit = self.max_head_dim
+        else:
+            limit = self.max_head_dim // 2 if self.max_head_dim_fp32 is None else self.max_head_dim_fp32
+        if softcap and self.max_head_dim_softcap is not None:
+            limit = min(limit, self.max_head_dim_softcap // (1 if element_size <= 2 else 2))
+        return limit
 
     def to_triton(self) -> triton.Config:
         return triton.Config({"BLOCK_M": self.BLOCK_M, "BLOCK_N": self.BLOCK_N}, num_warps=self.num_warps,
                              num_stages=self.num_stages)
 
     def shared_memory_bytes(self, kind: str, block_d: int, element_size: int) -> int:
-        """Shared memory of the pipelined tiles: the streamed pair (K, V or Q, dO) times ``num_stages``,
-        plus the tile kept for the whole loop (Q; K and V for the dK/dV kernel)."""
+        """Shared memory of the pipelined tiles (an upper estimate): the streamed pair (K and V, or Q and
+        dO for the dK/dV kernel) times ``num_stages``, plus the tile(s) held for the whole loop."""
         streamed = self.BLOCK_M if kind == "dkdv" else self.BLOCK_N
         kept = 2 * self.BLOCK_N if kind == "dkdv" else self.BLOCK_M
         return (self.num_stages * 2 * streamed + kept) * block_d * element_size
 
-    def accumulator_registers(self, kind: str, block_d: int) -> int:
-        """32-bit registers a thread spends on the fp32 accumulators (dK and dV, or O, or dQ)."""
-        elements = 2 * self.BLOCK_N * block_d if kind == "dkdv" else self.BLOCK_M * block_d
-        return elements // (32 * self.num_warps)
+    @property
+    def key(self) -> tuple[int, int, int, int]:
+        return self.BLOCK_M, self.BLOCK_N, self.num_warps, self.num_stages
 
     def __str__(self) -> str:
         return f"{self.BLOCK_M}x{self.BLOCK_N} w{self.num_warps} s{self.num_stages}"
 
 
-#: Forward candidates on a GPU (pruned per head dim: see :func:`fits`).
+_c = AttentionConfig
+#: Forward candidates on a GPU: 128- and 64-row query blocks; 32-key blocks for head dim 256.
 FORWARD_GPU_CONFIGS: tuple[AttentionConfig, ...] = (
-    AttentionConfig(128, 128, 8, 2),
-    AttentionConfig(128, 64, 8, 3),
-    AttentionConfig(128, 64, 8, 2),
-    AttentionConfig(64, 128, 4, 2),
-    AttentionConfig(64, 64, 4, 3),
-    AttentionConfig(64, 64, 8, 2),
-    AttentionConfig(64, 32, 8, 2),
+    _c(128, 128, 8, 2, max_head_dim=64),
+    _c(128, 64, 8, 3, max_head_dim=128),
+    _c(128, 64, 8, 2, max_head_dim=128),
+    _c(64, 128, 8, 2, max_head_dim=128, max_head_dim_fp32=32, max_head_dim_softcap=64),
+    _c(64, 64, 4, 3, max_head_dim=128, max_head_dim_fp32=32, max_head_dim_softcap=64),
+    _c(64, 64, 8, 2, max_head_dim=128),
+    _c(128, 32, 8, 2, max_head_dim=256, max_head_dim_softcap=128),
+    _c(64, 32, 8, 2, max_head_dim=256),
 )
-#: dK/dV candidates: a key block held on chip, query blocks streamed.
+#: dK/dV candidates: a key block (K, V and fp32 dK, dV) held in registers, query blocks streamed. This
+#: kernel holds four tiles of the key block, so its blocks are smaller than the others'.
 BACKWARD_DKDV_GPU_CONFIGS: tuple[AttentionConfig, ...] = (
-    AttentionConfig(64, 128, 8, 2),
-    AttentionConfig(32, 128, 8, 2),
-    AttentionConfig(64, 64, 8, 2),
-    AttentionConfig(32, 64, 4, 3),
-    AttentionConfig(32, 32, 8, 2),
+    _c(32, 128, 8, 3, max_head_dim=64, max_head_dim_softcap=0),
+    _c(32, 128, 8, 2, max_head_dim=64, max_head_dim_softcap=0),
+    _c(32, 64, 4, 3, max_head_dim=64, max_head_dim_softcap=0),
+    _c(64, 32, 8, 2, max_head_dim=64),
+    _c(16, 64, 8, 2, max_head_dim=128, max_head_dim_softcap=64),
+    _c(32, 32, 8, 2, max_head_dim=128),
+    _c(16, 32, 8, 2, max_head_dim=256),
 )
-#: dQ candidates: a query block held on chip, key blocks streamed.
+#: dQ candidates: a query block (Q, dO, fp32 dQ) held, key blocks streamed.
 BACKWARD_DQ_GPU_CONFIGS: tuple[AttentionConfig, ...] = (
-    AttentionConfig(128, 64, 8, 2),
-    AttentionConfig(128, 32, 8, 3),
-    AttentionConfig(64, 64, 4, 3),
-    AttentionConfig(64, 32, 4, 3),
-    AttentionConfig(64, 32, 8, 2),
+    _c(128, 64, 8, 2, max_head_dim=128, max_head_dim_softcap=64),
+    _c(128, 32, 8, 2, max_head_dim=256, max_head_dim_softcap=128),
+    _c(64, 64, 4, 3, max_head_dim=64),
+    _c(64, 64, 8, 2, max_head_dim=128, max_head_dim_softcap=64),
+    _c(64, 32, 4, 3, max_head_dim=128),
+    _c(64, 32, 8, 2, max_head_dim=128),
+    _c(128, 16, 8, 2, max_head_dim=256),
 )
+del _c
 _GPU_CONFIGS = {"forward": FORWARD_GPU_CONFIGS, "dkdv": BACKWARD_DKDV_GPU_CONFIGS, "dq": BACKWARD_DQ_GPU_CONFIGS}
 
 #: The interpreter's one configuration for every kernel: few program instances (each costs ~1 ms of
-#: Python), and still several blocks at test sizes so that skipping and masking are exercised.
+#: Python per tile operation), and still several blocks at test sizes so that skipping and masking are
+#: exercised (the tests use lengths of 33 to 160).
 INTERPRETER_CONFIG: AttentionConfig = AttentionConfig(32, 32, 4, 1)
 
-#: At most this many fp32 accumulator registers a thread (of 255): the rest hold the tiles being multiplied.
-MAX_ACCUMULATOR_REGISTERS: int = 64
 
-
-def fits(config: AttentionConfig, kind: str, block_d: int, element_size: int,
+def fits(config: AttentionConfig, kind: str, block_d: int, element_size: int, softcap: bool = False,
          shared_memory: int | None = None) -> bool:
-    """Whether ``config`` suits kernel ``kind`` (``"forward"``, ``"dkdv"``, ``"dq"``) at head-dim tile ``block_d``:
-    its pipelined tiles fit in shared memory and its accumulators leave registers for the rest
-    (``tests/aot/flash_attention.py`` compiles every survivor at D = 64 and 128 and checks ptxas spills none)."""
+    """Whether ``config`` suits kernel ``kind`` (``"forward"``, ``"dkdv"``, ``"dq"``) at head-dim tile ``block_d``
+    of ``element_size``-byte inputs: within its register limit and the GPU's shared memory."""
     limit = _shared_memory_limit() if shared_memory is None else shared_memory
-    return (config.shared_memory_bytes(kind, block_d, element_size) <= limit
-            and config.accumulator_registers(kind, block_d) <= MAX_ACCUMULATOR_REGISTERS)
+    return (block_d <= config.head_dim_limit(element_size, softcap)
+            and config.shared_memory_bytes(kind, block_d, element_size) <= limit)
 
 
 def _pruner(kind: str):
+    """The autotuner's early pruning for ``kind``: the configs that fit (or the one with the smallest tiles)."""
+    mine = {c.key: c for c in _GPU_CONFIGS[kind]}
+
     def prune(configs, named_args, **kwargs):
-        block_d = kwargs["BLOCK_D"]
+        block_d, softcap = kwargs["BLOCK_D"], kwargs["SOFTCAP"]
         element_size = named_args["q_ptr"].element_size()
-        candidates = [(AttentionConfig(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages), c)
-                      for c in configs]
-        kept = [c for mine, c in candidates if fits(mine, kind, block_d, element_size)]
+        pairs = [(mine[(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)], c) for c in configs]
+        kept = [c for config, c in pairs if fits(config, kind, block_d, element_size, softcap)]
         if kept:
             return kept
-        # Nothing fits the rule: the config with the smallest accumulator share.
-        return [min(candidates, key=lambda pair: (pair[0].accumulator_registers(kind, block_d),
-                                                  pair[0].shared_memory_bytes(kind, block_d, element_size)))[1]]
+        # Nothing fits (fp32 at head dim 256, soft-capping at 256 in dQ): the smallest tiles spill least.
+        return [min(pairs, key=lambda pair: pair[0].BLOCK_M * pair[0].BLOCK_N * pair[0].num_stages)[1]]
 
     return prune
 
