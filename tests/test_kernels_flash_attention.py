@@ -574,6 +574,36 @@ def test_gpu_configs_fit_every_head_dim():
         assert len(prune(triton_configs, {"q_ptr": torch.empty(1)}, BLOCK_D=256, SOFTCAP=True)) == 1
 
 
+def test_autotuned_launch_path_in_the_interpreter(gen, monkeypatch):
+    """The GPU launch path end to end (autotuner, pruner, the grid from the chosen tiles), forward and
+    backward, with a stand-in benchmarker: the "faster" config wins, each kernel tunes once per key."""
+    benched = []
+
+    def bench(kernel_call, quantiles):
+        kernel_call()
+        benched.append(1)
+        t = 2.0 if len(benched) % 2 else 1.0  # the second candidate is "faster"
+        return [t, t, t]
+
+    candidates = (fa.AttentionConfig(16, 16, 4, 1), fa.AttentionConfig(32, 32, 4, 1))
+    monkeypatch.setattr(fa, "autotune_supports_disk_cache", lambda: False)  # a GPU run would reuse its disk cache
+    tuned = {kind: fa.make_autotuned(kind, candidates, do_bench=bench) for kind in ("forward", "dkdv", "dq")}
+    monkeypatch.setattr(fa, "_fixed_config", lambda: None)
+    monkeypatch.setattr(fa, "_autotuned", tuned.__getitem__)
+    q, k, v = rand(1, 2, 40, 16, gen=gen), rand(1, 1, 50, 16, gen=gen), rand(1, 1, 50, 16, gen=gen)
+    for _ in range(2):  # the second call is served from the tuning cache
+        q2, k2, v2 = leaf(q), leaf(k), leaf(v)
+        out = kernels.flash_attention(q2, k2, v2, causal=True)
+        out.backward(torch.ones_like(out))
+    assert len(benched) == 6  # 3 kernels x 2 candidates, once
+    assert all(t.best_config.kwargs == {"BLOCK_M": 32, "BLOCK_N": 32} for t in tuned.values())
+    assert_matches(out, reference(q, k, v, causal=True)[0], torch.float32)
+    q6, k6, v6 = (t.double().requires_grad_() for t in (q, k, v))
+    reference(q6, k6, v6, causal=True)[0].sum().backward()
+    for ours, exact in ((q2.grad, q6.grad), (k2.grad, k6.grad), (v2.grad, v6.grad)):
+        assert_matches(ours, exact, torch.float32)
+
+
 def _bad(**changes):
     base = dict(q=torch.zeros(2, 4, 5, 16), k=torch.zeros(2, 2, 7, 16), v=torch.zeros(2, 2, 7, 16))
     base.update(changes)

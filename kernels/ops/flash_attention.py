@@ -37,7 +37,7 @@ and inside ``Tk``) run without any mask; only the blocks on the diagonal, on the
 at the end of the keys compute the mask. Causal attention with ``Tq = Tk`` thus does
 ``(n + 1) / 2n`` of the full work for ``n`` blocks — about half (the FLOP count is traced in the
 tests). When ``Tq > Tk``, the first ``Tq - Tk`` queries see no key at all: their output is 0 and
-their ``lse`` is ``-inf``, as in flash-attn (torch's SDPA would give NaN).
+their ``lse`` is ``-inf``, as in flash-attn (a softmax over an all-``-inf`` row in torch gives NaN).
 
 **Grouped-query attention without copies.** The grid is ``(query blocks, Hq, B)``; the program of
 query head ``h`` reads key/value head ``h // (Hq // Hkv)``. K and V are never repeated in memory.
@@ -89,11 +89,17 @@ dense op is the special case of fixed lengths and a batch stride. ``lse`` is ``(
 flash-attn's varlen layout. The ``cu_seqlens`` are checked on the device (``torch._assert_async``:
 no host synchronization on a GPU; see :func:`check_cu_seqlens_values`).
 
-**Tiles.** On a GPU each kernel is autotuned (``triton.autotune``) over ``BLOCK_M x BLOCK_N`` tiles
-of 64/128 with 4 or 8 warps and 2-3 pipeline stages, pruned to what fits in shared memory at the
-head dim; the key is the head-dim tile, the switches and power-of-two buckets of the lengths. In
-the interpreter one small configuration runs (:data:`INTERPRETER_CONFIG`). Head dims up to 256 are
-supported, any value (48, 80, 96, ...): the tile is padded to the next power of two with masks.
+**Tiles.** On a GPU each kernel is autotuned (``triton.autotune``, :func:`make_autotuned`) over its own
+list of tile configurations — the forward over 64/128-row query blocks and 32-128-key blocks with 4 or
+8 warps and 2-3 pipeline stages; the backward kernels over smaller blocks (16-128), because the dK/dV
+program holds four tiles of its key block (K, V, dK, dV) and the dQ program three, and the register
+file, not shared memory, is what runs out first. Each config carries the widest head dim at which
+ptxas fits it in registers for sm_90 without spilling (measured by ``tests/aot/flash_attention.py``;
+separately for fp32 inputs and for soft-capping, which keeps more live), and the pruner keeps the
+configs that fit the launch's head dim, dtype and shared memory. The key is the head-dim tile, the
+switches and power-of-two buckets of the lengths. In the interpreter, which cannot autotune, one
+small configuration runs (:data:`INTERPRETER_CONFIG`). Head dims up to 256 are supported, any value
+(48, 80, 96, ...): the tile is padded to the next power of two with masks.
 """
 
 from __future__ import annotations
@@ -127,7 +133,9 @@ __all__ = [
     "flash_attention_backward_preprocess_kernel",
     "flash_attention_forward_kernel",
     "flash_attention_varlen",
+    "fits",
     "hf_attention",
+    "make_autotuned",
     "register_hf_attention",
 ]
 
@@ -773,9 +781,9 @@ def fits(config: AttentionConfig, kind: str, block_d: int, element_size: int, so
             and config.shared_memory_bytes(kind, block_d, element_size) <= limit)
 
 
-def _pruner(kind: str):
+def _pruner(kind: str, candidates: tuple[AttentionConfig, ...] | None = None):
     """The autotuner's early pruning for ``kind``: the configs that fit (or the one with the smallest tiles)."""
-    mine = {c.key: c for c in _GPU_CONFIGS[kind]}
+    mine = {c.key: c for c in (_GPU_CONFIGS[kind] if candidates is None else candidates)}
 
     def prune(configs, named_args, **kwargs):
         block_d, softcap = kwargs["BLOCK_D"], kwargs["SOFTCAP"]
@@ -801,23 +809,36 @@ _KERNELS = {
 }
 
 
-@functools.cache
-def _autotuned(kind: str):
-    """Kernel ``kind`` under ``triton.autotune`` (built once, on first use on a GPU)."""
-    options = {"prune_configs_by": {"early_config_prune": _pruner(kind)}}
+def make_autotuned(kind: str, configs: tuple[AttentionConfig, ...] | None = None, do_bench=None):
+    """Kernel ``kind`` (``"forward"``, ``"dkdv"``, ``"dq"``) under ``triton.autotune`` over ``configs``
+    (default: its GPU list), pruned by :func:`fits` and keyed on :data:`TUNING_KEY`; results cached on
+    disk where Triton supports it. ``do_bench`` replaces Triton's GPU benchmarker (the tests run the
+    tuning loop in the interpreter with a stand-in). Building it needs no GPU.
+    """
+    configs = _GPU_CONFIGS[kind] if configs is None else tuple(configs)
+    options = {"prune_configs_by": {"early_config_prune": _pruner(kind, configs)}}
     if autotune_supports_disk_cache():
         options["cache_results"] = True
-    return triton.autotune(configs=[c.to_triton() for c in _GPU_CONFIGS[kind]], key=list(TUNING_KEY),
-                           **options)(_KERNELS[kind])
+    if do_bench is not None:
+        options["do_bench"] = do_bench
+    return triton.autotune(configs=[c.to_triton() for c in configs], key=list(TUNING_KEY), **options)(_KERNELS[kind])
+
+
+@functools.cache
+def _autotuned(kind: str):
+    """Kernel ``kind`` autotuned over its GPU configs (built once, on first use on a GPU)."""
+    return make_autotuned(kind)
+
+
+def _fixed_config() -> AttentionConfig | None:
+    """The one config of the interpreter (which cannot autotune); None on a GPU: autotuned."""
+    return INTERPRETER_CONFIG if runtime.INTERPRETER else None
 
 
 def _launch_kernel(kind: str, grid_of, args: tuple, constexprs: dict) -> None:
-    """Launch ``kind``: the fixed interpreter config, or the autotuned kernel on a GPU.
-
-    ``grid_of(BLOCK_M, BLOCK_N)`` is the grid for a tile.
-    """
-    if runtime.INTERPRETER:
-        c = INTERPRETER_CONFIG
+    """Launch ``kind`` with the fixed config, or autotuned. ``grid_of(BLOCK_M, BLOCK_N)`` is the grid for a tile."""
+    c = _fixed_config()
+    if c is not None:
         _KERNELS[kind][grid_of(c.BLOCK_M, c.BLOCK_N)](*args, **constexprs, BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N,
                                                      num_warps=c.num_warps, num_stages=c.num_stages)
         return
