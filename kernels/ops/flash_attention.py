@@ -86,8 +86,8 @@ sequence's own lengths for every bound and mask (causal is bottom-right per sequ
 ``(cdiv(max_seqlen, BLOCK), H, B)``; a program whose block starts past its sequence's length exits
 at once and key loops stop at the sequence's length, so padding costs no FLOPs and no bytes. The
 dense op is the special case of fixed lengths and a batch stride. ``lse`` is ``(Hq, total_q)``,
-flash-attn's varlen layout. The ``cu_seqlens`` are checked on the device (``torch._assert_async``:
-no host synchronization on a GPU; see :func:`check_cu_seqlens_values`).
+flash-attn's varlen layout. The ``cu_seqlens`` are checked on the device (one tiny Triton launch and
+``torch._assert_async``: no host synchronization on a GPU; see :func:`check_cu_seqlens_values`).
 
 **Tiles.** On a GPU each kernel is autotuned (``triton.autotune``, :func:`make_autotuned`) over its own
 list of tile configurations — the forward over 64/128-row query blocks and 32-128-key blocks with 4 or
@@ -131,6 +131,7 @@ __all__ = [
     "flash_attention_backward_dkdv_kernel",
     "flash_attention_backward_dq_kernel",
     "flash_attention_backward_preprocess_kernel",
+    "flash_attention_cu_seqlens_kernel",
     "flash_attention_forward_kernel",
     "flash_attention_varlen",
     "fits",
@@ -1057,30 +1058,76 @@ def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     _check_options(op, causal, softmax_scale, window, softcap, return_lse)
 
 
-def check_cu_seqlens_values(op: str, name: str, cu_seqlens: torch.Tensor, total: int, max_seqlen: int) -> None:
-    """``cu_seqlens`` starts at 0, never decreases, ends at ``total`` and has no length above ``max_seqlen``.
+#: cu_seqlens entries the check kernel takes per iteration (the interpreter: fewer, larger steps).
+CHECK_BLOCK: int = 4096 if runtime.INTERPRETER else 1024
 
-    Checked on the tensor's device without a host synchronization: a handful of tiny aten kernels and
-    ``torch._assert_async``. On the CPU a failure raises at once, as a ``ValueError`` naming the op and
-    the argument; on CUDA it is a device-side assertion (like torch's own index checks): it surfaces as
-    ``CUDA error: device-side assert triggered`` at the next synchronizing call (see
-    ``kernels.cross_entropy``'s docstring, which checks its targets the same way).
+
+@triton.jit
+def _count_bad(cu_ptr, i, inside, n_entries, total, max_seqlen):
+    value = tl.load(cu_ptr + i, mask=inside, other=0)
+    previous = tl.load(cu_ptr + i - 1, mask=inside & (i > 0), other=0)
+    length = value - previous
+    bad = inside & (i > 0) & ((length < 0) | (length > max_seqlen))
+    bad = bad | (inside & (i == 0) & (value != 0)) | (inside & (i == n_entries - 1) & (value != total))
+    return bad.to(tl.int32)
+
+
+@triton.jit
+def flash_attention_cu_seqlens_kernel(
+    cu_seqlens_q_ptr, cu_seqlens_k_ptr, check_ptr,  # check: int32 [both valid, q's valid, k's valid]
+    n_entries, total_q, total_k, max_seqlen_q, max_seqlen_k,
+    BLOCK: tl.constexpr,
+):
+    """One program reads both ``cu_seqlens`` once: each must start at 0, never decrease, end at the
+    packed length and have no sequence longer than its ``max_seqlen``."""
+    lanes = tl.arange(0, BLOCK)
+    bad_q = tl.zeros([BLOCK], tl.int32)
+    bad_k = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, n_entries, BLOCK):
+        i = start + lanes
+        inside = i < n_entries
+        bad_q += _count_bad(cu_seqlens_q_ptr, i, inside, n_entries, total_q, max_seqlen_q)
+        bad_k += _count_bad(cu_seqlens_k_ptr, i, inside, n_entries, total_k, max_seqlen_k)
+    ok_q = tl.sum(bad_q, 0) == 0
+    ok_k = tl.sum(bad_k, 0) == 0
+    tl.store(check_ptr, (ok_q & ok_k).to(tl.int32))
+    tl.store(check_ptr + 1, ok_q.to(tl.int32))
+    tl.store(check_ptr + 2, ok_k.to(tl.int32))
+
+
+def check_cu_seqlens_values(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int, total_k: int,
+                            max_seqlen_q: int, max_seqlen_k: int) -> None:
+    """Each ``cu_seqlens`` starts at 0, never decreases, ends at its packed length (``total``) and has no
+    sequence longer than its ``max_seqlen``.
+
+    Checked on the tensors' device without a host synchronization: one one-program Triton launch
+    (:func:`flash_attention_cu_seqlens_kernel`) writes a flag, and ``torch._assert_async`` reads it.
+    On the CPU a failure raises at once, as a ``ValueError`` naming the op and the argument; on CUDA
+    it is a device-side assertion (like torch's own index checks): it surfaces as ``CUDA error:
+    device-side assert triggered`` at the next synchronizing call, and the CUDA context is unusable
+    afterwards (``kernels.cross_entropy`` checks its targets the same way; its docstring says more).
     """
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    ok = (cu_seqlens[0] == 0) & (cu_seqlens[-1] == total)
-    if lengths.numel():
-        ok = ok & (lengths.min() >= 0) & (lengths.max() <= max_seqlen)
-    message = (f"{op}: {name} must start at 0, never decrease, end at {total} (the packed length) and have every "
-               f"sequence length <= max_seqlen = {max_seqlen}")
-    if cu_seqlens.device.type != "cpu":
-        torch._assert_async(ok, message)
+    check = _launch.empty((3,), torch.int32, cu_seqlens_q.device)
+    flash_attention_cu_seqlens_kernel[(1,)](cu_seqlens_q, cu_seqlens_k, check, cu_seqlens_q.shape[0], total_q,
+                                            total_k, max_seqlen_q, max_seqlen_k, BLOCK=CHECK_BLOCK)
+
+    def message(name, total, max_seqlen):
+        return (f"{_VARLEN_OP}: {name} must start at 0, never decrease, end at {total} (the packed length) and "
+                f"have every sequence length <= max_seqlen = {max_seqlen}")
+
+    if check.device.type != "cpu":
+        torch._assert_async(check[0], message("cu_seqlens_q and cu_seqlens_k", "total_q / total_k",
+                                              "max_seqlen_q / max_seqlen_k"))
         return
     try:
-        torch._assert_async(ok, message)
+        torch._assert_async(check[0], "cu_seqlens")  # on the CPU: checked at once
     except RuntimeError:
-        values = cu_seqlens.tolist()  # only on the way to the error
+        ok_q = bool(check[1])  # only on the way to the error
+        name, cu, total, max_seqlen = (("cu_seqlens_k", cu_seqlens_k, total_k, max_seqlen_k) if ok_q else
+                                       ("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q))
+        values = cu.tolist()
         shown = values if len(values) <= 12 else values[:6] + ["..."] + values[-6:]
-        raise ValueError(f"{message}; got {shown}") from None
+        raise ValueError(f"{message(name, total, max_seqlen)}; got {shown}") from None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1150,8 +1197,7 @@ def _flash_attention_varlen_op(
     _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window,
                   softcap, False)
     runtime.require_launchable(_VARLEN_OP, q, k, v, cu_seqlens_q, cu_seqlens_k)
-    check_cu_seqlens_values(_VARLEN_OP, "cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
-    check_cu_seqlens_values(_VARLEN_OP, "cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
+    check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
     total_q, heads_q, head_dim = q.shape
     out = _launch.empty_output((total_q, heads_q, head_dim), q)
     lse = _launch.empty((heads_q, total_q), torch.float32, q.device)

@@ -16,7 +16,7 @@ from utils.aot import compile_kernel, resource_usage
 
 FLOATS = {"sm_scale", "qk_scale", "softcap"}
 STATS = {"lse_ptr", "delta_ptr", "dlse_ptr"}
-CU = {"cu_seqlens_q_ptr", "cu_seqlens_k_ptr"}
+CU = {"cu_seqlens_q_ptr", "cu_seqlens_k_ptr", "check_ptr"}
 # Unit feature strides become constants (Triton's launcher specializes 1); strides and head dims of
 # real shapes are multiples of 16. Lengths, the group size and the window are runtime values.
 UNIT = {"stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_dod", "stride_dkd", "stride_dvd", "stride_dqd",
@@ -97,6 +97,7 @@ for dtype in ("bf16", "fp32"):
     for index_64 in (False, True):
         compile_one(fa.flash_attention_backward_preprocess_kernel, dtype,
                     {"HAS_DLSE": index_64, "INDEX_64": index_64, "BLOCK_M": 64, "BLOCK_D": 128}, num_warps=4)
+compile_one(fa.flash_attention_cu_seqlens_kernel, "bf16", {"BLOCK": 1024}, num_warps=4)
 print("\n".join(rows))
 print(f"{len(rows)} variants compiled")
 print("\n".join(failures) or "ok")
