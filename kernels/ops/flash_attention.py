@@ -37,7 +37,7 @@ and inside ``Tk``) run without any mask; only the blocks on the diagonal, on the
 at the end of the keys compute the mask. Causal attention with ``Tq = Tk`` thus does
 ``(n + 1) / 2n`` of the full work for ``n`` blocks — about half (the FLOP count is traced in the
 tests). When ``Tq > Tk``, the first ``Tq - Tk`` queries see no key at all: their output is 0 and
-their ``lse`` is ``-inf``, as in flash-attn (torch's SDPA would give NaN).
+their ``lse`` is ``-inf``, as in flash-attn (a softmax over an all-``-inf`` row in torch gives NaN).
 
 **Grouped-query attention without copies.** The grid is ``(query blocks, Hq, B)``; the program of
 query head ``h`` reads key/value head ``h // (Hq // Hkv)``. K and V are never repeated in memory.
@@ -86,14 +86,20 @@ sequence's own lengths for every bound and mask (causal is bottom-right per sequ
 ``(cdiv(max_seqlen, BLOCK), H, B)``; a program whose block starts past its sequence's length exits
 at once and key loops stop at the sequence's length, so padding costs no FLOPs and no bytes. The
 dense op is the special case of fixed lengths and a batch stride. ``lse`` is ``(Hq, total_q)``,
-flash-attn's varlen layout. The ``cu_seqlens`` are checked on the device (``torch._assert_async``:
-no host synchronization on a GPU; see :func:`check_cu_seqlens_values`).
+flash-attn's varlen layout. The ``cu_seqlens`` are checked on the device (one tiny Triton launch and
+``torch._assert_async``: no host synchronization on a GPU; see :func:`check_cu_seqlens_values`).
 
-**Tiles.** On a GPU each kernel is autotuned (``triton.autotune``) over ``BLOCK_M x BLOCK_N`` tiles
-of 64/128 with 4 or 8 warps and 2-3 pipeline stages, pruned to what fits in shared memory at the
-head dim; the key is the head-dim tile, the switches and power-of-two buckets of the lengths. In
-the interpreter one small configuration runs (:data:`INTERPRETER_CONFIG`). Head dims up to 256 are
-supported, any value (48, 80, 96, ...): the tile is padded to the next power of two with masks.
+**Tiles.** On a GPU each kernel is autotuned (``triton.autotune``, :func:`make_autotuned`) over its own
+list of tile configurations — the forward over 64/128-row query blocks and 32-128-key blocks with 4 or
+8 warps and 2-3 pipeline stages; the backward kernels over smaller blocks (16-128), because the dK/dV
+program holds four tiles of its key block (K, V, dK, dV) and the dQ program three, and the register
+file, not shared memory, is what runs out first. Each config carries the widest head dim at which
+ptxas fits it in registers for sm_90 without spilling (measured by ``tests/aot/flash_attention.py``;
+separately for fp32 inputs and for soft-capping, which keeps more live), and the pruner keeps the
+configs that fit the launch's head dim, dtype and shared memory. The key is the head-dim tile, the
+switches and power-of-two buckets of the lengths. In the interpreter, which cannot autotune, one
+small configuration runs (:data:`INTERPRETER_CONFIG`). Head dims up to 256 are supported, any value
+(48, 80, 96, ...): the tile is padded to the next power of two with masks.
 """
 
 from __future__ import annotations
@@ -125,9 +131,12 @@ __all__ = [
     "flash_attention_backward_dkdv_kernel",
     "flash_attention_backward_dq_kernel",
     "flash_attention_backward_preprocess_kernel",
+    "flash_attention_cu_seqlens_kernel",
     "flash_attention_forward_kernel",
     "flash_attention_varlen",
+    "fits",
     "hf_attention",
+    "make_autotuned",
     "register_hf_attention",
 ]
 
@@ -194,7 +203,7 @@ def _key_range(m0, m_last, seqlen_k, diagonal, window, CAUSAL: tl.constexpr, HAS
     full_hi = tl.maximum(full_hi, lo)
     full_lo = tl.minimum(tl.maximum(full_lo, lo), full_hi)
     if INDEX_64:  # the loops multiply these by strides
-        return lo.to(tl.int64), full_lo.to(tl.int64), full_hi.to(tl.int64), hi.to(tl.int64)
+        lo, full_lo, full_hi, hi = lo.to(tl.int64), full_lo.to(tl.int64), full_hi.to(tl.int64), hi.to(tl.int64)
     return lo, full_lo, full_hi, hi
 
 
@@ -222,7 +231,7 @@ def _query_range(n0, n_last, seqlen_q, diagonal, window, CAUSAL: tl.constexpr, H
     full_hi = tl.maximum(tl.minimum(full_hi, hi), lo)
     full_lo = tl.minimum(tl.maximum(full_lo, lo), full_hi)
     if INDEX_64:  # the loops multiply these by strides
-        return lo.to(tl.int64), full_lo.to(tl.int64), full_hi.to(tl.int64), hi.to(tl.int64)
+        lo, full_lo, full_hi, hi = lo.to(tl.int64), full_lo.to(tl.int64), full_hi.to(tl.int64), hi.to(tl.int64)
     return lo, full_lo, full_hi, hi
 
 
@@ -315,15 +324,15 @@ def flash_attention_forward_kernel(
     batch = tl.program_id(2)
     q_start, seqlen_q, k_start, seqlen_k = _sequence(cu_seqlens_q_ptr, cu_seqlens_k_ptr, batch, seqlen_q,
                                                      seqlen_k, VARLEN)
+    kv_head = head // group_size
+    if INDEX_64:
+        head = head.to(tl.int64)
+        kv_head = kv_head.to(tl.int64)
+        batch = batch.to(tl.int64)
+        q_start = q_start.to(tl.int64)
+        k_start = k_start.to(tl.int64)
     m0 = pid_m * BLOCK_M
     if m0 < seqlen_q:  # a varlen program past its sequence's end does nothing
-        kv_head = head // group_size
-        if INDEX_64:
-            head = head.to(tl.int64)
-            kv_head = kv_head.to(tl.int64)
-            batch = batch.to(tl.int64)
-            q_start = q_start.to(tl.int64)
-            k_start = k_start.to(tl.int64)
         rows = m0 + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
         offs_n = tl.arange(0, BLOCK_N)
@@ -494,13 +503,13 @@ def flash_attention_backward_dkdv_kernel(
     batch = tl.program_id(2)
     q_start, seqlen_q, k_start, seqlen_k = _sequence(cu_seqlens_q_ptr, cu_seqlens_k_ptr, batch, seqlen_q,
                                                      seqlen_k, VARLEN)
+    if INDEX_64:
+        kv_head = kv_head.to(tl.int64)
+        batch = batch.to(tl.int64)
+        q_start = q_start.to(tl.int64)
+        k_start = k_start.to(tl.int64)
     n0 = pid_n * BLOCK_N
-    if n0 < seqlen_k:
-        if INDEX_64:
-            kv_head = kv_head.to(tl.int64)
-            batch = batch.to(tl.int64)
-            q_start = q_start.to(tl.int64)
-            k_start = k_start.to(tl.int64)
+    if n0 < seqlen_k:  # a varlen program past its sequence's end does nothing
         cols = n0 + tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
         offs_m = tl.arange(0, BLOCK_M)
@@ -616,15 +625,15 @@ def flash_attention_backward_dq_kernel(
     batch = tl.program_id(2)
     q_start, seqlen_q, k_start, seqlen_k = _sequence(cu_seqlens_q_ptr, cu_seqlens_k_ptr, batch, seqlen_q,
                                                      seqlen_k, VARLEN)
+    kv_head = head // group_size
+    if INDEX_64:
+        head = head.to(tl.int64)
+        kv_head = kv_head.to(tl.int64)
+        batch = batch.to(tl.int64)
+        q_start = q_start.to(tl.int64)
+        k_start = k_start.to(tl.int64)
     m0 = pid_m * BLOCK_M
     if m0 < seqlen_q:
-        kv_head = head // group_size
-        if INDEX_64:
-            head = head.to(tl.int64)
-            kv_head = kv_head.to(tl.int64)
-            batch = batch.to(tl.int64)
-            q_start = q_start.to(tl.int64)
-            k_start = k_start.to(tl.int64)
         rows = m0 + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
         offs_n = tl.arange(0, BLOCK_N)
@@ -675,93 +684,117 @@ class AttentionConfig:
     """One tile configuration of a flash-attention kernel.
 
     ``BLOCK_M`` query rows by ``BLOCK_N`` keys per step (powers of two >= 16, ``tl.dot``'s
-    smallest shape); ``num_warps`` and ``num_stages`` (software pipelining of the K/V or Q/dO
-    loads) are launch options.
+    smallest shape); ``num_warps`` and ``num_stages`` (software pipelining of the streamed K/V or
+    Q/dO tiles) are launch options. ``max_head_dim``: the widest head-dim tile of 16-bit inputs
+    at which ptxas fits the kernel in registers for sm_90 without spilling; ``max_head_dim_fp32``
+    for float32 inputs (by default half), ``max_head_dim_softcap`` with soft-capping (``tanh`` takes
+    registers; the backward kernels also keep the cap's derivative, one more score-sized tile, live;
+    0: never with soft-capping). Measured, not
+    modelled: ``tests/aot/flash_attention.py`` compiles every GPU config at its limits (and at head
+    dims 64 and 128 below them) and fails on any spill.
     """
 
     BLOCK_M: int
     BLOCK_N: int
     num_warps: int = 4
     num_stages: int = 2
+    max_head_dim: int = 256
+    max_head_dim_fp32: int | None = None  # None: half of max_head_dim
+    max_head_dim_softcap: int | None = None  # None: max_head_dim
+
+    def head_dim_limit(self, element_size: int, softcap: bool = False) -> int:
+        """The widest head-dim tile this config takes for inputs of ``element_size`` bytes (with soft-capping)."""
+        if element_size <= 2:
+            limit = self.max_head_dim
+        else:
+            limit = self.max_head_dim // 2 if self.max_head_dim_fp32 is None else self.max_head_dim_fp32
+        if softcap and self.max_head_dim_softcap is not None:
+            limit = min(limit, self.max_head_dim_softcap // (1 if element_size <= 2 else 2))
+        return limit
 
     def to_triton(self) -> triton.Config:
         return triton.Config({"BLOCK_M": self.BLOCK_M, "BLOCK_N": self.BLOCK_N}, num_warps=self.num_warps,
                              num_stages=self.num_stages)
 
     def shared_memory_bytes(self, kind: str, block_d: int, element_size: int) -> int:
-        """Shared memory of the pipelined tiles: the streamed pair (K, V or Q, dO) times ``num_stages``,
-        plus the tile kept for the whole loop (Q; K and V for the dK/dV kernel)."""
+        """Shared memory of the pipelined tiles (an upper estimate): the streamed pair (K and V, or Q and
+        dO for the dK/dV kernel) times ``num_stages``, plus the tile(s) held for the whole loop."""
         streamed = self.BLOCK_M if kind == "dkdv" else self.BLOCK_N
         kept = 2 * self.BLOCK_N if kind == "dkdv" else self.BLOCK_M
         return (self.num_stages * 2 * streamed + kept) * block_d * element_size
 
-    def accumulator_registers(self, kind: str, block_d: int) -> int:
-        """32-bit registers a thread spends on the fp32 accumulators (dK and dV, or O, or dQ)."""
-        elements = 2 * self.BLOCK_N * block_d if kind == "dkdv" else self.BLOCK_M * block_d
-        return elements // (32 * self.num_warps)
+    @property
+    def key(self) -> tuple[int, int, int, int]:
+        return self.BLOCK_M, self.BLOCK_N, self.num_warps, self.num_stages
 
     def __str__(self) -> str:
         return f"{self.BLOCK_M}x{self.BLOCK_N} w{self.num_warps} s{self.num_stages}"
 
 
-#: Forward candidates on a GPU (pruned per head dim: see :func:`fits`).
+_c = AttentionConfig
+#: Forward candidates on a GPU: 128- and 64-row query blocks; 32-key blocks for head dim 256.
 FORWARD_GPU_CONFIGS: tuple[AttentionConfig, ...] = (
-    AttentionConfig(128, 128, 8, 2),
-    AttentionConfig(128, 64, 8, 3),
-    AttentionConfig(128, 64, 8, 2),
-    AttentionConfig(64, 128, 4, 2),
-    AttentionConfig(64, 64, 4, 3),
-    AttentionConfig(64, 64, 8, 2),
-    AttentionConfig(64, 32, 8, 2),
+    _c(128, 128, 8, 2, max_head_dim=64),
+    _c(128, 64, 8, 3, max_head_dim=128),
+    _c(128, 64, 8, 2, max_head_dim=128),
+    _c(64, 128, 8, 2, max_head_dim=128, max_head_dim_fp32=32, max_head_dim_softcap=64),
+    _c(64, 64, 4, 3, max_head_dim=128, max_head_dim_fp32=32, max_head_dim_softcap=64),
+    _c(64, 64, 8, 2, max_head_dim=128),
+    _c(128, 32, 8, 2, max_head_dim=256, max_head_dim_softcap=128),
+    _c(64, 32, 8, 2, max_head_dim=256),
 )
-#: dK/dV candidates: a key block held on chip, query blocks streamed.
+#: dK/dV candidates: a key block (K, V and fp32 dK, dV) held in registers, query blocks streamed. This
+#: kernel holds four tiles of the key block, so its blocks are smaller than the others'.
 BACKWARD_DKDV_GPU_CONFIGS: tuple[AttentionConfig, ...] = (
-    AttentionConfig(64, 128, 8, 2),
-    AttentionConfig(32, 128, 8, 2),
-    AttentionConfig(64, 64, 8, 2),
-    AttentionConfig(32, 64, 4, 3),
-    AttentionConfig(32, 32, 8, 2),
+    _c(32, 128, 8, 3, max_head_dim=64, max_head_dim_softcap=0),
+    _c(32, 128, 8, 2, max_head_dim=64, max_head_dim_softcap=0),
+    _c(32, 64, 4, 3, max_head_dim=64, max_head_dim_softcap=0),
+    _c(64, 32, 8, 2, max_head_dim=64),
+    _c(16, 64, 8, 2, max_head_dim=128, max_head_dim_softcap=64),
+    _c(32, 32, 8, 2, max_head_dim=128),
+    _c(16, 32, 8, 2, max_head_dim=256),
 )
-#: dQ candidates: a query block held on chip, key blocks streamed.
+#: dQ candidates: a query block (Q, dO, fp32 dQ) held, key blocks streamed.
 BACKWARD_DQ_GPU_CONFIGS: tuple[AttentionConfig, ...] = (
-    AttentionConfig(128, 64, 8, 2),
-    AttentionConfig(128, 32, 8, 3),
-    AttentionConfig(64, 64, 4, 3),
-    AttentionConfig(64, 32, 4, 3),
-    AttentionConfig(64, 32, 8, 2),
+    _c(128, 64, 8, 2, max_head_dim=128, max_head_dim_softcap=64),
+    _c(128, 32, 8, 2, max_head_dim=256, max_head_dim_softcap=128),
+    _c(64, 64, 4, 3, max_head_dim=64),
+    _c(64, 64, 8, 2, max_head_dim=128, max_head_dim_softcap=64),
+    _c(64, 32, 4, 3, max_head_dim=128),
+    _c(64, 32, 8, 2, max_head_dim=128),
+    _c(128, 16, 8, 2, max_head_dim=256),
 )
+del _c
 _GPU_CONFIGS = {"forward": FORWARD_GPU_CONFIGS, "dkdv": BACKWARD_DKDV_GPU_CONFIGS, "dq": BACKWARD_DQ_GPU_CONFIGS}
 
 #: The interpreter's one configuration for every kernel: few program instances (each costs ~1 ms of
-#: Python), and still several blocks at test sizes so that skipping and masking are exercised.
+#: Python per tile operation), and still several blocks at test sizes so that skipping and masking are
+#: exercised (the tests use lengths of 33 to 160).
 INTERPRETER_CONFIG: AttentionConfig = AttentionConfig(32, 32, 4, 1)
 
-#: At most this many fp32 accumulator registers a thread (of 255): the rest hold the tiles being multiplied.
-MAX_ACCUMULATOR_REGISTERS: int = 64
 
-
-def fits(config: AttentionConfig, kind: str, block_d: int, element_size: int,
+def fits(config: AttentionConfig, kind: str, block_d: int, element_size: int, softcap: bool = False,
          shared_memory: int | None = None) -> bool:
-    """Whether ``config`` suits kernel ``kind`` (``"forward"``, ``"dkdv"``, ``"dq"``) at head-dim tile ``block_d``:
-    its pipelined tiles fit in shared memory and its accumulators leave registers for the rest
-    (``tests/aot/flash_attention.py`` compiles every survivor at D = 64 and 128 and checks ptxas spills none)."""
+    """Whether ``config`` suits kernel ``kind`` (``"forward"``, ``"dkdv"``, ``"dq"``) at head-dim tile ``block_d``
+    of ``element_size``-byte inputs: within its register limit and the GPU's shared memory."""
     limit = _shared_memory_limit() if shared_memory is None else shared_memory
-    return (config.shared_memory_bytes(kind, block_d, element_size) <= limit
-            and config.accumulator_registers(kind, block_d) <= MAX_ACCUMULATOR_REGISTERS)
+    return (block_d <= config.head_dim_limit(element_size, softcap)
+            and config.shared_memory_bytes(kind, block_d, element_size) <= limit)
 
 
-def _pruner(kind: str):
+def _pruner(kind: str, candidates: tuple[AttentionConfig, ...] | None = None):
+    """The autotuner's early pruning for ``kind``: the configs that fit (or the one with the smallest tiles)."""
+    mine = {c.key: c for c in (_GPU_CONFIGS[kind] if candidates is None else candidates)}
+
     def prune(configs, named_args, **kwargs):
-        block_d = kwargs["BLOCK_D"]
+        block_d, softcap = kwargs["BLOCK_D"], kwargs["SOFTCAP"]
         element_size = named_args["q_ptr"].element_size()
-        candidates = [(AttentionConfig(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages), c)
-                      for c in configs]
-        kept = [c for mine, c in candidates if fits(mine, kind, block_d, element_size)]
+        pairs = [(mine[(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)], c) for c in configs]
+        kept = [c for config, c in pairs if fits(config, kind, block_d, element_size, softcap)]
         if kept:
             return kept
-        # Nothing fits the rule: the config with the smallest accumulator share.
-        return [min(candidates, key=lambda pair: (pair[0].accumulator_registers(kind, block_d),
-                                                  pair[0].shared_memory_bytes(kind, block_d, element_size)))[1]]
+        # Nothing fits (fp32 at head dim 256, soft-capping at 256 in dQ): the smallest tiles spill least.
+        return [min(pairs, key=lambda pair: pair[0].BLOCK_M * pair[0].BLOCK_N * pair[0].num_stages)[1]]
 
     return prune
 
@@ -777,23 +810,36 @@ _KERNELS = {
 }
 
 
-@functools.cache
-def _autotuned(kind: str):
-    """Kernel ``kind`` under ``triton.autotune`` (built once, on first use on a GPU)."""
-    options = {"prune_configs_by": {"early_config_prune": _pruner(kind)}}
+def make_autotuned(kind: str, configs: tuple[AttentionConfig, ...] | None = None, do_bench=None):
+    """Kernel ``kind`` (``"forward"``, ``"dkdv"``, ``"dq"``) under ``triton.autotune`` over ``configs``
+    (default: its GPU list), pruned by :func:`fits` and keyed on :data:`TUNING_KEY`; results cached on
+    disk where Triton supports it. ``do_bench`` replaces Triton's GPU benchmarker (the tests run the
+    tuning loop in the interpreter with a stand-in). Building it needs no GPU.
+    """
+    configs = _GPU_CONFIGS[kind] if configs is None else tuple(configs)
+    options = {"prune_configs_by": {"early_config_prune": _pruner(kind, configs)}}
     if autotune_supports_disk_cache():
         options["cache_results"] = True
-    return triton.autotune(configs=[c.to_triton() for c in _GPU_CONFIGS[kind]], key=list(TUNING_KEY),
-                           **options)(_KERNELS[kind])
+    if do_bench is not None:
+        options["do_bench"] = do_bench
+    return triton.autotune(configs=[c.to_triton() for c in configs], key=list(TUNING_KEY), **options)(_KERNELS[kind])
+
+
+@functools.cache
+def _autotuned(kind: str):
+    """Kernel ``kind`` autotuned over its GPU configs (built once, on first use on a GPU)."""
+    return make_autotuned(kind)
+
+
+def _fixed_config() -> AttentionConfig | None:
+    """The one config of the interpreter (which cannot autotune); None on a GPU: autotuned."""
+    return INTERPRETER_CONFIG if runtime.INTERPRETER else None
 
 
 def _launch_kernel(kind: str, grid_of, args: tuple, constexprs: dict) -> None:
-    """Launch ``kind``: the fixed interpreter config, or the autotuned kernel on a GPU.
-
-    ``grid_of(BLOCK_M, BLOCK_N)`` is the grid for a tile.
-    """
-    if runtime.INTERPRETER:
-        c = INTERPRETER_CONFIG
+    """Launch ``kind`` with the fixed config, or autotuned. ``grid_of(BLOCK_M, BLOCK_N)`` is the grid for a tile."""
+    c = _fixed_config()
+    if c is not None:
         _KERNELS[kind][grid_of(c.BLOCK_M, c.BLOCK_N)](*args, **constexprs, BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N,
                                                      num_warps=c.num_warps, num_stages=c.num_stages)
         return
@@ -1012,30 +1058,76 @@ def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     _check_options(op, causal, softmax_scale, window, softcap, return_lse)
 
 
-def check_cu_seqlens_values(op: str, name: str, cu_seqlens: torch.Tensor, total: int, max_seqlen: int) -> None:
-    """``cu_seqlens`` starts at 0, never decreases, ends at ``total`` and has no length above ``max_seqlen``.
+#: cu_seqlens entries the check kernel takes per iteration (the interpreter: fewer, larger steps).
+CHECK_BLOCK: int = 4096 if runtime.INTERPRETER else 1024
 
-    Checked on the tensor's device without a host synchronization: a handful of tiny aten kernels and
-    ``torch._assert_async``. On the CPU a failure raises at once, as a ``ValueError`` naming the op and
-    the argument; on CUDA it is a device-side assertion (like torch's own index checks): it surfaces as
-    ``CUDA error: device-side assert triggered`` at the next synchronizing call (see
-    ``kernels.cross_entropy``'s docstring, which checks its targets the same way).
+
+@triton.jit
+def _count_bad(cu_ptr, i, inside, n_entries, total, max_seqlen):
+    value = tl.load(cu_ptr + i, mask=inside, other=0)
+    previous = tl.load(cu_ptr + i - 1, mask=inside & (i > 0), other=0)
+    length = value - previous
+    bad = inside & (i > 0) & ((length < 0) | (length > max_seqlen))
+    bad = bad | (inside & (i == 0) & (value != 0)) | (inside & (i == n_entries - 1) & (value != total))
+    return bad.to(tl.int32)
+
+
+@triton.jit
+def flash_attention_cu_seqlens_kernel(
+    cu_seqlens_q_ptr, cu_seqlens_k_ptr, check_ptr,  # check: int32 [both valid, q's valid, k's valid]
+    n_entries, total_q, total_k, max_seqlen_q, max_seqlen_k,
+    BLOCK: tl.constexpr,
+):
+    """One program reads both ``cu_seqlens`` once: each must start at 0, never decrease, end at the
+    packed length and have no sequence longer than its ``max_seqlen``."""
+    lanes = tl.arange(0, BLOCK)
+    bad_q = tl.zeros([BLOCK], tl.int32)
+    bad_k = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, n_entries, BLOCK):
+        i = start + lanes
+        inside = i < n_entries
+        bad_q += _count_bad(cu_seqlens_q_ptr, i, inside, n_entries, total_q, max_seqlen_q)
+        bad_k += _count_bad(cu_seqlens_k_ptr, i, inside, n_entries, total_k, max_seqlen_k)
+    ok_q = tl.sum(bad_q, 0) == 0
+    ok_k = tl.sum(bad_k, 0) == 0
+    tl.store(check_ptr, (ok_q & ok_k).to(tl.int32))
+    tl.store(check_ptr + 1, ok_q.to(tl.int32))
+    tl.store(check_ptr + 2, ok_k.to(tl.int32))
+
+
+def check_cu_seqlens_values(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int, total_k: int,
+                            max_seqlen_q: int, max_seqlen_k: int) -> None:
+    """Each ``cu_seqlens`` starts at 0, never decreases, ends at its packed length (``total``) and has no
+    sequence longer than its ``max_seqlen``.
+
+    Checked on the tensors' device without a host synchronization: one one-program Triton launch
+    (:func:`flash_attention_cu_seqlens_kernel`) writes a flag, and ``torch._assert_async`` reads it.
+    On the CPU a failure raises at once, as a ``ValueError`` naming the op and the argument; on CUDA
+    it is a device-side assertion (like torch's own index checks): it surfaces as ``CUDA error:
+    device-side assert triggered`` at the next synchronizing call, and the CUDA context is unusable
+    afterwards (``kernels.cross_entropy`` checks its targets the same way; its docstring says more).
     """
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    ok = (cu_seqlens[0] == 0) & (cu_seqlens[-1] == total)
-    if lengths.numel():
-        ok = ok & (lengths.min() >= 0) & (lengths.max() <= max_seqlen)
-    message = (f"{op}: {name} must start at 0, never decrease, end at {total} (the packed length) and have every "
-               f"sequence length <= max_seqlen = {max_seqlen}")
-    if cu_seqlens.device.type != "cpu":
-        torch._assert_async(ok, message)
+    check = _launch.empty((3,), torch.int32, cu_seqlens_q.device)
+    flash_attention_cu_seqlens_kernel[(1,)](cu_seqlens_q, cu_seqlens_k, check, cu_seqlens_q.shape[0], total_q,
+                                            total_k, max_seqlen_q, max_seqlen_k, BLOCK=CHECK_BLOCK)
+
+    def message(name, total, max_seqlen):
+        return (f"{_VARLEN_OP}: {name} must start at 0, never decrease, end at {total} (the packed length) and "
+                f"have every sequence length <= max_seqlen = {max_seqlen}")
+
+    if check.device.type != "cpu":
+        torch._assert_async(check[0], message("cu_seqlens_q and cu_seqlens_k", "total_q / total_k",
+                                              "max_seqlen_q / max_seqlen_k"))
         return
     try:
-        torch._assert_async(ok, message)
+        torch._assert_async(check[0], "cu_seqlens")  # on the CPU: checked at once
     except RuntimeError:
-        values = cu_seqlens.tolist()  # only on the way to the error
+        ok_q = bool(check[1])  # only on the way to the error
+        name, cu, total, max_seqlen = (("cu_seqlens_k", cu_seqlens_k, total_k, max_seqlen_k) if ok_q else
+                                       ("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q))
+        values = cu.tolist()
         shown = values if len(values) <= 12 else values[:6] + ["..."] + values[-6:]
-        raise ValueError(f"{message}; got {shown}") from None
+        raise ValueError(f"{message(name, total, max_seqlen)}; got {shown}") from None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1105,8 +1197,7 @@ def _flash_attention_varlen_op(
     _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window,
                   softcap, False)
     runtime.require_launchable(_VARLEN_OP, q, k, v, cu_seqlens_q, cu_seqlens_k)
-    check_cu_seqlens_values(_VARLEN_OP, "cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
-    check_cu_seqlens_values(_VARLEN_OP, "cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
+    check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
     total_q, heads_q, head_dim = q.shape
     out = _launch.empty_output((total_q, heads_q, head_dim), q)
     lse = _launch.empty((heads_q, total_q), torch.float32, q.device)

@@ -1,0 +1,104 @@
+"""Compile the flash-attention kernels for sm_90: forward, dK/dV, dQ and the preprocess, in bf16 at head dims
+64, 128 and 256 — every GPU tile configuration at every head dim up to its ``max_head_dim`` — with no
+register spills and the block products on tensor cores (Hopper's warp-group ``wgmma`` where a product
+has 64 rows or more); soft-capping (with a window) and fp32 (TF32 products) at each config's own
+limits for them; and the other switches (non-causal, varlen, int64 offsets) once at head dim 128.
+Prints each variant's registers, spills and shared memory.
+
+Run by tests/test_kernels_compile_flash_attention.py in a compiled-mode child process (utils.aot.run_compiled).
+``--quick`` compiles one configuration per kernel and head dim.
+"""
+
+import sys
+
+from kernels.ops import flash_attention as fa
+from utils.aot import compile_kernel, resource_usage
+
+FLOATS = {"sm_scale", "qk_scale", "softcap"}
+STATS = {"lse_ptr", "delta_ptr", "dlse_ptr"}
+CU = {"cu_seqlens_q_ptr", "cu_seqlens_k_ptr", "check_ptr"}
+# Unit feature strides become constants (Triton's launcher specializes 1); strides and head dims of
+# real shapes are multiples of 16. Lengths, the group size and the window are runtime values.
+UNIT = {"stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_dod", "stride_dkd", "stride_dvd", "stride_dqd",
+        "stride_lm", "stride_gm", "stride_dm"}
+RUNTIME = {"seqlen_q", "seqlen_k", "group_size", "window", "n_rows", "n_heads", "BUCKET_Q", "BUCKET_K"}
+KERNELS = {"forward": fa.flash_attention_forward_kernel, "dkdv": fa.flash_attention_backward_dkdv_kernel,
+           "dq": fa.flash_attention_backward_dq_kernel}
+
+
+def compile_one(fn, dtype, constexprs, num_warps, num_stages=None):
+    def types(name):
+        if name in STATS:
+            return "*fp32"
+        if name in CU:
+            return "*i32"
+        if name.endswith("_ptr"):
+            return "*" + dtype
+        return "fp32" if name in FLOATS else "i32"
+
+    divisible = lambda name: name not in RUNTIME and name not in UNIT and name not in FLOATS  # noqa: E731
+    return compile_kernel(fn, types, constexprs, ones=UNIT, divisible=divisible, num_warps=num_warps,
+                          num_stages=num_stages)
+
+
+def switches(causal=True, window=False, softcap=False, varlen=False, index_64=False, precision="ieee"):
+    return {"CAUSAL": causal, "HAS_WINDOW": window, "SOFTCAP": softcap, "VARLEN": varlen, "INDEX_64": index_64,
+            "INPUT_PRECISION": precision}
+
+
+quick = "--quick" in sys.argv
+failures, rows = [], []
+
+
+def run(kind, dtype, head_dim, config, flags):
+    constexprs = {**flags, "BLOCK_D": head_dim, "BLOCK_M": config.BLOCK_M, "BLOCK_N": config.BLOCK_N}
+    what = (f"{kind:7s} {dtype} D={head_dim:3d} {str(config):16s} "
+            + " ".join(name.lower() for name, on in flags.items() if on is True))
+    try:
+        kernel = compile_one(KERNELS[kind], dtype, constexprs, config.num_warps, config.num_stages)
+    except Exception as error:  # noqa: BLE001  (report every variant)
+        failures.append(f"{what}: does not compile: {error}")
+        return
+    usage = resource_usage(kernel)
+    registers = "?" if usage is None else usage.registers
+    spilled = 0 if usage is None else usage.spilled_bytes
+    rows.append(f"{what:56s} registers {registers:>3}  spilled {spilled} B  shared {kernel.metadata.shared} B")
+    if spilled:
+        failures.append(f"{what}: spills {spilled} bytes")
+    ptx = kernel.asm["ptx"]
+    # The block products' M dim is BLOCK_M (forward, dQ) or BLOCK_N (dK/dV, computed transposed):
+    # Hopper's warp-group MMA needs 64 rows; below that, mma.sync tensor-core ops.
+    rows_of_products = config.BLOCK_N if kind == "dkdv" else config.BLOCK_M
+    if dtype == "bf16" and rows_of_products >= 64 and "wgmma.mma_async" not in ptx:
+        failures.append(f"{what}: the block products are not wgmma")
+    if "mma" not in ptx:
+        failures.append(f"{what}: the block products are not on tensor cores")
+
+
+for kind in ("forward", "dkdv", "dq"):
+    configs = fa._GPU_CONFIGS[kind]
+    for head_dim in (64, 128, 256):  # bf16, causal: each config at each head dim up to its limit
+        kept = [c for c in configs if head_dim <= c.max_head_dim]
+        for config in kept[:1] if quick else kept:
+            run(kind, "bf16", head_dim, config, switches())
+    if quick:
+        continue
+    for config in configs:  # soft-capping (with a window) at each config's limit for it
+        limit = config.head_dim_limit(2, softcap=True)
+        if limit >= 64:
+            run(kind, "bf16", limit, config, switches(window=True, softcap=True))
+    for config in configs:  # fp32 operands (TF32 products) at their own limit
+        if config.head_dim_limit(4) >= 64:
+            run(kind, "fp32", config.head_dim_limit(4), config, switches(precision="tf32"))
+    config = next(c for c in configs if c.max_head_dim >= 128)  # the other switches once, at D = 128
+    for flags in (switches(causal=False), switches(varlen=True), switches(index_64=True)):
+        run(kind, "bf16", 128, config, flags)
+for dtype in ("bf16", "fp32"):
+    for index_64 in (False, True):
+        compile_one(fa.flash_attention_backward_preprocess_kernel, dtype,
+                    {"HAS_DLSE": index_64, "INDEX_64": index_64, "BLOCK_M": 64, "BLOCK_D": 128}, num_warps=4)
+compile_one(fa.flash_attention_cu_seqlens_kernel, "bf16", {"BLOCK": 1024}, num_warps=4)
+print("\n".join(rows))
+print(f"{len(rows)} variants compiled")
+print("\n".join(failures) or "ok")
+sys.exit(1 if failures else 0)
