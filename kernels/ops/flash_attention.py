@@ -40,7 +40,10 @@ tests). When ``Tq > Tk``, the first ``Tq - Tk`` queries see no key at all: their
 their ``lse`` is ``-inf``, as in flash-attn (a softmax over an all-``-inf`` row in torch gives NaN).
 
 **Grouped-query attention without copies.** The grid is ``(query blocks, Hq, B)``; the program of
-query head ``h`` reads key/value head ``h // (Hq // Hkv)``. K and V are never repeated in memory.
+query head ``h`` reads key/value head ``h // (Hq // Hkv)``. K and V are never repeated in memory;
+each query head's programs stream their group's K/V themselves (on a GPU the group's repeated reads
+are mostly served by L2). Packing a group's query heads into one program's rows, which would read
+K/V once per group (what decoding with a single query would gain most from), is not done here.
 
 **Backward (FlashAttention-2).** The forward saves ``O`` and ``lse`` (one float per row), not
 ``P``: the backward recomputes ``P_ij = exp(S_ij - lse_i)`` exactly, block by block. With
