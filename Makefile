@@ -34,6 +34,13 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e ".[dev]"
 	@# utils/, solutions/ and bench/ are the course's, not the wheel's: make them importable from any folder.
 	@$(PY) -c "import pathlib, sysconfig; pathlib.Path(sysconfig.get_paths()['purelib'], 'kernel_ladder_course.pth').write_text(str(pathlib.Path.cwd()) + '\n')"
+	@# Hugging Face's `kernels` distribution (pulled in by transformers>=5.25) has this library's import name.
+	@cd / && $(abspath $(PY)) -c "import importlib.metadata as m, pathlib, sys, kernels; \
+	  here = pathlib.Path('$(CURDIR)', 'kernels').resolve(); found = pathlib.Path(kernels.__file__).resolve().parent; \
+	  other = [d.metadata['Name'] for d in m.distributions() if d.metadata['Name'] == 'kernels']; \
+	  sys.exit(None if found == here and not other else \
+	  f'setup: import kernels finds {found}, distributions named kernels: {other}. Hugging Face\'s kernels ' \
+	  'package (transformers>=5.25 requires it) has the same import name: pip uninstall kernels, keep transformers<5.25')"
 	@$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (kernel-ladder)" >/dev/null
 	@touch $(STAMP)
 	@echo "setup: done ($$($(PY) -c 'import kernels.runtime as r; print(r.describe())'))"
