@@ -225,7 +225,7 @@ def test_strided_caches_and_queries_are_read_in_place(layout, gen):
     q = qkv[:, 8 * 32: 16 * 32].view(2, 8, 32)
     with trace() as tr:
         out = kernels.paged_attention(q, k, v, table, lens, num_splits=2)
-    copies = [op.name for op in tr.torch_ops if op.launches and "copy" in op.name or "clone" in op.name]
+    copies = [op.name for op in tr.torch_ops if op.launches and ("copy" in op.name or "clone" in op.name)]
     assert not copies, copies
     assert torch.equal(out, kernels.paged_attention(q.contiguous(), k.contiguous(), v.contiguous(), table, lens,
                                                     num_splits=2))

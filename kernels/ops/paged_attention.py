@@ -326,6 +326,12 @@ class PagedConfig:
         block_n = self.block_n if head_dim <= 128 else max(16, self.block_n // 2)  # D = 256: half the keys
         return max(1, block_n // block_size)
 
+    def warps(self, block_size: int, head_dim: int) -> int:
+        """``num_warps``, doubled for a step of 128 keys of a 128-wide head or more (128-token blocks):
+        ptxas spills the K and V tiles at 4 warps there (tests/aot/paged_attention.py)."""
+        keys = self.pages(block_size, head_dim) * block_size
+        return self.num_warps * 2 if keys * max(16, next_power_of_2(head_dim)) >= 128 * 128 else self.num_warps
+
 
 #: The GPU's tiles (memory bound: 64 keys of 4 warps per step, 64 query rows when prefilling).
 GPU_CONFIG: PagedConfig = PagedConfig(block_n=64, block_rows=64, num_warps=4, num_stages=2)
@@ -385,8 +391,9 @@ class _Launch:
 
     @property
     def block_rows(self) -> int:
-        if self.varlen:
-            return max(16, self.group_p, _config().block_rows)
+        if self.varlen:  # at most 64 x 128 fp32 accumulators (a 256-wide head: 32 rows)
+            block_d = max(16, next_power_of_2(self.head_dim))
+            return max(16, self.group_p, min(_config().block_rows, 8192 // block_d))
         return max(16, self.group_p) if self.use_dot else self.group_p
 
     @property
@@ -450,7 +457,8 @@ def _forward(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, k_scale,
         VARLEN=varlen, HAS_WINDOW=window is not None, SOFTCAP=softcap is not None, FP8=fp8, SPLIT=split,
         USE_DOT=plan.use_dot, INDEX_64=index_64, INPUT_PRECISION=_launch.dot_input_precision(q.dtype),
         BLOCK_SIZE=block_size, PAGES=config.pages(block_size, head_dim), BLOCK_R=plan.block_rows,
-        GROUP_P=plan.group_p, BLOCK_D=block_d, num_warps=config.num_warps, num_stages=config.num_stages,
+        GROUP_P=plan.group_p, BLOCK_D=block_d, num_warps=config.warps(block_size, head_dim),
+        num_stages=config.num_stages,
     )
     if split:
         block_s = next_power_of_2(num_splits)
