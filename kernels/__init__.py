@@ -46,6 +46,7 @@ from .ops.matmul import (
     plan_matmul,
 )
 from .ops.norm import column_sum_kernel, norm_launch_config
+from .ops.paged_attention import paged_attention, paged_attention_kernel, paged_attention_merge_kernel
 from .ops.quantize import (
     QuantizedWeight,
     quantize_activations,
@@ -113,6 +114,7 @@ __all__ = [
     "fused_linear_cross_entropy",
     "flash_attention",
     "flash_attention_varlen",
+    "paged_attention",
     "norm_launch_config",
     # matmul's launchers with an explicit configuration, and its dispatch rule
     "MatmulConfig",
@@ -161,4 +163,6 @@ __all__ = [
     "flash_attention_backward_preprocess_kernel",
     "flash_attention_backward_dkdv_kernel",
     "flash_attention_backward_dq_kernel",
+    "paged_attention_kernel",
+    "paged_attention_merge_kernel",
 ]

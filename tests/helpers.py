@@ -9,6 +9,8 @@
   against float64 is at most twice torch's own largest error (plus ``atol``). The second form
   scales with the problem (long rows, large values), so a fresh random seed cannot push a correct
   kernel over a fixed bound.
+* :func:`paged_attention_reference` — ``kernels.paged_attention`` written out: each sequence's K/V
+  gathered from the paged cache (``kernels.ops.paged_attention.gather_kv``), scores, mask, softmax.
 * :func:`make_input` — a tensor of a logical shape in a given memory layout (transposed, sliced,
   expanded, permuted), never a hidden copy.
 
@@ -23,7 +25,8 @@ import torch
 
 import kernels
 
-__all__ = ["DEVICE", "DTYPES", "LAYOUTS", "TOLERANCES", "assert_matches", "make_input", "tolerance"]
+__all__ = ["DEVICE", "DTYPES", "LAYOUTS", "TOLERANCES", "assert_matches", "make_input", "paged_attention_reference",
+           "tolerance"]
 
 DEVICE = kernels.runtime.DEVICE
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -132,3 +135,49 @@ def make_input(
         order = list(reversed(range(len(shape))))
         return rand(*(shape[d] for d in order)).permute(*order)
     raise ValueError(f"unknown layout {layout!r}; one of {LAYOUTS}")
+
+
+def paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale=None, window=None,
+                              softcap=None, cu_seqlens_q=None, k_scale=None, v_scale=None,
+                              dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """``kernels.paged_attention`` written out, per sequence, on the CPU: K/V gathered by the block table
+    (:func:`kernels.ops.paged_attention.gather_kv`, fp8 dequantized by its scales), GQA by
+    ``repeat_interleave``, scores, soft-cap, the causal (and window) mask by position, softmax, ``P V``.
+
+    ``dtype=float64`` is the exact reference. A low dtype evaluates it as torch would in that dtype
+    (products in it, the softmax in float32 then rounded): torch's own low-precision result, for
+    :func:`assert_matches`'s ``lowp``. Queries that see no key (an empty sequence) give 0.
+    """
+    import math  # noqa: PLC0415
+
+    from kernels.ops.paged_attention import gather_kv  # noqa: PLC0415
+
+    q = q.detach().cpu()
+    head_dim, heads_q = q.shape[-1], q.shape[1]
+    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
+    out = torch.zeros(q.shape, dtype=dtype)
+    pairs = gather_kv(k_cache.cpu(), v_cache.cpu(), block_tables.cpu(), seq_lens.cpu())
+    for b, (k, v) in enumerate(pairs):
+        k = k.double() * (float(k_scale) if k_scale is not None else 1.0)
+        v = v.double() * (float(v_scale) if v_scale is not None else 1.0)
+        rows = slice(b, b + 1) if cu_seqlens_q is None else slice(int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]))
+        qb = q[rows].to(dtype)
+        n, length = qb.shape[0], k.shape[0]
+        if n == 0 or length == 0:
+            continue
+        group = heads_q // k.shape[1]
+        k = k.to(dtype).repeat_interleave(group, 1)
+        v = v.to(dtype).repeat_interleave(group, 1)
+        s = torch.einsum("thd,shd->hts", qb, k) * scale
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
+        s = s.double() if dtype == torch.float64 else s.float()
+        position = length - n + torch.arange(n)[:, None]
+        key = torch.arange(length)[None, :]
+        visible = key <= position
+        if window is not None:
+            visible &= key > position - window
+        s = s.masked_fill(~visible, float("-inf"))
+        p = torch.softmax(s, -1).nan_to_num(0.0)
+        out[rows] = torch.einsum("hts,shd->thd", p.to(dtype), v)
+    return out
