@@ -29,6 +29,7 @@ CHAPTER_MODULES = [
     "bench.ch05_quantization",
     "bench.ch06_fused_ops",
     "bench.ch07_flash_attention",
+    "bench.ch08_kv_cache",
 ]
 
 

@@ -344,7 +344,7 @@ def _config() -> PagedConfig:
 
 
 def plan_paged_attention(batch: int, num_kv_heads: int, max_seq_len: int, block_size: int,
-                         device: torch.device | str | None = None) -> int:
+                         device: torch.device | str | None = None, num_sms: int | None = None) -> int:
     """The ``num_splits`` that ``paged_attention(num_splits=None)`` uses (a pure function of the shapes).
 
     ``batch * num_kv_heads`` programs (``batch``: query programs, the sequences when decoding) each
@@ -353,9 +353,10 @@ def plan_paged_attention(batch: int, num_kv_heads: int, max_seq_len: int, block_
     :data:`MIN_SPLIT_TOKENS` (or of 4 cache blocks), there is nothing to gain: 1. Otherwise enough
     splits for two waves, at most one per ``MIN_SPLIT_TOKENS`` tokens and :data:`MAX_SPLITS`.
     ``max_seq_len`` bounds the sequences (the op passes ``block_tables.shape[1] * block_size``: no sync).
+    ``num_sms`` replaces the device's count (to plan for another GPU, e.g. ``utils.roofline``'s H200: 132).
     """
     programs = max(1, int(batch) * int(num_kv_heads))
-    target = 2 * _launch.num_sms(device)
+    target = 2 * (_launch.num_sms(device) if num_sms is None else int(num_sms))
     if programs >= target:
         return 1
     min_split = max(MIN_SPLIT_TOKENS, 4 * int(block_size))
