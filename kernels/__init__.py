@@ -11,6 +11,7 @@ configurations; the private modules (``_launch``, ``_elementwise``, ``_rows``, `
 
 from . import (  # noqa: F401  (public modules: kernels.autotune, kernels.ops.<op>)
     autotune,
+    kv_cache,
     ops,
     runtime,  # noqa: F401  (first: fixes the mode before any kernel is defined)
 )
@@ -75,6 +76,7 @@ from .ops.softmax import (
     softmax_online_kernel,
 )
 from .ops.swiglu import geglu, swiglu, swiglu_backward_kernel, swiglu_kernel
+from .ops.write_kv_cache import write_kv_cache, write_kv_cache_kernel
 
 forbid_double_backward()  # every backward op: a clear error for a gradient of a gradient
 
@@ -113,6 +115,8 @@ __all__ = [
     "fused_linear_cross_entropy",
     "flash_attention",
     "flash_attention_varlen",
+    "write_kv_cache",
+    "kv_cache",
     "norm_launch_config",
     # matmul's launchers with an explicit configuration, and its dispatch rule
     "MatmulConfig",
@@ -161,4 +165,5 @@ __all__ = [
     "flash_attention_backward_preprocess_kernel",
     "flash_attention_backward_dkdv_kernel",
     "flash_attention_backward_dq_kernel",
+    "write_kv_cache_kernel",
 ]
