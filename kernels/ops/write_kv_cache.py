@@ -195,6 +195,10 @@ def _check_args(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> None:
                     ("k_scale", k_scale), ("v_scale", v_scale)):
         if t is not None:
             check_same_device(_OP, "k", k, name, t)
+
+
+def _check_no_overlap(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """k_cache and v_cache must not share elements (real tensors only: fake ones have no storage)."""
     if k_cache.untyped_storage().data_ptr() == v_cache.untyped_storage().data_ptr() and _overlap(k_cache, v_cache):
         raise ValueError(f"{_OP}: k_cache and v_cache must not overlap in memory")
 
@@ -215,6 +219,7 @@ def _write_kv_cache_op(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, 
                        slot_mapping: torch.Tensor, k_scale: torch.Tensor | None,
                        v_scale: torch.Tensor | None) -> None:
     _check_args(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    _check_no_overlap(k_cache, v_cache)
     runtime.require_launchable(_OP, k, v, k_cache, v_cache, slot_mapping)
     _launch_write(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
