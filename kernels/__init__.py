@@ -11,6 +11,7 @@ configurations; the private modules (``_launch``, ``_elementwise``, ``_rows``, `
 
 from . import (  # noqa: F401  (public modules: kernels.autotune, kernels.ops.<op>)
     autotune,
+    kv_cache,
     ops,
     runtime,  # noqa: F401  (first: fixes the mode before any kernel is defined)
 )
@@ -76,6 +77,7 @@ from .ops.softmax import (
     softmax_online_kernel,
 )
 from .ops.swiglu import geglu, swiglu, swiglu_backward_kernel, swiglu_kernel
+from .ops.write_kv_cache import write_kv_cache, write_kv_cache_kernel
 
 forbid_double_backward()  # every backward op: a clear error for a gradient of a gradient
 
@@ -115,6 +117,8 @@ __all__ = [
     "flash_attention",
     "flash_attention_varlen",
     "paged_attention",
+    "write_kv_cache",
+    "kv_cache",
     "norm_launch_config",
     # matmul's launchers with an explicit configuration, and its dispatch rule
     "MatmulConfig",
@@ -165,4 +169,5 @@ __all__ = [
     "flash_attention_backward_dq_kernel",
     "paged_attention_kernel",
     "paged_attention_merge_kernel",
+    "write_kv_cache_kernel",
 ]

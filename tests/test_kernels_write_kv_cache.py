@@ -1,0 +1,193 @@
+"""kernels.write_kv_cache: exactly its slots are written (bit for bit, the rest untouched), padding and
+out-of-range slots skipped, every cache dtype (fp8 with scales against torch's own cast), strided
+operands, and clear errors for bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from tests.helpers import DEVICE
+
+_BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16,
+         torch.float8_e4m3fn: torch.uint8}
+
+
+def _sentinel_cache(shape, dtype) -> torch.Tensor:
+    """A cache filled with a value no write produces: NaN (fp8: its NaN code 0x7F)."""
+    if dtype == torch.float8_e4m3fn:
+        return torch.full(shape, 0x7F, dtype=torch.uint8, device=DEVICE).view(dtype)
+    return torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+
+
+def _stored(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
+    """What the cache must hold for x: torch's own cast (fp8: x / scale in fp32, saturated to +-448)."""
+    if dtype == torch.float8_e4m3fn:
+        x = x.float() if scale is None else x.float() / scale
+        return x.clamp(-448.0, 448.0).to(dtype)
+    return x.to(dtype)
+
+
+def _reference(cache: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, scale=None) -> torch.Tensor:
+    """The cache after the write, computed with torch indexing (valid slots only)."""
+    out = cache.contiguous().clone()  # logical layout: compared with .contiguous() too
+    flat = out.view(-1, *out.shape[2:])
+    keep = (slots >= 0) & (slots < flat.shape[0])
+    flat[slots[keep].long()] = _stored(x[keep.to(x.device)], cache.dtype, scale)
+    return out
+
+
+def _assert_bits_equal(got: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    bits = _BITS[got.dtype]
+    g, e = got.contiguous().view(bits), expected.contiguous().view(bits)
+    wrong = (g != e).nonzero()
+    assert wrong.numel() == 0, f"{what}: {wrong.shape[0]} elements differ, first at {wrong[0].tolist()}"
+
+
+def _inputs(gen, t, heads, dim, dtype=torch.float32, scale=3.0):
+    k = (torch.randn(t, heads, dim, generator=gen, dtype=torch.float64) * scale).to(dtype).to(DEVICE)
+    v = (torch.randn(t, heads, dim, generator=gen, dtype=torch.float64) * scale).to(dtype).to(DEVICE)
+    return k, v
+
+
+@pytest.mark.parametrize("cache_dtype, input_dtype", [
+    (torch.float32, torch.float32), (torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16),
+    (torch.float16, torch.float32), (torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16),
+    (torch.float8_e4m3fn, torch.float32), (torch.float8_e4m3fn, torch.bfloat16),
+])
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+def test_writes_exactly_its_slots(gen, cache_dtype, input_dtype, slot_dtype):
+    num_blocks, block_size, heads, dim, t = 5, 4, 3, 5, 11
+    k, v = _inputs(gen, t, heads, dim, input_dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:t].to(slot_dtype)
+    slots[[2, 7]] = -1  # padding tokens
+    k_cache = _sentinel_cache((num_blocks, block_size, heads, dim), cache_dtype)
+    v_cache = _sentinel_cache((num_blocks, block_size, heads, dim), cache_dtype)
+    k_ref, v_ref = _reference(k_cache, k, slots), _reference(v_cache, v, slots)
+    kernels.write_kv_cache(k, v, k_cache, v_cache, slots.to(DEVICE))
+    _assert_bits_equal(k_cache, k_ref, "k_cache")
+    _assert_bits_equal(v_cache, v_ref, "v_cache")
+
+
+def test_negative_and_out_of_range_slots_are_never_written(gen):
+    num_blocks, block_size, heads, dim = 3, 4, 2, 8
+    k, v = _inputs(gen, 6, heads, dim)
+    # -1 and -7 are padding; 12 (= num_blocks * block_size) and 2**40 are past the cache, masked on the device.
+    slots = torch.tensor([-1, 12, 5, -7, 2**40, 0], dtype=torch.int64)
+    k_cache = _sentinel_cache((num_blocks, block_size, heads, dim), torch.float32)
+    v_cache = _sentinel_cache((num_blocks, block_size, heads, dim), torch.float32)
+    kernels.write_kv_cache(k, v, k_cache, v_cache, slots.to(DEVICE))
+    flat = k_cache.view(-1, heads, dim).cpu()
+    written = (~torch.isnan(flat)).all(-1).all(-1).nonzero().flatten().tolist()
+    assert written == [0, 5]
+    assert torch.equal(flat[5], k[2].cpu()) and torch.equal(flat[0], k[5].cpu())
+    assert torch.isnan(flat).all(-1).all(-1).sum() == 10
+
+
+def test_all_padding_and_empty_batch_write_nothing(gen):
+    k_cache = _sentinel_cache((2, 4, 1, 4), torch.float16)
+    v_cache = _sentinel_cache((2, 4, 1, 4), torch.float16)
+    k, v = _inputs(gen, 3, 1, 4, torch.float16)
+    kernels.write_kv_cache(k, v, k_cache, v_cache, torch.full((3,), -1, dtype=torch.int32, device=DEVICE))
+    kernels.write_kv_cache(k[:0], v[:0], k_cache, v_cache, torch.empty(0, dtype=torch.int32, device=DEVICE))
+    assert torch.isnan(k_cache).all() and torch.isnan(v_cache).all()
+
+
+@pytest.mark.parametrize("k_scale, v_scale", [(0.05, 2.0), (1.0, 1.0), (0.003, 0.5)])
+def test_fp8_scales_round_trip_like_torch(gen, k_scale, v_scale):
+    """k / k_scale saturated to +-448 and rounded to e4m3 exactly as torch casts; dequantized
+    (times the scale) it is within e4m3's rounding of k, except where it saturated."""
+    num_blocks, block_size, heads, dim, t = 4, 4, 2, 16, 9
+    k, v = _inputs(gen, t, heads, dim, scale=4.0)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:t].to(torch.int32)
+    ks = torch.tensor(k_scale, dtype=torch.float32, device=DEVICE)
+    vs = torch.tensor([v_scale], dtype=torch.float32, device=DEVICE)  # one-element works too
+    k_cache = _sentinel_cache((num_blocks, block_size, heads, dim), torch.float8_e4m3fn)
+    v_cache = _sentinel_cache((num_blocks, block_size, heads, dim), torch.float8_e4m3fn)
+    k_ref, v_ref = _reference(k_cache, k, slots, ks), _reference(v_cache, v, slots, vs)
+    kernels.write_kv_cache(k, v, k_cache, v_cache, slots.to(DEVICE), ks, vs)
+    _assert_bits_equal(k_cache, k_ref, "k_cache")
+    _assert_bits_equal(v_cache, v_ref, "v_cache")
+    stored = k_cache.view(-1, heads, dim)[slots.long()].float() * ks
+    unsaturated = (k / ks).abs() < 448
+    error = (stored - k).abs()[unsaturated]
+    assert bool((error <= 2**-4 * k.abs()[unsaturated] + 2**-9 * k_scale).all())
+    if k_scale < 0.01:
+        assert bool((~unsaturated).any()), "the test meant to saturate some values"
+        assert bool((stored[~unsaturated].abs() == 448 * ks).all())
+
+
+def test_strided_caches_and_fused_qkv_inputs(gen):
+    """Caches: one layer of a (layers, ...) tensor, and a cache stored head-major (blocks, Hkv,
+    block_size, D) and permuted; k and v: slices of a fused (T, Hq + 2 Hkv, D) projection."""
+    layers, num_blocks, block_size, heads_q, heads, dim, t = 3, 4, 8, 4, 2, 8, 10
+    qkv = torch.randn(t, heads_q + 2 * heads, dim, generator=gen).to(DEVICE)
+    k, v = qkv[:, heads_q:heads_q + heads], qkv[:, heads_q + heads:]
+    assert not k.is_contiguous()
+    all_k = _sentinel_cache((layers, num_blocks, block_size, heads, dim), torch.bfloat16)
+    head_major = _sentinel_cache((num_blocks, heads, block_size, dim), torch.bfloat16).transpose(1, 2)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:t].to(torch.int64)
+    before = all_k.clone()
+    k_ref, v_ref = _reference(all_k[1], k, slots), _reference(head_major, v, slots)
+    kernels.write_kv_cache(k, v, all_k[1], head_major, slots.to(DEVICE))
+    _assert_bits_equal(all_k[1], k_ref, "layer 1 of the stacked cache")
+    _assert_bits_equal(all_k[0], before[0], "layer 0 (untouched)")
+    _assert_bits_equal(all_k[2], before[2], "layer 2 (untouched)")
+    _assert_bits_equal(head_major, v_ref, "the head-major v cache")
+
+
+def test_opcheck(gen):
+    k, v = _inputs(gen, 4, 2, 4)
+    k_cache = torch.zeros(3, 2, 2, 4, device=DEVICE)
+    v_cache = torch.zeros(3, 2, 2, 4, device=DEVICE)
+    slots = torch.tensor([3, -1, 0, 5], dtype=torch.int32, device=DEVICE)
+    torch.library.opcheck(torch.ops.kernels.write_kv_cache.default, (k, v, k_cache, v_cache, slots, None, None))
+
+
+def _good(dtype=torch.float32):
+    k = torch.randn(3, 2, 4, device=DEVICE)
+    return dict(k=k, v=k.clone(), k_cache=torch.zeros(2, 4, 2, 4, dtype=dtype, device=DEVICE),
+                v_cache=torch.zeros(2, 4, 2, 4, dtype=dtype, device=DEVICE),
+                slot_mapping=torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE))
+
+
+@pytest.mark.parametrize("change, error, message", [
+    (dict(k=[1.0]), TypeError, "k must be a torch.Tensor"),
+    (dict(k=torch.randn(3, 8)), ValueError, "k must be 3-D"),
+    (dict(v=torch.randn(3, 2, 5)), ValueError, "k and v must have the same shape"),
+    (dict(k=torch.ones(3, 2, 4, dtype=torch.int32)), TypeError, "k must be float32"),
+    (dict(k_cache=torch.zeros(8, 2, 4)), ValueError, "k_cache must be 4-D"),
+    (dict(k_cache=torch.zeros(2, 4, 2, 4, dtype=torch.float64)), TypeError, "k_cache must be float32"),
+    (dict(v_cache=torch.zeros(3, 4, 2, 4)), ValueError, "k_cache and v_cache must have the same shape"),
+    (dict(v_cache=torch.zeros(2, 4, 2, 4, dtype=torch.float16)), TypeError, "same dtype"),
+    (dict(k_cache=torch.zeros(2, 4, 1, 4), v_cache=torch.zeros(2, 4, 1, 4)), ValueError, "must match k's"),
+    (dict(slot_mapping=torch.zeros(3)), TypeError, "slot_mapping must be int32 or int64"),
+    (dict(slot_mapping=torch.zeros(4, dtype=torch.int64)), ValueError, "slot_mapping must be 1-D \\(T,\\) with T = 3"),
+    (dict(k_scale=torch.tensor(1.0), v_scale=torch.tensor(1.0)), ValueError, "float8_e4m3fn cache only"),
+])
+def test_bad_input_errors(change, error, message):
+    args = _good()
+    args.update({name: value.to(DEVICE) if isinstance(value, torch.Tensor) else value
+                 for name, value in change.items()})
+    with pytest.raises(error, match=f"kernels.write_kv_cache: .*{message}"):
+        kernels.write_kv_cache(**args)
+
+
+@pytest.mark.parametrize("k_scale, v_scale, error, message", [
+    (torch.tensor(1.0), None, ValueError, "give both k_scale and v_scale"),
+    (torch.tensor(1.0, dtype=torch.float16), torch.tensor(1.0), TypeError, "k_scale must be a float32"),
+    (torch.ones(2), torch.tensor(1.0), ValueError, "k_scale must hold one value"),
+])
+def test_bad_fp8_scales(k_scale, v_scale, error, message):
+    args = _good(torch.float8_e4m3fn)
+    args.update(k_scale=k_scale.to(DEVICE), v_scale=None if v_scale is None else v_scale.to(DEVICE))
+    with pytest.raises(error, match=f"kernels.write_kv_cache: {message}"):
+        kernels.write_kv_cache(**args)
+
+
+def test_overlapping_caches_rejected():
+    args = _good()
+    args["v_cache"] = args["k_cache"]
+    with pytest.raises(ValueError, match="must not overlap"):
+        kernels.write_kv_cache(**args)
