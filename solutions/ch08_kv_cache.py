@@ -379,14 +379,16 @@ def admit(waiting: list[int], num_running: int, free_blocks: int, block_size: in
 
     ``waiting`` holds the prompt lengths of the waiting requests, oldest first. The step's
     ``token_budget`` goes to the ``num_running`` decoding sequences first (one token each). Then,
-    in order, each waiting request gets a chunk of ``min(prompt, budget left)`` tokens if
+    in order, each waiting request is admitted with a chunk of ``min(prompt, budget left)`` tokens if
 
     * a sequence slot is left (at most ``max_num_seqs`` sequences run at once),
     * some budget is left, and
-    * the blocks for the chunk (``ceil(chunk / block_size)``) are free;
+    * the blocks for its *whole* prompt (``ceil(prompt / block_size)``) are free: they are
+      reserved at admission, so the later chunks of a long prompt never wait for memory;
 
     and the first request that cannot be admitted stops admission: a later, smaller request does
     not overtake it (it would starve a long prompt forever). Returns the admitted chunks, in order.
+    This is :class:`kernels.kv_cache.Scheduler`'s rule for new requests (without its prefix cache).
     """
     budget = token_budget - num_running
     seats = max_num_seqs - num_running
@@ -395,7 +397,7 @@ def admit(waiting: list[int], num_running: int, free_blocks: int, block_size: in
         if seats == 0 or budget <= 0:
             break
         chunk = min(prompt, budget)
-        blocks = -(-chunk // block_size)
+        blocks = -(-prompt // block_size)
         if blocks > free_blocks:
             break
         chunks.append(chunk)
@@ -408,8 +410,9 @@ def admit(waiting: list[int], num_running: int, free_blocks: int, block_size: in
 def admit_cases(gen: torch.Generator) -> list[tuple]:
     """Budget-bound, block-bound, seat-bound and head-of-line cases."""
     cases = [
-        ([100, 50, 20], 10, 100, 16, 128, 64),  # the budget chunks the first prompt... and the second
-        ([64, 300, 8], 2, 8, 16, 512, 64),      # blocks run out at the long prompt: the short one waits
+        ([100, 50, 20], 10, 100, 16, 128, 64),  # the budget chunks the second prompt; the third waits
+        ([64, 300, 8], 2, 12, 16, 512, 64),     # blocks run out at the long prompt: the short one waits
+        ([500, 8], 0, 40, 16, 64, 64),          # a chunk of 64 tokens, but all 32 blocks reserved
         ([10, 10, 10], 62, 100, 16, 512, 64),   # two seats left
         ([40], 128, 100, 16, 128, 256),         # decodes take the whole budget
     ]
