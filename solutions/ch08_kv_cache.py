@@ -29,6 +29,7 @@ __all__ = [
     "paged_reference",
     "paged_decode_kernel",
     "launch_paged_decode",
+    "decode_cases",
     "decode_ideal_bytes",
     "merge_partials",
     "split_attention",
@@ -37,8 +38,10 @@ __all__ = [
     "prepare_append",
     "prepare_append_reference",
     "prepare_append_cases",
+    "diagnose_append",
     "admit",
     "admit_cases",
+    "diagnose_admit",
     "static_batching",
 ]
 
@@ -231,6 +234,18 @@ def launch_paged_decode(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     return out
 
 
+def decode_cases(gen: torch.Generator) -> list[tuple]:
+    """Exercise 2's cases: lengths 1, exactly a block and one past it, GQA and MQA, fp32 and bf16."""
+    cases = []
+    for lens, hq, hkv, block_size, dtype in (([1, 16, 17, 40], 4, 2, 16, torch.float32),
+                                             ([8, 3, 25], 4, 1, 8, torch.float32),
+                                             ([33, 64], 2, 2, 32, torch.bfloat16)):
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
+        cases.append(paged_inputs(lens, hq, hkv, 32, block_size, dtype=dtype, device=kernels.runtime.DEVICE,
+                                  seed=seed))
+    return cases
+
+
 def decode_ideal_bytes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                        seq_lens: torch.Tensor, out: torch.Tensor | None = None) -> int:
     """Decode's floor: ``q`` read and the output written once, each sequence's cached tokens of K
@@ -368,6 +383,19 @@ def prepare_append_cases(gen: torch.Generator) -> list[tuple]:
     return cases
 
 
+def diagnose_append(got, expected) -> str | None:
+    """The check's comparison for exercise 4: None if equal, else what is wrong."""
+    if got == expected:
+        return None
+    if isinstance(got, tuple) and len(got) == 4 and got[3] is None and expected[3] is not None:
+        return (f"no copy, but block {expected[3][0]} is shared (count > 1): writing the new token into it "
+                "would change the other sequences' cache too")
+    if isinstance(got, tuple) and len(got) == 4 and got[3] is not None and expected[3] is None:
+        return (f"copied block {got[3][0]}, but it is full or this sequence's alone: only a shared block "
+                "with room for the new token is copied")
+    return f"got {got}, expected {expected}"
+
+
 # ----------------------------------------------------------------------------------------------
 # Exercise 5: the scheduler's admission rule
 # ----------------------------------------------------------------------------------------------
@@ -413,6 +441,7 @@ def admit_cases(gen: torch.Generator) -> list[tuple]:
         ([100, 50, 20], 10, 100, 16, 128, 64),  # the budget chunks the second prompt; the third waits
         ([64, 300, 8], 2, 12, 16, 512, 64),     # blocks run out at the long prompt: the short one waits
         ([500, 8], 0, 40, 16, 64, 64),          # a chunk of 64 tokens, but all 32 blocks reserved
+        ([500, 8], 0, 10, 16, 64, 64),          # the chunk would fit in 4 blocks, the prompt needs 32: wait
         ([10, 10, 10], 62, 100, 16, 512, 64),   # two seats left
         ([40], 128, 100, 16, 128, 256),         # decodes take the whole budget
     ]
@@ -421,6 +450,16 @@ def admit_cases(gen: torch.Generator) -> list[tuple]:
         cases.append((waiting, int(torch.randint(0, 20, (1,), generator=gen)),
                       int(torch.randint(0, 40, (1,), generator=gen)), 16, 256, 24))
     return cases
+
+
+def diagnose_admit(got, expected) -> str | None:
+    """The check's comparison for exercise 5: None if equal, else what is wrong."""
+    if got == expected:
+        return None
+    if isinstance(got, list) and len(got) > len(expected) and got[:len(expected)] == expected:
+        return (f"admitted {got}, expected {expected}: after the first request that does not fit, "
+                "stop (a later one may not overtake it)")
+    return f"admitted {got}, expected {expected}"
 
 
 # ----------------------------------------------------------------------------------------------
