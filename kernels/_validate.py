@@ -28,6 +28,9 @@ __all__ = [
     "check_seed",
     "check_bool",
     "check_shape",
+    "is_int",
+    "check_attention_options",
+    "check_paged_caches",
 ]
 
 #: The floating dtypes the elementwise kernels accept (they compute in float32 internally).
@@ -150,3 +153,46 @@ def check_shape(op: str, name: str, value: object) -> tuple[int, ...]:
             raise ValueError(f"{op}: {name} must have non-negative sizes, got {tuple(value)}")
         dims.append(int(size))
     return tuple(dims)
+
+
+def is_int(value: object) -> bool:
+    """An integer, and not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_attention_options(op: str, softmax_scale: object, window: object, softcap: object) -> None:
+    """The options every attention op shares: ``softmax_scale`` (None for 1/sqrt(D)), a sliding
+    ``window`` (keys per query, its own included) and Gemma-2's ``softcap``."""
+    import math
+
+    if softmax_scale is not None:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+            raise TypeError(f"{op}: softmax_scale must be a float or None (for 1/sqrt(D)), "
+                            f"got {type(softmax_scale).__name__}")
+        if not (math.isfinite(softmax_scale) and softmax_scale > 0):
+            raise ValueError(f"{op}: softmax_scale must be a positive finite number, got {softmax_scale}")
+    if window is not None:
+        if not is_int(window):
+            raise TypeError(f"{op}: window must be an int (the number of most recent keys each query sees) or None, "
+                            f"got {type(window).__name__}")
+        if window < 1:
+            raise ValueError(f"{op}: window must be >= 1 (each query sees its own key and the window - 1 "
+                             f"before it), got {window}")
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+            raise TypeError(f"{op}: softcap must be a float or None, got {type(softcap).__name__}")
+        if not (math.isfinite(softcap) and softcap > 0):
+            raise ValueError(f"{op}: softcap must be a positive finite number (Gemma-2 uses 50.0), got {softcap}")
+
+
+def check_paged_caches(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """A paged K/V cache pair: 4-D ``(num_blocks, block_size, Hkv, D)``, the same shape and dtype."""
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dim() != 4:
+            raise ValueError(f"{op}: {name} must be 4-D (num_blocks, block_size, Hkv, D), got shape {tuple(t.shape)}"
+                             " (for one layer of a (layers, ...) cache, pass cache[layer])")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"{op}: k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} "
+                         f"and {tuple(v_cache.shape)}")
+    if k_cache.dtype != v_cache.dtype:
+        raise TypeError(f"{op}: k_cache and v_cache must have the same dtype, got {k_cache.dtype} and {v_cache.dtype}")

@@ -109,7 +109,6 @@ from __future__ import annotations
 
 import functools
 import math
-import numbers
 from dataclasses import dataclass
 
 import torch
@@ -118,7 +117,15 @@ import triton.language as tl
 
 from .. import _launch, runtime
 from .._launch import next_power_of_2
-from .._validate import check_bool, check_float_dtype, check_same_device, check_same_dtype, check_tensor
+from .._validate import (
+    check_attention_options,
+    check_bool,
+    check_float_dtype,
+    check_same_device,
+    check_same_dtype,
+    check_tensor,
+)
+from .._validate import is_int as _is_int
 from ..autotune import _shared_memory_limit, autotune_supports_disk_cache, size_bucket
 from .cross_entropy import softcap_logits, softcapped
 
@@ -971,35 +978,15 @@ def _backward(problem: _Problem, grad_out, grad_lse, q, k, v, out, lse, cu_q, cu
 # ----------------------------------------------------------------------------------------------
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
 
 def _check_options(op: str, causal: object, softmax_scale: object, window: object, softcap: object,
                    return_lse: object) -> None:
     check_bool(op, "causal", causal)
     check_bool(op, "return_lse", return_lse)
-    if softmax_scale is not None:
-        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-            raise TypeError(f"{op}: softmax_scale must be a float or None (for 1/sqrt(D)), "
-                            f"got {type(softmax_scale).__name__}")
-        if not (math.isfinite(softmax_scale) and softmax_scale > 0):
-            raise ValueError(f"{op}: softmax_scale must be a positive finite number, got {softmax_scale}")
-    if window is not None:
-        if not _is_int(window):
-            raise TypeError(f"{op}: window must be an int (the number of most recent keys each query sees) or None, "
-                            f"got {type(window).__name__}")
-        if window < 1:
-            raise ValueError(f"{op}: window must be >= 1 (each query sees its own key and the window - 1 "
-                             f"before it), got {window}")
-        if not causal:
-            raise ValueError(f"{op}: window={window} needs causal=True (a sliding window looks back from each "
-                             "query's own position, as in Mistral); pass causal=True")
-    if softcap is not None:
-        if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
-            raise TypeError(f"{op}: softcap must be a float or None, got {type(softcap).__name__}")
-        if not (math.isfinite(softcap) and softcap > 0):
-            raise ValueError(f"{op}: softcap must be a positive finite number (Gemma-2 uses 50.0), got {softcap}")
+    check_attention_options(op, softmax_scale, window, softcap)
+    if window is not None and not causal:
+        raise ValueError(f"{op}: window={window} needs causal=True (a sliding window looks back from each "
+                         "query's own position, as in Mistral); pass causal=True")
 
 
 def _check_tensors(op: str, q: object, k: object, v: object, rank: int, layout: str) -> None:

@@ -64,7 +64,6 @@ the gather + SDPA baseline).
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 
 import torch
@@ -73,7 +72,8 @@ import triton.language as tl
 
 from .. import _launch, runtime
 from .._launch import next_power_of_2
-from .._validate import FLOAT_DTYPES, check_tensor
+from .._validate import FLOAT_DTYPES, check_attention_options, check_paged_caches, check_tensor
+from .._validate import is_int as _is_int
 from .cross_entropy import softcapped
 
 __all__ = [
@@ -476,9 +476,6 @@ def _forward(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, k_scale,
 # ----------------------------------------------------------------------------------------------
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
 
 def _check(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, window, softcap, cu_seqlens_q, num_splits,
            k_scale, v_scale) -> None:
@@ -491,14 +488,7 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, window, s
     if q.dim() != 3:
         layout = "(total_q, Hq, D) with cu_seqlens_q" if cu_seqlens_q is not None else "(B, Hq, D) (decode)"
         raise ValueError(f"{op}: q must be 3-D {layout}, got shape {tuple(q.shape)}")
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dim() != 4:
-            raise ValueError(f"{op}: {name} must be 4-D (num_blocks, block_size, Hkv, D), got shape {tuple(t.shape)}")
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"{op}: k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
-                         f"{tuple(v_cache.shape)}")
-    if k_cache.dtype != v_cache.dtype:
-        raise TypeError(f"{op}: k_cache and v_cache must have the same dtype, got {k_cache.dtype} and {v_cache.dtype}")
+    check_paged_caches(op, k_cache, v_cache)
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     if not fp8 and k_cache.dtype != q.dtype:
         raise TypeError(f"{op}: k_cache and v_cache must have q's dtype ({q.dtype}) or be torch.float8_e4m3fn "
@@ -557,24 +547,7 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, window, s
                             f"{tuple(scale.shape)}")
         if scale.device != q.device:
             raise ValueError(f"{op}: q and {name} must be on the same device, got {q.device} and {scale.device}")
-    if softmax_scale is not None:
-        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-            raise TypeError(f"{op}: softmax_scale must be a float or None (for 1/sqrt(D)), got "
-                            f"{type(softmax_scale).__name__}")
-        if not (math.isfinite(softmax_scale) and softmax_scale > 0):
-            raise ValueError(f"{op}: softmax_scale must be a positive finite number, got {softmax_scale}")
-    if window is not None:
-        if not _is_int(window):
-            raise TypeError(f"{op}: window must be an int (the number of most recent keys each query sees) or None, "
-                            f"got {type(window).__name__}")
-        if window < 1:
-            raise ValueError(f"{op}: window must be >= 1 (each query sees its own key and the window - 1 before it), "
-                             f"got {window}")
-    if softcap is not None:
-        if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
-            raise TypeError(f"{op}: softcap must be a float or None, got {type(softcap).__name__}")
-        if not (math.isfinite(softcap) and softcap > 0):
-            raise ValueError(f"{op}: softcap must be a positive finite number (Gemma-2 uses 50.0), got {softcap}")
+    check_attention_options(op, softmax_scale, window, softcap)
     if num_splits is not None:
         if not _is_int(num_splits):
             raise TypeError(f"{op}: num_splits must be a positive int or None (chosen automatically), got "

@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from .. import _launch, runtime
-from .._validate import FLOAT_DTYPES, check_same_device, check_tensor
+from .._validate import FLOAT_DTYPES, check_paged_caches, check_same_device, check_tensor
 
 __all__ = ["CACHE_DTYPES", "write_kv_cache", "write_kv_cache_kernel"]
 
@@ -163,16 +163,9 @@ def _check_args(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> None:
     if k.shape != v.shape:
         raise ValueError(f"{_OP}: k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dim() != 4:
-            raise ValueError(f"{_OP}: {name} must be 4-D (num_blocks, block_size, Hkv, D), got shape {tuple(t.shape)}"
-                             " (for one layer of a (layers, ...) cache, pass cache[layer])")
         if t.dtype not in CACHE_DTYPES:
             raise TypeError(f"{_OP}: {name} must be float32, float16, bfloat16 or float8_e4m3fn, got {t.dtype}")
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"{_OP}: k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} "
-                         f"and {tuple(v_cache.shape)}")
-    if k_cache.dtype != v_cache.dtype:
-        raise TypeError(f"{_OP}: k_cache and v_cache must have the same dtype, got {k_cache.dtype} and {v_cache.dtype}")
+    check_paged_caches(_OP, k_cache, v_cache)
     if k_cache.shape[2:] != k.shape[1:]:
         raise ValueError(f"{_OP}: the caches' (Hkv, D) = {tuple(k_cache.shape[2:])} must match k's and v's "
                          f"(T, Hkv, D) = {tuple(k.shape)}")
