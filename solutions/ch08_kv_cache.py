@@ -42,6 +42,8 @@ __all__ = [
     "admit",
     "admit_cases",
     "diagnose_admit",
+    "admit_reference",
+    "unmodified",
     "static_batching",
 ]
 
@@ -154,9 +156,10 @@ def paged_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     batch, n_q_heads, head_dim = q.shape
     block_size, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = n_q_heads // n_kv_heads
+    seq_lens = [int(n) for n in (seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens)]
     out = torch.empty(batch, n_q_heads, head_dim, dtype=torch.float64)
     for b in range(batch):
-        n = int(seq_lens[b])
+        n = seq_lens[b]
         blocks = block_tables[b, : -(-n // block_size)].long().cpu()
         k = k_cache.cpu()[blocks].double().reshape(-1, n_kv_heads, head_dim)[:n]  # (n, Hkv, D)
         v = v_cache.cpu()[blocks].double().reshape(-1, n_kv_heads, head_dim)[:n]
@@ -235,14 +238,18 @@ def launch_paged_decode(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache:
 
 
 def decode_cases(gen: torch.Generator) -> list[tuple]:
-    """Exercise 2's cases: lengths 1, exactly a block and one past it, GQA and MQA, fp32 and bf16."""
+    """Exercise 2's cases: lengths 1, exactly a block and one past it, GQA and MQA, fp32 and bf16.
+
+    ``seq_lens`` comes as a list (so that a NOT SOLVED verdict prints the lengths); the candidate
+    turns it into the int32 tensor the kernel takes."""
     cases = []
     for lens, hq, hkv, block_size, dtype in (([1, 16, 17, 40], 4, 2, 16, torch.float32),
                                              ([8, 3, 25], 4, 1, 8, torch.float32),
                                              ([33, 64], 2, 2, 32, torch.bfloat16)):
         seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
-        cases.append(paged_inputs(lens, hq, hkv, 32, block_size, dtype=dtype, device=kernels.runtime.DEVICE,
-                                  seed=seed))
+        q, k_cache, v_cache, tables, _ = paged_inputs(lens, hq, hkv, 32, block_size, dtype=dtype,
+                                                      device=kernels.runtime.DEVICE, seed=seed)
+        cases.append((q, k_cache, v_cache, tables, lens))  # seq_lens as a list: the verdict shows it
     return cases
 
 
@@ -351,8 +358,8 @@ def prepare_append(table: list[int], length: int, block_size: int, refcounts: li
 def prepare_append_reference(table, length, block_size, refcounts, free):
     """The same rule, written as the check's reference (kept apart from the solution on purpose)."""
     new_table, counts, pool = list(table), list(refcounts), list(free)
-    needs_block = length == len(new_table) * block_size
-    last = None if needs_block else new_table[-1]
+    needs_block = length % block_size == 0
+    last = None if needs_block else new_table[length // block_size]
     if not needs_block and counts[last] <= 1:
         return new_table, counts, pool, None
     block = pool[0]
@@ -361,7 +368,7 @@ def prepare_append_reference(table, length, block_size, refcounts, free):
     if needs_block:
         return new_table + [block], counts, pool, None
     counts[last] -= 1
-    new_table[-1] = block
+    new_table[length // block_size] = block
     return new_table, counts, pool, (last, block)
 
 
@@ -393,7 +400,29 @@ def diagnose_append(got, expected) -> str | None:
     if isinstance(got, tuple) and len(got) == 4 and got[3] is not None and expected[3] is None:
         return (f"copied block {got[3][0]}, but it is full or this sequence's alone: only a shared block "
                 "with room for the new token is copied")
+    if isinstance(got, tuple) and len(got) == 4 and (got[0], got[2], got[3]) == (expected[0], expected[2], expected[3]):
+        blocks = [b for b, (g, e) in enumerate(zip(got[1], expected[1])) if g != e]
+        return (f"table, free list and copy right, reference counts wrong at block(s) {blocks}: got "
+                f"{[got[1][b] for b in blocks]}, expected {[expected[1][b] for b in blocks]} (a new block "
+                "starts at 1; the shared block left behind loses this sequence's reference)")
     return f"got {got}, expected {expected}"
+
+
+def unmodified(fn):
+    """Exercise 4's candidate wrapper: ``fn(*args)``, failing if it changed its (list) arguments."""
+    import copy
+
+    def run(*args):
+        before = copy.deepcopy(args)
+        result = fn(*args)
+        if list(args) != list(before):
+            raise AssertionError("the arguments were modified: copy the lists first (list(table), ...) and "
+                                 "return the new ones")
+        return result
+
+    run.__name__ = getattr(fn, "__name__", "candidate")
+    run.__wrapped__ = fn
+    return run
 
 
 # ----------------------------------------------------------------------------------------------
@@ -422,7 +451,7 @@ def admit(waiting: list[int], num_running: int, free_blocks: int, block_size: in
     seats = max_num_seqs - num_running
     chunks = []
     for prompt in waiting:
-        if seats == 0 or budget <= 0:
+        if seats <= 0 or budget <= 0:
             break
         chunk = min(prompt, budget)
         blocks = -(-prompt // block_size)
@@ -452,14 +481,29 @@ def admit_cases(gen: torch.Generator) -> list[tuple]:
     return cases
 
 
+def admit_reference(waiting, num_running, free_blocks, block_size, token_budget, max_num_seqs):
+    """The same rule, written as the check's reference (kept apart from the solution on purpose)."""
+    budget = token_budget - num_running
+    admitted: list[int] = []
+    for prompt in waiting:
+        if num_running + len(admitted) >= max_num_seqs or budget < 1:
+            return admitted
+        need = (prompt + block_size - 1) // block_size
+        if need > free_blocks:
+            return admitted
+        admitted.append(min(prompt, budget))
+        budget -= admitted[-1]
+        free_blocks -= need
+    return admitted
+
+
 def diagnose_admit(got, expected) -> str | None:
-    """The check's comparison for exercise 5: None if equal, else what is wrong."""
+    """The check's comparison for exercise 5: None if equal, else what to look at."""
     if got == expected:
         return None
-    if isinstance(got, list) and len(got) > len(expected) and got[:len(expected)] == expected:
-        return (f"admitted {got}, expected {expected}: after the first request that does not fit, "
-                "stop (a later one may not overtake it)")
-    return f"admitted {got}, expected {expected}"
+    return (f"admitted {got}, expected {expected}. In order, for each waiting request: a seat left "
+            "(num_running + admitted < max_num_seqs)? budget left after the decodes? blocks free for its "
+            "whole prompt? The first request that fails one stops admission (no later request overtakes it)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -470,15 +514,16 @@ def diagnose_admit(got, expected) -> str | None:
 def static_batching(requests: list[tuple[int, int]], batch_size: int) -> list[int]:
     """Tokens processed per step when requests run in fixed batches of ``batch_size``.
 
-    A batch is admitted whole, prefills its prompts in one step, then decodes one token per
-    unfinished sequence per step until its *longest* output is done; only then does the next
-    batch start. Returns the tokens of each step (prompt tokens in a batch's first step, then the
-    sequences still generating).
+    A batch is admitted whole, prefills its prompts in one step (which samples each sequence's
+    first output token), then feeds one token per unfinished sequence per step until its *longest*
+    output is done; only then does the next batch start. Returns the tokens fed to the model in
+    each step: ``prompt + output - 1`` per request in all (the last sampled token is never fed
+    back), as :class:`kernels.kv_cache.Scheduler` counts them.
     """
     steps = []
     for start in range(0, len(requests), batch_size):
         batch = requests[start:start + batch_size]
-        steps.append(sum(p for p, _ in batch) + len(batch))  # the prefill step also samples a token each
+        steps.append(sum(p for p, _ in batch))
         for t in range(1, max(o for _, o in batch)):
             steps.append(sum(1 for _, o in batch if o > t))
     return steps

@@ -113,7 +113,8 @@ class _WithBug:
 
 def decode_with(kernel):
     def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, out):
-        return given.launch_paged_decode(kernel, q, k_cache, v_cache, block_tables, seq_lens, out)
+        lens = torch.tensor(seq_lens, dtype=torch.int32, device=q.device)
+        return given.launch_paged_decode(kernel, q, k_cache, v_cache, block_tables, lens, out)
 
     return paged_decode
 
@@ -132,7 +133,8 @@ def test_paged_decode_negative_controls(bug):
 
 def test_the_production_kernel_passes_the_same_check():
     def production(q, k_cache, v_cache, block_tables, seq_lens, out):
-        out.copy_(kernels.paged_attention(q, k_cache, v_cache, block_tables, seq_lens))
+        lens = torch.tensor(seq_lens, dtype=torch.int32, device=q.device)
+        out.copy_(kernels.paged_attention(q, k_cache, v_cache, block_tables, lens))
         return out
 
     assert check("ch08.paged_decode_kernel", production, given.paged_reference, given.decode_cases, out=True).solved
@@ -227,16 +229,23 @@ def append_keeping_the_old_reference(table, length, block_size, refcounts, free)
 
 
 def test_prepare_append_solution_solves():
-    assert check("ch08.prepare_append", given.prepare_append, given.prepare_append_reference,
+    assert check("ch08.prepare_append", given.unmodified(given.prepare_append), given.prepare_append_reference,
                  given.prepare_append_cases, compare=given.diagnose_append).solved
+
+
+def append_in_place(table, length, block_size, refcounts, free):
+    new = given.prepare_append(table, length, block_size, refcounts, free)
+    table[:], refcounts[:], free[:] = new[0], new[1], new[2]  # right values, but the caller's lists changed
+    return new
 
 
 @pytest.mark.parametrize(("wrong", "diagnosis"), [(append_without_copy, "is shared"),
                                                   (append_copying_every_shared_block, "only a shared block"),
-                                                  (append_keeping_the_old_reference, "expected")])
+                                                  (append_keeping_the_old_reference, "reference counts wrong"),
+                                                  (append_in_place, "arguments were modified")])
 def test_prepare_append_negative_controls(wrong, diagnosis):
-    verdict = check("ch08.prepare_append", wrong, given.prepare_append_reference, given.prepare_append_cases,
-                    compare=given.diagnose_append)
+    verdict = check("ch08.prepare_append", given.unmodified(wrong), given.prepare_append_reference,
+                    given.prepare_append_cases, compare=given.diagnose_append)
     assert not verdict.solved and diagnosis in verdict.message, verdict.message
 
 
@@ -294,15 +303,20 @@ def admit_ignoring_the_decodes(waiting, num_running, free_blocks, block_size, to
     return given.admit(waiting, 0, free_blocks, block_size, token_budget, max_num_seqs + num_running)
 
 
+def admit_without_the_seat_check(waiting, num_running, free_blocks, block_size, token_budget, max_num_seqs):
+    return given.admit(waiting, num_running, free_blocks, block_size, token_budget, 10**6)
+
+
 def test_admit_solution_solves():
-    assert check("ch08.admit", given.admit, given.admit, given.admit_cases, compare=given.diagnose_admit).solved
+    assert check("ch08.admit", given.admit, given.admit_reference, given.admit_cases,
+                 compare=given.diagnose_admit).solved
 
 
-@pytest.mark.parametrize(("wrong", "diagnosis"), [(admit_skipping_ahead, "may not overtake"),
-                                                  (admit_reserving_the_chunk_only, "expected"),
-                                                  (admit_ignoring_the_decodes, "expected")])
-def test_admit_negative_controls(wrong, diagnosis):
-    verdict = check("ch08.admit", wrong, given.admit, given.admit_cases, compare=given.diagnose_admit)
+@pytest.mark.parametrize("wrong", [admit_skipping_ahead, admit_reserving_the_chunk_only, admit_ignoring_the_decodes,
+                                   admit_without_the_seat_check])
+def test_admit_negative_controls(wrong):
+    diagnosis = "The first request that fails one stops admission"
+    verdict = check("ch08.admit", wrong, given.admit_reference, given.admit_cases, compare=given.diagnose_admit)
     assert not verdict.solved and diagnosis in verdict.message, verdict.message
 
 
@@ -326,6 +340,6 @@ def test_the_scheduler_admits_by_the_exercises_rule(seed):
 def test_static_batching_counts_every_token():
     requests = [(5, 3), (2, 1), (7, 4)]
     steps = given.static_batching(requests, 2)
-    # batch 1: prefill 7 + 2 samples, then decodes while outputs last (3 tokens: 2 more steps, 1 then 1 seq)
-    assert steps == [9, 1, 1, 8, 1, 1, 1]
-    assert sum(steps) == sum(p + o for p, o in requests)
+    # batch 1: prefill 7 (sampling a token each), then the 3-token output's 2 more steps; batch 2 likewise
+    assert steps == [7, 1, 1, 7, 1, 1, 1]
+    assert sum(steps) == sum(p + o - 1 for p, o in requests)  # the last sampled token is never fed back
