@@ -33,6 +33,13 @@ from .ops.flash_attention import (
 from .ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 from .ops.gated_mlp import dual_matmul_kernel, gated_mlp, gated_mlp_backward_kernel, gated_mlp_kernel
 from .ops.gelu import gelu, gelu_backward_kernel, gelu_kernel
+from .ops.grouped_matmul import (
+    grouped_matmul,
+    grouped_matmul_dw_kernel,
+    grouped_matmul_ideal_bytes,
+    grouped_matmul_kernel,
+    grouped_tile_map,
+)
 from .ops.layer_norm import layer_norm, layer_norm_backward_kernel, layer_norm_kernel
 from .ops.linear import linear, linear_activation_backward_kernel
 from .ops.matmul import (
@@ -113,6 +120,9 @@ __all__ = [
     "rope",
     "rope_cos_sin",
     "gated_mlp",
+    "grouped_matmul",
+    "grouped_tile_map",
+    "grouped_matmul_ideal_bytes",
     "fused_linear_cross_entropy",
     "flash_attention",
     "flash_attention_varlen",
@@ -163,6 +173,8 @@ __all__ = [
     "gated_mlp_kernel",
     "gated_mlp_backward_kernel",
     "dual_matmul_kernel",
+    "grouped_matmul_kernel",
+    "grouped_matmul_dw_kernel",
     "flash_attention_forward_kernel",
     "flash_attention_backward_preprocess_kernel",
     "flash_attention_backward_dkdv_kernel",
