@@ -190,7 +190,8 @@ def grouped_matmul_dw_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
-def grouped_tile_map(offsets: list[int], block_m: int, num_rows: int | None = None) -> list[tuple[int | None, int, int]]:
+def grouped_tile_map(offsets: list[int], block_m: int,
+                     num_rows: int | None = None) -> list[tuple[int | None, int, int]]:
     """The row tiles :func:`grouped_matmul_kernel` visits, in program order: ``(group, row_start, row_end)``.
 
     Program ``i`` along the grid's first axis computes tile ``i`` (for every column tile). Each
