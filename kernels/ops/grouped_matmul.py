@@ -241,7 +241,7 @@ def grouped_config(M: int, N: int, K: int, dtype: torch.dtype, *, backward: bool
         return fit_config(base, M, N, K)
     wide = dtype == torch.float32
     if backward:
-        return MatmulConfig(32 if wide else 64, 64, 64, 1, 4, 3)
+        return fit_config(MatmulConfig(32 if wide else 64, 64, 64, 1, 4, 3), M, N, K)
     return fit_config(MatmulConfig(64, 128, 32 if wide else 64, 1, 4, 3), M, N, K)
 
 
@@ -284,8 +284,6 @@ def launch_grouped_dw(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, 
         return
     if config is None:
         config = grouped_config(M, N, K, x.dtype, backward=True)
-        if runtime.INTERPRETER:  # the dw tile is K x N, the reduction runs over rows
-            config = fit_config(config, M, N, K)
     grid = (E, triton.cdiv(K, config.BLOCK_K), triton.cdiv(N, config.BLOCK_N))
     grouped_matmul_dw_kernel[grid](
         x, dy, dw, offsets, M, N, K, *x.stride(), *dy.stride(), *dw.stride(),
