@@ -266,7 +266,7 @@ def launch_grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tenso
     grouped_matmul_kernel[grid](
         x, w, out, offsets, M, N, K, E, *x.stride(), *w.stride(), *out.stride(),
         BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
-        BLOCK_E=_launch.next_power_of_2(E), EVEN_K=K % config.BLOCK_K == 0,
+        BLOCK_E=max(2, _launch.next_power_of_2(E)), EVEN_K=K % config.BLOCK_K == 0,
         INPUT_PRECISION=_launch.dot_input_precision(x.dtype), INDEX_64=_index_64(x, w, out),
         **config.launch_options,
     )
