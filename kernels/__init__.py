@@ -77,6 +77,8 @@ from .ops.softmax import (
     softmax_online_kernel,
 )
 from .ops.swiglu import geglu, swiglu, swiglu_backward_kernel, swiglu_kernel
+from .ops.topk_routing import moe_load_balancing_loss, topk_routing, topk_routing_backward_kernel, topk_routing_kernel
+from .ops.moe_permute import moe_combine, moe_gather, moe_permute
 from .ops.write_kv_cache import write_kv_cache, write_kv_cache_kernel
 
 forbid_double_backward()  # every backward op: a clear error for a gradient of a gradient
@@ -118,6 +120,11 @@ __all__ = [
     "flash_attention_varlen",
     "paged_attention",
     "write_kv_cache",
+    "topk_routing",
+    "moe_load_balancing_loss",
+    "moe_permute",
+    "moe_gather",
+    "moe_combine",
     "kv_cache",
     "norm_launch_config",
     # matmul's launchers with an explicit configuration, and its dispatch rule
