@@ -53,6 +53,7 @@ from .ops.matmul import (
     matmul_tiled,
     plan_matmul,
 )
+from .ops.moe_permute import moe_combine, moe_gather, moe_permute
 from .ops.norm import column_sum_kernel, norm_launch_config
 from .ops.paged_attention import paged_attention, paged_attention_kernel, paged_attention_merge_kernel
 from .ops.quantize import (
@@ -84,6 +85,7 @@ from .ops.softmax import (
     softmax_online_kernel,
 )
 from .ops.swiglu import geglu, swiglu, swiglu_backward_kernel, swiglu_kernel
+from .ops.topk_routing import moe_load_balancing_loss, topk_routing, topk_routing_backward_kernel, topk_routing_kernel
 from .ops.write_kv_cache import write_kv_cache, write_kv_cache_kernel
 
 forbid_double_backward()  # every backward op: a clear error for a gradient of a gradient
@@ -128,6 +130,11 @@ __all__ = [
     "flash_attention_varlen",
     "paged_attention",
     "write_kv_cache",
+    "topk_routing",
+    "moe_load_balancing_loss",
+    "moe_permute",
+    "moe_gather",
+    "moe_combine",
     "kv_cache",
     "norm_launch_config",
     # matmul's launchers with an explicit configuration, and its dispatch rule
@@ -142,6 +149,8 @@ __all__ = [
     "gelu_backward_kernel",
     "silu_kernel",
     "silu_backward_kernel",
+    "topk_routing_kernel",
+    "topk_routing_backward_kernel",
     "swiglu_kernel",
     "swiglu_backward_kernel",
     "dropout_kernel",

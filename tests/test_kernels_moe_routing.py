@@ -1,0 +1,342 @@
+"""kernels.topk_routing, kernels.moe_load_balancing_loss, kernels.moe_permute, kernels.moe_gather and
+kernels.moe_combine: values and gradients against float64 references, the stable counting sort
+against torch.argsort, launches, custom-op plumbing, errors.
+
+Router logits are drawn as distinct values (a random permutation of a grid exact in every dtype),
+so that no two experts of a token tie and the chosen ids are unique; outputs are poisoned (NaN).
+"""
+
+from __future__ import annotations
+
+import helpers
+import pytest
+import torch
+from helpers import DTYPES
+
+import kernels
+from kernels.ops import moe_permute as mp
+from kernels.ops import topk_routing as tr
+
+pytestmark = pytest.mark.usefixtures("poisoned")
+
+DEVICE = kernels.runtime.DEVICE
+
+
+def distinct_logits(n_tokens, n_experts, dtype, gen, transposed=False) -> torch.Tensor:
+    """(T, E) logits, each row a random permutation of a grid of step 1/16 in [-4, 4) — exact in
+    bf16/fp16 and without ties (E > 128 uses a step of 1/32, still exact)."""
+    step = 16 if n_experts <= 128 else 64
+    rows = torch.stack([torch.randperm(n_experts, generator=gen) for _ in range(n_tokens)]) if n_tokens else \
+        torch.empty(0, n_experts, dtype=torch.int64)
+    x = ((rows.double() - n_experts / 2) / step).to(dtype)
+    if transposed:
+        x = x.t().contiguous().t()
+    return x.to(DEVICE)
+
+
+def reference(x, k, renormalize, scoring):
+    """float64 Mixtral/DeepSeek routing with torch ops: (weights, ids), differentiable in x."""
+    p = torch.softmax(x, -1) if scoring == "softmax" else torch.sigmoid(x)
+    w, ids = torch.topk(p, k, dim=-1)
+    if renormalize:
+        w = w / w.sum(-1, keepdim=True)
+    return w, ids
+
+
+# --------------------------------------------------------------------------- topk_routing
+
+ROUTING_CASES = [(37, 8, 2), (1, 60, 6), (50, 64, 8), (13, 128, 1), (9, 128, 8), (5, 60, 1), (3, 512, 6)]
+
+
+@pytest.mark.parametrize("scoring, renormalize", [("softmax", True), ("softmax", False), ("sigmoid", True),
+                                                  ("sigmoid", False)])
+@pytest.mark.parametrize("T, E, k", ROUTING_CASES, ids=str)
+def test_topk_routing_matches_float64_reference(T, E, k, scoring, renormalize, gen):
+    x = distinct_logits(T, E, torch.float32, gen, transposed=(T % 2 == 1))
+    weights, ids = kernels.topk_routing(x, k, renormalize, scoring)
+    ref_w, ref_ids = reference(x.double(), k, renormalize, scoring)
+    assert ids.dtype == torch.int64 and weights.dtype == torch.float32
+    assert torch.equal(ids, ref_ids)
+    helpers.assert_matches(weights, ref_w, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("scoring, renormalize", [("softmax", True), ("softmax", False), ("sigmoid", True)])
+def test_topk_routing_backward_matches_float64_autograd(scoring, renormalize, dtype, gen):
+    T, E, k = 21, 60, 6
+    x = distinct_logits(T, E, dtype, gen).requires_grad_()
+    dw = helpers.make_input((T, k), torch.float32, "transposed", gen)
+    weights, ids = kernels.topk_routing(x, k, renormalize, scoring)
+    (grad,) = torch.autograd.grad(weights, [x], dw)
+    leaf = x.detach().double().requires_grad_()
+    ref_w, ref_ids = reference(leaf, k, renormalize, scoring)
+    (ref_grad,) = torch.autograd.grad(ref_w, [leaf], dw.double())
+    assert torch.equal(ids, ref_ids)
+    helpers.assert_matches(weights, ref_w, torch.float32)  # computed in fp32 from exact logits
+    assert grad.dtype == dtype
+    helpers.assert_matches(grad, ref_grad, dtype)
+
+
+def test_topk_routing_gradcheck_like_small_case(gen):
+    """Finite differences of the float64 reference agree with the kernel's analytic gradient."""
+    x = distinct_logits(3, 8, torch.float32, gen).requires_grad_()
+    dw = torch.randn(3, 2, generator=gen).to(DEVICE)
+    for scoring in tr.SCORINGS:
+        (grad,) = torch.autograd.grad(kernels.topk_routing(x, 2, True, scoring)[0], [x], dw)
+        leaf = x.detach().double().requires_grad_()
+        assert torch.autograd.gradcheck(lambda z: reference(z, 2, True, scoring)[0], (leaf,))
+        (ref,) = torch.autograd.grad(reference(leaf, 2, True, scoring)[0], [leaf], dw.double())
+        helpers.assert_matches(grad, ref, torch.float32)
+
+
+def test_topk_routing_matches_mixtral_routing(gen):
+    """Mixtral: softmax(dtype=float) -> topk -> divide by the sum -> cast to the hidden dtype."""
+    x = distinct_logits(17, 8, torch.bfloat16, gen)
+    p = torch.softmax(x, dim=1, dtype=torch.float)
+    w, ids = torch.topk(p, 2, dim=-1)
+    w = (w / w.sum(-1, keepdim=True)).to(torch.bfloat16)
+    got_w, got_ids = kernels.topk_routing(x, 2)
+    assert torch.equal(got_ids, ids)
+    torch.testing.assert_close(got_w.to(torch.bfloat16), w, rtol=0, atol=0)
+
+
+def test_topk_routing_ties_pick_the_lowest_expert():
+    x = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0], [0.0, 0.0, 0.0, 0.0, 0.0]], device=DEVICE)
+    weights, ids = kernels.topk_routing(x, 2, renormalize=False)
+    assert ids.tolist() == [[1, 2], [0, 1]]
+    torch.testing.assert_close(weights[1], torch.full((2,), 0.2, device=DEVICE))
+
+
+def test_topk_routing_empty_and_k_equals_e(gen):
+    w, ids = kernels.topk_routing(torch.empty(0, 8, device=DEVICE), 2)
+    assert w.shape == ids.shape == (0, 2)
+    x = distinct_logits(4, 6, torch.float32, gen)
+    w, ids = kernels.topk_routing(x, 6)
+    assert torch.equal(ids.sort(-1).values, torch.arange(6, device=DEVICE).expand(4, 6))
+    helpers.assert_matches(w, torch.softmax(x.double(), -1).sort(-1, descending=True).values, torch.float32)
+
+
+# --------------------------------------------------------------------------- load-balancing loss
+
+
+@pytest.mark.parametrize("T, E, k", [(37, 8, 2), (20, 60, 4)], ids=str)
+def test_load_balancing_loss_matches_transformers(T, E, k, gen):
+    modeling = pytest.importorskip("transformers.models.mixtral.modeling_mixtral")
+    x = distinct_logits(T, E, torch.float32, gen).requires_grad_()
+    _, ids = kernels.topk_routing(x, k)
+    loss = kernels.moe_load_balancing_loss(x, ids, E)
+    leaf = x.detach().double().requires_grad_()
+    want = modeling.load_balancing_loss_func((leaf,), E, k)
+    assert loss.dtype == torch.float32 and loss.dim() == 0
+    helpers.assert_matches(loss, want.detach(), torch.float32)
+    (grad,) = torch.autograd.grad(loss, [x])
+    (ref_grad,) = torch.autograd.grad(want, [leaf])
+    helpers.assert_matches(grad, ref_grad, torch.float32)
+
+
+# --------------------------------------------------------------------------- moe_permute
+
+
+def check_permute(ids, num_experts):
+    perm, offsets = kernels.moe_permute(ids, num_experts)
+    flat = ids.flatten().long()
+    assert perm.dtype == torch.int32 and offsets.dtype == torch.int32
+    assert torch.equal(perm.long(), torch.argsort(flat, stable=True))
+    assert torch.equal(offsets.long(), torch.bincount(flat, minlength=num_experts).cumsum(0))
+    return perm, offsets
+
+
+@pytest.mark.parametrize("segment", [1024, 32], ids=lambda s: f"segment{s}")
+@pytest.mark.parametrize("T, k, E", [(37, 2, 8), (100, 6, 60), (50, 8, 128), (1, 1, 4), (77, 1, 64)], ids=str)
+def test_moe_permute_is_a_stable_argsort(T, k, E, segment, monkeypatch, gen):
+    monkeypatch.setattr(mp, "PERMUTE_SEGMENT", segment)  # 32: many segments, chunks, and the scan's loop
+    ids = torch.randint(0, E, (T, k), generator=gen).to(DEVICE)
+    check_permute(ids, E)
+
+
+def test_moe_permute_edge_cases(monkeypatch, gen):
+    monkeypatch.setattr(mp, "PERMUTE_SEGMENT", 16)
+    check_permute(torch.full((40, 2), 5, dtype=torch.int32, device=DEVICE), 8)  # all to one expert
+    ids = torch.randint(0, 3, (30, 4), generator=gen).to(DEVICE) * 3  # experts 1, 2, 4, ... empty
+    check_permute(ids, 12)
+    check_permute(ids.t().contiguous().t(), 12)  # strided ids
+    perm, offsets = check_permute(torch.empty(0, 2, dtype=torch.int64, device=DEVICE), 5)
+    assert perm.numel() == 0 and offsets.tolist() == [0] * 5
+    check_permute(torch.tensor([[3]], device=DEVICE), 4)  # T = 1
+
+
+# --------------------------------------------------------------------------- gather / combine
+
+
+def routed(T, k, E, H, dtype, gen):
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).to(DEVICE)
+    perm, _ = kernels.moe_permute(ids, E)
+    inverse = torch.empty_like(perm)
+    inverse[perm.long()] = torch.arange(T * k, dtype=torch.int32, device=DEVICE)
+    return ids, perm, inverse.long()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("T, k, E, H", [(19, 2, 8, 33), (5, 6, 60, 130), (1, 1, 4, 8)], ids=str)
+def test_moe_gather_and_combine_match_loops(T, k, E, H, dtype, gen):
+    _, perm, inverse = routed(T, k, E, H, dtype, gen)
+    x = helpers.make_input((T, H), dtype, "transposed", gen).requires_grad_()
+    gathered = kernels.moe_gather(x, perm, k)
+    rows = perm.long() // k
+    assert torch.equal(gathered, x[rows])  # an exact copy
+    y = helpers.make_input((T * k, H), dtype, "sliced", gen).requires_grad_()
+    w = torch.rand((T, k), generator=gen).to(DEVICE).requires_grad_()
+    out = kernels.moe_combine(y, perm, w)
+    y64, w64 = y.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    want = torch.stack([sum(w64[t, j] * y64[inverse[t * k + j]] for j in range(k)) for t in range(T)])
+    helpers.assert_matches(out, want.detach(), dtype)
+    dout = helpers.make_input((T, H), dtype, "contiguous", gen)
+    grad_y, grad_w = torch.autograd.grad(out, [y, w], dout)
+    ref_y, ref_w = torch.autograd.grad(want, [y64, w64], dout.double())
+    helpers.assert_matches(grad_y, ref_y, dtype)
+    assert grad_w.dtype == torch.float32
+    helpers.assert_matches(grad_w, ref_w, torch.float32, rtol=helpers.tolerance(dtype)[0],
+                           atol=helpers.tolerance(dtype)[1] * H ** 0.5)
+    dg = helpers.make_input((T * k, H), dtype, "contiguous", gen)
+    (grad_x,) = torch.autograd.grad(gathered, [x], dg)
+    ref_x = torch.zeros(T, H, dtype=torch.float64, device=DEVICE).index_add_(0, rows, dg.double())
+    helpers.assert_matches(grad_x, ref_x, dtype)
+
+
+def test_moe_pipeline_round_trip(gen):
+    """gather -> identity experts -> combine with weights summing to 1 gives x back."""
+    T, E, k, H = 23, 8, 2, 16
+    logits = distinct_logits(T, E, torch.float32, gen)
+    w, ids = kernels.topk_routing(logits, k)
+    perm, offsets = kernels.moe_permute(ids, E)
+    x = torch.randn(T, H, generator=gen).to(DEVICE)
+    out = kernels.moe_combine(kernels.moe_gather(x, perm, k), perm, w)
+    torch.testing.assert_close(out, x, rtol=1e-5, atol=1e-5)
+    sorted_ids = ids.flatten()[perm.long()]
+    starts = torch.cat([offsets.new_zeros(1), offsets[:-1]])
+    for e in range(E):
+        assert (sorted_ids[starts[e]:offsets[e]] == e).all()
+
+
+# --------------------------------------------------------------------------- launches
+
+
+def _count_launches(T, gen):
+    from utils.trace import trace
+
+    logits = distinct_logits(T, 8, torch.float32, gen).requires_grad_()
+    x = torch.randn(T, 16, generator=gen).to(DEVICE).requires_grad_()
+    with trace(torch_ops=False) as t:
+        w, ids = kernels.topk_routing(logits, 2)
+        perm, _ = kernels.moe_permute(ids, 8)
+        out = kernels.moe_combine(kernels.moe_gather(x, perm, 2), perm, w)
+        out.sum().backward()
+    assert t.out_of_bounds == 0
+    return [launch.kernel for launch in t.launches]
+
+
+@pytest.mark.interpreter
+def test_launch_count_is_small_and_independent_of_tokens(monkeypatch, gen):
+    monkeypatch.setattr(mp, "PERMUTE_SEGMENT", 64)  # T = 300 takes several segments
+    small, large = _count_launches(5, gen), _count_launches(300, gen)
+    assert small == large
+    assert len(small) == 13, small  # forward 7 (4 routing + invert), backward 6 (3 inverts)
+    assert small[:3] == ["topk_routing_kernel", "moe_histogram_kernel", "moe_scan_kernel"]
+
+
+# --------------------------------------------------------------------------- custom-op plumbing
+
+
+def _opcheck_cases(gen):
+    x = distinct_logits(7, 60, torch.float32, gen, transposed=True)
+    w, ids = kernels.topk_routing(x, 4)
+    perm, _ = kernels.moe_permute(ids, 60)
+    rows = torch.randn(7, 20, generator=gen).to(DEVICE)
+    sorted_rows = torch.randn(28, 20, generator=gen).to(DEVICE)
+    ops = torch.ops.kernels
+    return {
+        "topk_routing": (ops.topk_routing.default, (x, 4, True, "softmax")),
+        "topk_routing_sigmoid": (ops.topk_routing.default, (x.bfloat16(), 2, False, "sigmoid")),
+        "topk_routing_backward": (ops.topk_routing_backward.default, (w, x, ids, True, "softmax")),
+        "moe_permute": (ops.moe_permute.default, (ids, 60)),
+        "moe_gather": (ops.moe_gather.default, (rows, perm, 4, None)),
+        "moe_gather_weighted": (ops.moe_gather.default, (rows, perm, 4, w)),
+        "moe_combine": (ops.moe_combine.default, (sorted_rows, perm, 4, w)),
+        "moe_combine_backward": (ops.moe_combine_backward.default, (rows, sorted_rows, perm, 4, torch.float32)),
+    }
+
+
+@pytest.mark.parametrize("case", ["topk_routing", "topk_routing_sigmoid", "topk_routing_backward", "moe_permute",
+                                  "moe_gather", "moe_gather_weighted", "moe_combine", "moe_combine_backward"])
+def test_opcheck(case, gen):
+    op, args = _opcheck_cases(gen)[case]
+    torch.library.opcheck(op, args)
+
+
+def test_torch_compile_fullgraph_routing_forward_and_backward(gen):
+    def fn(logits, x):
+        w, ids = kernels.topk_routing(logits, 2)
+        perm, _ = kernels.moe_permute(ids, 8)
+        return kernels.moe_combine(kernels.moe_gather(x, perm, 2), perm, w)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True)
+    logits = distinct_logits(9, 8, torch.float32, gen).requires_grad_()
+    x = torch.randn(9, 16, generator=gen).to(DEVICE).requires_grad_()
+    got = compiled(logits, x)
+    got_grads = torch.autograd.grad(got.square().sum(), [logits, x])
+    want = fn(logits, x)
+    want_grads = torch.autograd.grad(want.square().sum(), [logits, x])
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------- bad input
+
+_L = torch.zeros(4, 8)
+_P = torch.zeros(8, dtype=torch.int32)
+
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda: kernels.topk_routing(_L, 9), ValueError, r"^kernels\.topk_routing: k must be in \[1, min"),
+        (lambda: kernels.topk_routing(_L, 0), ValueError, r"^kernels\.topk_routing: k must be in"),
+        (lambda: kernels.topk_routing(_L, 2.0), TypeError, r"^kernels\.topk_routing: k must be an int, got float"),
+        (lambda: kernels.topk_routing(torch.zeros(2, 4, 8), 2), ValueError,
+         r"^kernels\.topk_routing: router_logits must be 2-D"),
+        (lambda: kernels.topk_routing(torch.zeros(4, 8, dtype=torch.int64), 2), TypeError,
+         r"^kernels\.topk_routing: router_logits must be float32, float16 or bfloat16, got torch\.int64"),
+        (lambda: kernels.topk_routing(_L, 2, scoring="softplus"), ValueError,
+         r"^kernels\.topk_routing: scoring must be 'softmax' or 'sigmoid', got 'softplus'"),
+        (lambda: kernels.topk_routing(_L, 2, renormalize=1), TypeError,
+         r"^kernels\.topk_routing: renormalize must be a bool"),
+        (lambda: kernels.topk_routing([[1.0]], 1), TypeError, r"^kernels\.topk_routing: router_logits must be a torch"),
+        (lambda: torch.ops.kernels.topk_routing(_L, 9, True, "softmax"), ValueError,
+         r"^kernels\.topk_routing: k must be"),
+        (lambda: kernels.moe_permute(torch.zeros(4, 2), 8), TypeError,
+         r"^kernels\.moe_permute: expert_ids must be int32 or int64, got torch\.float32"),
+        (lambda: kernels.moe_permute(torch.zeros(8, dtype=torch.int64), 8), ValueError,
+         r"^kernels\.moe_permute: expert_ids must be 2-D"),
+        (lambda: kernels.moe_permute(torch.zeros(4, 2, dtype=torch.int64), 0), ValueError,
+         r"^kernels\.moe_permute: num_experts must be in \[1, 4096\], got 0"),
+        (lambda: kernels.moe_gather(_L, _P, 3), ValueError,
+         r"^kernels\.moe_gather: permutation must have T \* k = 12 entries, got 8"),
+        (lambda: kernels.moe_gather(_L, _P.long(), 2), TypeError, r"^kernels\.moe_gather: permutation must be int32"),
+        (lambda: kernels.moe_gather(_L, _P, 0), ValueError, r"^kernels\.moe_gather: top_k must be >= 1"),
+        (lambda: kernels.moe_combine(torch.zeros(8, 8), _P, torch.zeros(3, 2)), ValueError,
+         r"^kernels\.moe_combine: weights must be \(T, k\) = \(4, 2\), got \(3, 2\)"),
+        (lambda: kernels.moe_combine(torch.zeros(8, 8, dtype=torch.int32), _P, torch.zeros(4, 2)), TypeError,
+         r"^kernels\.moe_combine: y_sorted must be float32"),
+        (lambda: kernels.moe_combine(torch.zeros(8, 8), _P, torch.zeros(8)), ValueError,
+         r"^kernels\.moe_combine: weights must be 2-D"),
+        (lambda: kernels.moe_load_balancing_loss(_L, torch.zeros(4, 2, dtype=torch.int64), 6), ValueError,
+         r"^kernels\.moe_load_balancing_loss: num_experts must equal router_logits\.shape\[1\] = 8"),
+        (lambda: kernels.moe_load_balancing_loss(_L, torch.zeros(4, 2), 8), TypeError,
+         r"^kernels\.moe_load_balancing_loss: expert_ids must be int32 or int64"),
+    ],
+)
+def test_bad_input_raises_a_clear_error(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
