@@ -156,16 +156,21 @@ def test_block_lists_put_allowed_blocks_first_in_order():
 
 
 @pytest.mark.interpreter
-def test_flops_and_kv_bytes_scale_with_density(gen):
+@pytest.mark.parametrize("density", [0.15, 0.5])
+def test_flops_and_kv_bytes_scale_with_density(density, gen):
     t, d, block = 128, 16, 16
     q, k, v = (leaf(rand(1, 1, t, d, gen=gen)) for _ in range(3))
-    mask = random_mask(1, 1, t, t, block, 0.3, gen)
+    mask = random_mask(1, 1, t, t, block, density, gen)
+    mask[0, 0, 0, 0] = True
     density = mask.float().mean().item()
     with trace() as sparse:
         out = kernels.block_sparse_attention(q, k, v, mask, block_size=block)
     with trace() as sparse_bwd:
         out.backward(torch.ones_like(out))
-    dense_flops = 2 * (2 * t * t * d)  # QK^T and PV
+    with trace() as dense:
+        kernels.flash_attention(q, k, v)
+    dense_flops = dense.flops
+    assert dense_flops == 2 * (2 * t * t * d)  # QK^T and PV
     launch = next(x for x in sparse.launches if x.kernel == "flash_attention_forward_kernel")
     assert abs(launch.flops - density * dense_flops) <= 0.05 * density * dense_flops
     assert launch.flops == mask.sum().item() * 2 * (2 * block * block * d)  # exactly the allowed tiles

@@ -92,6 +92,13 @@ dense op is the special case of fixed lengths and a batch stride. ``lse`` is ``(
 flash-attn's varlen layout. The ``cu_seqlens`` are checked on the device (one tiny Triton launch and
 ``torch._assert_async``: no host synchronization on a GPU; see :func:`check_cu_seqlens_values`).
 
+**Block-sparse (``kernels.block_sparse_attention``).** With the ``BLOCK_SPARSE`` switch the forward and
+dQ programs' key loop, and the dK/dV program's query loop, take their blocks from a per-row int32 list
+(``block_count_ptr``/``block_index_ptr``, :class:`BlockLists`) instead of a consecutive range: the same
+loop bodies, one block index loaded per step, no causal/window mask (a listed block is visible whole;
+only the length bounds are masked). The tiles are then the mask's blocks; see
+:mod:`kernels.ops.block_sparse_attention`.
+
 **Tiles.** On a GPU each kernel is autotuned (``triton.autotune``, :func:`make_autotuned`) over its own
 list of tile configurations — the forward over 64/128-row query blocks and 32-128-key blocks with 4 or
 8 warps and 2-3 pipeline stages; the backward kernels over smaller blocks (16-128), because the dK/dV
@@ -1081,8 +1088,9 @@ def _backward(problem: _Problem, grad_out, grad_lse, q, k, v, out, lse, cu_q, cu
     if dk.numel():
         _launch_kernel(
             "dkdv", lambda bm, bn: (triton.cdiv(problem.seqlen_k, bn), problem.heads_kv, problem.batch),
-            (q, k, v, grad_out, lse, delta, dk, dv, cu_q, cu_k, *(_no_block_lists(lse) if cols is None else cols.args()),
-             *common, *problem.strides4(dk), *problem.strides4(dv), *problem.scalars()),
+            (q, k, v, grad_out, lse, delta, dk, dv, cu_q, cu_k,
+             *(_no_block_lists(lse) if cols is None else cols.args()), *common, *problem.strides4(dk),
+             *problem.strides4(dv), *problem.scalars()),
             constexprs, None if cols is None else cols.config,
         )
     if dq.numel():
