@@ -20,6 +20,7 @@ from ._rows import RowConfig
 from .autotune import MatmulConfig
 from .ops.add import add, add_kernel
 from .ops.add_rms_norm import add_rms_norm, add_rms_norm_kernel
+from .ops.block_sparse_attention import block_sparse_attention
 from .ops.cross_entropy import cross_entropy, cross_entropy_backward_kernel, cross_entropy_forward_kernel
 from .ops.dropout import dropout, dropout_kernel, dropout_mask, dropout_mask_kernel
 from .ops.flash_attention import (
@@ -128,6 +129,7 @@ __all__ = [
     "fused_linear_cross_entropy",
     "flash_attention",
     "flash_attention_varlen",
+    "block_sparse_attention",
     "paged_attention",
     "write_kv_cache",
     "topk_routing",

@@ -92,6 +92,13 @@ dense op is the special case of fixed lengths and a batch stride. ``lse`` is ``(
 flash-attn's varlen layout. The ``cu_seqlens`` are checked on the device (one tiny Triton launch and
 ``torch._assert_async``: no host synchronization on a GPU; see :func:`check_cu_seqlens_values`).
 
+**Block-sparse (``kernels.block_sparse_attention``).** With the ``BLOCK_SPARSE`` switch the forward and
+dQ programs' key loop, and the dK/dV program's query loop, take their blocks from a per-row int32 list
+(``block_count_ptr``/``block_index_ptr``, :class:`BlockLists`) instead of a consecutive range: the same
+loop bodies, one block index loaded per step, no causal/window mask (a listed block is visible whole;
+only the length bounds are masked). The tiles are then the mask's blocks; see
+:mod:`kernels.ops.block_sparse_attention`.
+
 **Tiles.** On a GPU each kernel is autotuned (``triton.autotune``, :func:`make_autotuned`) over its own
 list of tile configurations — the forward over 64/128-row query blocks and 32-128-key blocks with 4 or
 8 warps and 2-3 pipeline stages; the backward kernels over smaller blocks (16-128), because the dK/dV
@@ -131,6 +138,7 @@ from .cross_entropy import softcap_logits, softcapped
 
 __all__ = [
     "AttentionConfig",
+    "BlockLists",
     "BACKWARD_DKDV_GPU_CONFIGS",
     "BACKWARD_DQ_GPU_CONFIGS",
     "FORWARD_GPU_CONFIGS",
@@ -253,6 +261,15 @@ def _load_lse2(lse_ptr, offsets, mask):
     return tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
 
 
+@triton.jit
+def _block_list(block_count_ptr, block_index_ptr, stride_cb, stride_ch, stride_cm, stride_ib, stride_ih, stride_im,
+                batch, head, row):
+    """BLOCK_SPARSE: ``(pointer to the list, its length)`` of row ``row`` (a query block for the forward and
+    dQ, a key block for dK/dV) of ``(batch, head)``: the blocks of the other side that the mask allows."""
+    n_blocks = tl.load(block_count_ptr + batch * stride_cb + head * stride_ch + row * stride_cm)
+    return block_index_ptr + batch * stride_ib + head * stride_ih + row * stride_im, n_blocks
+
+
 # ----------------------------------------------------------------------------------------------
 # Forward
 # ----------------------------------------------------------------------------------------------
@@ -261,11 +278,14 @@ def _load_lse2(lse_ptr, offsets, mask):
 @triton.jit
 def _forward_blocks(
     acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, last_key, first_key, d_mask,
-    start, end, seqlen_k, sm_scale, qk_scale, softcap,
+    start, end, seqlen_k, sm_scale, qk_scale, softcap, block_list_ptr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
 ):
     """Fold key blocks ``[start, end)`` into the running ``(acc, m, l)`` of one query block.
+
+    ``BLOCK_SPARSE``: the ``(end - start) / BLOCK_N`` blocks are not consecutive but read, one per
+    step, from the int32 list at ``block_list_ptr`` (block indices, in units of ``BLOCK_N`` keys).
 
     ``k_ptrs``/``v_ptrs`` point at key 0 of the block's columns (``[BLOCK_N, BLOCK_D]``); row ``i``
     sees keys ``first_key[i] <= j <= last_key[i]`` (``i + diagonal - W + 1`` and ``i + diagonal``).
@@ -278,11 +298,20 @@ def _forward_blocks(
     step_k = BLOCK_N * stride_kn
     step_v = BLOCK_N * stride_vn
     for _ in range(start, end, BLOCK_N):
+        if BLOCK_SPARSE:  # the next listed block: its keys and their K/V rows
+            block = tl.load(block_list_ptr)
+            block_list_ptr += 1
+            cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+            k_tile = k_ptrs + block.to(tl.int64) * step_k
+            v_tile = v_ptrs + block.to(tl.int64) * step_v
+        else:
+            k_tile = k_ptrs
+            v_tile = v_ptrs
         if MASKED:
             kv_mask = (cols < seqlen_k)[:, None] & d_mask[None, :]
         else:
             kv_mask = d_mask[None, :]
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        k = tl.load(k_tile, mask=kv_mask, other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
         if SOFTCAP:  # Gemma-2: scale, then cap, then base 2
             s = softcapped(qk * sm_scale, softcap) * _LOG2E
@@ -300,11 +329,12 @@ def _forward_blocks(
         alpha = tl.exp2(m_i - m_new)  # the rescale of everything accumulated so far
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(v_tile, mask=kv_mask, other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=INPUT_PRECISION)
         m_i = m_new
-        k_ptrs += step_k
-        v_ptrs += step_v
+        if not BLOCK_SPARSE:
+            k_ptrs += step_k
+            v_ptrs += step_v
     return acc, m_i, l_i
 
 
@@ -312,6 +342,9 @@ def _forward_blocks(
 def flash_attention_forward_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,          # inputs; outputs: out (q's dtype), lse (float32, natural log)
     cu_seqlens_q_ptr, cu_seqlens_k_ptr,             # VARLEN: (B + 1,) int32 sequence starts (else never read)
+    block_count_ptr, block_index_ptr,               # BLOCK_SPARSE: int32 counts (Bm, Hm, rows) and lists (.., rows, n)
+    stride_cb, stride_ch, stride_cm,                # the counts' strides (0 over a broadcast batch or head)
+    stride_ib, stride_ih, stride_im,                # the lists' strides (each list contiguous)
     stride_qb, stride_qh, stride_qm, stride_qd,     # q as (B, Hq, Tq, D) whatever its layout (VARLEN: stride_qb 0)
     stride_kb, stride_kh, stride_kn, stride_kd,     # k, v as (B, Hkv, Tk, D)
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -321,7 +354,7 @@ def flash_attention_forward_kernel(
     sm_scale, qk_scale, softcap, window,            # qk_scale = sm_scale * log2(e)
     BUCKET_Q, BUCKET_K,                             # the autotuner's key only (powers of two of the lengths)
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
-    INDEX_64: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    INDEX_64: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """``out`` and ``lse`` of one block of ``BLOCK_M`` queries of one head; grid ``(query blocks, Hq, B)``.
@@ -367,15 +400,26 @@ def flash_attention_forward_kernel(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         last_key = rows + diagonal  # row i sees keys first_key[i] <= j <= last_key[i]
         first_key = last_key - window + 1
-        acc, m_i, l_i = _forward_blocks(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, last_key, first_key,
-                                        d_mask, lo, full_lo, seqlen_k, sm_scale, qk_scale, softcap,
-                                        True, CAUSAL, HAS_WINDOW, SOFTCAP, INPUT_PRECISION, BLOCK_N)
-        acc, m_i, l_i = _forward_blocks(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, last_key, first_key,
-                                        d_mask, full_lo, full_hi, seqlen_k, sm_scale, qk_scale, softcap,
-                                        False, CAUSAL, HAS_WINDOW, SOFTCAP, INPUT_PRECISION, BLOCK_N)
-        acc, m_i, l_i = _forward_blocks(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, last_key, first_key,
-                                        d_mask, full_hi, hi, seqlen_k, sm_scale, qk_scale, softcap,
-                                        True, CAUSAL, HAS_WINDOW, SOFTCAP, INPUT_PRECISION, BLOCK_N)
+        if BLOCK_SPARSE:  # exactly the listed key blocks of this query block (BLOCK_M = BLOCK_N = the mask's block)
+            block_list, n_blocks = _block_list(block_count_ptr, block_index_ptr, stride_cb, stride_ch, stride_cm,
+                                               stride_ib, stride_ih, stride_im, batch, head, pid_m)
+            acc, m_i, l_i = _forward_blocks(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, last_key,
+                                            first_key, d_mask, 0, n_blocks * BLOCK_N, seqlen_k, sm_scale, qk_scale,
+                                            softcap, block_list, True, False, False, SOFTCAP, INPUT_PRECISION,
+                                            BLOCK_N, True)
+        else:
+            acc, m_i, l_i = _forward_blocks(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, last_key,
+                                            first_key, d_mask, lo, full_lo, seqlen_k, sm_scale, qk_scale, softcap,
+                                            lse_ptr, True, CAUSAL, HAS_WINDOW, SOFTCAP, INPUT_PRECISION, BLOCK_N,
+                                            False)
+            acc, m_i, l_i = _forward_blocks(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, last_key,
+                                            first_key, d_mask, full_lo, full_hi, seqlen_k, sm_scale, qk_scale, softcap,
+                                            lse_ptr, False, CAUSAL, HAS_WINDOW, SOFTCAP, INPUT_PRECISION, BLOCK_N,
+                                            False)
+            acc, m_i, l_i = _forward_blocks(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, last_key,
+                                            first_key, d_mask, full_hi, hi, seqlen_k, sm_scale, qk_scale, softcap,
+                                            lse_ptr, True, CAUSAL, HAS_WINDOW, SOFTCAP, INPUT_PRECISION, BLOCK_N,
+                                            False)
         # A row that sees no key has l = 0: output 0 and lse = -inf (flash-attn's convention).
         empty = l_i == 0.0
         l_safe = tl.where(empty, 1.0, l_i)
@@ -429,15 +473,16 @@ def flash_attention_backward_preprocess_kernel(
 @triton.jit
 def _dkdv_blocks(
     dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qm, stride_dom, stride_lm, first_row, last_row,
-    d_mask, start, end, seqlen_q, sm_scale, qk_scale, softcap,
+    d_mask, start, end, seqlen_q, sm_scale, qk_scale, softcap, block_list_ptr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
 ):
     """Add query blocks ``[start, end)`` of one q head into one key block's ``dK, dV``.
 
     Computed transposed (keys x queries), so that the key block is the tiles' first dim. Key ``j``
     is seen by rows ``first_row[j] <= i <= last_row[j]`` (``j - diagonal`` and ``j - diagonal + W - 1``).
     ``q_ptrs``/``do_ptrs`` point at row 0, ``lse_ptrs``/``delta_ptrs`` at row 0 of ``BLOCK_M`` lanes.
+    ``BLOCK_SPARSE``: the query blocks come one per step from the int32 list at ``block_list_ptr``.
     """
     rows = start + tl.arange(0, BLOCK_M)
     q_ptrs += start * stride_qm
@@ -448,14 +493,28 @@ def _dkdv_blocks(
     step_do = BLOCK_M * stride_dom
     step_l = BLOCK_M * stride_lm
     for _ in range(start, end, BLOCK_M):
+        if BLOCK_SPARSE:  # the next listed query block
+            block = tl.load(block_list_ptr)
+            block_list_ptr += 1
+            rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+            block = block.to(tl.int64)
+            q_tile = q_ptrs + block * step_q
+            do_tile = do_ptrs + block * step_do
+            lse_tile = lse_ptrs + block * step_l
+            delta_tile = delta_ptrs + block * step_l
+        else:
+            q_tile = q_ptrs
+            do_tile = do_ptrs
+            lse_tile = lse_ptrs
+            delta_tile = delta_ptrs
         row_mask = rows < seqlen_q
         mask = row_mask[:, None] & d_mask[None, :]
-        q = tl.load(q_ptrs, mask=mask, other=0.0)
-        do = tl.load(do_ptrs, mask=mask, other=0.0)
+        q = tl.load(q_tile, mask=mask, other=0.0)
+        do = tl.load(do_tile, mask=mask, other=0.0)
         # lse in base 2; +inf for rows that see no key (lse = -inf) and padding rows: their P is 0.
-        lse = tl.load(lse_ptrs, mask=row_mask, other=float("inf"))
+        lse = tl.load(lse_tile, mask=row_mask, other=float("inf"))
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
-        delta = tl.load(delta_ptrs, mask=row_mask, other=0.0)
+        delta = tl.load(delta_tile, mask=row_mask, other=0.0)
         qk_t = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION)  # [BLOCK_N, BLOCK_M]
         if SOFTCAP:
             capped_t, dcap_t = softcap_logits(qk_t * sm_scale, softcap)
@@ -476,11 +535,12 @@ def _dkdv_blocks(
         if SOFTCAP:
             ds_t = ds_t * dcap_t
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=INPUT_PRECISION)
-        rows += BLOCK_M
-        q_ptrs += step_q
-        do_ptrs += step_do
-        lse_ptrs += step_l
-        delta_ptrs += step_l
+        if not BLOCK_SPARSE:
+            rows += BLOCK_M
+            q_ptrs += step_q
+            do_ptrs += step_do
+            lse_ptrs += step_l
+            delta_ptrs += step_l
     return dk, dv
 
 
@@ -489,6 +549,9 @@ def flash_attention_backward_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr,  # inputs; lse and delta share one (B, Hq, Tq) layout
     dk_ptr, dv_ptr,                                   # outputs, (B, Hkv, Tk, D) in k's dtype
     cu_seqlens_q_ptr, cu_seqlens_k_ptr,               # VARLEN: (B + 1,) int32 sequence starts
+    block_count_ptr, block_index_ptr,                 # BLOCK_SPARSE: int32 block counts and lists (see the forward)
+    stride_cb, stride_ch, stride_cm,
+    stride_ib, stride_ih, stride_im,
     stride_qb, stride_qh, stride_qm, stride_qd,       # q as (B, Hq, Tq, D)
     stride_kb, stride_kh, stride_kn, stride_kd,       # k, v as (B, Hkv, Tk, D)
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -500,7 +563,7 @@ def flash_attention_backward_dkdv_kernel(
     sm_scale, qk_scale, softcap, window,
     BUCKET_Q, BUCKET_K,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
-    INDEX_64: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    INDEX_64: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """``dK, dV`` of one block of ``BLOCK_N`` keys of one kv head; grid ``(key blocks, Hkv, B)``.
@@ -548,15 +611,26 @@ def flash_attention_backward_dkdv_kernel(
             row_base = batch * stride_lb + head * stride_lh + (q_start + offs_m) * stride_lm
             lse_ptrs = lse_ptr + row_base
             delta_ptrs = delta_ptr + row_base
-            dk, dv = _dkdv_blocks(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qm, stride_dom,
-                                  stride_lm, first_row, last_row, d_mask, lo, full_lo, seqlen_q, sm_scale, qk_scale,
-                                  softcap, True, CAUSAL, HAS_WINDOW, SOFTCAP, INPUT_PRECISION, BLOCK_M)
-            dk, dv = _dkdv_blocks(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qm, stride_dom,
-                                  stride_lm, first_row, last_row, d_mask, full_lo, full_hi, seqlen_q, sm_scale,
-                                  qk_scale, softcap, False, CAUSAL, HAS_WINDOW, SOFTCAP, INPUT_PRECISION, BLOCK_M)
-            dk, dv = _dkdv_blocks(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qm, stride_dom,
-                                  stride_lm, first_row, last_row, d_mask, full_hi, hi, seqlen_q, sm_scale, qk_scale,
-                                  softcap, True, CAUSAL, HAS_WINDOW, SOFTCAP, INPUT_PRECISION, BLOCK_M)
+            if BLOCK_SPARSE:  # the query blocks of head `head` whose mask row allows this key block
+                block_list, n_blocks = _block_list(block_count_ptr, block_index_ptr, stride_cb, stride_ch, stride_cm,
+                                                   stride_ib, stride_ih, stride_im, batch, head, pid_n)
+                dk, dv = _dkdv_blocks(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qm, stride_dom,
+                                      stride_lm, first_row, last_row, d_mask, 0, n_blocks * BLOCK_M, seqlen_q,
+                                      sm_scale, qk_scale, softcap, block_list, True, False, False, SOFTCAP,
+                                      INPUT_PRECISION, BLOCK_M, True)
+            else:
+                dk, dv = _dkdv_blocks(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qm, stride_dom,
+                                      stride_lm, first_row, last_row, d_mask, lo, full_lo, seqlen_q, sm_scale,
+                                      qk_scale, softcap, lse_ptr, True, CAUSAL, HAS_WINDOW, SOFTCAP,
+                                      INPUT_PRECISION, BLOCK_M, False)
+                dk, dv = _dkdv_blocks(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qm, stride_dom,
+                                      stride_lm, first_row, last_row, d_mask, full_lo, full_hi, seqlen_q, sm_scale,
+                                      qk_scale, softcap, lse_ptr, False, CAUSAL, HAS_WINDOW, SOFTCAP,
+                                      INPUT_PRECISION, BLOCK_M, False)
+                dk, dv = _dkdv_blocks(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qm, stride_dom,
+                                      stride_lm, first_row, last_row, d_mask, full_hi, hi, seqlen_q, sm_scale,
+                                      qk_scale, softcap, lse_ptr, True, CAUSAL, HAS_WINDOW, SOFTCAP,
+                                      INPUT_PRECISION, BLOCK_M, False)
         dk = dk * sm_scale
         tl.store(dk_ptr + batch * stride_dkb + kv_head * stride_dkh + (k_start + cols[:, None]) * stride_dkn
                  + offs_d[None, :] * stride_dkd, dk.to(dk_ptr.dtype.element_ty), mask=kv_mask)
@@ -567,9 +641,9 @@ def flash_attention_backward_dkdv_kernel(
 @triton.jit
 def _dq_blocks(
     dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, last_key, first_key, d_mask,
-    start, end, seqlen_k, sm_scale, qk_scale, softcap,
+    start, end, seqlen_k, sm_scale, qk_scale, softcap, block_list_ptr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
 ):
     """Add key blocks ``[start, end)`` into one query block's ``dQ`` (``P`` and ``dP`` recomputed);
     the arguments are :func:`_forward_blocks`'s."""
@@ -579,12 +653,21 @@ def _dq_blocks(
     step_k = BLOCK_N * stride_kn
     step_v = BLOCK_N * stride_vn
     for _ in range(start, end, BLOCK_N):
+        if BLOCK_SPARSE:
+            block = tl.load(block_list_ptr)
+            block_list_ptr += 1
+            cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+            k_tile = k_ptrs + block.to(tl.int64) * step_k
+            v_tile = v_ptrs + block.to(tl.int64) * step_v
+        else:
+            k_tile = k_ptrs
+            v_tile = v_ptrs
         if MASKED:
             kv_mask = (cols < seqlen_k)[:, None] & d_mask[None, :]
         else:
             kv_mask = d_mask[None, :]
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        k = tl.load(k_tile, mask=kv_mask, other=0.0)
+        v = tl.load(v_tile, mask=kv_mask, other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
         if SOFTCAP:
             capped, dcap = softcap_logits(qk * sm_scale, softcap)
@@ -605,8 +688,9 @@ def _dq_blocks(
         if SOFTCAP:
             ds = ds * dcap
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=INPUT_PRECISION)
-        k_ptrs += step_k
-        v_ptrs += step_v
+        if not BLOCK_SPARSE:
+            k_ptrs += step_k
+            v_ptrs += step_v
     return dq
 
 
@@ -615,6 +699,9 @@ def flash_attention_backward_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr,  # inputs; lse and delta share one (B, Hq, Tq) layout
     dq_ptr,                                           # output, (B, Hq, Tq, D) in q's dtype
     cu_seqlens_q_ptr, cu_seqlens_k_ptr,               # VARLEN: (B + 1,) int32 sequence starts
+    block_count_ptr, block_index_ptr,                 # BLOCK_SPARSE: int32 block counts and lists (see the forward)
+    stride_cb, stride_ch, stride_cm,
+    stride_ib, stride_ih, stride_im,
     stride_qb, stride_qh, stride_qm, stride_qd,       # q as (B, Hq, Tq, D)
     stride_kb, stride_kh, stride_kn, stride_kd,       # k, v as (B, Hkv, Tk, D)
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -625,7 +712,7 @@ def flash_attention_backward_dq_kernel(
     sm_scale, qk_scale, softcap, window,
     BUCKET_Q, BUCKET_K,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
-    INDEX_64: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    INDEX_64: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """``dQ`` of one block of ``BLOCK_M`` queries of one head; grid ``(query blocks, Hq, B)``, the
@@ -670,15 +757,22 @@ def flash_attention_backward_dq_kernel(
         last_key = rows + diagonal
         first_key = last_key - window + 1
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        dq = _dq_blocks(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, last_key, first_key, d_mask,
-                        lo, full_lo, seqlen_k, sm_scale, qk_scale, softcap, True, CAUSAL, HAS_WINDOW, SOFTCAP,
-                        INPUT_PRECISION, BLOCK_N)
-        dq = _dq_blocks(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, last_key, first_key, d_mask,
-                        full_lo, full_hi, seqlen_k, sm_scale, qk_scale, softcap, False, CAUSAL, HAS_WINDOW, SOFTCAP,
-                        INPUT_PRECISION, BLOCK_N)
-        dq = _dq_blocks(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, last_key, first_key, d_mask,
-                        full_hi, hi, seqlen_k, sm_scale, qk_scale, softcap, True, CAUSAL, HAS_WINDOW, SOFTCAP,
-                        INPUT_PRECISION, BLOCK_N)
+        if BLOCK_SPARSE:  # the forward's list of key blocks
+            block_list, n_blocks = _block_list(block_count_ptr, block_index_ptr, stride_cb, stride_ch, stride_cm,
+                                               stride_ib, stride_ih, stride_im, batch, head, pid_m)
+            dq = _dq_blocks(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, last_key, first_key,
+                            d_mask, 0, n_blocks * BLOCK_N, seqlen_k, sm_scale, qk_scale, softcap, block_list, True,
+                            False, False, SOFTCAP, INPUT_PRECISION, BLOCK_N, True)
+        else:
+            dq = _dq_blocks(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, last_key, first_key,
+                            d_mask, lo, full_lo, seqlen_k, sm_scale, qk_scale, softcap, lse_ptr, True, CAUSAL,
+                            HAS_WINDOW, SOFTCAP, INPUT_PRECISION, BLOCK_N, False)
+            dq = _dq_blocks(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, last_key, first_key,
+                            d_mask, full_lo, full_hi, seqlen_k, sm_scale, qk_scale, softcap, lse_ptr, False, CAUSAL,
+                            HAS_WINDOW, SOFTCAP, INPUT_PRECISION, BLOCK_N, False)
+            dq = _dq_blocks(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, last_key, first_key,
+                            d_mask, full_hi, hi, seqlen_k, sm_scale, qk_scale, softcap, lse_ptr, True, CAUSAL,
+                            HAS_WINDOW, SOFTCAP, INPUT_PRECISION, BLOCK_N, False)
         dq = dq * sm_scale
         tl.store(dq_ptr + batch * stride_dqb + head * stride_dqh + (q_start + rows[:, None]) * stride_dqm
                  + offs_d[None, :] * stride_dqd, dq.to(dq_ptr.dtype.element_ty), mask=mask)
@@ -811,7 +905,7 @@ def _pruner(kind: str, candidates: tuple[AttentionConfig, ...] | None = None):
 
 #: What the autotuner keys on (Triton adds the pointers' dtypes).
 TUNING_KEY: tuple[str, ...] = ("BUCKET_Q", "BUCKET_K", "BLOCK_D", "CAUSAL", "HAS_WINDOW", "SOFTCAP", "VARLEN",
-                               "INPUT_PRECISION")
+                               "INPUT_PRECISION", "BLOCK_SPARSE")
 
 _KERNELS = {
     "forward": flash_attention_forward_kernel,
@@ -846,9 +940,10 @@ def _fixed_config() -> AttentionConfig | None:
     return INTERPRETER_CONFIG if runtime.INTERPRETER else None
 
 
-def _launch_kernel(kind: str, grid_of, args: tuple, constexprs: dict) -> None:
-    """Launch ``kind`` with the fixed config, or autotuned. ``grid_of(BLOCK_M, BLOCK_N)`` is the grid for a tile."""
-    c = _fixed_config()
+def _launch_kernel(kind: str, grid_of, args: tuple, constexprs: dict, config: AttentionConfig | None = None) -> None:
+    """Launch ``kind`` with ``config``, the fixed config, or autotuned. ``grid_of(BLOCK_M, BLOCK_N)`` is the grid
+    for a tile."""
+    c = _fixed_config() if config is None else config
     if c is not None:
         _KERNELS[kind][grid_of(c.BLOCK_M, c.BLOCK_N)](*args, **constexprs, BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N,
                                                      num_warps=c.num_warps, num_stages=c.num_stages)
@@ -900,7 +995,31 @@ class _Problem:
     def constexprs(self, dtype: torch.dtype, *tensors: torch.Tensor) -> dict:
         return dict(CAUSAL=self.causal, HAS_WINDOW=self.window is not None, SOFTCAP=self.softcap is not None,
                     VARLEN=self.varlen, INDEX_64=_index_64(*tensors),
-                    INPUT_PRECISION=_launch.dot_input_precision(dtype), BLOCK_D=_block_d(self.head_dim))
+                    INPUT_PRECISION=_launch.dot_input_precision(dtype), BLOCK_D=_block_d(self.head_dim),
+                    BLOCK_SPARSE=False)
+
+
+@dataclass(frozen=True)
+class BlockLists:
+    """The block-sparse switch's per-row lists (``kernels.block_sparse_attention``): for each (batch, head,
+    row block) of one side, ``counts`` (int32 ``(Bm, Hm, R)``) blocks of the other side, listed first in
+    ``indices`` (int32 ``(Bm, Hm, R, C)``, each row contiguous). ``Bm``/``Hm`` of 1 broadcast (stride 0).
+    ``config`` is the tile (``BLOCK_M = BLOCK_N`` = the mask's block size)."""
+
+    counts: torch.Tensor
+    indices: torch.Tensor
+    config: AttentionConfig
+
+    def args(self) -> tuple:
+        def strides(t):
+            return tuple(0 if size == 1 else stride for size, stride in zip(t.shape[:3], t.stride()[:3]))
+
+        return (self.counts, self.indices, *strides(self.counts), *strides(self.indices))
+
+
+def _no_block_lists(dummy: torch.Tensor) -> tuple:
+    """The block-sparse arguments of a dense launch (never read)."""
+    return (dummy, dummy, 0, 0, 0, 0, 0, 0)
 
 
 def _block_d(head_dim: int) -> int:
@@ -918,13 +1037,17 @@ def _index_64(*tensors: torch.Tensor) -> bool:
     return _launch.needs_int64(*extents)
 
 
-def _forward(problem: _Problem, q, k, v, out, lse, cu_q, cu_k) -> None:
+def _forward(problem: _Problem, q, k, v, out, lse, cu_q, cu_k, blocks: BlockLists | None = None) -> None:
+    """``blocks``: block-sparse, over each query block's listed key blocks (:class:`BlockLists`)."""
     if out.numel() == 0 or problem.batch == 0:
         return
-    args = (q, k, v, out, lse, cu_q, cu_k, *problem.strides4(q), *problem.strides4(k), *problem.strides4(v),
+    args = (q, k, v, out, lse, cu_q, cu_k, *(_no_block_lists(lse) if blocks is None else blocks.args()),
+            *problem.strides4(q), *problem.strides4(k), *problem.strides4(v),
             *problem.strides4(out), *problem.strides3(lse), *problem.scalars())
+    constexprs = problem.constexprs(q.dtype, q, k, v, out, lse)
+    constexprs["BLOCK_SPARSE"] = blocks is not None
     _launch_kernel("forward", lambda bm, bn: (triton.cdiv(problem.seqlen_q, bm), problem.heads_q, problem.batch),
-                   args, problem.constexprs(q.dtype, q, k, v, out, lse))
+                   args, constexprs, None if blocks is None else blocks.config)
 
 
 def _preprocess(problem: _Problem, out, grad_out, grad_lse, delta) -> None:
@@ -947,7 +1070,10 @@ def _preprocess(problem: _Problem, out, grad_out, grad_lse, delta) -> None:
     )
 
 
-def _backward(problem: _Problem, grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k, dq, dk, dv) -> None:
+def _backward(problem: _Problem, grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k, dq, dk, dv,
+              rows: BlockLists | None = None, cols: BlockLists | None = None) -> None:
+    """``rows``/``cols``: block-sparse, dQ over each query block's key blocks, dK/dV over each key
+    block's query blocks (the transposed lists)."""
     if problem.batch == 0:
         return
     delta = _launch.empty(lse.shape, torch.float32, lse.device)
@@ -956,20 +1082,23 @@ def _backward(problem: _Problem, grad_out, grad_lse, q, k, v, out, lse, cu_q, cu
     _preprocess(problem, out, grad_out, grad_lse, delta)
     tensors = (q, k, v, grad_out, lse, dq, dk, dv)
     constexprs = problem.constexprs(q.dtype, *tensors)
+    constexprs["BLOCK_SPARSE"] = rows is not None
     common = (*problem.strides4(q), *problem.strides4(k), *problem.strides4(v), *problem.strides4(grad_out),
               *problem.strides3(lse))
     if dk.numel():
         _launch_kernel(
             "dkdv", lambda bm, bn: (triton.cdiv(problem.seqlen_k, bn), problem.heads_kv, problem.batch),
-            (q, k, v, grad_out, lse, delta, dk, dv, cu_q, cu_k, *common, *problem.strides4(dk),
+            (q, k, v, grad_out, lse, delta, dk, dv, cu_q, cu_k,
+             *(_no_block_lists(lse) if cols is None else cols.args()), *common, *problem.strides4(dk),
              *problem.strides4(dv), *problem.scalars()),
-            constexprs,
+            constexprs, None if cols is None else cols.config,
         )
     if dq.numel():
         _launch_kernel(
             "dq", lambda bm, bn: (triton.cdiv(problem.seqlen_q, bm), problem.heads_q, problem.batch),
-            (q, k, v, grad_out, lse, delta, dq, cu_q, cu_k, *common, *problem.strides4(dq), *problem.scalars()),
-            constexprs,
+            (q, k, v, grad_out, lse, delta, dq, cu_q, cu_k, *(_no_block_lists(lse) if rows is None else rows.args()),
+             *common, *problem.strides4(dq), *problem.scalars()),
+            constexprs, None if rows is None else rows.config,
         )
 
 

@@ -17,7 +17,7 @@ from utils.aot import compile_kernel, resource_usage
 
 FLOATS = {"sm_scale", "qk_scale", "softcap"}
 STATS = {"lse_ptr", "delta_ptr", "dlse_ptr"}
-CU = {"cu_seqlens_q_ptr", "cu_seqlens_k_ptr", "check_ptr"}
+CU = {"cu_seqlens_q_ptr", "cu_seqlens_k_ptr", "check_ptr", "block_count_ptr", "block_index_ptr"}
 # Unit feature strides become constants (Triton's launcher specializes 1); strides and head dims of
 # real shapes are multiples of 16. Lengths, the group size and the window are runtime values.
 UNIT = {"stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_dod", "stride_dkd", "stride_dvd", "stride_dqd",
@@ -42,9 +42,10 @@ def compile_one(fn, dtype, constexprs, num_warps, num_stages=None):
                           num_stages=num_stages)
 
 
-def switches(causal=True, window=False, softcap=False, varlen=False, index_64=False, precision="ieee"):
+def switches(causal=True, window=False, softcap=False, varlen=False, index_64=False, precision="ieee",
+             block_sparse=False):
     return {"CAUSAL": causal, "HAS_WINDOW": window, "SOFTCAP": softcap, "VARLEN": varlen, "INDEX_64": index_64,
-            "INPUT_PRECISION": precision}
+            "INPUT_PRECISION": precision, "BLOCK_SPARSE": block_sparse}
 
 
 quick = "--quick" in sys.argv
@@ -92,7 +93,8 @@ for kind in ("forward", "dkdv", "dq"):
         if config.head_dim_limit(4) >= 64:
             run(kind, "fp32", config.head_dim_limit(4), config, switches(precision="tf32"))
     config = next(c for c in configs if c.max_head_dim >= 128)  # the other switches once, at D = 128
-    for flags in (switches(causal=False), switches(varlen=True), switches(index_64=True)):
+    for flags in (switches(causal=False), switches(varlen=True), switches(index_64=True),
+                  switches(causal=False, block_sparse=True)):
         run(kind, "bf16", 128, config, flags)
 for dtype in ("bf16",) if quick else ("bf16", "fp32"):
     for index_64 in (False,) if quick else (False, True):
