@@ -54,7 +54,7 @@ from .ops.matmul import (
     matmul_tiled,
     plan_matmul,
 )
-from .ops.moe import moe
+from .ops.moe import moe, moe_ideal_bytes
 from .ops.moe_permute import moe_combine, moe_gather, moe_permute
 from .ops.norm import column_sum_kernel, norm_launch_config
 from .ops.paged_attention import paged_attention, paged_attention_kernel, paged_attention_merge_kernel
@@ -135,6 +135,7 @@ __all__ = [
     "write_kv_cache",
     "topk_routing",
     "moe",
+    "moe_ideal_bytes",
     "moe_load_balancing_loss",
     "moe_permute",
     "moe_gather",

@@ -33,6 +33,7 @@ __all__ = [
     "visited_key_blocks_reference",
     "block_mask_cases",
     "experts_loop",
+    "moe_unfused",
 ]
 
 
@@ -313,3 +314,25 @@ def experts_loop(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.
         y = (a @ w_down[e].T) * weights[token_idx, slot, None].to(x.dtype)
         out.index_add_(0, token_idx, y)
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Given: the MoE block from the chapter's ops, unfused (the ladder step before kernels.moe)
+# ----------------------------------------------------------------------------------------------
+
+
+def moe_unfused(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                top_k: int, renormalize: bool = True) -> torch.Tensor:
+    """Sections 2–3's MoE block: route, counting sort, gather the rows, one grouped GEMM for gate and
+    up, the SwiGLU as its own kernel, one grouped GEMM for down, the weighted combine. Seven ops, no
+    loop over experts, no host sync — but the gathered rows ``(T·k, H)`` and the gate/up
+    pre-activations ``(T·k, 2F)`` each make a round trip through memory, which
+    :func:`kernels.moe` fuses away."""
+    ffn = w_down.shape[2]
+    weights, expert_ids = kernels.topk_routing(router_logits, top_k, renormalize=renormalize)
+    permutation, offsets = kernels.moe_permute(expert_ids, w_gate_up.shape[0])
+    rows = kernels.moe_gather(x, permutation, top_k)
+    gate_up = kernels.grouped_matmul(rows, w_gate_up.transpose(1, 2), offsets)  # (T·k, 2F)
+    hidden = kernels.swiglu(gate_up[:, :ffn], gate_up[:, ffn:])
+    down = kernels.grouped_matmul(hidden, w_down.transpose(1, 2), offsets)  # (T·k, H)
+    return kernels.moe_combine(down, permutation, weights)
