@@ -64,6 +64,19 @@ def empty_output(shape: Sequence[int], like: torch.Tensor, dtype: torch.dtype | 
     return empty(shape, dtype or like.dtype, like.device)
 
 
+def empty_in_layout(like: torch.Tensor) -> torch.Tensor:
+    """A fresh tensor of ``like``'s shape, dtype and device whose dims lie in memory in ``like``'s order.
+
+    For the gradient of a view: the weight gradient of ``w.transpose(1, 2)`` allocated this way is,
+    once autograd transposes it back, contiguous like the parameter itself (a contiguous gradient
+    for a contiguous parameter, no copy in ``AccumulateGrad``). Dense outputs in every other case.
+    """
+    order = sorted(range(like.dim()), key=lambda d: (-like.stride(d), -like.shape[d]))
+    base = empty([like.shape[d] for d in order], like.dtype, like.device)
+    inverse = [order.index(d) for d in range(like.dim())]
+    return base.permute(inverse)
+
+
 # ----------------------------------------------------------------------------------------------
 # The machine
 # ----------------------------------------------------------------------------------------------

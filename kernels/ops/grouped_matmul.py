@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import _launch, runtime
+from .. import _activations, _launch, runtime
 from .._validate import check_float_dtype, check_same_device, check_same_dtype, check_tensor
 from ..autotune import MatmulConfig, fit_config
 
@@ -79,18 +79,36 @@ def _pick(values, idx, i):
     return tl.sum(tl.where(idx == i, values, 0), axis=0)
 
 
+#: The grouped kernel's epilogues: a plain product, or the gate/up pair of a gated MLP's first GEMM
+#: with the SwiGLU applied (``w``'s first N columns are the gate, the next N the up projection), or
+#: that SwiGLU's backward (the gate/up tiles recomputed, ``dh`` read, ``[d gate | d up]`` stored).
+EPILOGUE_NONE: tl.constexpr = tl.constexpr(0)
+EPILOGUE_SWIGLU: tl.constexpr = tl.constexpr(1)
+EPILOGUE_SWIGLU_BACKWARD: tl.constexpr = tl.constexpr(2)
+
+
 @triton.jit
 def grouped_matmul_kernel(
     x_ptr, w_ptr, out_ptr, offs_ptr,
+    idx_ptr,                                 # GATHER_K > 0: row r of the product is x[idx[r] // GATHER_K]
+    dh_ptr,                                  # EPILOGUE_SWIGLU_BACKWARD: the gradient of the SwiGLU's output
     M, N, K, E,
-    stride_xm, stride_xk,                    # x (M, K)
-    stride_we, stride_wk, stride_wn,         # w (E, K, N), any strides
-    stride_om, stride_on,                    # out (M, N)
+    stride_xm, stride_xk,                    # x (M, K), or (tokens, K) when gathering
+    stride_we, stride_wk, stride_wn,         # w (E, K, N), or (E, K, 2N) with a SwiGLU epilogue
+    stride_om, stride_on,                    # out (M, N), or (M, 2N) for the SwiGLU backward
+    stride_dm, stride_dn,                    # dh (M, N)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
     EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
+    GATHER_K: tl.constexpr = 0, EPILOGUE: tl.constexpr = 0,
 ):
     """out[tile] = x[tile rows] @ w[e][:, tile cols] for the tile-th row tile of the schedule; grid
-    (cdiv(M, BLOCK_M) + E, cdiv(N, BLOCK_N)). Tiles past the groups zero the rows past offsets[E-1]."""
+    (cdiv(M, BLOCK_M) + E, cdiv(N, BLOCK_N)). Tiles past the groups zero the rows past offsets[E-1].
+
+    ``GATHER_K > 0`` reads the rows through an index (the MoE permutation: sorted row ``r`` is token
+    ``idx[r] // k``), so the sorted copy of the tokens is never written. With a SwiGLU epilogue each
+    program computes the gate tile (columns ``n``) and the up tile (columns ``N + n``) from the same
+    ``x`` tiles — two dots per K step — and stores ``silu(gate) * up`` (N columns), or, in the
+    backward, ``[dh * up * silu'(gate) | dh * silu(gate)]`` (2N columns)."""
     tile = tl.program_id(0)
     pid_n = tl.program_id(1)
     idx, starts, ends = _group_bounds(offs_ptr, M, E, BLOCK_E)
@@ -107,28 +125,48 @@ def grouped_matmul_kernel(
         row_end = _pick(ends, idx, group)
         rows = row_start + tl.arange(0, BLOCK_M)
         m_ok = rows < row_end
+        if GATHER_K > 0:
+            src = tl.load(idx_ptr + rows, mask=m_ok, other=0) // GATHER_K
+        else:
+            src = rows
         ks = tl.arange(0, BLOCK_K)
-        if INDEX_64:
-            rows = rows.to(tl.int64)
-            ks = ks.to(tl.int64)
         expert = group
         if INDEX_64:
+            rows = rows.to(tl.int64)
+            src = src.to(tl.int64)
+            ks = ks.to(tl.int64)
             expert = expert.to(tl.int64)
-        x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :] * stride_xk
+        x_ptrs = x_ptr + src[:, None] * stride_xm + ks[None, :] * stride_xk
         w_ptrs = w_ptr + expert * stride_we + ks[:, None] * stride_wk + offs_n[None, :] * stride_wn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if EPILOGUE != EPILOGUE_NONE:
+            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             if EVEN_K:
                 a = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
                 b = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)
+                if EPILOGUE != EPILOGUE_NONE:
+                    b_up = tl.load(w_ptrs + N * stride_wn, mask=n_ok[None, :], other=0.0)
             else:
                 k_ok = ks < K - k0
                 a = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
                 b = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                if EPILOGUE != EPILOGUE_NONE:
+                    b_up = tl.load(w_ptrs + N * stride_wn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+            if EPILOGUE != EPILOGUE_NONE:
+                acc_up = tl.dot(a, b_up, acc_up, input_precision=INPUT_PRECISION)
             x_ptrs += BLOCK_K * stride_xk
             w_ptrs += BLOCK_K * stride_wk
-        out = acc.to(out_ptr.dtype.element_ty)
+        if EPILOGUE == EPILOGUE_SWIGLU:
+            out = (_activations.silu(acc) * acc_up).to(out_ptr.dtype.element_ty)
+        elif EPILOGUE == EPILOGUE_SWIGLU_BACKWARD:
+            dh = tl.load(dh_ptr + rows[:, None] * stride_dm + offs_n[None, :] * stride_dn,
+                         mask=m_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+            out = (dh * acc_up * _activations.silu_grad(acc)).to(out_ptr.dtype.element_ty)
+            out_up = (dh * _activations.silu(acc)).to(out_ptr.dtype.element_ty)
+        else:
+            out = acc.to(out_ptr.dtype.element_ty)
     else:
         # Past every group: the rows after offsets[E-1] (no expert) get zeros; spare programs store nothing.
         last_end = tl.max(ends, axis=0)
@@ -138,19 +176,23 @@ def grouped_matmul_kernel(
         if INDEX_64:
             rows = rows.to(tl.int64)
         out = tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty)
-    tl.store(out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on, out,
-             mask=m_ok[:, None] & n_ok[None, :])
+        out_up = out
+    out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(out_ptrs, out, mask=m_ok[:, None] & n_ok[None, :])
+    if EPILOGUE == EPILOGUE_SWIGLU_BACKWARD:
+        tl.store(out_ptrs + N * stride_on, out_up, mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
 def grouped_matmul_dw_kernel(
     x_ptr, dy_ptr, dw_ptr, offs_ptr,
+    idx_ptr,                                 # GATHER_K > 0: row r of x is x[idx[r] // GATHER_K]
     M, N, K,
     stride_xm, stride_xk,                    # x (M, K)
     stride_ym, stride_yn,                    # dy (M, N)
     stride_we, stride_wk, stride_wn,         # dw (E, K, N)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr, GATHER_K: tl.constexpr = 0,
 ):
     """dw[e][k tile, n tile] = x[rows of e, k tile]^T @ dy[rows of e, n tile]; grid (E, K tiles, N tiles).
 
@@ -176,7 +218,11 @@ def grouped_matmul_dw_kernel(
     for m0 in range(start, end, BLOCK_M):
         rows = m0 + ms
         m_ok = rows < end
-        xt = tl.load(x_ptr + offs_k[:, None] * stride_xk + rows[None, :] * stride_xm,
+        if GATHER_K > 0:
+            src = (tl.load(idx_ptr + rows, mask=m_ok, other=0) // GATHER_K).to(rows.dtype)
+        else:
+            src = rows
+        xt = tl.load(x_ptr + offs_k[:, None] * stride_xk + src[None, :] * stride_xm,
                      mask=k_ok[:, None] & m_ok[None, :], other=0.0)       # x^T tile (BLOCK_K, BLOCK_M)
         dy = tl.load(dy_ptr + rows[:, None] * stride_ym + offs_n[None, :] * stride_yn,
                      mask=m_ok[:, None] & n_ok[None, :], other=0.0)
@@ -228,13 +274,17 @@ def grouped_matmul_ideal_bytes(x: torch.Tensor, w: torch.Tensor, offsets: torch.
 # ----------------------------------------------------------------------------------------------
 
 
-def grouped_config(M: int, N: int, K: int, dtype: torch.dtype, *, backward: bool = False) -> MatmulConfig:
+def grouped_config(M: int, N: int, K: int, dtype: torch.dtype, *, backward: bool = False,
+                   paired: bool = False) -> MatmulConfig:
     """The tile of the grouped kernels.
 
     MoE groups are short (a few to a few hundred rows per expert), so row tiles are 64 on a GPU
     (a partial last tile per group wastes at most 63 rows) and 128 columns wide; the interpreter
     takes 64 x 64 x 32, shrunk to the problem. For the weight gradient the "M" block is the
-    reduction slice over a group's rows and the tile is BLOCK_K x BLOCK_N of dw.
+    reduction slice over a group's rows and the tile is BLOCK_K x BLOCK_N of dw. ``paired`` (the
+    SwiGLU epilogues: a gate tile and an up tile per program, two fp32 accumulators) halves the
+    tile's width on a GPU, so the pair holds the registers of one 128-wide tile (at 128 wide the
+    backward's epilogue spills on sm_90).
     """
     if runtime.INTERPRETER:
         base = MatmulConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=1, num_warps=4, num_stages=2)
@@ -242,7 +292,7 @@ def grouped_config(M: int, N: int, K: int, dtype: torch.dtype, *, backward: bool
     wide = dtype == torch.float32
     if backward:
         return fit_config(MatmulConfig(32 if wide else 64, 64, 64, 1, 4, 3), M, N, K)
-    return fit_config(MatmulConfig(64, 128, 32 if wide else 64, 1, 4, 3), M, N, K)
+    return fit_config(MatmulConfig(64, 64 if paired else 128, 32 if wide else 64, 1, 4, 3), M, N, K)
 
 
 def _index_64(*tensors: torch.Tensor) -> bool:
@@ -250,32 +300,50 @@ def _index_64(*tensors: torch.Tensor) -> bool:
                                  for t in tensors))
 
 
+_EPILOGUES = {"none": 0, "swiglu": 1, "swiglu_backward": 2}
+
+
 def launch_grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor,
-                          config: MatmulConfig | None = None) -> None:
-    """out = grouped x @ w (one launch; rows past offsets[-1] zeroed). Inputs already checked."""
-    M, K = x.shape
-    E, _, N = w.shape
+                          config: MatmulConfig | None = None, *, gather: torch.Tensor | None = None,
+                          gather_k: int = 1, epilogue: str = "none", dh: torch.Tensor | None = None) -> None:
+    """out = grouped x @ w (one launch; rows past offsets[-1] zeroed). Inputs already checked.
+
+    ``gather`` (int32, one entry per output row): row ``r`` reads ``x[gather[r] // gather_k]``.
+    ``epilogue="swiglu"``: ``w`` is ``(E, K, 2N)`` (gate columns, then up), out ``(M, N)`` gets
+    ``silu(gate) * up``; ``"swiglu_backward"``: out ``(M, 2N)`` gets ``[d gate | d up]`` from ``dh``
+    ``(M, N)``.
+    """
+    M = out.shape[0]
+    K = x.shape[1]
+    E = w.shape[0]
+    N = w.shape[2] if epilogue == "none" else w.shape[2] // 2
     if out.numel() == 0:
         return
     if E == 0 or K == 0:
-        out.zero_()  # no expert, or an empty reduction: every row is zero
-        return
+        out.zero_()  # no expert, or an empty reduction: every row is zero (for the SwiGLU and its
+        return       # backward too: gate = up = 0 gives silu(0) * 0 = 0 and zero gradients)
     if config is None:
-        config = grouped_config(M, N, K, x.dtype)
+        config = grouped_config(M, N, K, x.dtype, paired=epilogue != "none")
     grid = (triton.cdiv(M, config.BLOCK_M) + E, triton.cdiv(N, config.BLOCK_N))
+    idx = offsets if gather is None else gather
+    dh_ = out if dh is None else dh
     grouped_matmul_kernel[grid](
-        x, w, out, offsets, M, N, K, E, *x.stride(), *w.stride(), *out.stride(),
+        x, w, out, offsets, idx, dh_, M, N, K, E, *x.stride(), *w.stride(), *out.stride(), *dh_.stride(),
         BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
         BLOCK_E=max(2, _launch.next_power_of_2(E)), EVEN_K=K % config.BLOCK_K == 0,
-        INPUT_PRECISION=_launch.dot_input_precision(x.dtype), INDEX_64=_index_64(x, w, out),
+        INPUT_PRECISION=_launch.dot_input_precision(x.dtype), INDEX_64=_index_64(x, w, out, dh_),
+        GATHER_K=0 if gather is None else gather_k, EPILOGUE=_EPILOGUES[epilogue],
         **config.launch_options,
     )
 
 
 def launch_grouped_dw(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, dw: torch.Tensor,
-                      config: MatmulConfig | None = None) -> None:
-    """dw[e] = x_e^T dy_e for every expert (zeros for empty ones), one launch."""
-    M, K = x.shape
+                      config: MatmulConfig | None = None, *, gather: torch.Tensor | None = None,
+                      gather_k: int = 1) -> None:
+    """dw[e] = x_e^T dy_e for every expert (zeros for empty ones), one launch; with ``gather``, row
+    ``r`` of x is ``x[gather[r] // gather_k]``."""
+    M = dy.shape[0]
+    K = x.shape[1]
     E, _, N = dw.shape
     if dw.numel() == 0:
         return
@@ -286,9 +354,10 @@ def launch_grouped_dw(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, 
         config = grouped_config(M, N, K, x.dtype, backward=True)
     grid = (E, triton.cdiv(K, config.BLOCK_K), triton.cdiv(N, config.BLOCK_N))
     grouped_matmul_dw_kernel[grid](
-        x, dy, dw, offsets, M, N, K, *x.stride(), *dy.stride(), *dw.stride(),
+        x, dy, dw, offsets, offsets if gather is None else gather, M, N, K, *x.stride(), *dy.stride(), *dw.stride(),
         BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
         INPUT_PRECISION=_launch.dot_input_precision(x.dtype), INDEX_64=_index_64(x, dy, dw),
+        GATHER_K=0 if gather is None else gather_k,
         **config.launch_options,
     )
 
@@ -371,7 +440,7 @@ def _grouped_matmul_backward_op(grad_out: torch.Tensor, x: torch.Tensor, w: torc
         grad_x = _launch.empty_output(x.shape, x)
         launch_grouped_matmul(grad_out, w.transpose(1, 2), offsets, grad_x)  # dx = dy w^T, rows past the groups 0
     if need_w:
-        grad_w = _launch.empty_output(w.shape, x)
+        grad_w = _launch.empty_in_layout(w)  # w.transpose(1, 2) of a contiguous weight: a contiguous gradient
         launch_grouped_dw(x, grad_out, offsets, grad_w)
     return grad_x, grad_w
 
@@ -379,7 +448,7 @@ def _grouped_matmul_backward_op(grad_out: torch.Tensor, x: torch.Tensor, w: torc
 @_grouped_matmul_backward_op.register_fake
 def _grouped_matmul_backward_fake(grad_out, x, w, offsets, need_x, need_w):
     grad_x = _launch.empty_output(x.shape, x) if need_x else x.new_empty(0)
-    grad_w = _launch.empty_output(w.shape, x) if need_w else x.new_empty(0)
+    grad_w = _launch.empty_in_layout(w) if need_w else x.new_empty(0)
     return grad_x, grad_w
 
 

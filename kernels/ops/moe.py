@@ -1,4 +1,4 @@
-"""A Mixtral-style sparse mixture-of-experts block from the chapter's kernels.
+"""A Mixtral-style sparse mixture-of-experts block, forward and backward, as ``kernels.moe``.
 
 ``moe(x, router_logits, w_gate_up, w_down, top_k)`` computes, for every token ``t``,
 
@@ -6,24 +6,41 @@
 
 with Hugging Face's ``MixtralExperts`` layout: ``w_gate_up`` ``(E, 2F, H)`` (the gate's ``F`` rows
 first, then up's) and ``w_down`` ``(E, H, F)``, used as they are (the grouped GEMMs read them
-transposed through their strides, no copy). The steps, each one Triton op with its backward:
+transposed through their strides, no copy). Five ops, each a Triton op with its backward:
 
-1. :func:`kernels.topk_routing` — softmax over the experts, the top ``k``, renormalised or not;
+1. :func:`kernels.topk_routing` — softmax (or sigmoid) over the experts in fp32, the top ``k``;
 2. :func:`kernels.moe_permute` — the ``T·k`` (token, slot) entries sorted by expert (a counting
-   sort) and each expert's cumulative end;
-3. :func:`kernels.moe_gather` — the token rows in that order;
-4. :func:`kernels.grouped_matmul` over every expert at once: gate and up, then the SwiGLU, then down;
-5. :func:`kernels.moe_combine` — each token's ``k`` rows weighted by the router and summed.
+   sort) and each expert's cumulative end row;
+3. ``kernels::moe_gate_up`` — **one** grouped GEMM for every expert's gate and up projections,
+   reading the token rows through the permutation (the sorted copy of ``x`` is never written) and
+   applying the SwiGLU in its epilogue: each program computes a gate tile and the matching up tile
+   from the same ``x`` tiles and stores only ``h = silu(gate) * up`` ``(T·k, F)``;
+4. :func:`kernels.grouped_matmul` — the down projection, ``(T·k, H)``;
+5. :func:`kernels.moe_combine` — each token's ``k`` rows weighted by the router and summed (the
+   weights applied in the gather back, no atomics).
 
-No step synchronizes with the host: the group sizes stay on the device. Autograd flows through
-every step to ``x``, ``router_logits``, ``w_gate_up`` and ``w_down``.
+Of the unfused chain (``solutions.ch09_moe.moe_unfused``: gather, GEMM, SwiGLU, GEMM, combine) the
+gathered rows ``(T·k, H)`` and the pre-activations ``(T·k, 2F)`` no longer go through memory; what
+is left besides the weights is what :func:`moe_ideal_bytes` counts. No step synchronizes with the
+host: the group sizes stay on the device, and the launch count does not depend on ``E``.
+
+**Backward.** ``h`` is saved (the down GEMM's weight gradient needs it); the pre-activations are
+not: ``kernels::moe_gate_up_backward`` recomputes the gate and up tiles in the same grouped kernel,
+reads ``dh`` in the epilogue and writes ``[d gate | d up]`` ``(T·k, 2F)`` (the trade
+``kernels.gated_mlp`` makes: ``4·T·k·F·H`` more FLOPs for ``2·T·k·F`` fewer elements held). Then
+``d rows = [d gate | d up] @ w_gate_up[e]`` (a grouped GEMM), ``dx`` = each token's ``k`` rows summed
+(the combine without weights) and ``d w_gate_up[e] = [d gate | d up]^T x_e`` (the grouped weight-
+gradient kernel, gathering ``x``'s rows through the permutation as the forward did).
 """
 
 from __future__ import annotations
 
 import torch
 
+from .. import _launch, runtime
 from .._validate import check_float_dtype, check_tensor, is_int
+from .grouped_matmul import launch_grouped_dw, launch_grouped_matmul
+from .moe_permute import _moe_combine_op
 
 __all__ = ["moe", "moe_ideal_bytes"]
 
@@ -65,6 +82,95 @@ def _check(x, router_logits, w_gate_up, w_down, top_k, renormalize) -> None:
         raise ValueError(f"{_OP}: router_logits must be on x's device {x.device}, got {router_logits.device}")
 
 
+# ----------------------------------------------------------------------------------------------
+# kernels::moe_gate_up: gather + gate/up grouped GEMM + SwiGLU, one launch; its backward
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_gate_up(op, x, w_gate_up, offsets, permutation, top_k) -> None:
+    """The internal op's contract (kernels.moe has checked the user's arguments)."""
+    check_tensor(op, "x", x)
+    check_tensor(op, "w_gate_up", w_gate_up)
+    if permutation.dtype != torch.int32 or offsets.dtype != torch.int32:
+        raise TypeError(f"{op}: permutation and offsets must be int32 (kernels.moe_permute's outputs)")
+    if permutation.shape != (x.shape[0] * top_k,) or offsets.shape != (w_gate_up.shape[0],):
+        raise ValueError(f"{op}: permutation must be (T·k,) and offsets (E,), got {tuple(permutation.shape)} "
+                         f"and {tuple(offsets.shape)}")
+
+
+@torch.library.custom_op("kernels::moe_gate_up", mutates_args=())
+def _moe_gate_up_op(x: torch.Tensor, w_gate_up: torch.Tensor, offsets: torch.Tensor, permutation: torch.Tensor,
+                    top_k: int) -> torch.Tensor:
+    op = "kernels.moe (gate/up)"
+    _check_gate_up(op, x, w_gate_up, offsets, permutation, top_k)
+    runtime.require_launchable(op, x, w_gate_up, offsets, permutation)
+    ffn = w_gate_up.shape[1] // 2
+    hidden = _launch.empty_output((permutation.shape[0], ffn), x)
+    launch_grouped_matmul(x, w_gate_up.transpose(1, 2), offsets, hidden, gather=permutation, gather_k=top_k,
+                          epilogue="swiglu")
+    return hidden
+
+
+@_moe_gate_up_op.register_fake
+def _moe_gate_up_fake(x, w_gate_up, offsets, permutation, top_k):
+    _check_gate_up("kernels.moe (gate/up)", x, w_gate_up, offsets, permutation, top_k)
+    return _launch.empty_output((permutation.shape[0], w_gate_up.shape[1] // 2), x)
+
+
+@torch.library.custom_op("kernels::moe_gate_up_backward", mutates_args=())
+def _moe_gate_up_backward_op(grad_hidden: torch.Tensor, x: torch.Tensor, w_gate_up: torch.Tensor,
+                             offsets: torch.Tensor, permutation: torch.Tensor, top_k: int, need_x: bool,
+                             need_w: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    op = "kernels.moe (gate/up backward)"
+    runtime.require_launchable(op, grad_hidden, x)
+    grad_hidden = grad_hidden.to(x.dtype)
+    entries = permutation.shape[0]
+    # [d gate | d up], the gate/up tiles recomputed from x (gathered) and w_gate_up in the same kernel.
+    grad_gate_up = _launch.empty_output((entries, w_gate_up.shape[1]), x)
+    launch_grouped_matmul(x, w_gate_up.transpose(1, 2), offsets, grad_gate_up, gather=permutation,
+                          gather_k=top_k, epilogue="swiglu_backward", dh=grad_hidden)
+    grad_x = x.new_empty(0)
+    grad_w = x.new_empty(0)
+    if need_x:
+        grad_rows = _launch.empty_output((entries, x.shape[1]), x)
+        launch_grouped_matmul(grad_gate_up, w_gate_up, offsets, grad_rows)  # (T·k, 2F) @ (2F, H) per expert
+        grad_x = _moe_combine_op(grad_rows, permutation, top_k, None)  # each token's k rows summed
+    if need_w:
+        grad_w = _launch.empty_in_layout(w_gate_up)
+        # d w_gate_up[e]^T (H, 2F) = x_e^T [d gate | d up]_e, x's rows gathered through the permutation.
+        launch_grouped_dw(x, grad_gate_up, offsets, grad_w.transpose(1, 2), gather=permutation, gather_k=top_k)
+    return grad_x, grad_w
+
+
+@_moe_gate_up_backward_op.register_fake
+def _moe_gate_up_backward_fake(grad_hidden, x, w_gate_up, offsets, permutation, top_k, need_x, need_w):
+    grad_x = _launch.empty_output(x.shape, x) if need_x else x.new_empty(0)
+    grad_w = _launch.empty_in_layout(w_gate_up) if need_w else x.new_empty(0)
+    return grad_x, grad_w
+
+
+def _gate_up_setup(ctx, inputs, output) -> None:
+    x, w_gate_up, offsets, permutation, top_k = inputs
+    ctx.top_k = top_k
+    ctx.save_for_backward(x, w_gate_up, offsets, permutation)
+
+
+def _gate_up_backward(ctx, grad_hidden):
+    x, w_gate_up, offsets, permutation = ctx.saved_tensors
+    need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    grad_x, grad_w = _moe_gate_up_backward_op(grad_hidden, x, w_gate_up, offsets, permutation, ctx.top_k,
+                                              need_x, need_w)
+    return grad_x if need_x else None, grad_w if need_w else None, None, None, None
+
+
+_moe_gate_up_op.register_autograd(_gate_up_backward, setup_context=_gate_up_setup)
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels.moe
+# ----------------------------------------------------------------------------------------------
+
+
 def moe(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
         top_k: int, renormalize: bool = True) -> torch.Tensor:
     """A sparse MoE block (Mixtral's): route, sort by expert, two grouped GEMMs, combine.
@@ -84,16 +190,12 @@ def moe(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor, w
     import kernels
 
     _check(x, router_logits, w_gate_up, w_down, top_k, renormalize)
-    experts, two_f, _ = w_gate_up.shape
-    ffn = two_f // 2
+    experts = w_gate_up.shape[0]
     weights, expert_ids = kernels.topk_routing(router_logits, top_k, renormalize=renormalize)
     permutation, offsets = kernels.moe_permute(expert_ids, experts)
-    rows = kernels.moe_gather(x, permutation, top_k)
-    gate_up = kernels.grouped_matmul(rows, w_gate_up.transpose(1, 2), offsets)  # (T·k, 2F)
-    hidden = kernels.swiglu(gate_up[:, :ffn], gate_up[:, ffn:])
+    hidden = _moe_gate_up_op(x, w_gate_up, offsets, permutation, top_k)  # (T·k, F), SwiGLU applied
     down = kernels.grouped_matmul(hidden, w_down.transpose(1, 2), offsets)  # (T·k, H)
     return kernels.moe_combine(down, permutation, weights)
-
 
 def moe_ideal_bytes(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                     expert_ids: torch.Tensor) -> int:

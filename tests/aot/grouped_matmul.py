@@ -1,6 +1,7 @@
 """Compile the grouped-GEMM kernels for sm_90 at the tiles grouped_config picks: the forward (the in-kernel
 tile search over offsets, at 8 and 128 experts) and the weight gradient, in bf16, fp16 and fp32 (TF32),
-with no register spills and the 16-bit dots on tensor cores; the int64-offset forward once.
+with no register spills and the 16-bit dots on tensor cores; the int64-offset forward once; and kernels.moe's
+variants (rows gathered through the permutation, the SwiGLU epilogue and its backward, the gathered dw).
 
 Run by tests/test_kernels_compile_grouped_matmul.py in a compiled-mode child process (utils.aot.run_compiled).
 """
@@ -14,7 +15,7 @@ from utils.aot import compile_kernel, resource_usage
 
 TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 # Unit strides of contiguous operands (x (M, K), w (E, K, N), out/dy (M, N), dw (E, K, N)) become constants.
-UNIT = {"stride_xk", "stride_wn", "stride_on", "stride_yn"}
+UNIT = {"stride_xk", "stride_wn", "stride_on", "stride_yn", "stride_dn"}
 RUNTIME = {"M", "E"}  # the token count changes with every batch; E is small
 
 failures, count = [], 0
@@ -24,10 +25,12 @@ def check(kernel, dtype, constexprs, config):
     global count
 
     def types(name):
-        if name == "offs_ptr":
+        if name in ("offs_ptr", "idx_ptr"):
             return "*i32"
         return "*" + TYPES[dtype] if name.endswith("_ptr") else "i32"
 
+    defaults = {"GATHER_K": 0, "EPILOGUE": 0}  # the plain product unless a variant is asked for
+    constexprs = {**{k: v for k, v in defaults.items() if k in kernel.arg_names}, **constexprs}
     what = f"{kernel.__name__} {TYPES[dtype]} {constexprs} {config}"
     compiled = compile_kernel(kernel, types, constexprs, ones=[n for n in kernel.arg_names if n in UNIT],
                               divisible=lambda name: name not in UNIT and name not in RUNTIME,
@@ -56,6 +59,17 @@ config = gm.grouped_config(8192, 2048, 7168, torch.bfloat16)
 check(gm.grouped_matmul_kernel, torch.bfloat16, {"BLOCK_E": 16, "EVEN_K": False, "INPUT_PRECISION": "ieee",
                                                  "INDEX_64": True, "BLOCK_M": config.BLOCK_M,
                                                  "BLOCK_N": config.BLOCK_N, "BLOCK_K": config.BLOCK_K}, config)
+for dtype in (torch.bfloat16, torch.float16):  # kernels.moe at Mixtral's sizes: H = 4096, F = 14336
+    config = gm.grouped_config(8192, 14336, 4096, dtype, paired=True)
+    tiles = {"BLOCK_M": config.BLOCK_M, "BLOCK_N": config.BLOCK_N, "BLOCK_K": config.BLOCK_K}
+    for epilogue in (1, 2):  # the SwiGLU, its backward
+        check(gm.grouped_matmul_kernel, dtype, {"BLOCK_E": 8, "EVEN_K": True, "INPUT_PRECISION": "ieee",
+                                                "INDEX_64": False, "GATHER_K": 2, "EPILOGUE": epilogue, **tiles},
+              config)
+    dw = gm.grouped_config(8192, 28672, 4096, dtype, backward=True)
+    check(gm.grouped_matmul_dw_kernel, dtype, {"INPUT_PRECISION": "ieee", "INDEX_64": False, "GATHER_K": 2,
+                                               "BLOCK_M": dw.BLOCK_M, "BLOCK_N": dw.BLOCK_N, "BLOCK_K": dw.BLOCK_K},
+          dw)
 print(f"{count} variants compiled")
 print("\n".join(failures) or "ok")
 sys.exit(1 if failures else 0)
