@@ -20,7 +20,7 @@ from ._rows import RowConfig
 from .autotune import MatmulConfig
 from .ops.add import add, add_kernel
 from .ops.add_rms_norm import add_rms_norm, add_rms_norm_kernel
-from .ops.block_sparse_attention import block_sparse_attention
+from .ops.block_sparse_attention import bigbird_mask, block_sparse_attention, sliding_window_mask
 from .ops.cross_entropy import cross_entropy, cross_entropy_backward_kernel, cross_entropy_forward_kernel
 from .ops.dropout import dropout, dropout_kernel, dropout_mask, dropout_mask_kernel
 from .ops.flash_attention import (
@@ -131,6 +131,8 @@ __all__ = [
     "flash_attention",
     "flash_attention_varlen",
     "block_sparse_attention",
+    "sliding_window_mask",
+    "bigbird_mask",
     "paged_attention",
     "write_kv_cache",
     "topk_routing",
