@@ -20,18 +20,22 @@ __all__ = [
     "launch_topk_routing",
     "routing_reference",
     "routing_cases",
+    "diagnose_routing",
     "counting_sort",
     "counting_sort_reference",
     "counting_sort_cases",
+    "diagnose_counting_sort",
     "grouped_tile_map",
     "grouped_tile_map_reference",
     "tile_map_cases",
+    "diagnose_tile_map",
     "combine",
     "combine_reference",
     "combine_cases",
     "visited_key_blocks",
     "visited_key_blocks_reference",
     "block_mask_cases",
+    "diagnose_visited_blocks",
     "experts_loop",
     "moe_unfused",
 ]
@@ -109,20 +113,98 @@ def launch_topk_routing(kernel, logits: torch.Tensor, k: int, renormalize: bool,
 
 
 def routing_reference(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mixtral's router in float64: softmax, ``torch.topk``, optionally renormalised."""
+    """Mixtral's router in float64: softmax, the ``k`` largest, optionally renormalised. A stable
+    descending sort, not ``torch.topk`` (whose order among equal values is unspecified: on the CPU
+    it does not pick the lowest ids), so that ties go to the lowest expert id, as the kernel must."""
     probs = torch.softmax(logits.double(), dim=-1)
-    weights, ids = torch.topk(probs, k, dim=-1)
+    weights, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
+    weights, ids = weights[:, :k], ids[:, :k]
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.float(), ids.to(torch.int32)
 
 
 def routing_cases(gen: torch.Generator) -> list[tuple]:
-    """Token counts off the block, 8 to 60 experts, top 1, 2 and 6, both renormalisations."""
+    """Token counts off the block, 8 to 60 experts, top 1, 2, 3 and 6, both renormalisations, and
+    logits on a coarse grid: many exact ties, and a token whose experts all tie."""
     cases = []
     for tokens, experts, k, renormalize in ((37, 8, 2, True), (5, 60, 6, False), (20, 16, 1, True), (16, 8, 2, False)):
         cases.append((torch.randn(tokens, experts, generator=gen).to(kernels.runtime.DEVICE) * 2, k, renormalize))
+    ties = torch.randint(-3, 4, (24, 8), generator=gen).float() / 2
+    ties[0] = 0.0
+    cases.append((ties.to(kernels.runtime.DEVICE), 3, True))
     return cases
+
+
+def _differences(label: str, got: object, expected: torch.Tensor, rtol: float = 0.0, atol: float = 0.0) -> str | None:
+    """What differs between a returned tensor and the expected one, in one sentence (None if nothing)."""
+    if not isinstance(got, torch.Tensor):
+        return f"{label}: returned {type(got).__name__}, expected a tensor"
+    if tuple(got.shape) != tuple(expected.shape):
+        return f"{label}: wrong shape {tuple(got.shape)}, expected {tuple(expected.shape)}"
+    if got.dtype != expected.dtype:
+        return f"{label}: wrong dtype {got.dtype}, expected {expected.dtype}"
+    g, e = got.detach().cpu(), expected.detach().cpu()
+    if e.dtype.is_floating_point:
+        bad = ~torch.isclose(g.double(), e.double(), rtol=rtol, atol=atol)
+    else:
+        bad = g != e
+    count = int(bad.sum())
+    if not count:
+        return None
+    first = tuple(int(i) for i in bad.nonzero()[0])
+
+    def fmt(v: torch.Tensor) -> str:
+        return f"{v.item():.6g}" if v.dtype.is_floating_point else str(v.item())
+
+    return (f"{label}: wrong values in {count} of {e.numel()} elements, first at index "
+            f"{first if len(first) > 1 else first[0]}: got {fmt(g[first])}, expected {fmt(e[first])}")
+
+
+def diagnose_routing(got, expected) -> str | None:
+    """The check's comparison for exercise 1 (``out=True``: ``got`` is the written ``(weights, ids)``):
+    None if the weights (float32's tolerance) and the ids match, else what is wrong — an expert
+    chosen twice, the renormalisation, a tie, or where the values differ."""
+    (weights, ids), (want_weights, want_ids) = got, expected
+    weights, ids = weights.detach().cpu().double(), ids.detach().cpu()
+    want_weights, want_ids = want_weights.cpu().double(), want_ids.cpu()
+    weights_bad = ~torch.isclose(weights, want_weights, rtol=1e-5, atol=1e-6)
+    ids_bad = ids != want_ids
+    if not weights_bad.any() and not ids_bad.any():
+        return None
+    poison = torch.iinfo(ids.dtype).min
+    if (ids == poison).any():
+        return (f"ids: {int((ids == poison).sum())} of {ids.numel()} never written (still the poison {poison}), "
+                f"first at token {int((ids == poison).nonzero()[0, 0])}")
+    repeated = ((ids[:, :, None] == ids[:, None, :]).sum(dim=-1) > 1).any(dim=1)
+    if repeated.any():
+        t = int(repeated.nonzero()[0, 0])
+        return (f"token {t} got the same expert twice (ids {ids[t].tolist()}, expected {want_ids[t].tolist()}): "
+                "mask each round's winner out before the next round, so that a token's k experts are distinct")
+    if torch.isfinite(weights).all() and not ids_bad.any():
+        sums, ones = weights.sum(dim=1), torch.ones(len(weights), dtype=torch.float64)
+        asked = torch.allclose(want_weights.sum(dim=1), ones, atol=1e-5)  # renormalize=True (with k < E)
+        if asked and not torch.allclose(sums, ones, atol=1e-5):
+            if torch.allclose(weights / sums[:, None], want_weights, rtol=1e-4, atol=1e-6):
+                return ("the weights are the chosen experts' softmax probabilities, not renormalised: this case has "
+                        "renormalize=True (Mixtral): divide them by their sum, so that a token's k weights sum to 1")
+            t = int((~torch.isclose(sums, ones, atol=1e-5)).nonzero()[0, 0])
+            return f"with renormalize=True a token's k weights sum to 1; token {t}'s sum to {float(sums[t]):.6g}"
+        if not asked and torch.allclose(sums, ones, atol=1e-5):
+            return ("each token's weights sum to 1, but this case has renormalize=False (Qwen2-MoE): the weights are "
+                    "the chosen experts' own probabilities from the softmax over all E experts (they sum to less "
+                    "than 1) — neither renormalised nor a softmax over the k chosen logits")
+    if not weights_bad.any():
+        t = int(ids_bad.any(dim=1).nonzero()[0, 0])
+        if ids_bad.all():
+            return (f"the weights are right but every id is wrong (token {t}: got {ids[t].tolist()}, expected "
+                    f"{want_ids[t].tolist()}): an id is the index of the expert whose probability is its weight")
+        return (f"the weights are right but {int(ids_bad.sum())} of {ids.numel()} ids are not, first at token {t}: "
+                f"got {ids[t].tolist()}, expected {want_ids[t].tolist()} — the same weights under other ids: "
+                "a tie (experts of equal probability) goes to the lowest expert id")
+    problems = [_differences("weights", weights.float(), want_weights.float(), 1e-5, 1e-6),
+                _differences("ids", ids, want_ids)]
+    return "; ".join(p for p in problems if p)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -173,6 +255,67 @@ def counting_sort_cases(gen: torch.Generator) -> list[tuple]:
     return cases
 
 
+def _few(values: torch.Tensor, limit: int = 8) -> str:
+    """The first ``limit`` values of a 1-D tensor as a list, ``…`` if there are more."""
+    items = [str(v) for v in values[:limit].tolist()] + (["…"] if len(values) > limit else [])
+    return "[" + ", ".join(items) + "]"
+
+
+def diagnose_counting_sort(got, expected) -> str | None:
+    """The check's comparison for exercise 2: None if ``(permutation, offsets)`` match, else what is
+    wrong — starts for ends, counts for ends, an unstable order, the inverse permutation, or where."""
+    if not isinstance(got, (tuple, list)) or len(got) != 2:
+        return f"returned {type(got).__name__}, expected a tuple (permutation, offsets)"
+    (permutation, offsets), (want_permutation, want_offsets) = got, expected
+    form = [_differences(label, g, e) for label, g, e in (("permutation", permutation, want_permutation),
+                                                           ("offsets", offsets, want_offsets))]
+    form = [p for p in form if p and "wrong values" not in p]
+    if form:
+        if (isinstance(offsets, torch.Tensor) and offsets.dim() == 1 and offsets.dtype == want_offsets.dtype
+                and len(offsets) < len(want_offsets)):
+            form.append(f"one end per expert, the empty ones too: {len(want_offsets)} of them "
+                        "(torch.bincount(..., minlength=num_experts))")
+        return "; ".join(form)
+    permutation, offsets = permutation.detach().cpu().long(), offsets.detach().cpu().long()
+    want_permutation, want_offsets = want_permutation.cpu().long(), want_offsets.cpu().long()
+    problems = []
+    if not torch.equal(offsets, want_offsets):
+        counts = torch.diff(want_offsets, prepend=want_offsets.new_zeros(1))
+        if torch.equal(offsets, want_offsets - counts):
+            problems.append("offsets are each expert's start (an exclusive scan), not its end: offsets[e] = the "
+                            "entries routed to experts 0..e, the inclusive cumsum of the counts (the grouped "
+                            "GEMM's convention)")
+        elif torch.equal(offsets, counts):
+            problems.append("offsets are the counts (the histogram) themselves: take their cumulative sum, "
+                            "each expert's end")
+        else:
+            problems.append(_differences("offsets", offsets, want_offsets))
+    if not torch.equal(permutation, want_permutation):
+        n = want_permutation.numel()
+        positions = torch.arange(n)
+        inverse = torch.empty_like(want_permutation)
+        inverse[want_permutation] = positions
+        if not torch.equal(torch.sort(permutation).values, positions):
+            problems.append(f"permutation is not a permutation of the {n} entries (each flat index t·k + j "
+                            f"once); {_differences('permutation', permutation, want_permutation)}")
+        elif torch.equal(permutation, inverse):
+            problems.append("permutation is inverted: it holds each entry's sorted position; the check wants the "
+                            "entry at each sorted position (permutation[position] = t·k + j)")
+        else:
+            expert_at = torch.searchsorted(want_offsets, positions, right=True)  # the expert of each position
+            expert_of = torch.empty_like(expert_at)
+            expert_of[want_permutation] = expert_at
+            if torch.equal(expert_of[permutation], expert_at):
+                e = int(expert_at[int((permutation != want_permutation).nonzero()[0, 0])])
+                rows = expert_at == e
+                problems.append(f"every entry is in its expert's rows, but not in its original order (expert {e}: "
+                                f"got entries {_few(permutation[rows])}, expected {_few(want_permutation[rows])}): "
+                                "the sort must be stable — within an expert, increasing t·k + j")
+            else:
+                problems.append(_differences("permutation", permutation, want_permutation))
+    return "; ".join(problems) or None
+
+
 # ----------------------------------------------------------------------------------------------
 # Exercise 3: the grouped GEMM's tile map
 # ----------------------------------------------------------------------------------------------
@@ -214,6 +357,67 @@ def tile_map_cases(gen: torch.Generator) -> list[tuple]:
     sizes = torch.randint(0, 30, (6,), generator=gen)
     cases.append((sizes.cumsum(0).tolist(), 8))
     return cases
+
+
+def _row_runs(rows: list[int]) -> str:
+    """``[0, 1, 2, 7]`` -> ``'0..2, 7'``."""
+    runs: list[list[int]] = []
+    for r in rows:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ", ".join(str(a) if a == b else f"{a}..{b}" for a, b in runs)
+
+
+def diagnose_tile_map(got, expected) -> str | None:
+    """The check's comparison for exercise 3: None if the tiles match, else what is wrong — a tile
+    for an empty group, one mixing groups, one longer than ``block_m``, rows in no tile, the order."""
+    if got == expected:
+        return None
+    try:
+        got = [(int(g), int(a), int(b)) for g, a, b in got]
+    except (TypeError, ValueError):
+        return f"returned {str(got)[:60]}: expected a list of (group, first row, end row) tuples"
+    if got == expected:
+        return None
+    bounds: dict[int, tuple[int, int]] = {}
+    for g, a, b in expected:
+        low, high = bounds.get(g, (a, b))
+        bounds[g] = (min(low, a), max(high, b))
+    longest = max((b - a for _, a, b in expected), default=0)
+    for g, a, b in got:
+        if g not in bounds:
+            return (f"group {g} has no rows, but got the tile {(g, a, b)}: an empty group has no tiles (a "
+                    "program for it would compute nothing)")
+    for g, a, b in got:
+        low, high = bounds[g]
+        if a < low or b > high:
+            return (f"the tile {(g, a, b)} reaches outside group {g}'s rows {low}..{high - 1}: a tile holds rows "
+                    "of one group only (they multiply different weights) — each group's tiles start at its own "
+                    "first row, and its last tile ends at its end")
+        if b <= a:
+            return f"the tile {(g, a, b)} holds no rows"
+        if b - a > longest:
+            return (f"the tile {(g, a, b)} holds {b - a} rows, more than the longest right tile ({longest}): a tile "
+                    "holds at most block_m rows")
+    for g, (low, high) in bounds.items():
+        covered = {r for h, a, b in got if h == g for r in range(a, b)}
+        missing = [r for r in range(low, high) if r not in covered]
+        if missing:
+            text = (f"group {g} (rows {low}..{high - 1}) is in no tile" if len(missing) == high - low else
+                    f"rows {_row_runs(missing)} of group {g} (rows {low}..{high - 1}) are in no tile")
+            if missing == list(range(missing[0], high)) and len(missing) < longest:
+                text += (f": its last, partial tile is missing — a group of n rows has ceil(n / block_m) tiles, "
+                         f"the last one short ({high - missing[0]} rows here)")
+            return text
+    if len(got) != len(set(got)) or sum(b - a for _, a, b in got) > sum(b - a for _, a, b in expected):
+        return f"some rows are in two tiles: got {len(got)} tiles, expected {len(expected)}"
+    if sorted(got) == sorted(expected):
+        return "the right tiles in the wrong order: group by group, each group's rows in increasing order"
+    i = next((i for i, (g, e) in enumerate(zip(got, expected)) if g != e), min(len(got), len(expected)))
+    return (f"got {len(got)} tiles, expected {len(expected)}; the first difference is tile {i}: got "
+            f"{got[i] if i < len(got) else 'none'}, expected {expected[i] if i < len(expected) else 'none'}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -271,6 +475,8 @@ def visited_key_blocks(block_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 
 def visited_key_blocks_reference(block_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row by row (the check's reference), the rest of each row ``-1``: the check
+    (:func:`diagnose_visited_blocks`) reads only each row's first ``counts[q]`` indices."""
     counts, rows = [], []
     for row in block_mask.tolist():
         allowed = [j for j, a in enumerate(row) if a]
@@ -288,6 +494,44 @@ def block_mask_cases(gen: torch.Generator) -> list[tuple]:
         mask[-1] = True
         cases.append((mask,))
     return cases
+
+
+def diagnose_visited_blocks(got, expected) -> str | None:
+    """The check's comparison for exercise 5: ``counts`` must match and each row's first
+    ``counts[q]`` entries of ``indices`` (the rest is never read, so anything goes there); else what
+    is wrong — an empty row visiting a block, the order, an index off by one, or where."""
+    if not isinstance(got, (tuple, list)) or len(got) != 2:
+        return f"returned {type(got).__name__}, expected a tuple (counts, indices)"
+    (counts, indices), (want_counts, want_indices) = got, expected
+    form = [_differences(label, g, e) for label, g, e in (("counts", counts, want_counts),
+                                                           ("indices", indices, want_indices))]
+    form = [p for p in form if p and "wrong values" not in p]
+    if form:
+        return "; ".join(form)
+    counts, indices = counts.detach().cpu(), indices.detach().cpu()
+    want_counts, want_indices = want_counts.cpu(), want_indices.cpu()
+    if not torch.equal(counts, want_counts):
+        visits_empty = (want_counts == 0) & (counts != 0)
+        if visits_empty.any():
+            q = int(visits_empty.nonzero()[0, 0])
+            return (f"query block {q} allows no key block, but counts[{q}] = {int(counts[q])}: a row with nothing "
+                    "allowed visits nothing (count 0: its loop runs no iteration)")
+        bad = (counts != want_counts).nonzero()[:, 0].tolist()
+        return (f"counts wrong at query block(s) {_row_runs(bad)}: got {counts[bad].tolist()}, expected "
+                f"{want_counts[bad].tolist()} (counts[q] = the allowed key blocks of row q)")
+    wrong = [q for q in range(len(want_counts))
+             if not torch.equal(indices[q, : int(want_counts[q])], want_indices[q, : int(want_counts[q])])]
+    if not wrong:
+        return None
+    q = wrong[0]
+    listed, allowed = indices[q, : int(want_counts[q])].tolist(), want_indices[q, : int(want_counts[q])].tolist()
+    text = f"query block {q} visits key blocks {listed}, expected {allowed}"
+    if all(sorted(indices[r, : int(want_counts[r])].tolist()) == want_indices[r, : int(want_counts[r])].tolist()
+           for r in wrong):
+        return text + ": the right blocks in the wrong order — list them in increasing order"
+    if all(torch.equal(indices[r, : int(want_counts[r])] - 1, want_indices[r, : int(want_counts[r])]) for r in wrong):
+        return text + ": every one is one too high — key blocks are numbered from 0"
+    return text + f" ({len(wrong)} of {len(want_counts)} rows wrong; a row lists its allowed blocks first)"
 
 
 # ----------------------------------------------------------------------------------------------

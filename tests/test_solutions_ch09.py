@@ -1,0 +1,426 @@
+"""Chapter 09's solutions pass the checker on fresh inputs; wrong variants of each do not.
+
+Each exercise is checked as the notebook checks it (the same givens from ``solutions.ch09_moe``:
+cases, launcher, reference, diagnosis), once with the solution (SOLVED) and once per negative control
+— a plausible wrong answer the checker must reject, with the diagnosis it must give. The library's
+own ops (``kernels.topk_routing``, ``moe_permute``, ``grouped_tile_map``, ``moe_combine``, the
+block-sparse attention's block lists) must pass the same checks: the exercises ask what they do.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+import kernels
+from kernels.ops.block_sparse_attention import block_lists
+from solutions import ch09_moe as given
+from utils.exercises import check
+
+pytestmark = pytest.mark.interpreter  # the kernel's diagnoses need the interpreter
+
+
+def rejected(verdict, diagnosis: str) -> bool:
+    """NOT SOLVED, saying ``diagnosis`` (the verdict's lines are wrapped: compared with single spaces)."""
+    return not verdict.solved and diagnosis in " ".join(verdict.message.split())
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 1: the routing kernel
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def buggy_routing_kernel(
+    logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, stride_lt, stride_wt, stride_it,
+    K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    BUG: tl.constexpr,
+):
+    # The solution with one mistake: BUG 0 never renormalises, 1 breaks ties to the highest id,
+    # 2 always renormalises (a softmax over the k chosen logits), 3 never masks a winner out,
+    # 4 stores without the token mask (the rows past the last token).
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    experts = tl.arange(0, BLOCK_E)
+    valid = (rows[:, None] < num_tokens) & (experts[None, :] < num_experts)
+    logits = tl.load(logits_ptr + rows[:, None] * stride_lt + experts[None, :], mask=valid,
+                     other=float("-inf")).to(tl.float32)
+    m = tl.max(logits, axis=1)
+    p = tl.exp(logits - m[:, None])
+    p = tl.where(valid, p, 0.0)
+    p = p / tl.sum(p, axis=1)[:, None]
+    if BUG == 4:
+        store_ok = rows >= 0
+    else:
+        store_ok = rows < num_tokens
+    total = tl.zeros([BLOCK_T], tl.float32)
+    remaining = tl.where(valid, p, -1.0)
+    for j in tl.static_range(K):
+        best = tl.max(remaining, axis=1)
+        if BUG == 1:
+            idx = tl.max(tl.where(remaining == best[:, None], experts[None, :], -1), axis=1)
+        else:
+            idx = tl.min(tl.where(remaining == best[:, None], experts[None, :], BLOCK_E), axis=1)
+        tl.store(weights_ptr + rows * stride_wt + j, best, mask=store_ok)
+        tl.store(ids_ptr + rows * stride_it + j, idx, mask=store_ok)
+        total += best
+        if BUG != 3:
+            remaining = tl.where(experts[None, :] == idx[:, None], -1.0, remaining)
+    if (RENORMALIZE and BUG != 0) or BUG == 2:
+        for j in tl.static_range(K):
+            w = tl.load(weights_ptr + rows * stride_wt + j, mask=store_ok, other=1.0)
+            tl.store(weights_ptr + rows * stride_wt + j, w / total, mask=store_ok)
+
+
+class _WithBug:
+    """``kernel[grid](...)`` with the ``BUG`` switch set, so the given launcher runs the buggy kernel."""
+
+    def __init__(self, bug: int):
+        self.bug = bug
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: buggy_routing_kernel[grid](*args, BUG=self.bug, **kwargs)
+
+
+def routing_with(kernel):
+    def topk_routing(logits, k, renormalize, weights, ids):
+        return given.launch_topk_routing(kernel, logits, k, renormalize, weights, ids)
+
+    return topk_routing
+
+
+def check_routing(candidate):
+    return check("ch09.topk_routing_kernel", candidate, given.routing_reference, given.routing_cases, out=True,
+                 compare=given.diagnose_routing)
+
+
+def test_routing_solution_solves():
+    assert check_routing(routing_with(given.topk_routing_kernel)).solved
+
+
+@pytest.mark.parametrize(("bug", "diagnosis"), [
+    (0, "not renormalised"),
+    (1, "a tie (experts of equal probability) goes to the lowest expert id"),
+    (2, "but this case has renormalize=False"),
+    (3, "the same expert twice"),
+    (4, "out of bounds"),
+], ids=["no-renormalization", "ties-to-highest", "always-renormalized", "winner-not-masked", "no-store-mask"])
+def test_routing_negative_controls(bug, diagnosis):
+    verdict = check_routing(routing_with(_WithBug(bug)))
+    assert rejected(verdict, diagnosis), verdict.message
+
+
+def test_the_production_router_passes_the_same_check():
+    def production(logits, k, renormalize, weights, ids):
+        w, i = kernels.topk_routing(logits, k, renormalize=renormalize)
+        weights.copy_(w)
+        ids.copy_(i)
+        return weights, ids
+
+    assert check_routing(production).solved
+
+
+def test_the_routing_reference_breaks_ties_to_the_lowest_id():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0], [2.0, 2.0, 2.0, 2.0, 2.0]])
+    weights, ids = given.routing_reference(logits, 3, renormalize=True)
+    assert ids.tolist() == [[1, 2, 4], [0, 1, 2]]
+    assert torch.allclose(weights, torch.full((2, 3), 1 / 3))
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 2: the counting sort
+# ----------------------------------------------------------------------------------------------
+
+
+def sort_filling_each_expert_from_its_end(expert_ids, num_experts):
+    # The textbook placement loop (ends[e] -= 1, then place) run forwards: each expert's entries reversed.
+    flat = expert_ids.reshape(-1).long()
+    offsets = torch.cumsum(torch.bincount(flat, minlength=num_experts), 0)
+    ends, permutation = offsets.clone(), torch.empty_like(flat)
+    for i, e in enumerate(flat.tolist()):
+        ends[e] -= 1
+        permutation[ends[e]] = i
+    return permutation.to(torch.int32), offsets.to(torch.int32)
+
+
+def sort_returning_the_starts(expert_ids, num_experts):
+    permutation, offsets = given.counting_sort(expert_ids, num_experts)
+    counts = torch.bincount(expert_ids.reshape(-1).long(), minlength=num_experts)
+    return permutation, (offsets - counts).to(torch.int32)  # an exclusive scan
+
+
+def sort_returning_the_counts(expert_ids, num_experts):
+    permutation, _ = given.counting_sort(expert_ids, num_experts)
+    return permutation, torch.bincount(expert_ids.reshape(-1).long(), minlength=num_experts).to(torch.int32)
+
+
+def sort_returning_the_positions(expert_ids, num_experts):
+    permutation, offsets = given.counting_sort(expert_ids, num_experts)
+    positions = torch.empty_like(permutation)
+    positions[permutation.long()] = torch.arange(permutation.numel(), dtype=torch.int32)  # entry -> position
+    return positions, offsets
+
+
+def sort_by_token(expert_ids, num_experts):
+    permutation, offsets = given.counting_sort(expert_ids, num_experts)
+    return (permutation // expert_ids.shape[1]).to(torch.int32), offsets  # the token, not the entry t·k + j
+
+
+def sort_without_minlength(expert_ids, num_experts):
+    permutation, _ = given.counting_sort(expert_ids, num_experts)
+    return permutation, torch.cumsum(torch.bincount(expert_ids.reshape(-1).long()), 0).to(torch.int32)
+
+
+def check_counting_sort(candidate):
+    return check("ch09.counting_sort", candidate, given.counting_sort_reference, given.counting_sort_cases,
+                 compare=given.diagnose_counting_sort)
+
+
+def test_counting_sort_solution_solves():
+    assert check_counting_sort(given.counting_sort).solved
+
+
+@pytest.mark.parametrize(("wrong", "diagnosis"), [
+    (sort_filling_each_expert_from_its_end, "the sort must be stable"),
+    (sort_returning_the_starts, "offsets are each expert's start (an exclusive scan), not its end"),
+    (sort_returning_the_counts, "offsets are the counts (the histogram) themselves"),
+    (sort_returning_the_positions, "permutation is inverted"),
+    (sort_by_token, "is not a permutation of the"),
+    (sort_without_minlength, "the empty ones too"),
+])
+def test_counting_sort_negative_controls(wrong, diagnosis):
+    verdict = check_counting_sort(wrong)
+    assert rejected(verdict, diagnosis), verdict.message
+
+
+def test_the_production_permute_passes_the_same_check():
+    assert check_counting_sort(kernels.moe_permute).solved
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 3: the grouped GEMM's tile map
+# ----------------------------------------------------------------------------------------------
+
+
+def tiles_without_the_partial_last(offsets, block_m):
+    tiles, start = [], 0
+    for group, end in enumerate(offsets):
+        for row in range(start, end - block_m + 1, block_m):  # whole tiles only
+            tiles.append((group, row, row + block_m))
+        start = end
+    return tiles
+
+
+def tiles_for_every_group(offsets, block_m):
+    tiles, start = [], 0
+    for group, end in enumerate(offsets):
+        for i in range(max(1, -(-(end - start) // block_m))):  # at least one tile, even for an empty group
+            tiles.append((group, start + i * block_m, min(start + (i + 1) * block_m, end)))
+        start = end
+    return tiles
+
+
+def tiles_one_per_group(offsets, block_m):
+    bounds = [0, *offsets]
+    return [(g, bounds[g], bounds[g + 1]) for g in range(len(offsets)) if bounds[g + 1] > bounds[g]]  # no block_m
+
+
+def tiles_across_groups(offsets, block_m):
+    bounds, tiles = [0, *offsets], []
+    for row in range(0, offsets[-1], block_m):  # every block_m rows of the whole batch, groups ignored
+        group = max(g for g in range(len(offsets)) if bounds[g] <= row)
+        tiles.append((group, row, min(row + block_m, offsets[-1])))
+    return tiles
+
+
+def check_tile_map(candidate):
+    return check("ch09.grouped_tile_map", candidate, given.grouped_tile_map_reference, given.tile_map_cases,
+                 compare=given.diagnose_tile_map)
+
+
+def test_tile_map_solution_solves():
+    assert check_tile_map(given.grouped_tile_map).solved
+
+
+@pytest.mark.parametrize(("wrong", "diagnosis"), [
+    (tiles_without_the_partial_last, "its last, partial tile is missing"),
+    (tiles_for_every_group, "an empty group has no tiles"),
+    (tiles_one_per_group, "a tile holds at most block_m rows"),
+    (tiles_across_groups, "a tile holds rows of one group only"),
+])
+def test_tile_map_negative_controls(wrong, diagnosis):
+    verdict = check_tile_map(wrong)
+    assert rejected(verdict, diagnosis), verdict.message
+
+
+def test_the_tile_map_diagnosis_names_the_order():
+    def reversed_tiles(offsets, block_m):
+        return given.grouped_tile_map(offsets, block_m)[::-1]
+
+    verdict = check_tile_map(reversed_tiles)
+    assert rejected(verdict, "the right tiles in the wrong order"), verdict.message
+
+
+def test_the_production_tile_map_passes_the_same_check():
+    assert check_tile_map(kernels.grouped_tile_map).solved
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 4: the weighted combine
+# ----------------------------------------------------------------------------------------------
+
+
+def combine_without_the_weights(y_sorted, permutation, weights):
+    return given.combine(y_sorted, permutation, torch.ones_like(weights))
+
+
+def combine_through_the_permutation(y_sorted, permutation, weights):
+    tokens, k = weights.shape
+    rows = y_sorted[permutation.long()].reshape(tokens, k, -1)  # the permutation where its inverse belongs
+    return (weights[..., None] * rows).sum(dim=1)
+
+
+def combine_with_the_weights_in_sorted_order(y_sorted, permutation, weights):
+    tokens, k = weights.shape
+    out = torch.zeros(tokens, y_sorted.shape[1], dtype=y_sorted.dtype)
+    # row p is entry permutation[p]'s, but takes the weight of entry p
+    return out.index_add_(0, permutation.long() // k, y_sorted * weights.reshape(-1, 1).to(y_sorted.dtype))
+
+
+def combine_by_scatter_add(y_sorted, permutation, weights):
+    """A right answer another way: scatter-add each sorted row, weighted, into its token."""
+    tokens, k = weights.shape
+    out = torch.zeros(tokens, y_sorted.shape[1], dtype=y_sorted.dtype)
+    w = weights.reshape(-1)[permutation.long()].to(y_sorted.dtype)
+    return out.index_add_(0, permutation.long() // k, y_sorted * w[:, None])
+
+
+def check_combine(candidate):
+    return check("ch09.combine", candidate, given.combine_reference, given.combine_cases)
+
+
+def test_combine_solution_solves():
+    assert check_combine(given.combine).solved
+
+
+@pytest.mark.parametrize("candidate", [combine_by_scatter_add, kernels.moe_combine], ids=["scatter-add", "production"])
+def test_other_right_combines_pass_the_same_check(candidate):
+    assert check_combine(candidate).solved
+
+
+@pytest.mark.parametrize("wrong", [combine_without_the_weights, combine_through_the_permutation,
+                                   combine_with_the_weights_in_sorted_order])
+def test_combine_negative_controls(wrong):
+    verdict = check_combine(wrong)
+    assert rejected(verdict, "wrong values"), verdict.message
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 5: which key blocks a query block visits
+# ----------------------------------------------------------------------------------------------
+
+
+def visited_numbered_from_one(block_mask):
+    counts, indices = given.visited_key_blocks(block_mask)
+    return counts, torch.where(indices >= 0, indices + 1, indices)
+
+
+def visited_at_least_one_block(block_mask):
+    counts, indices = given.visited_key_blocks(block_mask)
+    return counts.clamp(min=1), torch.where(indices >= 0, indices, torch.zeros_like(indices))  # an empty row: block 0
+
+
+def visited_in_decreasing_order(block_mask):
+    columns = torch.arange(1, block_mask.shape[1] + 1)
+    order = torch.sort(block_mask * columns, dim=1, descending=True).indices  # allowed blocks, the last first
+    return block_mask.sum(dim=1).to(torch.int32), order.to(torch.int32)
+
+
+def visited_as_int64(block_mask):
+    counts, indices = given.visited_key_blocks(block_mask)
+    return counts.long(), indices.long()
+
+
+def check_visited(candidate):
+    return check("ch09.visited_key_blocks", candidate, given.visited_key_blocks_reference, given.block_mask_cases,
+                 compare=given.diagnose_visited_blocks)
+
+
+def test_visited_blocks_solution_solves():
+    assert check_visited(given.visited_key_blocks).solved
+
+
+def test_the_production_block_lists_pass_the_same_check():
+    """``block_lists`` leaves the not-allowed blocks in each row's tail, not -1: the check reads only the
+    first ``counts[q]`` entries of a row, as the kernel does."""
+
+    def production(block_mask):
+        lists = block_lists(block_mask, 16)
+        return lists.counts, lists.indices
+
+    assert check_visited(production).solved
+
+
+@pytest.mark.parametrize(("wrong", "diagnosis"), [
+    (visited_numbered_from_one, "every one is one too high"),
+    (visited_at_least_one_block, "a row with nothing allowed visits nothing"),
+    (visited_in_decreasing_order, "the right blocks in the wrong order"),
+    (visited_as_int64, "wrong dtype"),
+])
+def test_visited_blocks_negative_controls(wrong, diagnosis):
+    verdict = check_visited(wrong)
+    assert rejected(verdict, diagnosis), verdict.message
+
+
+# ----------------------------------------------------------------------------------------------
+# The diagnoses' other branches, on answers made by hand
+# ----------------------------------------------------------------------------------------------
+
+
+def _i32(rows):
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+_ROUTED = (torch.tensor([[0.6, 0.4], [0.7, 0.3]]), _i32([[1, 0], [2, 3]]))
+_SORTED = (_i32([1, 3, 0, 2]), _i32([2, 3, 4]))  # entries 1, 3 on expert 0, 0 on 1, 2 on 2
+_VISITED = (_i32([2, 1, 0]), _i32([[0, 3, -1, -1], [2, -1, -1, -1], [-1, -1, -1, -1]]))
+
+
+@pytest.mark.parametrize(("diagnose", "got", "expected", "diagnosis"), [
+    (given.diagnose_routing, _ROUTED, _ROUTED, None),
+    (given.diagnose_routing, (_ROUTED[0], _i32([[1, -2**31], [2, 3]])), _ROUTED, "never written"),
+    (given.diagnose_routing, (_ROUTED[0], _i32([[2, 3], [1, 0]])), _ROUTED, "every id is wrong"),
+    (given.diagnose_routing, (torch.tensor([[0.5, 0.3], [0.7, 0.3]]), _ROUTED[1]), _ROUTED, "token 0's sum to 0.8"),
+    (given.diagnose_routing, (torch.tensor([[0.7, 0.3], [0.7, 0.3]]), _ROUTED[1]), _ROUTED,
+     "weights: wrong values in 2 of 4 elements, first at index (0, 0): got 0.7, expected 0.6"),
+    (given.diagnose_counting_sort, _SORTED, _SORTED, None),
+    (given.diagnose_counting_sort, _SORTED[0], _SORTED, "expected a tuple (permutation, offsets)"),
+    (given.diagnose_counting_sort, (_SORTED[0], _i32([2, 2, 4])), _SORTED, "offsets: wrong values in 1 of 3"),
+    (given.diagnose_counting_sort, (_i32([1, 0, 3, 2]), _SORTED[1]), _SORTED,
+     "permutation: wrong values in 2 of 4 elements, first at index 1: got 0, expected 3"),
+    (given.diagnose_counting_sort, (_SORTED[0].long(), _SORTED[1]), _SORTED, "permutation: wrong dtype"),
+    (given.diagnose_tile_map, [[0, 0, 4]], [(0, 0, 4)], None),  # lists for tuples are fine
+    (given.diagnose_tile_map, 5, [(0, 0, 4)], "expected a list of (group, first row, end row) tuples"),
+    (given.diagnose_tile_map, [(0, 0, 4), (0, 4, 4)], [(0, 0, 4)], "the tile (0, 4, 4) holds no rows"),
+    (given.diagnose_tile_map, [(0, 0, 4), (0, 2, 4)], [(0, 0, 4)], "some rows are in two tiles"),
+    (given.diagnose_tile_map, [(0, 0, 2), (0, 2, 4), (0, 4, 6)], [(0, 0, 4), (0, 4, 6)],
+     "got 3 tiles, expected 2; the first difference is tile 0: got (0, 0, 2), expected (0, 0, 4)"),
+    (given.diagnose_tile_map, [(0, 0, 2), (0, 4, 6)], [(0, 0, 4), (0, 4, 6)],
+     "rows 2..3 of group 0 (rows 0..5) are in no tile"),
+    (given.diagnose_visited_blocks, _VISITED, _VISITED, None),
+    (given.diagnose_visited_blocks, (_VISITED[0], _i32([[0, 3, 1, 2], [2, 0, 1, 3], [0, 1, 2, 3]])), _VISITED,
+     None),  # the tails are never read
+    (given.diagnose_visited_blocks, (_i32([1, 1, 0]), _VISITED[1]), _VISITED,
+     "counts wrong at query block(s) 0: got [1], expected [2]"),
+    (given.diagnose_visited_blocks, (_VISITED[0], _i32([[0, 2, -1, -1], [2, -1, -1, -1], [-1] * 4])), _VISITED,
+     "query block 0 visits key blocks [0, 2], expected [0, 3] (1 of 3 rows wrong"),
+    (given.diagnose_visited_blocks, (_VISITED[0], _VISITED[1][:, :2]), _VISITED, "indices: wrong shape (3, 2)"),
+])
+def test_the_diagnoses_on_hand_made_answers(diagnose, got, expected, diagnosis):
+    said = diagnose(got, expected)
+    if diagnosis is None:
+        assert said is None, said
+    else:
+        assert said is not None and diagnosis in said, said
