@@ -30,6 +30,7 @@ CHAPTER_MODULES = [
     "bench.ch06_fused_ops",
     "bench.ch07_flash_attention",
     "bench.ch08_kv_cache",
+    "bench.ch09_moe",
 ]
 
 

@@ -10,7 +10,8 @@ checks that way so that a GPU run, which is rare and short, does not die on a ty
 ``max |ours - ref| / (|ref| + 1)`` against its tolerance; each :class:`Timing` is timed with
 ``triton.testing.do_bench`` (a wall-clock timer in smoke mode) and turned into GB/s and TFLOP/s
 from the bytes and FLOPs it declares, and into a ratio against the ``baseline`` timing of the
-same ``op``; each :class:`Peak` reports the peak CUDA memory its callable allocates.
+same ``op`` (a Timing whose ``unavailable`` gives a reason is recorded with it, not timed); each
+:class:`Peak` reports the peak CUDA memory its callable allocates.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ class Timing:
     baseline: bool = False
     #: The target this timing is judged against, in words (printed with the result).
     target: str = ""
+    #: Why this implementation cannot run here (say, an op this torch lacks): recorded with the reason
+    #: instead of a time, not a failure. Empty: time it.
+    unavailable: str = ""
 
 
 @dataclass

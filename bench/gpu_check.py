@@ -9,7 +9,8 @@ Every chapter module in :data:`bench.CHAPTER_MODULES` may define ``gpu_checks(si
 1. every :class:`~bench.gpu.Check` (bf16/fp16 at real sizes against a float32 reference);
 2. a device-to-device copy (the bandwidth every memory-bound op is judged against), then every
    :class:`~bench.gpu.Timing` (``triton.testing.do_bench`` medians), as GB/s, TFLOP/s, a
-   fraction of the copy bandwidth and a ratio against the op's baseline;
+   fraction of the copy bandwidth and a ratio against the op's baseline (an implementation marked
+   ``unavailable`` is listed with its reason instead);
 3. every :class:`~bench.gpu.Peak` (peak CUDA memory of the callable).
 
 Full results go to ``$OUT/gpu_check.json`` (or ``results/gpu_check.json``); a short table is
@@ -120,6 +121,10 @@ def run_timings(entries, results: dict, smoke: bool, copy_gbps: float) -> list[s
     for timing in (e for e in entries if isinstance(e, Timing)):
         if smoke and "compile" in timing.impl:
             continue  # compiling costs minutes on a CPU; the GPU run covers it
+        if timing.unavailable:  # recorded with its reason, not timed and not a failure
+            rows.append({"op": timing.op, "impl": timing.impl, "ms": None, "target": timing.target,
+                         "baseline": timing.baseline, "unavailable": timing.unavailable})
+            continue
         try:
             ms = timer(timing.fn)
         except Exception as error:
@@ -134,7 +139,7 @@ def run_timings(entries, results: dict, smoke: bool, copy_gbps: float) -> list[s
         rows.append(row)
     for row in rows:
         base = next((r["ms"] for r in rows if r["op"] == row["op"] and r["baseline"]), None)
-        row["vs_baseline"] = base / row["ms"] if base else None
+        row["vs_baseline"] = base / row["ms"] if base and row["ms"] else None
     results["timings"] = rows
     return failures
 
@@ -175,6 +180,9 @@ def summary(results: dict, failures: list[str]) -> str:
     lines += [f"  FAIL {f}" for f in failures]
     lines.append(f"{'op':<34}{'impl':<22}{'ms':>9}{'GB/s':>8}{'of copy':>8}{'TFLOP/s':>9}{'vs base':>8}  target")
     for r in results["timings"]:
+        if r["ms"] is None:
+            lines.append(f"{r['op']:<34}{r['impl']:<22}  unavailable: {r.get('unavailable', '')}")
+            continue
         gbps = f"{r['GB/s']:.0f}" if "GB/s" in r else "—"
         of_copy = f"{r['of_copy']:.0%}" if "of_copy" in r else "—"
         tflops = f"{r['TFLOP/s']:.1f}" if "TFLOP/s" in r else "—"

@@ -55,3 +55,18 @@ def test_timings_get_bandwidth_and_a_ratio_to_their_baseline():
     gpu_check.run_timings(entries, results, smoke=True, copy_gbps=1.0)
     base, ours = results["timings"]
     assert "GB/s" in base and "GB/s" not in ours and base["vs_baseline"] == 1.0 and ours["vs_baseline"] > 0
+
+
+def test_an_unavailable_timing_is_recorded_with_its_reason_not_timed_nor_failed():
+    def never():
+        raise AssertionError("an unavailable implementation is not run")
+
+    results = {"device": "cpu", "torch": "t", "triton": "t", "date": "d", "copy_GBps": 1.0, "correctness": [],
+               "peaks": []}
+    entries = [Timing("op", "base", lambda: None, bytes=10**6, baseline=True),
+               Timing("op", "missing", never, bytes=10**6, unavailable="torch 0.0 has no torch._missing")]
+    assert gpu_check.run_timings(entries, results, smoke=True, copy_gbps=1.0) == []
+    base, missing = results["timings"]
+    assert missing["ms"] is None and missing["vs_baseline"] is None and "GB/s" not in missing
+    assert missing["unavailable"] == "torch 0.0 has no torch._missing" and base["vs_baseline"] == 1.0
+    assert "unavailable: torch 0.0 has no torch._missing" in gpu_check.summary(results, [])

@@ -43,6 +43,17 @@ def test_every_ladder_step_is_correct_and_counted(chapter):
         chain = by[("swiglu", "torch sigmoid, mul, mul")]
         assert fused.launches == 1 and fused.bytes_ratio <= 1.05
         assert chain.launches == 3 and chain.bytes > 2 * fused.bytes
+    if chapter == "09_moe":
+        # The loop over experts launches more with every expert; the composed ops and kernels.moe do not.
+        from bench.ch09_moe import MOE_EXPERTS, MOE_LOOP
+
+        def launches(step):
+            return [by[(f"moe block, E={e}", step)].launches for e in MOE_EXPERTS]
+
+        loop = launches(MOE_LOOP)
+        assert loop == sorted(loop) and len(set(loop)) == len(loop), loop
+        for step in ("kernels ops composed (route, sort, gather, GEMM, swiglu, GEMM, combine)", "kernels.moe"):
+            assert len(set(launches(step))) == 1, (step, launches(step))
 
 
 def test_results_keep_the_hand_written_sections_and_show_the_figures(tmp_path):
