@@ -82,20 +82,23 @@ def topk_routing_kernel(
     p = tl.exp(logits - m[:, None])
     p = tl.where(valid, p, 0.0)
     p = p / tl.sum(p, axis=1)[:, None]
-    total = tl.zeros([BLOCK_T], tl.float32)
     remaining = tl.where(valid, p, -1.0)  # masked experts can never win
+    # The K winners collect in registers, slot j in lane j (K <= E <= BLOCK_E), and are stored once:
+    # renormalising then needs no read-back of what this program stored.
+    top_w = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
+    top_id = tl.zeros([BLOCK_T, BLOCK_E], tl.int32)
     for j in tl.static_range(K):
         best = tl.max(remaining, axis=1)
         # the lowest expert id among those equal to the maximum
         idx = tl.min(tl.where(remaining == best[:, None], experts[None, :], BLOCK_E), axis=1)
-        tl.store(weights_ptr + rows * stride_wt + j, best, mask=rows < num_tokens)
-        tl.store(ids_ptr + rows * stride_it + j, idx, mask=rows < num_tokens)
-        total += best
+        top_w = tl.where(experts[None, :] == j, best[:, None], top_w)
+        top_id = tl.where(experts[None, :] == j, idx[:, None], top_id)
         remaining = tl.where(experts[None, :] == idx[:, None], -1.0, remaining)
     if RENORMALIZE:
-        for j in tl.static_range(K):
-            w = tl.load(weights_ptr + rows * stride_wt + j, mask=rows < num_tokens, other=1.0)
-            tl.store(weights_ptr + rows * stride_wt + j, w / total, mask=rows < num_tokens)
+        top_w = top_w / tl.sum(top_w, axis=1)[:, None]
+    slots = (rows[:, None] < num_tokens) & (experts[None, :] < K)
+    tl.store(weights_ptr + rows[:, None] * stride_wt + experts[None, :], top_w, mask=slots)
+    tl.store(ids_ptr + rows[:, None] * stride_it + experts[None, :], top_id, mask=slots)
 
 
 def launch_topk_routing(kernel, logits: torch.Tensor, k: int, renormalize: bool, weights: torch.Tensor,

@@ -92,7 +92,7 @@ def routing_with(kernel):
 
 
 def check_routing(candidate):
-    return check("ch09.topk_routing_kernel", candidate, given.routing_reference, given.routing_cases, out=True,
+    return check("ch09_moe.topk_routing_kernel", candidate, given.routing_reference, given.routing_cases, out=True,
                  compare=given.diagnose_routing)
 
 
@@ -174,7 +174,7 @@ def sort_without_minlength(expert_ids, num_experts):
 
 
 def check_counting_sort(candidate):
-    return check("ch09.counting_sort", candidate, given.counting_sort_reference, given.counting_sort_cases,
+    return check("ch09_moe.counting_sort", candidate, given.counting_sort_reference, given.counting_sort_cases,
                  compare=given.diagnose_counting_sort)
 
 
@@ -236,7 +236,7 @@ def tiles_across_groups(offsets, block_m):
 
 
 def check_tile_map(candidate):
-    return check("ch09.grouped_tile_map", candidate, given.grouped_tile_map_reference, given.tile_map_cases,
+    return check("ch09_moe.grouped_tile_map", candidate, given.grouped_tile_map_reference, given.tile_map_cases,
                  compare=given.diagnose_tile_map)
 
 
@@ -298,7 +298,7 @@ def combine_by_scatter_add(y_sorted, permutation, weights):
 
 
 def check_combine(candidate):
-    return check("ch09.combine", candidate, given.combine_reference, given.combine_cases)
+    return check("ch09_moe.combine", candidate, given.combine_reference, given.combine_cases)
 
 
 def test_combine_solution_solves():
@@ -344,7 +344,7 @@ def visited_as_int64(block_mask):
 
 
 def check_visited(candidate):
-    return check("ch09.visited_key_blocks", candidate, given.visited_key_blocks_reference, given.block_mask_cases,
+    return check("ch09_moe.visited_key_blocks", candidate, given.visited_key_blocks_reference, given.block_mask_cases,
                  compare=given.diagnose_visited_blocks)
 
 
