@@ -10,6 +10,7 @@ configurations; the private modules (``_launch``, ``_elementwise``, ``_rows``, `
 """
 
 from . import (  # noqa: F401  (public modules: kernels.autotune, kernels.ops.<op>)
+    _autocast,
     autotune,
     kv_cache,
     ops,
@@ -91,6 +92,7 @@ from .ops.topk_routing import moe_load_balancing_loss, topk_routing, topk_routin
 from .ops.write_kv_cache import write_kv_cache, write_kv_cache_kernel
 
 forbid_double_backward()  # every backward op: a clear error for a gradient of a gradient
+_autocast.register()  # every op: torch.autocast casts its inputs as torch's matching op's
 
 __version__ = "0.1.0"
 __all__ = [

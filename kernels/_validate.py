@@ -15,6 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
+from . import _autocast
+
 __all__ = [
     "FLOAT_DTYPES",
     "check_tensor",
@@ -62,8 +64,10 @@ def check_float_dtype(op: str, name: str, tensor: torch.Tensor) -> None:
 
 
 def check_same_dtype(op: str, name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:
-    """``a`` and ``b`` must share a dtype (the ops do not promote types)."""
-    if a.dtype != b.dtype:
+    """``a`` and ``b`` must share a dtype (the ops do not promote types), unless autocast is about to
+    cast both to one (``kernels._autocast.unifies``: ``op``'s policy casts the arguments ``name_a`` and
+    ``name_b`` on their device), as torch's ``F.linear(x_bf16, w_fp32)`` is accepted under autocast."""
+    if a.dtype != b.dtype and not _autocast.unifies(op, (name_a, a), (name_b, b)):
         raise TypeError(
             f"{op}: {name_a} and {name_b} must have the same dtype, got {a.dtype} and {b.dtype} "
             f"(cast one of them with .to())"
