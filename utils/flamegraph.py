@@ -39,7 +39,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -98,12 +98,10 @@ def frame_label(code: Any) -> str:
     return label.replace(";", ":")
 
 
-def _stack_of(frame: Any, skip: Iterable[Any] = ()) -> Stack:
-    skipped = set(skip)
+def _stack_of(frame: Any) -> Stack:
     labels = []
     while frame is not None:
-        if frame.f_code not in skipped:
-            labels.append(frame_label(frame.f_code))
+        labels.append(frame_label(frame.f_code))
         frame = frame.f_back
     return tuple(reversed(labels))
 
@@ -302,17 +300,24 @@ def dispatch_stacks(*op_names: str) -> Iterator[Profile]:
     tensor in an ``if`` all become: a host sync on a GPU). The profile counts events, one per call,
     and draws as a flame graph like a sampled one.
     """
+    import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
     wanted = set(op_names or ("_local_scalar_dense",))
     profile = Profile()
-    own_codes = {dispatch_stacks.__code__}
+    torch_dir = os.path.dirname(torch.__file__) + os.sep
+
+    def caller_frame() -> Any:
+        # The innermost frame outside torch's own package: the code that asked for the op.
+        frame = sys._getframe(2)
+        while frame is not None and frame.f_code.co_filename.startswith(torch_dir):
+            frame = frame.f_back
+        return frame
 
     class _StackAtOp(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func.overloadpacket.__name__ in wanted:
-                frame = sys._getframe(1)
-                stack = _stack_of(frame, skip=own_codes)
+                stack = _stack_of(caller_frame())
                 profile.stacks[(*stack, f"aten.{func.overloadpacket.__name__}")] += 1
             return func(*args, **(kwargs or {}))
 
