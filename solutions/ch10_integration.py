@@ -1,0 +1,546 @@
+"""Solutions to chapter 10, integration and profiling: a fake kernel, a fixed fake, an autograd
+formula, a launch path without its host sync.
+
+One solution per exercise of ``chapters/10_integration/10_integration.ipynb``, written for reading,
+and what the chapter gives: three small Triton-backed operators registered in their own namespace
+(``ch10::``, so that nothing here can clash with the library's ``kernels::`` ops), each exercise's
+cases, the reference it is checked against and the diagnosis, which the notebook's checks and
+``tests/test_solutions_ch10.py`` both import.
+
+The ops' fakes and autograd formulas are *swappable*: each registration calls whatever
+:func:`installed` has put in place, the solution by default. A check installs the learner's
+function for the duration of the check and puts the solution back, so a wrong answer never
+breaks a later cell.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+import kernels  # noqa: F401  (fixes interpreter/compiled mode before any @triton.jit below)
+from utils import flamegraph
+
+__all__ = [
+    "quantize_rows_kernel",
+    "quantize_rows",
+    "quantize_rows_fake",
+    "scale_rows_kernel",
+    "scale_rows",
+    "scale_rows_fake",
+    "scale_rows_fake_given",
+    "scale_rows_setup_context",
+    "scale_rows_backward",
+    "installed",
+    "FakeReport",
+    "fake_cases",
+    "fake_cases_batched",
+    "fake_report",
+    "real_report",
+    "diagnose_fake",
+    "gradient_cases",
+    "gradients_with",
+    "gradients_reference",
+    "diagnose_gradients",
+    "embedding_rows_kernel",
+    "embedding_rows",
+    "embedding_rows_nosync",
+    "embedding_cases",
+    "embedding_reference",
+    "HostSyncError",
+    "without_syncs",
+]
+
+
+# ----------------------------------------------------------------------------------------------
+# Swappable registrations: a check installs the learner's function, then restores the solution
+# ----------------------------------------------------------------------------------------------
+
+_INSTALLED: dict[str, Callable[..., Any]] = {}
+
+
+@contextlib.contextmanager
+def installed(**functions: Callable[..., Any]) -> Iterator[None]:
+    """Use ``functions`` as the ops' fakes / autograd pieces inside the block, then restore.
+
+    Keys: ``quantize_rows_fake``, ``scale_rows_fake``, ``scale_rows_setup_context``,
+    ``scale_rows_backward``.
+    """
+    unknown = set(functions) - set(_INSTALLED)
+    if unknown:
+        raise ValueError(f"solutions.ch10_integration.installed: unknown registration(s) {sorted(unknown)}; "
+                         f"expected some of {sorted(_INSTALLED)}")
+    saved = {name: _INSTALLED[name] for name in functions}
+    _INSTALLED.update(functions)
+    try:
+        yield
+    finally:
+        _INSTALLED.update(saved)
+
+
+# ----------------------------------------------------------------------------------------------
+# Op 1 (exercise 1, write the fake): per-row int8 quantization, ch10::quantize_rows
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, n_cols, stride_xr, stride_xc, BLOCK_N: tl.constexpr):
+    """One program per row: ``scale = max|x| / 127``, ``q = round(x / scale)`` in int8."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_xr + cols * stride_xc, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.max(tl.abs(x), axis=0) / 127.0
+    inverse = tl.where(scale > 0, 1.0 / scale, 0.0)  # an all-zero row quantizes to zeros
+    scaled = x * inverse
+    q = tl.where(scaled >= 0, scaled + 0.5, scaled - 0.5).to(tl.int8)  # round half away from zero
+    tl.store(q_ptr + row * n_cols + cols, q, mask=mask)
+    tl.store(scale_ptr + row, scale)
+
+
+@torch.library.custom_op("ch10::quantize_rows", mutates_args=())
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` of shape ``(..., N)`` → ``q`` int8 of the same shape (contiguous) and ``scale`` float32
+    of shape ``x.shape[:-1]``, one per row, with ``x ≈ q * scale[..., None]``."""
+    if x.dim() < 1 or not x.dtype.is_floating_point:
+        raise ValueError(f"ch10.quantize_rows: x must be a floating-point tensor of rank >= 1, got "
+                         f"{x.dtype} of shape {tuple(x.shape)}")
+    rows = x.reshape(-1, x.shape[-1])  # a view for every layout this chapter passes (2-D, strided)
+    q = torch.empty(x.shape, dtype=torch.int8, device=x.device)
+    scale = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    if rows.shape[0] and rows.shape[1]:
+        quantize_rows_kernel[(rows.shape[0],)](rows, q, scale, rows.shape[1], rows.stride(0), rows.stride(1),
+                                               BLOCK_N=triton.next_power_of_2(rows.shape[1]))
+    elif rows.shape[0]:
+        scale.zero_()
+    return q, scale
+
+
+def quantize_rows_fake(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exercise 1's solution: what ``ch10::quantize_rows`` returns, without running it.
+
+    Teaches that a fake states every output's shape, dtype, device and strides exactly as the real
+    op makes them — here two outputs, of different dtypes, one of them a shape (``x.shape[:-1]``)
+    that is none of the inputs' — and allocates nothing real (``new_empty`` on a fake tensor
+    makes a fake tensor). It must not read ``x``'s values: under ``torch.compile`` it has none.
+    """
+    q = x.new_empty(x.shape, dtype=torch.int8)
+    scale = x.new_empty(x.shape[:-1], dtype=torch.float32)
+    return q, scale
+
+
+@quantize_rows.register_fake
+def _quantize_rows_fake_installed(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    result = _INSTALLED["quantize_rows_fake"](x)
+    # torch's own complaint about a wrong count ("not an instance of 'sequence'") says little.
+    if not (isinstance(result, (tuple, list)) and len(result) == 2
+            and all(isinstance(r, torch.Tensor) for r in result)):
+        got = type(result).__name__
+        if isinstance(result, (tuple, list)):
+            got += f" of {len(result)}"
+        raise TypeError(f"ch10.quantize_rows: the fake must return 2 tensors (q, scale), got {got}")
+    return tuple(result)
+
+
+# ----------------------------------------------------------------------------------------------
+# Op 2 (exercises 2 and 3, fix the fake, write the backward): ch10::scale_rows
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def scale_rows_kernel(x_ptr, s_ptr, out_ptr, n_cols, stride_xr, stride_xc,
+                      FP64: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program per row: ``out[r, :] = x[r, :] * s[r]``; out is contiguous, x any strides."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_xr + cols * stride_xc, mask=mask)
+    s = tl.load(s_ptr + row)
+    if FP64:  # float64 inputs stay float64 (gradcheck needs it)
+        y = x.to(tl.float64) * s.to(tl.float64)
+    else:
+        y = x.to(tl.float32) * s.to(tl.float32)
+    tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@torch.library.custom_op("ch10::scale_rows", mutates_args=())
+def scale_rows(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """``out = x * s[:, None]`` for ``x`` of shape ``(M, N)`` (any strides) and ``s`` of shape ``(M,)``;
+    ``out`` is contiguous, in ``x``'s dtype."""
+    if x.dim() != 2 or s.shape != (x.shape[0],):
+        raise ValueError(f"ch10.scale_rows: expected x of shape (M, N) and s of shape (M,), got "
+                         f"{tuple(x.shape)} and {tuple(s.shape)}")
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.numel():
+        scale_rows_kernel[(x.shape[0],)](x, s, out, x.shape[1], x.stride(0), x.stride(1),
+                                         FP64=x.dtype == torch.float64 or s.dtype == torch.float64,
+                                         BLOCK_N=triton.next_power_of_2(x.shape[1]))
+    return out
+
+
+def scale_rows_fake_given(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """The fake exercise 2 starts from. It looks right, and is right for contiguous ``x``."""
+    return torch.empty_like(x)
+
+
+def scale_rows_fake(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """Exercise 2's solution: the fake of ``ch10::scale_rows``, fixed.
+
+    Teaches that strides are part of what a fake promises. ``torch.empty_like`` keeps the layout
+    of its argument (a transposed ``x`` gives a transposed result), while the kernel always writes
+    a contiguous ``out``; compiled code that trusts the fake's strides would index the real output
+    wrongly. ``opcheck`` runs the op on a transposed input and compares the two.
+    """
+    return x.new_empty(x.shape)
+
+
+@scale_rows.register_fake
+def _scale_rows_fake_installed(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return _INSTALLED["scale_rows_fake"](x, s)
+
+
+def scale_rows_setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    """Exercise 3's solution, part 1: save what the backward needs — both inputs.
+
+    ``grad_x`` needs ``s``, ``grad_s`` needs ``x``; the output is not needed. ``setup_context``
+    receives the op's inputs and output and runs once per forward under autograd.
+    """
+    x, s = inputs
+    ctx.save_for_backward(x, s)
+
+
+def scale_rows_backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exercise 3's solution, part 2: one gradient per input of the forward, in order.
+
+    Teaches the formula and its shapes. ``out[r, c] = x[r, c] s[r]``, so ``grad_x = grad_out * s[:, None]``
+    — the same op again, which keeps the backward on the Triton kernel and differentiable — and
+    ``grad_s[r] = Σ_c grad_out[r, c] x[r, c]``, a reduction over the row (``(M,)``, like ``s``),
+    accumulated in at least float32 and returned in ``s``'s dtype.
+    """
+    x, s = ctx.saved_tensors
+    grad_x = scale_rows(grad_out, s) if ctx.needs_input_grad[0] else None
+    grad_s = None
+    if ctx.needs_input_grad[1]:
+        accumulate = torch.promote_types(torch.float32, x.dtype)
+        grad_s = (grad_out.to(accumulate) * x.to(accumulate)).sum(dim=1).to(s.dtype)
+    return grad_x, grad_s
+
+
+def _setup_installed(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    _INSTALLED["scale_rows_setup_context"](ctx, inputs, output)
+
+
+def _backward_installed(ctx: Any, grad_out: torch.Tensor):
+    return _INSTALLED["scale_rows_backward"](ctx, grad_out)
+
+
+scale_rows.register_autograd(_backward_installed, setup_context=_setup_installed)
+
+_INSTALLED.update(
+    quantize_rows_fake=quantize_rows_fake,
+    scale_rows_fake=scale_rows_fake,
+    scale_rows_setup_context=scale_rows_setup_context,
+    scale_rows_backward=scale_rows_backward,
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# Checking a fake: its outputs' metadata against the real op's, and opcheck
+# ----------------------------------------------------------------------------------------------
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "float64": torch.float64}
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeReport:
+    """What an op's outputs look like — ``(shape, dtype, strides)`` each — and what opcheck said."""
+
+    outputs: tuple[tuple[tuple[int, ...], str, tuple[int, ...]], ...]
+    opcheck: str | None = None
+
+
+def _inputs(op: str, shape: list[int], dtype: str, layout: str) -> tuple[torch.Tensor, ...]:
+    """The op's inputs for a case: ``x`` of ``shape`` (stored transposed if ``layout`` says so)."""
+    gen = torch.Generator().manual_seed(sum(shape) * 31 + len(layout))
+    if layout == "transposed":
+        x = torch.randn(*reversed(shape), generator=gen).to(_DTYPES[dtype]).transpose(-1, -2)
+    else:
+        x = torch.randn(*shape, generator=gen).to(_DTYPES[dtype])
+    device = kernels.runtime.DEVICE
+    x = x.to(device)
+    if op == "scale_rows":
+        return x, torch.rand(shape[0], generator=gen).to(device) + 0.5
+    return (x,)
+
+
+def _describe(outputs: Any) -> tuple:
+    outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+    return tuple((tuple(o.shape), str(o.dtype).removeprefix("torch."), tuple(o.stride())) for o in outputs)
+
+
+def _ops(op: str):
+    return {"quantize_rows": torch.ops.ch10.quantize_rows.default, "scale_rows": torch.ops.ch10.scale_rows.default}[op]
+
+
+def real_report(op: str) -> Callable[[list[int], str, str], FakeReport]:
+    """The reference for a fake check: the real op's outputs on the case's inputs (no opcheck)."""
+
+    def report(shape: list[int], dtype: str, layout: str) -> FakeReport:
+        return FakeReport(_describe(_ops(op)(*_inputs(op, shape, dtype, layout))))
+
+    return report
+
+
+def _opcheck_problem(op: str, args: tuple) -> str | None:
+    # The fake and schema tests are what a wrong fake fails; the autograd ones are exercise 3's.
+    result = torch.library.opcheck(_ops(op), args, test_utils=("test_schema", "test_faketensor",
+                                                               "test_aot_dispatch_dynamic"),
+                                   raise_exception=False)
+    failed = {name: outcome for name, outcome in result.items() if outcome != "SUCCESS"}
+    if not failed:
+        return None
+    name, error = next(iter(failed.items()))
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    detail = next((line for line in lines if "stride" in line or "dtype" in line or "shape" in line
+                   or "size" in line), lines[0] if lines else type(error).__name__)
+    return f"opcheck {name} failed: {detail[:300]}"
+
+
+def fake_report(op: str, fake: Callable[..., Any]) -> Callable[[list[int], str, str], FakeReport]:
+    """The candidate for a fake check: ``fake`` installed, the op's outputs under fake tensors, and opcheck."""
+    from torch._subclasses import FakeTensorMode
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    def report(shape: list[int], dtype: str, layout: str) -> FakeReport:
+        args = _inputs(op, shape, dtype, layout)
+        # Outside any dispatch mode the caller runs (a check traces its candidate): fake tensors
+        # and opcheck's compile must see the op as a model would.
+        with installed(**{f"{op}_fake": fake}), _disable_current_modes():
+            with FakeTensorMode() as mode:
+                fake_args = tuple(mode.from_tensor(a) for a in args)
+                outputs = _ops(op)(*fake_args)
+            problem = _opcheck_problem(op, args)
+        return FakeReport(_describe(outputs), problem)
+
+    return report
+
+
+def fake_cases(gen: torch.Generator) -> list[tuple]:
+    """Shapes as lists (printed in full in a verdict), a dtype name and a layout: tiny, odd, one strided."""
+    rows = int(torch.randint(2, 6, (1,), generator=gen))
+    cols = int(torch.randint(3, 20, (1,), generator=gen))
+    return [([rows, cols], "float32", "contiguous"), ([rows + 1, cols], "float16", "contiguous"),
+            ([rows, cols + 2], "float32", "transposed")]
+
+
+def fake_cases_batched(gen: torch.Generator) -> list[tuple]:
+    """Exercise 1's cases: :func:`fake_cases` plus a 3-D input (the scale's shape is ``x.shape[:-1]``)."""
+    return [*fake_cases(gen), ([2, 3, 5], "float32", "contiguous")]
+
+
+def diagnose_fake(got: FakeReport, expected: FakeReport) -> str | None:
+    """None if the fake's outputs match the real op's and opcheck passed, else what differs."""
+    if not isinstance(got, FakeReport):
+        return f"the fake's result could not be read: {got!r}"
+    if len(got.outputs) != len(expected.outputs):
+        return (f"the fake returns {len(got.outputs)} output(s), the op returns {len(expected.outputs)}: "
+                "return one tensor per output, in order")
+    for i, ((g_shape, g_dtype, g_stride), (e_shape, e_dtype, e_stride)) in enumerate(
+            zip(got.outputs, expected.outputs)):
+        which = f"output {i}" if len(got.outputs) > 1 else "the output"
+        if g_shape != e_shape:
+            return f"{which}: the fake says shape {g_shape}, the kernel returns {e_shape}"
+        if g_dtype != e_dtype:
+            return f"{which}: the fake says dtype {g_dtype}, the kernel returns {e_dtype}"
+        if g_stride != e_stride:
+            return (f"{which}: the fake says strides {g_stride}, the kernel returns {e_stride} "
+                    "(contiguous: the fake must promise the layout the kernel writes)")
+    return got.opcheck
+
+
+# ----------------------------------------------------------------------------------------------
+# Checking an autograd formula: gradients through the op against float64 autograd, and gradcheck
+# ----------------------------------------------------------------------------------------------
+
+
+def gradient_cases(gen: torch.Generator) -> list[tuple]:
+    """``(rows, cols, seed)``: the inputs are drawn from the seed in float64 by both sides."""
+    cases = []
+    for rows, cols in ((1, 1), (3, 7), (5, 16)):
+        cases.append((rows, cols, int(torch.randint(0, 2**30, (1,), generator=gen))))
+    return cases
+
+
+def _gradient_inputs(rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=gen, dtype=torch.float64)
+    s = torch.rand(rows, generator=gen, dtype=torch.float64) + 0.5
+    grad = torch.randn(rows, cols, generator=gen, dtype=torch.float64)
+    device = kernels.runtime.DEVICE
+    return x.to(device), s.to(device), grad.to(device)
+
+
+def gradients_reference(rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """``(grad_x, grad_s, True)`` from torch's own autograd of ``x * s[:, None]`` in float64."""
+    x, s, grad = _gradient_inputs(rows, cols, seed)
+    x.requires_grad_(True)
+    s.requires_grad_(True)
+    (x * s[:, None]).backward(grad)
+    return x.grad.detach(), s.grad.detach(), True
+
+
+def gradients_with(setup_context: Callable[..., Any], backward: Callable[..., Any]
+                   ) -> Callable[[int, int, int], tuple[torch.Tensor, torch.Tensor, bool]]:
+    """The candidate for the autograd check: ``(grad_x, grad_s, gradcheck passed)`` through
+    ``ch10::scale_rows`` with the learner's ``setup_context`` and ``backward`` installed."""
+
+    def gradients(rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        x, s, grad = _gradient_inputs(rows, cols, seed)
+        x.requires_grad_(True)
+        s.requires_grad_(True)
+        with installed(scale_rows_setup_context=setup_context, scale_rows_backward=backward):
+            grad_x, grad_s = torch.autograd.grad(scale_rows(x, s), (x, s), grad)
+            passed = torch.autograd.gradcheck(scale_rows, (x, s), raise_exception=False)
+        return grad_x.detach(), grad_s.detach(), bool(passed)
+
+    return gradients
+
+
+def diagnose_gradients(got: Any, expected: tuple) -> str | None:
+    """None if both gradients match float64 autograd and gradcheck passed, else which does not."""
+    if not isinstance(got, tuple) or len(got) != 3:
+        return f"expected (grad_x, grad_s, gradcheck), got {type(got).__name__}"
+    for name, g, e in (("grad_x", got[0], expected[0]), ("grad_s", got[1], expected[1])):
+        if not isinstance(g, torch.Tensor):
+            return f"{name}: backward returned {type(g).__name__}, not a tensor"
+        if g.shape != e.shape:
+            return f"{name}: shape {tuple(g.shape)}, expected {tuple(e.shape)} (one gradient per input, its shape)"
+        if not torch.allclose(g, e, rtol=1e-7, atol=1e-9):
+            worst = float((g - e).abs().max())
+            return f"{name}: wrong values (largest error {worst:.3g}) against float64 autograd"
+    if not got[2]:
+        return "torch.autograd.gradcheck in float64 failed (the formula disagrees with finite differences)"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Op 3 (exercise 4, find the sync): an embedding lookup whose launch path calls .item()
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def embedding_rows_kernel(table_ptr, ids_ptr, out_ptr, bad_ptr, num_rows, dim, stride_t,
+                          BLOCK_D: tl.constexpr):
+    """One program per id: copy row ``table[id]`` to ``out``; an id out of range writes zeros and
+    adds one to ``bad[0]`` (the error is counted on the device, read whenever the host syncs anyway)."""
+    pid = tl.program_id(0).to(tl.int64)
+    index = tl.load(ids_ptr + pid).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < dim
+    lane_index = index + tl.zeros([BLOCK_D], tl.int64)  # the id on every lane, so the masks are blocks
+    lane_valid = (lane_index >= 0) & (lane_index < num_rows)
+    safe = tl.where(lane_valid, lane_index, 0)
+    row = tl.load(table_ptr + safe * stride_t + cols, mask=mask & lane_valid, other=0.0)
+    tl.store(out_ptr + pid * dim + cols, row, mask=mask)
+    tl.atomic_add(bad_ptr, ((index < 0) | (index >= num_rows)).to(tl.int32))
+
+
+def _launch_embedding(table: torch.Tensor, ids: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(ids.shape[0], table.shape[1], dtype=table.dtype, device=table.device)
+    if ids.numel():
+        embedding_rows_kernel[(ids.shape[0],)](table, ids, out, bad, table.shape[0], table.shape[1],
+                                               table.stride(0), BLOCK_D=triton.next_power_of_2(table.shape[1]))
+    return out
+
+
+def _ids_in_range(ids: torch.Tensor, num_rows: int) -> bool:
+    # The hidden sync: two reductions read back to the host before the launch can be queued.
+    return ids.numel() == 0 or (ids.min().item() >= 0 and ids.max().item() < num_rows)
+
+
+def _validate(table: torch.Tensor, ids: torch.Tensor) -> None:
+    if table.dim() != 2 or ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"ch10.embedding_rows: expected table (V, D) and int ids (T,), got {tuple(table.shape)} "
+                         f"and {ids.dtype} {tuple(ids.shape)}")
+    if table.stride(1) != 1:
+        raise ValueError("ch10.embedding_rows: table's rows must be contiguous (stride 1 along D)")
+    if not _ids_in_range(ids, table.shape[0]):
+        raise ValueError(f"ch10.embedding_rows: ids must lie in [0, {table.shape[0]})")
+
+
+def _prepare(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    _validate(table, ids)
+    return torch.zeros(1, dtype=torch.int32, device=table.device)
+
+
+def embedding_rows(table: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(table[ids], bad)``, given to exercise 4: correct, but its launch path syncs the host."""
+    bad = _prepare(table, ids)
+    return _launch_embedding(table, ids, bad), bad
+
+
+def embedding_rows_nosync(table: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exercise 4's solution: the same lookup with no host sync.
+
+    Teaches that a data-dependent check (``ids.max().item()``) makes the host wait for the device
+    before it can queue the next kernel, so launches stop running ahead. Checks of *metadata*
+    (rank, dtype, strides) cost nothing and stay; the range check moves onto the device: the kernel
+    counts bad ids in ``bad`` (and writes zeros for them), and the caller reads that count at a
+    sync it already has — logging the loss, say — or asserts on it after the step.
+    """
+    if table.dim() != 2 or ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"ch10.embedding_rows: expected table (V, D) and int ids (T,), got {tuple(table.shape)} "
+                         f"and {ids.dtype} {tuple(ids.shape)}")
+    if table.stride(1) != 1:
+        raise ValueError("ch10.embedding_rows: table's rows must be contiguous (stride 1 along D)")
+    bad = torch.zeros(1, dtype=torch.int32, device=table.device)
+    return _launch_embedding(table, ids, bad), bad
+
+
+def embedding_cases(gen: torch.Generator) -> list[tuple]:
+    """A table and in-range ids: tiny, an odd width, a repeated id."""
+    cases = []
+    for vocab, dim, tokens in ((7, 5, 4), (16, 12, 9)):
+        table = torch.randn(vocab, dim, generator=gen)
+        ids = torch.randint(0, vocab, (tokens,), generator=gen)
+        ids[-1] = ids[0]
+        device = kernels.runtime.DEVICE
+        cases.append((table.to(device), ids.to(device)))
+    return cases
+
+
+def embedding_reference(table: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(table[ids], zeros(1) int32)``: the rows, and no id out of range."""
+    return table[ids.long()], torch.zeros(1, dtype=torch.int32, device=table.device)
+
+
+class HostSyncError(RuntimeError):
+    """A function that must not sync the host read a tensor's value back (``.item()`` and friends)."""
+
+
+def without_syncs(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function``, raising :class:`HostSyncError` naming the caller if it calls ``aten._local_scalar_dense``.
+
+    That op is what ``.item()``, ``int(t)``, ``float(t)``, ``bool(t)`` and a tensor in an ``if``
+    become: on a GPU, each waits for every kernel queued before it.
+    """
+
+    def guarded(*args: Any) -> Any:
+        with flamegraph.dispatch_stacks() as syncs:
+            result = function(*args)
+        if syncs.total:
+            stack = next(iter(syncs.stacks))
+            caller = stack[-2] if len(stack) >= 2 else "?"
+            raise HostSyncError(f"{syncs.total} host sync(s) (aten._local_scalar_dense, e.g. .item()); "
+                                f"the innermost caller: {caller}")
+        return result
+
+    guarded.__name__ = getattr(function, "__name__", "guarded")
+    guarded.__wrapped__ = function
+    return guarded

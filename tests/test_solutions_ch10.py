@@ -1,0 +1,245 @@
+"""Chapter 10's solutions pass the checker on fresh inputs; wrong variants of each do not.
+
+Each exercise is checked as the notebook checks it (the same givens from
+``solutions.ch10_integration``: cases, candidate wrappers, references, diagnoses), once with the
+solution (SOLVED) and once per negative control — a plausible wrong answer the checker must reject,
+with the diagnosis it must give.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from solutions import ch10_integration as given
+from utils.exercises import check
+
+pytestmark = pytest.mark.interpreter
+
+
+def rejected(verdict, diagnosis: str) -> bool:
+    """NOT SOLVED, saying ``diagnosis`` (the verdict's lines are wrapped: compared with single spaces)."""
+    return not verdict.solved and diagnosis in " ".join(verdict.message.split())
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 1: write the fake of ch10::quantize_rows
+# ----------------------------------------------------------------------------------------------
+
+
+def check_quantize_fake(fake):
+    return check("ch10.quantize_rows_fake", given.fake_report("quantize_rows", fake),
+                 given.real_report("quantize_rows"), given.fake_cases_batched, compare=given.diagnose_fake)
+
+
+def test_quantize_rows_fake_solved():
+    assert check_quantize_fake(given.quantize_rows_fake).solved
+
+
+def _scale_keepdim(x):
+    return x.new_empty(x.shape, dtype=torch.int8), x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)
+
+
+def _q_in_x_dtype(x):
+    return x.new_empty(x.shape), x.new_empty(x.shape[:-1], dtype=torch.float32)
+
+
+def _scale_of_first_dim(x):
+    return x.new_empty(x.shape, dtype=torch.int8), x.new_empty(x.shape[:1], dtype=torch.float32)
+
+
+def _reads_values(x):
+    rows = int((x.abs() > 0).sum().item())  # data-dependent: no values under fake tensors
+    return x.new_empty(x.shape, dtype=torch.int8), x.new_empty(rows, dtype=torch.float32)
+
+
+def _only_q(x):
+    return (x.new_empty(x.shape, dtype=torch.int8),)
+
+
+def _stub(x):
+    raise NotImplementedError
+
+
+@pytest.mark.parametrize("fake, diagnosis", [
+    (_scale_keepdim, "output 1: the fake says shape"),
+    (_q_in_x_dtype, "output 0: the fake says dtype float"),
+    (_scale_of_first_dim, "output 1: the fake says shape (2,), the kernel returns (2, 3)"),  # the 3-D case
+    (_reads_values, "raised"),
+    (_only_q, "the fake must return 2 tensors (q, scale), got tuple of 1"),
+    (_stub, "not implemented yet"),
+])
+def test_quantize_rows_fake_wrong_variants_rejected(fake, diagnosis):
+    verdict = check_quantize_fake(fake)
+    assert rejected(verdict, diagnosis), verdict.message
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 2: fix the fake of ch10::scale_rows
+# ----------------------------------------------------------------------------------------------
+
+
+def check_scale_fake(fake):
+    return check("ch10.scale_rows_fake", given.fake_report("scale_rows", fake), given.real_report("scale_rows"),
+                 given.fake_cases, compare=given.diagnose_fake)
+
+
+def test_scale_rows_fake_solved():
+    assert check_scale_fake(given.scale_rows_fake).solved
+
+
+def test_the_given_fake_is_wrong_only_in_its_strides_for_a_transposed_input():
+    verdict = check_scale_fake(given.scale_rows_fake_given)
+    assert rejected(verdict, "layout='transposed'") and rejected(verdict, "the fake says strides"), verdict.message
+
+
+def test_opcheck_itself_rejects_the_given_fake():
+    x = torch.randn(6, 4).t()  # (4, 6), transposed
+    with given.installed(scale_rows_fake=given.scale_rows_fake_given):
+        result = torch.library.opcheck(torch.ops.ch10.scale_rows.default, (x, torch.rand(4)),
+                                       raise_exception=False)
+    assert result["test_faketensor"] != "SUCCESS" or result["test_aot_dispatch_dynamic"] != "SUCCESS", result
+    fixed = torch.library.opcheck(torch.ops.ch10.scale_rows.default, (x, torch.rand(4)), raise_exception=False)
+    assert all(outcome == "SUCCESS" for outcome in fixed.values()), fixed
+
+
+def _always_float32(x, s):
+    return x.new_empty(x.shape, dtype=torch.float32)
+
+
+def _one_row_short(x, s):
+    return x.new_empty((x.shape[0] - 1, x.shape[1]))
+
+
+@pytest.mark.parametrize("fake, diagnosis", [
+    (_always_float32, "the fake says dtype float32, the kernel returns float16"),
+    (_one_row_short, "the output: the fake says shape"),
+])
+def test_scale_rows_fake_wrong_variants_rejected(fake, diagnosis):
+    verdict = check_scale_fake(fake)
+    assert rejected(verdict, diagnosis), verdict.message
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 3: the autograd formula of ch10::scale_rows
+# ----------------------------------------------------------------------------------------------
+
+
+def check_autograd(setup_context, backward):
+    return check("ch10.scale_rows_autograd", given.gradients_with(setup_context, backward),
+                 given.gradients_reference, given.gradient_cases, compare=given.diagnose_gradients)
+
+
+def test_scale_rows_autograd_solved():
+    assert check_autograd(given.scale_rows_setup_context, given.scale_rows_backward).solved
+
+
+def _save_only_x(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+def _no_row_sum(ctx, grad_out):
+    x, s = ctx.saved_tensors
+    return grad_out * s[:, None], grad_out * x  # grad_s must be summed over the row
+
+
+def _swapped(ctx, grad_out):
+    x, s = ctx.saved_tensors
+    return grad_out * x, (grad_out * s[:, None]).sum(dim=1)
+
+
+def _wrong_sign(ctx, grad_out):
+    x, s = ctx.saved_tensors
+    return grad_out * s[:, None], -(grad_out * x).sum(dim=1)
+
+
+def _one_gradient(ctx, grad_out):
+    x, s = ctx.saved_tensors
+    return grad_out * s[:, None]
+
+
+@pytest.mark.parametrize("setup_context, backward, diagnosis", [
+    (_save_only_x, given.scale_rows_backward, "raised"),
+    (given.scale_rows_setup_context, _no_row_sum, "invalid gradient at index 1 - got [3, 7] but expected shape"),
+    (given.scale_rows_setup_context, _swapped, "grad_x: wrong values"),
+    (given.scale_rows_setup_context, _wrong_sign, "grad_s: wrong values"),
+    (given.scale_rows_setup_context, _one_gradient, "raised"),
+])
+def test_scale_rows_autograd_wrong_variants_rejected(setup_context, backward, diagnosis):
+    verdict = check_autograd(setup_context, backward)
+    assert rejected(verdict, diagnosis), verdict.message
+
+
+def test_a_failed_check_leaves_the_solutions_installed():
+    check_autograd(given.scale_rows_setup_context, _wrong_sign)
+    check_scale_fake(given.scale_rows_fake_given)
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    s = torch.rand(3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(given.scale_rows, (x, s))
+    assert given.scale_rows(x.detach().t().contiguous().t(), s.detach()).is_contiguous()
+
+
+def test_installed_names_an_unknown_registration():
+    with pytest.raises(ValueError, match="unknown registration"), given.installed(scale_rows_forward=len):
+        pass
+
+
+def test_double_backward_stays_unsupported_for_the_library_ops_with_a_clear_error():
+    import kernels
+
+    x = torch.randn(4, 8, requires_grad=True)
+    (grad,) = torch.autograd.grad(kernels.gelu(x).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        grad.sum().backward()
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 4: the launch path without its host sync
+# ----------------------------------------------------------------------------------------------
+
+
+def check_nosync(function):
+    return check("ch10.embedding_rows_nosync", given.without_syncs(function), given.embedding_reference,
+                 given.embedding_cases)
+
+
+def test_embedding_rows_nosync_solved():
+    assert check_nosync(given.embedding_rows_nosync).solved
+
+
+def test_the_given_launch_path_syncs_and_the_check_names_the_function():
+    verdict = check_nosync(given.embedding_rows)
+    assert rejected(verdict, "HostSyncError") and rejected(verdict, "_ids_in_range ("), verdict.message
+
+
+def _sync_in_an_if(table, ids):
+    if (ids < 0).any():  # bool(tensor): a sync too
+        raise ValueError("negative id")
+    return given.embedding_rows_nosync(table, ids)
+
+
+def _drops_the_flag(table, ids):
+    out, _ = given.embedding_rows_nosync(table, ids)
+    return out, torch.ones(1, dtype=torch.int32)
+
+
+def _torch_gather_with_sync(table, ids):
+    return table[ids[: int(ids.numel())]], torch.zeros(1, dtype=torch.int32, device=table.device) + int(ids.max() < 0)
+
+
+@pytest.mark.parametrize("function, diagnosis", [
+    (_sync_in_an_if, "_sync_in_an_if ("),
+    (_drops_the_flag, "wrong values"),
+    (_torch_gather_with_sync, "HostSyncError"),
+])
+def test_embedding_rows_wrong_variants_rejected(function, diagnosis):
+    verdict = check_nosync(function)
+    assert rejected(verdict, diagnosis), verdict.message
+
+
+def test_the_sync_free_version_still_reports_bad_ids_on_the_device():
+    table = torch.randn(5, 3)
+    out, bad = given.embedding_rows_nosync(table, torch.tensor([0, 7, -1, 4]))
+    assert int(bad) == 2 and torch.equal(out[1], torch.zeros(3)) and torch.equal(out[3], table[4])
+    with pytest.raises(ValueError, match=r"ch10.embedding_rows: ids must lie in \[0, 5\)"):
+        given.embedding_rows(table, torch.tensor([0, 7]))
