@@ -13,7 +13,9 @@ Triton kernel launch with a no-op that only counts it, so that what remains is t
     eager_time(torch.nn.functional.gelu, x)      # torch's own op on the same tiny input, for scale
 
 Under :func:`no_launch` outputs are never written (they keep whatever the allocator gave them),
-so nothing computed there should be used.
+so nothing computed there should be used. An op that reads a kernel's result on the host (a check
+slot: cross-entropy's target range) needs ``no_launch(fill=1)``: every buffer kernels allocate
+(``kernels._launch.empty``) then starts as that value, which costs one fill per buffer.
 
 What is replaced, for every kernel at once (at class level, restored on exit):
 
@@ -89,10 +91,11 @@ _PATCHES: tuple[tuple[type, str, Callable], ...] = (
 class NoLaunch:
     """What a ``with no_launch() as nl:`` block swallowed: ``nl.launches`` in all, ``nl.by_kernel`` per name."""
 
-    def __init__(self) -> None:
+    def __init__(self, fill: float | None = None) -> None:
+        self.fill = fill
         self.launches: int = 0
         self.by_kernel: Counter[str] = Counter()
-        self._saved: list[tuple[type, str, object]] = []
+        self._saved: list[tuple[object, str, object]] = []
         self._state = "new"
 
     def __enter__(self) -> NoLaunch:
@@ -103,6 +106,16 @@ class NoLaunch:
             # that kernels or utils.trace installed stays in place afterwards).
             self._saved.append((cls, name, cls.__dict__[name]))
             setattr(cls, name, stub)
+        if self.fill is not None:
+            from kernels import _launch
+
+            fill = self.fill
+
+            def filled(shape, dtype, device):
+                return torch.full(tuple(shape), fill, dtype=dtype, device=device)
+
+            self._saved.append((_launch, "empty", _launch.empty))
+            _launch.empty = filled
         _ACTIVE.append(self)
         self._state = "active"
         return self
@@ -112,19 +125,20 @@ class NoLaunch:
             return
         self._state = "done"
         _ACTIVE.remove(self)
-        for cls, name, original in reversed(self._saved):
-            setattr(cls, name, original)
+        for owner, name, original in reversed(self._saved):
+            setattr(owner, name, original)
         self._saved.clear()
 
 
-def no_launch() -> NoLaunch:
+def no_launch(fill: float | None = None) -> NoLaunch:
     """A context manager under which every Triton kernel launch is a no-op that is only counted.
 
     Works in both modes (interpreter and compiled) and for autotuned kernels; everything it
     replaced is put back on exit, also when the block raises. Blocks may nest (each counts the
-    launches inside it).
+    launches inside it). ``fill``: every buffer kernels allocate starts as this value (for ops
+    that read a kernel's result on the host); None leaves them as allocated.
     """
-    return NoLaunch()
+    return NoLaunch(fill)
 
 
 @dataclass(frozen=True)
@@ -160,16 +174,18 @@ def _time_calls(fn: Callable, args: tuple, kwargs: dict, number: int, repeat: in
     return per_call
 
 
-def host_overhead(fn: Callable, *args, number: int = 200, repeat: int = 7, warmup: int = 20, **kwargs) -> Overhead:
+def host_overhead(fn: Callable, *args, number: int = 200, repeat: int = 7, warmup: int = 20,
+                  fill: float | None = None, **kwargs) -> Overhead:
     """Time ``fn(*args, **kwargs)`` per call with every Triton launch replaced by a no-op.
 
     ``warmup`` untimed calls first (caches filled, the op's first-call setup done), then ``repeat``
     rounds of ``number`` calls each, timed with ``time.perf_counter_ns``. Returns the median and
     the fastest round's microseconds per call, and the launches each call made. For a forward and
-    backward pass, pass a function doing both (e.g. ``lambda x: op(x).backward(g)``).
+    backward pass, pass a function doing both (e.g. ``lambda x: op(x).backward(g)``). ``fill`` as
+    in :func:`no_launch`.
     """
     _check_counts("host_overhead", number, repeat, warmup)
-    with no_launch() as block:
+    with no_launch(fill) as block:
         for _ in range(warmup):
             fn(*args, **kwargs)
         before = block.launches
