@@ -33,6 +33,7 @@ dropout needs so that its random numbers depend on the element, not on how it wa
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -130,6 +131,50 @@ def _needs_int64(n_elements: int, index_base: int, sizes: Sequence[int], strides
     return any(sum((s - 1) * st for s, st in zip(sizes, op)) > _launch.INT32_MAX for op in strides)
 
 
+@functools.lru_cache(maxsize=4096)
+def _geometry(shape: tuple[int, ...], strides: tuple[tuple[int, ...], ...]) -> tuple[tuple, ...]:
+    """The launch plan of a shape and its inputs' strides, without the tensors: cached.
+
+    One entry per launch: ``(n_elements, index_base, sizes, flat strides, contiguous, index_64,
+    per-input storage-offset deltas or None)``. A pure function of hashable ints, so a training
+    loop that calls an op with the same shapes every step computes it once.
+    """
+    numel = math.prod(shape)
+    if numel == 0:
+        return ()
+    sizes, merged = coalesce_dims(shape, strides)
+    if len(sizes) <= 1 and all(not op or op[0] == 1 for op in merged):
+        # Flat fast path: logical index == memory offset for every operand.
+        return ((numel, 0, (1, 1, 1), (0,) * (MAX_DIMS * len(strides)), True,
+                 _needs_int64(numel, 0, [numel], [[1]]), None),)
+    outer_sizes, inner_sizes = sizes[:-MAX_DIMS], sizes[-MAX_DIMS:]
+    pad = MAX_DIMS - len(inner_sizes)
+    padded_sizes = [1] * pad + inner_sizes
+    padded_strides = [[0] * pad + op[-MAX_DIMS:] for op in merged]
+    inner_numel = math.prod(inner_sizes)
+    flat_strides = tuple(st for op in padded_strides for st in op)
+    launches = []
+    # Leading dims beyond MAX_DIMS: one launch per index into them, on views (no copies).
+    for slice_number, outer_index in enumerate(itertools.product(*(range(s) for s in outer_sizes))):
+        base = slice_number * inner_numel
+        deltas = (
+            tuple(sum(i * st for i, st in zip(outer_index, op[:-MAX_DIMS])) for op in merged) if outer_index else None
+        )
+        launches.append((inner_numel, base, tuple(padded_sizes[1:]), flat_strides, False,
+                         _needs_int64(inner_numel, base, padded_sizes, padded_strides), deltas))
+    return tuple(launches)
+
+
+def _check_operands(shape: tuple[int, ...], inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
+    # A launcher's own contract (the ops build these operands), so an AssertionError, not a user error.
+    for t in (*inputs, *outputs):
+        if t.shape != shape:
+            raise AssertionError(f"operand of shape {tuple(t.shape)} in a launch over {shape}")
+    for out in outputs:
+        if not out.is_contiguous():
+            raise AssertionError("elementwise outputs must be contiguous")
+
+
 def plan_elementwise(
     shape: Sequence[int], inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]
 ) -> list[ElementwiseLaunch]:
@@ -139,59 +184,36 @@ def plan_elementwise(
     ``expand``). Returns no launch for an empty shape.
     """
     shape = tuple(shape)
-    for t in (*inputs, *outputs):
-        if tuple(t.shape) != shape:
-            raise AssertionError(f"operand of shape {tuple(t.shape)} in a launch over {shape}")
-    for out in outputs:
-        if not out.is_contiguous():
-            raise AssertionError("elementwise outputs must be contiguous")
-    numel = math.prod(shape)
-    if numel == 0:
-        return []
-    sizes, strides = coalesce_dims(shape, [t.stride() for t in inputs])
-    if len(sizes) <= 1 and all(not op or op[0] == 1 for op in strides):
-        # Flat fast path: logical index == memory offset for every operand.
-        return [
-            ElementwiseLaunch(
-                inputs=tuple(inputs), outputs=tuple(outputs), n_elements=numel, index_base=0,
-                sizes=(1, 1, 1), strides=(0,) * (MAX_DIMS * len(inputs)), contiguous=True,
-                index_64=_needs_int64(numel, 0, [numel], [[1]]),
-            )
-        ]
-    outer_sizes, inner_sizes = sizes[:-MAX_DIMS], sizes[-MAX_DIMS:]
-    inner_strides = [op[-MAX_DIMS:] for op in strides]
-    pad = MAX_DIMS - len(inner_sizes)
-    padded_sizes = [1] * pad + inner_sizes
-    padded_strides = [[0] * pad + op for op in inner_strides]
-    inner_numel = math.prod(inner_sizes)
+    _check_operands(shape, inputs, outputs)
+    geometry = _geometry(shape, tuple(t.stride() for t in inputs))
     flat_outputs = [out.view(-1) for out in outputs]
     launches = []
-    # Leading dims beyond MAX_DIMS: one launch per index into them, on views (no copies).
-    for slice_number, outer_index in enumerate(itertools.product(*(range(s) for s in outer_sizes))):
-        base = slice_number * inner_numel
-        if outer_index:
-            slice_inputs = tuple(
-                t.as_strided(
-                    inner_sizes, op[-MAX_DIMS:],
-                    t.storage_offset() + sum(i * st for i, st in zip(outer_index, op[:-MAX_DIMS])),
-                )
-                for t, op in zip(inputs, strides)
-            )
-        else:
+    for n_elements, base, sizes, strides, contiguous, index_64, deltas in geometry:
+        if deltas is None:
             slice_inputs = tuple(inputs)
+        else:
+            inner = list(sizes)
+            slice_inputs = tuple(
+                t.as_strided(_inner_sizes(n_elements, inner), strides[k * MAX_DIMS : (k + 1) * MAX_DIMS],
+                             t.storage_offset() + d)
+                for k, (t, d) in enumerate(zip(inputs, deltas))
+            )
         launches.append(
             ElementwiseLaunch(
                 inputs=slice_inputs,
-                outputs=tuple(out[base : base + inner_numel] for out in flat_outputs),
-                n_elements=inner_numel,
-                index_base=base,
-                sizes=tuple(padded_sizes[1:]),
-                strides=tuple(st for op in padded_strides for st in op),
-                contiguous=False,
-                index_64=_needs_int64(inner_numel, base, padded_sizes, padded_strides),
+                outputs=tuple(out[base : base + n_elements] for out in flat_outputs) if not contiguous
+                else tuple(outputs),
+                n_elements=n_elements, index_base=base, sizes=sizes, strides=strides,
+                contiguous=contiguous, index_64=index_64,
             )
         )
     return launches
+
+
+def _inner_sizes(n_elements: int, sizes: list[int]) -> tuple[int, ...]:
+    """The four inner sizes of a slice (``size0`` implied by ``n_elements``)."""
+    inner = math.prod(sizes)
+    return (n_elements // inner, *sizes)
 
 
 def launch_elementwise(
@@ -205,8 +227,20 @@ def launch_elementwise(
     **constexprs: object,
 ) -> None:
     """Launch ``kernel`` (following this module's argument convention) over ``shape``."""
+    shape = tuple(shape)
+    _check_operands(shape, inputs, outputs)
+    geometry = _geometry(shape, tuple(t.stride() for t in inputs))
+    if len(geometry) == 1 and geometry[0][6] is None:
+        # The common case, one launch over the operands themselves: no per-launch objects.
+        n_elements, base, sizes, strides, contiguous, index_64, _ = geometry[0]
+        extra = (base,) if with_index_base else ()
+        kernel[(-(-n_elements // BLOCK),)](
+            *inputs, *outputs, *scalars, n_elements, *extra, *sizes, *strides,
+            **constexprs, CONTIGUOUS=contiguous, INDEX_64=index_64, BLOCK=BLOCK, num_warps=NUM_WARPS,
+        )
+        return
     for launch in plan_elementwise(shape, inputs, outputs):
-        grid = (triton.cdiv(launch.n_elements, BLOCK),)
+        grid = (-(-launch.n_elements // BLOCK),)
         extra = (launch.index_base,) if with_index_base else ()
         kernel[grid](
             *launch.inputs, *launch.outputs, *scalars, launch.n_elements, *extra,

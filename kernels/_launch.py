@@ -15,6 +15,11 @@
 * **Dims.** :func:`coalesce_dims` merges the dims every operand can walk as one stride, the first
   step of every strided launch (elementwise ops, row ops, matmul's batch dims).
 * **Dots.** :func:`dot_input_precision`: TF32 or IEEE for fp32 ``tl.dot``, as torch's flag says.
+
+The host work of a launch is on every call's path, so these helpers are plain integer arithmetic
+(Triton's ``cdiv`` and ``next_power_of_2`` are constexpr functions, a few microseconds a call from
+the host) and :func:`coalesce_dims` is cached on its shapes and strides (see
+``utils/overhead.py`` for how the per-call host time is measured).
 """
 
 from __future__ import annotations
@@ -23,13 +28,13 @@ import functools
 from collections.abc import Sequence
 
 import torch
-import triton
 
 from . import runtime
 
 __all__ = [
     "INT32_MAX",
     "INTERPRETER_SMS",
+    "cdiv",
     "coalesce_dims",
     "dot_input_precision",
     "empty",
@@ -105,7 +110,12 @@ def num_sms(device: torch.device | str | None = None) -> int:
 
 def next_power_of_2(n: int) -> int:
     """The smallest power of two >= ``n`` (at least 1): the block that holds ``n`` columns."""
-    return triton.next_power_of_2(max(int(n), 1))
+    return 1 << (max(int(n), 1) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for ints (``triton.cdiv`` without its constexpr-function call cost)."""
+    return -(-a // b)
 
 
 def num_warps_for(values: int, values_per_thread: int = 16, max_warps: int = 16) -> int:
@@ -147,6 +157,18 @@ def coalesce_dims(
     the merged sizes and each operand's merged strides (outermost first). An empty result means a
     single element.
     """
+    key = (tuple(shape), tuple(map(tuple, strides)))
+    try:
+        sizes, merged = _coalesce(*key)
+    except TypeError:  # symbolic sizes (a fake tensor under torch.compile) are not hashable: uncached
+        sizes, merged = _coalesce.__wrapped__(*key)
+    return list(sizes), [list(op) for op in merged]
+
+
+@functools.lru_cache(maxsize=4096)
+def _coalesce(shape: tuple[int, ...], strides: tuple[tuple[int, ...], ...]) -> tuple[tuple, tuple]:
+    # Pure function of its (hashable) arguments: cached, so a model calling an op with the same
+    # shapes every step pays for the merge once.
     sizes: list[int] = []
     merged: list[list[int]] = [[] for _ in strides]
     for dim, size in enumerate(shape):
@@ -160,4 +182,4 @@ def coalesce_dims(
             sizes.append(size)
             for ops, op_strides in zip(merged, strides):
                 ops.append(op_strides[dim])
-    return sizes, merged
+    return tuple(sizes), tuple(tuple(op) for op in merged)

@@ -28,6 +28,7 @@ without a separate flag. Row starts are computed in int64; column offsets need i
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -120,10 +121,23 @@ def merge_trailing(t: torch.Tensor, ndim: int) -> tuple[list[int], list[int], in
     Returns ``(lead_sizes, lead_strides, n_cols, col_stride)``, or ``None`` when the trailing dims
     cannot be walked with a single stride (e.g. a transposed pair).
     """
-    shape, strides = list(t.shape), list(t.stride())
-    lead_sizes, lead_strides = shape[: t.dim() - ndim], strides[: t.dim() - ndim]
-    tail = [(s, st) for s, st in zip(shape[t.dim() - ndim :], strides[t.dim() - ndim :]) if s != 1]
-    n_cols = math.prod(shape[t.dim() - ndim :])
+    try:
+        merged = _merge_trailing(tuple(t.shape), t.stride(), ndim)
+    except TypeError:  # symbolic sizes (a fake tensor under torch.compile) are not hashable: uncached
+        merged = _merge_trailing.__wrapped__(tuple(t.shape), t.stride(), ndim)
+    if merged is None:
+        return None
+    lead_sizes, lead_strides, n_cols, col_stride = merged
+    return list(lead_sizes), list(lead_strides), n_cols, col_stride
+
+
+@functools.lru_cache(maxsize=4096)
+def _merge_trailing(shape: tuple[int, ...], strides: tuple[int, ...], ndim: int):
+    # Cached: a pure function of ints, on every row op's path (checks and plan) several times a call.
+    dim = len(shape)
+    lead_sizes, lead_strides = shape[: dim - ndim], strides[: dim - ndim]
+    tail = [(s, st) for s, st in zip(shape[dim - ndim :], strides[dim - ndim :]) if s != 1]
+    n_cols = math.prod(shape[dim - ndim :])
     if not tail:
         return lead_sizes, lead_strides, n_cols, 1
     col_stride = tail[-1][1]
@@ -135,54 +149,63 @@ def merge_trailing(t: torch.Tensor, ndim: int) -> tuple[list[int], list[int], in
     return lead_sizes, lead_strides, n_cols, col_stride
 
 
+@functools.lru_cache(maxsize=4096)
+def _row_geometry(shape: tuple[int, ...], strides: tuple[tuple[int, ...], ...], reduce_ndim: int):
+    """The row launches of operands of ``shape`` with these strides, without the tensors: cached.
+
+    ``None`` when some operand's reduced dims do not merge; else ``(n_cols, launches)`` with one
+    ``(n_rows, row_base, sizes, flat strides, index_64, per-operand offset deltas or None)`` each.
+    """
+    merged = [_merge_trailing(shape, st, reduce_ndim) for st in strides]
+    if any(m is None for m in merged):
+        return None
+    lead_shape = merged[0][0]
+    n_cols = merged[0][2]
+    n_rows = math.prod(lead_shape)
+    if n_rows == 0 or n_cols == 0:
+        return n_cols, ()
+    col_strides = [m[3] for m in merged]
+    sizes, lead_strides = coalesce_dims(lead_shape, [m[1] for m in merged])
+    if not sizes:  # a single row
+        sizes, lead_strides = [1], [[0] for _ in strides]
+    outer_sizes, inner_sizes = sizes[:-MAX_LEAD_DIMS], sizes[-MAX_LEAD_DIMS:]
+    pad = MAX_LEAD_DIMS - len(inner_sizes)
+    padded_sizes = [1] * pad + inner_sizes
+    inner_rows = math.prod(inner_sizes)
+    index_64 = any((n_cols - 1) * abs(cs) > _launch.INT32_MAX for cs in col_strides)
+    flat = tuple(x for op, cs in zip(lead_strides, col_strides) for x in ([0] * pad + op[-MAX_LEAD_DIMS:] + [cs]))
+    launches = []
+    for slice_number, outer_index in enumerate(itertools.product(*(range(s) for s in outer_sizes))):
+        deltas = (
+            tuple(sum(i * st for i, st in zip(outer_index, op[:-MAX_LEAD_DIMS])) for op in lead_strides)
+            if outer_index else None
+        )
+        launches.append((inner_rows, slice_number * inner_rows, tuple(padded_sizes[1:]), flat, index_64, deltas))
+    return n_cols, tuple(launches)
+
+
 def plan_rows(operands: Sequence[torch.Tensor], reduce_ndim: int = 1) -> list[RowLaunch]:
     """The launches of a row op over ``operands`` (all of the same shape), reducing the last dims.
 
     ``reduce_ndim`` trailing dims form a row (softmax: move ``dim`` last first, with ``movedim``,
     which is a view). Every operand's trailing dims must merge into one stride (checked by the
     caller with :func:`merge_trailing`, which can then raise an error naming the op). Returns no
-    launch when there are no rows or no columns.
+    launch when there are no rows or no columns. The geometry is cached on shapes and strides.
     """
     shape = tuple(operands[0].shape)
     for t in operands:
-        if tuple(t.shape) != shape:
+        if t.shape != shape:
             raise AssertionError(f"row operand of shape {tuple(t.shape)} in a launch over {shape}")
-    merged = [merge_trailing(t, reduce_ndim) for t in operands]
-    if any(m is None for m in merged):
+    geometry = _row_geometry(shape, tuple(t.stride() for t in operands), reduce_ndim)
+    if geometry is None:
         raise AssertionError("a row operand's reduced dims do not merge into one stride")
-    lead_shape = merged[0][0]
-    n_cols = merged[0][2]
-    n_rows = math.prod(lead_shape)
-    if n_rows == 0 or n_cols == 0:
-        return []
-    col_strides = [m[3] for m in merged]
-    sizes, strides = coalesce_dims(lead_shape, [m[1] for m in merged])
-    if not sizes:  # a single row
-        sizes, strides = [1], [[0] for _ in operands]
-    outer_sizes, inner_sizes = sizes[:-MAX_LEAD_DIMS], sizes[-MAX_LEAD_DIMS:]
-    pad = MAX_LEAD_DIMS - len(inner_sizes)
-    padded_sizes = [1] * pad + inner_sizes
-    inner_rows = math.prod(inner_sizes)
-    index_64 = any((n_cols - 1) * abs(cs) > _launch.INT32_MAX for cs in col_strides)
-    launches = []
-    for slice_number, outer_index in enumerate(itertools.product(*(range(s) for s in outer_sizes))):
-        tensors = []
-        for t, op in zip(operands, strides):
-            if outer_index:
-                offset = t.storage_offset() + sum(i * st for i, st in zip(outer_index, op[:-MAX_LEAD_DIMS]))
-                t = t.as_strided((1,), (1,), offset)  # only its data pointer is used
-            tensors.append(t)
-        launches.append(
-            RowLaunch(
-                tensors=tuple(tensors),
-                n_rows=inner_rows,
-                n_cols=n_cols,
-                row_base=slice_number * inner_rows,
-                sizes=tuple(padded_sizes[1:]),
-                strides=tuple(
-                    x for op, cs in zip(strides, col_strides) for x in ([0] * pad + op[-MAX_LEAD_DIMS:] + [cs])
-                ),
-                index_64=index_64,
-            )
-        )
-    return launches
+    n_cols, launches = geometry
+    plans = []
+    for n_rows, row_base, sizes, strides, index_64, deltas in launches:
+        if deltas is None:
+            tensors = tuple(operands)
+        else:  # only its data pointer is used
+            tensors = tuple(t.as_strided((1,), (1,), t.storage_offset() + d) for t, d in zip(operands, deltas))
+        plans.append(RowLaunch(tensors=tensors, n_rows=n_rows, n_cols=n_cols, row_base=row_base, sizes=sizes,
+                               strides=strides, index_64=index_64))
+    return plans

@@ -50,6 +50,9 @@ if INTERPRETER:
         _interpreter_numerics.reinterpret_language_library()
     _interpreter_numerics.install()
     _interpreter_numerics.explain_missing_driver()
+    from . import _profiling
+
+    _profiling.install()  # launches named triton::<kernel> in torch.profiler traces
     # A GPU computes exp(large) = inf or -inf - -inf = nan silently, and the kernels rely on it
     # (softmax of an all -inf row, sigmoid of a very negative input); numpy, under the
     # interpreter, warns about each. Those warnings say nothing about the kernel: silence them.

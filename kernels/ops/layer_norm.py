@@ -389,5 +389,13 @@ def layer_norm(
         and ``bias`` (the backward is ``kernels::layer_norm_backward``; the forward saves only
         ``mean`` and ``rstd``, one float32 each per row, besides the inputs).
     """
-    shape = _check_layer_norm_args(x, normalized_shape, weight, bias, eps)
-    return _layer_norm_op(x, list(shape), weight, bias, float(eps))[0]
+    if type(normalized_shape) is int:
+        shape = [normalized_shape]
+    elif type(normalized_shape) in (list, tuple) and all(type(s) is int for s in normalized_shape):
+        shape = list(normalized_shape)
+    else:
+        shape = None
+    if shape is None or not (isinstance(x, torch.Tensor) and type(eps) in (float, int)
+                             and all(p is None or isinstance(p, torch.Tensor) for p in (weight, bias))):
+        shape = list(_check_layer_norm_args(x, normalized_shape, weight, bias, eps))  # the op checks values
+    return _layer_norm_op(x, shape, weight, bias, float(eps))[0]

@@ -133,9 +133,9 @@ def column_sum(partial: torch.Tensor, shape: Sequence[int], dtype: torch.dtype) 
     sms = _launch.num_sms(partial.device)
     # Enough column strips to give every SM one (at least 32 columns: a full sector of fp32 each
     # row), and partial rows stacked up to TILE_ELEMENTS per iteration.
-    block_n = min(1024, max(32, next_power_of_2(triton.cdiv(n_cols, sms))))
+    block_n = min(1024, max(32, next_power_of_2(_launch.cdiv(n_cols, sms))))
     block_p = max(1, min(next_power_of_2(n_partials), TILE_ELEMENTS // block_n))
-    grid = (triton.cdiv(n_cols, block_n),)
+    grid = (_launch.cdiv(n_cols, block_n),)
     column_sum_kernel[grid](partial, out, n_partials, n_cols, 1, BLOCK_P=block_p, BLOCK_N=block_n, num_warps=4)
     return out
 
@@ -172,11 +172,11 @@ def norm_launch_config(
     chunked = n_cols > max_fused
     block = CHUNK_BLOCK if chunked else next_power_of_2(n_cols)
     tile_rows = 1 if chunked else max(1, min(TILE_ELEMENTS // block, next_power_of_2(n_rows)))
-    n_tiles = max(1, triton.cdiv(n_rows, tile_rows))
+    n_tiles = max(1, _launch.cdiv(n_rows, tile_rows))
     sms = _launch.num_sms(device)
-    tiles_per_program = triton.cdiv(n_tiles, PROGRAMS_PER_SM * sms)
+    tiles_per_program = _launch.cdiv(n_tiles, PROGRAMS_PER_SM * sms)
     if not backward:
-        floor = min(triton.cdiv(MIN_FORWARD_ROWS_PER_PARAM * params, tile_rows), max(1, n_tiles // sms))
+        floor = min(_launch.cdiv(MIN_FORWARD_ROWS_PER_PARAM * params, tile_rows), max(1, n_tiles // sms))
         tiles_per_program = max(tiles_per_program, floor)
         tiles_per_program = min(tiles_per_program, max(1, FORWARD_ROWS_PER_PROGRAM // tile_rows))
     rows_per_program = tile_rows * tiles_per_program

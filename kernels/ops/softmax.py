@@ -444,9 +444,9 @@ def _launch_rows(forward: bool, operands: list[torch.Tensor], log: bool) -> None
         # Linear tiles cost nothing extra when runs are whole tiles (or there is one run).
         linear_rows = transposed or size2 % rows == 0 or size2 == launch.n_rows
         if linear_rows:
-            tiles = (launch.n_rows // size2) * triton.cdiv(size2, rows)
+            tiles = (launch.n_rows // size2) * _launch.cdiv(size2, rows)
         else:
-            tiles = triton.cdiv(launch.n_rows, rows)
+            tiles = _launch.cdiv(launch.n_rows, rows)
         if forward:
             kernel = softmax_online_kernel if config.chunked else softmax_kernel
         else:
@@ -604,6 +604,12 @@ _log_softmax_op.register_autograd(_log_softmax_backward, setup_context=_setup_co
 # ----------------------------------------------------------------------------------------------
 
 
+def _schema_types(x: object, dim: object, dtype: object) -> bool:
+    """Whether the op's schema takes these types; the op itself checks the values (kernels._validate's rule)."""
+    return (isinstance(x, torch.Tensor) and isinstance(dim, int) and not isinstance(dim, bool)
+            and (dtype is None or isinstance(dtype, torch.dtype)))
+
+
 def softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Softmax of ``x`` along ``dim``, like ``torch.nn.functional.softmax(x, dim, dtype=dtype)``.
 
@@ -618,7 +624,8 @@ def softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None) ->
         float32. Rows that are all ``-inf`` give NaN, like torch. Differentiable; the backward
         (``kernels::softmax_backward``) uses only the saved output.
     """
-    _check_forward_args("kernels.softmax", x, dim, dtype)
+    if not _schema_types(x, dim, dtype):
+        _check_forward_args("kernels.softmax", x, dim, dtype)
     return _softmax_op(x, dim, dtype)
 
 
@@ -636,5 +643,6 @@ def log_softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None
         like torch. Differentiable; the backward (``kernels::log_softmax_backward``) uses only
         the saved output.
     """
-    _check_forward_args("kernels.log_softmax", x, dim, dtype)
+    if not _schema_types(x, dim, dtype):
+        _check_forward_args("kernels.log_softmax", x, dim, dtype)
     return _log_softmax_op(x, dim, dtype)

@@ -91,6 +91,11 @@ def swiglu_backward_kernel(
     tl.store(grad_up_ptr + idx, grad_up.to(grad_up_ptr.dtype.element_ty), mask=mask)
 
 
+def _schema_types(gate: object, up: object, in_place_backward: object) -> bool:
+    """Whether the op's schema takes these types; the op itself checks the values (kernels._validate's rule)."""
+    return isinstance(gate, torch.Tensor) and isinstance(up, torch.Tensor) and isinstance(in_place_backward, bool)
+
+
 def _check_gated_args(op: str, gate: object, up: object, in_place_backward: object = False) -> None:
     check_tensor(op, "gate", gate)
     check_tensor(op, "up", up)
@@ -223,7 +228,8 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, in_place_backward: bool = False
         A new contiguous tensor of the common shape and dtype, computed in float32.
         Differentiable in both inputs (one backward pass for both gradients).
     """
-    _check_gated_args("kernels.swiglu", gate, up, in_place_backward)
+    if not _schema_types(gate, up, in_place_backward):
+        _check_gated_args("kernels.swiglu", gate, up, in_place_backward)
     return _swiglu_op(gate, up, in_place_backward)
 
 
@@ -232,5 +238,6 @@ def geglu(gate: torch.Tensor, up: torch.Tensor, in_place_backward: bool = False)
 
     Args and returns as :func:`swiglu`.
     """
-    _check_gated_args("kernels.geglu", gate, up, in_place_backward)
+    if not _schema_types(gate, up, in_place_backward):
+        _check_gated_args("kernels.geglu", gate, up, in_place_backward)
     return _geglu_op(gate, up, in_place_backward)
