@@ -587,11 +587,11 @@ def check_loss_options(op: str, ignore_index: object, reduction: object, label_s
     if softcap is not None:
         if not _is_real(softcap):
             raise TypeError(f"{op}: softcap must be None or a positive float, got {type(softcap).__name__}")
-        if not (math.isfinite(float(softcap)) and float(softcap) > 0):
+        if not 0 < float(softcap) < math.inf:  # comparisons, not math.isfinite: a traced float may be symbolic
             raise ValueError(f"{op}: softcap must be a positive, finite float (Gemma-2 uses 30.0), got {softcap}")
     if not _is_real(z_loss):
         raise TypeError(f"{op}: z_loss must be a float >= 0, got {type(z_loss).__name__}")
-    if not (math.isfinite(float(z_loss)) and float(z_loss) >= 0):
+    if not 0 <= float(z_loss) < math.inf:
         raise ValueError(f"{op}: z_loss must be a finite float >= 0 (PaLM uses 1e-4), got {z_loss}")
 
 
