@@ -6,16 +6,20 @@ what was expected and what came, e.g.
 ``TypeError``; values out of range, shape and device mismatches raise ``ValueError``.
 
 Checks run before any Triton launch, so bad input never reaches Triton's compiler.
+
+Checks of tensor *values* (not shapes) go through :func:`check_values`, the one place that applies
+the runtime's policy (:mod:`kernels.runtime`: on the host for CPU tensors, or when asked; else a
+device-side assertion on CUDA; nothing while traced or captured), so no op synchronizes by default.
 """
 
 from __future__ import annotations
 
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from . import _autocast
+from . import _autocast, runtime
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -33,6 +37,7 @@ __all__ = [
     "is_int",
     "check_attention_options",
     "check_paged_caches",
+    "check_values",
 ]
 
 #: The floating dtypes the elementwise kernels accept (they compute in float32 internally).
@@ -200,3 +205,50 @@ def check_paged_caches(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor) ->
                          f"and {tuple(v_cache.shape)}")
     if k_cache.dtype != v_cache.dtype:
         raise TypeError(f"{op}: k_cache and v_cache must have the same dtype, got {k_cache.dtype} and {v_cache.dtype}")
+
+
+def check_values(tensors: Sequence[torch.Tensor], ok: Callable[[], torch.Tensor], message: str,
+                 error: Callable[[], str] | None = None, *, host_ok: Callable[[], bool] | None = None,
+                 device_assert: bool = True) -> None:
+    """A data-dependent check of ``tensors``' values, by the runtime's policy; raises ``ValueError``.
+
+    Args:
+        tensors: the tensors whose values are checked (their device decides the policy).
+        ok: builds a one-element tensor on their device, true (nonzero) when the values are valid —
+            computed with tensor ops, never read here unless the host check runs. Called only when a
+            check of some kind runs, so a skipped check costs no launch.
+        message: the rule, starting with the op's name (``kernels.grouped_matmul: offsets must ...``).
+        error: the full text of the ``ValueError`` (naming the bad values, read on the host), built
+            only on failure; ``None`` for ``message`` itself.
+        host_ok: for CPU tensors, the same condition computed on their memory directly (numpy),
+            instead of ``ok``'s tensor ops: no aten op runs, so a ``utils.trace`` of the op counts
+            only its own work, as a GPU would run it by default.
+        device_assert: whether CUDA tensors are asserted on the device when the host check is off
+            (``False``: nothing runs on CUDA unless asked; for checks whose kernels mask bad values
+            anyway, or whose assertion would cost a decode step more launches than it is worth).
+
+    When :func:`kernels.runtime.values_checked` says so, the check runs on the host: on the CPU through
+    ``host_ok`` or ``torch._assert_async`` (which reads the flag at once), on CUDA with one
+    synchronization. Else, on CUDA, ``ok`` is asserted on the device (``torch._assert_async``:
+    asynchronous, no synchronization), its message saying how to get the host check. Else (tracing,
+    or the CPU with checks off) nothing.
+    """
+    tensors = tuple(tensors)
+    if runtime.values_checked(*tensors):
+        on_cpu = all(t.device.type == "cpu" for t in tensors)
+        if on_cpu and host_ok is not None:
+            if host_ok():
+                return
+        else:
+            flag = ok()
+            if flag.device.type == "cpu":
+                try:
+                    torch._assert_async(flag, message)
+                    return
+                except RuntimeError:
+                    pass
+            elif bool(flag):  # the one synchronization the user asked for
+                return
+        raise ValueError(error() if error is not None else message) from None
+    if device_assert and runtime.device_assertions(*tensors):
+        torch._assert_async(ok(), f"{message} ({runtime.CHECK_VALUES_HINT})")

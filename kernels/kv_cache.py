@@ -30,6 +30,14 @@ A block's key is registered when its slots are handed out, before the model step
 is safe because a model step writes every token's K/V (:func:`kernels.write_kv_cache`) in each
 layer before that layer's attention reads the cache, so a sequence admitted in the same step that
 reuses the block reads it after it was written.
+
+**Host state by design.** This module is host-side bookkeeping: block tables, lengths and free lists
+live in Python, and it builds the step's ``block_tables``, ``seq_lens`` and ``slot_mapping`` on the
+host before copying them to the device. That is where an engine's per-step host work belongs. The
+ops it feeds (:func:`kernels.write_kv_cache`, :func:`kernels.paged_attention`) never read those
+tensors back: they make no host synchronization (their value checks follow :mod:`kernels.runtime`'s
+policy), so a model step over them can be captured in a CUDA graph with its inputs copied into
+static buffers.
 """
 
 from __future__ import annotations

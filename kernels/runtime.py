@@ -9,6 +9,20 @@ before any kernel is defined:
 
 In interpreter mode the numerics of bfloat16 are repaired (see ``_interpreter_numerics``) so that
 bf16 kernels give the answers a GPU gives.
+
+**Value checks.** No op synchronizes with the host in its forward or backward, so that every op can
+run inside a CUDA graph and under ``torch.compile(mode="reduce-overhead")``. Checks of an input's
+*values* (targets in the vocabulary, offsets non-decreasing, block tables and slots inside the
+cache, expert ids in range, ...) need those values on the host, so they follow one rule,
+:func:`values_checked`: on CPU tensors they run (there is no device to wait for) and raise a
+``ValueError`` naming the bad values; on CUDA only when asked, with ``check_values(True)`` or
+``KERNELS_CHECK_VALUES=1`` in the environment (each check then costs a synchronization); never
+while a CUDA graph is being captured or ``torch.compile`` traces (there are no values then). When
+the host check is off, some CUDA ops still assert their condition on the device
+(``torch._assert_async``: no synchronization; a failure surfaces as a device-side assert at the next
+synchronizing call): cross-entropy's targets, varlen attention's ``cu_seqlens``, grouped-GEMM
+offsets, paged attention's ``seq_lens``. ``check_values(False)`` (``KERNELS_CHECK_VALUES=0``) turns
+the host checks off everywhere.
 """
 
 from __future__ import annotations
@@ -18,7 +32,8 @@ import sys
 
 import torch
 
-__all__ = ["INTERPRETER", "INTERPRETER_SMS", "DEVICE", "mode", "device_for_tests", "require_launchable", "describe"]
+__all__ = ["INTERPRETER", "INTERPRETER_SMS", "DEVICE", "mode", "device_for_tests", "require_launchable", "describe",
+           "check_values", "values_checked", "CHECK_VALUES_ENV", "CHECK_VALUES_HINT"]
 
 
 def _choose_interpreter() -> bool:
@@ -111,3 +126,94 @@ def require_launchable(op: str, *tensors: torch.Tensor) -> None:
                 f"got one on {t.device}. Move it with .cuda(), or set KERNEL_LADDER_INTERPRET=1 "
                 "before importing kernels to use the CPU interpreter."
             )
+
+
+# ----------------------------------------------------------------------------------------------
+# Value checks (see the module docstring)
+# ----------------------------------------------------------------------------------------------
+
+#: The environment variable that sets the value checks at import: 1 (on everywhere), 0 (off), unset (default).
+CHECK_VALUES_ENV = "KERNELS_CHECK_VALUES"
+#: What an error or assertion says when the host value checks were off.
+CHECK_VALUES_HINT = (f"value checks are off on this device: kernels.runtime.check_values(True) or "
+                     f"{CHECK_VALUES_ENV}=1 checks on the host (one synchronization) and names the bad values")
+
+
+def _setting_from_env() -> bool | None:
+    raw = os.environ.get(CHECK_VALUES_ENV, "").strip().lower()
+    if raw in ("", "auto", "default"):
+        return None
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"kernels.runtime: {CHECK_VALUES_ENV} must be 1, 0 or auto (unset), got {raw!r}")
+
+
+_check_values_setting: bool | None = _setting_from_env()
+
+
+class check_values:  # noqa: N801  (a function-like context manager, as torch.set_grad_enabled)
+    """Turn the ops' data-dependent value checks on (``True``), off (``False``) or to the default (``None``).
+
+    The default checks CPU tensors only; ``True`` also checks CUDA tensors, at the price of one
+    host synchronization per check (for debugging: the error names the bad values); ``False``
+    checks nothing on the host (the CUDA ops that assert on the device keep doing so). Takes effect at
+    once, for the whole process; used as a context manager it restores the previous setting on
+    exit::
+
+        kernels.runtime.check_values(True)            # from now on
+        with kernels.runtime.check_values(False):     # only inside the block
+            ...
+    """
+
+    def __init__(self, enabled: bool | None) -> None:
+        global _check_values_setting
+        if enabled is not None and not isinstance(enabled, bool):
+            raise TypeError(f"kernels.runtime.check_values: enabled must be True, False or None (the default), "
+                            f"got {type(enabled).__name__}")
+        self.previous = _check_values_setting
+        self.enabled = enabled
+        _check_values_setting = enabled
+
+    def __enter__(self) -> check_values:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        global _check_values_setting
+        _check_values_setting = self.previous
+
+    @staticmethod
+    def setting() -> bool | None:
+        """The current setting: ``True``, ``False`` or ``None`` (the default: CPU tensors only)."""
+        return _check_values_setting
+
+
+def _tracing(tensors: tuple[torch.Tensor, ...]) -> bool:
+    if torch.compiler.is_compiling():
+        return True
+    from torch._subclasses.fake_tensor import is_fake  # noqa: PLC0415 (loaded with torch already)
+
+    return any(t.device.type == "meta" or is_fake(t) for t in tensors)
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def values_checked(*tensors: torch.Tensor) -> bool:
+    """Whether a value check of these tensors runs on the host now (the rule in the module docstring).
+
+    False while ``torch.compile`` traces or the tensors are fake, and while a CUDA graph is being
+    captured; otherwise the :class:`check_values` setting, whose default checks CPU tensors only.
+    """
+    if _tracing(tensors) or _capturing():
+        return False
+    if _check_values_setting is not None:
+        return _check_values_setting
+    return all(t.device.type == "cpu" for t in tensors)
+
+
+def device_assertions(*tensors: torch.Tensor) -> bool:
+    """Whether an op asserts a value condition on the device instead (no host check, real CUDA tensors)."""
+    return not _tracing(tensors) and any(t.device.type == "cuda" for t in tensors)

@@ -77,7 +77,13 @@ def test_negative_and_out_of_range_slots_are_never_written(gen):
     slots = torch.tensor([-1, 12, 5, -7, 2**40, 0], dtype=torch.int64)
     k_cache = _sentinel_cache((num_blocks, block_size, heads, dim), torch.float32)
     v_cache = _sentinel_cache((num_blocks, block_size, heads, dim), torch.float32)
-    kernels.write_kv_cache(k, v, k_cache, v_cache, slots.to(DEVICE))
+    with kernels.runtime.check_values(True), pytest.raises(
+            ValueError, match=r"kernels\.write_kv_cache: slot_mapping must hold slots below num_blocks \* "
+                              r"block_size = 12 .*got slot_mapping\[1\] = 12"):
+        kernels.write_kv_cache(k, v, k_cache, v_cache, slots.to(DEVICE))  # a value check (the CPU's default)
+    assert torch.isnan(k_cache).all()
+    with kernels.runtime.check_values(False):  # unchecked (CUDA's default): the kernel masks them
+        kernels.write_kv_cache(k, v, k_cache, v_cache, slots.to(DEVICE))
     flat = k_cache.view(-1, heads, dim).cpu()
     written = (~torch.isnan(flat)).all(-1).all(-1).nonzero().flatten().tolist()
     assert written == [0, 5]

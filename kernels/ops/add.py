@@ -113,5 +113,6 @@ def add(x: torch.Tensor | float, y: torch.Tensor | float) -> torch.Tensor:
 def _scalar_to_tensor(value: object, other: object) -> object:
     """A Python int/float beside a tensor becomes a 0-d tensor of that tensor's dtype (a stride-0 read)."""
     if isinstance(value, (int, float)) and not isinstance(value, bool) and isinstance(other, torch.Tensor):
-        return torch.tensor(value, dtype=other.dtype, device=other.device)
+        # A fill on the device, not torch.tensor's host-to-device copy (refused in CUDA-graph capture).
+        return torch.full((), value, dtype=other.dtype, device=other.device)
     return value

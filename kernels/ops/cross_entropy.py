@@ -52,8 +52,9 @@ On the CPU that raises at once, and the error (a ``ValueError``) names the op, t
 and the targets' range. On CUDA it is a device-side assertion, like the one torch's own
 ``F.cross_entropy`` raises for a bad target: it does not stop the host, the failure surfaces as
 ``CUDA error: device-side assert triggered`` at the next synchronizing call, and the CUDA context
-is unusable afterwards (run the same batch on the CPU, or with ``CUDA_LAUNCH_BLOCKING=1``, to see
-which call and which targets). That check is one tiny aten kernel (``aten._assert_async``).
+is unusable afterwards (run the same batch on the CPU, or with ``kernels.runtime.check_values(True)``
+for a host check that names the targets). That check is one tiny aten kernel (``aten._assert_async``);
+it follows the value-check policy of :mod:`kernels.runtime`.
 
 **Memory.** What torch keeps for ``F.cross_entropy`` forward + backward, per element of the
 ``N x V`` logits: the log-probabilities (saved for the backward), the gradient of the NLL
@@ -92,7 +93,7 @@ from .. import _launch, runtime
 from .._autograd import recorded_gradient
 from .._launch import coalesce_dims, next_power_of_2
 from .._rows import RowConfig, plan_rows, row_start
-from .._validate import check_bool, check_choice, check_float_dtype, check_same_device, check_tensor
+from .._validate import check_bool, check_choice, check_float_dtype, check_same_device, check_tensor, check_values
 
 __all__ = [
     "REDUCTIONS",
@@ -587,11 +588,11 @@ def check_loss_options(op: str, ignore_index: object, reduction: object, label_s
     if softcap is not None:
         if not _is_real(softcap):
             raise TypeError(f"{op}: softcap must be None or a positive float, got {type(softcap).__name__}")
-        if not (math.isfinite(float(softcap)) and float(softcap) > 0):
+        if not 0 < float(softcap) < math.inf:  # comparisons, not math.isfinite: a traced float may be symbolic
             raise ValueError(f"{op}: softcap must be a positive, finite float (Gemma-2 uses 30.0), got {softcap}")
     if not _is_real(z_loss):
         raise TypeError(f"{op}: z_loss must be a float >= 0, got {type(z_loss).__name__}")
-    if not (math.isfinite(float(z_loss)) and float(z_loss) >= 0):
+    if not 0 <= float(z_loss) < math.inf:
         raise ValueError(f"{op}: z_loss must be a finite float >= 0 (PaLM uses 1e-4), got {z_loss}")
 
 
@@ -632,20 +633,20 @@ def _target_rows(target: torch.Tensor, lead: tuple[int, ...]) -> torch.Tensor:
 
 
 def assert_targets(check: torch.Tensor, n_classes: int, ignore_index: int) -> None:
-    """Raise if the targets kernel found a target outside ``[0, V)`` (``check[0] == 0``), without a host sync."""
+    """Raise if the targets kernel found a target outside ``[0, V)`` (``check[0] == 0``).
+
+    By the value-check policy (:func:`kernels._validate.check_values`): on the CPU at once; on CUDA a
+    device-side assertion, unless the host check was asked for.
+    """
     message = f"{_OP}: target must hold class indices in [0, {n_classes}) or ignore_index={ignore_index}"
-    if check.device.type != "cpu":
-        torch._assert_async(check[0], message)  # a device-side assertion: see the module docstring
-        return
-    try:
-        torch._assert_async(check[0], message)  # on the CPU: checked at once
-    except RuntimeError:
+
+    def error() -> str:
         low, high = check[1:].tolist()  # only on the way to the error
         bad = low if low < 0 else high
-        raise ValueError(
-            f"{message}, got {bad} (targets range over [{low}, {high}]). Check the labels against the "
-            "vocabulary size, or pass the padding label as ignore_index"
-        ) from None
+        return (f"{message}, got {bad} (targets range over [{low}, {high}]). Check the labels against the "
+                "vocabulary size, or pass the padding label as ignore_index")
+
+    check_values((check,), lambda: check[0], message, error)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -120,7 +120,14 @@ def _dropout_mask_fake(shape: Sequence[int], p: float, seed: int, device: torch.
 
 
 def _draw_seed() -> int:
-    """A seed from torch's default generator, so ``torch.manual_seed`` makes dropout reproducible."""
+    """A seed from torch's default (CPU) generator, so ``torch.manual_seed`` makes dropout reproducible.
+
+    A host-side draw, never a device synchronization. Refused while a CUDA graph is captured: the
+    seed would be frozen into the graph and every replay would drop the same elements.
+    """
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("kernels.dropout: seed=None while a CUDA graph is captured would freeze one mask into "
+                           "the graph (every replay drops the same elements); pass a seed, e.g. a step counter")
     return int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
 
 
@@ -133,9 +140,10 @@ def dropout(
         x: float32, float16 or bfloat16 tensor of any shape and strides (not copied).
         p: drop probability in [0, 1]. ``p = 0`` returns an exact copy, ``p = 1`` exact zeros.
         seed: int in [0, 2**63 - 1]; the same seed gives the same mask for the same shape, whatever
-            ``x``'s strides or dtype. ``None`` draws one from torch's default generator; that reads
-            a tensor's value (``.item()``), which ``torch.compile`` may answer with a graph break, so
-            pass a seed in compiled code.
+            ``x``'s strides or dtype. ``None`` draws one from torch's default (CPU) generator; that
+            reads a CPU tensor's value (``.item()``: no device synchronization), which
+            ``torch.compile`` may answer with a graph break and a CUDA graph would freeze (refused
+            while capturing), so pass a seed in compiled and captured code.
         training: ``False`` returns ``x`` itself, like ``torch.nn.functional.dropout``.
 
     Returns:

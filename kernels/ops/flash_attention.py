@@ -90,7 +90,8 @@ sequence's own lengths for every bound and mask (causal is bottom-right per sequ
 at once and key loops stop at the sequence's length, so padding costs no FLOPs and no bytes. The
 dense op is the special case of fixed lengths and a batch stride. ``lse`` is ``(Hq, total_q)``,
 flash-attn's varlen layout. The ``cu_seqlens`` are checked on the device (one tiny Triton launch and
-``torch._assert_async``: no host synchronization on a GPU; see :func:`check_cu_seqlens_values`).
+``torch._assert_async``: no host synchronization on a GPU, by the value-check policy of
+:mod:`kernels.runtime`; see :func:`check_cu_seqlens_values`).
 
 **Block-sparse (``kernels.block_sparse_attention``).** With the ``BLOCK_SPARSE`` switch the forward and
 dQ programs' key loop, and the dK/dV program's query loop, take their blocks from a per-row int32 list
@@ -131,6 +132,7 @@ from .._validate import (
     check_same_device,
     check_same_dtype,
     check_tensor,
+    check_values,
 )
 from .._validate import is_int as _is_int
 from ..autotune import _shared_memory_limit, autotune_supports_disk_cache, size_bucket
@@ -1219,34 +1221,35 @@ def check_cu_seqlens_values(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tens
     """Each ``cu_seqlens`` starts at 0, never decreases, ends at its packed length (``total``) and has no
     sequence longer than its ``max_seqlen``.
 
-    Checked on the tensors' device without a host synchronization: one one-program Triton launch
-    (:func:`flash_attention_cu_seqlens_kernel`) writes a flag, and ``torch._assert_async`` reads it.
-    On the CPU a failure raises at once, as a ``ValueError`` naming the op and the argument; on CUDA
-    it is a device-side assertion (like torch's own index checks): it surfaces as ``CUDA error:
-    device-side assert triggered`` at the next synchronizing call, and the CUDA context is unusable
-    afterwards (``kernels.cross_entropy`` checks its targets the same way; its docstring says more).
+    One one-program Triton launch (:func:`flash_attention_cu_seqlens_kernel`) writes a flag on the
+    tensors' device, read by the value-check policy (:func:`kernels._validate.check_values`): on the
+    CPU a failure raises at once, as a ``ValueError`` naming the op, the argument and its values; on
+    CUDA it is a device-side assertion (like torch's own index checks), surfacing as ``CUDA error:
+    device-side assert triggered`` at the next synchronizing call, unless
+    ``kernels.runtime.check_values(True)`` asked for the host check. Skipped entirely (no launch)
+    where no check runs.
     """
     check = _launch.empty((3,), torch.int32, cu_seqlens_q.device)
-    flash_attention_cu_seqlens_kernel[(1,)](cu_seqlens_q, cu_seqlens_k, check, cu_seqlens_q.shape[0], total_q,
-                                            total_k, max_seqlen_q, max_seqlen_k, BLOCK=CHECK_BLOCK)
+
+    def ok() -> torch.Tensor:
+        flash_attention_cu_seqlens_kernel[(1,)](cu_seqlens_q, cu_seqlens_k, check, cu_seqlens_q.shape[0], total_q,
+                                                total_k, max_seqlen_q, max_seqlen_k, BLOCK=CHECK_BLOCK)
+        return check[0]
 
     def message(name, total, max_seqlen):
         return (f"{_VARLEN_OP}: {name} must start at 0, never decrease, end at {total} (the packed length) and "
                 f"have every sequence length <= max_seqlen = {max_seqlen}")
 
-    if check.device.type != "cpu":
-        torch._assert_async(check[0], message("cu_seqlens_q and cu_seqlens_k", "total_q / total_k",
-                                              "max_seqlen_q / max_seqlen_k"))
-        return
-    try:
-        torch._assert_async(check[0], "cu_seqlens")  # on the CPU: checked at once
-    except RuntimeError:
+    def error() -> str:
         ok_q = bool(check[1])  # only on the way to the error
         name, cu, total, max_seqlen = (("cu_seqlens_k", cu_seqlens_k, total_k, max_seqlen_k) if ok_q else
                                        ("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q))
         values = cu.tolist()
         shown = values if len(values) <= 12 else values[:6] + ["..."] + values[-6:]
-        raise ValueError(f"{message(name, total, max_seqlen)}; got {shown}") from None
+        return f"{message(name, total, max_seqlen)}; got {shown}"
+
+    check_values((cu_seqlens_q, cu_seqlens_k), ok,
+                 message("cu_seqlens_q and cu_seqlens_k", "total_q / total_k", "max_seqlen_q / max_seqlen_k"), error)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -29,7 +29,8 @@ accumulation, one store.
   program stores zeros.
 
 Invalid offsets (decreasing, negative, past M) cannot be checked on the host without a
-synchronization: on a GPU ``torch._assert_async`` checks them on the device; on the CPU they raise
+synchronization: by the value-check policy of :mod:`kernels.runtime`, on a GPU ``torch._assert_async``
+checks them on the device (``kernels.runtime.check_values(True)``: on the host); on the CPU they raise
 ``ValueError``. The kernels clamp what they read, so bad offsets never send them out of bounds.
 """
 
@@ -40,7 +41,7 @@ import triton
 import triton.language as tl
 
 from .. import _activations, _launch, runtime
-from .._validate import check_float_dtype, check_same_device, check_same_dtype, check_tensor
+from .._validate import check_float_dtype, check_same_device, check_same_dtype, check_tensor, check_values
 from ..autotune import MatmulConfig, fit_config
 
 __all__ = [
@@ -393,17 +394,16 @@ def _check_args(x: object, w: object, offsets: object) -> None:
 
 
 def _check_values(x: torch.Tensor, offsets: torch.Tensor) -> None:
-    """offsets non-negative, non-decreasing and at most M. On the device, without a host synchronization."""
+    """offsets non-negative, non-decreasing and at most M, by the value-check policy (no host sync on CUDA)."""
     if offsets.numel() == 0:
         return
-    ok = (offsets[0] >= 0) & (offsets[-1] <= x.shape[0]) & (offsets[1:] >= offsets[:-1]).all()
     message = (f"{_OP}: offsets must be non-negative, non-decreasing and at most x's rows M = {x.shape[0]} "
                "(offsets[e] is the end of expert e's rows)")
-    if offsets.device.type != "cpu":
-        torch._assert_async(ok, message)
-        return
-    if not bool(ok):
-        raise ValueError(f"{message}; got {offsets.tolist()}")
+    check_values(
+        (offsets,),
+        lambda: (offsets[0] >= 0) & (offsets[-1] <= x.shape[0]) & (offsets[1:] >= offsets[:-1]).all(),
+        message, lambda: f"{message}; got {offsets.tolist()}",
+    )
 
 
 # ----------------------------------------------------------------------------------------------

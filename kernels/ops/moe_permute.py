@@ -46,7 +46,7 @@ import triton.language as tl
 
 from .. import _launch, runtime
 from .._launch import next_power_of_2
-from .._validate import check_float_dtype, check_same_device, check_tensor, is_int
+from .._validate import check_float_dtype, check_same_device, check_tensor, check_values, is_int
 
 __all__ = [
     "PERMUTE_SEGMENT",
@@ -242,6 +242,28 @@ def _check_permute_args(op: str, expert_ids: object, num_experts: object) -> Non
         raise ValueError(f"{op}: at most 2**31 - 1 entries (int32 positions), got {expert_ids.numel()}")
 
 
+def _check_expert_ids(op: str, expert_ids: torch.Tensor, num_experts: int) -> None:
+    """Every id in ``[0, num_experts)``, by the value-check policy (no host synchronization on CUDA)."""
+    if expert_ids.numel() == 0:
+        return
+    message = f"{op}: expert_ids must be in [0, num_experts) = [0, {num_experts})"
+    low_high = []
+
+    def ok() -> torch.Tensor:  # one read of the ids (a min/max reduction), then two scalars compared
+        low_high[:] = torch.aminmax(expert_ids)
+        return (low_high[0] >= 0) & (low_high[1] < num_experts)
+
+    def host_ok() -> bool:
+        ids = expert_ids.numpy()
+        low_high[:] = ids.min(), ids.max()
+        return bool(low_high[0] >= 0 and low_high[1] < num_experts)
+
+    # No device assertion by default (the runtime's rule for CUDA: only when asked).
+    check_values((expert_ids,), ok, message,
+                 lambda: f"{message}; got ids from {int(low_high[0])} to {int(low_high[1])}",
+                 host_ok=host_ok, device_assert=False)
+
+
 def _check_permutation(op: str, permutation: object, n_entries: int | None = None) -> None:
     check_tensor(op, "permutation", permutation)
     if permutation.dtype != torch.int32:
@@ -360,6 +382,7 @@ def _moe_permute_op(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.T
     op = "kernels.moe_permute"
     _check_permute_args(op, expert_ids, num_experts)
     runtime.require_launchable(op, expert_ids)
+    _check_expert_ids(op, expert_ids, num_experts)
     device = expert_ids.device
     n_tokens, top_k = expert_ids.shape
     n = n_tokens * top_k
@@ -506,9 +529,10 @@ def moe_permute(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tenso
     """Sort the routed entries by expert, stably: a counting sort in three Triton kernels.
 
     Args:
-        expert_ids: ``(T, k)`` int32 or int64 (any strides), values in ``[0, num_experts)`` (not
-            checked: that would need a host sync; an out-of-range id is counted nowhere and leaves
-            its ``permutation`` slot unwritten).
+        expert_ids: ``(T, k)`` int32 or int64 (any strides), values in ``[0, num_experts)`` (a value
+            check, see :mod:`kernels.runtime`: a ``ValueError`` on the CPU, and on CUDA when asked;
+            unchecked, an out-of-range id is counted nowhere and leaves its ``permutation`` slot
+            unwritten).
         num_experts: ``E``, ``1 <= E <= MAX_EXPERTS``.
 
     Returns:

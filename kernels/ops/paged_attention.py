@@ -54,8 +54,11 @@ output — so the dots run in q's dtype as for a 16-bit cache.
 
 **Empty sequences.** ``seq_lens[b] = 0`` is allowed: the sequence has no key and its output is 0
 (as flash-attn does for a query that sees nothing). With ``cu_seqlens_q``, ``q_len_b > seq_lens[b]``
-is rejected (the new tokens are part of the cache). Values of ``seq_lens`` and ``cu_seqlens_q`` are
-checked on the device with ``torch._assert_async`` (no host synchronization on a GPU).
+is rejected (the new tokens are part of the cache). Values of ``seq_lens``, ``cu_seqlens_q`` and the
+block table entries each sequence uses (in ``[0, num_blocks)``) follow the value-check policy of
+:mod:`kernels.runtime`: checked on the host for CPU tensors; on a GPU ``seq_lens`` and
+``cu_seqlens_q`` are asserted on the device with ``torch._assert_async`` (no host synchronization)
+and the block tables are not checked, unless ``check_values(True)`` asks for the host checks.
 
 :func:`gather_kv` turns the paged cache back into dense per-sequence tensors (the reference and
 the gather + SDPA baseline).
@@ -66,13 +69,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from .. import _launch, runtime
 from .._launch import next_power_of_2
-from .._validate import FLOAT_DTYPES, check_attention_options, check_paged_caches, check_tensor
+from .._validate import FLOAT_DTYPES, check_attention_options, check_paged_caches, check_tensor, check_values
 from .._validate import is_int as _is_int
 from .cross_entropy import softcapped
 
@@ -556,29 +560,51 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, window, s
             raise ValueError(f"{op}: num_splits must be >= 1, got {num_splits}")
 
 
-def _check_values(q, block_tables, seq_lens, cu_seqlens_q, block_size) -> None:
-    """seq_lens in [0, max_blocks * block_size]; cu_seqlens_q from 0, non-decreasing, ending at total_q, and
-    no sequence with more new tokens than cached ones. On the device, without a host synchronization."""
+def _check_values(q, block_tables, seq_lens, cu_seqlens_q, block_size, num_blocks) -> None:
+    """seq_lens in [0, max_blocks * block_size]; the block table entries a sequence uses in
+    [0, num_blocks); cu_seqlens_q from 0, non-decreasing, ending at total_q, and no sequence with
+    more new tokens than cached ones. By the value-check policy (no host synchronization on CUDA)."""
     capacity = block_tables.shape[1] * block_size
-    ok_lens = ((seq_lens >= 0) & (seq_lens <= capacity)).all()
-    ok_cu = None
-    if cu_seqlens_q is not None:
-        q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
-        ok_cu = ((cu_seqlens_q[0] == 0) & (cu_seqlens_q[-1] == q.shape[0]) & (q_lens >= 0).all()
-                 & (q_lens <= seq_lens).all())
     lens_message = (f"{_OP}: seq_lens must be in [0, max_blocks * block_size] = [0, {capacity}] "
                     "(block_tables has max_blocks entries per sequence)")
+    check_values((seq_lens,), lambda: ((seq_lens >= 0) & (seq_lens <= capacity)).all(), lens_message,
+                 lambda: f"{lens_message}; got {seq_lens.tolist()}")
+
+    def used() -> torch.Tensor:  # the entries each sequence reads: the first cdiv(seq_len, block_size)
+        columns = torch.arange(block_tables.shape[1], device=block_tables.device, dtype=torch.int32)
+        return columns[None, :] * block_size < seq_lens[:, None]
+
+    def tables_ok() -> torch.Tensor:
+        return (((block_tables >= 0) & (block_tables < num_blocks)) | ~used()).all()
+
+    def tables_error() -> str:
+        bad = (~((block_tables >= 0) & (block_tables < num_blocks)) & used()).nonzero()[0].tolist()
+        return (f"{tables_message}; got block_tables[{bad[0]}, {bad[1]}] = {int(block_tables[bad[0], bad[1]])} "
+                f"(sequence {bad[0]} has seq_len {int(seq_lens[bad[0]])})")
+
+    tables_message = (f"{_OP}: every block_tables entry a sequence uses (the first cdiv(seq_lens[b], "
+                      f"block_size = {block_size})) must be a block of the cache, in [0, num_blocks = {num_blocks})")
+    def tables_host_ok() -> bool:
+        tables, lens = block_tables.numpy(), seq_lens.numpy()
+        used_np = np.arange(tables.shape[1])[None, :] * block_size < lens[:, None]
+        return bool((((tables >= 0) & (tables < num_blocks)) | ~used_np).all())
+
+    # No device assertion by default (the runtime's rule for CUDA: only when asked): a decode step
+    # would pay several launches for it.
+    check_values((block_tables, seq_lens), tables_ok, tables_message, tables_error, host_ok=tables_host_ok,
+                 device_assert=False)
+    if cu_seqlens_q is None:
+        return
+
+    def cu_ok() -> torch.Tensor:
+        q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+        return ((cu_seqlens_q[0] == 0) & (cu_seqlens_q[-1] == q.shape[0]) & (q_lens >= 0).all()
+                & (q_lens <= seq_lens).all())
+
     cu_message = (f"{_OP}: cu_seqlens_q must start at 0, never decrease, end at total_q = {q.shape[0]}, and no "
                   "sequence may have more new tokens than seq_lens (the new tokens are in the cache)")
-    if q.device.type != "cpu":
-        torch._assert_async(ok_lens, lens_message)
-        if ok_cu is not None:
-            torch._assert_async(ok_cu, cu_message)
-        return
-    if not bool(ok_lens):
-        raise ValueError(f"{lens_message}; got {seq_lens.tolist()}")
-    if ok_cu is not None and not bool(ok_cu):
-        raise ValueError(f"{cu_message}; got cu_seqlens_q {cu_seqlens_q.tolist()} and seq_lens {seq_lens.tolist()}")
+    check_values((cu_seqlens_q, seq_lens), cu_ok, cu_message,
+                 lambda: f"{cu_message}; got cu_seqlens_q {cu_seqlens_q.tolist()} and seq_lens {seq_lens.tolist()}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -595,7 +621,7 @@ def _paged_attention_op(
     _check(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, window, softcap, cu_seqlens_q, num_splits,
            k_scale, v_scale)
     runtime.require_launchable(_OP, q, k_cache, v_cache, block_tables, seq_lens)
-    _check_values(q, block_tables, seq_lens, cu_seqlens_q, k_cache.shape[1])
+    _check_values(q, block_tables, seq_lens, cu_seqlens_q, k_cache.shape[1], k_cache.shape[0])
     out = _launch.empty_output(q.shape, q)
     _forward(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, k_scale, v_scale, out, softmax_scale,
              window, softcap, num_splits)
@@ -666,7 +692,8 @@ def paged_attention(
             ``D`` any value up to 256.
         block_tables: int32 ``(B, max_blocks)``: sequence ``b``'s token ``j`` is in physical block
             ``block_tables[b, j // block_size]``, slot ``j % block_size``. Entries past
-            ``cdiv(seq_lens[b], block_size)`` are never read.
+            ``cdiv(seq_lens[b], block_size)`` are never read; the others must be in ``[0, num_blocks)``
+            (a value check: see :mod:`kernels.runtime`).
         seq_lens: int32 ``(B,)``: cached tokens of each sequence, the new ones included; each in
             ``[0, max_blocks * block_size]``. A sequence of length 0 gives output 0.
         softmax_scale: the scale of ``q k^T``; ``None`` for ``1 / sqrt(D)``.

@@ -347,8 +347,9 @@ def rope(
 
 def _inverse_frequencies(head_dim: int, base: float, scaling: Mapping | None, device) -> torch.Tensor:
     """HF's inverse frequencies ``1 / base**(2i / dim)``, with its ``linear`` or ``llama3`` scaling."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float)
-                               / head_dim))
+    # HF builds the arange on the CPU and copies it over; built on the device, it is the same integers
+    # without a host-to-device copy, which CUDA-graph capture refuses.
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
     rope_type = "default" if scaling is None else scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "default":
         return inv_freq

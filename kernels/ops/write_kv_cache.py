@@ -15,9 +15,11 @@ token ``t``'s ``k[t]`` and ``v[t]`` (``Hkv x D`` each) go to ``k_cache[slot // b
 
 **Slots past the cache.** A slot ``>= num_blocks * block_size`` would write past the cache.
 Checking that on the host would need the slot mapping's values, i.e. a device-to-host copy and a
-synchronization on every model step, which an engine cannot afford. So the kernel masks such a
-slot on the device: **an out-of-range slot is never written** (like a negative one), silently.
-The host checks only what it can see without a sync: shapes, dtypes, devices, strides.
+synchronization on every model step, which an engine cannot afford. So it is a value check under
+the policy of :mod:`kernels.runtime`: a ``ValueError`` for CPU tensors, or on CUDA when
+``kernels.runtime.check_values(True)`` asks for it (one synchronization); nothing on CUDA otherwise.
+Whatever the checks, the kernel masks such a slot on the device: **an out-of-range slot is never
+written** (like a negative one), so no check setting lets it write past the cache.
 
 **Dtypes.** The caches are float32, float16, bfloat16 or ``torch.float8_e4m3fn``; ``k``/``v`` are
 float32, float16 or bfloat16 and are cast to the cache's dtype (round to nearest even, as torch's
@@ -41,7 +43,7 @@ import triton
 import triton.language as tl
 
 from .. import _launch, runtime
-from .._validate import FLOAT_DTYPES, check_paged_caches, check_same_device, check_tensor
+from .._validate import FLOAT_DTYPES, check_paged_caches, check_same_device, check_tensor, check_values
 
 __all__ = ["CACHE_DTYPES", "write_kv_cache", "write_kv_cache_kernel"]
 
@@ -204,6 +206,23 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1
 
 
+def _check_slot_values(slot_mapping: torch.Tensor, num_slots: int) -> None:
+    """Every slot below ``num_slots`` (negative ones are padding), by the value-check policy."""
+    if slot_mapping.numel() == 0:
+        return
+    message = (f"{_OP}: slot_mapping must hold slots below num_blocks * block_size = {num_slots} "
+               "(or a negative slot for padding)")
+
+    def error() -> str:
+        bad = (slot_mapping >= num_slots).nonzero()[0, 0].item()  # only on the way to the error
+        return f"{message}; got slot_mapping[{bad}] = {slot_mapping[bad].item()}"
+
+    # Host-only on purpose: the kernel masks such slots anyway, and a decode step should not pay for
+    # a device assertion (kernels.runtime.check_values(True) checks CUDA tensors on the host).
+    check_values((slot_mapping,), lambda: (slot_mapping < num_slots).all(), message, error,
+                 host_ok=lambda: bool((slot_mapping.numpy() < num_slots).all()), device_assert=False)
+
+
 # --------------------------------------------------------------------------- custom op
 
 
@@ -214,6 +233,7 @@ def _write_kv_cache_op(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, 
     _check_args(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     _check_no_overlap(k_cache, v_cache)
     runtime.require_launchable(_OP, k, v, k_cache, v_cache, slot_mapping)
+    _check_slot_values(slot_mapping, k_cache.shape[0] * k_cache.shape[1])
     _launch_write(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
@@ -241,8 +261,8 @@ def write_kv_cache(
             tensor); written in place, nothing else of them is touched.
         slot_mapping: ``(T,)`` int32 or int64: token ``t`` goes to slot ``slot_mapping[t]``, i.e.
             block ``slot // block_size``, offset ``slot % block_size``. A negative slot is padding
-            and is skipped; a slot ``>= num_blocks * block_size`` is masked on the device and never
-            written (checking it on the host would cost a synchronization).
+            and is skipped; a slot ``>= num_blocks * block_size`` is an error (a value check: see
+            :mod:`kernels.runtime`), and is masked on the device, never written, when unchecked.
         k_scale, v_scale: for a float8_e4m3fn cache only: float32 per-tensor scales (0-d or one
             element); the cache stores ``k / k_scale`` saturated to +-448. None means 1.
 
