@@ -147,11 +147,17 @@ TABLE: dict[str, Policy] = {
 
 
 def public_ops() -> list[str]:
-    """Every custom op in ``torch.ops.kernels`` that is not a backward op (the ones a policy covers)."""
+    """Every public custom op in ``torch.ops.kernels`` (the ones a policy covers).
+
+    Backward ops and private ops (a leading underscore: helpers, or ops a test defines in the
+    namespace) are left out; a public name without a policy makes :func:`register` refuse.
+    """
     names = []
     for name in dir(torch.ops.kernels):
+        if name.startswith("_") or "_backward" in name:
+            continue
         packet = getattr(torch.ops.kernels, name)
-        if isinstance(packet, torch._ops.OpOverloadPacket) and "_backward" not in name:
+        if isinstance(packet, torch._ops.OpOverloadPacket):
             names.append(name)
     return sorted(names)
 

@@ -132,12 +132,16 @@ def _needs_int64(n_elements: int, index_base: int, sizes: Sequence[int], strides
 
 
 @functools.lru_cache(maxsize=4096)
-def _geometry(shape: tuple[int, ...], strides: tuple[tuple[int, ...], ...]) -> tuple[tuple, ...]:
+def _geometry(
+    shape: tuple[int, ...], strides: tuple[tuple[int, ...], ...], int32_max: int
+) -> tuple[tuple, ...]:
     """The launch plan of a shape and its inputs' strides, without the tensors: cached.
 
     One entry per launch: ``(n_elements, index_base, sizes, flat strides, contiguous, index_64,
     per-input storage-offset deltas or None)``. A pure function of hashable ints, so a training
-    loop that calls an op with the same shapes every step computes it once.
+    loop that calls an op with the same shapes every step computes it once. ``int32_max`` is the
+    index-width limit the plan was made under, part of the key so that a changed limit (tests force
+    the int64 path by lowering it) is never answered from the cache.
     """
     numel = math.prod(shape)
     if numel == 0:
@@ -185,7 +189,7 @@ def plan_elementwise(
     """
     shape = tuple(shape)
     _check_operands(shape, inputs, outputs)
-    geometry = _geometry(shape, tuple(t.stride() for t in inputs))
+    geometry = _geometry(shape, tuple(t.stride() for t in inputs), _launch.INT32_MAX)
     flat_outputs = [out.view(-1) for out in outputs]
     launches = []
     for n_elements, base, sizes, strides, contiguous, index_64, deltas in geometry:
@@ -229,7 +233,7 @@ def launch_elementwise(
     """Launch ``kernel`` (following this module's argument convention) over ``shape``."""
     shape = tuple(shape)
     _check_operands(shape, inputs, outputs)
-    geometry = _geometry(shape, tuple(t.stride() for t in inputs))
+    geometry = _geometry(shape, tuple(t.stride() for t in inputs), _launch.INT32_MAX)
     if len(geometry) == 1 and geometry[0][6] is None:
         # The common case, one launch over the operands themselves: no per-launch objects.
         n_elements, base, sizes, strides, contiguous, index_64, _ = geometry[0]

@@ -150,11 +150,15 @@ def _merge_trailing(shape: tuple[int, ...], strides: tuple[int, ...], ndim: int)
 
 
 @functools.lru_cache(maxsize=4096)
-def _row_geometry(shape: tuple[int, ...], strides: tuple[tuple[int, ...], ...], reduce_ndim: int):
+def _row_geometry(
+    shape: tuple[int, ...], strides: tuple[tuple[int, ...], ...], reduce_ndim: int, int32_max: int
+):
     """The row launches of operands of ``shape`` with these strides, without the tensors: cached.
 
     ``None`` when some operand's reduced dims do not merge; else ``(n_cols, launches)`` with one
     ``(n_rows, row_base, sizes, flat strides, index_64, per-operand offset deltas or None)`` each.
+    ``int32_max`` (the index-width limit) is part of the key, so a lowered limit is never answered
+    from the cache.
     """
     merged = [_merge_trailing(shape, st, reduce_ndim) for st in strides]
     if any(m is None for m in merged):
@@ -172,7 +176,7 @@ def _row_geometry(shape: tuple[int, ...], strides: tuple[tuple[int, ...], ...], 
     pad = MAX_LEAD_DIMS - len(inner_sizes)
     padded_sizes = [1] * pad + inner_sizes
     inner_rows = math.prod(inner_sizes)
-    index_64 = any((n_cols - 1) * abs(cs) > _launch.INT32_MAX for cs in col_strides)
+    index_64 = any((n_cols - 1) * abs(cs) > int32_max for cs in col_strides)
     flat = tuple(x for op, cs in zip(lead_strides, col_strides) for x in ([0] * pad + op[-MAX_LEAD_DIMS:] + [cs]))
     launches = []
     for slice_number, outer_index in enumerate(itertools.product(*(range(s) for s in outer_sizes))):
@@ -196,7 +200,7 @@ def plan_rows(operands: Sequence[torch.Tensor], reduce_ndim: int = 1) -> list[Ro
     for t in operands:
         if t.shape != shape:
             raise AssertionError(f"row operand of shape {tuple(t.shape)} in a launch over {shape}")
-    geometry = _row_geometry(shape, tuple(t.stride() for t in operands), reduce_ndim)
+    geometry = _row_geometry(shape, tuple(t.stride() for t in operands), reduce_ndim, _launch.INT32_MAX)
     if geometry is None:
         raise AssertionError("a row operand's reduced dims do not merge into one stride")
     n_cols, launches = geometry

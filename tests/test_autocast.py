@@ -330,6 +330,20 @@ def test_a_new_op_without_policy_is_refused(monkeypatch):
         _autocast.register()
 
 
+@torch.library.custom_op("kernels::_autocast_test_private", mutates_args=())
+def _private_op(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+def test_private_ops_in_the_namespace_need_no_policy():
+    # Helpers and ops other tests define under kernels:: start with an underscore: they are not
+    # public ops, and registering again (as _deregistered does) must not refuse because of them.
+    assert hasattr(torch.ops.kernels, "_autocast_test_private")
+    assert "_autocast_test_private" not in _autocast.public_ops()
+    with _deregistered():
+        pass
+
+
 def test_table_lists_and_registrations_match():
     rows = _autocast.table()
     assert [r["op"] for r in rows] == CPU_OPS and all(r["why"] for r in rows)

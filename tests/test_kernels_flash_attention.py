@@ -525,15 +525,17 @@ def test_torch_compile_fullgraph_forward_and_backward(varlen, backend, gen):
         q, cu = pack([4, 9], 2, 16, gen)
         k, v = rand(*q.shape, gen=gen), rand(*q.shape, gen=gen)
 
-        def step(q, k, v):
-            out, lse = kernels.flash_attention_varlen(q, k, v, cu, cu, 9, 9, causal=True, return_lse=True)
-            return (out * 2).sum() + lse.sum()
+        def step_terms(q, k, v):
+            return kernels.flash_attention_varlen(q, k, v, cu, cu, 9, 9, causal=True, return_lse=True)
     else:
         q, k, v = rand(2, 2, 9, 16, gen=gen), rand(2, 1, 12, 16, gen=gen), rand(2, 1, 12, 16, gen=gen)
 
-        def step(q, k, v):
-            out, lse = kernels.flash_attention(q, k, v, causal=True, softcap=3.0, return_lse=True)
-            return (out * 2).sum() + lse.sum()
+        def step_terms(q, k, v):
+            return kernels.flash_attention(q, k, v, causal=True, softcap=3.0, return_lse=True)
+
+    def step(q, k, v):
+        out, lse = step_terms(q, k, v)
+        return (out * 2).sum() + lse.sum()
 
     compiled = torch.compile(step, fullgraph=True, backend=backend)
     leaves = [leaf(t) for t in (q, k, v)]
@@ -543,7 +545,10 @@ def test_torch_compile_fullgraph_forward_and_backward(varlen, backend, gen):
     want = step(*eager)
     want.backward()
     exact = backend == "aot_eager"  # the same aten ops around the same kernels; Inductor fuses the rest
-    torch.testing.assert_close(loss, want, rtol=0 if exact else 1e-6, atol=0 if exact else 1e-5)
+    # Inductor sums the loss's few hundred fp32 terms in another order: the bound scales with the sum
+    # of their magnitudes (an fp32 rounding per term at most), not with the (cancelling) total.
+    magnitude = sum(t.detach().abs().sum() * w for t, w in zip(step_terms(*eager), (2, 1)))
+    torch.testing.assert_close(loss, want, rtol=0, atol=0 if exact else float(magnitude) * 2**-22)
     for a, b in zip(leaves, eager):
         torch.testing.assert_close(a.grad, b.grad, rtol=0 if exact else 1e-6, atol=0 if exact else 1e-6)
 
