@@ -498,7 +498,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     notebooks = [notebook for root in args.paths for notebook in chapter_notebooks(root)]
     if not notebooks:
-        print(f"no notebooks found under {', '.join(args.paths)}", file=sys.stderr)
+        print(f"no notebooks found under {', '.join(args.paths)} (give the folder that holds the chapters, "
+              "e.g. chapters, or the notebooks themselves, e.g. chapters/07_flash_attention/*.ipynb)",
+              file=sys.stderr)
         return 1
     failures = execute_notebooks(notebooks, timeout=args.timeout)
     print(f"{len(notebooks) - failures} of {len(notebooks)} notebooks executed and saved cleanly")
