@@ -31,8 +31,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import _autocast
-from kernels import runtime
+from kernels import _autocast, runtime
 from tests.helpers import DEVICE
 from utils.trace import trace
 
