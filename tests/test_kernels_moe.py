@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import DTYPES, assert_matches
+from helpers import DTYPES, assert_matches, tolerance
 
 import kernels
 from kernels import _launch
@@ -173,7 +173,10 @@ def test_gradients_low_precision(dtype, gen):
     low_inputs = [t.detach().clone().requires_grad_() for t in (x, logits, wg, wd)]
     lowp = _grads(loop_reference(*low_inputs, 2), low_inputs, g)
     for name, a, b, c in zip(("x", "router_logits", "w_gate_up", "w_down"), got, want, lowp):
-        assert_matches(a, b, a.dtype, lowp=c, slack=2.0, what=f"d {name}")
+        # The router's gradient is fp32 (its logits are), but each of its terms is g . y_e with y_e an
+        # expert's output in the low precision: it is only as precise as that dtype, whoever computes it.
+        rtol, atol = tolerance(dtype, 2.0) if a.dtype != dtype else (None, None)
+        assert_matches(a, b, a.dtype, lowp=c, slack=2.0, rtol=rtol, atol=atol, what=f"d {name}")
 
 
 def test_gradient_of_the_weights_only(gen):
