@@ -17,9 +17,10 @@ PYTEST_FLAGS ?=
 help:
 	@echo "make lab        set up, then open the course in JupyterLab"
 	@echo "make test       set up, then run every test (kernels, utils, solutions, notebooks)"
-	@echo "make report     set up, then run every ladder step and write docs/results.md"
+	@echo "make report     set up, then run every ladder step and the host-overhead table into docs/results.md"
 	@echo "make notebooks  run every chapter notebook in both modes, save the learner-mode outputs"
 	@echo "make gpu-check  on a GPU machine, with its own python3: correctness at real sizes + timings"
+	@echo "                (PROFILE=1: also a torch.profiler trace of a training step under \$$OUT/profile)"
 	@echo "make lint       ruff"
 
 setup: $(STAMP)
@@ -74,6 +75,7 @@ test-fast: setup
 
 report: setup
 	$(PY) -m bench
+	$(PY) -m bench.overhead
 
 # Each notebook in solution mode (every check solved), then in learner mode (none solved, everything else
 # the same); the learner-mode run is saved: what a learner sees on first open.
@@ -81,8 +83,10 @@ notebooks: setup
 	$(PY) -m utils.notebooks execute chapters
 
 # Runs with the GPU machine's own python3 (no venv, nothing installed): the repository on PYTHONPATH.
+# PROFILE=1 adds a torch.profiler trace of a training step under $$OUT/profile (bench.profile_step).
+PROFILE ?= 0
 gpu-check:
-	PYTHONPATH=$(CURDIR) python3 -m bench.gpu_check
+	PYTHONPATH=$(CURDIR) python3 -m bench.gpu_check $(if $(filter 1,$(PROFILE)),--profile,)
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -11,7 +11,10 @@ Every chapter module in :data:`bench.CHAPTER_MODULES` may define ``gpu_checks(si
    :class:`~bench.gpu.Timing` (``triton.testing.do_bench`` medians), as GB/s, TFLOP/s, a
    fraction of the copy bandwidth and a ratio against the op's baseline (an implementation marked
    ``unavailable`` is listed with its reason instead);
-3. every :class:`~bench.gpu.Peak` (peak CUDA memory of the callable).
+3. every :class:`~bench.gpu.Peak` (peak CUDA memory of the callable);
+4. with ``--profile`` (``make gpu-check PROFILE=1``): a ``torch.profiler`` trace of a training
+   step of a small decoder, its top-ops table and its events as JSON under ``$OUT/profile``
+   (:mod:`bench.profile_step`).
 
 Full results go to ``$OUT/gpu_check.json`` (or ``results/gpu_check.json``); a short table is
 printed last. ``--smoke`` runs every chapter's checks at tiny sizes on whatever device
@@ -172,6 +175,22 @@ def run_peaks(entries, results: dict, device) -> list[str]:
     return failures
 
 
+def run_profile(out_dir: pathlib.Path, results: dict, smoke: bool) -> list[str]:
+    """``--profile``: :func:`bench.profile_step.profile_training_step` under ``out_dir/profile``."""
+    from bench.profile_step import kernel_ops, profile_training_step
+
+    _log("profiling a training step ...")
+    try:
+        data = profile_training_step(out_dir, size="smoke" if smoke else "gpu", steps=1 if smoke else 3,
+                                     warmup=1 if smoke else 2)
+    except Exception as error:
+        return [f"profile: {type(error).__name__}: {error}"]
+    key = data["time_key"]
+    results["profile"] = {"dir": str(out_dir / "profile"), "time_key": key,
+                          "top_kernels_ops": [{"name": e["name"], key: e[key]} for e in kernel_ops(data)[:10]]}
+    return []
+
+
 def summary(results: dict, failures: list[str]) -> str:
     lines = [f"gpu-check on {results['device']} (torch {results['torch']}, triton {results['triton']}, "
              f"{results['date']}); copy {results['copy_GBps']:.0f} GB/s"]
@@ -193,6 +212,10 @@ def summary(results: dict, failures: list[str]) -> str:
         used = "—" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**20:.1f} MiB"
         ratio = f"{r['of_baseline']:.2f}× of baseline" if r["of_baseline"] else ""
         lines.append(f"peak memory {r['op']:<22}{r['impl']:<22}{used:>12}  {ratio}  {r['target']}")
+    if "profile" in results:
+        prof = results["profile"]
+        lines.append(f"profile ({prof['dir']}): top kernels ops by {prof['time_key']}")
+        lines += [f"  {e['name']:<44}{e[prof['time_key']] / 1e3:>10.3f} ms" for e in prof["top_kernels_ops"]]
     return "\n".join(lines)
 
 
@@ -200,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on any device (a test of this script)")
     parser.add_argument("--chapters", nargs="*", help="only these chapters (e.g. 02 04)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also write a torch.profiler trace of a training step under $OUT/profile "
+                             "(bench.profile_step; make gpu-check PROFILE=1)")
     args = parser.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
         print("make gpu-check: no CUDA device is visible here, so there is nothing to check.\n"
@@ -233,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     failures += run_timings(entries, results, args.smoke, results["copy_GBps"])
     _log("peak memory ...")
     failures += run_peaks(entries, results, device)
+    if args.profile:
+        failures += run_profile(out_dir, results, args.smoke)
     results["failures"] = failures
     path = out_dir / ("gpu_check_smoke.json" if args.smoke else "gpu_check.json")
     path.write_text(json.dumps(results, indent=2, default=str))

@@ -14,6 +14,7 @@ device-side assertion on CUDA; nothing while traced or captured), so no op synch
 
 from __future__ import annotations
 
+import functools
 import numbers
 from collections.abc import Callable, Sequence
 
@@ -98,12 +99,21 @@ def check_same_shape(op: str, name_a: str, a: torch.Tensor, name_b: str, b: torc
 def check_broadcastable(op: str, name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> torch.Size:
     """``a`` and ``b`` must broadcast together (torch's rules); returns the broadcast shape."""
     try:
-        return torch.broadcast_shapes(a.shape, b.shape)
+        try:
+            return _broadcast_shapes(a.shape, b.shape)
+        except TypeError:  # symbolic sizes (a fake tensor under torch.compile) are not hashable: uncached
+            return torch.broadcast_shapes(a.shape, b.shape)
     except RuntimeError:
         raise ValueError(
             f"{op}: {name_a} and {name_b} must have broadcastable shapes, "
             f"got {tuple(a.shape)} and {tuple(b.shape)}"
         ) from None
+
+
+@functools.lru_cache(maxsize=4096)
+def _broadcast_shapes(a: torch.Size, b: torch.Size) -> torch.Size:
+    # Cached: torch.broadcast_shapes is Python with symbolic-shape guards, most of a small add's host time.
+    return torch.broadcast_shapes(a, b)
 
 
 def check_probability(op: str, name: str, value: object) -> float:

@@ -23,8 +23,8 @@ from bench.gpu import Check, Timing
 @pytest.mark.slow
 def test_smoke_run_passes_every_chapters_checks(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path)}
-    out = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--smoke"], capture_output=True, text=True,
-                         timeout=600, env=env)
+    out = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--smoke", "--profile"], capture_output=True,
+                         text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     results = json.loads((tmp_path / "gpu_check_smoke.json").read_text())
     assert results["failures"] == []
@@ -32,6 +32,7 @@ def test_smoke_run_passes_every_chapters_checks(tmp_path):
     chapters_with_checks = [m for m in bench.CHAPTER_MODULES if hasattr(__import__(m, fromlist=["_"]), "gpu_checks")]
     assert len(chapters_with_checks) >= 2
     assert "correctness:" in out.stdout and "of copy" in out.stdout  # the table is printed last
+    assert "kernels::" in out.stdout and (tmp_path / "profile" / "step_trace.json").exists()  # --profile
 
 
 def test_a_wrong_result_fails_the_check_and_a_crash_is_reported(monkeypatch):

@@ -143,3 +143,46 @@ def test_eager_time_and_the_dispatch_floor_are_positive_and_launch_nothing():
 def test_bad_counts_are_refused(bad):
     with pytest.raises(ValueError, match="utils.overhead.host_overhead"):
         host_overhead(lambda: None, **bad)
+
+
+def test_python_calls_counts_calls_exactly():
+    def three():
+        len([])
+        abs(-1)
+
+    assert overhead.python_calls(lambda: None) == 1.0  # the function itself
+    assert overhead.python_calls(three) == 3.0
+    assert overhead.python_calls(torch.add, torch.ones(2), torch.ones(2)) == 1.0  # all C++
+
+
+def test_python_calls_sees_the_validation_a_wrapper_skips(gen):
+    # The public wrappers check only what the op's schema would refuse (the op checks values):
+    # calling the wrapper costs at most a handful of calls more than calling the op directly.
+    x, w = torch.randn(8, 64, generator=gen).to(DEVICE), torch.randn(64, generator=gen).to(DEVICE)
+    before = kernels.runtime.values_checked()
+    kernels.runtime.check_values(False)
+    try:
+        wrapper = overhead.python_calls(kernels.rms_norm, x, w)
+        op = overhead.python_calls(torch.ops.kernels.rms_norm, x, w, 1e-6)
+        floor = overhead.python_calls(overhead.floor_op(), x)
+    finally:
+        kernels.runtime.check_values(before)
+    assert floor < op <= wrapper <= op + 10, (floor, op, wrapper)
+
+
+def test_python_calls_restores_the_previous_profiler():
+    import sys
+
+    seen = []
+    previous = lambda frame, event, arg: seen.append(event)  # noqa: E731
+    sys.setprofile(previous)
+    try:
+        overhead.python_calls(lambda: None)
+        assert sys.getprofile() is previous
+    finally:
+        sys.setprofile(None)
+
+
+def test_python_calls_refuses_bad_counts():
+    with pytest.raises(ValueError, match="utils.overhead.python_calls"):
+        overhead.python_calls(lambda: None, number=0)

@@ -90,3 +90,17 @@ def test_access_map_accepts_1d_tensors_and_a_shape():
     assert ax.images[0].get_array().shape == (1, 5)
     ax = access_map(np.arange(6), shape=(2, 3))
     assert ax.images[0].get_array().shape == (2, 3)
+
+
+def test_overhead_bars_draws_both_bars_floor_and_goal():
+    from utils.plots import overhead_bars
+
+    ax = overhead_bars([("gelu", 25.0, 12.0), ("moe", 480.0, None), ("add", 40.0)], floor=15.0, goal=20.0)
+    labels = [t.get_text() for t in ax.get_yticklabels()]
+    assert labels == ["gelu", "moe", "add"]
+    widths = sorted(round(p.get_width(), 3) for p in ax.patches)
+    assert widths == [12.0, 25.0, 40.0, 480.0]  # three kernels bars, one torch bar (the others have none)
+    assert {round(line.get_xdata()[0], 3) for line in ax.lines} == {15.0, 20.0}
+    assert ax.get_xscale() == "log"  # 12 to 480 spans more than 30x
+    small = overhead_bars([("a", 10.0, 12.0), ("b", 30.0, 5.0)])
+    assert small.get_xscale() == "linear" and not small.lines

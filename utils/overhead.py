@@ -30,6 +30,7 @@ What is replaced, for every kernel at once (at class level, restored on exit):
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -40,7 +41,9 @@ from triton.runtime import autotuner as _autotuner
 from triton.runtime import interpreter as _interp
 from triton.runtime import jit as _jit
 
-__all__ = ["NoLaunch", "Overhead", "dispatch_floor", "eager_time", "host_overhead", "no_launch"]
+__all__ = [
+    "NoLaunch", "Overhead", "dispatch_floor", "eager_time", "floor_op", "host_overhead", "no_launch", "python_calls",
+]
 
 # Every active no_launch block, innermost last: each swallowed launch is counted in all of them.
 _ACTIVE: list[NoLaunch] = []
@@ -210,10 +213,48 @@ def eager_time(fn: Callable, *args, number: int = 200, repeat: int = 7, warmup: 
                     number=number, repeat=repeat)
 
 
+def python_calls(fn: Callable, *args, number: int = 20, warmup: int = 3, launches: bool = False,
+                 fill: float | None = None, **kwargs) -> float:
+    """Function calls (Python functions and C builtins) per call of ``fn(*args, **kwargs)``.
+
+    A count, not a time: the same on every machine and under any load, so it shows a change to the
+    launch path that a noisy clock hides (one fewer validation pass is a few dozen calls). Counted
+    with ``sys.setprofile`` over ``number`` calls after ``warmup``; Triton launches are swallowed as
+    in :func:`host_overhead` unless ``launches`` (then the interpreter's own calls count too).
+    ``fn`` itself counts as one (``torch.add`` is 1: all of it is C++).
+    """
+    _check_counts("python_calls", number, 1, warmup)
+    count = 0
+
+    def hook(frame, event, arg):
+        nonlocal count
+        if event in ("call", "c_call"):
+            count += 1
+
+    def measure() -> None:
+        for _ in range(warmup):
+            fn(*args, **kwargs)
+        previous = sys.getprofile()
+        sys.setprofile(hook)
+        try:
+            for _ in range(number):
+                fn(*args, **kwargs)
+        finally:
+            sys.setprofile(previous)
+
+    if launches:
+        measure()
+    else:
+        with no_launch(fill):
+            measure()
+    # The hook also sees the sys.setprofile call that removes it: not the op's.
+    return (count - 1) / number
+
+
 _FLOOR_OP = None
 
 
-def _floor_op():
+def floor_op():
     """A ``torch.library`` custom op that does nothing but return its input's view (built once)."""
     global _FLOOR_OP
     if _FLOOR_OP is None:
@@ -235,6 +276,6 @@ def dispatch_floor(x: torch.Tensor | None = None, *, number: int = 200, repeat: 
     No kernel op can be cheaper than this (each is such an op, plus its checks and launch plan);
     it is the floor the per-op overheads are read against.
     """
-    op = _floor_op()
+    op = floor_op()
     x = torch.zeros(8) if x is None else x
     return eager_time(op, x, number=number, repeat=repeat)

@@ -1,4 +1,4 @@
-"""The course's charts: a roofline, bytes per ladder step, and access maps.
+"""The course's charts: a roofline, bytes per ladder step, access maps and host time per op.
 
 Each function draws on ``ax`` (or a new figure) and returns the ``Axes``; end the notebook cell
 with ``plt.show()``.
@@ -18,7 +18,7 @@ from matplotlib.axes import Axes
 from utils.roofline import arithmetic_intensity, dtype_key, get_gpu
 from utils.trace import format_bytes
 
-__all__ = ["roofline_chart", "bytes_bars", "access_map", "warp_access_chart", "launch_order_chart"]
+__all__ = ["roofline_chart", "bytes_bars", "access_map", "warp_access_chart", "launch_order_chart", "overhead_bars"]
 
 _BYTE_UNITS = (("B", 1.0), ("kB", 1e3), ("MB", 1e6), ("GB", 1e9), ("TB", 1e12))
 
@@ -238,4 +238,39 @@ def launch_order_chart(pid_m: Any, pid_n: Any, concurrent: int | None = None, ax
     ax.set_xlabel("tile column (pid_n)")
     ax.set_ylabel("tile row (pid_m)")
     ax.set_title(title, fontsize=10)
+    return ax
+
+
+def overhead_bars(items: Sequence[tuple], floor: float | None = None, goal: float | None = None,
+                  ax: Axes | None = None, title: str = "Host time per forward call (launches skipped)") -> Axes:
+    """Horizontal bar per op of its host time per call in microseconds.
+
+    ``items`` are ``(op, kernels_us)`` or ``(op, kernels_us, torch_us)``: the kernels op's bar, and
+    torch's own eager op on the same input as a thin grey bar beside it (left out where None).
+    ``floor`` (the cheapest possible custom op) and ``goal`` are drawn as vertical lines. The axis
+    is logarithmic when the bars span more than a factor of 30.
+    """
+    labels = [str(item[0]) for item in items]
+    ours = [float(item[1]) for item in items]
+    theirs = [item[2] if len(item) > 2 else None for item in items]
+    ax = _new_axes(ax, (7.5, max(3.0, 0.32 * len(items) + 1.2)))
+    ys = np.arange(len(items))
+    ax.barh(ys - 0.18, ours, height=0.36, color="tab:blue", label="kernels (host only)")
+    torch_ys = [y for y, t in zip(ys, theirs) if t is not None]
+    if torch_ys:
+        ax.barh(np.asarray(torch_ys) + 0.18, [t for t in theirs if t is not None], height=0.36,
+                color="tab:gray", label="torch eager op")
+    if floor is not None:
+        ax.axvline(floor, color="black", linestyle=":", linewidth=1.2, label=f"custom-op floor: {floor:.1f} µs")
+    if goal is not None:
+        ax.axvline(goal, color="tab:red", linestyle="--", linewidth=1.2, label=f"goal: {goal:g} µs")
+    values = [v for v in [*ours, *(t for t in theirs if t is not None)] if v > 0]
+    if values and max(values) / min(values) > 30:
+        ax.set_xscale("log")
+    ax.set_yticks(ys, labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("µs per call")
+    ax.set_title(title)
+    ax.grid(True, axis="x", alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
     return ax

@@ -202,6 +202,9 @@ def add_rms_norm(
         own (the backward is ``kernels::add_rms_norm_backward``; the forward saves only the sum
         it returns and ``rstd``, one float32 per row).
     """
-    _check_add_rms_norm_args(x, residual, weight, eps)
+    if not (isinstance(x, torch.Tensor) and isinstance(residual, torch.Tensor)
+            and (weight is None or isinstance(weight, torch.Tensor))
+            and type(eps) in (float, int)):
+        _check_add_rms_norm_args(x, residual, weight, eps)  # the op checks values
     normed, s, _ = _add_rms_norm_op(x, residual, weight, float(eps))
     return normed, s

@@ -47,6 +47,7 @@ index is a row. Their kernels share one shape of work, chosen here by :func:`nor
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections.abc import Sequence
@@ -165,20 +166,32 @@ def norm_launch_config(
     """The tile and rows-per-program of a norm over ``n_rows`` rows of ``n_cols`` columns.
 
     ``params`` is the number of parameter vectors (weight, bias) each program of the forward reads.
-    The launch has ``config.programs(n_rows)`` programs.
+    The launch has ``config.programs(n_rows)`` programs. Cached: the key holds every input of the
+    choice (the device's SM count and this module's tile limits included), so a changed limit is
+    never answered from the cache.
     """
-    device = torch.device(device)
-    max_fused = MAX_FUSED_BLOCK_BACKWARD if backward else MAX_FUSED_BLOCK
+    key = (n_rows, n_cols, _launch.num_sms(torch.device(device)), backward, params, MAX_FUSED_BLOCK,
+           MAX_FUSED_BLOCK_BACKWARD, CHUNK_BLOCK, TILE_ELEMENTS, PROGRAMS_PER_SM, FORWARD_ROWS_PER_PROGRAM,
+           MIN_FORWARD_ROWS_PER_PARAM)
+    try:
+        return _norm_config(*key)
+    except TypeError:  # symbolic sizes (a fake tensor under torch.compile) are not hashable: uncached
+        return _norm_config.__wrapped__(*key)
+
+
+@functools.lru_cache(maxsize=4096, typed=True)
+def _norm_config(n_rows, n_cols, sms, backward, params, max_fused, max_fused_backward, chunk_block, tile_elements,
+                 programs_per_sm, forward_rows_per_program, min_forward_rows_per_param) -> RowConfig:
+    max_fused = max_fused_backward if backward else max_fused
     chunked = n_cols > max_fused
-    block = CHUNK_BLOCK if chunked else next_power_of_2(n_cols)
-    tile_rows = 1 if chunked else max(1, min(TILE_ELEMENTS // block, next_power_of_2(n_rows)))
+    block = chunk_block if chunked else next_power_of_2(n_cols)
+    tile_rows = 1 if chunked else max(1, min(tile_elements // block, next_power_of_2(n_rows)))
     n_tiles = max(1, _launch.cdiv(n_rows, tile_rows))
-    sms = _launch.num_sms(device)
-    tiles_per_program = _launch.cdiv(n_tiles, PROGRAMS_PER_SM * sms)
+    tiles_per_program = _launch.cdiv(n_tiles, programs_per_sm * sms)
     if not backward:
-        floor = min(_launch.cdiv(MIN_FORWARD_ROWS_PER_PARAM * params, tile_rows), max(1, n_tiles // sms))
+        floor = min(_launch.cdiv(min_forward_rows_per_param * params, tile_rows), max(1, n_tiles // sms))
         tiles_per_program = max(tiles_per_program, floor)
-        tiles_per_program = min(tiles_per_program, max(1, FORWARD_ROWS_PER_PROGRAM // tile_rows))
+        tiles_per_program = min(tiles_per_program, max(1, forward_rows_per_program // tile_rows))
     rows_per_program = tile_rows * tiles_per_program
     return RowConfig(block_cols=block, block_rows=tile_rows, chunked=chunked,
                      num_warps=_launch.num_warps_for(tile_rows * block), rows_per_program=rows_per_program)

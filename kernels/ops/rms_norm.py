@@ -429,5 +429,8 @@ def rms_norm(
         besides the inputs). The backward is the same for every casting mode: the gradient of
         ``x * rstd * (offset + w)`` computed in float32 and rounded once.
     """
-    _check_rms_norm_args(x, weight, eps, offset, casting, in_place_backward)
+    if not (isinstance(x, torch.Tensor) and (weight is None or isinstance(weight, torch.Tensor))
+            and type(eps) in (float, int) and type(offset) in (float, int) and type(casting) is str
+            and type(in_place_backward) is bool):
+        _check_rms_norm_args(x, weight, eps, offset, casting, in_place_backward)  # the op checks values
     return _rms_norm_op(x, weight, float(eps), float(offset), casting, in_place_backward)[0]

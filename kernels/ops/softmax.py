@@ -58,6 +58,7 @@ both ops; rows with some ``-inf`` entries give exact zeros (softmax) and ``-inf`
 
 from __future__ import annotations
 
+import functools
 import numbers
 
 import torch
@@ -384,6 +385,16 @@ def softmax_launch_config(
         program (``rows_per_program`` is the same: one tile a program), ``chunked`` for the online
         kernels, ``num_warps``.
     """
+    key = (n_cols, dtype, n_rows, transposed, backward, grad_dtype, MAX_BLOCK, ONLINE_BLOCK, ROW_TILE)
+    try:  # cached: a pure function of its arguments and this module's limits (in the key)
+        return _softmax_config(*key)
+    except TypeError:  # an unhashable argument: uncached (its check raises the error that names it)
+        return _softmax_config.__wrapped__(*key)
+
+
+@functools.lru_cache(maxsize=4096, typed=True)  # typed: True is not a cached 1
+def _softmax_config(n_cols, dtype, n_rows, transposed, backward, grad_dtype, max_block, online_block, row_tile
+                    ) -> RowConfig:
     op = "kernels.softmax_launch_config"
     if isinstance(n_cols, bool) or not isinstance(n_cols, numbers.Integral) or n_cols < 0:
         raise ValueError(f"{op}: n_cols must be a non-negative int, got {n_cols!r}")
@@ -400,20 +411,20 @@ def softmax_launch_config(
     else:
         col_bytes = 4
     per_thread = _VALUES_PER_THREAD_TRANSPOSED if transposed else _VALUES_PER_THREAD
-    capacity = 4 * MAX_BLOCK * per_thread // _VALUES_PER_THREAD  # bytes of tile data a program may keep
+    capacity = 4 * max_block * per_thread // _VALUES_PER_THREAD  # bytes of tile data a program may keep
     sector_rows = _SECTOR_BYTES // dtype.itemsize if transposed else 1
     row_cap = next_power_of_2(n_rows) if n_rows is not None else None
     block = next_power_of_2(n_cols)
     if block * col_bytes <= capacity:
         fit = 1 << (capacity // (block * col_bytes)).bit_length() - 1  # a power of two
-        rows = min(max(ROW_TILE // block, sector_rows), fit)
+        rows = min(max(row_tile // block, sector_rows), fit)
         if row_cap is not None:
             rows = min(rows, row_cap)
         words = next_power_of_2(block * rows * col_bytes // 4)  # 32-bit registers of tile data
         warps = _launch.num_warps_for(words, per_thread, max_warps=32)
         return RowConfig(block_cols=block, block_rows=rows, chunked=False, num_warps=warps, rows_per_program=rows)
     rows = sector_rows if row_cap is None else min(sector_rows, row_cap)
-    chunk = max(1, min(ONLINE_BLOCK // rows, block))
+    chunk = max(1, min(online_block // rows, block))
     warps = _launch.num_warps_for(chunk * rows, 16, max_warps=32)
     return RowConfig(block_cols=chunk, block_rows=rows, chunked=True, num_warps=warps, rows_per_program=rows)
 

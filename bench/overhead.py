@@ -1,0 +1,204 @@
+"""``python -m bench.overhead`` (part of ``make report``): the host time of every public op per call.
+
+For each op of :func:`utils.op_cases.op_cases` (one tiny call each) it measures, with every Triton
+launch replaced by a no-op (:func:`utils.overhead.host_overhead`), the Python time of a forward
+call and of a forward + backward step, the launches each makes, torch's own eager op on the same
+input for scale, and the floor: a ``torch.library`` custom op that only allocates its output
+(:func:`utils.overhead.dispatch_floor`), below which no custom op can go.
+
+Value checks are off while it measures (``kernels.runtime.check_values(False)``), as they are by
+default on CUDA: what is timed is the launch path a GPU run takes. The elementwise and row ops
+(:data:`utils.op_cases.ELEMENTWISE`, :data:`utils.op_cases.ROWS`) are read against a goal of
+20 us per forward call; the goal is reported, never asserted (times depend on the machine and
+its load).
+
+Writes a markdown table between the overhead markers of ``docs/results.md`` and a bar chart
+``docs/img/overhead.png``; ``--no-write`` prints the table only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+from dataclasses import dataclass
+
+import torch
+
+import kernels
+from bench.report import ROOT, _progress, machine
+from utils.op_cases import ELEMENTWISE, ROWS, OpCase, op_cases
+from utils.overhead import Overhead, dispatch_floor, eager_time, floor_op, host_overhead, python_calls
+
+BEGIN, END = "<!-- overhead:begin -->", "<!-- overhead:end -->"
+GOAL_US = 20.0
+
+
+@dataclass(frozen=True)
+class OverheadRow:
+    """One op's host cost per call (microseconds, the median over repeats)."""
+
+    op: str
+    family: str  # "elementwise", "rows" or "" (no goal)
+    launches: float  # Triton launches per forward call
+    forward_us: float
+    backward_us: float | None  # forward + backward step; None for an op without a gradient
+    torch_us: float | None  # torch's own eager op on the same input; None where torch has none
+    backward_launches: float | None = None
+    calls: float | None = None  # Python function calls per forward call (a count: machine-independent)
+
+    @property
+    def meets_goal(self) -> bool | None:
+        """Forward at most :data:`GOAL_US` (None for an op the goal is not set for)."""
+        return self.forward_us <= GOAL_US if self.family else None
+
+
+def family(name: str) -> str:
+    base = name.split("[", 1)[0]
+    if base in ELEMENTWISE:
+        return "elementwise"
+    if base in ROWS:
+        return "rows"
+    return ""
+
+
+def measure(case: OpCase, number: int, repeat: int, warmup: int) -> OverheadRow:
+    """Measure one op (value checks must already be off)."""
+    built = case.build()
+    counts = {"number": number, "repeat": repeat, "warmup": warmup}
+    forward = host_overhead(built.forward, **counts)
+    backward: Overhead | None = host_overhead(built.backward, **counts) if built.backward else None
+    torch_op = eager_time(built.eager, **counts) if built.eager else None
+    calls = python_calls(built.forward, number=max(1, min(number, 20)), warmup=min(warmup, 3))
+    return OverheadRow(
+        op=case.name, family=family(case.name), launches=forward.launches_per_call,
+        forward_us=forward.median_us, backward_us=backward.median_us if backward else None,
+        torch_us=torch_op.median_us if torch_op else None,
+        backward_launches=backward.launches_per_call if backward else None, calls=calls,
+    )
+
+
+def floor_python_calls() -> float:
+    """Python calls per call of the dispatch floor's custom op (torch's custom-op machinery alone)."""
+    return python_calls(floor_op(), torch.zeros(8))
+
+
+def run(names: list[str] | None = None, number: int = 200, repeat: int = 7, warmup: int = 20
+        ) -> tuple[list[OverheadRow], Overhead]:
+    """Every op's row (or only ``names``) and the dispatch floor, value checks off meanwhile."""
+    cases = op_cases()
+    if names:
+        known = {c.name for c in cases}
+        unknown = sorted(set(names) - known)
+        if unknown:
+            raise ValueError(f"bench.overhead: no op case named {unknown}; known: {sorted(known)}")
+        cases = [c for c in cases if c.name in names]
+    before = kernels.runtime.values_checked()
+    kernels.runtime.check_values(False)
+    try:
+        floor = dispatch_floor(number=number, repeat=repeat)
+        rows = [measure(case, number, repeat, warmup) for case in _progress(cases, "host overhead")]
+    finally:
+        kernels.runtime.check_values(before)
+    return rows, floor
+
+
+def _us(value: float | None) -> str:
+    return "—" if value is None else f"{value:.1f}"
+
+
+def table(rows: list[OverheadRow], floor: Overhead) -> str:
+    """The markdown table, one line per op, the floor first."""
+    floor_calls = floor_python_calls()
+    lines = [
+        "| op | launches (fwd / fwd+bwd) | Python calls, forward | host µs, forward | host µs, forward + backward "
+        "| torch eager µs | goal ≤ 20 µs |",
+        "|---|---|---|---|---|---|---|",
+        f"| *custom-op floor* (`utils.overhead.dispatch_floor`) | 0 | {floor_calls:g} | {floor.median_us:.1f} | — | — "
+        "| |",
+    ]
+    for r in rows:
+        goal = "" if r.meets_goal is None else ("met" if r.meets_goal else "not met")
+        bwd_launches = "" if r.backward_launches is None else f" / {r.backward_launches:g}"
+        calls = "—" if r.calls is None else f"{r.calls:.0f}"
+        lines.append(f"| {r.op} | {r.launches:g}{bwd_launches} | {calls} | {r.forward_us:.1f} | {_us(r.backward_us)} | "
+                     f"{_us(r.torch_us)} | {goal} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[OverheadRow], floor: Overhead, path: pathlib.Path) -> pathlib.Path:
+    """Horizontal bars of the forward host time per op, with the floor and the goal as lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from utils.plots import overhead_bars
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ax = overhead_bars([(r.op, r.forward_us, r.torch_us) for r in rows], floor=floor.median_us, goal=GOAL_US)
+    ax.figure.tight_layout()
+    ax.figure.savefig(path, dpi=110)
+    plt.close(ax.figure)
+    return path
+
+
+def write(rows: list[OverheadRow], floor: Overhead, stamp: str, path: pathlib.Path,
+          image: pathlib.Path | None = None) -> None:
+    """Replace the part of ``path`` between the overhead markers (appended if it has none)."""
+    met = [r for r in rows if r.meets_goal]
+    goal_rows = [r for r in rows if r.meets_goal is not None]
+    generated = "\n".join([
+        BEGIN,
+        "## Host overhead per call (generated by `make report`)",
+        "",
+        f"Machine: {stamp}.",
+        "",
+        "The Python time an op spends per call outside its kernels: every Triton launch is replaced by a",
+        "no-op (`utils.overhead.host_overhead`), so what is timed is argument checks, torch's custom-op",
+        "dispatch, autograd bookkeeping, allocation and the launch plan — what a GPU run pays on the host",
+        "before each kernel is queued. Value checks are off (`kernels.runtime.check_values(False)`, the",
+        "CUDA default). Medians over repeats of tiny calls (`utils.op_cases`); *torch eager* is torch's own",
+        "op on the same input, for scale (its dispatch is C++). The floor is a `torch.library` custom op",
+        "that only allocates its output: no custom op is cheaper. These are CPU times on the machine above,",
+        "not GPU times.",
+        "",
+        table(rows, floor),
+        "",
+        f"Elementwise and row ops within the 20 µs goal: {len(met)} of {len(goal_rows)}.",
+        "",
+        *([f"![host overhead per op]({image.relative_to(path.parent).as_posix()})", ""] if image else []),
+        END,
+    ])
+    old = path.read_text() if path.exists() else "# Results\n\n"
+    if BEGIN in old and END in old:
+        new = old[: old.index(BEGIN)] + generated + old[old.index(END) + len(END):]
+    else:
+        new = old.rstrip() + "\n\n" + generated + "\n"
+    path.write_text(new)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.overhead", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ops", nargs="*", help="only these op cases (names as in utils.op_cases)")
+    parser.add_argument("--out", type=pathlib.Path, default=ROOT / "docs" / "results.md")
+    parser.add_argument("--no-write", action="store_true", help="print the table only")
+    parser.add_argument("--number", type=int, default=200, help="calls per timed repeat")
+    parser.add_argument("--repeat", type=int, default=7, help="timed repeats (the median is reported)")
+    args = parser.parse_args(argv)
+
+    stamp = machine()
+    print(f"overhead: {stamp}", file=sys.stderr)
+    rows, floor = run(args.ops, number=args.number, repeat=args.repeat)
+    markdown = table(rows, floor)
+    print(markdown)
+    if not args.no_write:
+        image = None if args.ops else plot(rows, floor, args.out.parent / "img" / "overhead.png")
+        write(rows, floor, stamp, args.out, image)
+        print(f"overhead: wrote {args.out}" + (f" and {image}" if image else ""), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

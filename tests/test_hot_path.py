@@ -1,0 +1,78 @@
+"""The launch path's caches (launch configs, broadcast shapes) and the wrappers' short checks.
+
+The caches are keyed on every input of the choice they cache, so a changed limit or a value of
+another type is never answered from them; the wrappers that skip their full check still give
+the op's clear error for a bad argument.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from kernels import _validate
+from kernels.ops import norm as _norm
+from kernels.ops import softmax as _sm
+
+DEVICE = kernels.runtime.DEVICE
+
+
+def test_softmax_config_cache_does_not_answer_a_bool_with_a_cached_int():
+    assert _sm.softmax_launch_config(1, torch.float32).block_cols == 1
+    with pytest.raises(ValueError, match="kernels.softmax_launch_config: n_cols"):
+        _sm.softmax_launch_config(True, torch.float32)  # True == 1 and hashes alike
+
+
+def test_softmax_config_cache_follows_a_changed_limit(monkeypatch):
+    assert not _sm.softmax_launch_config(4096, torch.float32).chunked
+    monkeypatch.setattr(_sm, "MAX_BLOCK", 256)
+    assert _sm.softmax_launch_config(4096, torch.float32).chunked
+
+
+def test_softmax_config_bad_dtype_is_still_refused():
+    with pytest.raises(TypeError, match="kernels.softmax_launch_config: dtype"):
+        _sm.softmax_launch_config(64, torch.int32)
+    with pytest.raises(TypeError, match="kernels.softmax_launch_config: dtype"):
+        _sm.softmax_launch_config(64, [torch.float32])  # unhashable: the uncached path, same error
+
+
+def test_norm_config_cache_follows_limits_and_sm_count(monkeypatch):
+    base = _norm.norm_launch_config(64, 1024)
+    assert not base.chunked
+    monkeypatch.setattr(_norm, "MAX_FUSED_BLOCK", 256)
+    monkeypatch.setattr(_norm, "CHUNK_BLOCK", 128)
+    chunked = _norm.norm_launch_config(64, 1024)
+    assert chunked.chunked and chunked.block_cols == 128
+    monkeypatch.undo()
+    assert _norm.norm_launch_config(64, 1024) == base
+    monkeypatch.setattr(_norm._launch, "num_sms", lambda device=None: 1)
+    one_sm = _norm.norm_launch_config(4096, 64, backward=True)
+    monkeypatch.setattr(_norm._launch, "num_sms", lambda device=None: 132)
+    many = _norm.norm_launch_config(4096, 64, backward=True)
+    assert one_sm.rows_per_program > many.rows_per_program
+
+
+def test_broadcast_cache_gives_torchs_shape_and_still_refuses():
+    a, b = torch.empty(3, 1, 5), torch.empty(4, 1)
+    assert _validate.check_broadcastable("op", "a", a, "b", b) == torch.Size([3, 4, 5])
+    assert _validate.check_broadcastable("op", "a", a, "b", a) == torch.Size([3, 1, 5])
+    for _ in range(2):  # an error is never cached as a result
+        with pytest.raises(ValueError, match="op: a and b must have broadcastable shapes"):
+            _validate.check_broadcastable("op", "a", a, "b", torch.empty(4, 3))
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda x, w: kernels.rms_norm(x.tolist(), w), "kernels.rms_norm: x must be a torch.Tensor"),
+    (lambda x, w: kernels.rms_norm(x, w, eps="1e-6"), "kernels.rms_norm: eps"),
+    (lambda x, w: kernels.rms_norm(x, w, casting=1), "kernels.rms_norm: casting"),
+    (lambda x, w: kernels.rms_norm(x, w, eps=-1.0), "kernels.rms_norm: eps"),  # a value: the op's check
+    (lambda x, w: kernels.add(x, [1.0]), "kernels.add: y must be a torch.Tensor"),
+    (lambda x, w: kernels.add(x, torch.ones(3)), "kernels.add: x and y must have broadcastable shapes"),
+    (lambda x, w: kernels.add_rms_norm(x, x, w, eps=None), "kernels.add_rms_norm: eps"),
+    (lambda x, w: kernels.add_rms_norm(x, x[:, :3], w), "kernels.add_rms_norm: "),
+])
+def test_a_bad_argument_still_gets_the_op_and_argument_named(gen, call, message):
+    x, w = torch.randn(4, 8, generator=gen).to(DEVICE), torch.randn(8, generator=gen).to(DEVICE)
+    with pytest.raises((TypeError, ValueError), match=message):
+        call(x, w)
