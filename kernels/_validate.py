@@ -174,6 +174,44 @@ def check_shape(op: str, name: str, value: object) -> tuple[int, ...]:
     return tuple(dims)
 
 
+def schema_types(tensors: tuple = (), optional_tensors: tuple = (), reals: tuple = (), optional_reals: tuple = (),
+                 ints: tuple = (), optional_ints: tuple = (), flags: tuple = (), strings: tuple = ()) -> bool:
+    """Whether every value has a type an op's schema takes as it is (a public wrapper's fast path).
+
+    A public function checks its arguments in full only when this is False: the custom op behind
+    it checks the values in its body (or its fake, under ``torch.compile``), so checking them in
+    the wrapper too would validate every call twice. What the wrapper must catch first is what the
+    schema itself would refuse with torch's own message, which names neither the op nor the
+    argument: a list where a tensor goes, a string for a float. ``reals`` are Python floats or
+    ints (not bools); ``ints`` Python ints (not bools); ``flags`` bools.
+    """
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            return False
+    for t in optional_tensors:
+        if t is not None and not isinstance(t, torch.Tensor):
+            return False
+    for v in reals:
+        if type(v) is not float and type(v) is not int:
+            return False
+    for v in optional_reals:
+        if v is not None and type(v) is not float and type(v) is not int:
+            return False
+    for v in ints:
+        if type(v) is not int:
+            return False
+    for v in optional_ints:
+        if v is not None and type(v) is not int:
+            return False
+    for v in flags:
+        if type(v) is not bool:
+            return False
+    for v in strings:
+        if type(v) is not str:
+            return False
+    return True
+
+
 def is_int(value: object) -> bool:
     """An integer, and not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)

@@ -76,3 +76,34 @@ def test_a_bad_argument_still_gets_the_op_and_argument_named(gen, call, message)
     x, w = torch.randn(4, 8, generator=gen).to(DEVICE), torch.randn(8, generator=gen).to(DEVICE)
     with pytest.raises((TypeError, ValueError), match=message):
         call(x, w)
+
+
+def test_schema_types_accepts_plain_values_and_refuses_the_rest():
+    t = torch.empty(1)
+    assert _validate.schema_types(tensors=(t,), optional_tensors=(None, t), reals=(1, 2.0), optional_reals=(None,),
+                                  ints=(3,), optional_ints=(None, 4), flags=(True,), strings=("s",))
+    for bad in [dict(tensors=([1.0],)), dict(optional_tensors=(1,)), dict(reals=(True,)), dict(reals=("1",)),
+                dict(optional_reals=(torch.tensor(1.0),)), dict(ints=(1.0,)), dict(ints=(False,)),
+                dict(optional_ints=("4",)), dict(flags=(1,)), dict(strings=(None,))]:
+        assert not _validate.schema_types(**bad), bad
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda t: kernels.flash_attention(t.tolist(), t, t), "kernels.flash_attention: q must be a torch.Tensor"),
+    (lambda t: kernels.flash_attention(t[0, 0, 0, 0], t, t), "kernels.flash_attention: q"),  # 0-d: not q.shape[-1]
+    (lambda t: kernels.flash_attention(t, t, t, causal=1), "kernels.flash_attention: causal"),
+    (lambda t: kernels.flash_attention(t, t, t, window="8"), "kernels.flash_attention: window"),
+    (lambda t: kernels.flash_attention(t, t, t, softmax_scale=-1.0), "kernels.flash_attention: softmax_scale"),
+    (lambda t: kernels.cross_entropy(t[0, 0], torch.zeros(4, dtype=torch.long), reduction=None),
+     "kernels.cross_entropy: reduction"),
+    (lambda t: kernels.linear(t[0, 0], t[0, 0], bias=[0.0]), "kernels.linear: bias must be a torch.Tensor"),
+    (lambda t: kernels.rope(t, t, t[0, 0], t[0, 0], unsqueeze_dim=1.0), "kernels.rope: unsqueeze_dim"),
+    (lambda t: kernels.topk_routing(t[0, 0], k="2"), "kernels.topk_routing: k"),
+    (lambda t: kernels.moe_permute(torch.zeros(4, 2, dtype=torch.long), num_experts=4.0),
+     "kernels.moe_permute: num_experts"),
+    (lambda t: kernels.grouped_matmul(t[0, 0], t[0], [4]), "kernels.grouped_matmul: offsets must be a torch.Tensor"),
+])
+def test_a_guarded_wrapper_still_names_the_op_and_argument(gen, call, message):
+    t = torch.randn(1, 2, 4, 8, generator=gen).to(DEVICE)
+    with pytest.raises((TypeError, ValueError), match=message):
+        call(t)

@@ -21,6 +21,7 @@ from .._validate import (
     check_float_dtype,
     check_same_device,
     check_tensor,
+    schema_types,
 )
 
 __all__ = ["add", "add_kernel"]
@@ -106,7 +107,7 @@ def add(x: torch.Tensor | float, y: torch.Tensor | float) -> torch.Tensor:
         is summed over the dims it was broadcast along and given in its own dtype.
     """
     x, y = _scalar_to_tensor(x, y), _scalar_to_tensor(y, x)
-    if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
+    if not schema_types(tensors=(x, y)):
         _check_add_args(x, y)  # the op checks values
     return _add_op(x, y)
 

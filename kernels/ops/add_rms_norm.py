@@ -25,7 +25,7 @@ import triton.language as tl
 
 from .. import _launch, runtime
 from .._rows import row_start
-from .._validate import check_same_device, check_same_dtype, check_same_shape, check_tensor
+from .._validate import check_same_device, check_same_dtype, check_same_shape, check_tensor, schema_types
 from .norm import (
     check_eps,
     check_param,
@@ -202,9 +202,7 @@ def add_rms_norm(
         own (the backward is ``kernels::add_rms_norm_backward``; the forward saves only the sum
         it returns and ``rstd``, one float32 per row).
     """
-    if not (isinstance(x, torch.Tensor) and isinstance(residual, torch.Tensor)
-            and (weight is None or isinstance(weight, torch.Tensor))
-            and type(eps) in (float, int)):
+    if not schema_types(tensors=(x, residual), optional_tensors=(weight,), reals=(eps,)):
         _check_add_rms_norm_args(x, residual, weight, eps)  # the op checks values
     normed, s, _ = _add_rms_norm_op(x, residual, weight, float(eps))
     return normed, s

@@ -45,7 +45,7 @@ from __future__ import annotations
 import torch
 
 from .. import _launch, runtime
-from .._validate import check_attention_options, check_bool, check_same_device, check_tensor
+from .._validate import check_attention_options, check_bool, check_same_device, check_tensor, schema_types
 from .._validate import is_int as _is_int
 from . import flash_attention as fa
 
@@ -217,7 +217,9 @@ def block_sparse_attention(
         Differentiable in q, k and v (``kernels::block_sparse_attention_backward``, deterministic).
         FLOPs and K/V traffic are the mask's density times the dense ones.
     """
-    _check(q, k, v, block_mask, block_size, softmax_scale, return_lse)
+    if not (schema_types(tensors=(q, k, v, block_mask), ints=(block_size,), optional_reals=(softmax_scale,),
+                         flags=(return_lse,)) and q.dim()):
+        _check(q, k, v, block_mask, block_size, softmax_scale, return_lse)  # the op checks values
     scale = fa._scale(softmax_scale, q.shape[-1])
     out, lse = _block_sparse_attention_op(q, k, v, block_mask, int(block_size), scale)
     return (out, lse) if return_lse else out

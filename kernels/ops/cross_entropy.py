@@ -93,7 +93,15 @@ from .. import _launch, runtime
 from .._autograd import recorded_gradient
 from .._launch import coalesce_dims, next_power_of_2
 from .._rows import RowConfig, plan_rows, row_start
-from .._validate import check_bool, check_choice, check_float_dtype, check_same_device, check_tensor, check_values
+from .._validate import (
+    check_bool,
+    check_choice,
+    check_float_dtype,
+    check_same_device,
+    check_tensor,
+    check_values,
+    schema_types,
+)
 
 __all__ = [
     "REDUCTIONS",
@@ -893,7 +901,10 @@ def cross_entropy(
         and the backward only scales it by the incoming gradient, in place
         (``kernels::cross_entropy_backward``), so one backward per loss, and no double backward.
     """
-    _check_args(logits, target, weight, ignore_index, reduction, label_smoothing, softcap, z_loss, return_z_loss)
+    if not schema_types(tensors=(logits, target), optional_tensors=(weight,), reals=(label_smoothing, z_loss),
+                        optional_reals=(softcap,), ints=(ignore_index,), flags=(return_z_loss,), strings=(reduction,)):
+        _check_args(logits, target, weight, ignore_index, reduction, label_smoothing, softcap, z_loss,
+                    return_z_loss)  # the op checks values
     if weight is not None and weight.requires_grad and torch.is_grad_enabled():
         raise ValueError(f"{_OP}: weight is not differentiable (as in torch's cross_entropy); pass weight.detach()")
     compute_grad = bool(logits.requires_grad and torch.is_grad_enabled())

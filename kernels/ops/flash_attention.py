@@ -133,6 +133,7 @@ from .._validate import (
     check_same_dtype,
     check_tensor,
     check_values,
+    schema_types,
 )
 from .._validate import is_int as _is_int
 from ..autotune import _shared_memory_limit, autotune_supports_disk_cache, size_bucket
@@ -1461,7 +1462,9 @@ def flash_attention(
         deterministic, first order only), including a gradient that flows through ``lse`` (merging
         partial attention results); double backward raises an error.
     """
-    _check_dense(q, k, v, causal, softmax_scale, window, softcap, return_lse)
+    if not (schema_types(tensors=(q, k, v), optional_reals=(softmax_scale, softcap), optional_ints=(window,),
+                         flags=(causal, return_lse)) and q.dim()):
+        _check_dense(q, k, v, causal, softmax_scale, window, softcap, return_lse)  # the op checks values
     scale = _scale(softmax_scale, q.shape[-1])
     out, lse = _flash_attention_op(q, k, v, causal, scale, None if window is None else int(window),
                                    None if softcap is None else float(softcap))
@@ -1502,8 +1505,11 @@ def flash_attention_varlen(
         Differentiable in q, k and v (``kernels::flash_attention_varlen_backward``), lse included.
         No FLOPs are spent on padding: every program and loop stops at its sequence's length.
     """
-    _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window,
-                  softcap, return_lse)
+    if not (schema_types(tensors=(q, k, v, cu_seqlens_q, cu_seqlens_k), ints=(max_seqlen_q, max_seqlen_k),
+                         optional_reals=(softmax_scale, softcap), optional_ints=(window,), flags=(causal, return_lse))
+            and q.dim()):
+        _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                      window, softcap, return_lse)  # the op checks values
     scale = _scale(softmax_scale, q.shape[-1])
     out, lse = _flash_attention_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                                           int(max_seqlen_k), causal, scale, None if window is None else int(window),

@@ -43,7 +43,7 @@ import triton.language as tl
 
 from .. import _activations, _launch, runtime
 from .._rows import plan_rows, row_start
-from .._validate import check_choice, check_float_dtype, check_same_device, check_same_dtype, check_tensor
+from .._validate import check_choice, check_float_dtype, check_same_device, check_same_dtype, check_tensor, schema_types
 from ..autotune import MatmulConfig, fit_config
 from .matmul import accumulate, launch_matmul, reduced_product, store_tile, tile_coords
 
@@ -409,6 +409,7 @@ def gated_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down:
         epilogue applies the gate, so the two ``F``-wide projections are never written (see the
         module docstring). Differentiable in x and all three weights (``kernels::gated_mlp_backward``).
     """
-    _check_args(x, w_gate, w_up, w_down, activation)
+    if not schema_types(tensors=(x, w_gate, w_up, w_down), strings=(activation,)):
+        _check_args(x, w_gate, w_up, w_down, activation)  # the op checks values
     out, _ = _gated_mlp_op(x, w_gate, w_up, w_down, activation)
     return out

@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from .. import _activations, _launch, runtime
-from .._validate import check_float_dtype, check_same_device, check_same_dtype, check_tensor, check_values
+from .._validate import check_float_dtype, check_same_device, check_same_dtype, check_tensor, check_values, schema_types
 from ..autotune import MatmulConfig, fit_config
 
 __all__ = [
@@ -483,5 +483,6 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> t
         docstring; :func:`grouped_tile_map` lists its tiles). Differentiable in ``x`` and ``w``
         (``kernels::grouped_matmul_backward``).
     """
-    _check_args(x, w, offsets)
+    if not schema_types(tensors=(x, w, offsets)):
+        _check_args(x, w, offsets)  # the op checks values
     return _grouped_matmul_op(x, w, offsets)

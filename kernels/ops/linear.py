@@ -35,7 +35,7 @@ import triton.language as tl
 
 from .. import _activations, _launch, runtime
 from .._elementwise import block_indices, launch_elementwise, operand_offset
-from .._validate import check_float_dtype, check_same_device, check_same_dtype, check_tensor
+from .._validate import check_float_dtype, check_same_device, check_same_dtype, check_tensor, schema_types
 from .matmul import launch_matmul, reduced_product
 
 __all__ = ["LINEAR_ACTIVATIONS", "linear", "linear_activation_backward_kernel"]
@@ -251,7 +251,8 @@ def linear(
         pre-activation in the forward pass (see the module docstring for the trade).
     """
     act = _normalize_activation(activation)
-    _check_args(x, weight, bias, act)
+    if not schema_types(tensors=(x, weight), optional_tensors=(bias,)):
+        _check_args(x, weight, bias, act)  # the op checks values
     needs_grad = torch.is_grad_enabled() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     )

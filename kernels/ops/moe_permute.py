@@ -46,7 +46,7 @@ import triton.language as tl
 
 from .. import _launch, runtime
 from .._launch import next_power_of_2
-from .._validate import check_float_dtype, check_same_device, check_tensor, check_values, is_int
+from .._validate import check_float_dtype, check_same_device, check_tensor, check_values, is_int, schema_types
 
 __all__ = [
     "PERMUTE_SEGMENT",
@@ -542,7 +542,8 @@ def moe_permute(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tenso
         (``torch._grouped_mm``'s ``offs``; expert ``e``'s rows are ``offsets[e-1]:offsets[e]``).
         Not differentiable.
     """
-    _check_permute_args("kernels.moe_permute", expert_ids, num_experts)
+    if not schema_types(tensors=(expert_ids,), ints=(num_experts,)):
+        _check_permute_args("kernels.moe_permute", expert_ids, num_experts)  # the op checks values
     return _moe_permute_op(expert_ids, num_experts)
 
 
@@ -558,7 +559,8 @@ def moe_gather(x: torch.Tensor, permutation: torch.Tensor, top_k: int) -> torch.
         ``(T * top_k, H)`` contiguous, ``x``'s dtype (an exact copy). Differentiable in ``x`` (the
         backward is an unweighted :func:`moe_combine`).
     """
-    _check_gather_args("kernels.moe_gather", x, permutation, top_k, None)
+    if not schema_types(tensors=(x, permutation), ints=(top_k,)):
+        _check_gather_args("kernels.moe_gather", x, permutation, top_k, None)  # the op checks values
     return _moe_gather_op(x, permutation, top_k, None)
 
 

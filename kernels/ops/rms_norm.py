@@ -32,7 +32,7 @@ import triton.language as tl
 from .. import _launch, runtime
 from .._autograd import gradient_reusable
 from .._rows import load_rows, row_start, store_rows
-from .._validate import check_same_device, check_same_dtype, check_same_shape, check_tensor
+from .._validate import check_same_device, check_same_dtype, check_same_shape, check_tensor, schema_types
 from .norm import (
     check_casting,
     check_eps,
@@ -429,8 +429,7 @@ def rms_norm(
         besides the inputs). The backward is the same for every casting mode: the gradient of
         ``x * rstd * (offset + w)`` computed in float32 and rounded once.
     """
-    if not (isinstance(x, torch.Tensor) and (weight is None or isinstance(weight, torch.Tensor))
-            and type(eps) in (float, int) and type(offset) in (float, int) and type(casting) is str
-            and type(in_place_backward) is bool):
+    if not schema_types(tensors=(x,), optional_tensors=(weight,), reals=(eps, offset), strings=(casting,),
+                        flags=(in_place_backward,)):
         _check_rms_norm_args(x, weight, eps, offset, casting, in_place_backward)  # the op checks values
     return _rms_norm_op(x, weight, float(eps), float(offset), casting, in_place_backward)[0]

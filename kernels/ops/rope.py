@@ -47,7 +47,7 @@ import triton.language as tl
 
 from .. import _launch, runtime
 from .._launch import next_power_of_2
-from .._validate import FLOAT_DTYPES, check_float_dtype, check_same_device, check_same_dtype, check_tensor
+from .._validate import FLOAT_DTYPES, check_float_dtype, check_same_device, check_same_dtype, check_tensor, schema_types
 
 __all__ = ["ROPE_SCALINGS", "rope", "rope_cos_sin", "rope_kernel"]
 
@@ -210,7 +210,7 @@ def _check_args(q: object, k: object, cos: object, sin: object, unsqueeze_dim: o
     check_same_dtype(_OP, "q", q, "k", k)
     for name, t in (("k", k), ("cos", cos), ("sin", sin)):
         check_same_device(_OP, "q", q, name, t)
-    if isinstance(unsqueeze_dim, bool) or unsqueeze_dim not in (1, 2):
+    if isinstance(unsqueeze_dim, bool) or not isinstance(unsqueeze_dim, int) or unsqueeze_dim not in (1, 2):
         raise ValueError(
             f"{_OP}: unsqueeze_dim must be 1 (q and k laid out (B, H, T, D)) or 2 ((B, T, H, D)), "
             f"as in Hugging Face's apply_rotary_pos_emb; got {unsqueeze_dim!r}"
@@ -336,7 +336,8 @@ def rope(
         float32 and rounded once. Differentiable in q and k (``kernels::rope_backward``, the
         transposed rotation); cos and sin get no gradient.
     """
-    _check_args(q, k, cos, sin, unsqueeze_dim, interleaved)
+    if not schema_types(tensors=(q, k, cos, sin), ints=(unsqueeze_dim,), flags=(interleaved,)):
+        _check_args(q, k, cos, sin, unsqueeze_dim, interleaved)  # the op checks values
     return _rope_op(q, k, cos, sin, unsqueeze_dim, interleaved)
 
 

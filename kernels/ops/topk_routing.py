@@ -38,7 +38,7 @@ import triton.language as tl
 
 from .. import _launch, runtime
 from .._launch import next_power_of_2
-from .._validate import check_bool, check_choice, check_float_dtype, check_tensor, is_int
+from .._validate import check_bool, check_choice, check_float_dtype, check_tensor, is_int, schema_types
 from .softmax import softmax
 
 __all__ = [
@@ -310,7 +310,8 @@ def topk_routing(router_logits: torch.Tensor, k: int, renormalize: bool = True,
         **int64** like ``torch.topk``'s indices. Ties pick the lowest expert index.
         Differentiable with respect to ``router_logits`` through ``weights``.
     """
-    _check_args(_OP, router_logits, k, renormalize, scoring)
+    if not schema_types(tensors=(router_logits,), ints=(k,), flags=(renormalize,), strings=(scoring,)):
+        _check_args(_OP, router_logits, k, renormalize, scoring)  # the op checks values
     return _topk_routing_op(router_logits, k, renormalize, scoring)
 
 

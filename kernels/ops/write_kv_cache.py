@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from .. import _launch, runtime
-from .._validate import FLOAT_DTYPES, check_paged_caches, check_same_device, check_tensor, check_values
+from .._validate import FLOAT_DTYPES, check_paged_caches, check_same_device, check_tensor, check_values, schema_types
 
 __all__ = ["CACHE_DTYPES", "write_kv_cache", "write_kv_cache_kernel"]
 
@@ -268,5 +268,6 @@ def write_kv_cache(
 
     Not differentiable (a cache write is not part of a training graph).
     """
-    _check_args(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    if not schema_types(tensors=(k, v, k_cache, v_cache, slot_mapping), optional_tensors=(k_scale, v_scale)):
+        _check_args(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)  # the op checks values
     _write_kv_cache_op(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
