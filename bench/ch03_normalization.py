@@ -305,7 +305,7 @@ def _add_rms_norm_float(x, residual, w, dtype):
 def gpu_checks(size: str = "gpu") -> list:
     """Correctness (bf16, fp16; forward and backward incl. dweight/dbias) and timings (bf16).
 
-    ``size="gpu"``: 4096 x 16384 on CUDA, the issue's size. ``size="smoke"``: 8 x 96 on
+    ``size="gpu"``: 4096 x 16384 on CUDA, the size the chapter targets. ``size="smoke"``: 8 x 96 on
     ``kernels.runtime.DEVICE``, so a typo dies on the CPU, not on a rare GPU run (the runner skips
     the ``torch.compile`` implementations there). References are torch in float32. A timed
     backward runs autograd's backward alone (``retain_graph``) on a forward made at its first call.

@@ -504,20 +504,27 @@ def embedding_rows_nosync(table: torch.Tensor, ids: torch.Tensor) -> tuple[torch
 
 
 def embedding_cases(gen: torch.Generator) -> list[tuple]:
-    """A table and in-range ids: tiny, an odd width, a repeated id."""
+    """A table and ids: tiny, an odd width, a repeated id; the last case has ids out of range
+    (negative and past the vocabulary), whose rows must be zero and which ``bad`` must count."""
     cases = []
-    for vocab, dim, tokens in ((7, 5, 4), (16, 12, 9)):
+    device = kernels.runtime.DEVICE
+    for vocab, dim, tokens in ((7, 5, 4), (16, 12, 9), (6, 3, 8)):
         table = torch.randn(vocab, dim, generator=gen)
         ids = torch.randint(0, vocab, (tokens,), generator=gen)
         ids[-1] = ids[0]
-        device = kernels.runtime.DEVICE
+        if vocab == 6:
+            ids[1], ids[4], ids[5] = -1, vocab, vocab + 100
         cases.append((table.to(device), ids.to(device)))
     return cases
 
 
 def embedding_reference(table: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(table[ids], zeros(1) int32)``: the rows, and no id out of range."""
-    return table[ids.long()], torch.zeros(1, dtype=torch.int32, device=table.device)
+    """``(rows, bad)``: ``table[ids]`` with a zero row for each id outside ``[0, V)``, and how many
+    there were (one int32)."""
+    ids = ids.long()
+    valid = (ids >= 0) & (ids < table.shape[0])
+    rows = table[ids.clamp(0, table.shape[0] - 1)] * valid[:, None].to(table.dtype)
+    return rows, valid.logical_not().sum().to(torch.int32).reshape(1)
 
 
 class HostSyncError(RuntimeError):

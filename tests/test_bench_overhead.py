@@ -27,6 +27,7 @@ def test_rows_are_measured_with_launches_counted(measured):
     assert permute.backward_us is None and permute.meets_goal is None
     for r in rows:
         assert r.forward_us > 0 and r.calls is not None and r.calls > 1
+        assert r.floor_us > 0 and r.of_floor == pytest.approx(r.forward_us / r.floor_us)
         assert r.meets_goal is None or r.meets_goal == (r.forward_us <= bo.GOAL_US)
 
 

@@ -227,10 +227,17 @@ def _torch_gather_with_sync(table, ids):
     return table[ids[: int(ids.numel())]], torch.zeros(1, dtype=torch.int32, device=table.device) + int(ids.max() < 0)
 
 
+def _gathers_without_counting(table, ids):
+    # No sync, right rows for valid ids, but out-of-range ids neither zeroed nor counted.
+    rows = table[ids.clamp(0, table.shape[0] - 1)]
+    return rows, torch.zeros(1, dtype=torch.int32, device=table.device)
+
+
 @pytest.mark.parametrize("function, diagnosis", [
     (_sync_in_an_if, "_sync_in_an_if ("),
     (_drops_the_flag, "wrong values"),
     (_torch_gather_with_sync, "HostSyncError"),
+    (_gathers_without_counting, "case 3 of 3"),
 ])
 def test_embedding_rows_wrong_variants_rejected(function, diagnosis):
     verdict = check_nosync(function)

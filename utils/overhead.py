@@ -255,7 +255,7 @@ _FLOOR_OP = None
 
 
 def floor_op():
-    """A ``torch.library`` custom op that does nothing but return its input's view (built once)."""
+    """A ``torch.library`` custom op that only allocates an output of its input's shape (built once)."""
     global _FLOOR_OP
     if _FLOOR_OP is None:
         @torch.library.custom_op("kernel_ladder_overhead::identity", mutates_args=())
