@@ -1,0 +1,119 @@
+"""Functions the distributed tests run on every rank of a :class:`utils.distributed.World`.
+
+They live in a module (not in the test files) because each rank imports them by name. Each
+returns plain data (tensors, ints) that the test process compares; the inputs are drawn from a
+seed and the rank, so the parent can rebuild every rank's input for its float64 reference.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+from kernels.distributed import collectives as C
+
+
+def rank_input(seed: int, rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rank ``rank``'s input: ``n`` normal draws from ``seed + rank``, in ``dtype``."""
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed + rank), dtype=torch.float64).to(dtype)
+
+
+def identity() -> tuple[int, int]:
+    return dist.get_rank(), dist.get_world_size()
+
+
+def fails_on(rank: int) -> int:
+    if dist.get_rank() == rank:
+        raise ValueError(f"rank {rank} raised on purpose")
+    return dist.get_rank()
+
+
+def waits_forever_on(rank: int, seconds: float = 600.0) -> int:
+    if dist.get_rank() == rank:
+        time.sleep(seconds)
+    return dist.get_rank()
+
+
+def recv_that_never_comes() -> None:
+    """Every rank receives from its left neighbour and nobody sends: a deadlock."""
+    r, p = dist.get_rank(), dist.get_world_size()
+    buf = torch.empty(4)
+    dist.recv(buf, (r - 1) % p)
+
+
+def all_reduce(seed: int, n: int, dtype: torch.dtype) -> dict:
+    """Ours and torch's all-reduce of the same input, and the bytes ours sent."""
+    x = rank_input(seed, dist.get_rank(), n, dtype)
+    theirs = x.clone()
+    dist.all_reduce(theirs)
+    ours = x.clone()
+    with C.count_bytes() as stats:
+        out = C.ring_all_reduce(ours)
+    return {"ours": ours, "theirs": theirs, "same_object": out is ours, "bytes": stats.bytes_sent,
+            "messages": stats.messages}
+
+
+def reduce_scatter(seed: int, n: int, dtype: torch.dtype) -> dict:
+    x = rank_input(seed, dist.get_rank(), n, dtype)
+    before = x.clone()
+    with C.count_bytes() as stats:
+        chunk = C.ring_reduce_scatter(x)
+    return {"chunk": chunk, "unchanged": torch.equal(x, before), "bytes": stats.bytes_sent}
+
+
+def all_gather(seed: int, shape: tuple[int, ...], dtype: torch.dtype) -> dict:
+    r, p = dist.get_rank(), dist.get_world_size()
+    x = rank_input(seed, r, math.prod(shape), dtype).reshape(shape)
+    theirs = torch.empty((p * shape[0], *shape[1:]) if shape else (p,), dtype=dtype)
+    dist.all_gather_into_tensor(theirs, x.contiguous())
+    with C.count_bytes() as stats:
+        ours = C.ring_all_gather(x)
+    return {"ours": ours, "theirs": theirs, "bytes": stats.bytes_sent}
+
+
+def broadcast(seed: int, n: int, src: int, dtype: torch.dtype) -> dict:
+    r = dist.get_rank()
+    x = rank_input(seed, r, n, dtype)
+    with C.count_bytes() as stats:
+        C.tree_broadcast(x, src=src)
+    return {"out": x, "bytes": stats.bytes_sent, "messages": stats.messages}
+
+
+def all_reduce_in_subgroup(seed: int, n: int) -> dict:
+    """All-reduce within the even ranks and within the odd ranks (two groups of the world)."""
+    r, p = dist.get_rank(), dist.get_world_size()
+    evens, odds = list(range(0, p, 2)), list(range(1, p, 2))
+    groups = [dist.new_group(evens), dist.new_group(odds)]
+    mine = groups[r % 2]
+    x = rank_input(seed, r, n, torch.float32)
+    C.ring_all_reduce(x, group=mine)
+    return {"out": x, "members": evens if r % 2 == 0 else odds}
+
+
+def broken_ring_all_reduce(seed: int, n: int) -> torch.Tensor:
+    """A negative control: reduce-scatter without the all-gather (each rank has only its chunk)."""
+    from kernels.distributed.collectives import _reduce_scatter_ring, chunk_bounds
+
+    r, p = dist.get_rank(), dist.get_world_size()
+    x = rank_input(seed, r, n, torch.float32)
+    _reduce_scatter_ring("broken", x, dist.group.WORLD, r, p, chunk_bounds(n, p))
+    return x
+
+
+def refuses(what: str) -> str:
+    """The error message of a bad call (the tests check it names the op and the argument)."""
+    try:
+        if what == "noncontiguous":
+            C.ring_all_reduce(torch.zeros(4, 4).t())
+        elif what == "list":
+            C.ring_all_reduce([1.0, 2.0])
+        elif what == "src":
+            C.tree_broadcast(torch.zeros(3), src=dist.get_world_size())
+        elif what == "bool":
+            C.ring_all_gather(torch.zeros(3, dtype=torch.bool))
+    except (TypeError, ValueError) as error:
+        return str(error)
+    return "no error"
