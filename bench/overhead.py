@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 import kernels
-from bench.report import ROOT, _progress, machine
+from bench.report import ROOT, _progress, machine, write_between
 from utils.op_cases import ELEMENTWISE, ROWS, OpCase, op_cases
 from utils.overhead import Overhead, dispatch_floor, eager_time, floor_op, host_overhead, python_calls
 
@@ -188,12 +188,7 @@ def write(rows: list[OverheadRow], floor: Overhead, stamp: str, path: pathlib.Pa
         *([f"![host overhead per op]({image.relative_to(path.parent).as_posix()})", ""] if image else []),
         END,
     ])
-    old = path.read_text() if path.exists() else "# Results\n\n"
-    if BEGIN in old and END in old:
-        new = old[: old.index(BEGIN)] + generated + old[old.index(END) + len(END):]
-    else:
-        new = old.rstrip() + "\n\n" + generated + "\n"
-    path.write_text(new)
+    write_between(path, BEGIN, END, generated)
 
 
 def main(argv: list[str] | None = None) -> int:

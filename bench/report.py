@@ -250,9 +250,15 @@ def write_results(rows: list[Row], stamp: str, images: list[pathlib.Path], path:
         images_md,
         END,
     ])
+    write_between(path, BEGIN, END, generated)
+
+
+def write_between(path: pathlib.Path, begin: str, end: str, generated: str) -> None:
+    """Put ``generated`` (which starts with ``begin`` and ends with ``end``) in place of the part of
+    ``path`` between those markers; append it if the file has none (a new file starts ``# Results``)."""
     old = path.read_text() if path.exists() else "# Results\n\n"
-    if BEGIN in old and END in old:
-        new = old[: old.index(BEGIN)] + generated + old[old.index(END) + len(END):]
+    if begin in old and end in old:
+        new = old[: old.index(begin)] + generated + old[old.index(end) + len(end):]
     else:
         new = old.rstrip() + "\n\n" + generated + "\n"
     path.write_text(new)

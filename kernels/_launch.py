@@ -43,12 +43,39 @@ __all__ = [
     "next_power_of_2",
     "num_sms",
     "num_warps_for",
+    "shape_cache",
 ]
 
 #: The largest offset an int32 index can hold.
 INT32_MAX: int = 2**31 - 1
 #: The SM count assumed in Triton's interpreter (defined in :mod:`kernels.runtime`, the mode's home).
 INTERPRETER_SMS: int = runtime.INTERPRETER_SMS
+
+
+# ----------------------------------------------------------------------------------------------
+# Caching the launch plan
+# ----------------------------------------------------------------------------------------------
+
+
+def shape_cache(fn):
+    """``functools.lru_cache`` for a pure function of sizes, strides and limits on an op's launch path.
+
+    Keyed on the arguments with their types (``True`` is never answered with a cached ``1``), so
+    a caller passes every input of the result, the module limits it reads included. Under
+    ``torch.compile`` sizes are symbolic ints, which cannot be hashed: the call then runs uncached
+    (an error the function itself raises runs it a second time, harmlessly, and is raised).
+    """
+    cached = functools.lru_cache(maxsize=4096, typed=True)(fn)
+
+    @functools.wraps(fn)
+    def call(*args):
+        try:
+            return cached(*args)
+        except TypeError:
+            return fn(*args)
+
+    call.cache_info, call.cache_clear = cached.cache_info, cached.cache_clear
+    return call
 
 
 # ----------------------------------------------------------------------------------------------
@@ -157,15 +184,11 @@ def coalesce_dims(
     the merged sizes and each operand's merged strides (outermost first). An empty result means a
     single element.
     """
-    key = (tuple(shape), tuple(map(tuple, strides)))
-    try:
-        sizes, merged = _coalesce(*key)
-    except TypeError:  # symbolic sizes (a fake tensor under torch.compile) are not hashable: uncached
-        sizes, merged = _coalesce.__wrapped__(*key)
+    sizes, merged = _coalesce(tuple(shape), tuple(map(tuple, strides)))
     return list(sizes), [list(op) for op in merged]
 
 
-@functools.lru_cache(maxsize=4096)
+@shape_cache
 def _coalesce(shape: tuple[int, ...], strides: tuple[tuple[int, ...], ...]) -> tuple[tuple, tuple]:
     # Pure function of its (hashable) arguments: cached, so a model calling an op with the same
     # shapes every step pays for the merge once.

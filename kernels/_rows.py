@@ -121,17 +121,14 @@ def merge_trailing(t: torch.Tensor, ndim: int) -> tuple[list[int], list[int], in
     Returns ``(lead_sizes, lead_strides, n_cols, col_stride)``, or ``None`` when the trailing dims
     cannot be walked with a single stride (e.g. a transposed pair).
     """
-    try:
-        merged = _merge_trailing(tuple(t.shape), t.stride(), ndim)
-    except TypeError:  # symbolic sizes (a fake tensor under torch.compile) are not hashable: uncached
-        merged = _merge_trailing.__wrapped__(tuple(t.shape), t.stride(), ndim)
+    merged = _merge_trailing(tuple(t.shape), t.stride(), ndim)
     if merged is None:
         return None
     lead_sizes, lead_strides, n_cols, col_stride = merged
     return list(lead_sizes), list(lead_strides), n_cols, col_stride
 
 
-@functools.lru_cache(maxsize=4096)
+@_launch.shape_cache
 def _merge_trailing(shape: tuple[int, ...], strides: tuple[int, ...], ndim: int):
     # Cached: a pure function of ints, on every row op's path (checks and plan) several times a call.
     dim = len(shape)

@@ -14,13 +14,12 @@ device-side assertion on CUDA; nothing while traced or captured), so no op synch
 
 from __future__ import annotations
 
-import functools
 import numbers
 from collections.abc import Callable, Sequence
 
 import torch
 
-from . import _autocast, runtime
+from . import _autocast, _launch, runtime
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -99,10 +98,7 @@ def check_same_shape(op: str, name_a: str, a: torch.Tensor, name_b: str, b: torc
 def check_broadcastable(op: str, name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> torch.Size:
     """``a`` and ``b`` must broadcast together (torch's rules); returns the broadcast shape."""
     try:
-        try:
-            return _broadcast_shapes(a.shape, b.shape)
-        except TypeError:  # symbolic sizes (a fake tensor under torch.compile) are not hashable: uncached
-            return torch.broadcast_shapes(a.shape, b.shape)
+        return _broadcast_shapes(a.shape, b.shape)
     except RuntimeError:
         raise ValueError(
             f"{op}: {name_a} and {name_b} must have broadcastable shapes, "
@@ -110,7 +106,7 @@ def check_broadcastable(op: str, name_a: str, a: torch.Tensor, name_b: str, b: t
         ) from None
 
 
-@functools.lru_cache(maxsize=4096)
+@_launch.shape_cache
 def _broadcast_shapes(a: torch.Size, b: torch.Size) -> torch.Size:
     # Cached: torch.broadcast_shapes is Python with symbolic-shape guards, most of a small add's host time.
     return torch.broadcast_shapes(a, b)

@@ -107,3 +107,19 @@ def test_a_guarded_wrapper_still_names_the_op_and_argument(gen, call, message):
     t = torch.randn(1, 2, 4, 8, generator=gen).to(DEVICE)
     with pytest.raises((TypeError, ValueError), match=message):
         call(t)
+
+
+def test_shape_cache_is_typed_and_runs_unhashable_arguments_uncached():
+    from kernels._launch import shape_cache
+
+    calls = []
+
+    @shape_cache
+    def width(n, sizes=()):
+        calls.append(n)
+        return n * 2 + len(sizes)
+
+    assert width(3) == 6 and width(3) == 6 and calls == [3]  # the second call came from the cache
+    assert width(3.0) == 6.0 and calls == [3, 3.0]  # a float is not answered with the int's entry
+    assert width(2, [1, 2]) == 6 and width(2, [1, 2]) == 6 and calls == [3, 3.0, 2, 2]  # a list: uncached
+    assert width.cache_info().currsize == 2

@@ -47,7 +47,6 @@ index is a row. Their kernels share one shape of work, chosen here by :func:`nor
 
 from __future__ import annotations
 
-import functools
 import math
 import numbers
 from collections.abc import Sequence
@@ -170,16 +169,12 @@ def norm_launch_config(
     choice (the device's SM count and this module's tile limits included), so a changed limit is
     never answered from the cache.
     """
-    key = (n_rows, n_cols, _launch.num_sms(torch.device(device)), backward, params, MAX_FUSED_BLOCK,
-           MAX_FUSED_BLOCK_BACKWARD, CHUNK_BLOCK, TILE_ELEMENTS, PROGRAMS_PER_SM, FORWARD_ROWS_PER_PROGRAM,
-           MIN_FORWARD_ROWS_PER_PARAM)
-    try:
-        return _norm_config(*key)
-    except TypeError:  # symbolic sizes (a fake tensor under torch.compile) are not hashable: uncached
-        return _norm_config.__wrapped__(*key)
+    return _norm_config(n_rows, n_cols, _launch.num_sms(torch.device(device)), backward, params, MAX_FUSED_BLOCK,
+                        MAX_FUSED_BLOCK_BACKWARD, CHUNK_BLOCK, TILE_ELEMENTS, PROGRAMS_PER_SM,
+                        FORWARD_ROWS_PER_PROGRAM, MIN_FORWARD_ROWS_PER_PARAM)
 
 
-@functools.lru_cache(maxsize=4096, typed=True)
+@_launch.shape_cache
 def _norm_config(n_rows, n_cols, sms, backward, params, max_fused, max_fused_backward, chunk_block, tile_elements,
                  programs_per_sm, forward_rows_per_program, min_forward_rows_per_param) -> RowConfig:
     max_fused = max_fused_backward if backward else max_fused

@@ -58,7 +58,6 @@ both ops; rows with some ``-inf`` entries give exact zeros (softmax) and ``-inf`
 
 from __future__ import annotations
 
-import functools
 import numbers
 
 import torch
@@ -385,14 +384,11 @@ def softmax_launch_config(
         program (``rows_per_program`` is the same: one tile a program), ``chunked`` for the online
         kernels, ``num_warps``.
     """
-    key = (n_cols, dtype, n_rows, transposed, backward, grad_dtype, MAX_BLOCK, ONLINE_BLOCK, ROW_TILE)
-    try:  # cached: a pure function of its arguments and this module's limits (in the key)
-        return _softmax_config(*key)
-    except TypeError:  # an unhashable argument: uncached (its check raises the error that names it)
-        return _softmax_config.__wrapped__(*key)
+    # Cached: a pure function of its arguments and this module's limits (passed, so in the key).
+    return _softmax_config(n_cols, dtype, n_rows, transposed, backward, grad_dtype, MAX_BLOCK, ONLINE_BLOCK, ROW_TILE)
 
 
-@functools.lru_cache(maxsize=4096, typed=True)  # typed: True is not a cached 1
+@_launch.shape_cache
 def _softmax_config(n_cols, dtype, n_rows, transposed, backward, grad_dtype, max_block, online_block, row_tile
                     ) -> RowConfig:
     op = "kernels.softmax_launch_config"
