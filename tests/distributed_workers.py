@@ -68,7 +68,7 @@ def all_gather(seed: int, shape: tuple[int, ...], dtype: torch.dtype) -> dict:
     r, p = dist.get_rank(), dist.get_world_size()
     x = rank_input(seed, r, math.prod(shape), dtype).reshape(shape)
     theirs = torch.empty((p * shape[0], *shape[1:]) if shape else (p,), dtype=dtype)
-    dist.all_gather_into_tensor(theirs, x.contiguous())
+    dist.all_gather_into_tensor(theirs, x.reshape(1) if x.dim() == 0 else x.contiguous())  # gloo: no 0-d
     with C.count_bytes() as stats:
         ours = C.ring_all_gather(x)
     return {"ours": ours, "theirs": theirs, "bytes": stats.bytes_sent}

@@ -95,7 +95,7 @@ def test_ring_reduce_scatter_gives_each_rank_its_chunk_of_the_sum(world, n):
     p, seed = world.size, 2000 + n
     results = world.run(W.reduce_scatter, seed, n, torch.float32)
     reference = _reference(seed, p, n)
-    for r, (res, (start, stop)) in enumerate(zip(results, C.chunk_bounds(n, p))):
+    for res, (start, stop) in zip(results, C.chunk_bounds(n, p)):
         assert res["unchanged"], "ring_reduce_scatter must leave its input alone"
         assert res["chunk"].shape == (stop - start,)
         torch.testing.assert_close(res["chunk"].double(), reference[start:stop], rtol=1e-5, atol=1e-5 * p)
