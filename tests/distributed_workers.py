@@ -7,6 +7,7 @@ seed and the rank, so the parent can rebuild every rank's input for its float64 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
@@ -115,5 +116,72 @@ def refuses(what: str) -> str:
         elif what == "bool":
             C.ring_all_gather(torch.zeros(3, dtype=torch.bool))
     except (TypeError, ValueError) as error:
+        return str(error)
+    return "no error"
+
+
+# ----------------------------------------------------------------------------------------------
+# Data parallel
+# ----------------------------------------------------------------------------------------------
+
+
+class _WithSpare(torch.nn.Module):
+    def __init__(self, body: torch.nn.Module) -> None:
+        super().__init__()
+        self.body, self.spare = body, torch.nn.Linear(4, 4)  # spare: never called in forward
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def _mlp(seed: int, unused: bool = False) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    layers = [torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Linear(16, 4)]
+    model = torch.nn.Sequential(*layers)
+    return _WithSpare(model) if unused else model
+
+
+def _batch(seed: int, rank: int, rows: int = 6) -> torch.Tensor:
+    return torch.randn(rows, 8, generator=torch.Generator().manual_seed(seed + 1000 + rank))
+
+
+def data_parallel_vs_ddp(seed: int, bucket_cap_mb: float, micro_batches: int = 1) -> dict:
+    """Ours and torch's DDP on the same model (rank 0's init), each rank its own data."""
+    import copy
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from kernels.distributed import DataParallel
+
+    r = dist.get_rank()
+    model = _mlp(seed)
+    if r != 0:  # a different init everywhere but rank 0: both wrappers must broadcast rank 0's
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+    twin = copy.deepcopy(model)
+    ours, theirs = DataParallel(model, bucket_cap_mb=bucket_cap_mb), DDP(twin, bucket_cap_mb=bucket_cap_mb)
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    for k in range(micro_batches):
+        x = _batch(seed + 17 * k, r)
+        last = k == micro_batches - 1
+        ctx_ours = contextlib.nullcontext() if last else ours.no_sync()
+        ctx_theirs = contextlib.nullcontext() if last else theirs.no_sync()
+        with ctx_ours:
+            ours(x).pow(2).mean().backward()
+        with ctx_theirs:
+            theirs(x).pow(2).mean().backward()
+    return {"ours": {n: p.grad.clone() for n, p in model.named_parameters()},
+            "theirs": {n: p.grad.clone() for n, p in twin.named_parameters()},
+            "init": init, "timeline": ours.timeline(), "n_params": len(list(model.parameters()))}
+
+
+def data_parallel_unused_param() -> str:
+    from kernels.distributed import DataParallel
+
+    model = DataParallel(_mlp(0, unused=True))
+    try:
+        model(_batch(0, dist.get_rank())).sum().backward()
+    except RuntimeError as error:
         return str(error)
     return "no error"

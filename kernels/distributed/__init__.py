@@ -6,6 +6,8 @@ Import it explicitly (``import kernels.distributed``); ``import kernels`` does n
 
 * :mod:`kernels.distributed.collectives` — ring all-reduce / all-gather / reduce-scatter and a
   tree broadcast from point-to-point messages, with their α–β cost and byte counts.
+* :mod:`kernels.distributed.data_parallel` — :class:`DataParallel`: gradient buckets all-reduced
+  during the backward, through gradient hooks.
 """
 
 from .collectives import (
@@ -18,12 +20,16 @@ from .collectives import (
     ring_reduce_scatter,
     tree_broadcast,
 )
+from .data_parallel import Bucket, DataParallel, plan_buckets
 
 __all__ = [
     "AlphaBeta",
+    "Bucket",
+    "DataParallel",
     "CommStats",
     "chunk_bounds",
     "count_bytes",
+    "plan_buckets",
     "ring_all_gather",
     "ring_all_reduce",
     "ring_reduce_scatter",
