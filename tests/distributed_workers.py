@@ -185,3 +185,67 @@ def data_parallel_unused_param() -> str:
     except RuntimeError as error:
         return str(error)
     return "no error"
+
+
+# ----------------------------------------------------------------------------------------------
+# Tensor parallel
+# ----------------------------------------------------------------------------------------------
+
+
+def _tp_mlp(seed: int) -> torch.nn.Sequential:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(approximate="tanh"), torch.nn.Linear(16, 8))
+
+
+def tp_batch(seed: int) -> torch.Tensor:
+    return torch.randn(5, 8, generator=torch.Generator().manual_seed(seed + 7))
+
+
+def tensor_parallel_mlp(seed: int) -> dict:
+    """Megatron's MLP (ours) and DTensor's ColwiseParallel/RowwiseParallel on the same weights and input."""
+    import copy
+
+    import kernels
+    from kernels.distributed import ColumnParallelLinear, RowParallelLinear
+
+    p = dist.get_world_size()
+    model = _tp_mlp(seed)
+    up, down = ColumnParallelLinear.from_linear(model[0]), RowParallelLinear.from_linear(model[2])
+    x = tp_batch(seed).requires_grad_(True)
+    out = down(kernels.gelu(up(x), approximate="tanh"))
+    out.pow(2).mean().backward()
+    ours = {"out": out.detach(), "x_grad": x.grad.clone(), "up.weight": up.weight.grad.clone(),
+            "up.bias": up.bias.grad.clone(), "down.weight": down.weight.grad.clone(),
+            "down.bias": down.bias.grad.clone()}
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    twin = parallelize_module(copy.deepcopy(model), init_device_mesh("cpu", (p,)),
+                              {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    x2 = tp_batch(seed).requires_grad_(True)
+    out2 = twin(x2)
+    out2.pow(2).mean().backward()
+    theirs = {"out": out2.detach(), "x_grad": x2.grad.clone(),
+              "up.weight": twin[0].weight.grad.to_local(), "up.bias": twin[0].bias.grad.to_local(),
+              "down.weight": twin[2].weight.grad.to_local(), "down.bias": twin[2].bias.grad.full_tensor()}
+    return {"ours": ours, "theirs": theirs}
+
+
+def vocab_parallel(seed: int, vocab: int = 12, dim: int = 6) -> dict:
+    """An embedding and an LM head split over the vocabulary, the loss never gathering the logits."""
+    from kernels.distributed import ColumnParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy
+
+    torch.manual_seed(seed)
+    embed, head = torch.nn.Embedding(vocab, dim), torch.nn.Linear(dim, vocab, bias=False)
+    gen = torch.Generator().manual_seed(seed + 3)
+    ids = torch.randint(0, vocab, (7,), generator=gen)
+    target = torch.randint(0, vocab, (7,), generator=gen)
+    target[2] = -100
+    e, h = VocabParallelEmbedding.from_embedding(embed), ColumnParallelLinear.from_linear(head)
+    local_logits = h(e(ids))
+    loss = vocab_parallel_cross_entropy(local_logits, target)
+    loss.backward()
+    return {"loss": loss.detach(), "local_logits_shape": tuple(local_logits.shape),
+            "embed_grad": e.weight.grad.clone(), "head_grad": h.weight.grad.clone(),
+            "vocab_start": e.vocab_start}

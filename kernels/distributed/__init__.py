@@ -8,6 +8,8 @@ Import it explicitly (``import kernels.distributed``); ``import kernels`` does n
   tree broadcast from point-to-point messages, with their α–β cost and byte counts.
 * :mod:`kernels.distributed.data_parallel` — :class:`DataParallel`: gradient buckets all-reduced
   during the backward, through gradient hooks.
+* :mod:`kernels.distributed.tensor_parallel` — Megatron's column / row parallel linears with their
+  ``f`` / ``g`` operators, the vocabulary-parallel embedding and cross-entropy.
 """
 
 from .collectives import (
@@ -21,17 +23,35 @@ from .collectives import (
     tree_broadcast,
 )
 from .data_parallel import Bucket, DataParallel, plan_buckets
+from .tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    copy_to_parallel,
+    gather_from_parallel,
+    reduce_from_parallel,
+    shard_range,
+    vocab_parallel_cross_entropy,
+)
 
 __all__ = [
     "AlphaBeta",
     "Bucket",
-    "DataParallel",
+    "ColumnParallelLinear",
     "CommStats",
+    "DataParallel",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
     "chunk_bounds",
+    "copy_to_parallel",
     "count_bytes",
+    "gather_from_parallel",
     "plan_buckets",
+    "reduce_from_parallel",
     "ring_all_gather",
     "ring_all_reduce",
     "ring_reduce_scatter",
+    "shard_range",
     "tree_broadcast",
+    "vocab_parallel_cross_entropy",
 ]
