@@ -249,3 +249,36 @@ def vocab_parallel(seed: int, vocab: int = 12, dim: int = 6) -> dict:
     return {"loss": loss.detach(), "local_logits_shape": tuple(local_logits.shape),
             "embed_grad": e.weight.grad.clone(), "head_grad": h.weight.grad.clone(),
             "vocab_start": e.vocab_start}
+
+
+# ----------------------------------------------------------------------------------------------
+# Context parallel
+# ----------------------------------------------------------------------------------------------
+
+
+def attention_inputs(seed: int, heads: int = 2, kv_heads: int = 2, seq: int = 16, dim: int = 16):
+    """Full-sequence (1, H, T, D) q, k, v and an upstream gradient, float32."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, heads, seq, dim, generator=g)
+    k = torch.randn(1, kv_heads, seq, dim, generator=g)
+    v = torch.randn(1, kv_heads, seq, dim, generator=g)
+    dout = torch.randn(1, heads, seq, dim, generator=g)
+    return q, k, v, dout
+
+
+def local_slice(x: torch.Tensor, rank: int, world: int, layout: str) -> torch.Tensor:
+    from kernels.distributed import zigzag_shard
+
+    return x.chunk(world, dim=2)[rank] if layout == "contiguous" else zigzag_shard(x, rank, world)
+
+
+def ring_attention_run(seed: int, causal: bool, layout: str, kv_heads: int = 2) -> dict:
+    from kernels.distributed import collectives, ring_attention
+
+    r, p = dist.get_rank(), dist.get_world_size()
+    q, k, v, dout = (local_slice(t, r, p, layout).contiguous() for t in attention_inputs(seed, kv_heads=kv_heads))
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    with collectives.count_bytes() as stats:
+        out = ring_attention(q, k, v, causal=causal, layout=layout)
+        out.backward(dout)
+    return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad, "bytes": stats.bytes_sent}

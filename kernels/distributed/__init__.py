@@ -10,18 +10,23 @@ Import it explicitly (``import kernels.distributed``); ``import kernels`` does n
   during the backward, through gradient hooks.
 * :mod:`kernels.distributed.tensor_parallel` — Megatron's column / row parallel linears with their
   ``f`` / ``g`` operators, the vocabulary-parallel embedding and cross-entropy.
+* :mod:`kernels.distributed.context_parallel` — ring attention (contiguous or zigzag layout) on
+  ``kernels.flash_attention``, forward and backward.
 """
 
 from .collectives import (
     AlphaBeta,
     CommStats,
+    RingShift,
     chunk_bounds,
     count_bytes,
     ring_all_gather,
     ring_all_reduce,
     ring_reduce_scatter,
+    ring_shift,
     tree_broadcast,
 )
+from .context_parallel import causal_work, ring_attention, zigzag_shard, zigzag_unshard
 from .data_parallel import Bucket, DataParallel, plan_buckets
 from .tensor_parallel import (
     ColumnParallelLinear,
@@ -40,18 +45,24 @@ __all__ = [
     "ColumnParallelLinear",
     "CommStats",
     "DataParallel",
+    "RingShift",
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "chunk_bounds",
+    "causal_work",
     "copy_to_parallel",
     "count_bytes",
     "gather_from_parallel",
     "plan_buckets",
     "reduce_from_parallel",
+    "ring_attention",
     "ring_all_gather",
     "ring_all_reduce",
     "ring_reduce_scatter",
+    "ring_shift",
     "shard_range",
     "tree_broadcast",
     "vocab_parallel_cross_entropy",
+    "zigzag_shard",
+    "zigzag_unshard",
 ]

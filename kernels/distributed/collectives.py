@@ -35,11 +35,13 @@ import torch.distributed as dist
 __all__ = [
     "AlphaBeta",
     "CommStats",
+    "RingShift",
     "chunk_bounds",
     "count_bytes",
     "ring_all_gather",
     "ring_all_reduce",
     "ring_reduce_scatter",
+    "ring_shift",
     "tree_broadcast",
 ]
 
@@ -164,6 +166,41 @@ def _exchange(op: str, group, send: torch.Tensor | None, dst: int, recv: torch.T
         requests.append(dist.isend(send, _peer(group, dst), group=group))
     for request in requests:
         request.wait()
+
+
+class RingShift:
+    """Tensors on their way one hop around the ring: :meth:`wait` returns what arrived from the left."""
+
+    def __init__(self, received: list[torch.Tensor], requests: list) -> None:
+        self._received, self._requests = received, requests
+
+    def wait(self) -> list[torch.Tensor]:
+        for request in self._requests:
+            request.wait()
+        self._requests = []
+        return self._received
+
+
+def ring_shift(tensors: list[torch.Tensor], group=None, op: str = "kernels.distributed.ring_shift") -> RingShift:
+    """Start sending each tensor to the right-hand neighbour and receiving its twin from the left.
+
+    Returns at once (the messages are in flight), so the caller computes on what it holds while
+    they travel: ring attention overlaps the next K/V block's transfer with the current block's
+    attention. Every rank must call it with tensors of the same shapes and dtypes; they must be
+    contiguous. Received tensors are new buffers.
+    """
+    group = dist.group.WORLD if group is None else group
+    r, p = dist.get_rank(group), dist.get_world_size(group)
+    right, left = _peer(group, (r + 1) % p), _peer(group, (r - 1) % p)
+    received = [torch.empty_like(t) for t in tensors]
+    requests = []
+    for t, buf in zip(tensors, received):
+        if not t.is_contiguous():
+            raise ValueError(f"{op}: every tensor must be contiguous, got strides {t.stride()} for {tuple(t.shape)}")
+        requests.append(dist.irecv(buf, left, group=group))
+        _record(op, t)
+        requests.append(dist.isend(t, right, group=group))
+    return RingShift(received, requests)
 
 
 # ----------------------------------------------------------------------------------------------
