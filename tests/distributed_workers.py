@@ -282,3 +282,61 @@ def ring_attention_run(seed: int, causal: bool, layout: str, kv_heads: int = 2) 
         out = ring_attention(q, k, v, causal=causal, layout=layout)
         out.backward(dout)
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad, "bytes": stats.bytes_sent}
+
+
+# ----------------------------------------------------------------------------------------------
+# Pipeline parallel
+# ----------------------------------------------------------------------------------------------
+
+
+def pipeline_model(seed: int, world: int) -> torch.nn.Sequential:
+    """Two (Linear, Tanh) pairs per stage, the same init on every rank."""
+    torch.manual_seed(seed)
+    layers = []
+    for _ in range(world):
+        layers += [torch.nn.Linear(6, 6), torch.nn.Tanh(), torch.nn.Linear(6, 6), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers)
+
+
+def pipeline_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed + 99)
+    return torch.randn(8, 6, generator=g), torch.randn(8, 6, generator=g)
+
+
+def _stages(model: torch.nn.Sequential, world: int) -> list[torch.nn.Sequential]:
+    return [model[4 * r:4 * (r + 1)] for r in range(world)]
+
+
+def pipeline_run(seed: int, schedule: str, microbatches: int) -> dict:
+    import copy
+
+    from kernels.distributed import Pipeline
+
+    r, p = dist.get_rank(), dist.get_world_size()
+    model = pipeline_model(seed, p)
+    x, y = pipeline_batch(seed)
+    pipe = Pipeline(_stages(model, p), schedule=schedule, num_microbatches=microbatches)
+    loss = pipe.step(x if r == 0 else None, y if r == p - 1 else None)
+    ours = {n: q.grad.clone() for n, q in pipe.stage.named_parameters()}
+
+    run = {"ours": ours, "loss": loss, "order": pipe.order(), "peak": pipe.peak_in_flight, "theirs": None,
+           "their_loss": None}
+    if schedule == "1f1b" and microbatches < p:
+        return run  # torch's Schedule1F1B refuses fewer micro-batches than stages; ours runs them
+
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    twin = copy.deepcopy(_stages(pipeline_model(seed, p), p)[r])
+    stage = PipelineStage(twin, r, p, torch.device("cpu"))
+    kind = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+    sched = kind(stage, n_microbatches=microbatches, loss_fn=torch.nn.functional.mse_loss)
+    losses: list = []
+    if r == 0:
+        sched.step(x)
+    elif r == p - 1:
+        sched.step(target=y, losses=losses)
+    else:
+        sched.step()
+    run["theirs"] = {n: q.grad.clone() for n, q in twin.named_parameters()}
+    run["their_loss"] = torch.stack(losses).mean() if losses else None
+    return run

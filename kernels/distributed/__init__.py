@@ -12,6 +12,8 @@ Import it explicitly (``import kernels.distributed``); ``import kernels`` does n
   ``f`` / ``g`` operators, the vocabulary-parallel embedding and cross-entropy.
 * :mod:`kernels.distributed.context_parallel` — ring attention (contiguous or zigzag layout) on
   ``kernels.flash_attention``, forward and backward.
+* :mod:`kernels.distributed.pipeline` — :class:`Pipeline`: GPipe and 1F1B over one stage per rank,
+  and the bubble of the order that ran.
 """
 
 from .collectives import (
@@ -28,6 +30,7 @@ from .collectives import (
 )
 from .context_parallel import causal_work, ring_attention, zigzag_shard, zigzag_unshard
 from .data_parallel import Bucket, DataParallel, plan_buckets
+from .pipeline import Pipeline, bubble_fraction, logical_timeline, schedule_order
 from .tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -45,14 +48,17 @@ __all__ = [
     "ColumnParallelLinear",
     "CommStats",
     "DataParallel",
+    "Pipeline",
     "RingShift",
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "chunk_bounds",
+    "bubble_fraction",
     "causal_work",
     "copy_to_parallel",
     "count_bytes",
     "gather_from_parallel",
+    "logical_timeline",
     "plan_buckets",
     "reduce_from_parallel",
     "ring_attention",
@@ -60,6 +66,7 @@ __all__ = [
     "ring_all_reduce",
     "ring_reduce_scatter",
     "ring_shift",
+    "schedule_order",
     "shard_range",
     "tree_broadcast",
     "vocab_parallel_cross_entropy",
