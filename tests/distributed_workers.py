@@ -340,3 +340,77 @@ def pipeline_run(seed: int, schedule: str, microbatches: int) -> dict:
     run["theirs"] = {n: q.grad.clone() for n, q in twin.named_parameters()}
     run["their_loss"] = torch.stack(losses).mean() if losses else None
     return run
+
+
+# ----------------------------------------------------------------------------------------------
+# ZeRO
+# ----------------------------------------------------------------------------------------------
+
+
+def zero_model(seed: int) -> torch.nn.Sequential:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Tanh(), torch.nn.Linear(10, 5), torch.nn.Tanh(),
+                               torch.nn.Linear(5, 3))
+
+
+def zero_batch(seed: int, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed * 100 + rank * 10 + step)
+    return torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
+
+
+def zero_run(seed: int, stage: int, steps: int = 3) -> dict:
+    """ZeRO stage 1/2/3 (ours) and torch's ZeroRedundancyOptimizer, Adam, a few steps on each rank's data."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from kernels.distributed import ZeroOptimizer, module_memory, shard_module
+
+    r = dist.get_rank()
+    model, twin = zero_model(seed), zero_model(seed)
+    if stage == 3:
+        shard_module(model)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    else:
+        opt = ZeroOptimizer(model.parameters(), torch.optim.Adam, stage=stage, lr=1e-2)
+    theirs = ZeroRedundancyOptimizer(twin.parameters(), optimizer_class=torch.optim.Adam, lr=1e-2)
+    memory = None
+    for step in range(steps):
+        x, y = zero_batch(seed, r, step)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        if memory is None:
+            memory = opt.memory() if stage != 3 else {**module_memory(model), "optimizer_state": sum(
+                v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
+                if isinstance(v, torch.Tensor))}
+        theirs.zero_grad()
+        torch.nn.functional.mse_loss(twin(x), y).backward()
+        for q in twin.parameters():  # ZeroRedundancyOptimizer expects averaged gradients (DDP's job)
+            dist.all_reduce(q.grad)
+            q.grad.div_(dist.get_world_size())
+        theirs.step()
+    if stage == 3:
+        ours = {}
+        for name, layer in model.named_children():
+            if hasattr(layer, "full_parameters"):
+                ours.update({f"{name}.{k}": v for k, v in layer.full_parameters().items()})
+    else:
+        ours = {n: q.detach().clone() for n, q in model.named_parameters()}
+    return {"ours": ours, "theirs": {n: q.detach().clone() for n, q in twin.named_parameters()}, "memory": memory}
+
+
+def fsdp2_run(seed: int, steps: int = 3) -> dict:
+    """torch's FSDP2 (fully_shard) on the ZeRO test's model and data, for comparison with stage 3."""
+    from torch.distributed.fsdp import fully_shard
+
+    r = dist.get_rank()
+    model = zero_model(seed)
+    for layer in (model[0], model[2], model[4]):
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for step in range(steps):
+        x, y = zero_batch(seed, r, step)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return {n: q.full_tensor().detach().clone() for n, q in model.named_parameters()}

@@ -192,3 +192,18 @@ def test_functions_that_cannot_travel_are_refused():
         run_world(lambda: 1, 2)
     with pytest.raises(ValueError, match="size must be an int >= 1"):
         World(0)
+
+
+def test_a_world_started_from_a_piped_script_does_not_rerun_it(tmp_path):
+    """Workers never re-import __main__ (a script without a main guard, code piped into python -)."""
+    import subprocess
+    import sys
+
+    code = ("from utils.distributed import run_world\n"
+            "from tests import distributed_workers as W\n"
+            "print('ranks', run_world(W.identity, 2, timeout=60))\n")
+    out = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True, timeout=120,
+                         cwd=str(tmp_path), env={**__import__("os").environ,
+                                                 "PYTHONPATH": str(__import__("pathlib").Path(__file__).parents[1])})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("ranks") == 1 and "[(0, 2), (1, 2)]" in out.stdout

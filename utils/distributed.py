@@ -29,11 +29,13 @@ module``): they use only ``torch.distributed``, never this harness.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib
 import multiprocessing as mp
 import os
 import pickle
+import sys
 import tempfile
 import time
 import traceback
@@ -122,6 +124,29 @@ def _worker(rank_: int, size: int, init_file: str, conn: Connection, timeout_s: 
             pass
 
 
+@contextlib.contextmanager
+def _main_hidden():
+    """Keep ``__main__`` from being re-run in the workers while they start.
+
+    multiprocessing's forkserver and spawn re-import the parent's main module in each child (by
+    its ``__spec__`` or its ``__file__``), which runs an unguarded script again, fails for code
+    piped into ``python -`` and would re-run a notebook kernel's launcher. The workers import
+    their functions by name and never need ``__main__``, so it is hidden from the start-up data.
+    """
+    main = sys.modules.get("__main__")
+    saved = {k: main.__dict__[k] for k in ("__spec__", "__file__") if main is not None and k in main.__dict__}
+    try:
+        if main is not None:
+            main.__spec__ = None
+            main.__dict__.pop("__file__", None)
+        yield
+    finally:
+        if main is not None:
+            main.__dict__.update(saved)
+            if "__spec__" not in saved:
+                main.__dict__.pop("__spec__", None)
+
+
 _CONTEXT = None
 
 
@@ -170,14 +195,15 @@ class World:
         ctx = _context()
         self._dir = tempfile.TemporaryDirectory(prefix="kernel-ladder-world-")
         init_file = os.path.join(self._dir.name, "rendezvous")
-        for r in range(self.size):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker, args=(r, self.size, init_file, child, self.timeout, self.threads),
-                               daemon=True, name=f"kernel-ladder-rank-{r}")
-            proc.start()
-            child.close()
-            self._procs.append(proc)
-            self._conns.append(parent)
+        with _main_hidden():
+            for r in range(self.size):
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=_worker, args=(r, self.size, init_file, child, self.timeout, self.threads),
+                                   daemon=True, name=f"kernel-ladder-rank-{r}")
+                proc.start()
+                child.close()
+                self._procs.append(proc)
+                self._conns.append(parent)
         replies = self._collect(time.monotonic() + max(60.0, self.timeout), "starting the world")
         failed = {r: text for r, (kind, text) in replies.items() if kind != "ready"}
         if failed:

@@ -14,6 +14,8 @@ Import it explicitly (``import kernels.distributed``); ``import kernels`` does n
   ``kernels.flash_attention``, forward and backward.
 * :mod:`kernels.distributed.pipeline` — :class:`Pipeline`: GPipe and 1F1B over one stage per rank,
   and the bubble of the order that ran.
+* :mod:`kernels.distributed.zero` — ZeRO: :class:`ZeroOptimizer` (stages 1 and 2) and
+  :func:`shard_module` (stage 3), with the bytes each rank holds.
 """
 
 from .collectives import (
@@ -41,6 +43,7 @@ from .tensor_parallel import (
     shard_range,
     vocab_parallel_cross_entropy,
 )
+from .zero import ZeroOptimizer, module_memory, shard_module
 
 __all__ = [
     "AlphaBeta",
@@ -52,6 +55,7 @@ __all__ = [
     "RingShift",
     "RowParallelLinear",
     "VocabParallelEmbedding",
+    "ZeroOptimizer",
     "chunk_bounds",
     "bubble_fraction",
     "causal_work",
@@ -59,6 +63,7 @@ __all__ = [
     "count_bytes",
     "gather_from_parallel",
     "logical_timeline",
+    "module_memory",
     "plan_buckets",
     "reduce_from_parallel",
     "ring_attention",
@@ -67,6 +72,7 @@ __all__ = [
     "ring_reduce_scatter",
     "ring_shift",
     "schedule_order",
+    "shard_module",
     "shard_range",
     "tree_broadcast",
     "vocab_parallel_cross_entropy",
