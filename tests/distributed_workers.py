@@ -69,7 +69,7 @@ def all_gather(seed: int, shape: tuple[int, ...], dtype: torch.dtype) -> dict:
     r, p = dist.get_rank(), dist.get_world_size()
     x = rank_input(seed, r, math.prod(shape), dtype).reshape(shape)
     theirs = torch.empty((p * shape[0], *shape[1:]) if shape else (p,), dtype=dtype)
-    dist.all_gather_into_tensor(theirs, x.reshape(1) if x.dim() == 0 else x.contiguous())  # gloo: no 0-d
+    C.all_gather_into(theirs, x.reshape(1) if x.dim() == 0 else x.contiguous())  # gloo: no 0-d
     with C.count_bytes() as stats:
         ours = C.ring_all_gather(x)
     return {"ours": ours, "theirs": theirs, "bytes": stats.bytes_sent}
@@ -414,3 +414,44 @@ def fsdp2_run(seed: int, steps: int = 3) -> dict:
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
     return {n: q.full_tensor().detach().clone() for n, q in model.named_parameters()}
+
+
+# ----------------------------------------------------------------------------------------------
+# Sequence parallel
+# ----------------------------------------------------------------------------------------------
+
+
+def sp_inputs(seed: int, tokens: int = 8, dim: int = 8):
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    norm_w = 1 + 0.1 * torch.randn(dim, generator=g)
+    up, down = torch.nn.Linear(dim, 16), torch.nn.Linear(16, dim)
+    return torch.randn(tokens, dim, generator=g), torch.randn(tokens, dim, generator=g), norm_w, up, down
+
+
+def sequence_parallel_block(seed: int, sequence_parallel: bool) -> dict:
+    """``x + down(gelu(up(rms_norm(x))))``, tensor parallel, with or without sequence parallelism."""
+    import kernels
+    from kernels.distributed import ColumnParallelLinear, RowParallelLinear
+
+    r, p = dist.get_rank(), dist.get_world_size()
+    x, dout, norm_w, up, down = sp_inputs(seed)
+    rows = slice(r * x.shape[0] // p, (r + 1) * x.shape[0] // p)
+    if sequence_parallel:
+        x, dout = x[rows], dout[rows]
+    x = x.clone().requires_grad_(True)
+    w = norm_w.clone().requires_grad_(True)
+    col = ColumnParallelLinear.from_linear(up, sequence_parallel=sequence_parallel)
+    row = RowParallelLinear.from_linear(down, sequence_parallel=sequence_parallel)
+    saved = [0]
+
+    def pack(t):
+        saved[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = kernels.add(x, row(kernels.gelu(col(kernels.rms_norm(x, w)))))
+    out.backward(dout)
+    if sequence_parallel:  # the norm's weight saw only this rank's rows: its gradient is a partial sum
+        dist.all_reduce(w.grad)
+    return {"out": out.detach(), "dx": x.grad, "dw": w.grad, "saved_bytes": saved[0]}

@@ -36,8 +36,10 @@ __all__ = [
     "AlphaBeta",
     "CommStats",
     "RingShift",
+    "all_gather_into",
     "chunk_bounds",
     "count_bytes",
+    "reduce_scatter_into",
     "ring_all_gather",
     "ring_all_reduce",
     "ring_reduce_scatter",
@@ -130,6 +132,18 @@ def chunk_bounds(n: int, p: int) -> list[tuple[int, int]]:
         bounds.append((start, stop))
         start = stop
     return bounds
+
+
+def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, group=None) -> None:
+    """torch's all-gather into one tensor (``all_gather_single`` where torch has it, else the older name)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, tensor, group=group)
+
+
+def reduce_scatter_into(output: torch.Tensor, tensor: torch.Tensor, group=None) -> None:
+    """torch's reduce-scatter (sum) from one tensor (``reduce_scatter_single`` where torch has it)."""
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    scatter(output, tensor, group=group)
 
 
 def _group(op: str, tensor: object, group) -> tuple[object, int, int]:

@@ -20,6 +20,14 @@ V·(r+1)/p)`` of the table (an id outside them reads zeros; the all-reduce of ``
 and :func:`vocab_parallel_cross_entropy` takes each rank's ``(N, V/p)`` slice of the logits and
 never gathers them: the row max and the sum of exponentials are all-reduced (a max and a sum of
 ``N`` numbers), and so is the target's logit, which lives on one rank.
+
+**Sequence parallelism** (Korthikanti et al. 2022, arXiv:2205.05198): outside the linears — the
+norms, dropout, the residual adds — tensor parallelism leaves every rank computing the same thing
+on the whole sequence. With ``sequence_parallel=True`` those regions hold ``1/p`` of the
+sequence (dim 0) instead: the column-parallel linear all-gathers the sequence on the way in
+(:func:`gather_sequence`) and the row-parallel one reduce-scatters it on the way out
+(:func:`reduce_scatter_sequence`) — the same bytes as the all-reduce they replace (an all-reduce
+is a reduce-scatter plus an all-gather), and ``1/p`` of the activations in those regions.
 """
 
 from __future__ import annotations
@@ -29,13 +37,17 @@ import torch.distributed as dist
 
 import kernels
 
+from .collectives import all_gather_into, reduce_scatter_into
+
 __all__ = [
     "ColumnParallelLinear",
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "copy_to_parallel",
     "gather_from_parallel",
+    "gather_sequence",
     "reduce_from_parallel",
+    "reduce_scatter_sequence",
     "shard_range",
     "vocab_parallel_cross_entropy",
 ]
@@ -102,6 +114,59 @@ class _GatherFromParallel(torch.autograd.Function):
         return grad[..., start:start + ctx.width].contiguous(), None
 
 
+class _GatherSequence(torch.autograd.Function):
+    """Forward: all-gather dim 0 (the sequence) in rank order; backward: reduce-scatter it."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_rows(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_rows(grad, ctx.group), None
+
+
+class _ReduceScatterSequence(torch.autograd.Function):
+    """Forward: reduce-scatter dim 0 (sum the ranks' partials, keep this rank's rows); backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_rows(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_rows(grad, ctx.group), None
+
+
+def _gather_rows(x: torch.Tensor, group) -> torch.Tensor:
+    x = x.contiguous()
+    out = torch.empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    all_gather_into(out, x, group)
+    return out
+
+
+def _reduce_scatter_rows(x: torch.Tensor, group) -> torch.Tensor:
+    p = dist.get_world_size(group)
+    if x.shape[0] % p:
+        raise ValueError(f"kernels.distributed: the sequence ({x.shape[0]} rows) must be divisible by the "
+                         f"sequence-parallel world size ({p})")
+    out = torch.empty((x.shape[0] // p, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    reduce_scatter_into(out, x.contiguous(), group)
+    return out
+
+
+def gather_sequence(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Sequence parallelism's entry to a tensor-parallel region: all-gather dim 0; backward reduce-scatter."""
+    return _GatherSequence.apply(x, dist.group.WORLD if group is None else group)
+
+
+def reduce_scatter_sequence(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Sequence parallelism's exit: sum the partial products and keep this rank's rows of dim 0."""
+    return _ReduceScatterSequence.apply(x, dist.group.WORLD if group is None else group)
+
+
 def copy_to_parallel(x: torch.Tensor, group=None) -> torch.Tensor:
     """Megatron's ``f``: identity forward, all-reduce of the gradient backward."""
     return _CopyToParallel.apply(x, dist.group.WORLD if group is None else group)
@@ -131,15 +196,21 @@ class ColumnParallelLinear(torch.nn.Module):
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int, group=None,
-                 gather_output: bool = False) -> None:
+                 gather_output: bool = False, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.group, self.out_features, self.gather_output = group, out_features, gather_output
+        self.sequence_parallel = sequence_parallel
         self.weight = torch.nn.Parameter(weight)
         self.bias = None if bias is None else torch.nn.Parameter(bias)
 
     @classmethod
-    def from_linear(cls, linear: torch.nn.Linear, group=None, gather_output: bool = False) -> ColumnParallelLinear:
-        """This rank's shard of ``linear`` (a copy: ``linear`` is left as it was)."""
+    def from_linear(cls, linear: torch.nn.Linear, group=None, gather_output: bool = False,
+                    sequence_parallel: bool = False) -> ColumnParallelLinear:
+        """This rank's shard of ``linear`` (a copy: ``linear`` is left as it was).
+
+        ``sequence_parallel``: the input is this rank's rows of the sequence (dim 0); it is
+        all-gathered on the way in (:func:`gather_sequence`, whose backward reduce-scatters the
+        input's gradient: the job ``f`` does otherwise)."""
         op = "kernels.distributed.ColumnParallelLinear"
         if not isinstance(linear, torch.nn.Linear):
             raise TypeError(f"{op}.from_linear: linear must be a torch.nn.Linear, got {type(linear).__name__}")
@@ -147,10 +218,11 @@ class ColumnParallelLinear(torch.nn.Module):
         rows = shard_range(linear.out_features, r, p, op, "out_features")
         w = linear.weight.detach()[rows.start:rows.stop].clone()
         b = None if linear.bias is None else linear.bias.detach()[rows.start:rows.stop].clone()
-        return cls(w, b, linear.out_features, g, gather_output)
+        return cls(w, b, linear.out_features, g, gather_output, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = kernels.linear(copy_to_parallel(x, self.group), self.weight, self.bias)
+        x = gather_sequence(x, self.group) if self.sequence_parallel else copy_to_parallel(x, self.group)
+        y = kernels.linear(x, self.weight, self.bias)
         return gather_from_parallel(y, self.group) if self.gather_output else y
 
 
@@ -162,15 +234,18 @@ class RowParallelLinear(torch.nn.Module):
     bias, held whole by every rank, is added once after the sum. The output is replicated.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, in_features: int, group=None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, in_features: int, group=None,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
-        self.group, self.in_features = group, in_features
+        self.group, self.in_features, self.sequence_parallel = group, in_features, sequence_parallel
         self.weight = torch.nn.Parameter(weight)
         self.bias = None if bias is None else torch.nn.Parameter(bias)
 
     @classmethod
-    def from_linear(cls, linear: torch.nn.Linear, group=None) -> RowParallelLinear:
-        """This rank's shard of ``linear`` (a copy)."""
+    def from_linear(cls, linear: torch.nn.Linear, group=None, sequence_parallel: bool = False) -> RowParallelLinear:
+        """This rank's shard of ``linear`` (a copy). ``sequence_parallel``: the partial products are
+        reduce-scattered along dim 0 (:func:`reduce_scatter_sequence`) instead of all-reduced, so the
+        output is this rank's rows of the sequence."""
         op = "kernels.distributed.RowParallelLinear"
         if not isinstance(linear, torch.nn.Linear):
             raise TypeError(f"{op}.from_linear: linear must be a torch.nn.Linear, got {type(linear).__name__}")
@@ -178,10 +253,14 @@ class RowParallelLinear(torch.nn.Module):
         cols = shard_range(linear.in_features, r, p, op, "in_features")
         w = linear.weight.detach()[:, cols.start:cols.stop].clone()
         b = None if linear.bias is None else linear.bias.detach().clone()
-        return cls(w, b, linear.in_features, g)
+        return cls(w, b, linear.in_features, g, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_parallel(kernels.linear(x, self.weight), self.group)
+        partial = kernels.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_sequence(partial, self.group)
+        else:
+            y = reduce_from_parallel(partial, self.group)
         return y if self.bias is None else kernels.add(y, self.bias)
 
 

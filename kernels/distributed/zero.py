@@ -27,6 +27,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from .collectives import all_gather_into, reduce_scatter_into
+
 __all__ = ["ZeroOptimizer", "module_memory", "shard_module"]
 
 _OP = "kernels.distributed.ZeroOptimizer"
@@ -100,14 +102,14 @@ class ZeroOptimizer:
             mine = flat[self.rank * self.shard_size:(self.rank + 1) * self.shard_size].clone()
         else:
             mine = torch.empty(self.shard_size, dtype=flat.dtype, device=flat.device)
-            dist.reduce_scatter_tensor(mine, flat, group=self.group)
+            reduce_scatter_into(mine, flat, self.group)
             mine.div_(self.world)
             for p in self.params:  # stage 2: this rank keeps no full gradient
                 p.grad = None
         self.shard.grad = mine
         self.optimizer.step()
         gathered = torch.empty(self.padded, dtype=flat.dtype, device=flat.device)
-        dist.all_gather_into_tensor(gathered, self.shard.detach().contiguous(), group=self.group)
+        all_gather_into(gathered, self.shard.detach().contiguous(), self.group)
         offset = 0
         for p in self.params:
             p.copy_(gathered[offset:offset + p.numel()].view_as(p))
@@ -151,7 +153,7 @@ class _ShardedCall(torch.autograd.Function):
             inputs = [full] + ([x] if x.requires_grad else [])
             grads = torch.autograd.grad(out, inputs, grad_out)
         grad_shard = torch.empty_like(shard)
-        dist.reduce_scatter_tensor(grad_shard, grads[0].contiguous(), group=layer._zero_group)
+        reduce_scatter_into(grad_shard, grads[0].contiguous(), layer._zero_group)
         grad_shard.div_(layer._zero_world)
         return grad_shard, (grads[1] if x.requires_grad else None), None
 
@@ -176,7 +178,7 @@ class _ShardedLayer(torch.nn.Module):
 
     def _zero_gather(self, shard: torch.Tensor) -> torch.Tensor:
         full = torch.empty(shard.numel() * self._zero_world, dtype=shard.dtype, device=shard.device)
-        dist.all_gather_into_tensor(full, shard.detach().contiguous(), group=self._zero_group)
+        all_gather_into(full, shard.detach().contiguous(), self._zero_group)
         return full
 
     def _zero_unflatten(self, full: torch.Tensor) -> dict[str, torch.Tensor]:
