@@ -455,3 +455,38 @@ def sequence_parallel_block(seed: int, sequence_parallel: bool) -> dict:
     if sequence_parallel:  # the norm's weight saw only this rank's rows: its gradient is a partial sum
         dist.all_reduce(w.grad)
     return {"out": out.detach(), "dx": x.grad, "dw": w.grad, "saved_bytes": saved[0]}
+
+
+# ----------------------------------------------------------------------------------------------
+# 2-D: tensor x data parallel
+# ----------------------------------------------------------------------------------------------
+
+
+class _TPMLP(torch.nn.Module):
+    def __init__(self, up, down) -> None:
+        super().__init__()
+        self.up, self.down = up, down
+
+    def forward(self, x):
+        import kernels
+
+        return self.down(kernels.gelu(self.up(x), approximate="tanh"))
+
+
+def two_d_parallel(seed: int, tp: int = 2) -> dict:
+    """A world of tp x dp ranks: tensor parallel within rows of the mesh, data parallel down its columns."""
+    from kernels.distributed import ColumnParallelLinear, DataParallel, RowParallelLinear
+
+    r, p = dist.get_rank(), dist.get_world_size()
+    dp = p // tp
+    tp_groups = [dist.new_group(list(range(d * tp, (d + 1) * tp))) for d in range(dp)]
+    dp_groups = [dist.new_group(list(range(t, p, tp))) for t in range(tp)]
+    tp_group, dp_group = tp_groups[r // tp], dp_groups[r % tp]
+    model = _tp_mlp(seed)
+    layer = _TPMLP(ColumnParallelLinear.from_linear(model[0], group=tp_group),
+                   RowParallelLinear.from_linear(model[2], group=tp_group))
+    wrapped = DataParallel(layer, group=dp_group)
+    x = tp_batch(seed + r // tp)  # one batch per data-parallel replica
+    wrapped(x).pow(2).mean().backward()
+    return {"tp_rank": r % tp, "dp_rank": r // tp, "up.weight": layer.up.weight.grad.clone(),
+            "down.weight": layer.down.weight.grad.clone(), "down.bias": layer.down.bias.grad.clone()}

@@ -69,3 +69,20 @@ def test_a_split_that_does_not_divide_is_refused_naming_the_layer():
     with pytest.raises(ValueError, match=r"kernels.distributed.ColumnParallelLinear: out_features \(10\) must be "
                                          r"divisible by the tensor-parallel world size \(4\)"):
         shard_range(10, 0, 4, "kernels.distributed.ColumnParallelLinear", "out_features")
+
+
+def test_tensor_times_data_parallel_on_a_world_of_four():
+    """TP within pairs of ranks, DP across the pairs: every shard gets the gradient of the mean loss
+    over both replicas' batches."""
+    seed, tp = 11, 2
+    model = W._tp_mlp(seed).double()
+    loss = sum(model(W.tp_batch(seed + d).double()).pow(2).mean() for d in range(2)) / 2
+    loss.backward()
+    rows = 16 // tp
+    with World(4, timeout=60) as world:
+        results = world.run(W.two_d_parallel, seed, tp)
+    for res in results:
+        shard = slice(res["tp_rank"] * rows, (res["tp_rank"] + 1) * rows)
+        torch.testing.assert_close(res["up.weight"].double(), model[0].weight.grad[shard], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(res["down.weight"].double(), model[2].weight.grad[:, shard], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(res["down.bias"].double(), model[2].bias.grad, rtol=1e-4, atol=1e-5)
