@@ -430,3 +430,111 @@ def run_vocab_loss(candidate: Callable[..., torch.Tensor]) -> Callable[..., torc
         return losses[0]
 
     return run
+
+
+# ----------------------------------------------------------------------------------------------
+# What the chapter runs on real worlds (module-level, so that World's workers can import them)
+# ----------------------------------------------------------------------------------------------
+
+
+def world_all_reduce(n: int) -> dict:
+    """kernels' ring all-reduce against torch's on this rank's random vector; the bytes it sent."""
+    import torch.distributed as dist
+
+    import kernels.distributed as kd
+
+    r, p = dist.get_rank(), dist.get_world_size()
+    x = torch.randn(n, generator=torch.Generator().manual_seed(r))
+    ours, theirs = x.clone(), x.clone()
+    with kd.count_bytes() as stats:
+        kd.ring_all_reduce(ours)
+    dist.all_reduce(theirs)
+    return {"max_error": float((ours - theirs).abs().max()), "bytes": stats.bytes_sent,
+            "model_bytes": kd.AlphaBeta.ring_bytes(n * 4, p, passes=2)}
+
+
+def _mlp(seed: int = 0) -> torch.nn.Sequential:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 64), torch.nn.GELU(),
+                               torch.nn.Linear(64, 8))
+
+
+def world_data_parallel(bucket_cap_mb: float) -> dict:
+    """kernels' DataParallel and torch's DDP on the same model and per-rank data: their largest
+    gradient difference, and when each bucket's all-reduce was launched."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from kernels.distributed import DataParallel
+
+    model = _mlp()
+    twin = copy.deepcopy(model)
+    ours, theirs = DataParallel(model, bucket_cap_mb=bucket_cap_mb), DistributedDataParallel(twin)
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(dist.get_rank()))
+    ours(x).pow(2).mean().backward()
+    theirs(x).pow(2).mean().backward()
+    diff = max(float((a.grad - b.grad).abs().max()) for a, b in zip(model.parameters(), twin.parameters()))
+    return {"max_grad_difference": diff, "timeline": ours.timeline(),
+            "gradients": sum(1 for _ in model.parameters())}
+
+
+def world_zero_memory() -> dict:
+    """Bytes per rank of parameters, gradients and Adam's state after one step, for ZeRO stages 0–3."""
+    import torch.distributed as dist
+
+    from kernels.distributed import DataParallel, ZeroOptimizer, module_memory, shard_module
+
+    out = {}
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(dist.get_rank()))
+    for stage in (0, 1, 2, 3):
+        model = _mlp()
+        if stage == 0:
+            model = DataParallel(model)
+            opt = torch.optim.Adam(model.parameters())
+        elif stage == 3:
+            shard_module(model)
+            opt = torch.optim.Adam(model.parameters())
+        else:
+            opt = ZeroOptimizer(model.parameters(), torch.optim.Adam, stage=stage)
+        model(x).pow(2).mean().backward()
+        opt.step()
+        if stage in (1, 2):
+            out[stage] = opt.memory()
+        else:
+            state = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
+                        if isinstance(v, torch.Tensor))
+            out[stage] = {**module_memory(model), "optimizer_state": state}
+    return out
+
+
+def world_tensor_parallel() -> dict:
+    """A column-then-row parallel MLP against the same MLP in one process (every rank computes it)."""
+    import kernels
+    from kernels.distributed import ColumnParallelLinear, RowParallelLinear
+
+    model = _mlp()
+    up, down = ColumnParallelLinear.from_linear(model[0]), RowParallelLinear.from_linear(model[2])
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = down(kernels.gelu(up(x)))
+        reference = model[2](torch.nn.functional.gelu(model[0](x)))
+    return {"max_error": float((ours - reference).abs().max()), "up_shard": tuple(up.weight.shape),
+            "down_shard": tuple(down.weight.shape)}
+
+
+def world_ring_attention(layout: str, causal: bool, seq: int = 32) -> dict:
+    """Ring attention of this rank's slice against SDPA over the whole sequence (computed here too)."""
+    import torch.distributed as dist
+
+    import kernels.distributed as kd
+
+    r, p = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 2, seq, 16, generator=g) for _ in range(3))
+    take = (lambda t: t.chunk(p, dim=2)[r]) if layout == "contiguous" else (lambda t: kd.zigzag_shard(t, r, p))
+    ours = kd.ring_attention(take(q).contiguous(), take(k).contiguous(), take(v).contiguous(), causal=causal,
+                             layout=layout)
+    reference = take(torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal))
+    return {"max_error": float((ours - reference).abs().max())}
