@@ -490,3 +490,26 @@ def two_d_parallel(seed: int, tp: int = 2) -> dict:
     wrapped(x).pow(2).mean().backward()
     return {"tp_rank": r % tp, "dp_rank": r // tp, "up.weight": layer.up.weight.grad.clone(),
             "down.weight": layer.down.weight.grad.clone(), "down.bias": layer.down.bias.grad.clone()}
+
+
+def head_parallel_attention(seed: int, heads: int = 4, dim: int = 16) -> dict:
+    """Attention with its heads split across ranks: q, k, v column parallel (whole heads per rank),
+    kernels.flash_attention on the local heads, the output projection row parallel."""
+    import kernels
+    from kernels.distributed import ColumnParallelLinear, RowParallelLinear
+
+    p = dist.get_world_size()
+    torch.manual_seed(seed)
+    wq, wk, wv, wo = (torch.nn.Linear(dim, dim) for _ in range(4))
+    x = torch.randn(2, 6, dim, generator=torch.Generator().manual_seed(seed + 1)).requires_grad_(True)
+    q_, k_, v_ = (ColumnParallelLinear.from_linear(w) for w in (wq, wk, wv))
+    o_ = RowParallelLinear.from_linear(wo)
+    local_heads, head_dim = heads // p, dim // heads
+
+    def split(t):  # (B, T, local_heads * head_dim) -> (B, local_heads, T, head_dim)
+        return t.view(t.shape[0], t.shape[1], local_heads, head_dim).transpose(1, 2)
+
+    attn = kernels.flash_attention(split(q_(x)), split(k_(x)), split(v_(x)), causal=True)
+    out = o_(attn.transpose(1, 2).reshape(x.shape[0], x.shape[1], local_heads * head_dim))
+    out.pow(2).mean().backward()
+    return {"out": out.detach(), "x_grad": x.grad, "wo_grad": o_.weight.grad}

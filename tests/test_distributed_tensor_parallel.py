@@ -86,3 +86,23 @@ def test_tensor_times_data_parallel_on_a_world_of_four():
         torch.testing.assert_close(res["up.weight"].double(), model[0].weight.grad[shard], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(res["down.weight"].double(), model[2].weight.grad[:, shard], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(res["down.bias"].double(), model[2].bias.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_head_parallel_attention_equals_one_process(world):
+    seed, heads, dim = 5, 4, 16
+    torch.manual_seed(seed)
+    wq, wk, wv, wo = (torch.nn.Linear(dim, dim).double() for _ in range(4))
+    x = torch.randn(2, 6, dim, generator=torch.Generator().manual_seed(seed + 1)).double().requires_grad_(True)
+
+    def split(t):
+        return t.view(2, 6, heads, dim // heads).transpose(1, 2)
+
+    attn = F.scaled_dot_product_attention(split(wq(x)), split(wk(x)), split(wv(x)), is_causal=True)
+    out = wo(attn.transpose(1, 2).reshape(2, 6, dim))
+    out.pow(2).mean().backward()
+    cols = dim // world.size
+    for r, res in enumerate(world.run(W.head_parallel_attention, seed, heads, dim)):
+        torch.testing.assert_close(res["out"].double(), out.detach(), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(res["x_grad"].double(), x.grad, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(res["wo_grad"].double(), wo.weight.grad[:, r * cols:(r + 1) * cols],
+                                   rtol=1e-4, atol=1e-5)

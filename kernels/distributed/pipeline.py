@@ -148,10 +148,10 @@ class Pipeline(torch.nn.Module):
 
     def _recv(self, frm: int, dtype: torch.dtype) -> torch.Tensor:
         header = torch.empty(_HEADER, dtype=torch.int64)
-        dist.recv(header, self._peer(frm), group=self.group)
+        dist.irecv(header, self._peer(frm), group=self.group).wait()
         shape = header[1:1 + int(header[0])].tolist()
         t = torch.empty(shape, dtype=dtype)
-        dist.recv(t, self._peer(frm), group=self.group)
+        dist.irecv(t, self._peer(frm), group=self.group).wait()
         return t
 
     def step(self, inputs: torch.Tensor | None = None, target: torch.Tensor | None = None) -> torch.Tensor | None:
