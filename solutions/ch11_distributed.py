@@ -1,0 +1,540 @@
+"""Solutions to chapter 11, distributed parallelism, and what the chapter gives its checks.
+
+Six exercises, each one piece of a form of parallelism that ``kernels.distributed`` implements in
+full: the ring reduce-scatter, the gradient buckets, the column/row split of an MLP, the
+log-sum-exp merge of ring attention, the 1F1B order, the vocabulary-parallel loss.
+
+A function defined in a notebook cannot travel to another process (the workers of
+:class:`utils.distributed.World` import their functions by name), so the checks run the
+learner's code on a :class:`ThreadWorld`: ``p`` threads in this process, one per rank, each with a
+:class:`ThreadComm` whose ``send``/``recv``/``all_reduce`` behave like ``torch.distributed``'s
+(non-blocking sends, blocking receives, every rank in the collective) and count what each rank
+sends. A receive that waits too long is reported as a deadlock, naming the rank and its peer.
+The chapter runs the library's versions on real gloo worlds beside each check.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kernels.distributed import bubble_fraction, logical_timeline, schedule_order
+
+__all__ = [
+    "ThreadComm",
+    "ThreadWorld",
+    "DeadlockError",
+    "ring_reduce_scatter",
+    "ring_cases",
+    "ring_reference",
+    "run_ring",
+    "diagnose_ring",
+    "plan_buckets",
+    "bucket_cases",
+    "bucket_reference",
+    "mlp_shards",
+    "mlp_cases",
+    "mlp_reference",
+    "run_sharded_mlp",
+    "merge_partials",
+    "merge_cases",
+    "merge_reference",
+    "attention_by_blocks",
+    "one_f_one_b",
+    "order_cases",
+    "order_reference",
+    "diagnose_order",
+    "vocab_parallel_loss",
+    "vocab_cases",
+    "vocab_reference",
+    "run_vocab_loss",
+]
+
+
+# ----------------------------------------------------------------------------------------------
+# A world of threads
+# ----------------------------------------------------------------------------------------------
+
+
+class DeadlockError(RuntimeError):
+    """A rank waited for a message (or a collective) that never came."""
+
+
+class ThreadComm:
+    """One rank's view of a :class:`ThreadWorld`: ``rank``, ``size``, and its messages."""
+
+    def __init__(self, world: ThreadWorld, rank: int) -> None:
+        self.world, self.rank, self.size = world, rank, world.size
+        self.bytes_sent = 0
+        self.messages = 0
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        """Send a copy of ``tensor`` to rank ``dst`` (returns at once, like ``isend``)."""
+        if not 0 <= dst < self.size or dst == self.rank:
+            raise ValueError(f"rank {self.rank}: send to {dst}: not another rank of a world of {self.size}")
+        self.bytes_sent += tensor.numel() * tensor.element_size()
+        self.messages += 1
+        self.world.mailbox[(self.rank, dst)].put(tensor.detach().clone())
+
+    def recv(self, src: int) -> torch.Tensor:
+        """The next tensor rank ``src`` sent to this rank (waits for it)."""
+        if not 0 <= src < self.size or src == self.rank:
+            raise ValueError(f"rank {self.rank}: recv from {src}: not another rank of a world of {self.size}")
+        try:
+            return self.world.mailbox[(src, self.rank)].get(timeout=self.world.timeout)
+        except queue.Empty:
+            raise DeadlockError(f"rank {self.rank} waited {self.world.timeout:g} s for a message from rank {src} "
+                                "that never came (both waiting to receive? a send missing?)") from None
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """The elementwise ``"sum"`` or ``"max"`` of every rank's ``tensor`` (a new tensor)."""
+        if op not in ("sum", "max"):
+            raise ValueError(f"rank {self.rank}: all_reduce op must be 'sum' or 'max', got {op!r}")
+        self.bytes_sent += tensor.numel() * tensor.element_size()
+        return self.world._collective(self.rank, tensor.detach().clone(), op)
+
+
+class ThreadWorld:
+    """Run ``fn(*args_of_rank, comm)`` on ``size`` threads at once; :meth:`run` returns the results."""
+
+    def __init__(self, size: int, timeout: float = 5.0) -> None:
+        self.size, self.timeout = size, timeout
+        self.mailbox = {(a, b): queue.Queue() for a in range(size) for b in range(size) if a != b}
+        self._barrier = threading.Barrier(size, timeout=timeout)
+        self._slots: list[Any] = [None] * size
+        self.comms = [ThreadComm(self, r) for r in range(size)]
+
+    def _collective(self, rank: int, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        try:
+            self._slots[rank] = tensor
+            self._barrier.wait()
+            parts = list(self._slots)
+            self._barrier.wait()  # everyone has read before anyone writes the next one
+        except threading.BrokenBarrierError:
+            raise DeadlockError(f"rank {rank}: a collective that not every rank joined") from None
+        stacked = torch.stack(parts)
+        return stacked.sum(0) if op == "sum" else stacked.max(0).values
+
+    def run(self, fn: Callable[..., Any], per_rank_args: list[tuple]) -> list[Any]:
+        results: list[Any] = [None] * self.size
+        errors: list[BaseException | None] = [None] * self.size
+
+        def body(r: int) -> None:
+            try:
+                results[r] = fn(*per_rank_args[r], self.comms[r])
+            except BaseException as error:  # reported below, with its rank
+                errors[r] = error
+                self._barrier.abort()
+
+        threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(self.size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(self.timeout * 4)
+        # The first real error, else the first deadlock (the others usually waited on that rank).
+        failures = [e for e in errors if e is not None]
+        failures.sort(key=lambda e: isinstance(e, DeadlockError))
+        if failures:
+            raise failures[0]
+        if any(t.is_alive() for t in threads):
+            raise DeadlockError("a rank never returned")
+        return results
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 1: the ring reduce-scatter
+# ----------------------------------------------------------------------------------------------
+
+
+def ring_reduce_scatter(x: torch.Tensor, comm: ThreadComm) -> torch.Tensor:
+    """This rank's chunk ``comm.rank`` of the sum over ranks of ``x`` (``x.numel()`` divisible by ``p``).
+
+    In ``p − 1`` steps, rank ``r`` sends its partial sum of chunk ``(r − step − 1) mod p`` to the
+    right and adds its own part into chunk ``(r − step − 2) mod p`` arriving from the left.
+    """
+    r, p = comm.rank, comm.size
+    chunks = list(x.reshape(-1).clone().chunk(p))
+    for step in range(p - 1):
+        send_k, recv_k = (r - step - 1) % p, (r - step - 2) % p
+        comm.send(chunks[send_k], (r + 1) % p)
+        chunks[recv_k] = chunks[recv_k] + comm.recv((r - 1) % p)
+    return chunks[r]
+
+
+def ring_cases(gen: torch.Generator) -> list[tuple]:
+    """``(p, data)``: every rank's input as one ``(p, n)`` tensor; ``n`` a multiple of ``p``."""
+    return [(p, torch.randn(p, n, generator=gen)) for p, n in ((2, 6), (3, 12), (4, 8), (4, 20))]
+
+
+def ring_reference(p: int, data: torch.Tensor) -> torch.Tensor:
+    """Row ``r``: chunk ``r`` of the sum over ranks."""
+    return data.sum(0).reshape(p, -1)
+
+
+def run_ring(candidate: Callable[..., torch.Tensor]) -> Callable[[int, torch.Tensor], torch.Tensor]:
+    """Run ``candidate(x, comm)`` on a thread world; stack the ranks' chunks. Records the bytes sent."""
+    def run(p: int, data: torch.Tensor) -> torch.Tensor:
+        world = ThreadWorld(p)
+        outs = world.run(candidate, [(data[r].clone(),) for r in range(p)])
+        run.bytes_sent = [c.bytes_sent for c in world.comms]
+        n = data.shape[1]
+        ideal = (p - 1) * (n // p) * data.element_size()
+        if any(b != ideal for b in run.bytes_sent):
+            raise ValueError(f"the ranks sent {run.bytes_sent} bytes; a ring reduce-scatter sends (p − 1)/p · n "
+                             f"elements each: {ideal} bytes")
+        return torch.stack([torch.as_tensor(o).reshape(-1) for o in outs])
+
+    return run
+
+
+def diagnose_ring(got: torch.Tensor, expected: torch.Tensor) -> str | None:
+    if got.shape != expected.shape:
+        return f"each rank must return its chunk: got {tuple(got.shape)} for the stacked chunks, expected " \
+               f"{tuple(expected.shape)}"
+    if torch.allclose(got, expected, rtol=1e-5, atol=1e-5):
+        return None
+    partial = [r for r in range(got.shape[0]) if not torch.allclose(got[r], expected[r], rtol=1e-5, atol=1e-5)]
+    return f"ranks {partial} hold a wrong chunk: a step sent or added the wrong chunk index, or too few steps"
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 2: gradient buckets
+# ----------------------------------------------------------------------------------------------
+
+
+def plan_buckets(sizes: list[int], cap: int) -> list[list[int]]:
+    """Indices of parameters (``sizes[i]`` bytes, registration order) in buckets of at most ``cap``
+    bytes, last registered first; a parameter over the cap gets a bucket of its own."""
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    total = 0
+    for i in reversed(range(len(sizes))):
+        if current and total + sizes[i] > cap:
+            buckets.append(current)
+            current, total = [], 0
+        current.append(i)
+        total += sizes[i]
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def bucket_cases(gen: torch.Generator) -> list[tuple]:
+    cases = [([400, 40, 4000, 40, 40], 100), ([8] * 7, 24), ([100], 10), ([], 10)]
+    for _ in range(3):
+        n = int(torch.randint(1, 12, (1,), generator=gen))
+        sizes = [int(s) for s in torch.randint(1, 300, (n,), generator=gen)]
+        cases.append((sizes, int(torch.randint(50, 600, (1,), generator=gen))))
+    return cases
+
+
+def bucket_reference(sizes: list[int], cap: int) -> list[list[int]]:
+    return plan_buckets(sizes, cap)
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 3: the column / row split
+# ----------------------------------------------------------------------------------------------
+
+
+def mlp_shards(w_up: torch.Tensor, b_up: torch.Tensor, w_down: torch.Tensor, rank: int, p: int):
+    """Rank ``rank``'s ``(w_up rows, b_up slice, w_down columns)`` of ``down(gelu(up(x)))``."""
+    size = w_up.shape[0] // p
+    rows = slice(rank * size, (rank + 1) * size)
+    return w_up[rows], b_up[rows], w_down[:, rows]
+
+
+def mlp_cases(gen: torch.Generator) -> list[tuple]:
+    cases = []
+    for p, hidden, ffn in ((2, 4, 8), (4, 6, 16), (3, 5, 12)):
+        cases.append((torch.randn(3, hidden, generator=gen), torch.randn(ffn, hidden, generator=gen),
+                      torch.randn(ffn, generator=gen), torch.randn(hidden, ffn, generator=gen), p))
+    return cases
+
+
+def mlp_reference(x, w_up, b_up, w_down, p):
+    return F.gelu(x @ w_up.T + b_up) @ w_down.T
+
+
+def run_sharded_mlp(candidate: Callable[..., tuple]) -> Callable[..., torch.Tensor]:
+    """The MLP from every rank's shards: each rank's partial product, then their sum (the all-reduce)."""
+    def run(x, w_up, b_up, w_down, p):
+        total = 0
+        for r in range(p):
+            wu, bu, wd = candidate(w_up, b_up, w_down, r, p)
+            if wu.shape[0] * p != w_up.shape[0] or wd.shape[1] * p != w_down.shape[1]:
+                raise ValueError(f"rank {r}'s shards are {tuple(wu.shape)}, {tuple(bu.shape)}, {tuple(wd.shape)}: "
+                                 f"each rank holds 1/{p} of up's rows and of down's columns")
+            total = total + F.gelu(x @ wu.T + bu) @ wd.T
+        return total
+
+    return run
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 4: the log-sum-exp merge
+# ----------------------------------------------------------------------------------------------
+
+
+def merge_partials(out_a, lse_a, out_b, lse_b):
+    """Attention over keys A ∪ B from attention over A and over B: ``(out, lse)``.
+
+    A row that saw no key in a block has ``lse = -inf`` there and weighs nothing.
+    """
+    lse = torch.logaddexp(lse_a, lse_b)
+    w_a = torch.exp(lse_a - lse).nan_to_num(0.0)
+    w_b = torch.exp(lse_b - lse).nan_to_num(0.0)
+    return out_a * w_a[..., None] + out_b * w_b[..., None], lse
+
+
+def _block_attention(q, k, v, mask=None):
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+    return p @ v, lse
+
+
+def merge_cases(gen: torch.Generator) -> list[tuple]:
+    """``(q, k, v, split, masked)``: keys split at ``split``; ``masked`` hides the first block from row 0."""
+    cases = []
+    for rows, keys, dim, split, masked in ((4, 8, 8, 3, False), (5, 12, 4, 6, True), (3, 7, 16, 1, False)):
+        cases.append((torch.randn(rows, dim, generator=gen), torch.randn(keys, dim, generator=gen),
+                      torch.randn(keys, dim, generator=gen), split, masked))
+    return cases
+
+
+def merge_reference(q, k, v, split, masked):
+    mask = None
+    if masked:
+        mask = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool)
+        mask[0, :split] = False
+    return _block_attention(q, k, v, mask)
+
+
+def attention_by_blocks(candidate: Callable[..., tuple]) -> Callable[..., tuple]:
+    """Attention over two key blocks, merged by ``candidate``."""
+    def run(q, k, v, split, masked):
+        mask_a = None
+        if masked:
+            mask_a = torch.ones(q.shape[0], split, dtype=torch.bool)
+            mask_a[0] = False  # row 0 sees nothing of block A: its lse there is -inf
+        a = _block_attention(q, k[:split], v[:split], mask_a)
+        b = _block_attention(q, k[split:], v[split:])
+        return candidate(a[0], a[1], b[0], b[1])
+
+    return run
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 5: the 1F1B order
+# ----------------------------------------------------------------------------------------------
+
+
+def one_f_one_b(rank: int, p: int, m: int) -> list[tuple[str, int]]:
+    """Rank ``rank``'s 1F1B order of ``("F" | "B", micro-batch)``: ``min(p − rank − 1, m)`` warm-up
+    forwards, then forward and backward in turn, then the remaining backwards."""
+    warmup = min(p - rank - 1, m)
+    order = [("F", i) for i in range(warmup)]
+    f, b = warmup, 0
+    while f < m:
+        order += [("F", f), ("B", b)]
+        f, b = f + 1, b + 1
+    return order + [("B", i) for i in range(b, m)]
+
+
+def order_cases(gen: torch.Generator) -> list[tuple]:
+    return [(4, 8), (4, 2), (2, 5), (8, 8), (3, 1)]
+
+
+def order_reference(p: int, m: int) -> list[list[tuple[str, int]]]:
+    return [schedule_order("1f1b", r, p, m) for r in range(p)]
+
+
+def diagnose_order(got: list, expected: list) -> str | None:
+    """Run the candidate's orders on the pipeline's dependencies: deadlock-free, every micro-batch
+    once each way, at most ``p − r`` in flight on rank ``r``, the 1F1B bubble."""
+    p = len(expected)
+    m = len(expected[0]) // 2
+    for r, order in enumerate(got):
+        if sorted(order) != sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)]):
+            return f"rank {r} must run every micro-batch's F and B exactly once, got {order}"
+        in_flight = peak = 0
+        for kind, _ in order:
+            in_flight += 1 if kind == "F" else -1
+            peak = max(peak, in_flight)
+        if peak > min(p - r, m):
+            return f"rank {r} keeps {peak} micro-batches in flight; 1F1B keeps at most p − r = {min(p - r, m)}"
+    try:
+        timeline = logical_timeline(got)
+    except ValueError:
+        return "these orders deadlock: some rank waits for an activation or a gradient that is never produced"
+    bubble, target = bubble_fraction(timeline), (p - 1) / (m + p - 1)
+    if abs(bubble - target) > 1e-9:
+        return f"the bubble is {bubble:.3f}, not (p − 1)/(m + p − 1) = {target:.3f}: a rank idles where it could work"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 6: the vocabulary-parallel loss
+# ----------------------------------------------------------------------------------------------
+
+
+def vocab_parallel_loss(logits: torch.Tensor, target: torch.Tensor, vocab_start: int,
+                        comm: ThreadComm) -> torch.Tensor:
+    """The mean cross-entropy over rows of logits of which this rank holds columns
+    ``[vocab_start, vocab_start + logits.shape[1])``, without gathering them: the row max and the
+    sum of exponentials are all-reduced, and so is the target's logit."""
+    row_max = comm.all_reduce(logits.max(dim=1).values, "max")
+    z = logits - row_max[:, None]
+    sum_exp = comm.all_reduce(z.exp().sum(dim=1), "sum")
+    local = target - vocab_start
+    mine = (local >= 0) & (local < logits.shape[1])
+    target_logit = comm.all_reduce(z.gather(1, local.clamp(0, logits.shape[1] - 1)[:, None])[:, 0] * mine, "sum")
+    return (sum_exp.log() - target_logit).mean()
+
+
+def vocab_cases(gen: torch.Generator) -> list[tuple]:
+    cases = []
+    for p, n, vocab in ((2, 5, 8), (4, 3, 16), (3, 6, 9)):
+        logits = torch.randn(n, vocab, generator=gen) * 4
+        cases.append((p, logits, torch.randint(0, vocab, (n,), generator=gen)))
+    return cases
+
+
+def vocab_reference(p: int, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits, target)
+
+
+def run_vocab_loss(candidate: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """Each thread-rank gets only its columns; every rank must return the same loss."""
+    def run(p: int, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        width = logits.shape[1] // p
+        world = ThreadWorld(p)
+        args = [(logits[:, r * width:(r + 1) * width].clone(), target.clone(), r * width) for r in range(p)]
+        losses = [torch.as_tensor(x) for x in world.run(candidate, args)]
+        sent = [c.bytes_sent for c in world.comms]
+        budget = 3 * logits.shape[0] * logits.element_size()
+        if any(s > budget for s in sent):
+            raise ValueError(f"the ranks sent {sent} bytes: three all-reduces of N numbers ({budget} bytes) are "
+                             "enough; the (N, V) logits must not travel")
+        if any(not torch.allclose(x, losses[0]) for x in losses):
+            raise ValueError(f"the ranks disagree on the loss: {[float(x) for x in losses]}")
+        return losses[0]
+
+    return run
+
+
+# ----------------------------------------------------------------------------------------------
+# What the chapter runs on real worlds (module-level, so that World's workers can import them)
+# ----------------------------------------------------------------------------------------------
+
+
+def world_all_reduce(n: int) -> dict:
+    """kernels' ring all-reduce against torch's on this rank's random vector; the bytes it sent."""
+    import torch.distributed as dist
+
+    import kernels.distributed as kd
+
+    r, p = dist.get_rank(), dist.get_world_size()
+    x = torch.randn(n, generator=torch.Generator().manual_seed(r))
+    ours, theirs = x.clone(), x.clone()
+    with kd.count_bytes() as stats:
+        kd.ring_all_reduce(ours)
+    dist.all_reduce(theirs)
+    return {"max_error": float((ours - theirs).abs().max()), "bytes": stats.bytes_sent,
+            "model_bytes": kd.AlphaBeta.ring_bytes(n * 4, p, passes=2)}
+
+
+def _mlp(seed: int = 0) -> torch.nn.Sequential:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 64), torch.nn.GELU(),
+                               torch.nn.Linear(64, 8))
+
+
+def world_data_parallel(bucket_cap_mb: float) -> dict:
+    """kernels' DataParallel and torch's DDP on the same model and per-rank data: their largest
+    gradient difference, and when each bucket's all-reduce was launched."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from kernels.distributed import DataParallel
+
+    model = _mlp()
+    twin = copy.deepcopy(model)
+    ours, theirs = DataParallel(model, bucket_cap_mb=bucket_cap_mb), DistributedDataParallel(twin)
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(dist.get_rank()))
+    ours(x).pow(2).mean().backward()
+    theirs(x).pow(2).mean().backward()
+    diff = max(float((a.grad - b.grad).abs().max()) for a, b in zip(model.parameters(), twin.parameters()))
+    return {"max_grad_difference": diff, "timeline": ours.timeline(),
+            "gradients": sum(1 for _ in model.parameters())}
+
+
+def world_zero_memory() -> dict:
+    """Bytes per rank of parameters, gradients and Adam's state after one step, for ZeRO stages 0–3."""
+    import torch.distributed as dist
+
+    from kernels.distributed import DataParallel, ZeroOptimizer, module_memory, shard_module
+
+    out = {}
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(dist.get_rank()))
+    for stage in (0, 1, 2, 3):
+        model = _mlp()
+        if stage == 0:
+            model = DataParallel(model)
+            opt = torch.optim.Adam(model.parameters())
+        elif stage == 3:
+            shard_module(model)
+            opt = torch.optim.Adam(model.parameters())
+        else:
+            opt = ZeroOptimizer(model.parameters(), torch.optim.Adam, stage=stage)
+        model(x).pow(2).mean().backward()
+        opt.step()
+        if stage in (1, 2):
+            out[stage] = opt.memory()
+        else:
+            state = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
+                        if isinstance(v, torch.Tensor))
+            out[stage] = {**module_memory(model), "optimizer_state": state}
+    return out
+
+
+def world_tensor_parallel() -> dict:
+    """A column-then-row parallel MLP against the same MLP in one process (every rank computes it)."""
+    import kernels
+    from kernels.distributed import ColumnParallelLinear, RowParallelLinear
+
+    model = _mlp()
+    up, down = ColumnParallelLinear.from_linear(model[0]), RowParallelLinear.from_linear(model[2])
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = down(kernels.gelu(up(x)))
+        reference = model[2](torch.nn.functional.gelu(model[0](x)))
+    return {"max_error": float((ours - reference).abs().max()), "up_shard": tuple(up.weight.shape),
+            "down_shard": tuple(down.weight.shape)}
+
+
+def world_ring_attention(layout: str, causal: bool, seq: int = 32) -> dict:
+    """Ring attention of this rank's slice against SDPA over the whole sequence (computed here too)."""
+    import torch.distributed as dist
+
+    import kernels.distributed as kd
+
+    r, p = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 2, seq, 16, generator=g) for _ in range(3))
+    take = (lambda t: t.chunk(p, dim=2)[r]) if layout == "contiguous" else (lambda t: kd.zigzag_shard(t, r, p))
+    ours = kd.ring_attention(take(q).contiguous(), take(k).contiguous(), take(v).contiguous(), causal=causal,
+                             layout=layout)
+    reference = take(torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal))
+    return {"max_error": float((ours - reference).abs().max())}

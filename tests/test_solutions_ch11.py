@@ -1,0 +1,227 @@
+"""Chapter 11's solutions pass their checks, and deliberately wrong variants fail them with a
+diagnosis that points at the cause (negative controls)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from solutions import ch11_distributed as given
+from utils.exercises import check
+
+
+def rejected(verdict, diagnosis: str) -> bool:
+    return not verdict.solved and diagnosis in " ".join(verdict.message.split())
+
+
+# -- the thread world ---------------------------------------------------------------------------
+
+
+def _both_receive_first(x, comm):
+    comm.recv((comm.rank + 1) % comm.size)
+    return x
+
+
+def test_thread_world_reports_a_deadlock_naming_the_ranks():
+    with pytest.raises(given.DeadlockError, match="waited .* for a message from rank"):
+        given.ThreadWorld(2, timeout=0.5).run(_both_receive_first, [(torch.zeros(1),), (torch.zeros(1),)])
+
+
+# -- exercise 1: ring reduce-scatter ------------------------------------------------------------
+
+
+def check_ring(fn):
+    return check("ch11.ring_reduce_scatter", given.run_ring(fn), given.ring_reference, given.ring_cases,
+                 compare=given.diagnose_ring)
+
+
+def test_ring_solution_solves():
+    assert check_ring(given.ring_reduce_scatter).solved
+
+
+def _ring_off_by_one(x, comm):  # receives into the chunk it just sent: partial sums never complete
+    r, p = comm.rank, comm.size
+    chunks = list(x.reshape(-1).clone().chunk(p))
+    for step in range(p - 1):
+        k = (r - step - 1) % p
+        comm.send(chunks[k], (r + 1) % p)
+        chunks[k] = chunks[k] + comm.recv((r - 1) % p)
+    return chunks[r]
+
+
+def _everything_to_everyone(x, comm):  # right answer, p times the traffic
+    for dst in range(comm.size):
+        if dst != comm.rank:
+            comm.send(x, dst)
+    total = x.clone()
+    for src in range(comm.size):
+        if src != comm.rank:
+            total = total + comm.recv(src)
+    return total.chunk(comm.size)[comm.rank]
+
+
+def _recv_before_send(x, comm):
+    comm.recv((comm.rank - 1) % comm.size)
+    return x
+
+
+@pytest.mark.parametrize("fn, diagnosis", [
+    (_ring_off_by_one, "hold a wrong chunk"),
+    (_everything_to_everyone, "a ring reduce-scatter sends (p − 1)/p · n elements each"),
+    (_recv_before_send, "that never came"),
+])
+def test_ring_wrong_variants_rejected(fn, diagnosis, monkeypatch):
+    monkeypatch.setattr(given.ThreadWorld, "__init__", _short_timeout(given.ThreadWorld.__init__))
+    verdict = check_ring(fn)
+    assert rejected(verdict, diagnosis), verdict.message
+
+
+def _short_timeout(init):
+    def patched(self, size, timeout=5.0):
+        init(self, size, timeout=0.5)
+    return patched
+
+
+# -- exercise 2: buckets ------------------------------------------------------------------------
+
+
+def test_bucket_solution_solves_and_matches_the_library():
+    assert check("ch11.plan_buckets", given.plan_buckets, given.bucket_reference, given.bucket_cases).solved
+    from kernels.distributed import plan_buckets as library
+
+    sizes = [400, 40, 4000, 40, 40]
+    params = [(str(i), torch.nn.Parameter(torch.zeros(s // 4))) for i, s in enumerate(sizes)]
+    assert [[int(n) for n, _ in b] for b in library(params, 100)] == given.plan_buckets(sizes, 100)
+
+
+@pytest.mark.parametrize("fn", [
+    lambda sizes, cap: [list(range(len(sizes)))] if sizes else [],  # one bucket whatever the cap
+    lambda sizes, cap: given.plan_buckets(sizes[::-1], cap),  # forward order: the last gradients wait longest
+])
+def test_bucket_wrong_variants_rejected(fn):
+    assert not check("ch11.plan_buckets", fn, given.bucket_reference, given.bucket_cases).solved
+
+
+# -- exercise 3: the column / row split ----------------------------------------------------------
+
+
+def test_mlp_solution_solves():
+    assert check("ch11.mlp_shards", given.run_sharded_mlp(given.mlp_shards), given.mlp_reference,
+                 given.mlp_cases).solved
+
+
+def _bias_everywhere(w_up, b_up, w_down, rank, p):
+    size = w_up.shape[0] // p
+    s = slice(rank * size, (rank + 1) * size)
+    return w_up[s], b_up, w_down[:, s]
+
+
+@pytest.mark.parametrize("fn, diagnosis", [
+    (_bias_everywhere, ""),
+    (lambda w_up, b_up, w_down, rank, p: (w_up, b_up, w_down), "each rank holds 1/"),
+])
+def test_mlp_wrong_variants_rejected(fn, diagnosis):
+    verdict = check("ch11.mlp_shards", given.run_sharded_mlp(fn), given.mlp_reference, given.mlp_cases)
+    assert rejected(verdict, diagnosis), verdict.message
+
+
+# -- exercise 4: the LSE merge ------------------------------------------------------------------
+
+
+def test_merge_solution_solves():
+    assert check("ch11.merge_partials", given.attention_by_blocks(given.merge_partials), given.merge_reference,
+                 given.merge_cases).solved
+
+
+def _equal_weights(oa, la, ob, lb):  # the blocks weighed equally, whatever they saw
+    return (oa + ob) / 2, torch.logaddexp(la, lb)
+
+
+def _max_not_logaddexp(oa, la, ob, lb):  # the weights then do not sum to one
+    m = torch.maximum(la, lb)
+    return oa * torch.exp(la - m)[..., None] + ob * torch.exp(lb - m)[..., None], m
+
+
+@pytest.mark.parametrize("fn", [_equal_weights, _max_not_logaddexp])
+def test_merge_wrong_variants_rejected(fn):
+    verdict = check("ch11.merge_partials", given.attention_by_blocks(fn), given.merge_reference, given.merge_cases)
+    assert not verdict.solved, verdict.message
+
+
+# -- exercise 5: the 1F1B order ------------------------------------------------------------------
+
+
+def check_order(fn):
+    return check("ch11.one_f_one_b", lambda p, m: [fn(r, p, m) for r in range(p)], given.order_reference,
+                 given.order_cases, compare=given.diagnose_order)
+
+
+def test_order_solution_solves():
+    assert check_order(given.one_f_one_b).solved
+
+
+@pytest.mark.parametrize("fn, diagnosis", [
+    (lambda r, p, m: [("F", i) for i in range(m)] + [("B", i) for i in range(m)], "micro-batches in flight"),
+    (lambda r, p, m: [x for i in range(m) for x in (("F", i), ("B", i))], "bubble"),
+    (lambda r, p, m: [("B", i) for i in range(m)] + [("F", i) for i in range(m)], "deadlock"),
+    (lambda r, p, m: [("F", i) for i in range(m)], "exactly once"),
+])
+def test_order_wrong_variants_rejected(fn, diagnosis):
+    verdict = check_order(fn)
+    assert rejected(verdict, diagnosis), verdict.message
+
+
+# -- exercise 6: the vocabulary-parallel loss ----------------------------------------------------
+
+
+def check_vocab(fn):
+    return check("ch11.vocab_parallel_loss", given.run_vocab_loss(fn), given.vocab_reference, given.vocab_cases)
+
+
+def test_vocab_solution_solves():
+    assert check_vocab(given.vocab_parallel_loss).solved
+
+
+def _no_max(logits, target, start, comm):  # overflows for large logits? here: right but unstable -> still right
+    sum_exp = comm.all_reduce(logits.exp().sum(1), "sum")
+    local = target - start
+    mine = (local >= 0) & (local < logits.shape[1])
+    t = comm.all_reduce(logits.gather(1, local.clamp(0, logits.shape[1] - 1)[:, None])[:, 0] * mine, "sum")
+    return (sum_exp.log() - t).mean()
+
+
+def _local_max_only(logits, target, start, comm):  # each rank shifts by its own max: the sums disagree
+    z = logits - logits.max(1).values[:, None]
+    sum_exp = comm.all_reduce(z.exp().sum(1), "sum")
+    local = target - start
+    mine = (local >= 0) & (local < logits.shape[1])
+    t = comm.all_reduce(z.gather(1, local.clamp(0, logits.shape[1] - 1)[:, None])[:, 0] * mine, "sum")
+    return (sum_exp.log() - t).mean()
+
+
+def _gather_everything(logits, target, start, comm):
+    parts = [logits]
+    for dst in range(comm.size):
+        if dst != comm.rank:
+            comm.send(logits, dst)
+    parts = [comm.recv(src) if src != comm.rank else logits for src in range(comm.size)]
+    return F.cross_entropy(torch.cat(parts, 1), target)
+
+
+@pytest.mark.parametrize("fn, diagnosis", [
+    (_local_max_only, ""),
+    (_gather_everything, "the (N, V) logits must not travel"),
+])
+def test_vocab_wrong_variants_rejected(fn, diagnosis):
+    verdict = check_vocab(fn)
+    assert rejected(verdict, diagnosis), verdict.message
+
+
+def test_the_unshifted_sum_is_right_here_but_not_stable():
+    """Without the max the sum of exponentials overflows float32 for logits past ~88."""
+    assert check_vocab(_no_max).solved
+    big = torch.tensor([[100.0, 0.0]])
+    assert math.isinf(float(big.exp().sum()))
