@@ -288,7 +288,7 @@ def merge_partials(out_a, lse_a, out_b, lse_b):
     A row that saw no key in a block has ``lse = -inf`` there and weighs nothing.
     """
     lse = torch.logaddexp(lse_a, lse_b)
-    w_a = torch.exp(lse_a - lse).nan_to_num(0.0)
+    w_a = torch.exp(lse_a - lse).nan_to_num(0.0)  # -inf - -inf is NaN: a row that saw nothing anywhere
     w_b = torch.exp(lse_b - lse).nan_to_num(0.0)
     return out_a * w_a[..., None] + out_b * w_b[..., None], lse
 
@@ -303,31 +303,37 @@ def _block_attention(q, k, v, mask=None):
 
 
 def merge_cases(gen: torch.Generator) -> list[tuple]:
-    """``(q, k, v, split, masked)``: keys split at ``split``; ``masked`` hides the first block from row 0."""
+    """``(q, k, v, split, masked)``: keys split at ``split``. ``masked``: row 0 sees nothing of the
+    first block, and row 1 no key at all (its output is 0 and its lse ``-inf``). One case has
+    scores in the hundreds, where ``log(exp(a) + exp(b))`` overflows."""
     cases = []
-    for rows, keys, dim, split, masked in ((4, 8, 8, 3, False), (5, 12, 4, 6, True), (3, 7, 16, 1, False)):
-        cases.append((torch.randn(rows, dim, generator=gen), torch.randn(keys, dim, generator=gen),
+    for rows, keys, dim, split, masked, scale in ((4, 8, 8, 3, False, 1.0), (5, 12, 4, 6, True, 1.0),
+                                                  (3, 7, 16, 1, False, 1.0), (4, 8, 8, 4, True, 300.0)):
+        cases.append((torch.randn(rows, dim, generator=gen) * scale, torch.randn(keys, dim, generator=gen),
                       torch.randn(keys, dim, generator=gen), split, masked))
     return cases
 
 
+def _merge_masks(rows: int, keys: int, split: int) -> torch.Tensor:
+    mask = torch.ones(rows, keys, dtype=torch.bool)
+    mask[0, :split] = False
+    mask[1] = False
+    return mask
+
+
 def merge_reference(q, k, v, split, masked):
-    mask = None
-    if masked:
-        mask = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool)
-        mask[0, :split] = False
-    return _block_attention(q, k, v, mask)
+    return _block_attention(q, k, v, _merge_masks(q.shape[0], k.shape[0], split) if masked else None)
 
 
 def attention_by_blocks(candidate: Callable[..., tuple]) -> Callable[..., tuple]:
     """Attention over two key blocks, merged by ``candidate``."""
     def run(q, k, v, split, masked):
-        mask_a = None
-        if masked:
-            mask_a = torch.ones(q.shape[0], split, dtype=torch.bool)
-            mask_a[0] = False  # row 0 sees nothing of block A: its lse there is -inf
-        a = _block_attention(q, k[:split], v[:split], mask_a)
-        b = _block_attention(q, k[split:], v[split:])
+        mask = _merge_masks(q.shape[0], k.shape[0], split) if masked else None
+        a = _block_attention(q, k[:split], v[:split], None if mask is None else mask[:, :split])
+        b = _block_attention(q, k[split:], v[split:], None if mask is None else mask[:, split:])
+        # A block a row saw nothing of gives output 0 and lse -inf there (flash-attention's
+        # convention, and kernels.flash_attention's): it must get no weight, and a row that saw
+        # nothing in either block must come out 0, not NaN.
         return candidate(a[0], a[1], b[0], b[1])
 
     return run
@@ -538,3 +544,35 @@ def world_ring_attention(layout: str, causal: bool, seq: int = 32) -> dict:
                              layout=layout)
     reference = take(torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal))
     return {"max_error": float((ours - reference).abs().max())}
+
+
+def world_sequence_parallel(sequence_parallel: bool) -> dict:
+    """``x + down(gelu(up(rms_norm(x))))`` tensor parallel, with or without sequence parallelism: the
+    activation bytes autograd saved on this rank, and the largest error against one process."""
+    import torch.distributed as dist
+
+    import kernels
+    from kernels.distributed import ColumnParallelLinear, RowParallelLinear
+
+    r, p = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+    x_full = torch.randn(16, 32, generator=torch.Generator().manual_seed(3))
+    w = torch.ones(32)
+    rows = slice(r * 16 // p, (r + 1) * 16 // p)
+    x = x_full[rows] if sequence_parallel else x_full
+    up = ColumnParallelLinear.from_linear(model[0], sequence_parallel=sequence_parallel)
+    down = RowParallelLinear.from_linear(model[2], sequence_parallel=sequence_parallel)
+    x = x.clone().requires_grad_(True)
+    saved = [0]
+
+    def pack(t):
+        saved[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = kernels.add(x, down(kernels.gelu(up(kernels.rms_norm(x, w)))))
+    with torch.no_grad():
+        reference = x_full + model[2](F.gelu(model[0](F.rms_norm(x_full, (32,), w, 1e-6))))
+    expected = reference[rows] if sequence_parallel else reference
+    return {"saved_bytes": saved[0], "max_error": float((out.detach() - expected).abs().max())}

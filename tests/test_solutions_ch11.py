@@ -145,10 +145,22 @@ def _max_not_logaddexp(oa, la, ob, lb):  # the weights then do not sum to one
     return oa * torch.exp(la - m)[..., None] + ob * torch.exp(lb - m)[..., None], m
 
 
-@pytest.mark.parametrize("fn", [_equal_weights, _max_not_logaddexp])
-def test_merge_wrong_variants_rejected(fn):
+def _unguarded_weights(oa, la, ob, lb):  # a row that saw no key at all: exp(-inf - -inf) = NaN
+    lse = torch.logaddexp(la, lb)
+    return oa * torch.exp(la - lse)[..., None] + ob * torch.exp(lb - lse)[..., None], lse
+
+
+def _log_of_sum(oa, la, ob, lb):  # log(exp(a) + exp(b)) overflows float32 once the scores pass ~88
+    lse = torch.log(la.exp() + lb.exp())
+    w_a, w_b = torch.exp(la - lse).nan_to_num(0.0), torch.exp(lb - lse).nan_to_num(0.0)
+    return oa * w_a[..., None] + ob * w_b[..., None], lse
+
+
+@pytest.mark.parametrize("fn, case", [(_equal_weights, "case 1 of 4"), (_max_not_logaddexp, "case 1 of 4"),
+                                      (_unguarded_weights, "case 2 of 4"), (_log_of_sum, "case 4 of 4")])
+def test_merge_wrong_variants_rejected(fn, case):
     verdict = check("ch11.merge_partials", given.attention_by_blocks(fn), given.merge_reference, given.merge_cases)
-    assert not verdict.solved, verdict.message
+    assert rejected(verdict, case), verdict.message
 
 
 # -- exercise 5: the 1F1B order ------------------------------------------------------------------

@@ -16,6 +16,8 @@ Import it explicitly (``import kernels.distributed``); ``import kernels`` does n
   and the bubble of the order that ran.
 * :mod:`kernels.distributed.zero` — ZeRO: :class:`ZeroOptimizer` (stages 1 and 2) and
   :func:`shard_module` (stage 3), with the bytes each rank holds.
+* :mod:`kernels.distributed.layout` — :func:`plan_layout`: memory and traffic per GPU of a
+  tensor × pipeline × data parallel mesh (a model, counted from the sizes).
 """
 
 from .collectives import (
@@ -32,6 +34,7 @@ from .collectives import (
 )
 from .context_parallel import causal_work, ring_attention, zigzag_shard, zigzag_unshard
 from .data_parallel import Bucket, DataParallel, plan_buckets
+from .layout import Layout, plan_layout
 from .pipeline import Pipeline, bubble_fraction, logical_timeline, schedule_order
 from .tensor_parallel import (
     ColumnParallelLinear,
@@ -53,6 +56,7 @@ __all__ = [
     "ColumnParallelLinear",
     "CommStats",
     "DataParallel",
+    "Layout",
     "Pipeline",
     "RingShift",
     "RowParallelLinear",
@@ -68,6 +72,7 @@ __all__ = [
     "logical_timeline",
     "module_memory",
     "plan_buckets",
+    "plan_layout",
     "reduce_from_parallel",
     "reduce_scatter_sequence",
     "ring_attention",

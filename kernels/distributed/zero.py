@@ -8,8 +8,12 @@ an optimizer's state (Adam: two more tensors per parameter, in fp32). ZeRO (Rajb
   updates only its shard of the parameters (so it holds only that shard's optimizer state), then
   the updated shards are all-gathered back into every rank's parameters.
 * **Stage 2** — ``stage=2``: the gradients are reduce-scattered instead (each rank receives only
-  the averaged gradient of its shard: half the traffic of an all-reduce) and the full gradients
-  are freed.
+  the averaged gradient of its shard — the reduce-scatter half of an all-reduce; the all-gather of
+  the updated parameters is the other half) and the full gradients are freed. Here that happens
+  in :meth:`ZeroOptimizer.step`, after the whole backward has produced the full gradients; a
+  production ZeRO-2 reduce-scatters bucket by bucket during the backward, so that the full
+  gradients never all exist at once. What this version saves is the gradients held *between*
+  steps.
 * **Stage 3** — :func:`shard_module`: the parameters themselves live as shards. Before each
   layer's forward its full parameters are all-gathered, and freed after; in the backward they are
   gathered again, the layer is recomputed, and its gradients are reduce-scattered to the shards.
