@@ -398,6 +398,41 @@ def zero_run(seed: int, stage: int, steps: int = 3) -> dict:
     return {"ours": ours, "theirs": {n: q.detach().clone() for n, q in twin.named_parameters()}, "memory": memory}
 
 
+def deep_model(seed: int, layers: int = 16, width: int = 16) -> torch.nn.Sequential:
+    """Many small layers: enough buckets for ZeRO-2's in-backward reduce-scatter to matter."""
+    torch.manual_seed(seed)
+    mods = []
+    for _ in range(layers):
+        mods += [torch.nn.Linear(width, width), torch.nn.Tanh()]
+    return torch.nn.Sequential(*mods)
+
+
+def deep_batch(seed: int, rank: int, step: int, micro: int = 0, width: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed * 1000 + rank * 100 + step * 10 + micro)
+    return torch.randn(4, width, generator=g), torch.randn(4, width, generator=g)
+
+
+def zero2_bucketed_run(seed: int, steps: int, cap_bytes: int, micro_batches: int = 1) -> dict:
+    """ZeRO-2 with small buckets: parameters after ``steps`` Adam steps (each over ``micro_batches``
+    backwards), the gradient bytes held at the peak of the last backward, and its launch timeline."""
+    from kernels.distributed import ZeroOptimizer
+
+    r = dist.get_rank()
+    model = deep_model(seed)
+    opt = ZeroOptimizer(model.parameters(), torch.optim.Adam, stage=2, lr=1e-2, bucket_cap_mb=cap_bytes / 2**20)
+    held_between = []
+    for step in range(steps):
+        opt.zero_grad()
+        for micro in range(micro_batches):
+            x, y = deep_batch(seed, r, step, micro)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            held_between.append(sum(q.grad is not None for q in model.parameters()))
+        opt.step()
+    return {"params": {n: q.detach().clone() for n, q in model.named_parameters()}, "memory": opt.memory(),
+            "timeline": opt.timeline(), "param_grads_left": held_between,
+            "full_gradient_bytes": sum(q.numel() * q.element_size() for q in model.parameters())}
+
+
 def fsdp2_run(seed: int, steps: int = 3) -> dict:
     """torch's FSDP2 (fully_shard) on the ZeRO test's model and data, for comparison with stage 3."""
     from torch.distributed.fsdp import fully_shard
@@ -513,3 +548,27 @@ def head_parallel_attention(seed: int, heads: int = 4, dim: int = 16) -> dict:
     out = o_(attn.transpose(1, 2).reshape(x.shape[0], x.shape[1], local_heads * head_dim))
     out.pow(2).mean().backward()
     return {"out": out.detach(), "x_grad": x.grad, "wo_grad": o_.weight.grad}
+
+
+# ----------------------------------------------------------------------------------------------
+# The torchrun training example (kernels.distributed.train) on a World
+# ----------------------------------------------------------------------------------------------
+
+
+def train_example(argv: list[str], broken: str | None = None) -> dict:
+    """kernels.distributed.train on this world; ``broken="no-dp"`` swaps DataParallel for the bare
+    module (no gradient averaging), ``"no-tp-reduce"`` drops the row-parallel all-reduce — both
+    must be caught by the example's comparison with one process."""
+    import kernels.distributed.data_parallel as dp_module
+    import kernels.distributed.tensor_parallel as tp_module
+    from kernels.distributed import train
+
+    saved = dp_module.DataParallel, tp_module.reduce_from_parallel
+    if broken == "no-dp":
+        dp_module.DataParallel = lambda module, group=None: module
+    elif broken == "no-tp-reduce":
+        tp_module.reduce_from_parallel = lambda x, group=None: x
+    try:
+        return train.train(argv)
+    finally:
+        dp_module.DataParallel, tp_module.reduce_from_parallel = saved

@@ -23,8 +23,12 @@ results back, and a deadlock must end with an error, not a hang. :class:`World` 
   its traceback; the others, which may be stuck waiting for it, get a short grace period, then
   the world is killed (a later :meth:`World.run` starts a fresh one).
 
-The same worker functions run unchanged under ``torchrun`` (``torchrun --nproc-per-node 4 -m
-module``): they use only ``torch.distributed``, never this harness.
+The same worker functions run unchanged under ``torchrun``: they use only ``torch.distributed``,
+never this harness. ``python -m utils.distributed module:function args...`` is the entry point
+for that — the function on every rank of the world torchrun launched, every rank's result printed
+by rank 0::
+
+    torchrun --standalone --nproc-per-node 4 -m utils.distributed solutions.ch11_distributed:world_all_reduce 1000
 """
 
 from __future__ import annotations
@@ -75,17 +79,26 @@ _RANK: int | None = None
 _WORLD_SIZE: int | None = None
 
 
+def _initialized() -> bool:
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
 def rank() -> int:
-    """This worker's rank (inside a function run by :meth:`World.run`)."""
+    """This worker's rank (inside a function run by :meth:`World.run`, or under torchrun)."""
     if _RANK is None:
-        raise RuntimeError("utils.distributed.rank: not inside a World worker")
+        if _initialized():
+            return sys.modules["torch.distributed"].get_rank()
+        raise RuntimeError("utils.distributed.rank: not inside a World worker or an initialized process group")
     return _RANK
 
 
 def world_size() -> int:
-    """The number of ranks (inside a function run by :meth:`World.run`)."""
+    """The number of ranks (inside a function run by :meth:`World.run`, or under torchrun)."""
     if _WORLD_SIZE is None:
-        raise RuntimeError("utils.distributed.world_size: not inside a World worker")
+        if _initialized():
+            return sys.modules["torch.distributed"].get_world_size()
+        raise RuntimeError("utils.distributed.world_size: not inside a World worker or an initialized process group")
     return _WORLD_SIZE
 
 
@@ -315,3 +328,60 @@ def run_world(fn: Callable, size: int, *args: Any, timeout: float = 30.0, **kwar
     """One call of ``fn`` on a fresh world of ``size`` ranks (started, used once, closed)."""
     with World(size, timeout=timeout) as world:
         return world.run(fn, *args, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------
+# Under torchrun: python -m utils.distributed module:function args...
+# ----------------------------------------------------------------------------------------------
+
+
+def _argument(text: str) -> Any:
+    import ast
+
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text  # a bare word: a string
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``module:function`` on every rank of the world torchrun launched; rank 0 prints each
+    rank's result. Arguments are Python literals (``1000``, ``True``, ``'zigzag'``; a bare word is
+    a string)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="torchrun --nproc-per-node N -m utils.distributed",
+        description="Run a worker function of the course on every rank of a torchrun world.")
+    parser.add_argument("function", help="module:function, e.g. solutions.ch11_distributed:world_all_reduce")
+    parser.add_argument("args", nargs="*", help="its arguments, as Python literals")
+    parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds a collective may wait")
+    options = parser.parse_args(argv)
+    module, sep, qualname = options.function.partition(":")
+    if not sep or not module or not qualname:
+        parser.error(f"function must be module:function, got {options.function!r}")
+    if "RANK" not in os.environ:
+        parser.error("no torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR): launch it with torchrun, "
+                     "e.g. torchrun --standalone --nproc-per-node 4 -m utils.distributed " + options.function)
+    import torch.distributed as dist
+
+    fn = _resolve(module, qualname)
+    dist.init_process_group(options.backend, timeout=datetime.timedelta(seconds=options.timeout))
+    try:
+        result = fn(*map(_argument, options.args))
+        results = [None] * dist.get_world_size()
+        dist.all_gather_object(results, result)
+        if dist.get_rank() == 0:
+            import pprint
+
+            print(f"{options.function} on {dist.get_world_size()} ranks ({options.backend}):")
+            for r, value in enumerate(results):
+                print(f"rank {r}: {pprint.pformat(value, width=110, compact=True)}")
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

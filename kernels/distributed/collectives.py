@@ -134,16 +134,18 @@ def chunk_bounds(n: int, p: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, group=None) -> None:
-    """torch's all-gather into one tensor (``all_gather_single`` where torch has it, else the older name)."""
+def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, group=None, async_op: bool = False):
+    """torch's all-gather into one tensor (``all_gather_single`` where torch has it, else the older name).
+    With ``async_op=True`` it returns the work handle to ``wait()`` on."""
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(output, tensor, group=group)
+    return gather(output, tensor, group=group, async_op=async_op)
 
 
-def reduce_scatter_into(output: torch.Tensor, tensor: torch.Tensor, group=None) -> None:
-    """torch's reduce-scatter (sum) from one tensor (``reduce_scatter_single`` where torch has it)."""
+def reduce_scatter_into(output: torch.Tensor, tensor: torch.Tensor, group=None, async_op: bool = False):
+    """torch's reduce-scatter (sum) from one tensor (``reduce_scatter_single`` where torch has it).
+    With ``async_op=True`` it returns the work handle to ``wait()`` on."""
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    scatter(output, tensor, group=group)
+    return scatter(output, tensor, group=group, async_op=async_op)
 
 
 def _group(op: str, tensor: object, group) -> tuple[object, int, int]:

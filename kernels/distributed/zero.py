@@ -9,29 +9,33 @@ an optimizer's state (Adam: two more tensors per parameter, in fp32). ZeRO (Rajb
   the updated shards are all-gathered back into every rank's parameters.
 * **Stage 2** — ``stage=2``: the gradients are reduce-scattered instead (each rank receives only
   the averaged gradient of its shard — the reduce-scatter half of an all-reduce; the all-gather of
-  the updated parameters is the other half) and the full gradients are freed. Here that happens
-  in :meth:`ZeroOptimizer.step`, after the whole backward has produced the full gradients; a
-  production ZeRO-2 reduce-scatters bucket by bucket during the backward, so that the full
-  gradients never all exist at once. What this version saves is the gradients held *between*
-  steps.
+  the updated parameters is the other half), bucket by bucket *during* the backward: a hook takes
+  each parameter's gradient as soon as it is final, copies it into its bucket and frees it; a full
+  bucket's reduce-scatter is launched asynchronously while autograd goes on, and at most two
+  buckets are in flight. So the full gradients never all exist at once: the most a rank holds is
+  a few buckets plus its shard (:meth:`ZeroOptimizer.memory`'s ``gradients_peak``).
 * **Stage 3** — :func:`shard_module`: the parameters themselves live as shards. Before each
   layer's forward its full parameters are all-gathered, and freed after; in the backward they are
   gathered again, the layer is recomputed, and its gradients are reduce-scattered to the shards.
 
-The shards are element ranges of the flattened parameters (:func:`kernels.distributed.chunk_bounds`
-of the padded total), so any optimizer that works elementwise (SGD, Adam, AdamW) gives exactly
-the single-process update. :meth:`ZeroOptimizer.memory` and :func:`module_memory` count the bytes
-each rank holds.
+The parameters are grouped into buckets as :class:`kernels.distributed.DataParallel` groups them
+(:func:`kernels.distributed.plan_buckets`); each bucket's flat buffer is padded to a multiple of
+``p`` and rank ``r`` owns its ``r``-th chunk, so a rank's shard is its chunk of every bucket. Any
+optimizer that works elementwise (SGD, Adam, AdamW) gives exactly the single-process update.
+:meth:`ZeroOptimizer.memory` and :func:`module_memory` count the bytes each rank holds.
 """
 
 from __future__ import annotations
 
 import math
+import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from .collectives import all_gather_into, reduce_scatter_into
+from .data_parallel import Bucket, plan_buckets
 
 __all__ = ["ZeroOptimizer", "module_memory", "shard_module"]
 
@@ -50,17 +54,41 @@ def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
                if isinstance(v, torch.Tensor))
 
 
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+@dataclass
+class _ZeroBucket(Bucket):
+    """A :class:`Bucket` whose buffer (``chunk * p`` elements, allocated when its first gradient
+    arrives) is reduce-scattered: this rank receives ``out``, its ``chunk`` elements, which land at
+    ``shard_offset`` in its shard."""
+
+    chunk: int = 0
+    shard_offset: int = 0
+    out: torch.Tensor | None = None
+
+
 class ZeroOptimizer:
     """``optimizer_class`` over this rank's shard of ``params`` (ZeRO stage 1 or 2).
 
     Call :meth:`step` after every rank's ``backward()`` (the local gradients are averaged here,
     so do not wrap the model in a data-parallel wrapper too). ``kwargs`` go to the optimizer.
+    ``bucket_cap_mb`` (megabytes of 2**20 bytes) sizes the gradient buckets.
+
+    Stage 1 all-reduces the gradients in :meth:`step` and keeps them in ``param.grad``. Stage 2
+    reduce-scatters them during the backward, through hooks, and leaves ``param.grad`` empty:
+    several backwards before one :meth:`step` accumulate into the shard's gradient. Every rank
+    must run the same backward; a parameter that gets no gradient counts as a zero gradient.
     """
 
-    def __init__(self, params, optimizer_class=torch.optim.Adam, stage: int = 1, group=None, **kwargs) -> None:
+    def __init__(self, params, optimizer_class=torch.optim.Adam, stage: int = 1, group=None, *,
+                 bucket_cap_mb: float = 25, **kwargs) -> None:
         self.group, self.rank, self.world = _world(_OP, group)
         if stage not in (1, 2):
             raise ValueError(f"{_OP}: stage must be 1 or 2 (stage 3 shards the module: shard_module), got {stage!r}")
+        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
+            raise ValueError(f"{_OP}: bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
             raise ValueError(f"{_OP}: params is empty (no tensor that requires a gradient)")
@@ -69,19 +97,41 @@ class ZeroOptimizer:
             raise ValueError(f"{_OP}: every parameter must have one dtype, got {sorted(map(str, dtypes))}")
         self.stage = stage
         self.numel = sum(p.numel() for p in self.params)
-        self.shard_size = math.ceil(self.numel / self.world)
-        self.padded = self.shard_size * self.world
-        start = self.rank * self.shard_size
-        flat = self._flat([p.detach() for p in self.params])
-        self.shard = torch.nn.Parameter(flat[start:start + self.shard_size].clone())
+        named = [(f"params[{i}]", p) for i, p in enumerate(self.params)]
+        self.buckets: list[_ZeroBucket] = []
+        self._where: dict[int, tuple[_ZeroBucket, int]] = {}
+        shard_offset = 0
+        for members in plan_buckets(named, int(bucket_cap_mb * 2**20)):
+            offsets, total = [], 0
+            for _, p in members:
+                offsets.append(total)
+                total += p.numel()
+            chunk = math.ceil(total / self.world)
+            bucket = _ZeroBucket([p for _, p in members], offsets, None, names=[n for n, _ in members],
+                                 chunk=chunk, shard_offset=shard_offset)
+            self.buckets.append(bucket)
+            for index, (_, p) in enumerate(members):
+                self._where[id(p)] = (bucket, index)
+            shard_offset += chunk
+        self.shard_size = shard_offset
+        with torch.no_grad():
+            shard = torch.cat([self._flat(b, [p.detach() for p in b.params]).view(self.world, b.chunk)[self.rank]
+                               for b in self.buckets])
+        self.shard = torch.nn.Parameter(shard.clone())
         self.optimizer = optimizer_class([self.shard], **kwargs)
+        self.peak_gradient_bytes = 0
+        self._inflight: list[_ZeroBucket] = []
+        self._launched: set[int] = set()
+        self._callback_queued = False
+        self._arrived = 0
+        self._handles = ([p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params]
+                         if stage == 2 else [])
 
-    def _flat(self, tensors) -> torch.Tensor:
-        flat = torch.zeros(self.padded, dtype=self.params[0].dtype, device=self.params[0].device)
-        offset = 0
-        for t in tensors:
-            flat[offset:offset + t.numel()] = t.reshape(-1)
-            offset += t.numel()
+    def _flat(self, bucket: _ZeroBucket, tensors) -> torch.Tensor:
+        first = bucket.params[0]
+        flat = torch.zeros(bucket.chunk * self.world, dtype=first.dtype, device=first.device)
+        for t, start in zip(tensors, bucket.offsets):
+            flat[start:start + t.numel()] = t.reshape(-1)
         return flat
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -90,41 +140,105 @@ class ZeroOptimizer:
                 p.grad = None
             elif p.grad is not None:
                 p.grad.zero_()
+        if set_to_none:
+            self.shard.grad = None
+        elif self.shard.grad is not None:
+            self.shard.grad.zero_()
+
+    # -- stage 2: the hooks --------------------------------------------------------------------
+
+    def _gradient_bytes(self) -> int:
+        return (sum(_nbytes(b.buffer) + _nbytes(b.out) for b in self.buckets) + _nbytes(self.shard.grad)
+                + sum(_nbytes(p.grad) for p in self.params))
+
+    @torch.no_grad()
+    def _grad_ready(self, param: torch.nn.Parameter) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            self._arrived = 0
+            self._launched.clear()
+            self.peak_gradient_bytes = 0
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        bucket, index = self._where[id(param)]
+        if bucket.buffer is None:
+            bucket.buffer = torch.zeros(bucket.chunk * self.world, dtype=param.dtype, device=param.device)
+        start = bucket.offsets[index]
+        bucket.buffer[start:start + param.numel()].copy_(param.grad.reshape(-1))
+        self.peak_gradient_bytes = max(self.peak_gradient_bytes, self._gradient_bytes())
+        param.grad = None  # the full gradient is freed as soon as it is in its bucket
+        bucket.ready += 1
+        self._arrived += 1
+        if bucket.ready == len(bucket.params):
+            self._launch(bucket)
+
+    def _launch(self, bucket: _ZeroBucket) -> None:
+        bucket.launched_at, bucket.launched_after = time.perf_counter(), self._arrived
+        self._launched.add(id(bucket))
+        bucket.out = torch.empty(bucket.chunk, dtype=bucket.buffer.dtype, device=bucket.buffer.device)
+        bucket.work = reduce_scatter_into(bucket.out, bucket.buffer, self.group, async_op=True)
+        self._inflight.append(bucket)
+        if len(self._inflight) > 2:  # bound the memory: finish the oldest before going on
+            self._land(self._inflight.pop(0))
+
+    def _land(self, bucket: _ZeroBucket) -> None:
+        bucket.work.wait()
+        if self.shard.grad is None:
+            self.shard.grad = torch.zeros_like(self.shard)
+        self.shard.grad[bucket.shard_offset:bucket.shard_offset + bucket.chunk].add_(bucket.out, alpha=1 / self.world)
+        bucket.buffer = bucket.out = bucket.work = None
+        bucket.ready = 0
+
+    @torch.no_grad()
+    def _finish(self) -> None:
+        self._callback_queued = False
+        for b in self.buckets:  # a bucket left incomplete (or empty): its missing gradients count as zeros
+            if id(b) not in self._launched:
+                if b.buffer is None:
+                    b.buffer = torch.zeros(b.chunk * self.world, dtype=self.shard.dtype, device=self.shard.device)
+                self._launch(b)
+        while self._inflight:
+            self._land(self._inflight.pop(0))
+
+    # -- the step ------------------------------------------------------------------------------
 
     @torch.no_grad()
     def step(self) -> None:
-        """Average the gradients, update this rank's shard, and all-gather the parameters."""
-        grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in self.params]
-        flat = self._flat(grads)
+        """Average the gradients (stage 1; stage 2 did it in the backward), update this rank's
+        shard, and all-gather the updated parameters into every rank's ``params``."""
         if self.stage == 1:
-            dist.all_reduce(flat, group=self.group)
-            flat.div_(self.world)
-            offset = 0
-            for p in self.params:  # every rank keeps the averaged full gradients, as data parallelism does
-                p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
-                offset += p.numel()
-            mine = flat[self.rank * self.shard_size:(self.rank + 1) * self.shard_size].clone()
-        else:
-            mine = torch.empty(self.shard_size, dtype=flat.dtype, device=flat.device)
-            reduce_scatter_into(mine, flat, self.group)
-            mine.div_(self.world)
-            for p in self.params:  # stage 2: this rank keeps no full gradient
-                p.grad = None
-        self.shard.grad = mine
+            mine = []
+            for b in self.buckets:
+                flat = self._flat(b, [torch.zeros_like(p) if p.grad is None else p.grad for p in b.params])
+                dist.all_reduce(flat, group=self.group)
+                flat.div_(self.world)
+                for p, start in zip(b.params, b.offsets):  # every rank keeps the averaged full gradients
+                    p.grad = flat[start:start + p.numel()].view_as(p).clone()
+                mine.append(flat.view(self.world, b.chunk)[self.rank])
+            self.shard.grad = torch.cat(mine)
         self.optimizer.step()
-        gathered = torch.empty(self.padded, dtype=flat.dtype, device=flat.device)
-        all_gather_into(gathered, self.shard.detach().contiguous(), self.group)
-        offset = 0
-        for p in self.params:
-            p.copy_(gathered[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
+        for b in self.buckets:
+            gathered = torch.empty(b.chunk * self.world, dtype=self.shard.dtype, device=self.shard.device)
+            all_gather_into(gathered, self.shard[b.shard_offset:b.shard_offset + b.chunk].detach().contiguous(),
+                            self.group)
+            for p, start in zip(b.params, b.offsets):
+                p.copy_(gathered[start:start + p.numel()].view_as(p))
         self.shard.grad = None
 
     def memory(self) -> dict[str, int]:
-        """Bytes this rank holds: the full parameters, the gradients it keeps, the optimizer state."""
-        param_bytes = sum(p.numel() * p.element_size() for p in self.params)
-        grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in self.params if p.grad is not None)
-        return {"parameters": param_bytes, "gradients": grad_bytes, "optimizer_state": _state_bytes(self.optimizer)}
+        """Bytes this rank holds now: the full parameters, the gradients it keeps, the optimizer
+        state; and ``gradients_peak``, the most gradient bytes it held at once during the last
+        backward (stage 2; stage 1 holds the full gradients, so there it is their size)."""
+        param_bytes = sum(_nbytes(p) for p in self.params)
+        grads = sum(_nbytes(p.grad) for p in self.params) + _nbytes(self.shard.grad)
+        peak = self.peak_gradient_bytes if self.stage == 2 else param_bytes
+        return {"parameters": param_bytes, "gradients": grads, "optimizer_state": _state_bytes(self.optimizer),
+                "gradients_peak": peak}
+
+    def timeline(self) -> list[dict]:
+        """Stage 2: when each bucket's reduce-scatter was launched in the last backward — its
+        parameters, bytes, and how many of the backward's gradients had arrived by then."""
+        return [{"bucket": k, "params": list(b.names), "bytes": b.chunk * self.world * self.shard.element_size(),
+                 "launched_after": b.launched_after, "launched_at": b.launched_at} for k, b in enumerate(self.buckets)]
 
 
 # ----------------------------------------------------------------------------------------------
