@@ -57,6 +57,17 @@ def all_reduce(seed: int, n: int, dtype: torch.dtype) -> dict:
             "messages": stats.messages}
 
 
+def all_reduce_by(name: str, seed: int, n: int) -> dict:
+    """One of the ladder's all-reduces (star, tree, ring) against torch's, and the bytes it sent."""
+    x = rank_input(seed, dist.get_rank(), n, torch.float32)
+    theirs = x.clone()
+    dist.all_reduce(theirs)
+    ours = x.clone()
+    with C.count_bytes() as stats:
+        out = getattr(C, name)(ours)
+    return {"ours": ours, "theirs": theirs, "same_object": out is ours, "bytes": stats.bytes_sent}
+
+
 def reduce_scatter(seed: int, n: int, dtype: torch.dtype) -> dict:
     x = rank_input(seed, dist.get_rank(), n, dtype)
     before = x.clone()

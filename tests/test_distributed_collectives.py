@@ -67,6 +67,35 @@ def test_ring_all_reduce_fp32_equals_torch_and_sends_the_ring_bytes(world, n):
             assert res["bytes"] == C.AlphaBeta.ring_bytes(n * 4, p, passes=2)
 
 
+def _tree_sends(r: int, p: int) -> int:
+    """Whole tensors rank r sends in tree_all_reduce: one up the tree (unless it is the root), and
+    one to each child of the broadcast tree."""
+    up = 0 if r == 0 else 1
+    down = sum(1 for k in range(p.bit_length()) if r < 2**k and r + 2**k < p)
+    return up + down
+
+
+@pytest.mark.parametrize("name", ["star_all_reduce", "tree_all_reduce"])
+@pytest.mark.parametrize("n", (1, 7, 1023))
+def test_the_lower_rungs_equal_torch_and_send_what_their_model_says(world, name, n):
+    p, seed = world.size, 2000 + n
+    reference = _reference(seed, p, n)
+    results = world.run(W.all_reduce_by, name, seed, n)
+    for r, res in enumerate(results):
+        assert res["same_object"]
+        torch.testing.assert_close(res["ours"].double(), reference, rtol=1e-5, atol=1e-5 * p)
+        torch.testing.assert_close(res["ours"], res["theirs"], rtol=1e-5, atol=1e-5 * p)
+        whole = n * 4
+        expected = ((p - 1) if r == 0 else 1) * whole if name == "star_all_reduce" else _tree_sends(r, p) * whole
+        assert res["bytes"] == expected, (name, r, res["bytes"], expected)
+    busiest = max(res["bytes"] for res in results)
+    model = C.AlphaBeta(alpha=0.0, bandwidth=1.0)
+    if name == "star_all_reduce":  # the model's bytes are the busiest rank's
+        assert busiest == getattr(model, name)(n * 4, p)
+    else:  # the tree's critical path: 2 log p whole tensors, at least the busiest rank's sends
+        assert busiest <= getattr(model, name)(n * 4, p) == 2 * math.ceil(math.log2(p)) * n * 4
+
+
 def test_ring_all_reduce_bf16_within_one_rounding_per_hop(world):
     p, n, seed = world.size, 1023, 77
     results = world.run(W.all_reduce, seed, n, torch.bfloat16)

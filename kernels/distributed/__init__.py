@@ -30,6 +30,8 @@ from .collectives import (
     ring_all_reduce,
     ring_reduce_scatter,
     ring_shift,
+    star_all_reduce,
+    tree_all_reduce,
     tree_broadcast,
 )
 from .context_parallel import causal_work, ring_attention, zigzag_shard, zigzag_unshard
@@ -83,6 +85,8 @@ __all__ = [
     "schedule_order",
     "shard_module",
     "shard_range",
+    "star_all_reduce",
+    "tree_all_reduce",
     "tree_broadcast",
     "vocab_parallel_cross_entropy",
     "zigzag_shard",

@@ -16,6 +16,14 @@ against torch's own collectives on the same world (``tests/test_distributed_coll
 * :func:`tree_broadcast` — a binomial tree from ``src``: ``⌈log₂ p⌉`` rounds, the set of ranks
   that have the data doubling each round.
 
+Two more all-reduces are the lower rungs of the ladder that ends at the ring:
+
+* :func:`star_all_reduce` — every rank sends its whole tensor to rank 0, which adds them up and
+  sends the sum back to each: two message latencies, but rank 0's link carries ``(p − 1) · n``
+  elements each way.
+* :func:`tree_all_reduce` — a binomial-tree reduce to rank 0, then :func:`tree_broadcast`:
+  ``2⌈log₂ p⌉`` messages of the whole tensor on the critical path.
+
 Sums are taken in the tensor's dtype, one rounding per hop, as NCCL does (a bf16 all-reduce over
 ``p`` ranks rounds ``p − 1`` times). :func:`count_bytes` records every message these functions
 send; :class:`AlphaBeta` is the cost model each is checked against (``α`` per message on the
@@ -116,6 +124,15 @@ class AlphaBeta:
     def tree_broadcast(self, nbytes: float, p: int) -> float:
         rounds = math.ceil(math.log2(p)) if p > 1 else 0
         return self._time(rounds, rounds * nbytes)  # the root sends the whole tensor every round
+
+    def star_all_reduce(self, nbytes: float, p: int) -> float:
+        """Everyone to rank 0 and back: two latencies; rank 0 sends ``p − 1`` whole tensors."""
+        return self._time(2 if p > 1 else 0, (p - 1) * nbytes)
+
+    def tree_all_reduce(self, nbytes: float, p: int) -> float:
+        """A tree reduce then a tree broadcast: ``2⌈log₂ p⌉`` whole tensors one after another."""
+        rounds = math.ceil(math.log2(p)) if p > 1 else 0
+        return self._time(2 * rounds, 2 * rounds * nbytes)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -322,3 +339,57 @@ def tree_broadcast(tensor: torch.Tensor, src: int = 0, group=None) -> torch.Tens
             _exchange(op, group, None, 0, flat, (me - mask + src) % p)
         mask <<= 1
     return tensor
+
+
+def star_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum ``tensor`` over the ranks of ``group`` in place, through rank 0 (the first rung of the ladder).
+
+    Every other rank sends its tensor to rank 0, which adds them in rank order and sends the sum
+    back to each. Rank 0 sends ``(p − 1) · n`` elements and receives as many — the busiest link
+    carries ``p − 1`` times what a ring's does, however fast the others are.
+    """
+    op = "kernels.distributed.star_all_reduce"
+    group, r, p = _group(op, tensor, group)
+    flat = tensor.view(-1)
+    if p == 1:
+        return tensor
+    if r == 0:
+        incoming = [torch.empty_like(flat) for _ in range(p - 1)]
+        requests = [dist.irecv(buf, _peer(group, k + 1), group=group) for k, buf in enumerate(incoming)]
+        for request, buf in zip(requests, incoming):
+            request.wait()
+            flat += buf
+        sends = []
+        for k in range(1, p):
+            _record(op, flat)
+            sends.append(dist.isend(flat, _peer(group, k), group=group))
+        for request in sends:
+            request.wait()
+    else:
+        _exchange(op, group, flat, 0, None, 0)
+        _exchange(op, group, None, 0, flat, 0)
+    return tensor
+
+
+def tree_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum ``tensor`` over the ranks of ``group`` in place along a binomial tree, then broadcast it back.
+
+    Reduce: in round ``k`` every rank whose index has lowest set bit ``2**k`` sends its partial sum
+    to the rank ``2**k`` below it, which adds it in; after ``⌈log₂ p⌉`` rounds rank 0 holds the
+    sum. Then :func:`tree_broadcast` from rank 0. Few messages, each of the whole tensor: good for
+    small tensors, ``2⌈log₂ p⌉ · n`` on the critical path for large ones.
+    """
+    op = "kernels.distributed.tree_all_reduce"
+    group, r, p = _group(op, tensor, group)
+    flat = tensor.view(-1)
+    incoming = torch.empty_like(flat)
+    mask = 1
+    while mask < p:
+        if r & mask:  # this rank's partial sum goes down the tree, and it is done
+            _exchange(op, group, flat, r - mask, None, 0)
+            break
+        if r + mask < p:
+            _exchange(op, group, None, 0, incoming, r + mask)
+            flat += incoming
+        mask <<= 1
+    return tree_broadcast(tensor, 0, group)
