@@ -459,6 +459,25 @@ def world_all_reduce(n: int) -> dict:
             "model_bytes": kd.AlphaBeta.ring_bytes(n * 4, p, passes=2)}
 
 
+def world_all_reduce_ladder(n: int) -> dict:
+    """The bytes this rank sent in each rung of the all-reduce ladder (star, tree, ring), and the
+    largest difference of each from torch's all-reduce."""
+    import torch.distributed as dist
+
+    import kernels.distributed as kd
+
+    x = torch.randn(n, generator=torch.Generator().manual_seed(dist.get_rank()))
+    theirs = x.clone()
+    dist.all_reduce(theirs)
+    out = {}
+    for name in ("star_all_reduce", "tree_all_reduce", "ring_all_reduce"):
+        ours = x.clone()
+        with kd.count_bytes() as stats:
+            getattr(kd, name)(ours)
+        out[name] = {"bytes": stats.bytes_sent, "max_error": float((ours - theirs).abs().max())}
+    return out
+
+
 def _mlp(seed: int = 0) -> torch.nn.Sequential:
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 64), torch.nn.GELU(),
@@ -484,6 +503,102 @@ def world_data_parallel(bucket_cap_mb: float) -> dict:
     diff = max(float((a.grad - b.grad).abs().max()) for a, b in zip(model.parameters(), twin.parameters()))
     return {"max_grad_difference": diff, "timeline": ours.timeline(),
             "gradients": sum(1 for _ in model.parameters())}
+
+
+def world_no_sync(micro_batches: int = 4) -> dict:
+    """Gradient accumulation over ``micro_batches`` with ``no_sync`` on all but the last, in kernels'
+    DataParallel and torch's DDP: the all-reduces each launched, and the gradients against one
+    backward over the whole batch of every rank."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from kernels.distributed import DataParallel
+
+    r, p = dist.get_rank(), dist.get_world_size()
+    model, twin, whole = _mlp(), _mlp(), _mlp()
+    ours, theirs = DataParallel(model, bucket_cap_mb=0.01), DistributedDataParallel(twin)
+    batches = [torch.randn(4, 32, generator=torch.Generator().manual_seed(10 * k + j))
+               for k in range(p) for j in range(micro_batches)]
+    mine = batches[r * micro_batches:(r + 1) * micro_batches]
+    launched = {"ours": 0}
+    real_all_reduce = dist.all_reduce
+
+    def counting(*args, **kwargs):
+        launched["ours"] += 1
+        return real_all_reduce(*args, **kwargs)
+
+    dist.all_reduce = counting  # count the buckets' all-reduces (DataParallel calls dist.all_reduce)
+    try:
+        for j, x in enumerate(mine):
+            last = j == micro_batches - 1
+            with (ours.no_sync() if not last else _nothing()):
+                ours(x).pow(2).mean().backward()
+    finally:
+        dist.all_reduce = real_all_reduce
+    for j, x in enumerate(mine):
+        with (theirs.no_sync() if j < micro_batches - 1 else _nothing()):
+            theirs(x).pow(2).mean().backward()
+    # one process, every rank's micro-batches: the sum over micro-batches of the mean over ranks
+    sum(whole(x).pow(2).mean() for x in batches).div(p).backward()
+    diff_torch = max(float((a.grad - b.grad).abs().max()) for a, b in zip(model.parameters(), twin.parameters()))
+    diff_whole = max(float((a.grad - b.grad).abs().max()) for a, b in zip(model.parameters(), whole.parameters()))
+    return {"all_reduces": launched["ours"], "buckets": len(ours.buckets), "max_difference_from_ddp": diff_torch,
+            "max_difference_from_one_process": diff_whole}
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _deep_mlp(width: int, depth: int = 16) -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers)
+
+
+def world_zero_memory_sweep(widths: list[int]) -> list[dict]:
+    """For 16-layer MLPs of each width: the parameters, and the bytes this rank holds after one Adam
+    step under DDP and ZeRO 1/2/3, with ZeRO-2's peak during its backward (buckets of one layer)."""
+    import torch.distributed as dist
+
+    from kernels.distributed import DataParallel, ZeroOptimizer, module_memory, shard_module
+
+    x_seed = dist.get_rank()
+    out = []
+    for width in widths:
+        row = {"width": width, "parameters": sum(q.numel() for q in _deep_mlp(width).parameters())}
+        for stage in (0, 1, 2, 3):
+            model = _deep_mlp(width)
+            x = torch.randn(8, width, generator=torch.Generator().manual_seed(x_seed))
+            if stage == 0:
+                model = DataParallel(model)
+                opt = torch.optim.Adam(model.parameters())
+            elif stage == 3:
+                shard_module(model)
+                opt = torch.optim.Adam(model.parameters())
+            else:
+                one_layer = (width * width + width) * 4 / 2**20
+                opt = ZeroOptimizer(model.parameters(), torch.optim.Adam, stage=stage, bucket_cap_mb=one_layer)
+            model(x).pow(2).mean().backward()
+            opt.step()
+            if stage in (1, 2):
+                memory = opt.memory()
+                if stage == 2:
+                    row["zero2_backward_peak"] = memory["gradients_peak"] + memory["parameters"] + \
+                        memory["optimizer_state"]
+            else:
+                state = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
+                            if isinstance(v, torch.Tensor))
+                memory = {**module_memory(model), "optimizer_state": state}
+            row[stage] = memory["parameters"] + memory["gradients"] + memory["optimizer_state"]
+        out.append(row)
+    return out
 
 
 def world_zero_memory() -> dict:
@@ -576,3 +691,30 @@ def world_sequence_parallel(sequence_parallel: bool) -> dict:
         reference = x_full + model[2](F.gelu(model[0](F.rms_norm(x_full, (32,), w, 1e-6))))
     expected = reference[rows] if sequence_parallel else reference
     return {"saved_bytes": saved[0], "max_error": float((out.detach() - expected).abs().max())}
+
+
+def world_pipeline(schedule: str, microbatches: int) -> dict:
+    """kernels' Pipeline (one stage of two Linear+Tanh pairs per rank) against the whole model in one
+    process: this stage's largest gradient difference, the micro-batches it held at once, its order."""
+    import torch.distributed as dist
+
+    from kernels.distributed import Pipeline
+
+    r, p = dist.get_rank(), dist.get_world_size()
+
+    def build() -> torch.nn.Sequential:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[m for _ in range(p) for m in (torch.nn.Linear(8, 8), torch.nn.Tanh(),
+                                                                      torch.nn.Linear(8, 8), torch.nn.Tanh())])
+
+    model, whole = build(), build()
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(12, 8, generator=g), torch.randn(12, 8, generator=g)
+    pipe = Pipeline([model[4 * k:4 * (k + 1)] for k in range(p)], schedule=schedule, num_microbatches=microbatches)
+    pipe.step(x if r == 0 else None, y if r == p - 1 else None)
+    # one process: the mean of the micro-batches' losses, as the pipeline's loss is
+    sum(torch.nn.functional.mse_loss(whole(xb), yb) for xb, yb in zip(x.chunk(microbatches), y.chunk(microbatches))
+        ).div(microbatches).backward()
+    mine = whole[4 * r:4 * (r + 1)]
+    diff = max(float((a.grad - b.grad).abs().max()) for a, b in zip(pipe.stage.parameters(), mine.parameters()))
+    return {"max_grad_difference": diff, "peak_in_flight": pipe.peak_in_flight, "order": pipe.order()}

@@ -237,3 +237,39 @@ def test_the_unshifted_sum_is_right_here_but_not_stable():
     assert check_vocab(_no_max).solved
     big = torch.tensor([[100.0, 0.0]])
     assert math.isinf(float(big.exp().sum()))
+
+
+# ----------------------------------------------------------------------------------------------
+# The world functions the chapter runs: what the notebook prints, asserted
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def world4():
+    from utils.distributed import World
+
+    with World(4, timeout=60) as w:
+        yield w
+
+
+@pytest.mark.timeout(300)
+def test_the_chapter_world_functions_show_what_the_text_says(world4):
+    ladder = world4.run(given.world_all_reduce_ladder, 1000)
+    busiest = {name: max(rank[name]["bytes"] for rank in ladder) for name in ladder[0]}
+    assert busiest == {"star_all_reduce": 12000, "tree_all_reduce": 8000, "ring_all_reduce": 6000}
+    assert all(rank[name]["max_error"] < 1e-5 for rank in ladder for name in rank)
+
+    no_sync = world4.run(given.world_no_sync, 4)[0]
+    assert no_sync["all_reduces"] == no_sync["buckets"] > 1  # one all-reduce per bucket for four micro-batches
+    assert no_sync["max_difference_from_ddp"] < 1e-6 and no_sync["max_difference_from_one_process"] < 1e-6
+
+    for row in world4.run(given.world_zero_memory_sweep, [16, 64])[0]:
+        per = {k: v / row["parameters"] for k, v in row.items() if k not in ("width", "parameters")}
+        for stage, want in {0: 16, 1: 10, 2: 6, 3: 4}.items():  # fp32 + Adam at p = 4
+            assert want <= per[stage] < want + 0.05, (row["width"], stage, per[stage])
+        assert 7.5 < per["zero2_backward_peak"] < 8.5 < per[1]  # ZeRO-2's backward peak below ZeRO-1's
+
+    for schedule, peaks in (("gpipe", [6, 6, 6, 6]), ("1f1b", [4, 3, 2, 1])):
+        stages = world4.run(given.world_pipeline, schedule, 6)
+        assert [s["peak_in_flight"] for s in stages] == peaks
+        assert max(s["max_grad_difference"] for s in stages) < 1e-6
