@@ -38,6 +38,7 @@ __all__ = [
     "plan_buckets",
     "bucket_cases",
     "bucket_reference",
+    "diagnose_buckets",
     "mlp_shards",
     "mlp_cases",
     "mlp_reference",
@@ -46,6 +47,7 @@ __all__ = [
     "merge_cases",
     "merge_reference",
     "attention_by_blocks",
+    "diagnose_merge",
     "one_f_one_b",
     "order_cases",
     "order_reference",
@@ -54,6 +56,7 @@ __all__ = [
     "vocab_cases",
     "vocab_reference",
     "run_vocab_loss",
+    "diagnose_vocab",
 ]
 
 
@@ -188,7 +191,11 @@ def run_ring(candidate: Callable[..., torch.Tensor]) -> Callable[[int, torch.Ten
         if any(b != ideal for b in run.bytes_sent):
             raise ValueError(f"the ranks sent {run.bytes_sent} bytes; a ring reduce-scatter sends (p − 1)/p · n "
                              f"elements each: {ideal} bytes")
-        return torch.stack([torch.as_tensor(o).reshape(-1) for o in outs])
+        for r, o in enumerate(outs):
+            if not isinstance(o, torch.Tensor):
+                raise ValueError(f"rank {r} returned a {type(o).__name__}: return one tensor, this rank's chunk "
+                                 "(chunk comm.rank of the sum)")
+        return torch.stack([o.reshape(-1) for o in outs])
 
     return run
 
@@ -199,7 +206,14 @@ def diagnose_ring(got: torch.Tensor, expected: torch.Tensor) -> str | None:
                f"{tuple(expected.shape)}"
     if torch.allclose(got, expected, rtol=1e-5, atol=1e-5):
         return None
-    partial = [r for r in range(got.shape[0]) if not torch.allclose(got[r], expected[r], rtol=1e-5, atol=1e-5)]
+    p = got.shape[0]
+    close = lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-5)  # noqa: E731
+    for shift in range(1, p):
+        if all(close(got[r], expected[(r + shift) % p]) for r in range(p)):
+            return (f"every rank holds a finished chunk, but rank r holds chunk r + {shift} (mod p): your chunk "
+                    f"indices are shifted by {shift}; rank r must end with chunk r — start step 0 by sending "
+                    "chunk r − 1")
+    partial = [r for r in range(p) if not close(got[r], expected[r])]
     return f"ranks {partial} hold a wrong chunk: a step sent or added the wrong chunk index, or too few steps"
 
 
@@ -238,6 +252,21 @@ def bucket_reference(sizes: list[int], cap: int) -> list[list[int]]:
     return plan_buckets(sizes, cap)
 
 
+def diagnose_buckets(got, expected) -> str | None:
+    if got == expected:
+        return None
+    if not isinstance(got, list) or not all(isinstance(b, list) for b in got):
+        return f"return a list of lists of parameter indices, got {type(got).__name__}"
+    if [sorted(b) for b in got] == [sorted(b) for b in expected]:
+        return ("the right parameters in the right buckets, but in the wrong order inside a bucket: list each "
+                f"bucket's indices last registered first, as the backward produces them (got {got}, expected "
+                f"{expected})")
+    if sorted(i for b in got for i in b) != sorted(i for b in expected for i in b):
+        return f"every parameter must be in exactly one bucket: got {got}, expected {expected}"
+    return (f"got {got}, expected {expected}: walk the parameters last registered first and close a bucket "
+            "when the next one would take it over the cap (a parameter over the cap alone gets its own)")
+
+
 # ----------------------------------------------------------------------------------------------
 # Exercise 3: the column / row split
 # ----------------------------------------------------------------------------------------------
@@ -268,9 +297,10 @@ def run_sharded_mlp(candidate: Callable[..., tuple]) -> Callable[..., torch.Tens
         total = 0
         for r in range(p):
             wu, bu, wd = candidate(w_up, b_up, w_down, r, p)
-            if wu.shape[0] * p != w_up.shape[0] or wd.shape[1] * p != w_down.shape[1]:
+            if wu.shape[0] * p != w_up.shape[0] or wd.shape[1] * p != w_down.shape[1] or bu.shape != wu.shape[:1]:
                 raise ValueError(f"rank {r}'s shards are {tuple(wu.shape)}, {tuple(bu.shape)}, {tuple(wd.shape)}: "
-                                 f"each rank holds 1/{p} of up's rows and of down's columns")
+                                 f"each rank holds 1/{p} of up's rows, the same slice of up's bias, and 1/{p} of "
+                                 "down's columns")
             total = total + F.gelu(x @ wu.T + bu) @ wd.T
         return total
 
@@ -325,6 +355,29 @@ def merge_reference(q, k, v, split, masked):
     return _block_attention(q, k, v, _merge_masks(q.shape[0], k.shape[0], split) if masked else None)
 
 
+def diagnose_merge(got, expected) -> str | None:
+    """Out and lse against the reference; rows that saw no key in either block named."""
+    if not isinstance(got, tuple) or len(got) != 2:
+        return f"return a pair (out, lse), got {type(got).__name__}"
+    (out, lse), (want_out, want_lse) = got, expected
+    if out.shape != want_out.shape or lse.shape != want_lse.shape:
+        return (f"out must be {tuple(want_out.shape)} and lse {tuple(want_lse.shape)}, got {tuple(out.shape)} and "
+                f"{tuple(lse.shape)}")
+    empty = torch.isneginf(want_lse)
+    if torch.isnan(out[empty]).any():
+        rows = torch.nonzero(empty).flatten().tolist()
+        return (f"row(s) {rows} saw no key in either block: their lse is -inf in both, and exp(-inf - (-inf)) is "
+                "NaN; such a row must get weight 0 from each block (output 0, lse -inf)")
+    if torch.isnan(out).any() or torch.isinf(out).any():
+        return ("NaN/inf in rows that saw some key: with scores in the hundreds, exp(lse) overflows — weight each "
+                "block by exp(lse_block - lse) with lse from torch.logaddexp, never by exp(lse_block) itself")
+    if not torch.allclose(lse, want_lse, rtol=1e-5, atol=1e-5, equal_nan=True):
+        return "lse is wrong: the merged lse is log(exp(lse_a) + exp(lse_b)), computed stably (torch.logaddexp)"
+    if not torch.allclose(out, want_out, rtol=1e-5, atol=1e-5):
+        return "out is wrong (lse is right): each block's output is weighted by exp(lse_block - lse), then summed"
+    return None
+
+
 def attention_by_blocks(candidate: Callable[..., tuple]) -> Callable[..., tuple]:
     """Attention over two key blocks, merged by ``candidate``."""
     def run(q, k, v, split, masked):
@@ -356,8 +409,7 @@ def one_f_one_b(rank: int, p: int, m: int) -> list[tuple[str, int]]:
     return order + [("B", i) for i in range(b, m)]
 
 
-def order_cases(gen: torch.Generator) -> list[tuple]:
-    return [(4, 8), (4, 2), (2, 5), (8, 8), (3, 1)]
+order_cases = [(4, 8), (4, 2), (2, 5), (8, 8), (3, 1)]  # fixed: the edge cases are what matter here
 
 
 def order_reference(p: int, m: int) -> list[list[tuple[str, int]]]:
@@ -380,8 +432,9 @@ def diagnose_order(got: list, expected: list) -> str | None:
             return f"rank {r} keeps {peak} micro-batches in flight; 1F1B keeps at most p − r = {min(p - r, m)}"
     try:
         timeline = logical_timeline(got)
-    except ValueError:
-        return "these orders deadlock: some rank waits for an activation or a gradient that is never produced"
+    except ValueError as error:
+        detail = str(error).split(" — ", 1)[-1]
+        return f"these orders deadlock: {detail}"
     bubble, target = bubble_fraction(timeline), (p - 1) / (m + p - 1)
     if abs(bubble - target) > 1e-9:
         return f"the bubble is {bubble:.3f}, not (p − 1)/(m + p − 1) = {target:.3f}: a rank idles where it could work"
@@ -417,6 +470,17 @@ def vocab_cases(gen: torch.Generator) -> list[tuple]:
 
 def vocab_reference(p: int, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits, target)
+
+
+def diagnose_vocab(got, expected) -> str | None:
+    got = torch.as_tensor(got)
+    if got.shape != torch.as_tensor(expected).shape:
+        return f"return the mean loss as a 0-d tensor, got shape {tuple(got.shape)}"
+    if torch.allclose(got.double(), torch.as_tensor(expected).double(), rtol=1e-5, atol=1e-6):
+        return None
+    return (f"loss {float(got):.6f}, expected {float(expected):.6f}: check that the target's logit comes from the "
+            "one rank whose columns hold it (mask it to 0 on the others before the all-reduce), and that every "
+            "rank shifts by the same global max (all-reduced with 'max') before exp")
 
 
 def run_vocab_loss(candidate: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -663,7 +727,8 @@ def world_ring_attention(layout: str, causal: bool, seq: int = 32) -> dict:
 
 def world_sequence_parallel(sequence_parallel: bool) -> dict:
     """``x + down(gelu(up(rms_norm(x))))`` tensor parallel, with or without sequence parallelism: the
-    activation bytes autograd saved on this rank, and the largest error against one process."""
+    activation bytes autograd saved on this rank (parameters, which are saved by reference, not
+    counted), each saved tensor's shape, and the largest error against one process."""
     import torch.distributed as dist
 
     import kernels
@@ -680,9 +745,13 @@ def world_sequence_parallel(sequence_parallel: bool) -> dict:
     down = RowParallelLinear.from_linear(model[2], sequence_parallel=sequence_parallel)
     x = x.clone().requires_grad_(True)
     saved = [0]
+    shapes = []
+    params = {q.data_ptr() for q in (*up.parameters(), *down.parameters())} | {w.data_ptr()}
 
     def pack(t):
-        saved[0] += t.numel() * t.element_size()
+        if t.data_ptr() not in params:
+            saved[0] += t.numel() * t.element_size()
+            shapes.append(tuple(t.shape))
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -690,7 +759,8 @@ def world_sequence_parallel(sequence_parallel: bool) -> dict:
     with torch.no_grad():
         reference = x_full + model[2](F.gelu(model[0](F.rms_norm(x_full, (32,), w, 1e-6))))
     expected = reference[rows] if sequence_parallel else reference
-    return {"saved_bytes": saved[0], "max_error": float((out.detach() - expected).abs().max())}
+    out.sum().backward()  # the backward runs too (it all-gathers the sequence again)
+    return {"saved_bytes": saved[0], "saved_shapes": shapes, "max_error": float((out.detach() - expected).abs().max())}
 
 
 def world_pipeline(schedule: str, microbatches: int) -> dict:

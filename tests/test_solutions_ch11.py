@@ -63,6 +63,26 @@ def _everything_to_everyone(x, comm):  # right answer, p times the traffic
     return total.chunk(comm.size)[comm.rank]
 
 
+def _ring_shifted(x, comm):  # the textbook indexing: rank r ends with chunk r + 1
+    r, p = comm.rank, comm.size
+    chunks = list(x.reshape(-1).clone().chunk(p))
+    for step in range(p - 1):
+        send_k, recv_k = (r - step) % p, (r - step - 1) % p
+        comm.send(chunks[send_k], (r + 1) % p)
+        chunks[recv_k] = chunks[recv_k] + comm.recv((r - 1) % p)
+    return chunks[(r + 1) % p]
+
+
+def _ring_returns_all_chunks(x, comm):
+    r, p = comm.rank, comm.size
+    chunks = list(x.reshape(-1).clone().chunk(p))
+    for step in range(p - 1):
+        send_k, recv_k = (r - step - 1) % p, (r - step - 2) % p
+        comm.send(chunks[send_k], (r + 1) % p)
+        chunks[recv_k] = chunks[recv_k] + comm.recv((r - 1) % p)
+    return chunks
+
+
 def _recv_before_send(x, comm):
     comm.recv((comm.rank - 1) % comm.size)
     return x
@@ -70,6 +90,8 @@ def _recv_before_send(x, comm):
 
 @pytest.mark.parametrize("fn, diagnosis", [
     (_ring_off_by_one, "hold a wrong chunk"),
+    (_ring_shifted, "shifted by 1"),
+    (_ring_returns_all_chunks, "return one tensor"),
     (_everything_to_everyone, "a ring reduce-scatter sends (p − 1)/p · n elements each"),
     (_recv_before_send, "that never came"),
 ])
@@ -89,7 +111,7 @@ def _short_timeout(init):
 
 
 def test_bucket_solution_solves_and_matches_the_library():
-    assert check("ch11.plan_buckets", given.plan_buckets, given.bucket_reference, given.bucket_cases).solved
+    assert check_buckets(given.plan_buckets).solved
     from kernels.distributed import plan_buckets as library
 
     sizes = [400, 40, 4000, 40, 40]
@@ -97,12 +119,18 @@ def test_bucket_solution_solves_and_matches_the_library():
     assert [[int(n) for n, _ in b] for b in library(params, 100)] == given.plan_buckets(sizes, 100)
 
 
-@pytest.mark.parametrize("fn", [
-    lambda sizes, cap: [list(range(len(sizes)))] if sizes else [],  # one bucket whatever the cap
-    lambda sizes, cap: given.plan_buckets(sizes[::-1], cap),  # forward order: the last gradients wait longest
+def check_buckets(fn):
+    return check("ch11.plan_buckets", fn, given.bucket_reference, given.bucket_cases, compare=given.diagnose_buckets)
+
+
+@pytest.mark.parametrize("fn, diagnosis", [
+    (lambda sizes, cap: [list(range(len(sizes)))] if sizes else [], "close a bucket"),  # one bucket whatever the cap
+    (lambda sizes, cap: given.plan_buckets(sizes[::-1], cap), ""),  # forward order: the last gradients wait longest
+    (lambda sizes, cap: [sorted(b) for b in given.plan_buckets(sizes, cap)], "wrong order inside a bucket"),
 ])
-def test_bucket_wrong_variants_rejected(fn):
-    assert not check("ch11.plan_buckets", fn, given.bucket_reference, given.bucket_cases).solved
+def test_bucket_wrong_variants_rejected(fn, diagnosis):
+    verdict = check_buckets(fn)
+    assert rejected(verdict, diagnosis), verdict.message
 
 
 # -- exercise 3: the column / row split ----------------------------------------------------------
@@ -120,7 +148,7 @@ def _bias_everywhere(w_up, b_up, w_down, rank, p):
 
 
 @pytest.mark.parametrize("fn, diagnosis", [
-    (_bias_everywhere, ""),
+    (_bias_everywhere, "the same slice of up's bias"),
     (lambda w_up, b_up, w_down, rank, p: (w_up, b_up, w_down), "each rank holds 1/"),
 ])
 def test_mlp_wrong_variants_rejected(fn, diagnosis):
@@ -131,9 +159,13 @@ def test_mlp_wrong_variants_rejected(fn, diagnosis):
 # -- exercise 4: the LSE merge ------------------------------------------------------------------
 
 
+def check_merge(fn):
+    return check("ch11.merge_partials", given.attention_by_blocks(fn), given.merge_reference, given.merge_cases,
+                 compare=given.diagnose_merge)
+
+
 def test_merge_solution_solves():
-    assert check("ch11.merge_partials", given.attention_by_blocks(given.merge_partials), given.merge_reference,
-                 given.merge_cases).solved
+    assert check_merge(given.merge_partials).solved
 
 
 def _equal_weights(oa, la, ob, lb):  # the blocks weighed equally, whatever they saw
@@ -156,11 +188,15 @@ def _log_of_sum(oa, la, ob, lb):  # log(exp(a) + exp(b)) overflows float32 once 
     return oa * w_a[..., None] + ob * w_b[..., None], lse
 
 
-@pytest.mark.parametrize("fn, case", [(_equal_weights, "case 1 of 4"), (_max_not_logaddexp, "case 1 of 4"),
-                                      (_unguarded_weights, "case 2 of 4"), (_log_of_sum, "case 4 of 4")])
-def test_merge_wrong_variants_rejected(fn, case):
-    verdict = check("ch11.merge_partials", given.attention_by_blocks(fn), given.merge_reference, given.merge_cases)
-    assert rejected(verdict, case), verdict.message
+@pytest.mark.parametrize("fn, case, diagnosis", [
+    (_equal_weights, "case 1 of 4", "weighted by exp(lse_block - lse)"),
+    (_max_not_logaddexp, "case 1 of 4", "lse is wrong"),
+    (_unguarded_weights, "case 2 of 4", "saw no key in either block"),
+    (_log_of_sum, "case 4 of 4", ""),
+])
+def test_merge_wrong_variants_rejected(fn, case, diagnosis):
+    verdict = check_merge(fn)
+    assert rejected(verdict, case) and rejected(verdict, diagnosis), verdict.message
 
 
 # -- exercise 5: the 1F1B order ------------------------------------------------------------------
@@ -178,7 +214,7 @@ def test_order_solution_solves():
 @pytest.mark.parametrize("fn, diagnosis", [
     (lambda r, p, m: [("F", i) for i in range(m)] + [("B", i) for i in range(m)], "micro-batches in flight"),
     (lambda r, p, m: [x for i in range(m) for x in (("F", i), ("B", i))], "bubble"),
-    (lambda r, p, m: [("B", i) for i in range(m)] + [("F", i) for i in range(m)], "deadlock"),
+    (lambda r, p, m: [("B", i) for i in range(m)] + [("F", i) for i in range(m)], "rank 3's B0 waits for"),
     (lambda r, p, m: [("F", i) for i in range(m)], "exactly once"),
 ])
 def test_order_wrong_variants_rejected(fn, diagnosis):
@@ -190,7 +226,8 @@ def test_order_wrong_variants_rejected(fn, diagnosis):
 
 
 def check_vocab(fn):
-    return check("ch11.vocab_parallel_loss", given.run_vocab_loss(fn), given.vocab_reference, given.vocab_cases)
+    return check("ch11.vocab_parallel_loss", given.run_vocab_loss(fn), given.vocab_reference, given.vocab_cases,
+                 compare=given.diagnose_vocab)
 
 
 def test_vocab_solution_solves():
@@ -223,8 +260,17 @@ def _gather_everything(logits, target, start, comm):
     return F.cross_entropy(torch.cat(parts, 1), target)
 
 
+def _no_ownership_mask(logits, target, start, comm):  # every rank adds "its" target logit
+    z = logits - comm.all_reduce(logits.max(1).values, "max")[:, None]
+    sum_exp = comm.all_reduce(z.exp().sum(1), "sum")
+    local = (target - start).clamp(0, logits.shape[1] - 1)
+    t = comm.all_reduce(z.gather(1, local[:, None])[:, 0], "sum")
+    return (sum_exp.log() - t).mean()
+
+
 @pytest.mark.parametrize("fn, diagnosis", [
-    (_local_max_only, ""),
+    (_local_max_only, "same global max"),
+    (_no_ownership_mask, "one rank whose columns hold it"),
     (_gather_everything, "the (N, V) logits must not travel"),
 ])
 def test_vocab_wrong_variants_rejected(fn, diagnosis):

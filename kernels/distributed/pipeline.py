@@ -85,9 +85,15 @@ def logical_timeline(orders: list[list[tuple[str, int]]], forward: float = 1.0, 
                 out[r].append((kind, i, start, finish))
                 position[r] += 1
                 progressed = True
-    if any(position[r] < len(orders[r]) for r in range(p)):
-        raise ValueError("kernels.distributed.logical_timeline: the orders deadlock (an op waits on one that "
-                         "never runs)")
+    stuck = []
+    for r in range(p):
+        if position[r] < len(orders[r]):
+            kind, i = orders[r][position[r]]
+            dep = (r - 1, "F", i) if kind == "F" else ((r + 1, "B", i) if r < p - 1 else (r, "F", i))
+            stuck.append(f"rank {r}'s {kind}{i} waits for rank {dep[0]}'s {dep[1]}{dep[2]}")
+    if stuck:
+        raise ValueError("kernels.distributed.logical_timeline: the orders deadlock — " + "; ".join(stuck)
+                         + " (each waits on an op that can never run before it)")
     return out
 
 

@@ -140,6 +140,29 @@ class _ReduceScatterSequence(torch.autograd.Function):
         return _gather_rows(grad, ctx.group), None
 
 
+class _SequenceParallelLinear(torch.autograd.Function):
+    """Megatron-SP's column-parallel linear: all-gather the sequence, multiply, and keep only this
+    rank's rows for the backward — which all-gathers them again for the weight's gradient and
+    reduce-scatters the input's gradient. What stays saved between forward and backward is
+    ``1/p`` of the input, the point of sequence parallelism."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.group = group
+        ctx.save_for_backward(x, weight, bias)
+        return kernels.linear(_gather_rows(x, group), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, bias = ctx.saved_tensors
+        gathered = _gather_rows(x, ctx.group)  # again: the full input lives only during this backward
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_x, grad_w, grad_b = torch.ops.kernels.linear_backward(
+            grad.contiguous(), gathered, weight, bias, None, "none", need_x, need_w, need_b and bias is not None)
+        return (_reduce_scatter_rows(grad_x, ctx.group) if need_x else None, grad_w if need_w else None,
+                grad_b if need_b and bias is not None else None, None)
+
+
 def _gather_rows(x: torch.Tensor, group) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
@@ -209,8 +232,9 @@ class ColumnParallelLinear(torch.nn.Module):
         """This rank's shard of ``linear`` (a copy: ``linear`` is left as it was).
 
         ``sequence_parallel``: the input is this rank's rows of the sequence (dim 0); it is
-        all-gathered on the way in (:func:`gather_sequence`, whose backward reduce-scatters the
-        input's gradient: the job ``f`` does otherwise)."""
+        all-gathered on the way in and again in the backward, so only this rank's rows stay saved
+        between the two (Megatron-SP); the backward reduce-scatters the input's gradient (the job
+        ``f`` does otherwise)."""
         op = "kernels.distributed.ColumnParallelLinear"
         if not isinstance(linear, torch.nn.Linear):
             raise TypeError(f"{op}.from_linear: linear must be a torch.nn.Linear, got {type(linear).__name__}")
@@ -221,8 +245,10 @@ class ColumnParallelLinear(torch.nn.Module):
         return cls(w, b, linear.out_features, g, gather_output, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = gather_sequence(x, self.group) if self.sequence_parallel else copy_to_parallel(x, self.group)
-        y = kernels.linear(x, self.weight, self.bias)
+        if self.sequence_parallel:
+            y = _SequenceParallelLinear.apply(x, self.weight, self.bias, self.group)
+        else:
+            y = kernels.linear(copy_to_parallel(x, self.group), self.weight, self.bias)
         return gather_from_parallel(y, self.group) if self.gather_output else y
 
 
