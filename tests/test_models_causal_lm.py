@@ -106,3 +106,23 @@ def test_unsupported_models_and_wrong_checkpoints_are_refused(tmp_path):
         ours.load_hf_state_dict(state)
     with pytest.raises(ValueError, match=r"input_ids must lie in \[0, 64\)"):
         ours(torch.tensor([[1, 64]]))
+
+
+def test_transformers_runs_beside_this_kernels_package():
+    """transformers can use another PyPI project named `kernels` (Hugging Face's Hub-kernel loader);
+    here `import kernels` must be this repository's, and transformers must import and run a model
+    with it installed, its Hub-kernel integration off."""
+    import importlib.metadata
+    import pathlib
+
+    from transformers.utils import is_kernels_available
+
+    import kernels
+
+    assert pathlib.Path(kernels.__file__).resolve().parent == pathlib.Path(__file__).resolve().parent.parent / "kernels"
+    names = {d.metadata["Name"].lower() for d in importlib.metadata.distributions()}
+    assert "kernels" not in names  # the Hub loader is not installed beside it
+    assert not is_kernels_available()  # transformers finds no Hub loader: its integration stays off
+    hf = hf_model("llama")
+    with torch.no_grad():
+        assert hf(torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, VOCAB)

@@ -2,7 +2,7 @@
 
 One module covers the three, since they differ only in configuration:
 
-* **Llama** — RMS norms, rotary embeddings (with Llama 3's, linear or dynamic-NTK scaling through
+* **Llama** — RMS norms, rotary embeddings (with Llama 3's or linear scaling through
   :func:`kernels.rope_cos_sin`), grouped-query attention, a SiLU-gated MLP; optional biases on the
   attention projections (``attention_bias``) and the MLP (``mlp_bias``).
 * **Mistral** — the same with a sliding window on every layer (``sliding_window``).
@@ -66,8 +66,8 @@ class CausalLMConfig:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"{_OP}: num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                              f"num_key_value_heads ({self.num_key_value_heads})")
-        if self.hidden_act not in ("silu", "gelu"):
-            raise ValueError(f"{_OP}: hidden_act {self.hidden_act!r} is not supported (silu, gelu)")
+        if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"{_OP}: hidden_act {self.hidden_act!r} is not supported (silu, gelu_pytorch_tanh)")
 
     @classmethod
     def from_hf(cls, config) -> CausalLMConfig:
@@ -156,7 +156,7 @@ class MLP(torch.nn.Module):
         if self.gate_proj.bias is None and self.activation == "silu":
             return kernels.gated_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
         gate, up = _linear(self.gate_proj, x), _linear(self.up_proj, x)
-        hidden = kernels.swiglu(gate, up) if self.activation == "silu" else kernels.geglu(gate, up)
+        hidden = kernels.swiglu(gate, up) if self.activation == "silu" else kernels.geglu(gate, up)  # tanh GELU
         return _linear(self.down_proj, hidden)
 
 
@@ -281,7 +281,8 @@ class CausalLM(torch.nn.Module):
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
             raise ValueError(f"{_OP}: input_ids must be an integer (B, T) tensor, got "
                              f"{getattr(input_ids, 'shape', type(input_ids).__name__)}")
-        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
+        checked = input_ids.numel() and kernels.runtime.values_checked(input_ids)  # a host sync: off on CUDA
+        if checked and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
             raise ValueError(f"{_OP}: input_ids must lie in [0, {self.config.vocab_size}), got "
                              f"[{int(input_ids.min())}, {int(input_ids.max())}]")
         x = torch.nn.functional.embedding(input_ids, self.model.embed_tokens.weight)

@@ -177,7 +177,7 @@ class Engine:
         argmax at ``temperature == 0``)."""
         if temperature == 0.0:
             return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
-        probs = kernels.softmax(logits.float() / temperature, dim=-1)
+        probs = torch.softmax(logits.float() / temperature, dim=-1)  # sampling's own arithmetic, on (S, V) only
         if top_p < 1.0:
             sorted_probs, order = probs.sort(dim=-1, descending=True)
             before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of the tokens ranked above each
