@@ -478,6 +478,25 @@ class PagedKVCache:
                                          None if parent.token_ids is None else list(parent.token_ids),
                                          list(parent.block_hashes))
 
+    def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Shorten ``seq_id`` to its first ``num_tokens`` tokens (speculative decoding's rollback of
+        rejected draft tokens): blocks past them lose this sequence's reference. A block registered
+        in the prefix cache cannot be cut into (its contents are shared by its key)."""
+        seq = self._seq(seq_id)
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or not 0 <= num_tokens <= seq.length:
+            raise ValueError(f"PagedKVCache.truncate: num_tokens must be an int in [0, {seq.length}], "
+                             f"got {num_tokens!r}")
+        if len(seq.block_hashes) * self.block_size > num_tokens:
+            raise ValueError(f"PagedKVCache.truncate: sequence {seq_id!r} has {len(seq.block_hashes)} blocks "
+                             f"registered in the prefix cache; it cannot be cut to {num_tokens} tokens")
+        keep = self.blocks_for(num_tokens)
+        for block in reversed(seq.block_table[keep:]):
+            self.allocator.decref(block)
+        del seq.block_table[keep:]
+        seq.length = num_tokens
+        if seq.token_ids is not None:
+            del seq.token_ids[num_tokens:]
+
     def free(self, seq_id: Hashable) -> None:
         """Drop ``seq_id``: each of its blocks loses a reference (prefix-cached ones stay evictable)."""
         seq = self._seqs.pop(seq_id, None)
@@ -822,3 +841,21 @@ class Scheduler:
                 finished.append(request)
         self._awaiting = set()
         return finished
+
+    def finish(self, request_id: Hashable) -> Request:
+        """End a request now (a stop token its caller recognized, or an abort): it leaves the queue or
+        the running set and its blocks are freed. Returns it; finishing a finished request does nothing."""
+        if request_id not in self.requests:
+            raise ValueError(f"Scheduler.finish: no request {request_id!r}")
+        request = self.requests[request_id]
+        if request.status == "finished":
+            return request
+        if request.status == "running":
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        if request_id in self.cache:
+            self.cache.free(request_id)
+        self._awaiting.discard(request_id)
+        request.status = "finished"
+        return request

@@ -473,3 +473,40 @@ def test_end_to_end_cache_holds_every_sequence_history(gen, dtype):
     _run(scheduler, arrivals, on_step=model_step)
     assert scheduler.requests["c"].num_cached_prompt_tokens == 8, "c reused a's two full prompt blocks"
     assert all(len(r.output_token_ids) == r.max_new_tokens for r in scheduler.requests.values())
+
+
+def test_truncate_rolls_back_slots_and_frees_whole_blocks():
+    cache = PagedKVCache(1, 8, 4, 1, 2)
+    cache.allocate("s", 0)
+    cache.append_slots("s", 10)  # 3 blocks
+    assert cache.num_free_blocks == 5
+    cache.truncate("s", 5)  # 2 blocks stay, the third is freed
+    assert cache.seq_len("s") == 5 and len(cache.block_table("s")) == 2 and cache.num_free_blocks == 6
+    slots = cache.append_slots("s", 2)  # the rolled-back positions are handed out again, in place
+    table = cache.block_table("s")
+    assert slots.tolist() == [table[1] * 4 + 1, table[1] * 4 + 2]
+    with pytest.raises(ValueError, match=r"num_tokens must be an int in \[0, 7\]"):
+        cache.truncate("s", 8)
+    cached = PagedKVCache(1, 8, 4, 1, 2)
+    cached.allocate("p", 9, token_ids=list(range(9)))
+    cached.append_slots("p", 9)
+    with pytest.raises(ValueError, match="registered in the prefix cache"):
+        cached.truncate("p", 3)
+    cache.check_invariants()
+
+
+def test_scheduler_finish_ends_a_request_early_and_frees_its_blocks():
+    cache = PagedKVCache(1, 8, 4, 1, 2)
+    scheduler = Scheduler(cache, max_num_seqs=4, max_tokens_per_step=64)
+    scheduler.add_request("a", [1, 2, 3], 5)
+    scheduler.add_request("b", [4, 5], 5)
+    scheduler.step()
+    free_before = cache.num_free_blocks
+    assert scheduler.finish("a").status == "finished"
+    assert "a" not in cache and cache.num_free_blocks > free_before and scheduler.finish("a").status == "finished"
+    scheduler.update({"b": 7})  # what the step sampled for the request still running
+    assert [r.request_id for r in scheduler.running] == ["b"]
+    scheduler.add_request("c", [6], 2)
+    assert scheduler.finish("c").status == "finished" and not scheduler.waiting  # a waiting one
+    with pytest.raises(ValueError, match="no request 'z'"):
+        scheduler.finish("z")

@@ -190,9 +190,19 @@ def moe(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor, w
     import kernels
 
     _check(x, router_logits, w_gate_up, w_down, top_k, renormalize)
-    experts = w_gate_up.shape[0]
     weights, expert_ids = kernels.topk_routing(router_logits, top_k, renormalize=renormalize)
-    permutation, offsets = kernels.moe_permute(expert_ids, experts)
+    return experts_forward(x, expert_ids, weights, w_gate_up, w_down)
+
+
+def experts_forward(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, w_gate_up: torch.Tensor,
+                    w_down: torch.Tensor) -> torch.Tensor:
+    """The experts half of :func:`moe`, for routing done elsewhere (``kernels.patch``'s
+    ``ExpertsInterface`` entry): ``expert_ids`` and ``weights`` ``(T, k)``; sort by expert, the
+    SwiGLU gate-up and the down grouped GEMMs, the weighted combine."""
+    import kernels
+
+    top_k = expert_ids.shape[1]
+    permutation, offsets = kernels.moe_permute(expert_ids, w_gate_up.shape[0])
     hidden = _moe_gate_up_op(x, w_gate_up, offsets, permutation, top_k)  # (T·k, F), SwiGLU applied
     down = kernels.grouped_matmul(hidden, w_down.transpose(1, 2), offsets)  # (T·k, H)
     return kernels.moe_combine(down, permutation, weights)

@@ -1,0 +1,161 @@
+"""kernels.models.Engine against Hugging Face's greedy generate (tiny random configs, fp32): prompts
+of different lengths batched together with chunked prefill, a sliding window, prefix caching,
+stop tokens, seeded sampling and nucleus filtering, and speculative decoding (a draft model,
+prompt lookup) whose acceptance rule keeps the target's distribution exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from kernels.models import CausalLM, Engine  # noqa: E402
+
+VOCAB = 64
+SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+             max_position_embeddings=128)
+
+
+def _hf(family: str = "llama", layers: int = 2, seed: int = 0):
+    t = transformers
+    config = (t.MistralConfig(**SMALL, num_hidden_layers=layers, num_key_value_heads=1, sliding_window=5)
+              if family == "mistral" else t.LlamaConfig(**SMALL, num_hidden_layers=layers, num_key_value_heads=2))
+    torch.manual_seed(seed)
+    return t.AutoModelForCausalLM.from_config(config).float().eval()
+
+
+def _prompts(lengths, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def _hf_greedy(hf, prompt, n):
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def llama():
+    hf = _hf()
+    return hf, CausalLM.from_hf(hf)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_greedy_batched_generation_equals_hugging_face(family, llama):
+    hf, model = llama if family == "llama" else (lambda h: (h, CausalLM.from_hf(h)))(_hf("mistral"))
+    prompts = _prompts((5, 13, 2))
+    engine = Engine(model, num_blocks=16, block_size=8, max_tokens_per_step=10)  # the 13-token prompt in chunks
+    ours = engine.generate(prompts, max_new_tokens=7)
+    assert engine.stats.max_batch == 3 and engine.stats.steps < 3 * 7  # batched: fewer steps than one by one
+    for prompt, tokens in zip(prompts, ours):
+        assert tokens == _hf_greedy(hf, prompt, 7)
+
+
+def test_streaming_yields_every_token_as_it_comes(llama):
+    _, model = llama
+    prompts = _prompts((4, 6))
+    engine = Engine(model, num_blocks=16, block_size=8)
+    streamed = list(engine.stream(prompts, max_new_tokens=3))
+    assert sorted(i for i, _ in streamed) == [0, 0, 0, 1, 1, 1]
+    assert [[t for i, t in streamed if i == k] for k in range(2)] == engine.generate(prompts, max_new_tokens=3)
+
+
+def test_prefix_caching_reuses_a_shared_prompt(llama):
+    hf, model = llama
+    shared = _prompts((16,), seed=5)[0]
+    first, second = shared + [7, 8], shared + [9]
+    engine = Engine(model, num_blocks=16, block_size=8)
+    engine.generate([first], max_new_tokens=2)
+    assert engine.stats.cached_prompt_tokens == 0
+    out = engine.generate([second], max_new_tokens=4)
+    assert engine.stats.cached_prompt_tokens == 16  # the two full blocks of the shared prefix
+    assert engine.stats.tokens_computed == 1 + 3  # only the new prompt token, then the decodes
+    assert out[0] == _hf_greedy(hf, second, 4)
+
+
+def test_stop_tokens_end_a_prompt_and_are_kept(llama):
+    _, model = llama
+    prompts = _prompts((5, 7))
+    engine = Engine(model, num_blocks=16, block_size=8)
+    full = engine.generate(prompts, max_new_tokens=6)
+    stop = full[0][2]
+    stopped = engine.generate(prompts, max_new_tokens=6, stop_token_ids=[stop])
+    assert stopped[0] == full[0][:full[0].index(stop) + 1]
+    cut = full[1].index(stop) + 1 if stop in full[1] else 6
+    assert stopped[1] == full[1][:cut]
+
+
+def test_sampling_is_seeded_and_top_p_narrows_it(llama):
+    _, model = llama
+    prompts = _prompts((4,))
+    engine = Engine(model, num_blocks=8, block_size=8)
+    a = engine.generate(prompts, max_new_tokens=6, temperature=1.0, seed=1)
+    assert a == engine.generate(prompts, max_new_tokens=6, temperature=1.0, seed=1)
+    assert a != engine.generate(prompts, max_new_tokens=6, temperature=1.0, seed=2)
+    greedy = engine.generate(prompts, max_new_tokens=6)
+    assert engine.generate(prompts, max_new_tokens=6, temperature=1.0, top_p=1e-6, seed=3) == greedy
+
+
+def test_the_nucleus_keeps_the_smallest_set_reaching_top_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    probs = Engine.distribution(logits, 1.0, 0.7)
+    torch.testing.assert_close(probs, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
+    torch.testing.assert_close(Engine.distribution(logits, 1.0, 1.0), torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+
+
+@pytest.mark.parametrize("draft_kind", ["prompt_lookup", "draft model", "the target itself"])
+def test_speculative_greedy_output_is_the_targets(draft_kind, llama):
+    _, model = llama
+    draft = {"prompt_lookup": "prompt_lookup", "draft model": CausalLM.from_hf(_hf(layers=1, seed=1)),
+             "the target itself": model}[draft_kind]
+    prompts = _prompts((5, 9))
+    base = Engine(model, num_blocks=16, block_size=8).generate(prompts, max_new_tokens=8)
+    engine = Engine(model, num_blocks=16, block_size=8, draft_model=draft, num_speculative_tokens=3)
+    assert engine.generate(prompts, max_new_tokens=8) == base
+    stats = engine.stats
+    assert stats.generated_tokens == 16 and stats.target_steps <= stats.generated_tokens
+    if draft_kind == "the target itself":  # a perfect draft: every proposal accepted, k + 1 tokens per step
+        assert stats.acceptance_rate == 1.0 and stats.tokens_per_target_step > 2
+
+
+def test_the_acceptance_rule_keeps_the_target_distribution_exactly():
+    """Monte Carlo of one speculative position: the kept token is distributed as p, not as q."""
+    g = torch.Generator().manual_seed(0)
+    vocab, trials = 6, 6000
+    p_logits = torch.randn(2, vocab, generator=g) * 2
+    q = torch.softmax(torch.randn(vocab, generator=g) * 2, -1)
+    p = torch.softmax(p_logits[0], -1)
+    counts = torch.zeros(vocab)
+    for _ in range(trials):
+        draft = int(torch.multinomial(q, 1, generator=g))
+        kept, _ = Engine.verify(p_logits, [draft], [q], 1.0, 1.0, g)
+        counts[kept[0]] += 1
+    empirical = counts / trials
+    assert float((empirical - p).abs().max()) < 0.025, (empirical, p)
+    assert float((empirical - q).abs().max()) > 0.05  # the control: q itself is far from p here
+    # deterministic drafts (prompt lookup: q one-hot) keep p too
+    counts.zero_()
+    for _ in range(trials):
+        kept, _ = Engine.verify(p_logits, [0], None, 1.0, 1.0, g)
+        counts[kept[0]] += 1
+    assert float((counts / trials - p).abs().max()) < 0.025
+
+
+def test_bad_input_is_refused(llama):
+    _, model = llama
+    with pytest.raises(TypeError, match="must be a kernels.models.CausalLM"):
+        Engine(torch.nn.Linear(2, 2), num_blocks=4)
+    engine = Engine(model, num_blocks=4, block_size=8)
+    with pytest.raises(ValueError, match=r"prompt 1 must be a non-empty list of token ids in \[0, 64\)"):
+        engine.generate([[1, 2], [99]], max_new_tokens=2)
+    with pytest.raises(ValueError, match="top_p must be in"):
+        engine.generate([[1]], max_new_tokens=2, top_p=0.0)
+    with pytest.raises(ValueError, match="needs up to"):
+        engine.generate([list(range(3, 60))], max_new_tokens=2)  # more blocks than the cache has
+    other = CausalLM.from_hf(transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(
+        **{**SMALL, "vocab_size": 32}, num_hidden_layers=1, num_key_value_heads=2)))
+    with pytest.raises(ValueError, match=r"draft model's vocabulary \(32\) must be the target's \(64\)"):
+        Engine(model, num_blocks=4, draft_model=other)
+    with pytest.raises(ValueError, match="draft_model must be"):
+        Engine(model, num_blocks=4, draft_model="ngram")
