@@ -20,7 +20,8 @@ def rejected(verdict, diagnosis: str = "") -> bool:
 
 
 def check_decoder(fn):
-    return check("ch12.decoder_layer", fn, given.decoder_reference, given.decoder_cases, **given.DECODER_TOLERANCE)
+    return check("ch12.decoder_layer", given.kernels_only(fn), given.decoder_reference, given.decoder_cases,
+                 **given.DECODER_TOLERANCE)
 
 
 def test_decoder_solution_solves():
@@ -47,10 +48,17 @@ def _no_second_residual(x, layer, cos, sin):
     return kernels.gated_mlp(h, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
 
 
-@pytest.mark.parametrize("fn", [_no_rope, _not_causal, _no_second_residual], ids=["no rope", "not causal",
-                                                                                 "no residual"])
-def test_decoder_wrong_variants_rejected(fn):
-    assert rejected(check_decoder(fn))
+def _calls_the_hf_layer(x, layer, cos, sin):  # right values, no kernels: refused
+    t = x.shape[1]
+    mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
+    return layer(x, attention_mask=mask, position_embeddings=(cos, sin))
+
+
+@pytest.mark.parametrize("fn, diagnosis", [(_no_rope, ""), (_not_causal, ""), (_no_second_residual, ""),
+                                           (_calls_the_hf_layer, "compute it with kernels ops")],
+                         ids=["no rope", "not causal", "no residual", "the HF layer itself"])
+def test_decoder_wrong_variants_rejected(fn, diagnosis):
+    assert rejected(check_decoder(fn), diagnosis)
 
 
 # -- exercise 2: top-p ------------------------------------------------------------------------
