@@ -12,7 +12,10 @@ Every chapter module in :data:`bench.CHAPTER_MODULES` may define ``gpu_checks(si
    fraction of the copy bandwidth and a ratio against the op's baseline (an implementation marked
    ``unavailable`` is listed with its reason instead);
 3. every :class:`~bench.gpu.Peak` (peak CUDA memory of the callable);
-4. with ``--profile`` (``make gpu-check PROFILE=1``): a ``torch.profiler`` trace of a training
+4. MFU: training steps of a ~1B-parameter Llama-shaped :class:`kernels.models.CausalLM` in bf16
+   (fused loss, AdamW), timed with CUDA events; tokens/s, and the model FLOPs of
+   :func:`solutions.ch12_end_to_end.step_flops` over the time against the H200's dense bf16 peak;
+5. with ``--profile`` (``make gpu-check PROFILE=1``): a ``torch.profiler`` trace of a training
    step of a small decoder, its top-ops table and its events as JSON under ``$OUT/profile``
    (:mod:`bench.profile_step`).
 
@@ -28,6 +31,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import os
 import pathlib
 import sys
@@ -175,6 +179,61 @@ def run_peaks(entries, results: dict, device) -> list[str]:
     return failures
 
 
+#: The ~1B-parameter config of chapter 12's MFU section (smoke: a toy of the same shape).
+MFU_CONFIGS = {
+    "gpu": dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                num_attention_heads=16, num_key_value_heads=4, batch=4, seq=2048, steps=5, warmup=2),
+    "smoke": dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=4, num_key_value_heads=2, batch=1, seq=16, steps=1, warmup=1),
+}
+#: Dense bf16 tensor-core peak of an H200 SXM (NVIDIA's datasheet), what MFU is measured against.
+H200_BF16_PEAK = 989e12
+
+
+def run_mfu(results: dict, device, smoke: bool) -> list[str]:
+    """Train a Llama-shaped CausalLM for a few steps; tokens/s and MFU (model FLOPs / time / peak)."""
+    from kernels.models import CausalLM, CausalLMConfig
+    from solutions.ch12_end_to_end import step_flops
+
+    spec = dict(MFU_CONFIGS["smoke" if smoke else "gpu"])
+    batch, seq, steps, warmup = (spec.pop(k) for k in ("batch", "seq", "steps", "warmup"))
+    _log(f"MFU: {spec['num_hidden_layers']} layers of hidden {spec['hidden_size']}, {batch} x {seq} tokens ...")
+    try:
+        config = CausalLMConfig(**spec, head_dim=spec["hidden_size"] // spec["num_attention_heads"],
+                                max_position_embeddings=seq)
+        dtype = torch.float32 if smoke else torch.bfloat16
+        model = CausalLM(config).to(device=device, dtype=dtype)
+        params = sum(p.numel() for name, p in model.named_parameters() if "embed_tokens" not in name)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        ids = torch.randint(0, config.vocab_size, (batch, seq), device=device)
+
+        def step() -> float:
+            loss = model(ids, labels=ids)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return float(loss.detach())
+
+        for _ in range(warmup):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        losses = [step() for _ in range(steps)]  # float(loss) synchronizes every step
+        seconds = (time.perf_counter() - start) / steps
+        if not all(math.isfinite(v) for v in losses):
+            return [f"mfu: the training loss is not finite: {losses}"]
+    except Exception as error:
+        return [f"mfu: {type(error).__name__}: {error}"]
+    tokens = batch * seq
+    flops = step_flops(params, config.num_hidden_layers, config.hidden_size, seq, tokens)
+    results["mfu"] = {"config": {**spec, "batch": batch, "seq": seq}, "non_embedding_params": params,
+                      "dtype": str(dtype), "step_s": seconds, "tokens_per_s": tokens / seconds,
+                      "model_flops_per_step": flops, "TFLOP/s": flops / seconds / 1e12,
+                      "mfu_vs_h200_bf16_peak": flops / seconds / H200_BF16_PEAK}
+    return []
+
+
 def run_profile(out_dir: pathlib.Path, results: dict, smoke: bool) -> list[str]:
     """``--profile``: :func:`bench.profile_step.profile_training_step` under ``out_dir/profile``."""
     from bench.profile_step import kernel_ops, profile_training_step
@@ -212,6 +271,11 @@ def summary(results: dict, failures: list[str]) -> str:
         used = "—" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**20:.1f} MiB"
         ratio = f"{r['of_baseline']:.2f}× of baseline" if r["of_baseline"] else ""
         lines.append(f"peak memory {r['op']:<22}{r['impl']:<22}{used:>12}  {ratio}  {r['target']}")
+    if "mfu" in results:
+        m = results["mfu"]
+        lines.append(f"training step ({m['non_embedding_params'] / 1e9:.2f}B non-embedding params, {m['dtype']}): "
+                     f"{m['step_s'] * 1e3:.1f} ms, {m['tokens_per_s']:,.0f} tokens/s, {m['TFLOP/s']:.1f} model "
+                     f"TFLOP/s = MFU {m['mfu_vs_h200_bf16_peak']:.1%} of an H200's {H200_BF16_PEAK / 1e12:.0f}")
     if "profile" in results:
         prof = results["profile"]
         lines.append(f"profile ({prof['dir']}): top kernels ops by {prof['time_key']}")
@@ -259,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     failures += run_timings(entries, results, args.smoke, results["copy_GBps"])
     _log("peak memory ...")
     failures += run_peaks(entries, results, device)
+    failures += run_mfu(results, device, args.smoke)
     if args.profile:
         failures += run_profile(out_dir, results, args.smoke)
     results["failures"] = failures

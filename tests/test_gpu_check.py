@@ -71,3 +71,22 @@ def test_an_unavailable_timing_is_recorded_with_its_reason_not_timed_nor_failed(
     assert missing["ms"] is None and missing["vs_baseline"] is None and "GB/s" not in missing
     assert missing["unavailable"] == "torch 0.0 has no torch._missing" and base["vs_baseline"] == 1.0
     assert "unavailable: torch 0.0 has no torch._missing" in gpu_check.summary(results, [])
+
+
+def test_mfu_round_trains_and_reports(monkeypatch):
+    results = {}
+    assert gpu_check.run_mfu(results, torch.device("cpu"), smoke=True) == []
+    m = results["mfu"]
+    assert m["tokens_per_s"] > 0 and m["step_s"] > 0
+    params = m["non_embedding_params"]
+    config = gpu_check.MFU_CONFIGS["smoke"]
+    tokens = config["batch"] * config["seq"]
+    # 6·N per token plus attention's 12·L·h·s
+    assert m["model_flops_per_step"] == 6 * params * tokens + 12 * config["num_hidden_layers"] * \
+        config["hidden_size"] * config["seq"] * tokens
+    assert m["mfu_vs_h200_bf16_peak"] == pytest.approx(m["TFLOP/s"] * 1e12 / gpu_check.H200_BF16_PEAK)
+    line = gpu_check.summary({"device": "d", "torch": "t", "triton": "t", "date": "x", "copy_GBps": 1.0,
+                              "correctness": [], "timings": [], "peaks": [], **results}, [])
+    assert "MFU" in line and "tokens/s" in line
+    monkeypatch.setitem(gpu_check.MFU_CONFIGS, "smoke", {**config, "num_attention_heads": 5})  # a broken config
+    assert gpu_check.run_mfu({}, torch.device("cpu"), smoke=True)[0].startswith("mfu: ValueError")

@@ -152,6 +152,8 @@ def test_bad_input_is_refused(llama):
         engine.generate([[1, 2], [99]], max_new_tokens=2)
     with pytest.raises(ValueError, match="top_p must be in"):
         engine.generate([[1]], max_new_tokens=2, top_p=0.0)
+    with pytest.raises(ValueError, match=r"got a 2-D tensor \(a \(batch, length\) tensor: pass input_ids.tolist\(\)"):
+        engine.generate(torch.tensor([[1, 2], [3, 4]]), max_new_tokens=2)
     with pytest.raises(ValueError, match="needs up to"):
         engine.generate([list(range(3, 60))], max_new_tokens=2)  # more blocks than the cache has
     other = CausalLM.from_hf(transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(

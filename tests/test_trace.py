@@ -119,6 +119,23 @@ def test_vector_add_moves_exactly_12n_bytes(n):
     assert t.torch_ops == []  # the interpreter's own argument copies are not counted
 
 
+def test_by_kernel_sums_launches_and_torch_ops_per_name():
+    n = 2 * BLOCK
+    x, y, out = torch.randn(n), torch.randn(n), torch.empty(n)
+    _aligned(x, y, out)
+    with trace() as t:
+        for _ in range(3):
+            add_kernel[(2,)](x, y, out, n, BLOCK=BLOCK)
+        z = x * y  # one aten op that launches a kernel
+        z.view(2, -1)  # a view: no kernel, left out
+    totals = {k.name: k for k in t.by_kernel()}
+    assert set(totals) == {"add_kernel", "torch.aten.mul.Tensor"}
+    assert (totals["add_kernel"].launches, totals["add_kernel"].bytes) == (3, 3 * 12 * n)
+    assert (totals["torch.aten.mul.Tensor"].launches, totals["torch.aten.mul.Tensor"].bytes) == (1, 12 * n)
+    assert [k.name for k in t.by_kernel()] == ["add_kernel", "torch.aten.mul.Tensor"]  # most bytes first
+    assert sum(k.bytes for k in t.by_kernel()) == t.bytes
+
+
 @pytest.mark.parametrize("stride, useful_per_sector", [(1, 8), (2, 4), (8, 1), (16, 1)])
 def test_strided_load_touches_one_sector_per_useful_32_bytes(stride, useful_per_sector):
     n = 2 * BLOCK

@@ -51,6 +51,7 @@ __all__ = [
     "StoreMap",
     "Launch",
     "TorchOp",
+    "KernelTotal",
     "Trace",
     "trace",
     "ideal_bytes",
@@ -187,6 +188,16 @@ class TorchOp:
     @property
     def bytes(self) -> int:
         return self.bytes_read + self.bytes_written
+
+
+@dataclass
+class KernelTotal:
+    """All launches of one kernel (or one aten op) in a trace: :meth:`Trace.by_kernel`."""
+
+    name: str
+    launches: int = 0
+    bytes: int = 0
+    flops: int = 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -891,6 +902,21 @@ class Trace:
             "unique_sectors": self.unique_sectors,
             "out_of_bounds": self.out_of_bounds,
         }
+
+    def by_kernel(self) -> list[KernelTotal]:
+        """The trace summed per kernel, most bytes first: Triton launches by kernel name, aten ops
+        that launch a kernel as ``torch.<op>`` (views and allocations left out) — which kernels a
+        step's traffic goes to, without one row per launch."""
+        totals: dict[str, KernelTotal] = {}
+        rows = [(x.kernel, x.bytes, x.flops) for x in self.launches]
+        rows += [("torch." + op.name.removesuffix(".default"), op.bytes, op.flops)
+                 for op in self.torch_ops if op.launches]
+        for name, nbytes, flops in rows:
+            total = totals.setdefault(name, KernelTotal(name))
+            total.launches += 1
+            total.bytes += nbytes
+            total.flops += flops
+        return sorted(totals.values(), key=lambda k: (-k.bytes, k.name))
 
     def table(self) -> str:
         """One row per Triton launch, then one per torch op, then the totals; exact byte counts.

@@ -53,7 +53,7 @@ class EngineStats:
 
     @property
     def acceptance_rate(self) -> float:
-        """Accepted draft tokens over proposed ones (speculative decoding)."""
+        """Accepted draft tokens over proposed ones (speculative decoding; 0.0 when none was proposed)."""
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
     @property
@@ -379,7 +379,12 @@ class Engine:
         return out
 
     def _check(self, prompts, max_new_tokens, temperature, top_p) -> list[list[int]]:
-        if isinstance(prompts, torch.Tensor) or not isinstance(prompts, (list, tuple)) or not prompts:
+        if isinstance(prompts, torch.Tensor):
+            hint = (" (a (batch, length) tensor: pass input_ids.tolist(), or a list of 1-D tensors, one per prompt)"
+                    if prompts.dim() == 2 else " (one prompt: pass [ids])")
+            raise ValueError(f"{_OP}.generate: prompts must be a list of prompts, each a list of token ids; got a "
+                             f"{prompts.dim()}-D tensor{hint}")
+        if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError(f"{_OP}.generate: prompts must be a non-empty list of token-id lists, got "
                              f"{type(prompts).__name__}")
         checked = []
