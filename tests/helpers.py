@@ -137,6 +137,24 @@ def make_input(
     raise ValueError(f"unknown layout {layout!r}; one of {LAYOUTS}")
 
 
+def random_targets(
+    shape, n_classes: int, gen: torch.Generator, ignore_fraction: float = 0.25, ignore_index: int = -100,
+    dtype: torch.dtype = torch.int64, device=DEVICE,
+) -> torch.Tensor:
+    """Class indices in ``[0, n_classes)`` with about ``ignore_fraction`` of them ``ignore_index``.
+
+    At least one target always stays valid: a batch with none has a NaN mean loss, which no
+    comparison of outputs can check (NaN never equals NaN), so it would fail a test by chance once
+    in ``ignore_fraction ** numel`` draws. The all-ignored batch has tests of its own.
+    """
+    t = torch.randint(0, n_classes, tuple(shape), generator=gen)
+    ignored = torch.rand(tuple(shape), generator=gen) < ignore_fraction
+    if t.numel() and bool(ignored.all()):
+        ignored.view(-1)[0] = False
+    t[ignored] = ignore_index
+    return t.to(dtype).to(device)
+
+
 def paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale=None, window=None,
                               softcap=None, cu_seqlens_q=None, k_scale=None, v_scale=None,
                               dtype: torch.dtype = torch.float64) -> torch.Tensor:

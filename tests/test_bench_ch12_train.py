@@ -3,6 +3,9 @@ script fails when they part or the loss does not fall (negative controls)."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+
 import pytest
 
 pytest.importorskip("transformers")
@@ -49,3 +52,17 @@ def test_main_fails_when_loss_does_not_fall(monkeypatch, capsys):
     assert "did not fall" in capsys.readouterr().err
     monkeypatch.setattr(ct, "train", lambda config: _fake_run([3.0, 2.5, 2.0], [3.0, 2.5, 2.0]))
     assert ct.main(["--steps", "3", "--no-write"]) == 0
+
+
+def test_the_committed_curve_is_a_full_run_and_is_tracked():
+    """The chapter plots this file: it has to be in every clone (not ignored), a full default run,
+    and one that passed the script's own checks."""
+    assert ct.CURVE.exists(), f"{ct.CURVE} is missing: run `python -m bench.ch12_train` and commit it"
+    ignored = subprocess.run(["git", "check-ignore", "-q", str(ct.CURVE)], cwd=ct.ROOT, capture_output=True)
+    assert ignored.returncode != 0, f"{ct.CURVE.relative_to(ct.ROOT)} is git-ignored: no clone would have it"
+    run = json.loads(ct.CURVE.read_text())
+    steps = ct.TrainConfig().steps
+    assert run["config"] == vars(ct.TrainConfig()) and len(run["patched_loss"]) == len(run["reference_loss"]) == steps
+    gaps = [abs(p - r) / r for p, r in zip(run["patched_loss"], run["reference_loss"])]
+    assert max(gaps) == pytest.approx(run["max_relative_gap"]) and max(gaps) <= ct.GAP_LIMIT
+    assert run["patched_loss"][-1] < run["patched_loss"][0]

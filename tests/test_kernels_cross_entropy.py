@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from helpers import assert_matches
+from helpers import random_targets as targets
 
 import kernels
 from kernels.ops import cross_entropy as ce
@@ -29,12 +30,6 @@ DEVICE = kernels.runtime.DEVICE
 
 def randn(shape, gen, dtype=torch.float32, scale=3.0):
     return (torch.randn(shape, generator=gen, dtype=torch.float64) * scale).to(dtype).to(DEVICE)
-
-
-def targets(shape, n_classes, gen, ignore_fraction=0.25, ignore_index=-100, dtype=torch.int64):
-    t = torch.randint(0, n_classes, shape, generator=gen)
-    t[torch.rand(shape, generator=gen) < ignore_fraction] = ignore_index
-    return t.to(dtype).to(DEVICE)
 
 
 def class_weights(n_classes, gen):

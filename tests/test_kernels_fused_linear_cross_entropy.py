@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_matches
+from helpers import assert_matches, random_targets
 
 import kernels
 from kernels.ops import fused_linear_cross_entropy as flce
@@ -31,9 +31,7 @@ def rand(*shape, gen, dtype=torch.float32, scale=1.0):
 
 
 def targets(shape, vocab, gen, ignore_fraction=0.2):
-    t = torch.randint(0, vocab, shape, generator=gen)
-    t[torch.rand(shape, generator=gen) < ignore_fraction] = -100
-    return t.to(DEVICE)
+    return random_targets(shape, vocab, gen, ignore_fraction)
 
 
 def reference(x, weight, target, bias=None, reduction="mean", label_smoothing=0.0, softcap=None, z_loss=0.0):
