@@ -88,8 +88,8 @@ TABLE: dict[str, Policy] = {
     "moe_gate_up": Policy(LOWER, LOWER, "torch.matmul per expert + F.silu", "the experts' gate/up GEMM"),
     "fused_linear_cross_entropy": Policy(
         LOWER, LOWER, "F.cross_entropy(F.linear(x, weight))",
-        "the LM head's GEMM runs in the autocast dtype (as F.linear's); the loss, accumulated in float32 in the "
-        "kernel and rounded to x's dtype, is returned in float32 as torch's cross_entropy's is", fp32_results=(0,)),
+        "the LM head's GEMM runs in the autocast dtype (as F.linear's); the loss is float32, as torch's "
+        "cross_entropy's is under autocast (the op returns it in float32 always)", fp32_results=(0,)),
     "quantized_linear": Policy(
         LOWER, LOWER, "F.linear(x, dequantized weight)",
         "x and bias in the autocast dtype, as F.linear's; the int8/int4/fp8 data is not float compute and "

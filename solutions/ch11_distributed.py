@@ -626,40 +626,37 @@ def _deep_mlp(width: int, depth: int = 16) -> torch.nn.Sequential:
     return torch.nn.Sequential(*layers)
 
 
+def _zero_step(model: torch.nn.Module, stage: int, x: torch.Tensor, bucket_cap_mb: float | None = None):
+    """``model`` under DDP (stage 0) or ZeRO 1/2/3 with Adam, after one step on ``x``: ``(optimizer,
+    memory)``, the bytes of parameters, gradients and optimizer state this rank holds."""
+    from kernels.distributed import DataParallel, ZeroOptimizer, module_memory, shard_module
+
+    if stage in (1, 2):
+        options = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
+        opt = ZeroOptimizer(model.parameters(), torch.optim.Adam, stage=stage, **options)
+    else:
+        model = DataParallel(model) if stage == 0 else shard_module(model)
+        opt = torch.optim.Adam(model.parameters())
+    model(x).pow(2).mean().backward()
+    opt.step()
+    return opt, (opt.memory() if stage in (1, 2) else module_memory(model, opt))
+
+
 def world_zero_memory_sweep(widths: list[int]) -> list[dict]:
     """For 16-layer MLPs of each width: the parameters, and the bytes this rank holds after one Adam
     step under DDP and ZeRO 1/2/3, with ZeRO-2's peak during its backward (buckets of one layer)."""
     import torch.distributed as dist
 
-    from kernels.distributed import DataParallel, ZeroOptimizer, module_memory, shard_module
-
-    x_seed = dist.get_rank()
     out = []
     for width in widths:
         row = {"width": width, "parameters": sum(q.numel() for q in _deep_mlp(width).parameters())}
+        x = torch.randn(8, width, generator=torch.Generator().manual_seed(dist.get_rank()))
         for stage in (0, 1, 2, 3):
-            model = _deep_mlp(width)
-            x = torch.randn(8, width, generator=torch.Generator().manual_seed(x_seed))
-            if stage == 0:
-                model = DataParallel(model)
-                opt = torch.optim.Adam(model.parameters())
-            elif stage == 3:
-                shard_module(model)
-                opt = torch.optim.Adam(model.parameters())
-            else:
-                one_layer = (width * width + width) * 4 / 2**20
-                opt = ZeroOptimizer(model.parameters(), torch.optim.Adam, stage=stage, bucket_cap_mb=one_layer)
-            model(x).pow(2).mean().backward()
-            opt.step()
-            if stage in (1, 2):
-                memory = opt.memory()
-                if stage == 2:
-                    row["zero2_backward_peak"] = memory["gradients_peak"] + memory["parameters"] + \
-                        memory["optimizer_state"]
-            else:
-                state = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
-                            if isinstance(v, torch.Tensor))
-                memory = {**module_memory(model), "optimizer_state": state}
+            one_layer = (width * width + width) * 4 / 2**20
+            _, memory = _zero_step(_deep_mlp(width), stage, x, bucket_cap_mb=one_layer)
+            if stage == 2:
+                row["zero2_backward_peak"] = memory["gradients_peak"] + memory["parameters"] + \
+                    memory["optimizer_state"]
             row[stage] = memory["parameters"] + memory["gradients"] + memory["optimizer_state"]
         out.append(row)
     return out
@@ -669,29 +666,8 @@ def world_zero_memory() -> dict:
     """Bytes per rank of parameters, gradients and Adam's state after one step, for ZeRO stages 0–3."""
     import torch.distributed as dist
 
-    from kernels.distributed import DataParallel, ZeroOptimizer, module_memory, shard_module
-
-    out = {}
     x = torch.randn(8, 32, generator=torch.Generator().manual_seed(dist.get_rank()))
-    for stage in (0, 1, 2, 3):
-        model = _mlp()
-        if stage == 0:
-            model = DataParallel(model)
-            opt = torch.optim.Adam(model.parameters())
-        elif stage == 3:
-            shard_module(model)
-            opt = torch.optim.Adam(model.parameters())
-        else:
-            opt = ZeroOptimizer(model.parameters(), torch.optim.Adam, stage=stage)
-        model(x).pow(2).mean().backward()
-        opt.step()
-        if stage in (1, 2):
-            out[stage] = opt.memory()
-        else:
-            state = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
-                        if isinstance(v, torch.Tensor))
-            out[stage] = {**module_memory(model), "optimizer_state": state}
-    return out
+    return {stage: _zero_step(_mlp(), stage, x)[1] for stage in (0, 1, 2, 3)}
 
 
 def world_tensor_parallel() -> dict:

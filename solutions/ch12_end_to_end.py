@@ -69,26 +69,17 @@ _FORBIDDEN = ("aten.mm", "aten.bmm", "aten.addmm", "aten.matmul", "aten.linear",
 def kernels_only(candidate):
     """Run ``candidate`` and refuse it if it computed with torch's matmuls, softmax or attention
     (every op the dispatcher runs is seen) or ran no ``kernels`` op at all."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Watch(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen: set[str] = set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.seen.add(str(func.overloadpacket))
-            return func(*args, **(kwargs or {}))
+    from utils.trace import OpLog
 
     def run(*args):
-        with Watch() as watch:
+        with OpLog() as log:
             out = candidate(*args)
-        torch_ops = sorted(n for n in watch.seen if n.startswith(_FORBIDDEN))
+        torch_ops = log.matching(*_FORBIDDEN)
         if torch_ops:
             raise ValueError(f"the layer ran torch's {', '.join(torch_ops)}: compute it with kernels ops "
                              "(kernels.linear, kernels.flash_attention, …), not by calling the HF layer or torch's "
                              "matmul/softmax")
-        if not any(n.startswith("kernels.") for n in watch.seen):
+        if not log.matching("kernels."):
             raise ValueError("no kernels op ran: build the layer from kernels.rms_norm, kernels.linear, kernels.rope, "
                              "kernels.flash_attention, kernels.gated_mlp and kernels.add")
         return out

@@ -390,9 +390,7 @@ def zero_run(seed: int, stage: int, steps: int = 3) -> dict:
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
         if memory is None:
-            memory = opt.memory() if stage != 3 else {**module_memory(model), "optimizer_state": sum(
-                v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
-                if isinstance(v, torch.Tensor))}
+            memory = opt.memory() if stage != 3 else module_memory(model, opt)
         theirs.zero_grad()
         torch.nn.functional.mse_loss(twin(x), y).backward()
         for q in twin.parameters():  # ZeroRedundancyOptimizer expects averaged gradients (DDP's job)

@@ -9,12 +9,18 @@ import sys
 import pytest
 
 
+def torchrun(ranks: int, module: str, *args: str) -> subprocess.CompletedProcess:
+    """``python -m module args`` on ``ranks`` processes under torchrun (standalone rendezvous); fails the
+    test, with the end of both streams, unless every rank exits 0."""
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                          str(ranks), "-m", module, *args], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
 @pytest.mark.timeout(300)
 def test_selfcheck_passes_under_torchrun():
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          "-m", "kernels.distributed.selfcheck", "--timeout", "60"],
-                         capture_output=True, text=True, timeout=240)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    out = torchrun(2, "kernels.distributed.selfcheck", "--timeout", "60")
     assert "selfcheck on 2 ranks (gloo)" in out.stdout
     assert out.stdout.count("  ok   ") == 3 and "FAIL" not in out.stdout
 
@@ -24,10 +30,7 @@ TRAIN = ["--steps", "4", "--layers", "1", "--log-every", "1"]
 
 @pytest.mark.timeout(300)
 def test_tp_dp_training_example_under_torchrun():
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                          "-m", "kernels.distributed.train", *TRAIN],
-                         capture_output=True, text=True, timeout=240)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    out = torchrun(4, "kernels.distributed.train", *TRAIN)
     assert "4 ranks (gloo) as dp 2 x tp 2" in out.stdout
     assert out.stdout.count("   one process") == 4 and "\nok: loss" in out.stdout
 
@@ -46,10 +49,7 @@ def test_the_training_example_catches_a_broken_parallelism():
 
 
 def test_utils_distributed_runs_a_worker_function_under_torchrun():
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          "-m", "utils.distributed", "solutions.ch11_distributed:world_all_reduce", "1000"],
-                         capture_output=True, text=True, timeout=240)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    out = torchrun(2, "utils.distributed", "solutions.ch11_distributed:world_all_reduce", "1000")
     assert "world_all_reduce on 2 ranks (gloo)" in out.stdout
     assert "rank 0: {'bytes': 4000, 'max_error': 0.0" in out.stdout and "rank 1:" in out.stdout
 

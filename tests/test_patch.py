@@ -9,11 +9,11 @@ import copy
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 transformers = pytest.importorskip("transformers")
 
 import kernels.patch as kp  # noqa: E402
+from utils.trace import OpLog  # noqa: E402
 
 VOCAB = 64
 SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
@@ -102,20 +102,10 @@ def test_patched_vision_encoder_equals_the_original(family):
     _assert_grads_close(ref, model)
 
 
-class _Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.names: set[str] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.add(str(func.overloadpacket))
-        return func(*args, **(kwargs or {}))
-
-
 def _dispatched(model, ids) -> set[str]:
-    with torch.no_grad(), _Ops() as ops:
+    with torch.no_grad(), OpLog() as log:
         model(ids)
-    return ops.names
+    return log.names
 
 
 def test_the_patched_forward_runs_kernels_ops_and_no_torch_attention():
@@ -135,19 +125,23 @@ def test_the_fused_loss_never_materializes_the_logits():
     model = _decoder("llama")
     kp.patch_model(model)
     ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(5))
-    shapes = []
-
-    class Shapes(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(t, torch.Tensor):
-                    shapes.append(tuple(t.shape))
-            return out
-
-    with Shapes():
+    with OpLog() as log:
         model(ids, labels=ids).loss.backward()
+    shapes = log.shapes
     assert (2 * 8, VOCAB) not in shapes and (2, 9, VOCAB) not in shapes and (2 * 9, VOCAB) not in shapes
+
+
+def test_a_bf16_models_loss_comes_back_in_float32_like_hfs():
+    """HF upcasts the logits before its loss; the fused loss never makes logits, and returns float32 too
+    (a bf16 loss would keep under three significant digits)."""
+    model = _decoder("llama").to(torch.bfloat16)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want = model(ids, labels=ids).loss
+        kp.patch_model(model)
+        got = model(ids, labels=ids).loss
+    assert want.dtype == got.dtype == torch.float32
+    assert abs(float(got) - float(want)) <= 2e-2 * float(want), (float(got), float(want))
 
 
 def test_bad_input_is_refused_with_clear_errors():

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.helpers import DEVICE
-from utils.trace import trace
+from utils.trace import OpLog, trace
 from utils.transformer import (
     BlockConfig,
     DecoderBlock,
@@ -102,20 +101,6 @@ def test_reference_rejects_a_wrong_block(gen):
         _assert_close(out, want.detach(), "block output")
 
 
-class _RecordKernelsOps(TorchDispatchMode):
-    """Records every ``kernels::`` op call (below autograd: forwards and the backwards they launch)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[tuple] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func.namespace == "kernels":
-            self.calls.append((func, args, kwargs))
-        return func(*args, **kwargs)
-
-
 def _clone_args(args, requires_grad: bool):
     def one(a):
         if not isinstance(a, torch.Tensor):
@@ -129,7 +114,7 @@ def _clone_args(args, requires_grad: bool):
 def test_opcheck_every_op_of_the_block(gen):
     model = _model(gen)
     tokens, targets = _batch(gen, model.config, batch=1, seq=8)
-    recorder = _RecordKernelsOps()
+    recorder = OpLog(keep_calls="kernels")  # every kernels:: call, forwards and the backwards they launch
     loss = model.loss(tokens, targets)
     with recorder:
         loss = model.loss(tokens, targets)

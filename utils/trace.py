@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +55,7 @@ __all__ = [
     "KernelTotal",
     "Trace",
     "trace",
+    "OpLog",
     "ideal_bytes",
     "tensor_bytes",
     "format_bytes",
@@ -983,3 +985,47 @@ def trace(record_access: bool = False, torch_ops: bool = True, block_out_of_boun
     """
     return Trace(record_access=record_access, torch_ops=torch_ops, block_out_of_bounds=block_out_of_bounds,
                  record_sectors=record_sectors, record_writes=record_writes)
+
+
+class OpLog(TorchDispatchMode):
+    """Which operators ran inside a ``with`` block, as the dispatcher saw them (below autograd, so a
+    backward's ops count too): the lighter question beside :class:`Trace`'s bytes.
+
+    Attributes:
+        counts: calls per operator name, ``"aten.mm"``, ``"kernels.rms_norm"`` (a ``Counter``).
+        shapes: the shape of every tensor an operator returned, in order.
+        largest: ``(bytes, shape, operator)`` of the largest tensor any operator returned.
+        calls: ``(func, args, kwargs)`` of the operators of namespace ``keep_calls`` (``"kernels"``,
+            say), to be called again; empty when ``keep_calls`` is None.
+    """
+
+    def __init__(self, keep_calls: str | None = None) -> None:
+        super().__init__()
+        self.keep_calls = keep_calls
+        self.counts: Counter[str] = Counter()
+        self.shapes: list[tuple[int, ...]] = []
+        self.largest: tuple[int, tuple[int, ...] | None, str | None] = (0, None, None)
+        self.calls: list[tuple[Any, tuple, dict]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = str(func.overloadpacket)
+        self.counts[name] += 1
+        if self.keep_calls is not None and func.namespace == self.keep_calls:
+            self.calls.append((func, args, kwargs))
+        out = func(*args, **kwargs)
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.shapes.append(tuple(t.shape))
+                if tensor_bytes(t) > self.largest[0]:
+                    self.largest = (tensor_bytes(t), tuple(t.shape), name)
+        return out
+
+    @property
+    def names(self) -> set[str]:
+        """Every operator that ran."""
+        return set(self.counts)
+
+    def matching(self, *prefixes: str) -> list[str]:
+        """The operators that ran whose names start with any of ``prefixes``, sorted."""
+        return sorted(n for n in self.counts if n.startswith(prefixes))

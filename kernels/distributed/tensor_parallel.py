@@ -114,30 +114,19 @@ class _GatherFromParallel(torch.autograd.Function):
         return grad[..., start:start + ctx.width].contiguous(), None
 
 
-class _GatherSequence(torch.autograd.Function):
-    """Forward: all-gather dim 0 (the sequence) in rank order; backward: reduce-scatter it."""
+class _SequenceCollective(torch.autograd.Function):
+    """The sequence (dim 0) between ranks, a pair of mirror images: ``gather=True`` all-gathers it in
+    rank order forward and reduce-scatters the gradient back; ``gather=False`` reduce-scatters
+    forward (sum the ranks' partials, keep this rank's rows) and all-gathers the gradient."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_rows(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_rows(grad, ctx.group), None
-
-
-class _ReduceScatterSequence(torch.autograd.Function):
-    """Forward: reduce-scatter dim 0 (sum the ranks' partials, keep this rank's rows); backward: all-gather."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter_rows(x, group)
+    def forward(ctx, x, group, gather):
+        ctx.group, ctx.gather = group, gather
+        return _gather_rows(x, group) if gather else _reduce_scatter_rows(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_rows(grad, ctx.group), None
+        return (_reduce_scatter_rows(grad, ctx.group) if ctx.gather else _gather_rows(grad, ctx.group)), None, None
 
 
 class _SequenceParallelLinear(torch.autograd.Function):
@@ -182,12 +171,12 @@ def _reduce_scatter_rows(x: torch.Tensor, group) -> torch.Tensor:
 
 def gather_sequence(x: torch.Tensor, group=None) -> torch.Tensor:
     """Sequence parallelism's entry to a tensor-parallel region: all-gather dim 0; backward reduce-scatter."""
-    return _GatherSequence.apply(x, dist.group.WORLD if group is None else group)
+    return _SequenceCollective.apply(x, dist.group.WORLD if group is None else group, True)
 
 
 def reduce_scatter_sequence(x: torch.Tensor, group=None) -> torch.Tensor:
     """Sequence parallelism's exit: sum the partial products and keep this rank's rows of dim 0."""
-    return _ReduceScatterSequence.apply(x, dist.group.WORLD if group is None else group)
+    return _SequenceCollective.apply(x, dist.group.WORLD if group is None else group, False)
 
 
 def copy_to_parallel(x: torch.Tensor, group=None) -> torch.Tensor:

@@ -334,8 +334,12 @@ def shard_module(module: torch.nn.Module, group=None) -> torch.nn.Module:
     return module
 
 
-def module_memory(module: torch.nn.Module) -> dict[str, int]:
-    """Bytes of parameters and gradients ``module`` holds on this rank (after :func:`shard_module`: shards)."""
+def module_memory(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """Bytes of parameters and gradients ``module`` holds on this rank (after :func:`shard_module`: shards),
+    and with ``optimizer`` (a plain torch optimizer over them) its state's bytes as ``"optimizer_state"``
+    (:meth:`ZeroOptimizer.memory` counts its own)."""
     params = list(module.parameters())
-    return {"parameters": sum(q.numel() * q.element_size() for q in params),
-            "gradients": sum(q.grad.numel() * q.grad.element_size() for q in params if q.grad is not None)}
+    memory = {"parameters": sum(_nbytes(q) for q in params), "gradients": sum(_nbytes(q.grad) for q in params)}
+    if optimizer is not None:
+        memory["optimizer_state"] = _state_bytes(optimizer)
+    return memory

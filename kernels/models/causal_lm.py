@@ -29,6 +29,8 @@ import torch
 
 import kernels
 
+from ._hf import build_from_hf, mismatch_error
+
 __all__ = ["CausalLM", "CausalLMConfig", "SUPPORTED_MODEL_TYPES"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -212,15 +214,7 @@ class CausalLM(torch.nn.Module):
     def from_hf(cls, hf_model: torch.nn.Module) -> CausalLM:
         """The same model as a ``transformers`` ``LlamaForCausalLM`` / ``MistralForCausalLM`` /
         ``Qwen2ForCausalLM`` (its weights copied, its dtype and device kept)."""
-        config = getattr(hf_model, "config", None)
-        if config is None:
-            raise TypeError(f"{_OP}.from_hf: expected a transformers model with a .config, got "
-                            f"{type(hf_model).__name__}")
-        ours = cls(CausalLMConfig.from_hf(config))
-        first = next(hf_model.parameters())
-        ours.to(device=first.device, dtype=first.dtype)
-        ours.load_hf_state_dict(hf_model.state_dict(), source=type(hf_model).__name__)
-        return ours
+        return build_from_hf(cls, CausalLMConfig, hf_model, _OP)
 
     @classmethod
     def from_pretrained(cls, path: str | pathlib.Path, dtype: torch.dtype | None = None,
@@ -256,15 +250,11 @@ class CausalLM(torch.nn.Module):
             own.pop("lm_head.weight", None)
         missing = sorted(set(own) - set(state))
         unexpected = sorted(set(state) - set(own))
-        shapes = sorted(f"{k}: {tuple(state[k].shape)} != {tuple(own[k].shape)}" for k in set(own) & set(state)
+        shapes = sorted(f"{k} {tuple(state[k].shape)} (expected {tuple(own[k].shape)})" for k in set(own) & set(state)
                         if state[k].shape != own[k].shape)
         if missing or unexpected or shapes:
-            def few(items):
-                return ", ".join(items[:6]) + (f" … ({len(items)} in all)" if len(items) > 6 else "")
-            problems = [f"missing {few(missing)}" if missing else "", f"unexpected {few(unexpected)}" if unexpected
-                        else "", f"wrong shapes {few(shapes)}" if shapes else ""]
-            raise ValueError(f"{_OP}: {source} does not match a {self.config.model_type} model of this config: "
-                             + "; ".join(p for p in problems if p))
+            raise mismatch_error(_OP, source, f"a {self.config.model_type} model of this config", missing, unexpected,
+                                 shapes)
         with torch.no_grad():
             for name, tensor in own.items():
                 tensor.copy_(state[name])

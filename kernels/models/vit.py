@@ -21,6 +21,8 @@ import torch
 
 import kernels
 
+from ._hf import build_from_hf, mismatch_error
+
 _OP = "kernels.models.ViT"
 #: ``hidden_act`` → the ``activation=`` of :func:`kernels.linear` (``quick_gelu`` is computed apart).
 _ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "quick_gelu": None}
@@ -163,15 +165,7 @@ class ViT(torch.nn.Module):
     def from_hf(cls, hf_model: torch.nn.Module) -> ViT:
         """The same encoder as a ``transformers`` ``ViTModel`` or ``CLIPVisionModel`` (weights copied,
         dtype and device kept)."""
-        config = getattr(hf_model, "config", None)
-        if config is None:
-            raise TypeError(f"{_OP}.from_hf: expected a transformers model with a .config, got "
-                            f"{type(hf_model).__name__}")
-        ours = cls(ViTConfig.from_hf(config))
-        first = next(hf_model.parameters())
-        ours.to(device=first.device, dtype=first.dtype)
-        ours.load_hf_state_dict(hf_model.state_dict(), source=type(hf_model).__name__)
-        return ours
+        return build_from_hf(cls, ViTConfig, hf_model, _OP)
 
     def _hf_names(self) -> dict[str, str]:
         """Our parameter name → the name in a ``transformers`` (5.x) state dict of the encoder."""
@@ -220,6 +214,5 @@ class ViT(torch.nn.Module):
                 continue
             target.copy_(value.reshape(target.shape))  # cls (1, 1, h) / conv weight (h, c, p, p) flattened
         if missing or shapes:
-            raise ValueError(f"{_OP}: {source} does not match a {self.config.style} encoder of this config: "
-                             + "; ".join(filter(None, [missing and "missing " + ", ".join(missing[:8]),
-                                                       shapes and "wrong shape " + ", ".join(shapes[:8])])))
+            raise mismatch_error(_OP, source, f"a {self.config.style} encoder of this config", missing, (), shapes,
+                                 most=8)

@@ -204,14 +204,14 @@ def _flce_op(
     target_rows = target.reshape(n_rows)
     scales = _targets_and_scales(target_rows, vocab, ignore_index, reduction, label_smoothing)
     per_row = reduction == "none"
-    loss_rows = _launch.empty((n_rows,), x.dtype if per_row else torch.float32, x.device)
+    loss_rows = _launch.empty((n_rows,), torch.float32, x.device)
     grads = _new_grads(x2, weight, bias) if compute_grad else None
     options = (ignore_index, label_smoothing, softcap, z_loss)
     _chunks(x2, target_rows, weight, bias, scales, loss_rows, options, chunk_size, grads)
     if per_row:
         loss = loss_rows.view(target.shape)
     else:
-        loss = _launch.empty((), x.dtype, x.device)
+        loss = _launch.empty((), torch.float32, x.device)
         ce.cross_entropy_reduce_kernel[(1,)](loss_rows, loss_rows, scales, loss, loss, n_rows,
                                              RETURN_Z=False, MEAN=reduction == "mean", BLOCK=ce.SCAN_BLOCK)
     if grads is not None:
@@ -225,7 +225,7 @@ def _flce_op(
 def _flce_fake(x, weight, target, bias, ignore_index, reduction, label_smoothing, softcap, z_loss, chunk_size,
                compute_grad):
     _check_args(x, weight, target, bias, ignore_index, reduction, label_smoothing, softcap, z_loss, chunk_size)
-    loss = x.new_empty(tuple(target.shape) if reduction == "none" else ())
+    loss = x.new_empty(tuple(target.shape) if reduction == "none" else (), dtype=torch.float32)
     if not compute_grad:
         return loss, x.new_empty(0), x.new_empty(0), x.new_empty(0), x.new_empty((0,), dtype=torch.float32)
     grad_b = bias.new_empty(bias.shape) if bias is not None else x.new_empty(0)
@@ -336,7 +336,9 @@ def fused_linear_cross_entropy(
         chunk_size: rows per chunk; None for :func:`chunk_rows` (the logits buffer about x's size).
 
     Returns:
-        The loss (0-d, or x's leading shape for ``"none"``) in x's dtype, computed in float32.
+        The loss (0-d, or x's leading shape for ``"none"``) in float32, whatever x's dtype: the
+        logits never exist in a dtype of their own, and a loss rounded to bf16 keeps under three
+        significant digits (what Hugging Face's models get by upcasting the logits first).
         Differentiable in x, weight and bias: for "mean" and "sum" the gradients are computed in the
         forward (one backward per loss); for "none" the backward recomputes the chunks.
     """
