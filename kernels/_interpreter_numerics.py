@@ -213,11 +213,33 @@ def explain_missing_driver() -> None:
     driver_module._create_driver = create_driver
 
 
+def skip_dead_overflow_checks() -> None:
+    """Stop the interpreter computing integer-overflow checks whose result it throws away.
+
+    With ``sanitize_overflow`` on (the default), every 32-bit integer ``+``, ``-`` and ``*`` in a
+    kernel is also done in int64 and compared against the int32 range, and the verdict is handed to
+    ``device_assert`` — which does nothing unless the kernel runs with ``debug=True``, never the case
+    in the interpreter. A compiled kernel has the same dead code removed by the compiler; the
+    interpreter executes it with numpy, about five extra array operations per integer operation (a
+    third or more of an index-heavy kernel's interpreted time). Tying the check to ``debug``, as
+    ``device_assert`` already is, changes no result.
+    """
+    import dataclasses
+
+    # The interpreter keeps one module-level builder, made at import; its options are what the
+    # semantic layer reads.
+    builder = getattr(_interp, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    if options is not None and getattr(options, "sanitize_overflow", False) and not options.debug:
+        builder.options = dataclasses.replace(options, sanitize_overflow=False)
+
+
 def install() -> None:
     """Patch the interpreter's builder and reductions (idempotent)."""
     global _INSTALLED
     if _INSTALLED:
         return
+    skip_dead_overflow_checks()
     install_fp8()  # innermost: the bf16 repairs below wrap the fp8 ones
     builder = _interp.InterpreterBuilder
     for name in ("binary_op", "unary_op", "create_fma", "create_erf", "create_rsqrt"):

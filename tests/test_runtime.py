@@ -265,3 +265,27 @@ def test_interpreter_does_not_warn_about_inf_and_nan_a_gpu_computes_silently():
         kernels.silu(torch.full((4,), -100.0))  # exp(100) overflows to inf: sigmoid is 0, as on a GPU
         kernels.softmax(torch.full((2, 3), float("-inf")))  # -inf - -inf: nan, as torch gives
     assert not [w for w in caught if issubclass(w.category, RuntimeWarning)]
+
+
+@pytest.mark.interpreter
+def test_the_interpreter_skips_overflow_checks_whose_verdict_it_discards():
+    """The checks feed device_assert, a no-op without debug: the runtime turns them off with debug off
+    (a negative control: the stock options would compute them), and integer arithmetic still wraps
+    as compiled int32 arithmetic does."""
+    import triton
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    options = interpreter.interpreter_builder.options
+    assert not options.debug and not options.sanitize_overflow
+    assert interpreter.InterpreterOptions().sanitize_overflow  # what Triton would have done
+
+    @triton.jit
+    def wrap_kernel(x_ptr, out_ptr, N: tl.constexpr):
+        offs = tl.arange(0, N)
+        tl.store(out_ptr + offs, tl.load(x_ptr + offs) * 3 + 7)
+
+    x = torch.tensor([2**30, -(2**30), 5, 0], dtype=torch.int32)
+    out = torch.empty_like(x)
+    wrap_kernel[(1,)](x, out, N=4)
+    assert out.tolist() == [(v * 3 + 7 + 2**31) % 2**32 - 2**31 for v in x.tolist()]
