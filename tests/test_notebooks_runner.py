@@ -18,6 +18,7 @@ import nbformat
 import pytest
 
 from utils.notebooks import (
+    RESIDUE_FACTOR,
     chapter_notebooks,
     error_outputs,
     main,
@@ -223,6 +224,23 @@ def test_output_differences_skips_what_nbval_skips() -> None:
     same_error = nbformat.v4.new_output("error", ename="ValueError", evalue="shown", traceback=["other frames"])
     assert output_differences(_outputs(error), _outputs(same_error)) == []
     assert output_differences(_outputs(_stdout("x\n")), _outputs()) == ["cell 0 ('f()'): output kinds ['stdout'] vs []"]
+
+
+def test_output_differences_lets_rounding_residues_move_within_a_factor() -> None:
+    """An fp32 error printed as 2.9e-07 on one CPU may be 6.5e-07 on another (numpy's BLAS picks its
+    kernels by processor): such residues may differ up to RESIDUE_FACTOR; nothing else may."""
+    def differ(a: str, b: str) -> list[str]:
+        return output_differences(_outputs(_stdout(a)), _outputs(_stdout(b)))
+
+    assert differ("max |error| 2.9e-07, 4,096 bytes\n", "max |error| 6.5e-07, 4,096 bytes\n") == []
+    assert differ("err 1.0e-06\n", "err 9.5e-07\n") == []
+    # negative controls: beyond the factor, a changed count beside a residue, a larger number, a zero
+    assert differ("err 2.9e-07\n", f"err {2.9e-07 * RESIDUE_FACTOR * 1.5:.1e}\n") != []
+    assert differ("err 2.9e-07, 4,096 bytes\n", "err 2.9e-07, 4,097 bytes\n") == [
+        "cell 0 ('f()'): stdout: line 1: expected 'err 2.9e-07, 4,096 bytes', got 'err 2.9e-07, 4,097 bytes'"]
+    assert differ("loss 3.1e-02\n", "loss 3.0e-02\n") != []  # not a residue (>= 1e-3): exact
+    assert differ("err 0.0e+00\n", "err 1.0e-07\n") != []
+    assert differ("a 1.0e-06 b 2.0e-06\n", "a 1.0e-06\n") != []
 
 
 # ----------------------------------------------------------------------------------------------

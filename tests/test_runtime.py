@@ -289,3 +289,47 @@ def test_the_interpreter_skips_overflow_checks_whose_verdict_it_discards():
     out = torch.empty_like(x)
     wrap_kernel[(1,)](x, out, N=4)
     assert out.tolist() == [(v * 3 + 7 + 2**31) % 2**32 - 2**31 for v in x.tolist()]
+
+
+
+@triton.jit
+def _twice(x):
+    return x * 2
+
+
+@triton.jit
+def _helper_kernel(x_ptr, out_ptr, N: tl.constexpr, CALLS: tl.constexpr):
+    offs = tl.arange(0, N)
+    x = tl.load(x_ptr + offs)
+    for _ in tl.static_range(CALLS):
+        x = _twice(x)
+    tl.store(out_ptr + offs, x)
+
+
+@pytest.mark.interpreter
+def test_a_launch_patches_the_language_once_not_at_every_helper_call(monkeypatch):
+    """Triton's interpreter re-scans triton.language at every @triton.jit helper call; the runtime
+    keeps the launch's one scan, and the helper still computes."""
+    from triton.runtime import interpreter
+
+    scans = []
+    original = interpreter._patch_builtin
+    monkeypatch.setattr(interpreter, "_patch_builtin", lambda *a: (scans.append(a[0]), original(*a))[1])
+    x = torch.arange(4, dtype=torch.float32)
+
+    def scans_per_launch() -> dict[int, int]:
+        counts = {}
+        for calls in (1, 6):
+            out = torch.empty_like(x)
+            scans.clear()
+            _helper_kernel[(2,)](x, out, N=4, CALLS=calls)
+            assert torch.equal(out, x * 2**calls)
+            counts[calls] = len(scans)
+        return counts
+
+    counts = scans_per_launch()
+    assert counts[1] == counts[6] > 0, counts
+    # The negative control: Triton's own patching scans again at every helper call of every program.
+    monkeypatch.setattr(interpreter, "_patch_lang", interpreter._patch_lang.triton_original)
+    stock = scans_per_launch()
+    assert stock[6] - stock[1] >= 2 * 5, stock

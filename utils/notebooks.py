@@ -12,7 +12,9 @@ notebook's folder:
 2. in learner mode (``KERNEL_LADDER_SOLUTIONS=0``, the stubs as written): it must finish and
    every check must say ``❌ NOT SOLVED``, the same checks in the same order;
 3. every other output must be the same in both runs, compared as nbval compares them
-   (:func:`output_differences`). A difference means that a later cell depends on the learner's
+   (:func:`output_differences`), except that a rounding residue (a number in e-notation below
+   1e-3, an fp32 kernel's error say) may differ by up to :data:`RESIDUE_FACTOR` — its digits
+   depend on the CPU the run had. A difference means that a later cell depends on the learner's
    code (it should use ``kernels`` or the solutions): the notebook is refused and the cell named.
 
 Only then is the learner-mode run saved (execution counts 1..n, a run's metadata noise
@@ -57,6 +59,7 @@ __all__ = [
     "normalize",
     "notebook_problems",
     "output_differences",
+    "RESIDUE_FACTOR",
     "run_notebook",
     "solution_mode_problems",
     "verdict_lines",
@@ -230,6 +233,38 @@ def _comparable(cell: NotebookNode, strip_verdicts: bool) -> dict[str, list[obje
     return dict(compared)
 
 
+#: A rounding residue a lesson prints: a number in e-notation below 1e-3 ("6.5e-07", "1.3e-06"), such as
+#: the largest error of an fp32 kernel against a float64 reference. Its digits depend on the CPU (numpy's
+#: BLAS picks its kernels, and so its summation order, by processor), so two runs agree when every such
+#: number is within :data:`RESIDUE_FACTOR` of the other's and all the rest of the text is equal.
+_RESIDUE = re.compile(r"(?<![\w.])(\d\.\d+)e-(0[4-9]|[1-9]\d)\b")
+RESIDUE_FACTOR = 8.0
+
+
+def _same_text(a: str, b: str) -> bool:
+    """Equal, or equal but for rounding residues within :data:`RESIDUE_FACTOR` of each other."""
+    if a == b:
+        return True
+    left, right = _RESIDUE.split(a), _RESIDUE.split(b)
+    if len(left) != len(right) or left[::3] != right[::3]:
+        return False
+    for i in range(1, len(left), 3):
+        x, y = float(f"{left[i]}e-{left[i + 1]}"), float(f"{right[i]}e-{right[i + 1]}")
+        if x != y and not (x > 0 and y > 0 and max(x, y) <= RESIDUE_FACTOR * min(x, y)):
+            return False
+    return True
+
+
+def _same_value(a: object, b: object) -> bool:
+    if isinstance(a, str) and isinstance(b, str):
+        return _same_text(a, b)
+    return a == b
+
+
+def _same_outputs(a: dict[str, list[object]], b: dict[str, list[object]]) -> bool:
+    return set(a) == set(b) and all(len(a[k]) == len(b[k]) and all(map(_same_value, a[k], b[k])) for k in a)
+
+
 def _excerpt(text: str, at: int, width: int = 60) -> str:
     """``width`` characters of ``text`` around position ``at``, with … where it is cut."""
     start = max(0, min(at - width // 3, len(text) - width))
@@ -243,7 +278,7 @@ def _first_difference(expected: object, got: object) -> str:
         return f"expected {_excerpt(str(expected), 0)!r}, got {_excerpt(str(got), 0)!r}"
     expected_lines, got_lines = expected.splitlines(), got.splitlines()
     for number, (left, right) in enumerate(zip(expected_lines, got_lines), start=1):
-        if left != right:
+        if not _same_text(left, right):
             at = next((i for i, (a, b) in enumerate(zip(left, right)) if a != b), min(len(left), len(right)))
             return f"line {number}: expected {_excerpt(left, at)!r}, got {_excerpt(right, at)!r}"
     if len(expected_lines) != len(got_lines):
@@ -268,6 +303,7 @@ def output_differences(
     bookkeeping (execution counts, metadata, tracebacks), and streams are merged per name. With
     ``strip_verdicts`` (the default) a check's verdict block counts only by its name, so a run
     in solution mode (✅) and one in learner mode (❌) compare equal where nothing else differs.
+    Rounding residues (e-notation below 1e-3) match within :data:`RESIDUE_FACTOR` of each other.
     """
     if len(expected.cells) != len(got.cells):
         return [f"the notebooks have {len(expected.cells)} and {len(got.cells)} cells"]
@@ -281,16 +317,16 @@ def output_differences(
         if any(tag in left.get("metadata", {}).get("tags", []) for tag in _NOT_COMPARED_TAGS):
             continue
         a, b = _comparable(left, strip_verdicts), _comparable(right, strip_verdicts)
-        if a == b:
+        if _same_outputs(a, b):
             continue
         if set(a) != set(b):
             what = f"output kinds {sorted(a)} vs {sorted(b)}"
         else:
-            key = next(k for k in a if a[k] != b[k])
+            key = next(k for k in a if len(a[k]) != len(b[k]) or not all(map(_same_value, a[k], b[k])))
             if len(a[key]) != len(b[key]):
                 what = f"{key}: {len(a[key])} outputs vs {len(b[key])}"
             else:
-                left_value, right_value = next((x, y) for x, y in zip(a[key], b[key]) if x != y)
+                left_value, right_value = next((x, y) for x, y in zip(a[key], b[key]) if not _same_value(x, y))
                 what = f"{key}: {_first_difference(left_value, right_value)}"
         differences.append(f"{_cell_label(index, left)}: {what}")
     return differences
