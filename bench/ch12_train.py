@@ -81,13 +81,13 @@ def load_text(path: pathlib.Path = TEXT) -> tuple[str, torch.Tensor]:
 
 
 def batches(ids: torch.Tensor, config: TrainConfig) -> list[torch.Tensor]:
-    """``steps`` batches of random windows (``seq_len + 1`` tokens: inputs and their next tokens), fixed by the seed."""
-    if ids.numel() <= config.seq_len + 1:
-        raise ValueError(f"ch12_train: the text has {ids.numel()} tokens, fewer than seq_len + 1 = "
-                         f"{config.seq_len + 1}")
+    """``steps`` batches of random windows of ``seq_len`` tokens, fixed by the seed. A window is both the
+    input and the labels: the model predicts each token from those before it, ``seq_len - 1`` predictions."""
+    if ids.numel() < config.seq_len:
+        raise ValueError(f"ch12_train: the text has {ids.numel()} tokens, fewer than seq_len = {config.seq_len}")
     g = torch.Generator().manual_seed(config.seed)
-    starts = torch.randint(0, ids.numel() - config.seq_len - 1, (config.steps, config.batch_size), generator=g)
-    return [torch.stack([ids[s: s + config.seq_len + 1] for s in row.tolist()]) for row in starts]
+    starts = torch.randint(0, ids.numel() - config.seq_len + 1, (config.steps, config.batch_size), generator=g)
+    return [torch.stack([ids[s: s + config.seq_len] for s in row.tolist()]) for row in starts]
 
 
 def tiny_llama(vocab_size: int, config: TrainConfig):
@@ -108,8 +108,8 @@ def _train(model, data: list[torch.Tensor], lr: float, desc: str) -> tuple[list[
     losses = []
     start = time.perf_counter()
     for batch in _progress(data, desc):
-        # labels are the inputs shifted inside the model (HF's convention): pass the window itself
-        loss = model(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss
+        # the labels are the inputs: HF's model shifts them itself (token t is scored on predicting t + 1)
+        loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -143,7 +143,8 @@ def table(run: TrainRun) -> str:
         f"`python -m bench.ch12_train`: a {c.num_hidden_layers}-layer Llama ({run.parameters:,} parameters, "
         f"hidden {c.hidden_size}, {c.num_attention_heads} heads / {c.num_key_value_heads} KV heads) over the "
         f"{len(run.vocab)} characters of `data/gettysburg_address.txt`, AdamW lr {c.lr}, batch "
-        f"{c.batch_size} × {c.seq_len} tokens, {c.steps} steps, from the same initial weights on the same "
+        f"{c.batch_size} windows of {c.seq_len} characters ({c.seq_len - 1} next-character predictions each), "
+        f"{c.steps} steps, from the same initial weights on the same "
         "batches. Machine: " + run.machine + ".",
         "",
         "| step | transformers loss | patched loss | relative gap |",

@@ -13,7 +13,7 @@ Every chapter module in :data:`bench.CHAPTER_MODULES` may define ``gpu_checks(si
    ``unavailable`` is listed with its reason instead);
 3. every :class:`~bench.gpu.Peak` (peak CUDA memory of the callable);
 4. MFU: training steps of a ~1B-parameter Llama-shaped :class:`kernels.models.CausalLM` in bf16
-   (fused loss, AdamW), timed with CUDA events; tokens/s, and the model FLOPs of
+   (fused loss, AdamW), timed by the wall clock between synchronizations; tokens/s, and the model FLOPs of
    :func:`solutions.ch12_end_to_end.step_flops` over the time against the H200's dense bf16 peak;
 5. with ``--profile`` (``make gpu-check PROFILE=1``): a ``torch.profiler`` trace of a training
    step of a small decoder, its top-ops table and its events as JSON under ``$OUT/profile``
@@ -203,6 +203,7 @@ def run_mfu(results: dict, device, smoke: bool) -> list[str]:
                                 max_position_embeddings=seq)
         dtype = torch.float32 if smoke else torch.bfloat16
         model = CausalLM(config).to(device=device, dtype=dtype)
+        # N of 6·N: every parameter that takes part in a GEMM — all but the token embedding (a gather)
         params = sum(p.numel() for name, p in model.named_parameters() if "embed_tokens" not in name)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         ids = torch.randint(0, config.vocab_size, (batch, seq), device=device)

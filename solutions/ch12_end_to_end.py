@@ -129,7 +129,7 @@ def decoder_cases(gen: torch.Generator) -> list[tuple]:
         x = torch.randn(batch, seq, 32, generator=gen)
         positions = torch.arange(seq)[None].expand(batch, seq)
         cos, sin = rotary(x, positions)
-        text = f"LlamaDecoderLayer(hidden 32, 4 query heads over {kv_heads} KV heads)"
+        text = f"LlamaDecoderLayer(4 q / {kv_heads} kv heads)"  # a verdict shows 40 characters
         cases.append((x, DescribedLayer(layer, text), cos, sin))
     return cases
 

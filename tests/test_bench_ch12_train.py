@@ -18,10 +18,11 @@ def test_text_round_trips_and_batches_are_windows():
     assert "".join(vocab[i] for i in ids.tolist()) == ct.TEXT.read_text()
     config = ct.TrainConfig(steps=3, batch_size=2, seq_len=8)
     data = ct.batches(ids, config)
-    assert len(data) == 3 and data[0].shape == (2, 9)
+    assert len(data) == 3 and data[0].shape == (2, 8)
     text = ids.tolist()
     for row in data[1].tolist():  # each row is a contiguous window of the text
-        assert any(text[s: s + 9] == row for s in range(len(text) - 8))
+        assert any(text[s: s + 8] == row for s in range(len(text) - 7))
+    assert ct.batches(ids[:8], config)[0].shape == (2, 8)  # the whole text is one window
     with pytest.raises(ValueError, match="fewer than seq_len"):
         ct.batches(ids[:5], config)
 

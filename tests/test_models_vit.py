@@ -45,6 +45,16 @@ def test_last_hidden_state_matches_hf(family, act):
         assert _rel(ours.pooled(got), want.pooler_output) < 1e-4
 
 
+def test_a_whole_clip_model_gives_its_vision_tower():
+    t = transformers
+    torch.manual_seed(0)
+    text = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, vocab_size=50)
+    clip = t.CLIPModel(t.CLIPConfig(vision_config={**VISION, "hidden_act": "gelu"}, text_config=text)).eval()
+    x = torch.randn(2, 3, 12, 12)
+    want = clip.vision_model(pixel_values=x).last_hidden_state
+    assert _rel(ViT.from_hf(clip)(x), want) < 1e-4
+
+
 def test_gradients_match_hf():
     hf = _hf("vit")
     ours = ViT.from_hf(hf)

@@ -164,7 +164,11 @@ class ViT(torch.nn.Module):
     @classmethod
     def from_hf(cls, hf_model: torch.nn.Module) -> ViT:
         """The same encoder as a ``transformers`` ``ViTModel`` or ``CLIPVisionModel`` (weights copied,
-        dtype and device kept)."""
+        dtype and device kept); a whole ``CLIPModel`` (what ``AutoModel`` loads from a CLIP checkpoint)
+        gives its vision tower."""
+        model_type = getattr(getattr(hf_model, "config", None), "model_type", None)
+        if model_type == "clip" and hasattr(hf_model, "vision_model"):
+            hf_model = hf_model.vision_model
         return build_from_hf(cls, ViTConfig, hf_model, _OP)
 
     def _hf_names(self) -> dict[str, str]:
