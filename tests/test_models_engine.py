@@ -104,13 +104,19 @@ def test_the_nucleus_keeps_the_smallest_set_reaching_top_p():
     torch.testing.assert_close(Engine.distribution(logits, 1.0, 1.0), torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
 
 
+@pytest.fixture(scope="module")
+def plain_greedy(llama):
+    """Two prompts and the target's plain greedy continuation of each (computed once for the module)."""
+    prompts = _prompts((5, 9))
+    return prompts, Engine(llama[1], num_blocks=16, block_size=8).generate(prompts, max_new_tokens=6)
+
+
 @pytest.mark.parametrize("draft_kind", ["prompt_lookup", "draft model", "the target itself"])
-def test_speculative_greedy_output_is_the_targets(draft_kind, llama):
+def test_speculative_greedy_output_is_the_targets(draft_kind, llama, plain_greedy):
     _, model = llama
     draft = {"prompt_lookup": "prompt_lookup", "draft model": CausalLM.from_hf(_hf(layers=1, seed=1)),
              "the target itself": model}[draft_kind]
-    prompts = _prompts((5, 9))
-    base = Engine(model, num_blocks=16, block_size=8).generate(prompts, max_new_tokens=6)
+    prompts, base = plain_greedy
     engine = Engine(model, num_blocks=16, block_size=8, draft_model=draft, num_speculative_tokens=3)
     assert engine.generate(prompts, max_new_tokens=6) == base
     stats = engine.stats
