@@ -291,7 +291,6 @@ def test_the_interpreter_skips_overflow_checks_whose_verdict_it_discards():
     assert out.tolist() == [(v * 3 + 7 + 2**31) % 2**32 - 2**31 for v in x.tolist()]
 
 
-
 @triton.jit
 def _twice(x):
     return x * 2

@@ -261,8 +261,12 @@ def _same_value(a: object, b: object) -> bool:
     return a == b
 
 
+def _same_values(xs: list[object], ys: list[object]) -> bool:
+    return len(xs) == len(ys) and all(map(_same_value, xs, ys))
+
+
 def _same_outputs(a: dict[str, list[object]], b: dict[str, list[object]]) -> bool:
-    return set(a) == set(b) and all(len(a[k]) == len(b[k]) and all(map(_same_value, a[k], b[k])) for k in a)
+    return set(a) == set(b) and all(_same_values(a[k], b[k]) for k in a)
 
 
 def _excerpt(text: str, at: int, width: int = 60) -> str:
@@ -322,7 +326,7 @@ def output_differences(
         if set(a) != set(b):
             what = f"output kinds {sorted(a)} vs {sorted(b)}"
         else:
-            key = next(k for k in a if len(a[k]) != len(b[k]) or not all(map(_same_value, a[k], b[k])))
+            key = next(k for k in a if not _same_values(a[k], b[k]))
             if len(a[key]) != len(b[key]):
                 what = f"{key}: {len(a[key])} outputs vs {len(b[key])}"
             else:
