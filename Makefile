@@ -3,10 +3,14 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# With no NVIDIA GPU, the CPU build of torch. Point TORCH_PIP_FLAGS at another index if yours differs,
-# e.g. TORCH_PIP_FLAGS="--index-url <your CPU wheel index>".
+# With no NVIDIA GPU, the CPU build of torch: from PyTorch's CPU wheel index where it answers, else from
+# the default index (which may hold only a CUDA build: setup says which build it got, and its size).
 TORCH_CPU ?= torch==2.13.0
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_PIP_FLAGS ?=
+# The notebooks' kernel: the name and display name their metadata carries (utils.notebooks.KERNEL_NAME).
+KERNEL_NAME := kernel-ladder
+KERNEL_DISPLAY := Python 3 (kernel-ladder)
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 STAMP := $(VENV)/.setup-done
 LAB_STAMP := $(VENV)/.lab-done
@@ -28,23 +32,21 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@if ! $(PY) -c "import torch" >/dev/null 2>&1; then \
-	  if [ -z "$(HAS_GPU)" ]; then echo "setup: no NVIDIA GPU: installing the CPU build of torch ($(TORCH_CPU))"; \
-	    $(PY) -m pip install -q $(TORCH_PIP_FLAGS) "$(TORCH_CPU)"; \
-	  else echo "setup: NVIDIA GPU found: installing torch with CUDA"; $(PY) -m pip install -q torch; fi; \
+	  if [ -n "$(HAS_GPU)" ]; then echo "setup: NVIDIA GPU found: installing torch with CUDA"; $(PY) -m pip install -q torch; \
+	  elif [ -z "$(TORCH_PIP_FLAGS)" ] && $(PY) -c "import urllib.request as u; u.urlopen('$(TORCH_CPU_INDEX)/torch/', timeout=5)" >/dev/null 2>&1; then \
+	    echo "setup: no NVIDIA GPU: installing $(TORCH_CPU) from PyTorch's CPU wheel index"; \
+	    $(PY) -m pip install -q --index-url "$(TORCH_CPU_INDEX)" "$(TORCH_CPU)"; \
+	  else echo "setup: no NVIDIA GPU, PyTorch's CPU wheel index not reachable: installing $(TORCH_CPU) from the default index"; \
+	    $(PY) -m pip install -q $(TORCH_PIP_FLAGS) "$(TORCH_CPU)"; fi; \
+	  $(PY) -m utils.setup_report torch; \
 	fi
 	$(PY) -m pip install -q -e ".[dev]"
 	@# utils/, solutions/ and bench/ are the course's, not the wheel's: make them importable from any folder.
 	@$(PY) -c "import pathlib, sysconfig; pathlib.Path(sysconfig.get_paths()['purelib'], 'kernel_ladder_course.pth').write_text(str(pathlib.Path.cwd()) + '\n')"
-	@# Hugging Face's `kernels` distribution (pulled in by transformers>=5.25) has this library's import name.
-	@cd / && $(abspath $(PY)) -c "import importlib.metadata as m, pathlib, sys, kernels; \
-	  here = pathlib.Path('$(CURDIR)', 'kernels').resolve(); found = pathlib.Path(kernels.__file__).resolve().parent; \
-	  other = [d.metadata['Name'] for d in m.distributions() if d.metadata['Name'] == 'kernels']; \
-	  sys.exit(None if found == here and not other else \
-	  f'setup: import kernels finds {found}, distributions named kernels: {other}. Hugging Face\'s kernels ' \
-	  'package (transformers>=5.25 requires it) has the same import name: pip uninstall kernels, keep transformers<5.25')"
-	@$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (kernel-ladder)" >/dev/null
+	@cd / && $(abspath $(PY)) -m utils.setup_report imports "$(CURDIR)"
+	@$(PY) -m ipykernel install --sys-prefix --name $(KERNEL_NAME) --display-name "$(KERNEL_DISPLAY)" >/dev/null
 	@touch $(STAMP)
-	@echo "setup: done ($$($(PY) -c 'import kernels.runtime as r; print(r.describe())'))"
+	@echo "setup: done ($$($(PY) -c 'import kernel_ladder.runtime as r; print(r.describe())'))"
 
 $(LAB_STAMP): $(STAMP)
 	$(PY) -m pip install -q -e ".[dev,lab]"

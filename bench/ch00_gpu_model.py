@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-import kernels
+import kernel_ladder
 from bench import FORWARD_BOUND, Ladder, Step, register
 
 SIZES = {"cpu": 2048, "gpu": 1 << 26}
@@ -33,7 +33,7 @@ register(
         steps=[
             Step("python loop", python_loop_add, on_gpu=False),
             Step("torch x + y", torch.add, baseline=True),
-            Step("triton kernels.add", kernels.add, bound=FORWARD_BOUND),
+            Step("triton kernel_ladder.add", kernel_ladder.add, bound=FORWARD_BOUND),
         ],
         note="n = 2048 fp32 on the CPU (traced); 2^26 on a GPU (timed)",
     )
@@ -44,7 +44,7 @@ def gpu_checks(size: str) -> list:
     """``make gpu-check`` entries: add at 2^24 (checks) and 2^26 (timing) elements, bf16 and fp16."""
     from bench.gpu import Check, Timing, compiled
 
-    device = kernels.runtime.DEVICE
+    device = kernel_ladder.runtime.DEVICE
     n_check, n_time = (4096 * 4096, 1 << 26) if size == "gpu" else (3000, 4096)
     entries = []
     for dtype in (torch.bfloat16, torch.float16):
@@ -52,10 +52,10 @@ def gpu_checks(size: str) -> list:
         x, y = (torch.randn(n_check, generator=gen).to(device, dtype) for _ in range(2))
         rows = x.view(-1, 1000 if size != "gpu" else 4096)
         entries += [
-            Check("add", dtype, lambda x=x, y=y: kernels.add(x, y), lambda x=x, y=y: x.float() + y.float()),
-            Check("add (broadcast row)", dtype, lambda r=rows: kernels.add(r, r[:1]),
+            Check("add", dtype, lambda x=x, y=y: kernel_ladder.add(x, y), lambda x=x, y=y: x.float() + y.float()),
+            Check("add (broadcast row)", dtype, lambda r=rows: kernel_ladder.add(r, r[:1]),
                   lambda r=rows: r.float() + r[:1].float()),
-            Check("add (transposed)", dtype, lambda r=rows: kernels.add(r.t(), r.t()),
+            Check("add (transposed)", dtype, lambda r=rows: kernel_ladder.add(r.t(), r.t()),
                   lambda r=rows: 2 * r.t().float()),
         ]
     x, y = (torch.randn(n_time, device=device, dtype=torch.bfloat16) for _ in range(2))
@@ -63,7 +63,7 @@ def gpu_checks(size: str) -> list:
     entries += [
         Timing("add bf16 2^26", "torch eager", lambda: x + y, bytes=moved, baseline=True),
         Timing("add bf16 2^26", "torch.compile", compiled(lambda a, b: a + b, x, y), bytes=moved),
-        Timing("add bf16 2^26", "kernels.add", lambda: kernels.add(x, y), bytes=moved,
+        Timing("add bf16 2^26", "kernel_ladder.add", lambda: kernel_ladder.add(x, y), bytes=moved,
                target=">= 90% of copy bandwidth"),
     ]
     return entries

@@ -7,7 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-import kernels
+import kernel_ladder
 from bench import FORWARD_BOUND, Ladder, Step, register
 
 SIZES = {"cpu": (64, 1000), "gpu": (8192, 8192)}
@@ -37,7 +37,7 @@ def gelu_reference(x: torch.Tensor) -> torch.Tensor:
 
 
 def dropout_reference(x: torch.Tensor) -> torch.Tensor:
-    keep = kernels.dropout_mask(x.shape, DROPOUT_P, DROPOUT_SEED, device=x.device)
+    keep = kernel_ladder.dropout_mask(x.shape, DROPOUT_P, DROPOUT_SEED, device=x.device)
     return torch.where(keep, x.double() / (1.0 - DROPOUT_P), torch.zeros((), dtype=torch.float64, device=x.device))
 
 
@@ -49,7 +49,7 @@ register(
         reference=gelu_reference,
         steps=[
             Step("torch F.gelu", F.gelu, baseline=True),
-            Step("triton kernels.gelu", kernels.gelu, bound=FORWARD_BOUND),
+            Step("triton kernel_ladder.gelu", kernel_ladder.gelu, bound=FORWARD_BOUND),
         ],
         note="64x1000 fp32 on the CPU; 8192x8192 on a GPU",
     )
@@ -64,7 +64,7 @@ register(
         steps=[
             Step("torch sigmoid, mul, mul", swiglu_three_launches),
             Step("torch F.silu(g) * u", swiglu_torch, baseline=True),
-            Step("triton kernels.swiglu (fused)", kernels.swiglu, bound=FORWARD_BOUND),
+            Step("triton kernel_ladder.swiglu (fused)", kernel_ladder.swiglu, bound=FORWARD_BOUND),
         ],
         note="64x1000 fp32 on the CPU; 8192x8192 on a GPU",
     )
@@ -79,7 +79,7 @@ register(
         steps=[
             # torch's dropout draws a different mask: it is a bytes and time baseline only.
             Step("torch F.dropout", lambda x: F.dropout(x, DROPOUT_P, training=True), baseline=True),
-            Step("triton kernels.dropout (seeded)", lambda x: kernels.dropout(x, DROPOUT_P, seed=DROPOUT_SEED),
+            Step("triton kernel_ladder.dropout (seeded)", lambda x: kernel_ladder.dropout(x, DROPOUT_P, seed=DROPOUT_SEED),
                  bound=FORWARD_BOUND),
         ],
         note="torch's mask differs from ours (another RNG): only the seeded step is checked for values",
@@ -92,37 +92,37 @@ def gpu_checks(size: str) -> list:
     """``make gpu-check`` entries: every elementwise op at 2^24 elements, timings at 2^26, bf16 and fp16."""
     from bench.gpu import Check, Timing, compiled, grads
 
-    device = kernels.runtime.DEVICE
+    device = kernel_ladder.runtime.DEVICE
     shape_check, n_time = ((4096, 4096), 1 << 26) if size == "gpu" else ((3, 1000), 4096)
     entries = []
     for dtype in (torch.bfloat16, torch.float16):
         gen = torch.Generator(device="cpu").manual_seed(1)
         x, y, g = (torch.randn(shape_check, generator=gen).to(device, dtype) for _ in range(3))
         forward = {
-            "gelu": (lambda a: kernels.gelu(a), F.gelu),
-            "gelu tanh": (lambda a: kernels.gelu(a, approximate="tanh"), lambda a: F.gelu(a, approximate="tanh")),
-            "silu": (kernels.silu, F.silu),
+            "gelu": (lambda a: kernel_ladder.gelu(a), F.gelu),
+            "gelu tanh": (lambda a: kernel_ladder.gelu(a, approximate="tanh"), lambda a: F.gelu(a, approximate="tanh")),
+            "silu": (kernel_ladder.silu, F.silu),
         }
         for name, (ours, ref) in forward.items():
             entries.append(Check(name, dtype, lambda o=ours, x=x: o(x), lambda r=ref, x=x: r(x.float())))
             entries.append(Check(f"{name} backward", dtype, lambda o=ours, x=x, g=g: grads(o, (x,), g),
                                  lambda r=ref, x=x, g=g: grads(r, (x,), g, upcast=True)))
         entries += [
-            Check("swiglu", dtype, lambda x=x, y=y: kernels.swiglu(x, y),
+            Check("swiglu", dtype, lambda x=x, y=y: kernel_ladder.swiglu(x, y),
                   lambda x=x, y=y: swiglu_torch(x.float(), y.float())),
-            Check("swiglu backward", dtype, lambda x=x, y=y, g=g: grads(kernels.swiglu, (x, y), g),
+            Check("swiglu backward", dtype, lambda x=x, y=y, g=g: grads(kernel_ladder.swiglu, (x, y), g),
                   lambda x=x, y=y, g=g: grads(swiglu_torch, (x, y), g, upcast=True)),
             # The seeded mask is reproducible: the reference rebuilds it from the same seed.
-            Check("dropout p=0.1", dtype, lambda x=x: kernels.dropout(x, DROPOUT_P, seed=7),
-                  lambda x=x: torch.where(kernels.dropout_mask(x.shape, DROPOUT_P, 7, device=x.device),
+            Check("dropout p=0.1", dtype, lambda x=x: kernel_ladder.dropout(x, DROPOUT_P, seed=7),
+                  lambda x=x: torch.where(kernel_ladder.dropout_mask(x.shape, DROPOUT_P, 7, device=x.device),
                                           x.float() / (1 - DROPOUT_P), 0.0)),
         ]
     x, y = (torch.randn(n_time, device=device, dtype=torch.bfloat16) for _ in range(2))
     size_bytes = x.element_size() * n_time
     ops = {
-        "gelu": (2, (lambda: kernels.gelu(x)), F.gelu, (x,)),
-        "swiglu": (3, (lambda: kernels.swiglu(x, y)), swiglu_torch, (x, y)),
-        "dropout p=0.1": (2, (lambda: kernels.dropout(x, DROPOUT_P, seed=1)),
+        "gelu": (2, (lambda: kernel_ladder.gelu(x)), F.gelu, (x,)),
+        "swiglu": (3, (lambda: kernel_ladder.swiglu(x, y)), swiglu_torch, (x, y)),
+        "dropout p=0.1": (2, (lambda: kernel_ladder.dropout(x, DROPOUT_P, seed=1)),
                           lambda a: F.dropout(a, DROPOUT_P), (x,)),
     }
     for name, (passes, ours, torch_fn, args) in ops.items():
@@ -130,7 +130,7 @@ def gpu_checks(size: str) -> list:
         entries += [
             Timing(op, "torch eager", lambda f=torch_fn, a=args: f(*a), bytes=passes * size_bytes, baseline=True),
             Timing(op, "torch.compile", compiled(torch_fn, *args), bytes=passes * size_bytes),
-            Timing(op, f"kernels.{name.split()[0]}", ours, bytes=passes * size_bytes,
+            Timing(op, f"kernel_ladder.{name.split()[0]}", ours, bytes=passes * size_bytes,
                    target=">= 90% of copy bandwidth"),
         ]
     return entries

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-import kernels
+import kernel_ladder
 from bench import FORWARD_BOUND, Ladder, Step, register
 from solutions import ch02_softmax as solutions
 
@@ -101,8 +101,8 @@ def softmax_backward_one_row(y: torch.Tensor, grad_y: torch.Tensor) -> torch.Ten
 
 
 def softmax_backward_kernels(y: torch.Tensor, grad_y: torch.Tensor) -> torch.Tensor:
-    """``kernels.softmax``'s backward op (the one autograd calls)."""
-    return torch.ops.kernels.softmax_backward(grad_y, y, -1, y.dtype)
+    """``kernel_ladder.softmax``'s backward op (the one autograd calls)."""
+    return torch.ops.kernel_ladder.softmax_backward(grad_y, y, -1, y.dtype)
 
 
 def softmax_backward_reference(y: torch.Tensor, grad_y: torch.Tensor) -> torch.Tensor:
@@ -165,7 +165,7 @@ register(
             Step("torch F.softmax", lambda x: F.softmax(x, dim=-1), baseline=True),
             Step("triton one row per program", softmax_one_row),
             Step("online: triton, 2 passes", softmax_online),
-            Step("triton kernels.softmax", kernels.softmax, bound=FORWARD_BOUND),
+            Step("triton kernel_ladder.softmax", kernel_ladder.softmax, bound=FORWARD_BOUND),
         ],
         note="64x1000 bf16 on the CPU; 4096x16384 bf16 on a GPU",
     )
@@ -182,7 +182,7 @@ register(
             Step("torch F.softmax", lambda x: F.softmax(x, dim=-1), baseline=True),
             Step("triton one row per program", softmax_one_row),
             Step("triton several rows per program", softmax_multirow),
-            Step("triton kernels.softmax", kernels.softmax, bound=FORWARD_BOUND),
+            Step("triton kernel_ladder.softmax", kernel_ladder.softmax, bound=FORWARD_BOUND),
         ],
         note="512x100 bf16 on the CPU; 262144x128 bf16 on a GPU: same bytes, fewer programs",
     )
@@ -201,7 +201,7 @@ register(
             # minutes to compile on a GPU; traced here only, to show that it moves the ideal bytes.
             Step("triton one row per program (one block)", softmax_one_row, on_gpu=False),
             Step("online: triton, 2 passes", softmax_online),
-            Step("online: triton kernels.softmax", kernels.softmax),
+            Step("online: triton kernel_ladder.softmax", kernel_ladder.softmax),
         ],
         note="2x70000 bf16 on the CPU; 1024x131072 bf16 on a GPU (rows longer than the largest block)",
     )
@@ -236,7 +236,7 @@ register(
             Step("torch fp32 probabilities, -log", cross_entropy_naive),
             Step("torch F.cross_entropy", F.cross_entropy, baseline=True),
             Step("torch chunks of 1024 (online)", cross_entropy_chunked),
-            Step("triton kernels.cross_entropy", kernels.cross_entropy, bound=FORWARD_BOUND),
+            Step("triton kernel_ladder.cross_entropy", kernel_ladder.cross_entropy, bound=FORWARD_BOUND),
         ],
         note="forward; 32x4000 bf16 on the CPU; 4096x128256 (LLaMA-3 vocabulary) bf16 on a GPU",
     )
@@ -255,7 +255,7 @@ CHECK_SIZES = {
 
 
 def _backward_from_saved(name: str, x: torch.Tensor, grad_y: torch.Tensor) -> tuple[torch.Tensor]:
-    """The gradient in fp32 from the 16-bit output the forward saved (``kernels``' own forward output).
+    """The gradient in fp32 from the 16-bit output the forward saved (``kernel_ladder``' own forward output).
 
     Any implementation that saves a bf16/fp16 output inherits that output's rounding: for a
     log-softmax over 70000 columns, ``exp(y)`` is off by up to 2^-9 * |y| relative, times a
@@ -263,7 +263,7 @@ def _backward_from_saved(name: str, x: torch.Tensor, grad_y: torch.Tensor) -> tu
     backward is checked against the exact formula applied to the saved output, and the forward
     (checked separately) against float32.
     """
-    forward = kernels.softmax if name == "softmax" else kernels.log_softmax
+    forward = kernel_ladder.softmax if name == "softmax" else kernel_ladder.log_softmax
     y, g = forward(x).float(), grad_y.float()
     if name == "softmax":
         return (y * (g - (y * g).sum(dim=-1, keepdim=True)),)
@@ -293,7 +293,7 @@ def gpu_checks(size: str) -> list:
     cross-entropy forward+backward, ours against torch's."""
     from bench.gpu import Check, Peak, Timing, compiled, grads
 
-    device = kernels.runtime.DEVICE
+    device = kernel_ladder.runtime.DEVICE
     shapes = CHECK_SIZES["gpu" if size == "gpu" else "smoke"]
     entries: list = []
     for dtype in (torch.bfloat16, torch.float16):
@@ -302,31 +302,31 @@ def gpu_checks(size: str) -> list:
             g = _randn(shapes[kind], device, dtype, seed=6)
             rows = f"{shapes[kind][0]}x{shapes[kind][1]}"
             for name, ours, ref in (
-                ("softmax", kernels.softmax, lambda a: torch.softmax(a, dim=-1)),
-                ("log_softmax", kernels.log_softmax, lambda a: torch.log_softmax(a, dim=-1)),
+                ("softmax", kernel_ladder.softmax, lambda a: torch.softmax(a, dim=-1)),
+                ("log_softmax", kernel_ladder.log_softmax, lambda a: torch.log_softmax(a, dim=-1)),
             ):
                 entries.append(Check(f"{name} {rows}", dtype, lambda o=ours, x=x: o(x),
                                      lambda r=ref, x=x: r(x.float())))
                 entries.append(Check(f"{name} backward {rows}", dtype, lambda o=ours, x=x, g=g: grads(o, (x,), g),
                                      lambda n=name, x=x, g=g: _backward_from_saved(n, x, g)))
         x = _randn(shapes["softmax"], device, dtype, seed=7, scale=3.0)
-        entries.append(Check("softmax dim=0", dtype, lambda x=x: kernels.softmax(x, dim=0),
+        entries.append(Check("softmax dim=0", dtype, lambda x=x: kernel_ladder.softmax(x, dim=0),
                              lambda x=x: torch.softmax(x.float(), dim=0)))
         n_rows, vocab = shapes["ce"]
         logits = _randn((n_rows, vocab), device, dtype, seed=8, scale=3.0)
         target = _randint(vocab, n_rows, device, seed=9)
         target[::7] = -100  # ignored positions, as in padded batches
         entries += [
-            Check(f"cross_entropy {n_rows}x{vocab}", dtype, lambda lg=logits, t=target: kernels.cross_entropy(lg, t),
+            Check(f"cross_entropy {n_rows}x{vocab}", dtype, lambda lg=logits, t=target: kernel_ladder.cross_entropy(lg, t),
                   lambda lg=logits, t=target: F.cross_entropy(lg.float(), t)),
             Check(f"cross_entropy backward {n_rows}x{vocab}", dtype,
-                  lambda lg=logits, t=target: grads(lambda a: kernels.cross_entropy(a, t), (lg,)),
+                  lambda lg=logits, t=target: grads(lambda a: kernel_ladder.cross_entropy(a, t), (lg,)),
                   lambda lg=logits, t=target: grads(lambda a: F.cross_entropy(a, t), (lg,), upcast=True)),
             Check(f"cross_entropy label_smoothing=0.1 {n_rows}x{vocab}", dtype,
-                  lambda lg=logits, t=target: kernels.cross_entropy(lg, t, label_smoothing=0.1),
+                  lambda lg=logits, t=target: kernel_ladder.cross_entropy(lg, t, label_smoothing=0.1),
                   lambda lg=logits, t=target: F.cross_entropy(lg.float(), t, label_smoothing=0.1)),
             Check(f"cross_entropy reduction=none {n_rows}x{vocab}", dtype,
-                  lambda lg=logits, t=target: kernels.cross_entropy(lg, t, reduction="none"),
+                  lambda lg=logits, t=target: kernel_ladder.cross_entropy(lg, t, reduction="none"),
                   lambda lg=logits, t=target: F.cross_entropy(lg.float(), t, reduction="none")),
         ]
 
@@ -344,7 +344,7 @@ def gpu_checks(size: str) -> list:
         Timing(op, "torch.compile 5 ops", compiled(softmax_five_ops, x), bytes=2 * x.nbytes),
         Timing(op, "ch02 one row/program", lambda: softmax_one_row(x), bytes=2 * x.nbytes),
         Timing(op, "ch02 online", lambda: softmax_online(x), bytes=2 * x.nbytes),
-        Timing(op, "kernels.softmax", lambda: kernels.softmax(x), bytes=2 * x.nbytes,
+        Timing(op, "kernel_ladder.softmax", lambda: kernel_ladder.softmax(x), bytes=2 * x.nbytes,
                target=">= 90% of copy bandwidth"),
     ]
     op = f"softmax bwd {shapes['softmax'][0]}x{shapes['softmax'][1]} bf16"
@@ -352,7 +352,7 @@ def gpu_checks(size: str) -> list:
         Timing(op, "torch eager", lambda: softmax_backward_aten(y, grad_y), bytes=3 * y.nbytes, baseline=True),
         Timing(op, "torch.compile", compiled(softmax_backward_torch_ops, y, grad_y), bytes=3 * y.nbytes),
         Timing(op, "ch02 one row/program", lambda: softmax_backward_one_row(y, grad_y), bytes=3 * y.nbytes),
-        Timing(op, "kernels softmax_backward", lambda: softmax_backward_kernels(y, grad_y), bytes=3 * y.nbytes,
+        Timing(op, "kernel_ladder softmax_backward", lambda: softmax_backward_kernels(y, grad_y), bytes=3 * y.nbytes,
                target="faster than torch eager"),
     ]
     for kind in ("short", "long"):
@@ -361,7 +361,7 @@ def gpu_checks(size: str) -> list:
         entries += [
             Timing(op, "torch eager", lambda a=xs: torch.softmax(a, dim=-1), bytes=2 * xs.nbytes, baseline=True),
             Timing(op, "torch.compile", compiled(lambda a: torch.softmax(a, dim=-1), xs), bytes=2 * xs.nbytes),
-            Timing(op, "kernels.softmax", lambda a=xs: kernels.softmax(a), bytes=2 * xs.nbytes),
+            Timing(op, "kernel_ladder.softmax", lambda a=xs: kernel_ladder.softmax(a), bytes=2 * xs.nbytes),
         ]
 
     # Cross-entropy forward + backward: at least read the logits and write their gradient.
@@ -376,14 +376,14 @@ def gpu_checks(size: str) -> list:
         Timing(op, "torch eager, fp32 upcast", _forward_backward(_ce_torch_fp32, logits, target),
                bytes=2 * logits.nbytes),
         Timing(op, "torch.compile", _forward_backward(compiled_ce, logits, target), bytes=2 * logits.nbytes),
-        Timing(op, "kernels.cross_entropy", _forward_backward(kernels.cross_entropy, logits, target),
+        Timing(op, "kernel_ladder.cross_entropy", _forward_backward(kernel_ladder.cross_entropy, logits, target),
                bytes=2 * logits.nbytes, target="faster than torch eager"),
     ]
     op = f"cross_entropy fwd+bwd {n_rows}x{vocab} bf16"
     entries += [
         Peak(op, "torch, fp32 upcast (HF)", _forward_backward(_ce_torch_fp32, logits, target), baseline=True),
         Peak(op, "torch, bf16", _forward_backward(F.cross_entropy, logits, target)),
-        Peak(op, "kernels.cross_entropy", _forward_backward(kernels.cross_entropy, logits, target),
+        Peak(op, "kernel_ladder.cross_entropy", _forward_backward(kernel_ladder.cross_entropy, logits, target),
              target="<= 1/4 of torch's (fp32 upcast)"),
     ]
     return entries

@@ -1,16 +1,16 @@
 """Chapter 03's ladders: RMSNorm and LayerNorm forward and backward, and the fused residual add.
 
 Forward: the torch composition (one launch per op, fp32 intermediates) → torch's own op → the
-chapter's one-kernel solution → ``kernels``. Backward steps run forward and backward and return
+chapter's one-kernel solution → ``kernel_ladder``. Backward steps run forward and backward and return
 the gradients as a tuple: autograd through the composition → through torch's op → the chapter's
-kernels (dx row kernel, stage-1 partial sums, column sums) → ``kernels`` (dx and the partial sums
+kernels (dx row kernel, stage-1 partial sums, column sums) → ``kernel_ladder`` (dx and the partial sums
 in one pass). ``add_rms_norm``: the residual add and the norm as two launches → one.
 
 Above the ideal, by design: the row-per-program solutions reload the weight for every row; the
-``kernels`` ops load it once per program (4 forward and 8 backward programs at the CPU size, up to
+``kernel_ladder`` ops load it once per program (4 forward and 8 backward programs at the CPU size, up to
 2 per SM on a GPU), and their backward writes and reads a ``(programs, N)`` fp32 partial buffer
 per parameter. The CPU size's rows (1000) take the fused backward; the GPU size's (16384, above
-``kernels.ops.norm.MAX_FUSED_BLOCK_BACKWARD``) take the chunked one, which reads ``g`` and ``x``
+``kernel_ladder.ops.norm.MAX_FUSED_BLOCK_BACKWARD``) take the chunked one, which reads ``g`` and ``x``
 twice — so the report's H200 model, scaled from the CPU size, is optimistic for the backward.
 
 ``gpu_checks(size)`` adds the chapter's entries to ``make gpu-check``: correctness in bf16 and
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-import kernels
+import kernel_ladder
 from bench import FORWARD_BOUND, Ladder, Step, register
 from bench.gpu import Check, Timing
 from bench.gpu import grads as gpu_grads
@@ -85,11 +85,11 @@ def layer_norm_torch(x, w, b):
 
 
 def rms_norm_kernels(x, w):
-    return kernels.rms_norm(x, w, RMS_EPS)
+    return kernel_ladder.rms_norm(x, w, RMS_EPS)
 
 
 def layer_norm_kernels(x, w, b):
-    return kernels.layer_norm(x, x.shape[-1:], w, b, LN_EPS)
+    return kernel_ladder.layer_norm(x, x.shape[-1:], w, b, LN_EPS)
 
 
 def add_rms_norm_torch(x, residual, w):
@@ -98,12 +98,12 @@ def add_rms_norm_torch(x, residual, w):
 
 
 def add_rms_norm_unfused_kernels(x, residual, w):
-    h = kernels.add(x, residual)
-    return kernels.rms_norm(h, w, RMS_EPS), h
+    h = kernel_ladder.add(x, residual)
+    return kernel_ladder.rms_norm(h, w, RMS_EPS), h
 
 
 def add_rms_norm_fused(x, residual, w):
-    return kernels.add_rms_norm(x, residual, w, RMS_EPS)
+    return kernel_ladder.add_rms_norm(x, residual, w, RMS_EPS)
 
 
 def grads(forward, *inputs: torch.Tensor, grad_out: torch.Tensor) -> tuple:
@@ -199,7 +199,7 @@ register(
             Step("torch F.rms_norm", rms_norm_torch, baseline=True),
             Step("torch.compile composition", _compiled(rms_norm_composed), on_cpu=False),
             Step("one-kernel solution (row per program)", lambda x, w: solutions.rms_norm(x, w, RMS_EPS)),
-            Step("kernels.rms_norm", rms_norm_kernels, bound=FORWARD_BOUND),
+            Step("kernel_ladder.rms_norm", rms_norm_kernels, bound=FORWARD_BOUND),
         ],
         note=NOTE,
     )
@@ -217,7 +217,7 @@ register(
             Step("torch F.layer_norm", layer_norm_torch, baseline=True),
             Step("torch.compile composition", _compiled(layer_norm_composed), on_cpu=False),
             Step("one-kernel solution (row per program)", lambda x, w, b: solutions.layer_norm(x, w, b, LN_EPS)),
-            Step("kernels.layer_norm", layer_norm_kernels, bound=FORWARD_BOUND),
+            Step("kernel_ladder.layer_norm", layer_norm_kernels, bound=FORWARD_BOUND),
         ],
         note=NOTE,
     )
@@ -236,7 +236,7 @@ register(
             Step("torch.compile composition",
                  lambda x, w, g, f=_compiled(rms_norm_composed): grads(f, x, w, grad_out=g), on_cpu=False),
             Step("solution kernels (fwd, dx, partials, column sum)", rms_norm_solution_fwd_bwd),
-            Step("kernels.rms_norm", lambda x, w, g: grads(rms_norm_kernels, x, w, grad_out=g)),
+            Step("kernel_ladder.rms_norm", lambda x, w, g: grads(rms_norm_kernels, x, w, grad_out=g)),
         ],
         ideal_bytes=_fwd_bwd_ideal,
         note=NOTE + "; returns (dx, dw). " + BF16_BACKWARD_NOTE,
@@ -259,7 +259,7 @@ register(
             Step("torch.compile composition",
                  lambda x, w, b, g, f=_compiled(layer_norm_composed): grads(f, x, w, b, grad_out=g), on_cpu=False),
             Step("solution kernels (fwd, dx, partials, 2 column sums)", layer_norm_solution_fwd_bwd),
-            Step("kernels.layer_norm", lambda x, w, b, g: grads(layer_norm_kernels, x, w, b, grad_out=g)),
+            Step("kernel_ladder.layer_norm", lambda x, w, b, g: grads(layer_norm_kernels, x, w, b, grad_out=g)),
         ],
         ideal_bytes=_fwd_bwd_ideal,
         note=NOTE + "; returns (dx, dw, db). " + BF16_BACKWARD_NOTE,
@@ -277,8 +277,8 @@ register(
         steps=[
             Step("torch x + r, F.rms_norm", add_rms_norm_torch, baseline=True),
             Step("torch.compile x + r, rms_norm", _compiled(add_rms_norm_torch), on_cpu=False),
-            Step("kernels.add + kernels.rms_norm (unfused)", add_rms_norm_unfused_kernels),
-            Step("kernels.add_rms_norm (fused)", add_rms_norm_fused, bound=FORWARD_BOUND),
+            Step("kernel_ladder.add + kernel_ladder.rms_norm (unfused)", add_rms_norm_unfused_kernels),
+            Step("kernel_ladder.add_rms_norm (fused)", add_rms_norm_fused, bound=FORWARD_BOUND),
         ],
         note=NOTE + "; returns (normed, x + residual)",
     )
@@ -306,18 +306,18 @@ def gpu_checks(size: str = "gpu") -> list:
     """Correctness (bf16, fp16; forward and backward incl. dweight/dbias) and timings (bf16).
 
     ``size="gpu"``: 4096 x 16384 on CUDA, the size the chapter targets. ``size="smoke"``: 8 x 96 on
-    ``kernels.runtime.DEVICE``, so a typo dies on the CPU, not on a rare GPU run (the runner skips
+    ``kernel_ladder.runtime.DEVICE``, so a typo dies on the CPU, not on a rare GPU run (the runner skips
     the ``torch.compile`` implementations there). References are torch in float32. A timed
     backward runs autograd's backward alone (``retain_graph``) on a forward made at its first call.
     """
-    device = torch.device("cuda") if size == "gpu" else kernels.runtime.DEVICE
+    device = torch.device("cuda") if size == "gpu" else kernel_ladder.runtime.DEVICE
     entries: list = []
 
     for dtype in (torch.bfloat16, torch.float16):
         t = make_inputs(device, dtype, size)
         x, w, b, g, r = t["x"], t["w"], t["b"], t["g"], t["residual"]
         entries += [
-            Check("rms_norm forward", dtype, lambda x=x, w=w: kernels.rms_norm(x, w, RMS_EPS),
+            Check("rms_norm forward", dtype, lambda x=x, w=w: kernel_ladder.rms_norm(x, w, RMS_EPS),
                   lambda x=x, w=w: rms_norm_torch(x.float(), w.float())),
             Check("layer_norm forward", dtype, lambda x=x, w=w, b=b: layer_norm_kernels(x, w, b),
                   lambda x=x, w=w, b=b: layer_norm_torch(x.float(), w.float(), b.float())),
@@ -353,7 +353,7 @@ def gpu_checks(size: str = "gpu") -> list:
     compiled_ln = torch.compile(layer_norm_composed)
     compiled_add_rms = torch.compile(add_rms_norm_torch)
     forward_timings("rms_norm forward", {
-        "kernels": lambda: kernels.rms_norm(x, w, RMS_EPS),
+        "kernels": lambda: kernel_ladder.rms_norm(x, w, RMS_EPS),
         "torch eager": lambda: rms_norm_torch(x, w),
         "torch.compile": lambda: compiled_rms(x, w),
     }, 2 * row + param, ">= 90% of the copy's GB/s")

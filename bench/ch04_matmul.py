@@ -4,12 +4,12 @@ epilogue; split-K for skinny (decode-shaped) problems.
 * **matmul** — torch.matmul (cuBLAS on a GPU) as the baseline, then the chapter's steps: one
   program per output element (``solutions.ch04_matmul.matmul_naive_kernel``), tiles in row-major
   order (``matmul_tiled_kernel``), the same tiles in grouped order (``matmul_grouped_kernel``,
-  GROUP_M = 8), and ``kernels.matmul`` (autotuned on a GPU). Two ladders: 4096³ and 8192³ bf16 on
+  GROUP_M = 8), and ``kernel_ladder.matmul`` (autotuned on a GPU). Two ladders: 4096³ and 8192³ bf16 on
   a GPU; tiny sizes on the CPU, where the tracer counts every byte.
 * **linear + GELU** — torch unfused (``x @ W.T``, ``+ b``, ``gelu``: three launches; and
-  ``F.linear`` + ``F.gelu``: two) against ``kernels.linear(..., activation="gelu")``: one launch.
+  ``F.linear`` + ``F.gelu``: two) against ``kernel_ladder.linear(..., activation="gelu")``: one launch.
 * **skinny matmul** (M = 1 and M = 16 rows, a decode step) — torch, the tiled kernel alone, split-K,
-  and ``kernels.matmul``'s own dispatch.
+  and ``kernel_ladder.matmul``'s own dispatch.
 
 ``gpu_checks(size)`` adds the chapter's entries to ``make gpu-check``: correctness in bf16 and fp16
 at real sizes (matmul 2-D, batched, broadcast, transposed views, odd sizes, each kernel variant,
@@ -22,9 +22,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-import kernels
+import kernel_ladder
 from bench import Ladder, Step, register
-from kernels import MatmulConfig, linear, matmul, matmul_persistent, matmul_split_k, matmul_tiled
+from kernel_ladder import MatmulConfig, linear, matmul, matmul_persistent, matmul_split_k, matmul_tiled
 from solutions import ch04_matmul as solutions
 
 #: (M, N, K) of each matmul ladder: tiny on the CPU (the naive step runs M*N interpreted programs).
@@ -48,14 +48,14 @@ def _register(ladder: Ladder) -> None:
 
 def _tiles() -> dict:
     """Tile sizes of the chapter's tiled kernels: small in the interpreter, Hopper-sized compiled."""
-    if kernels.runtime.INTERPRETER:
+    if kernel_ladder.runtime.INTERPRETER:
         return {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32}
     return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
 
 
 def naive(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """One program per output element; K read in chunks of 64 (128 compiled)."""
-    return solutions.naive_matmul(a, b, BLOCK_K=64 if kernels.runtime.INTERPRETER else 128)
+    return solutions.naive_matmul(a, b, BLOCK_K=64 if kernel_ladder.runtime.INTERPRETER else 128)
 
 
 def tiled_row_major(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -98,10 +98,10 @@ for _label, _sizes in MATMUL_SIZES.items():
                 Step("naive: one program per output", naive, on_gpu=_label == "4096"),
                 Step("tiled, row-major (GROUP_M=1)", tiled_row_major),
                 Step("tiled, grouped (GROUP_M=8)", tiled_grouped),
-                Step("kernels.matmul (autotuned)", matmul),
+                Step("kernel_ladder.matmul (autotuned)", matmul),
             ],
             note=(f"{_m}x{_n}x{_k} bf16 on the CPU (tiles 16x16x32); {_label}³ bf16 on a GPU (tiles 128x128x64, "
-                  "8 warps, 3 stages; kernels.matmul autotuned). torch's bytes are its operands and result "
+                  "8 warps, 3 stages; kernel_ladder.matmul autotuned). torch's bytes are its operands and result "
                   "(what cuBLAS must move at least); the Triton steps' are every load the kernel issues."),
         )
     )
@@ -137,7 +137,7 @@ _register(
         steps=[
             Step("torch: x @ W.T, + b, gelu", linear_gelu_three_ops),
             Step("torch: F.linear, F.gelu", linear_gelu_torch, baseline=True),
-            Step("kernels.linear(activation='gelu')", linear_gelu_fused),
+            Step("kernel_ladder.linear(activation='gelu')", linear_gelu_fused),
         ],
         note=("x 64x64, W 96x64 bf16 on the CPU; x 8192x4096, W 14336x4096 bf16 on a GPU (a LLaMA-3-8B MLP "
               "up-projection); the fused epilogue writes the output once"),
@@ -171,9 +171,9 @@ for _rows in (1, 16):
             dtype=torch.bfloat16,
             steps=[
                 Step("torch.matmul (cuBLAS)", torch.matmul, baseline=True),
-                Step("kernels.matmul_tiled (no split)", skinny_no_split),
-                Step(f"kernels.matmul_split_k (split {SKINNY_SPLIT})", skinny_split_k),
-                Step("kernels.matmul (dispatch)", matmul),
+                Step("kernel_ladder.matmul_tiled (no split)", skinny_no_split),
+                Step(f"kernel_ladder.matmul_split_k (split {SKINNY_SPLIT})", skinny_split_k),
+                Step("kernel_ladder.matmul (dispatch)", matmul),
             ],
             note=(f"({_rows} x 1024) @ (1024 x 128) bf16 on the CPU; ({_rows} x 4096) @ (4096 x 4096) on a GPU: "
                   "a decode step's projection, too few output tiles to fill the GPU without splitting K"),
@@ -212,12 +212,12 @@ def gpu_checks(size: str = "gpu") -> list:
 
     ``size="gpu"``: on CUDA, 4096³ and 8192³ matmuls, batches, odd sizes, decode shapes
     (M = 1, 4, 16 against 4096 x 4096) and a linear layer. ``size="smoke"``: tiny versions of the
-    same on ``kernels.runtime.DEVICE`` (the CPU interpreter included). References are torch in
+    same on ``kernel_ladder.runtime.DEVICE`` (the CPU interpreter included). References are torch in
     float32; every timing declares its FLOPs (2·M·N·K) and the bytes it must move at least.
     """
     from bench.gpu import Check, Timing
 
-    device = torch.device("cuda") if size == "gpu" else kernels.runtime.DEVICE
+    device = torch.device("cuda") if size == "gpu" else kernel_ladder.runtime.DEVICE
     shapes = CHECK_SIZES["gpu" if size == "gpu" else "smoke"]
     entries: list = []
     n = shapes["square"]
@@ -277,13 +277,13 @@ def gpu_checks(size: str = "gpu") -> list:
         entries += [
             Timing(op, "torch.matmul (cuBLAS)", lambda a=a, b=b: torch.matmul(a, b), bytes=moved, flops=flops,
                    baseline=True),
-            Timing(op, "kernels.matmul", lambda a=a, b=b: matmul(a, b), bytes=moved, flops=flops,
+            Timing(op, "kernel_ladder.matmul", lambda a=a, b=b: matmul(a, b), bytes=moved, flops=flops,
                    target=">= 95% of cuBLAS"),
-            Timing(op, "kernels.matmul_tiled GROUP_M=1", lambda a=a, b=b: matmul_tiled(a, b, _fixed(a, 1)),
+            Timing(op, "kernel_ladder.matmul_tiled GROUP_M=1", lambda a=a, b=b: matmul_tiled(a, b, _fixed(a, 1)),
                    bytes=moved, flops=flops, target="grouped order's gain: compare with GROUP_M=8"),
-            Timing(op, "kernels.matmul_tiled GROUP_M=8", lambda a=a, b=b: matmul_tiled(a, b, _fixed(a, 8)),
+            Timing(op, "kernel_ladder.matmul_tiled GROUP_M=8", lambda a=a, b=b: matmul_tiled(a, b, _fixed(a, 8)),
                    bytes=moved, flops=flops),
-            Timing(op, "kernels.matmul_persistent", lambda a=a, b=b: matmul_persistent(a, b), bytes=moved,
+            Timing(op, "kernel_ladder.matmul_persistent", lambda a=a, b=b: matmul_persistent(a, b), bytes=moved,
                    flops=flops),
             Timing(op, "ch04 tiled, grouped", lambda a=a, b=b: tiled_grouped(a, b), bytes=moved, flops=flops),
         ]
@@ -296,11 +296,11 @@ def gpu_checks(size: str = "gpu") -> list:
         entries += [
             Timing(op, "torch.matmul (cuBLAS)", lambda x=x, w=w: torch.matmul(x, w), bytes=moved, flops=flops,
                    baseline=True),
-            Timing(op, "kernels.matmul_tiled (no split)", lambda x=x, w=w: matmul_tiled(x, w), bytes=moved,
+            Timing(op, "kernel_ladder.matmul_tiled (no split)", lambda x=x, w=w: matmul_tiled(x, w), bytes=moved,
                    flops=flops),
-            Timing(op, f"kernels.matmul_split_k {SKINNY_SPLIT}", lambda x=x, w=w: matmul_split_k(x, w, SKINNY_SPLIT),
+            Timing(op, f"kernel_ladder.matmul_split_k {SKINNY_SPLIT}", lambda x=x, w=w: matmul_split_k(x, w, SKINNY_SPLIT),
                    bytes=moved, flops=flops),
-            Timing(op, "kernels.matmul (dispatch)", lambda x=x, w=w: matmul(x, w), bytes=moved, flops=flops,
+            Timing(op, "kernel_ladder.matmul (dispatch)", lambda x=x, w=w: matmul(x, w), bytes=moved, flops=flops,
                    target="faster than the unsplit tiled kernel; memory-bound: GB/s near copy"),
         ]
     lm, ln, lk = shapes["linear_timed"]
@@ -313,7 +313,7 @@ def gpu_checks(size: str = "gpu") -> list:
         Timing(op, "torch F.linear + F.gelu", lambda: linear_gelu_torch(x, lw, lb), bytes=moved, flops=flops,
                baseline=True),
         Timing(op, "torch x @ W.T, + b, gelu", lambda: linear_gelu_three_ops(x, lw, lb), bytes=moved, flops=flops),
-        Timing(op, "kernels.linear (fused gelu)", lambda: linear_gelu_fused(x, lw, lb), bytes=moved, flops=flops,
+        Timing(op, "kernel_ladder.linear (fused gelu)", lambda: linear_gelu_fused(x, lw, lb), bytes=moved, flops=flops,
                target="faster than torch's two launches"),
     ]
     return entries
@@ -321,6 +321,6 @@ def gpu_checks(size: str = "gpu") -> list:
 
 def _fixed(a: torch.Tensor, group_m: int) -> MatmulConfig | None:
     """A fixed tiled config (128x128x64, 8 warps, 3 stages on a GPU) with the given GROUP_M."""
-    if kernels.runtime.INTERPRETER:
+    if kernel_ladder.runtime.INTERPRETER:
         return MatmulConfig(64, 64, 32, group_m, 4, 2)
     return MatmulConfig(128, 128, 32 if a.dtype == torch.float32 else 64, group_m, 8, 3)

@@ -3,10 +3,10 @@
 One ladder per weight format and batch size (M = 1 and M = 16 tokens: a decode step), each with
 the same steps:
 
-* torch ``F.linear`` on the bf16 weight (the baseline) and ``kernels.linear`` on it;
+* torch ``F.linear`` on the bf16 weight (the baseline) and ``kernel_ladder.linear`` on it;
 * torch: ``qweight.dequantize()`` then ``F.linear`` — writes a bf16 copy of the weight and reads
   it back;
-* ``kernels.quantized_linear`` — dequantizes inside the K loop and reads only the packed weight
+* ``kernel_ladder.quantized_linear`` — dequantizes inside the K loop and reads only the packed weight
   and its scales (W8A8 ladder: ``activations="int8"``, and the weight-only int8 kernel beside it).
 
 So that every step computes the *same* function and the report's check tests the kernels, not the
@@ -35,9 +35,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-import kernels
+import kernel_ladder
 from bench import Ladder, Step, register
-from kernels import QuantizedWeight, quantize_weight, quantized_linear
+from kernel_ladder import QuantizedWeight, quantize_weight, quantized_linear
 
 #: (N, K) of the ladders' layer: out_features, in_features.
 SIZES = {"cpu": (256, 512), "gpu": (14336, 4096)}
@@ -135,16 +135,16 @@ def _register(label: str, scheme: str, group_size: int | None, activations: str 
     def ideal(x, w_bf16, data, scales, out):
         return x.nbytes + data.nbytes + scales.nbytes + out.nbytes
 
-    fused_name = ("kernels.quantized_linear(activations='int8')" if activations
-                  else f"kernels.quantized_linear ({label}, fused)")
+    fused_name = ("kernel_ladder.quantized_linear(activations='int8')" if activations
+                  else f"kernel_ladder.quantized_linear ({label}, fused)")
     steps = [
         Step("torch F.linear, bf16 weight", lambda x, w, d, s: F.linear(x, w), baseline=True),
-        Step("kernels.linear, bf16 weight", lambda x, w, d, s: kernels.linear(x, w)),
+        Step("kernel_ladder.linear, bf16 weight", lambda x, w, d, s: kernel_ladder.linear(x, w)),
         Step(f"torch: dequantize ({label.split()[0] if not activations else 'int8'}), then F.linear",
              dequantize_then_linear),
     ]
     if activations:
-        steps.append(Step("kernels.quantized_linear (int8 weight-only)", weight_only))
+        steps.append(Step("kernel_ladder.quantized_linear (int8 weight-only)", weight_only))
     steps.append(Step(fused_name, fused))
     n_cpu, k_cpu = SIZES["cpu"]
     n_gpu, k_gpu = SIZES["gpu"]
@@ -212,16 +212,16 @@ def _run(x, qweight, bias, activations):
 
 
 def gpu_checks(size: str = "gpu") -> list:
-    """Correctness (bf16 and fp16 activations) and decode timings (bf16) of ``kernels.quantized_linear``.
+    """Correctness (bf16 and fp16 activations) and decode timings (bf16) of ``kernel_ladder.quantized_linear``.
 
     ``size="gpu"``: on CUDA, the LLaMA-3-8B-style MLP up- (4096 -> 14336) and down-projection
     (14336 -> 4096) and an odd 4000 -> 1000 layer, at 1, 4, 16 and 100 tokens, every format, a
     bias on the odd layer; timings at 1, 4 and 16 tokens of the up-projection. ``size="smoke"``:
-    a tiny layer on ``kernels.runtime.DEVICE`` (the CPU interpreter included).
+    a tiny layer on ``kernel_ladder.runtime.DEVICE`` (the CPU interpreter included).
     """
     from bench.gpu import Check, Timing
 
-    device = torch.device("cuda") if size == "gpu" else kernels.runtime.DEVICE
+    device = torch.device("cuda") if size == "gpu" else kernel_ladder.runtime.DEVICE
     shapes = CHECK_SIZES["gpu" if size == "gpu" else "smoke"]
     entries: list = []
     for index, (n, k) in enumerate(shapes["layers"]):
@@ -250,7 +250,7 @@ def gpu_checks(size: str = "gpu") -> list:
         int4 = qweights["int4 g128"]
         entries += [
             Timing(op, "torch F.linear bf16", lambda x=x: F.linear(x, w), bytes=bf16_bytes, baseline=True),
-            Timing(op, "kernels.linear bf16", lambda x=x: kernels.linear(x, w), bytes=bf16_bytes),
+            Timing(op, "kernel_ladder.linear bf16", lambda x=x: kernel_ladder.linear(x, w), bytes=bf16_bytes),
             # reads the packed weight, writes a bf16 copy, reads that back
             Timing(op, "torch dequant int4 + F.linear", lambda x=x: F.linear(x, int4.dequantize()),
                    bytes=int4.nbytes + 2 * bf16_bytes),

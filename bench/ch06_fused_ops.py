@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-import kernels
+import kernel_ladder
 from bench import FORWARD_BOUND, Ladder, Step, register
 from solutions import ch06_fused_ops as solutions
 
@@ -31,7 +31,7 @@ def _rope_inputs(device, dtype, size):
     q = qkv[..., : hq * d].view(batch, seq_len, hq, d).transpose(1, 2)  # views of the fused projection
     k = qkv[..., hq * d : (hq + hk) * d].view(batch, seq_len, hk, d).transpose(1, 2)
     positions = torch.arange(seq_len, device=device)
-    cos, sin = kernels.rope_cos_sin(positions, d, base=500000.0, dtype=dtype)
+    cos, sin = kernel_ladder.rope_cos_sin(positions, d, base=500000.0, dtype=dtype)
     return q, k, cos, sin
 
 
@@ -73,7 +73,7 @@ register(
                                                                        solutions.rope_row_kernel)),
             Step("Triton: a program per token, per tensor", _per_tensor(solutions.launch_rope_tokens,
                                                                          solutions.rope_token_kernel)),
-            Step("kernels.rope (q and k, one launch, in place)", kernels.rope, bound=FORWARD_BOUND),
+            Step("kernel_ladder.rope (q and k, one launch, in place)", kernel_ladder.rope, bound=FORWARD_BOUND),
         ],
         note="q and k are views of one fused qkv projection; B=2 Hq=8 Hkv=2 T=64 D=64 on the CPU",
     )
@@ -101,8 +101,8 @@ def mlp_torch(x, w_gate, w_up, w_down):
 
 
 def mlp_unfused_kernels(x, w_gate, w_up, w_down):
-    """The same chain from kernels ops: gate and up written and read back by swiglu."""
-    return kernels.linear(kernels.swiglu(kernels.linear(x, w_gate), kernels.linear(x, w_up)), w_down)
+    """The same chain from kernel_ladder ops: gate and up written and read back by swiglu."""
+    return kernel_ladder.linear(kernel_ladder.swiglu(kernel_ladder.linear(x, w_gate), kernel_ladder.linear(x, w_up)), w_down)
 
 
 register(
@@ -114,7 +114,7 @@ register(
         steps=[
             Step("torch: 3 GEMMs, silu, mul", mlp_torch, baseline=True),
             Step("kernels: linear x2, swiglu, linear", mlp_unfused_kernels),
-            Step("kernels.gated_mlp (gate in the epilogue)", kernels.gated_mlp),
+            Step("kernel_ladder.gated_mlp (gate in the epilogue)", kernel_ladder.gated_mlp),
         ],
         note="64 tokens, hidden 128, intermediate 256 on the CPU; Llama-3-8B's MLP (4096 tokens) on a GPU",
     )
@@ -164,8 +164,8 @@ register(
         reference=loss_reference,
         steps=[
             Step("torch: logits, .float(), F.cross_entropy", _with_grads(loss_torch), baseline=True),
-            Step("kernels.fused_linear_cross_entropy (chunks)",
-                 _with_grads(lambda x, w, t: kernels.fused_linear_cross_entropy(x, w, t))),
+            Step("kernel_ladder.fused_linear_cross_entropy (chunks)",
+                 _with_grads(lambda x, w, t: kernel_ladder.fused_linear_cross_entropy(x, w, t))),
         ],
         ideal_bytes=lambda x, w, t, out: 2 * (x.numel() + w.numel()) * x.element_size() + t.numel() * 8,
         note="64 tokens, hidden 32, vocab 1024 on the CPU; the ideal reads x and W and writes their gradients",
@@ -179,39 +179,39 @@ def gpu_checks(size: str) -> list:
 
     entries = []
     for dtype in (torch.bfloat16, torch.float16):
-        device = kernels.runtime.DEVICE
+        device = kernel_ladder.runtime.DEVICE
         q, k, cos, sin = _rope_inputs(device, dtype, "gpu" if size == "gpu" else "cpu")
-        entries.append(Check("rope", dtype, lambda q=q, k=k, c=cos, s=sin: kernels.rope(q, k, c, s),
+        entries.append(Check("rope", dtype, lambda q=q, k=k, c=cos, s=sin: kernel_ladder.rope(q, k, c, s),
                              lambda q=q, k=k, c=cos, s=sin: rope_torch(q.float(), k.float(), c.float(), s.float())))
         x, wg, wu, wd = _mlp_inputs(device, dtype, "gpu" if size == "gpu" else "cpu")
         if size != "gpu":
             x = x[:16]
-        entries.append(Check("gated_mlp", dtype, lambda a=(x, wg, wu, wd): kernels.gated_mlp(*a),
+        entries.append(Check("gated_mlp", dtype, lambda a=(x, wg, wu, wd): kernel_ladder.gated_mlp(*a),
                              lambda a=(x, wg, wu, wd): mlp_torch(*(t.float() for t in a))))
         g = torch.randn(x.shape, device=device, dtype=dtype)
         entries.append(Check("gated_mlp backward", dtype,
-                             lambda a=(x, wg, wu, wd), g=g: grads(kernels.gated_mlp, a, g),
+                             lambda a=(x, wg, wu, wd), g=g: grads(kernel_ladder.gated_mlp, a, g),
                              lambda a=(x, wg, wu, wd), g=g: grads(mlp_torch, a, g, upcast=True), tol=3e-2))
     from bench.gpu import Peak
 
-    device = kernels.runtime.DEVICE
+    device = kernel_ladder.runtime.DEVICE
     for dtype in (torch.bfloat16,):
         x, w, t = _loss_inputs(device, dtype, "gpu" if size == "gpu" else "cpu")
         entries.append(Check("fused_linear_cross_entropy fwd+bwd", dtype,
-                             lambda a=(x, w, t): _with_grads(lambda p, q, r: kernels.fused_linear_cross_entropy(
+                             lambda a=(x, w, t): _with_grads(lambda p, q, r: kernel_ladder.fused_linear_cross_entropy(
                                  p, q, r))(*a),
                              lambda a=(x, w, t): _with_grads(loss_torch)(a[0].float(), a[1].float(), a[2]), tol=3e-2))
     x, w, t = _loss_inputs(device, torch.bfloat16, "gpu" if size == "gpu" else "cpu")
     tokens, hidden, vocab = LOSS_SIZES["gpu" if size == "gpu" else "cpu"]
     op = f"linear+CE fwd+bwd bf16 {tokens}x{hidden}x{vocab}"
     loss_flops = 3 * 2 * tokens * hidden * vocab
-    fused = _with_grads(lambda p, q, r: kernels.fused_linear_cross_entropy(p, q, r))
+    fused = _with_grads(lambda p, q, r: kernel_ladder.fused_linear_cross_entropy(p, q, r))
     entries += [
         Timing(op, "torch eager", lambda: _with_grads(loss_torch)(x, w, t), flops=loss_flops, baseline=True),
-        Timing(op, "kernels.fused_linear_cross_entropy", lambda: fused(x, w, t), flops=loss_flops,
+        Timing(op, "kernel_ladder.fused_linear_cross_entropy", lambda: fused(x, w, t), flops=loss_flops,
                target="no slower than torch eager at <= 1/5 of its peak memory"),
         Peak(op, "torch eager", lambda: _with_grads(loss_torch)(x, w, t), baseline=True),
-        Peak(op, "kernels.fused_linear_cross_entropy", lambda: fused(x, w, t), target="<= 1/5 of torch's"),
+        Peak(op, "kernel_ladder.fused_linear_cross_entropy", lambda: fused(x, w, t), target="<= 1/5 of torch's"),
     ]
     q, k, cos, sin = _rope_inputs(device, torch.bfloat16, size if size == "gpu" else "cpu")
     rope_bytes = 2 * (q.numel() + k.numel()) * q.element_size() + 2 * cos.numel() * cos.element_size()
@@ -219,7 +219,7 @@ def gpu_checks(size: str) -> list:
     entries += [
         Timing(op, "torch eager", lambda: rope_torch(q, k, cos, sin), bytes=rope_bytes, baseline=True),
         Timing(op, "torch.compile", compiled(rope_torch, q, k, cos, sin), bytes=rope_bytes),
-        Timing(op, "kernels.rope", lambda: kernels.rope(q, k, cos, sin), bytes=rope_bytes,
+        Timing(op, "kernel_ladder.rope", lambda: kernel_ladder.rope(q, k, cos, sin), bytes=rope_bytes,
                target=">= 90% of copy bandwidth"),
     ]
     args = _mlp_inputs(device, torch.bfloat16, size if size == "gpu" else "cpu")
@@ -229,7 +229,7 @@ def gpu_checks(size: str) -> list:
     entries += [
         Timing(op, "torch eager", lambda: mlp_torch(*args), flops=flops, baseline=True),
         Timing(op, "torch.compile", compiled(mlp_torch, *args), flops=flops),
-        Timing(op, "kernels.gated_mlp", lambda: kernels.gated_mlp(*args), flops=flops,
+        Timing(op, "kernel_ladder.gated_mlp", lambda: kernel_ladder.gated_mlp(*args), flops=flops,
                target="faster than torch eager (two F-wide tensors never written)"),
     ]
     return entries

@@ -1,5 +1,5 @@
 """Chapter 07's ladders: attention forward (materialized torch -> a program per query block holding its
-whole score row -> the online softmax over key tiles -> kernels.flash_attention), causal attention
+whole score row -> the online softmax over key tiles -> kernel_ladder.flash_attention), causal attention
 (masked torch -> block skipping), grouped-query attention (repeat_kv, then attention -> grouped), and
 the bytes of the forward as the sequence grows (the report's plot)."""
 
@@ -10,7 +10,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-import kernels
+import kernel_ladder
 from bench import Figure, Ladder, Step, register, register_figure
 from solutions import ch07_flash_attention as solutions
 
@@ -68,13 +68,13 @@ def _dense(kernel, launcher):
 def forward_ideal(q, k, v, out, causal: bool = False) -> int:
     """q read once, out and the log-sum-exp written once, k and v read once per query block.
 
-    Every query block of ``kernels.flash_attention`` needs its head's keys and values — with
+    Every query block of ``kernel_ladder.flash_attention`` needs its head's keys and values — with
     ``causal``, only the keys its last row sees (bottom-right aligned): the bytes its programs must
     load. On a GPU the re-reads are served by L2; what DRAM sees is closer to each tensor once (the
     tracer's distinct sectors, the report's bytes-against-length figure).
     """
-    config = kernels.ops.flash_attention.INTERPRETER_CONFIG
-    block_m = config.BLOCK_M if kernels.runtime.INTERPRETER else 128  # autotuned on a GPU: 64 or 128
+    config = kernel_ladder.ops.flash_attention.INTERPRETER_CONFIG
+    block_m = config.BLOCK_M if kernel_ladder.runtime.INTERPRETER else 128  # autotuned on a GPU: 64 or 128
     seq_q, seq_k = q.shape[2], k.shape[2]
     keys_read = 0
     for m0 in range(0, seq_q, block_m):
@@ -97,7 +97,7 @@ register(
                  _dense(solutions.attention_row_kernel, solutions.launch_attention_rows), on_gpu=False),
             Step("Triton: online softmax over key tiles", _dense(solutions.flash_forward_kernel,
                                                                  solutions.launch_flash_forward), on_gpu=False),
-            Step("kernels.flash_attention", kernels.flash_attention, bound=FLASH_BOUND),
+            Step("kernel_ladder.flash_attention", kernel_ladder.flash_attention, bound=FLASH_BOUND),
         ],
         ideal_bytes=forward_ideal,
         note="B=1 H=4 T=256 D=64 on the CPU; the ideal reads k and v once per query block (see forward_ideal)",
@@ -112,7 +112,7 @@ register(
         reference=lambda q, k, v: reference(q, k, v, causal=True),
         steps=[
             Step("torch: masked scores (eager)", lambda q, k, v: attention_torch(q, k, v, causal=True), baseline=True),
-            Step("kernels.flash_attention(causal=True)", lambda q, k, v: kernels.flash_attention(q, k, v, causal=True),
+            Step("kernel_ladder.flash_attention(causal=True)", lambda q, k, v: kernel_ladder.flash_attention(q, k, v, causal=True),
                  bound=FLASH_BOUND),
         ],
         ideal_bytes=lambda q, k, v, out: forward_ideal(q, k, v, out, causal=True),
@@ -131,9 +131,9 @@ register(
             Step("torch: repeat_kv, then scores materialized",
                  lambda q, k, v: attention_torch(q, repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])),
                  baseline=True),
-            Step("repeat_kv, then kernels.flash_attention",
-                 lambda q, k, v: kernels.flash_attention(q, repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1]))),
-            Step("kernels.flash_attention (grouped, no copy)", kernels.flash_attention, bound=FLASH_BOUND),
+            Step("repeat_kv, then kernel_ladder.flash_attention",
+                 lambda q, k, v: kernel_ladder.flash_attention(q, repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1]))),
+            Step("kernel_ladder.flash_attention (grouped, no copy)", kernel_ladder.flash_attention, bound=FLASH_BOUND),
         ],
         ideal_bytes=forward_ideal,
         note="Hq=4 on Hkv=2 on the CPU, Hq=32 on Hkv=8 on a GPU: the copy writes and re-reads K and V",
@@ -142,23 +142,23 @@ register(
 
 
 def _traffic_against_length(ax) -> str:
-    """Forward bytes of materialized attention and of kernels.flash_attention, T = 128 .. 2048 (traced)."""
+    """Forward bytes of materialized attention and of kernel_ladder.flash_attention, T = 128 .. 2048 (traced)."""
     from utils.trace import trace
 
     heads, d = 4, 64
     rows = []
     for seq in SWEEP_LENGTHS:
         gen = torch.Generator(device="cpu").manual_seed(seq)
-        q, k, v = (torch.randn(1, heads, seq, d, generator=gen).to(kernels.runtime.DEVICE) for _ in range(3))
+        q, k, v = (torch.randn(1, heads, seq, d, generator=gen).to(kernel_ladder.runtime.DEVICE) for _ in range(3))
         with trace() as eager:
             attention_torch(q, k, v)
         with trace() as flash:
-            out = kernels.flash_attention(q, k, v)
+            out = kernel_ladder.flash_attention(q, k, v)
         rows.append((seq, eager.bytes, flash.bytes, flash.unique_sectors * 32, forward_ideal(q, k, v, out)))
     lengths = [r[0] for r in rows]
     ax.loglog(lengths, [r[1] for r in rows], "o-", label="torch, scores materialized")
-    ax.loglog(lengths, [r[2] for r in rows], "s-", label="kernels.flash_attention: bytes loaded and stored")
-    ax.loglog(lengths, [r[3] for r in rows], "^-", label="kernels.flash_attention: distinct bytes")
+    ax.loglog(lengths, [r[2] for r in rows], "s-", label="kernel_ladder.flash_attention: bytes loaded and stored")
+    ax.loglog(lengths, [r[3] for r in rows], "^-", label="kernel_ladder.flash_attention: distinct bytes")
     ax.set_xlabel("sequence length T")
     ax.set_ylabel("bytes, forward")
     ax.set_title(f"attention forward, B=1 H={heads} D={d} fp32 (traced)")
@@ -167,7 +167,7 @@ def _traffic_against_length(ax) -> str:
     growth = last[0] / first[0]
     return (f"Forward bytes against the sequence length, traced in the interpreter (B=1, H={heads}, D={d}, fp32). "
             f"From T={first[0]} to T={last[0]} ({growth:.0f}x): torch's grow {last[1] / first[1]:.0f}x "
-            f"({last[1]:,} bytes at T={last[0]}); kernels.flash_attention's distinct bytes "
+            f"({last[1]:,} bytes at T={last[0]}); kernel_ladder.flash_attention's distinct bytes "
             f"{last[3] / first[3]:.0f}x (q, k, v, out and the log-sum-exp, once), its loads and stores "
             f"{last[2] / first[2]:.0f}x, {last[2] / last[4]:.2f}x the ideal at T={last[0]} (k and v re-read by "
             "each query block, from L2 on a GPU).")
@@ -191,7 +191,7 @@ def gpu_checks(size: str) -> list:
     backward, causal, GQA, varlen), then timed forward and forward+backward against SDPA's flash backend."""
     from bench.gpu import Check, Peak, Timing, grads
 
-    device = kernels.runtime.DEVICE
+    device = kernel_ladder.runtime.DEVICE
     real = size == "gpu"
     batch, hq, hkv, seq, d = (2, 32, 8, 2048, 128) if real else (1, 4, 2, 40, 32)
     entries = []
@@ -207,12 +207,12 @@ def gpu_checks(size: str) -> list:
 
         for causal in (False, True):
             entries.append(Check(f"flash_attention{' causal' if causal else ''}", dtype,
-                                 lambda q=q, k=k, v=v, c=causal: kernels.flash_attention(q, k, v, causal=c),
+                                 lambda q=q, k=k, v=v, c=causal: kernel_ladder.flash_attention(q, k, v, causal=c),
                                  lambda q=q, k=k, v=v, c=causal: sdpa32(q, k, v, c)))
             g = torch.randn(q.shape, generator=gen).to(device, dtype)
             entries.append(Check(f"flash_attention backward{' causal' if causal else ''}", dtype,
                                  lambda a=(q, k, v), g=g, c=causal: grads(
-                                     lambda *t: kernels.flash_attention(*t, causal=c), a, g),
+                                     lambda *t: kernel_ladder.flash_attention(*t, causal=c), a, g),
                                  lambda a=(q, k, v), g=g, c=causal: grads(
                                      lambda *t: sdpa32(*t, causal=c), a, g, upcast=True), tol=3e-2))
         # Head dims that are not powers of two, through the same kernels.
@@ -220,7 +220,7 @@ def gpu_checks(size: str) -> list:
             qd, kd, vd = (torch.randn(1, 4, 300 if real else 20, head_dim, generator=gen).to(device, dtype)
                           for _ in range(3))
             entries.append(Check(f"flash_attention hd{head_dim} causal", dtype,
-                                 lambda a=(qd, kd, vd): kernels.flash_attention(*a, causal=True),
+                                 lambda a=(qd, kd, vd): kernel_ladder.flash_attention(*a, causal=True),
                                  lambda a=(qd, kd, vd): sdpa32(*a, causal=True)))
         # Varlen against the dense op per sequence.
         lengths = [1, 700, 33, 1500, 0, 257] if real else [1, 9, 0, 17]
@@ -237,7 +237,7 @@ def gpu_checks(size: str) -> list:
             return torch.cat(outs)
 
         entries.append(Check("flash_attention_varlen causal", dtype,
-                             lambda a=(qp, kp, vp, cu, max(lengths)): kernels.flash_attention_varlen(
+                             lambda a=(qp, kp, vp, cu, max(lengths)): kernel_ladder.flash_attention_varlen(
                                  a[0], a[1], a[2], a[3], a[3], a[4], a[4], causal=True), per_sequence))
 
     # Timings: Llama-3-8B's attention (32 query heads on 8 kv heads, hd 128) at 4k tokens, bf16.
@@ -260,7 +260,7 @@ def gpu_checks(size: str) -> list:
         entries += [
             Timing(f"{label} fwd", "SDPA (flash backend, K/V repeated)",
                    lambda c=causal: sdpa(q, k_rep, v_rep, c), flops=flops, baseline=True),
-            Timing(f"{label} fwd", "kernels.flash_attention", lambda c=causal: kernels.flash_attention(q, k, v,
+            Timing(f"{label} fwd", "kernel_ladder.flash_attention", lambda c=causal: kernel_ladder.flash_attention(q, k, v,
                                                                                                        causal=c),
                    flops=flops, target=">= 1.1x SDPA, >= 550 TFLOP/s"),
         ]
@@ -271,19 +271,19 @@ def gpu_checks(size: str) -> list:
             if fn == "sdpa":
                 out = sdpa(qg, repeat_kv(kg, hq), repeat_kv(vg, hq), c)
             else:
-                out = kernels.flash_attention(qg, kg, vg, causal=c)
+                out = kernel_ladder.flash_attention(qg, kg, vg, causal=c)
             out.backward(grad)
 
         entries += [
             Timing(f"{label} fwd+bwd", "SDPA (flash backend, K/V repeated)", lambda s=step: s("sdpa"),
                    flops=int(3.5 * flops), baseline=True),
-            Timing(f"{label} fwd+bwd", "kernels.flash_attention", lambda s=step: s("kernels"),
+            Timing(f"{label} fwd+bwd", "kernel_ladder.flash_attention", lambda s=step: s("kernels"),
                    flops=int(3.5 * flops), target="backward >= 400 TFLOP/s"),
         ]
     op = f"attention bf16 B{batch} H{hq}/{hkv} T{seq} D{d} fwd+bwd"
     entries += [
         Peak(op, "eager (scores materialized)", lambda: _eager_step(q, k, v, hq), baseline=True),
-        Peak(op, "kernels.flash_attention", lambda: _flash_step(q, k, v), target="no T x T tensor"),
+        Peak(op, "kernel_ladder.flash_attention", lambda: _flash_step(q, k, v), target="no T x T tensor"),
     ]
     return entries
 
@@ -295,4 +295,4 @@ def _eager_step(q, k, v, hq):
 
 def _flash_step(q, k, v):
     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
-    kernels.flash_attention(qg, kg, vg).sum().backward()
+    kernel_ladder.flash_attention(qg, kg, vg).sum().backward()

@@ -1,5 +1,5 @@
 """Chapter 08's ladders: decode attention over a paged KV cache (gather the blocks, then SDPA -> a
-program per query head walking the block table -> kernels.paged_attention, a program per KV head's
+program per query head walking the block table -> kernel_ladder.paged_attention, a program per KV head's
 query group), split-KV decoding of a few long sequences (one program per KV head -> split and
 merged), and the cache memory a request mix reserves (the report's plot)."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-import kernels
+import kernel_ladder
 from bench import FORWARD_BOUND, Figure, Ladder, Step, register, register_figure
 from solutions import ch08_kv_cache as solutions
 
@@ -60,7 +60,7 @@ register(
         steps=[
             Step("torch: gather the blocks, then SDPA", gather_sdpa, baseline=True),
             Step("Triton: a program per query head (exercise 2)", per_query_head, on_gpu=False),
-            Step("kernels.paged_attention (a program per KV head's group)", kernels.paged_attention,
+            Step("kernel_ladder.paged_attention (a program per KV head's group)", kernel_ladder.paged_attention,
                  bound=FORWARD_BOUND),
         ],
         ideal_bytes=solutions.decode_ideal_bytes,
@@ -77,9 +77,9 @@ register(
         reference=solutions.paged_reference,
         steps=[
             Step("torch: gather the blocks, then SDPA", gather_sdpa, baseline=True),
-            Step("kernels.paged_attention(num_splits=1)",
-                 lambda *a: kernels.paged_attention(*a, num_splits=1), bound=FORWARD_BOUND),
-            Step("kernels.paged_attention (splits chosen: plan_paged_attention)", kernels.paged_attention,
+            Step("kernel_ladder.paged_attention(num_splits=1)",
+                 lambda *a: kernel_ladder.paged_attention(*a, num_splits=1), bound=FORWARD_BOUND),
+            Step("kernel_ladder.paged_attention (splits chosen: plan_paged_attention)", kernel_ladder.paged_attention,
                  bound=FORWARD_BOUND),
         ],
         ideal_bytes=solutions.decode_ideal_bytes,
@@ -122,7 +122,7 @@ def gpu_checks(size: str) -> list:
     cache) against the float32 gather + SDPA baseline, then decode timed against it."""
     from bench.gpu import Check, Timing
 
-    device = kernels.runtime.DEVICE
+    device = kernel_ladder.runtime.DEVICE
     real = size == "gpu"
     entries = []
     for dtype in (torch.bfloat16, torch.float16):
@@ -133,16 +133,16 @@ def gpu_checks(size: str) -> list:
         def baseline32(q, kc, vc, bt, sl):
             return gather_sdpa(q.float(), kc.float(), vc.float(), bt, sl)
 
-        entries.append(Check("paged_attention decode", dtype, lambda a=a: kernels.paged_attention(*a),
+        entries.append(Check("paged_attention decode", dtype, lambda a=a: kernel_ladder.paged_attention(*a),
                              lambda a=a: baseline32(*a)))
         entries.append(Check("paged_attention decode, 4 splits", dtype,
-                             lambda a=a: kernels.paged_attention(*a, num_splits=4), lambda a=a: baseline32(*a)))
+                             lambda a=a: kernel_ladder.paged_attention(*a, num_splits=4), lambda a=a: baseline32(*a)))
         # An fp8 e4m3 cache with per-tensor scales, against the baseline on the dequantized cache.
         q, kc, vc, bt, sl = a
         k_scale, v_scale = (t.abs().amax().float() / 448 for t in (kc, vc))
         k8, v8 = (kc.float() / k_scale).to(torch.float8_e4m3fn), (vc.float() / v_scale).to(torch.float8_e4m3fn)
         entries.append(Check("paged_attention decode, fp8 cache", dtype,
-                             lambda q=q, k8=k8, v8=v8, bt=bt, sl=sl, ks=k_scale, vs=v_scale: kernels.paged_attention(
+                             lambda q=q, k8=k8, v8=v8, bt=bt, sl=sl, ks=k_scale, vs=v_scale: kernel_ladder.paged_attention(
                                  q, k8, v8, bt, sl, k_scale=ks, v_scale=vs),
                              lambda q=q, k8=k8, v8=v8, bt=bt, sl=sl, ks=k_scale, vs=v_scale: baseline32(
                                  q, k8.float() * ks, v8.float() * vs, bt, sl)))
@@ -154,7 +154,7 @@ def gpu_checks(size: str) -> list:
 
         def prefill_reference(qp=qp, kc=kc, vc=vc, bt=bt, sl=sl, cu=cu):
             outs = []
-            for b, (k_b, v_b) in enumerate(kernels.ops.paged_attention.gather_kv(kc, vc, bt, sl)):
+            for b, (k_b, v_b) in enumerate(kernel_ladder.ops.paged_attention.gather_kv(kc, vc, bt, sl)):
                 s, e = int(cu[b]), int(cu[b + 1])
                 one = qp[s:e].float().transpose(0, 1)[None]
                 kk, vv = (t.float().transpose(0, 1)[None] for t in (k_b, v_b))
@@ -165,7 +165,7 @@ def gpu_checks(size: str) -> list:
             return torch.cat(outs)
 
         entries.append(Check("paged_attention chunked prefill", dtype,
-                             lambda qp=qp, kc=kc, vc=vc, bt=bt, sl=sl, cu=cu: kernels.paged_attention(
+                             lambda qp=qp, kc=kc, vc=vc, bt=bt, sl=sl, cu=cu: kernel_ladder.paged_attention(
                                  qp, kc, vc, bt, sl, cu_seqlens_q=cu), prefill_reference))
 
     # Timings: decode, bf16, against the gather + SDPA baseline, as a fraction of copy bandwidth.
@@ -177,7 +177,7 @@ def gpu_checks(size: str) -> list:
         entries += [
             Timing(op, "torch: gather the blocks, then SDPA", lambda a=a: gather_sdpa(*a), bytes=ideal,
                    baseline=True),
-            Timing(op, "kernels.paged_attention", lambda a=a: kernels.paged_attention(*a), bytes=ideal,
+            Timing(op, "kernel_ladder.paged_attention", lambda a=a: kernel_ladder.paged_attention(*a), bytes=ideal,
                    target=">= 85% of copy bandwidth"),
         ]
     return entries

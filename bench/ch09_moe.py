@@ -1,7 +1,7 @@
 """Chapter 09's ladders: the mixture-of-experts block (a Python loop over experts -> the chapter's ops
-composed, seven of them -> kernels.moe) at 4, 8 and 16 experts, the grouped GEMM alone (a matmul per
-expert -> kernels.grouped_matmul, one launch), block-sparse attention (SDPA with the block mask as a
-token mask -> dense flash attention -> kernels.block_sparse_attention), and the FLOPs of block-sparse
+composed, seven of them -> kernel_ladder.moe) at 4, 8 and 16 experts, the grouped GEMM alone (a matmul per
+expert -> kernel_ladder.grouped_matmul, one launch), block-sparse attention (SDPA with the block mask as a
+token mask -> dense flash attention -> kernel_ladder.block_sparse_attention), and the FLOPs of block-sparse
 attention against the mask's density (the report's plot)."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-import kernels
+import kernel_ladder
 from bench import Figure, Ladder, Step, register, register_figure
-from kernels.ops.block_sparse_attention import bigbird_mask, sliding_window_mask
+from kernel_ladder.ops.block_sparse_attention import bigbird_mask, sliding_window_mask
 from solutions import ch09_moe as solutions
 
 #: Experts per token in every MoE ladder (Mixtral's top 2).
@@ -30,7 +30,7 @@ GROUPED_SIZES = {"cpu": (128, 64, 64, 8), "gpu": (4096, 14336, 4096, 8)}
 #: (B, H, T, D, block size) of the block-sparse attention ladder and figure.
 BSA_SIZES = {"cpu": (1, 1, 1024, 64, 64), "gpu": (1, 16, 16384, 128, 128)}
 #: The issue's target for the production forward kernels of this chapter: at most this multiple of the
-#: ideal bytes. Enforced as a bound on grouped_matmul and block_sparse_attention; kernels.moe is reported
+#: ideal bytes. Enforced as a bound on grouped_matmul and block_sparse_attention; kernel_ladder.moe is reported
 #: against it but not bound (the fused kernel that should meet it is being written).
 TARGET_BOUND = 1.1
 
@@ -64,14 +64,14 @@ def moe_reference(x, router_logits, w_gate_up, w_down, top_k: int = TOP_K, renor
 
 
 def moe_ideal(x, router_logits, w_gate_up, w_down, out) -> int:
-    return kernels.moe_ideal_bytes(x, router_logits, w_gate_up, w_down, routed_experts(router_logits))
+    return kernel_ladder.moe_ideal_bytes(x, router_logits, w_gate_up, w_down, routed_experts(router_logits))
 
 
 MOE_LOOP = "torch: a loop over experts (HF MixtralExperts)"
 MOE_NOTE = ("T=128 tokens, H=64, F=64, top 2, fp16 on the CPU; Mixtral-8x7B's experts (T=4096, H=4096, "
-            "F=14336) on a GPU. The ideal (kernels.moe_ideal_bytes) reads x, the logits and each used "
+            "F=14336) on a GPU. The ideal (kernel_ladder.moe_ideal_bytes) reads x, the logits and each used "
             "expert's weights once, writes out once, and keeps the activated rows (T·k, F) and the down "
-            "rows (T·k, H) one round trip each. The issue's target for kernels.moe is at most "
+            "rows (T·k, H) one round trip each. The issue's target for kernel_ladder.moe is at most "
             f"{TARGET_BOUND}× the ideal, enforced from E=8, where every expert's rows fit one 64-row tile of "
             "the interpreter's config; at E=4 the groups average 64 rows, so most take two row tiles and "
             "each of those reads its expert's weights again (the trace has no cache; on a GPU the L2 serves "
@@ -92,9 +92,9 @@ def _moe_ladder(experts: int) -> Ladder:
             dtype=torch.float16,
             steps=[
                 Step(MOE_LOOP, lambda *a: solutions.experts_loop(*a, TOP_K), baseline=True),
-                Step("kernels ops composed (route, sort, gather, GEMM, swiglu, GEMM, combine)",
+                Step("kernel_ladder ops composed (route, sort, gather, GEMM, swiglu, GEMM, combine)",
                      lambda *a: solutions.moe_unfused(*a, TOP_K)),
-                Step("kernels.moe", lambda *a: kernels.moe(*a, TOP_K), bound=TARGET_BOUND if experts >= 8 else None),
+                Step("kernel_ladder.moe", lambda *a: kernel_ladder.moe(*a, TOP_K), bound=TARGET_BOUND if experts >= 8 else None),
             ],
             ideal_bytes=moe_ideal,
             note=MOE_NOTE if experts == MOE_EXPERTS[0] else f"as at E={MOE_EXPERTS[0]}, with {experts} experts",
@@ -114,7 +114,7 @@ for _experts in MOE_EXPERTS:
 
 def grouped_inputs(device, dtype, size: str, seed: int = 10):
     """``(x, w, offsets)``: the activated rows of ``tokens * TOP_K`` routed entries, sorted by expert
-    (``(M, K)``), the down weights read transposed as ``kernels.moe`` reads them (``w_down (E, N, K)``
+    (``(M, K)``), the down weights read transposed as ``kernel_ladder.moe`` reads them (``w_down (E, N, K)``
     viewed ``(E, K, N)``, no copy), and each expert's cumulative end (int32)."""
     tokens, k_dim, n_dim, experts = GROUPED_SIZES[size]
     gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -127,7 +127,7 @@ def grouped_inputs(device, dtype, size: str, seed: int = 10):
 
 def grouped_loop(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """A matmul per expert into its rows of the output (the group sizes read on the host: a sync);
-    rows past the last group zeroed, as kernels.grouped_matmul does."""
+    rows past the last group zeroed, as kernel_ladder.grouped_matmul does."""
     out = x.new_empty(x.shape[0], w.shape[2])
     start = 0
     for e, end in enumerate(offsets.tolist()):
@@ -148,9 +148,9 @@ register(
         dtype=torch.float16,
         steps=[
             Step("torch: a matmul per expert (sizes read on the host)", grouped_loop, baseline=True),
-            Step("kernels.grouped_matmul (one launch)", kernels.grouped_matmul, bound=TARGET_BOUND),
+            Step("kernel_ladder.grouped_matmul (one launch)", kernel_ladder.grouped_matmul, bound=TARGET_BOUND),
         ],
-        ideal_bytes=kernels.grouped_matmul_ideal_bytes,
+        ideal_bytes=kernel_ladder.grouped_matmul_ideal_bytes,
         note=("256 rows (128 tokens, top 2) over 8 experts, K=64, N=64, fp16 on the CPU (N is one column "
               "tile: a wider N reads x once per column tile); Mixtral's down projection "
               "(8192 rows, K=14336, N=4096) on a GPU. The ideal reads x and each used expert's weight once "
@@ -220,7 +220,7 @@ def bsa_inputs(device, dtype, size: str, seed: int = 11):
     return q, k, v, bigbird_mask(blocks, blocks, num_heads=heads, seed=seed, device=device)
 
 
-BSA_DENSE = "kernels.flash_attention (dense: every block)"
+BSA_DENSE = "kernel_ladder.flash_attention (dense: every block)"
 
 register(
     Ladder(
@@ -232,9 +232,9 @@ register(
             Step("torch: SDPA, the block mask as a token mask",
                  lambda q, k, v, m: sdpa_masked(q, k, v, token_mask(m, _ladder_block(q, m), q.shape[2], k.shape[2])),
                  baseline=True),
-            Step(BSA_DENSE, lambda q, k, v, m: kernels.flash_attention(q, k, v)),
-            Step("kernels.block_sparse_attention",
-                 lambda q, k, v, m: kernels.block_sparse_attention(q, k, v, m, _ladder_block(q, m)),
+            Step(BSA_DENSE, lambda q, k, v, m: kernel_ladder.flash_attention(q, k, v)),
+            Step("kernel_ladder.block_sparse_attention",
+                 lambda q, k, v, m: kernel_ladder.block_sparse_attention(q, k, v, m, _ladder_block(q, m)),
                  bound=TARGET_BOUND),
         ],
         ideal_bytes=lambda q, k, v, m, out: block_sparse_ideal(q, k, v, m, out, _ladder_block(q, m)),
@@ -259,26 +259,26 @@ def density_masks(blocks: int, heads: int = 1) -> dict[str, torch.Tensor]:
 
 
 def _flops_against_density(ax) -> str:
-    """Traced FLOPs of kernels.block_sparse_attention against the mask's density, with the line
-    density x the dense kernels.flash_attention's traced FLOPs."""
+    """Traced FLOPs of kernel_ladder.block_sparse_attention against the mask's density, with the line
+    density x the dense kernel_ladder.flash_attention's traced FLOPs."""
     from utils.trace import trace
 
     batch, heads, seq, d, block = BSA_SIZES["cpu"]
-    device = kernels.runtime.DEVICE
+    device = kernel_ladder.runtime.DEVICE
     gen = torch.Generator(device="cpu").manual_seed(12)
     q, k, v = (torch.randn(batch, heads, seq, d, generator=gen).to(device) for _ in range(3))
     with trace() as dense:
-        kernels.flash_attention(q, k, v)
+        kernel_ladder.flash_attention(q, k, v)
     points = []
     for name, mask in density_masks(-(-seq // block), heads).items():
         mask = mask.to(device)
         with trace() as t:
-            kernels.block_sparse_attention(q, k, v, mask, block)
+            kernel_ladder.block_sparse_attention(q, k, v, mask, block)
         density = visited_tiles(q, mask) / (batch * heads * mask.shape[-2] * mask.shape[-1])
         points.append((name, density, t.flops, t.flops / (density * dense.flops)))
     points.sort(key=lambda p: p[1])
     ax.plot([0, 1], [0, dense.flops], "--", color="gray", label="density × dense flash_attention FLOPs")
-    ax.plot([p[1] for p in points], [p[2] for p in points], "o", label="kernels.block_sparse_attention (traced)")
+    ax.plot([p[1] for p in points], [p[2] for p in points], "o", label="kernel_ladder.block_sparse_attention (traced)")
     for name, density, flops, _ in points:
         ax.annotate(name, (density, flops), textcoords="offset points", xytext=(6, -12), fontsize=7)
     ax.set_xlabel("mask density (allowed tiles / all tiles)")
@@ -287,9 +287,9 @@ def _flops_against_density(ax) -> str:
     ax.legend(fontsize=8)
     worst = max(abs(p[3] - 1) for p in points)
     listed = "; ".join(f"{name} (density {density:.3f}) {ratio:.3f}×" for name, density, _, ratio in points)
-    return (f"Forward FLOPs of kernels.block_sparse_attention against the mask's density, traced in the "
+    return (f"Forward FLOPs of kernel_ladder.block_sparse_attention against the mask's density, traced in the "
             f"interpreter (B={batch}, H={heads}, T={seq}, D={d}, blocks of {block}), as a multiple of density × "
-            f"the dense kernels.flash_attention's {dense.flops:,} FLOPs: {listed}. Every mask is within "
+            f"the dense kernel_ladder.flash_attention's {dense.flops:,} FLOPs: {listed}. Every mask is within "
             f"{100 * worst:.1f}% of the line (the target: 5%): the kernel computes the allowed tiles and no others.")
 
 
@@ -340,18 +340,18 @@ def _moe_flops(tokens: int, hidden: int, ffn: int, top_k: int) -> int:
 
 
 def gpu_checks(size: str) -> list:
-    """``make gpu-check`` entries: kernels.moe in bf16 (forward and backward) against the torch loop over
+    """``make gpu-check`` entries: kernel_ladder.moe in bf16 (forward and backward) against the torch loop over
     experts in float32, block-sparse attention against eager attention over the same tiles; then the MoE
     block timed at Mixtral-8x7B's sizes against the loop and a torch._grouped_mm composition, and
     block-sparse attention at a long sequence against SDPA with a token mask and dense flash attention."""
     from bench.gpu import Check, Timing, grads
 
-    device = kernels.runtime.DEVICE
+    device = kernel_ladder.runtime.DEVICE
     real = size == "gpu"
     dtype = torch.bfloat16
     entries = []
 
-    # Correctness: kernels.moe against the loop over experts in float32, forward and backward. The second
+    # Correctness: kernel_ladder.moe against the loop over experts in float32, forward and backward. The second
     # case is skewed (uneven, some empty groups), with more experts, top 6 and no renormalization.
     cases = ([(1000, 1024, 1536, 8, 2, True, 0.0), (333, 512, 768, 64, 6, False, 3.0)] if real
              else [(40, 32, 32, 4, 2, True, 0.0), (17, 32, 16, 8, 3, False, 3.0)])
@@ -360,7 +360,7 @@ def gpu_checks(size: str) -> list:
         label = f"moe T{tokens} H{hidden} F{ffn} E{experts} top{top_k}{'' if renormalize else ' unnormalized'}"
 
         def ours(*t, k=top_k, r=renormalize):
-            return kernels.moe(*t, k, renormalize=r)
+            return kernel_ladder.moe(*t, k, renormalize=r)
 
         def loop32(*t, k=top_k, r=renormalize):
             return solutions.experts_loop(*(u.float() for u in t), k, renormalize=r)
@@ -387,7 +387,7 @@ def gpu_checks(size: str) -> list:
             label = f"block_sparse_attention {name}, blocks of {block}"
 
             def bsa(*t, m=mask, b=block):
-                return kernels.block_sparse_attention(*t, m, b)
+                return kernel_ladder.block_sparse_attention(*t, m, b)
 
             def eager32(*t, m=mask, b=block):
                 return masked_attention(*(u.float() for u in t), m, b)
@@ -398,18 +398,18 @@ def gpu_checks(size: str) -> list:
                                  lambda f=eager32, g=g: grads(f, qkv, g, upcast=True), tol=3e-2))
 
     # Timings: the MoE block at Mixtral-8x7B's sizes, bf16: the loop of F.linear per expert (HF's
-    # MixtralExperts), the same block on torch._grouped_mm where this torch has it, and kernels.moe.
+    # MixtralExperts), the same block on torch._grouped_mm where this torch has it, and kernel_ladder.moe.
     tokens, hidden, ffn = MOE_SIZES["gpu"] if real else (64, 32, 32)
     a = moe_inputs(device, dtype, (tokens, hidden, ffn), 8, seed=16)
     op = f"moe bf16 T{tokens} H{hidden} F{ffn} E8 top{TOP_K}"
-    common = {"bytes": kernels.moe_ideal_bytes(*a, routed_experts(a[1])),
+    common = {"bytes": kernel_ladder.moe_ideal_bytes(*a, routed_experts(a[1])),
               "flops": _moe_flops(tokens, hidden, ffn, TOP_K)}
     entries += [
         Timing(op, "torch loop, F.linear per expert", lambda a=a: solutions.experts_loop(*a, TOP_K),
                baseline=True, **common),
         Timing(op, "torch._grouped_mm composition", lambda a=a: grouped_mm_moe(*a, TOP_K),
                unavailable=grouped_mm_unavailable(*a), **common),
-        Timing(op, "kernels.moe", lambda a=a: kernels.moe(*a, TOP_K), **common),
+        Timing(op, "kernel_ladder.moe", lambda a=a: kernel_ladder.moe(*a, TOP_K), **common),
     ]
 
     # Timings: block-sparse attention at a long sequence, bf16, a few masks, against SDPA with the mask
@@ -431,8 +431,8 @@ def gpu_checks(size: str) -> list:
         entries += [
             Timing(label, "SDPA, token mask", lambda m=visible: sdpa_masked(q, k, v, m), flops=dense_flops,
                    baseline=True),
-            Timing(label, "flash_attention dense", lambda: kernels.flash_attention(q, k, v), flops=dense_flops),
-            Timing(label, "block_sparse_attention", lambda m=mask: kernels.block_sparse_attention(q, k, v, m, block),
+            Timing(label, "flash_attention dense", lambda: kernel_ladder.flash_attention(q, k, v), flops=dense_flops),
+            Timing(label, "block_sparse_attention", lambda m=mask: kernel_ladder.block_sparse_attention(q, k, v, m, block),
                    flops=4 * tiles * block * block * d),
         ]
 
@@ -444,7 +444,7 @@ def gpu_checks(size: str) -> list:
 
     entries += [
         Timing(f"attention {shape}, dense", "SDPA (flash backend)", sdpa_flash, flops=dense_flops, baseline=True),
-        Timing(f"attention {shape}, dense", "kernels.flash_attention", lambda: kernels.flash_attention(q, k, v),
+        Timing(f"attention {shape}, dense", "kernel_ladder.flash_attention", lambda: kernel_ladder.flash_attention(q, k, v),
                flops=dense_flops),
     ]
     return entries

@@ -3,7 +3,7 @@ real gloo world — star (everyone through rank 0) → binomial tree → ring �
 reduce-scatter and all-gather, each beside torch's own collective on the same world.
 
 For every collective, world size and message size it records what was *counted* (the bytes the
-busiest rank sent, through :func:`kernels.distributed.count_bytes`, against the α–β model's
+busiest rank sent, through :func:`kernel_ladder.distributed.count_bytes`, against the α–β model's
 formula), what was *checked* (the largest difference from torch's result), and what was *timed*
 on this machine's gloo (the median over repeats of the slowest rank's time). The ring's times are
 fitted to ``messages·α + bytes·β`` by least squares, which gives this machine's own ``α`` and
@@ -43,7 +43,7 @@ WORLDS = (2, 4)
 class CollectiveRow:
     """One collective at one world size and message size (``n`` fp32 elements per rank)."""
 
-    op: str  # a kernels.distributed collective, or "torch.<name>" for torch's own
+    op: str  # a kernel_ladder.distributed collective, or "torch.<name>" for torch's own
     p: int
     n: int
     busiest_bytes: int | None  # the most bytes any rank sent (counted; None for torch's)
@@ -57,7 +57,7 @@ class CollectiveRow:
 
 
 def _model_bytes(op: str, nbytes: int, p: int) -> float:
-    from kernels.distributed import AlphaBeta
+    from kernel_ladder.distributed import AlphaBeta
 
     unit = AlphaBeta(alpha=0.0, bandwidth=1.0)  # its "time" is then the bytes on the critical path
     if op == "tree_all_reduce":  # the busiest rank sends at most its children's and one parent's share
@@ -83,7 +83,7 @@ def messages(op: str, p: int) -> int:
 def _run(op: str, x: torch.Tensor):
     import torch.distributed as dist
 
-    import kernels.distributed as kd
+    import kernel_ladder.distributed as kd
 
     p = dist.get_world_size()
     if op.startswith("torch."):
@@ -105,7 +105,7 @@ def measure(sizes: tuple[int, ...], repeats: int) -> list[dict]:
     """On every rank of the world: each collective at each size, its bytes, error and times."""
     import torch.distributed as dist
 
-    import kernels.distributed as kd
+    import kernel_ladder.distributed as kd
 
     r, p = dist.get_rank(), dist.get_world_size()
     out = []
@@ -235,9 +235,9 @@ def write(rows: list[CollectiveRow], fits: dict[int, tuple[float, float]], stamp
         f"Machine: {stamp}. Ranks are processes of this one machine talking through gloo; the times are "
         "CPU times of loopback messages, not GPU or NVLink times.",
         "",
-        "The all-reduce ladder (`kernels.distributed`): *star* (every rank through rank 0), a binomial "
+        "The all-reduce ladder (`kernel_ladder.distributed`): *star* (every rank through rank 0), a binomial "
         "*tree* (reduce, then broadcast), the *ring* (reduce-scatter, then all-gather), beside torch's "
-        "gloo collective. *Busiest rank sent* is counted (`kernels.distributed.count_bytes`), *model* "
+        "gloo collective. *Busiest rank sent* is counted (`kernel_ladder.distributed.count_bytes`), *model* "
         "is the α–β model's formula for it (✓: equal); *time* is the median over repeats of the slowest "
         "rank; *α–β fit* is the time predicted by `messages·α + bytes/bandwidth` with α and bandwidth "
         "fitted to this run's ring all-reduce times at each world size: "

@@ -1,7 +1,7 @@
 """``python -m bench.ch12_train`` (part of ``make report``): chapter 12's training run — a tiny
 Hugging Face Llama trained from scratch on a public-domain text shipped in the repository
 (``data/gettysburg_address.txt``, Lincoln's Gettysburg Address, 1863), once as ``transformers``
-wrote it and once patched with :func:`kernels.patch.patch_model`, from the same initial weights on
+wrote it and once patched with :func:`kernel_ladder.patch.patch_model`, from the same initial weights on
 the same batches.
 
 The claim it checks: patching changes the arithmetic's rounding, not the training. Both runs'
@@ -119,14 +119,14 @@ def _train(model, data: list[torch.Tensor], lr: float, desc: str) -> tuple[list[
 
 def train(config: TrainConfig | None = None, text: pathlib.Path = TEXT) -> TrainRun:
     """Train the reference and the patched model from the same weights on the same batches."""
-    import kernels.patch
+    import kernel_ladder.patch
 
     config = config or TrainConfig()
     vocab, ids = load_text(text)
     data = batches(ids, config)
     reference = tiny_llama(len(vocab), config)
     patched = copy.deepcopy(reference)
-    replaced = kernels.patch.patch_model(patched)
+    replaced = kernel_ladder.patch.patch_model(patched)
     run = TrainRun(config, vocab, sum(p.numel() for p in reference.parameters()), replaced, machine=machine())
     run.reference_loss, run.reference_seconds = _train(reference, data, config.lr, "transformers")
     run.patched_loss, run.patched_seconds = _train(patched, data, config.lr, "patched")

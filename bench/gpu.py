@@ -3,7 +3,7 @@
 A chapter's ``bench/chNN_topic.py`` may define ``gpu_checks(size)`` returning a list of the
 entries below, built lazily (tensors are made inside the callables or when ``gpu_checks`` is
 called, never at import). ``size`` is ``"gpu"`` for the real sizes on a CUDA device, or
-``"smoke"`` for tiny sizes on ``kernels.runtime.DEVICE`` — the CPU test runs every chapter's
+``"smoke"`` for tiny sizes on ``kernel_ladder.runtime.DEVICE`` — the CPU test runs every chapter's
 checks that way so that a GPU run, which is rare and short, does not die on a typo.
 
 ``bench.gpu_check`` runs them all: each :class:`Check` is compared as

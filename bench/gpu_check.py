@@ -1,7 +1,7 @@
 """``make gpu-check``: correctness at real sizes, then timings against torch, on an NVIDIA GPU.
 
 Runs with the GPU machine's own ``python3`` (the repository on ``PYTHONPATH``, nothing installed):
-it needs only torch, triton and ``kernels``. Without a CUDA device it says so and exits 0.
+it needs only torch, triton and ``kernel_ladder``. Without a CUDA device it says so and exits 0.
 
 Every chapter module in :data:`bench.CHAPTER_MODULES` may define ``gpu_checks(size)`` returning
 :mod:`bench.gpu` entries. This script runs them in three rounds:
@@ -12,7 +12,7 @@ Every chapter module in :data:`bench.CHAPTER_MODULES` may define ``gpu_checks(si
    fraction of the copy bandwidth and a ratio against the op's baseline (an implementation marked
    ``unavailable`` is listed with its reason instead);
 3. every :class:`~bench.gpu.Peak` (peak CUDA memory of the callable);
-4. MFU: training steps of a ~1B-parameter Llama-shaped :class:`kernels.models.CausalLM` in bf16
+4. MFU: training steps of a ~1B-parameter Llama-shaped :class:`kernel_ladder.models.CausalLM` in bf16
    (fused loss, AdamW), timed by the wall clock between synchronizations; tokens/s, and the model FLOPs of
    :func:`solutions.ch12_end_to_end.step_flops` over the time against the H200's dense bf16 peak;
 5. with ``--profile`` (``make gpu-check PROFILE=1``): a ``torch.profiler`` trace of a training
@@ -21,7 +21,7 @@ Every chapter module in :data:`bench.CHAPTER_MODULES` may define ``gpu_checks(si
 
 Full results go to ``$OUT/gpu_check.json`` (or ``results/gpu_check.json``); a short table is
 printed last. ``--smoke`` runs every chapter's checks at tiny sizes on whatever device
-``kernels`` uses (the CPU interpreter included), timing each callable once with a wall clock
+``kernel_ladder`` uses (the CPU interpreter included), timing each callable once with a wall clock
 and skipping ``torch.compile`` implementations — the test suite uses it so that a rare GPU run
 does not die on a typo.
 """
@@ -192,7 +192,7 @@ H200_BF16_PEAK = 989e12
 
 def run_mfu(results: dict, device, smoke: bool) -> list[str]:
     """Train a Llama-shaped CausalLM for a few steps; tokens/s and MFU (model FLOPs / time / peak)."""
-    from kernels.models import CausalLM, CausalLMConfig
+    from kernel_ladder.models import CausalLM, CausalLMConfig
     from solutions.ch12_end_to_end import step_flops
 
     spec = dict(MFU_CONFIGS["smoke" if smoke else "gpu"])
@@ -300,16 +300,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import triton
 
-    import kernels
+    import kernel_ladder
 
-    device = kernels.runtime.DEVICE
+    device = kernel_ladder.runtime.DEVICE
     out_dir = pathlib.Path(os.environ.get("OUT") or "results")
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict = {
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else f"{device} ({kernels.runtime.mode()})",
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else f"{device} ({kernel_ladder.runtime.mode()})",
         "torch": torch.__version__,
         "triton": triton.__version__,
-        "mode": kernels.runtime.mode(),
+        "mode": kernel_ladder.runtime.mode(),
         "date": time.strftime("%Y-%m-%d"),
         "size": "smoke" if args.smoke else "gpu",
         "correctness": [],

@@ -6,7 +6,7 @@ call and of a forward + backward step, the launches each makes, torch's own eage
 input for scale, and the floor: a ``torch.library`` custom op that only allocates its output
 (:func:`utils.overhead.dispatch_floor`), below which no custom op can go.
 
-Value checks are off while it measures (``kernels.runtime.check_values(False)``), as they are by
+Value checks are off while it measures (``kernel_ladder.runtime.check_values(False)``), as they are by
 default on CUDA: what is timed is the launch path a GPU run takes. The elementwise and row ops
 (:data:`utils.op_cases.ELEMENTWISE`, :data:`utils.op_cases.ROWS`) are read against a goal of
 20 us per forward call (the goal chapter 10 sets for the package's launch path on a laptop CPU);
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-import kernels
+import kernel_ladder
 from bench.report import ROOT, _progress, machine, write_between
 from utils.op_cases import ELEMENTWISE, ROWS, OpCase, op_cases
 from utils.overhead import Overhead, dispatch_floor, eager_time, floor_op, host_overhead, python_calls
@@ -106,13 +106,13 @@ def run(names: list[str] | None = None, number: int = 200, repeat: int = 7, warm
         if unknown:
             raise ValueError(f"bench.overhead: no op case named {unknown}; known: {sorted(known)}")
         cases = [c for c in cases if c.name in names]
-    before = kernels.runtime.values_checked()
-    kernels.runtime.check_values(False)
+    before = kernel_ladder.runtime.values_checked()
+    kernel_ladder.runtime.check_values(False)
     try:
         floor = dispatch_floor(number=number, repeat=repeat)
         rows = [measure(case, number, repeat, warmup) for case in _progress(cases, "host overhead")]
     finally:
-        kernels.runtime.check_values(before)
+        kernel_ladder.runtime.check_values(before)
     return rows, floor
 
 
@@ -171,7 +171,7 @@ def write(rows: list[OverheadRow], floor: Overhead, stamp: str, path: pathlib.Pa
         "The Python time an op spends per call outside its kernels: every Triton launch is replaced by a",
         "no-op (`utils.overhead.host_overhead`), so what is timed is argument checks, torch's custom-op",
         "dispatch, autograd bookkeeping, allocation and the launch plan — what a GPU run pays on the host",
-        "before each kernel is queued. Value checks are off (`kernels.runtime.check_values(False)`, the",
+        "before each kernel is queued. Value checks are off (`kernel_ladder.runtime.check_values(False)`, the",
         "CUDA default). Each time is the fastest of several rounds of tiny calls (`utils.op_cases`): on a",
         "shared machine a disturbed round is slower, never faster. *torch eager* is torch's own op on the",
         "same input, for scale (its dispatch is C++). The floor is a `torch.library` custom op that only",

@@ -1,6 +1,6 @@
 """``make gpu-check PROFILE=1``: a ``torch.profiler`` trace of a small training step, kept as data.
 
-:func:`profile_training_step` builds :class:`utils.transformer.TinyDecoder` (every op a ``kernels``
+:func:`profile_training_step` builds :class:`utils.transformer.TinyDecoder` (every op a ``kernel_ladder``
 custom op), runs a few untimed steps (compiles and autotuning done), then profiles ``steps``
 training steps with ``torch.profiler`` (CPU activity, and CUDA where there is a device) and writes
 under ``<out>/profile/``:
@@ -15,7 +15,7 @@ the Triton interpreter's. ``python -m bench.profile_step --plot <profile.json> [
 draws a committed run's top events.
 
 Runs with the GPU machine's own ``python3`` like the rest of ``make gpu-check``: it needs torch,
-triton, ``kernels`` and ``utils`` only (matplotlib only for ``--plot``).
+triton, ``kernel_ladder`` and ``utils`` only (matplotlib only for ``--plot``).
 """
 
 from __future__ import annotations
@@ -69,11 +69,11 @@ def profile_training_step(out_dir: pathlib.Path | str, size: str = "gpu", steps:
     import triton
     from torch.profiler import ProfilerActivity, profile
 
-    import kernels
+    import kernel_ladder
     from utils.transformer import BlockConfig, TinyDecoder, block_training_step
 
     s = SIZES[size]
-    device = kernels.runtime.DEVICE
+    device = kernel_ladder.runtime.DEVICE
     cuda = device.type == "cuda"
     config = BlockConfig(hidden=s["hidden"], n_heads=s["n_heads"], n_kv_heads=s["n_kv_heads"], ffn=s["ffn"],
                          vocab=s["vocab"])
@@ -106,10 +106,10 @@ def profile_training_step(out_dir: pathlib.Path | str, size: str = "gpu", steps:
     events = sorted((_event_record(e) for e in averages),
                     key=lambda r: r["self_device_us" if cuda else "self_cpu_us"], reverse=True)
     data = {
-        "device": torch.cuda.get_device_name() if cuda else f"{device} ({kernels.runtime.mode()})",
+        "device": torch.cuda.get_device_name() if cuda else f"{device} ({kernel_ladder.runtime.mode()})",
         "torch": torch.__version__,
         "triton": triton.__version__,
-        "mode": kernels.runtime.mode(),
+        "mode": kernel_ladder.runtime.mode(),
         "date": time.strftime("%Y-%m-%d"),
         "size": size,
         "sizes": {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in s.items()},
@@ -122,18 +122,18 @@ def profile_training_step(out_dir: pathlib.Path | str, size: str = "gpu", steps:
 
 
 def kernel_ops(data: dict) -> list[dict]:
-    """The events of ``kernels``' custom ops (``kernels::<name>``), in the data's order."""
-    return [e for e in data["events"] if e["name"].startswith("kernels::")]
+    """The events of ``kernel_ladder``' custom ops (``kernel_ladder::<name>``), in the data's order."""
+    return [e for e in data["events"] if e["name"].startswith("kernel_ladder::")]
 
 
 def plot_profile(data: dict, top: int = 15, ax=None):
-    """Horizontal bars of the ``top`` ``kernels::`` ops by their self time (device time on a GPU run)."""
+    """Horizontal bars of the ``top`` ``kernel_ladder::`` ops by their self time (device time on a GPU run)."""
     import matplotlib.pyplot as plt
 
     key = data["time_key"]
     ops = [e for e in kernel_ops(data) if e[key] > 0][:top] or kernel_ops(data)[:top]
     if not ops:
-        raise ValueError("bench.profile_step.plot_profile: the profile has no kernels:: events")
+        raise ValueError("bench.profile_step.plot_profile: the profile has no kernel_ladder:: events")
     if ax is None:
         _, ax = plt.subplots(figsize=(7.5, 0.32 * len(ops) + 1.5))
     per_step = [e[key] / data["steps"] / 1e3 for e in ops]

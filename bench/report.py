@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-import kernels
+import kernel_ladder
 from bench import Figure, Ladder, Step, figures, ladders
 from utils.exercises import default_tolerance
 from utils.roofline import dtype_key, predict
@@ -69,12 +69,12 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    gpu = torch.cuda.get_device_name() if (torch.cuda.is_available() and not kernels.runtime.INTERPRETER) else "none"
+    gpu = torch.cuda.get_device_name() if (torch.cuda.is_available() and not kernel_ladder.runtime.INTERPRETER) else "none"
     import triton
 
     return (
         f"date {datetime.date.today().isoformat()}; CPU: {cpu} ({os.cpu_count()} cores); GPU: {gpu}; "
-        f"mode: {kernels.runtime.mode()}; python {platform.python_version()}, torch {torch.__version__}, "
+        f"mode: {kernel_ladder.runtime.mode()}; python {platform.python_version()}, torch {torch.__version__}, "
         f"triton {triton.__version__}"
     )
 
@@ -112,7 +112,7 @@ def _check(ladder: Ladder, step: Step, inputs: tuple, output) -> tuple[str, floa
 
 
 def run_ladder(ladder: Ladder, gpu: bool) -> list[Row]:
-    device = kernels.runtime.DEVICE
+    device = kernel_ladder.runtime.DEVICE
     inputs = ladder.make_inputs(device, ladder.dtype, "cpu")
     rows = []
     for step in _progress([s for s in ladder.steps if s.on_cpu], desc=ladder.op):
@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="whose summary table to refresh (between its summary markers)")
     args = parser.parse_args(argv)
 
-    gpu = torch.cuda.is_available() and not kernels.runtime.INTERPRETER
+    gpu = torch.cuda.is_available() and not kernel_ladder.runtime.INTERPRETER
     stamp = machine()
     print(f"report: {stamp}", file=sys.stderr)
     if not gpu:

@@ -18,7 +18,7 @@ reduction (:func:`weight_grad_partial_kernel`), the atomic version it replaces
 backward passes for 2-D inputs with contiguous rows (:func:`rms_norm`, :func:`layer_norm`,
 :func:`rms_norm_backward`, :func:`layer_norm_backward`, :func:`weight_grad_two_stage`,
 :func:`weight_grad_atomic`). The production versions (any shape and strides, autograd, one fused
-backward pass) are ``kernels.rms_norm``, ``kernels.layer_norm`` and ``kernels.add_rms_norm``.
+backward pass) are ``kernel_ladder.rms_norm``, ``kernel_ladder.layer_norm`` and ``kernel_ladder.add_rms_norm``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-import kernels  # noqa: F401  (fixes interpreter/compiled mode before any @triton.jit below)
+import kernel_ladder  # noqa: F401  (fixes interpreter/compiled mode before any @triton.jit below)
 
 __all__ = [
     # exercises

@@ -4,7 +4,7 @@ One solution per exercise of ``chapters/05_quantization/05_quantization.ipynb``,
 
 * :func:`quantize_int8_per_channel` — symmetric int8 with one scale per output channel (torch);
 * :func:`pack_int4` / :func:`unpack_int4` — two int4 values per byte, offset-8 nibbles, low nibble
-  first (the layout of ``kernels.quantize_weight(w, "int4")``);
+  first (the layout of ``kernel_ladder.quantize_weight(w, "int4")``);
 * :func:`int4_linear_kernel` — ``x @ W.T`` with W int4 group-wise: the packed weight is unpacked
   and scaled in registers inside the K loop, never written out;
 * :func:`quantize_per_token_kernel` — dynamic per-token (per row) int8 quantization of activations;
@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-import kernels  # noqa: F401  (fixes interpreter/compiled mode before any @triton.jit below)
+import kernel_ladder  # noqa: F401  (fixes interpreter/compiled mode before any @triton.jit below)
 
 __all__ = [
     "quantize_int8_per_channel",
@@ -83,7 +83,7 @@ def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """Pack int4 values ``q`` (integers in [-8, 7], shape ``(N, K)``) two per byte along K.
 
-    Teaches the nibble layout of ``kernels.quantize_weight(w, "int4")``: each value is stored as
+    Teaches the nibble layout of ``kernel_ladder.quantize_weight(w, "int4")``: each value is stored as
     the *unsigned* nibble ``u = q + 8`` in [0, 15] (offset 8: an implicit zero point), and byte
     ``j`` of a row holds ``k = 2j`` in its low four bits and ``k = 2j + 1`` in its high four::
 
@@ -174,7 +174,7 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, gro
     """Launch :func:`int4_linear_kernel`: ``x (M, K) @ W.T`` for a packed int4 ``W`` (the notebook's launcher).
 
     ``packed`` is ``(N, K / 2)`` uint8 and ``scales`` ``(N, K / group_size)`` with any strides
-    (``kernels.quantize_weight``'s are group-major); x's rows must be unit-stride. Writes ``out``
+    (``kernel_ladder.quantize_weight``'s are group-major); x's rows must be unit-stride. Writes ``out``
     (default: a new ``(M, N)`` tensor of x's dtype) and returns it.
     """
     M, K = x.shape
@@ -205,7 +205,7 @@ def quantize_per_token_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, 
     fits one block (``BLOCK >= K``), so x is read once: amax by ``tl.max``, then divide, round
     half to even (fp32 magic-number addition, as ``torch.round``), clamp, cast, store. The
     divisions use ``tl.math.div_rn`` (IEEE-rounded; a plain ``/`` is an approximation on a GPU)
-    so that the result matches ``kernels.quantize_activations`` bit for bit.
+    so that the result matches ``kernel_ladder.quantize_activations`` bit for bit.
     """
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-import kernels  # noqa: F401  (fixes interpreter/compiled mode before any @triton.jit below)
+import kernel_ladder  # noqa: F401  (fixes interpreter/compiled mode before any @triton.jit below)
 
 __all__ = [
     "rope_row_kernel",

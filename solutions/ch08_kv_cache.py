@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-import kernels  # noqa: F401  (fixes interpreter/compiled mode before any @triton.jit below)
+import kernel_ladder  # noqa: F401  (fixes interpreter/compiled mode before any @triton.jit below)
 
 __all__ = [
     "request_mix",
@@ -91,7 +91,7 @@ def slot_mapping(block_table: torch.Tensor, positions: torch.Tensor, block_size:
     ``p // block_size``-th block, physical block ``block_table[p // block_size]``, at offset
     ``p % block_size``; the cache viewed as ``(num_blocks * block_size, Hkv, D)`` holds it at row
     ``block * block_size + offset``. A negative position is padding: slot ``-1`` (skipped by
-    ``kernels.write_kv_cache``)."""
+    ``kernel_ladder.write_kv_cache``)."""
     pad = positions < 0
     pos = positions.clamp(min=0).long()
     slots = block_table.long()[pos // block_size] * block_size + pos % block_size
@@ -248,7 +248,7 @@ def decode_cases(gen: torch.Generator) -> list[tuple]:
                                              ([33, 64], 2, 2, 32, torch.bfloat16)):
         seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
         q, k_cache, v_cache, tables, _ = paged_inputs(lens, hq, hkv, 32, block_size, dtype=dtype,
-                                                      device=kernels.runtime.DEVICE, seed=seed)
+                                                      device=kernel_ladder.runtime.DEVICE, seed=seed)
         cases.append((q, k_cache, v_cache, tables, lens))  # seq_lens as a list: the verdict shows it
     return cases
 
@@ -445,7 +445,7 @@ def admit(waiting: list[int], num_running: int, free_blocks: int, block_size: in
 
     and the first request that cannot be admitted stops admission: a later, smaller request does
     not overtake it (it would starve a long prompt forever). Returns the admitted chunks, in order.
-    This is :class:`kernels.kv_cache.Scheduler`'s rule for new requests (without its prefix cache).
+    This is :class:`kernel_ladder.kv_cache.Scheduler`'s rule for new requests (without its prefix cache).
     """
     budget = token_budget - num_running
     seats = max_num_seqs - num_running
@@ -518,7 +518,7 @@ def static_batching(requests: list[tuple[int, int]], batch_size: int) -> list[in
     first output token), then feeds one token per unfinished sequence per step until its *longest*
     output is done; only then does the next batch start. Returns the tokens fed to the model in
     each step: ``prompt + output - 1`` per request in all (the last sampled token is never fed
-    back), as :class:`kernels.kv_cache.Scheduler` counts them.
+    back), as :class:`kernel_ladder.kv_cache.Scheduler` counts them.
     """
     steps = []
     for start in range(0, len(requests), batch_size):

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-import kernels  # noqa: F401  (fixes interpreter/compiled mode before any @triton.jit below)
+import kernel_ladder  # noqa: F401  (fixes interpreter/compiled mode before any @triton.jit below)
 
 __all__ = [
     "router_inputs",
@@ -132,10 +132,10 @@ def routing_cases(gen: torch.Generator) -> list[tuple]:
     logits on a coarse grid: many exact ties, and a token whose experts all tie."""
     cases = []
     for tokens, experts, k, renormalize in ((37, 8, 2, True), (5, 60, 6, False), (20, 16, 1, True), (16, 8, 2, False)):
-        cases.append((torch.randn(tokens, experts, generator=gen).to(kernels.runtime.DEVICE) * 2, k, renormalize))
+        cases.append((torch.randn(tokens, experts, generator=gen).to(kernel_ladder.runtime.DEVICE) * 2, k, renormalize))
     ties = torch.randint(-3, 4, (24, 8), generator=gen).float() / 2
     ties[0] = 0.0
-    cases.append((ties.to(kernels.runtime.DEVICE), 3, True))
+    cases.append((ties.to(kernel_ladder.runtime.DEVICE), 3, True))
     return cases
 
 
@@ -564,7 +564,7 @@ def experts_loop(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.
 
 
 # ----------------------------------------------------------------------------------------------
-# Given: the MoE block from the chapter's ops, unfused (the ladder step before kernels.moe)
+# Given: the MoE block from the chapter's ops, unfused (the ladder step before kernel_ladder.moe)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -574,12 +574,12 @@ def moe_unfused(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.T
     up, the SwiGLU as its own kernel, one grouped GEMM for down, the weighted combine. Seven ops, no
     loop over experts, no host sync — but the gathered rows ``(T·k, H)`` and the gate/up
     pre-activations ``(T·k, 2F)`` each make a round trip through memory, which
-    :func:`kernels.moe` fuses away."""
+    :func:`kernel_ladder.moe` fuses away."""
     ffn = w_down.shape[2]
-    weights, expert_ids = kernels.topk_routing(router_logits, top_k, renormalize=renormalize)
-    permutation, offsets = kernels.moe_permute(expert_ids, w_gate_up.shape[0])
-    rows = kernels.moe_gather(x, permutation, top_k)
-    gate_up = kernels.grouped_matmul(rows, w_gate_up.transpose(1, 2), offsets)  # (T·k, 2F)
-    hidden = kernels.swiglu(gate_up[:, :ffn], gate_up[:, ffn:])
-    down = kernels.grouped_matmul(hidden, w_down.transpose(1, 2), offsets)  # (T·k, H)
-    return kernels.moe_combine(down, permutation, weights)
+    weights, expert_ids = kernel_ladder.topk_routing(router_logits, top_k, renormalize=renormalize)
+    permutation, offsets = kernel_ladder.moe_permute(expert_ids, w_gate_up.shape[0])
+    rows = kernel_ladder.moe_gather(x, permutation, top_k)
+    gate_up = kernel_ladder.grouped_matmul(rows, w_gate_up.transpose(1, 2), offsets)  # (T·k, 2F)
+    hidden = kernel_ladder.swiglu(gate_up[:, :ffn], gate_up[:, ffn:])
+    down = kernel_ladder.grouped_matmul(hidden, w_down.transpose(1, 2), offsets)  # (T·k, H)
+    return kernel_ladder.moe_combine(down, permutation, weights)

@@ -3,7 +3,7 @@ formula, a launch path without its host sync.
 
 One solution per exercise of ``chapters/10_integration/10_integration.ipynb``, written for reading,
 and what the chapter gives: three small Triton-backed operators registered in their own namespace
-(``ch10::``, so that nothing here can clash with the library's ``kernels::`` ops), each exercise's
+(``ch10::``, so that nothing here can clash with the library's ``kernel_ladder::`` ops), each exercise's
 cases, the reference it is checked against and the diagnosis, which the notebook's checks and
 ``tests/test_solutions_ch10.py`` both import.
 
@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-import kernels  # noqa: F401  (fixes interpreter/compiled mode before any @triton.jit below)
+import kernel_ladder  # noqa: F401  (fixes interpreter/compiled mode before any @triton.jit below)
 from utils import flamegraph
 
 __all__ = [
@@ -272,7 +272,7 @@ def _inputs(op: str, shape: list[int], dtype: str, layout: str) -> tuple[torch.T
         x = torch.randn(*reversed(shape), generator=gen).to(_DTYPES[dtype]).transpose(-1, -2)
     else:
         x = torch.randn(*shape, generator=gen).to(_DTYPES[dtype])
-    device = kernels.runtime.DEVICE
+    device = kernel_ladder.runtime.DEVICE
     x = x.to(device)
     if op == "scale_rows":
         return x, torch.rand(shape[0], generator=gen).to(device) + 0.5
@@ -382,7 +382,7 @@ def _gradient_inputs(rows: int, cols: int, seed: int) -> tuple[torch.Tensor, tor
     x = torch.randn(rows, cols, generator=gen, dtype=torch.float64)
     s = torch.rand(rows, generator=gen, dtype=torch.float64) + 0.5
     grad = torch.randn(rows, cols, generator=gen, dtype=torch.float64)
-    device = kernels.runtime.DEVICE
+    device = kernel_ladder.runtime.DEVICE
     return x.to(device), s.to(device), grad.to(device)
 
 
@@ -507,7 +507,7 @@ def embedding_cases(gen: torch.Generator) -> list[tuple]:
     """A table and ids: tiny, an odd width, a repeated id; the last case has ids out of range
     (negative and past the vocabulary), whose rows must be zero and which ``bad`` must count."""
     cases = []
-    device = kernels.runtime.DEVICE
+    device = kernel_ladder.runtime.DEVICE
     for vocab, dim, tokens in ((7, 5, 4), (16, 12, 9), (6, 3, 8)):
         table = torch.randn(vocab, dim, generator=gen)
         ids = torch.randint(0, vocab, (tokens,), generator=gen)

@@ -1,6 +1,6 @@
 """Solutions to chapter 11, distributed parallelism, and what the chapter gives its checks.
 
-Six exercises, each one piece of a form of parallelism that ``kernels.distributed`` implements in
+Six exercises, each one piece of a form of parallelism that ``kernel_ladder.distributed`` implements in
 full: the ring reduce-scatter, the gradient buckets, the column/row split of an MLP, the
 log-sum-exp merge of ring attention, the 1F1B order, the vocabulary-parallel loss.
 
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kernels.distributed import bubble_fraction, logical_timeline, schedule_order
+from kernel_ladder.distributed import bubble_fraction, logical_timeline, schedule_order
 
 __all__ = [
     "ThreadComm",
@@ -385,7 +385,7 @@ def attention_by_blocks(candidate: Callable[..., tuple]) -> Callable[..., tuple]
         a = _block_attention(q, k[:split], v[:split], None if mask is None else mask[:, :split])
         b = _block_attention(q, k[split:], v[split:], None if mask is None else mask[:, split:])
         # A block a row saw nothing of gives output 0 and lse -inf there (flash-attention's
-        # convention, and kernels.flash_attention's): it must get no weight, and a row that saw
+        # convention, and kernel_ladder.flash_attention's): it must get no weight, and a row that saw
         # nothing in either block must come out 0, not NaN.
         return candidate(a[0], a[1], b[0], b[1])
 
@@ -508,10 +508,10 @@ def run_vocab_loss(candidate: Callable[..., torch.Tensor]) -> Callable[..., torc
 
 
 def world_all_reduce(n: int) -> dict:
-    """kernels' ring all-reduce against torch's on this rank's random vector; the bytes it sent."""
+    """kernel_ladder's ring all-reduce against torch's on this rank's random vector; the bytes it sent."""
     import torch.distributed as dist
 
-    import kernels.distributed as kd
+    import kernel_ladder.distributed as kd
 
     r, p = dist.get_rank(), dist.get_world_size()
     x = torch.randn(n, generator=torch.Generator().manual_seed(r))
@@ -528,7 +528,7 @@ def world_all_reduce_ladder(n: int) -> dict:
     largest difference of each from torch's all-reduce."""
     import torch.distributed as dist
 
-    import kernels.distributed as kd
+    import kernel_ladder.distributed as kd
 
     x = torch.randn(n, generator=torch.Generator().manual_seed(dist.get_rank()))
     theirs = x.clone()
@@ -549,14 +549,14 @@ def _mlp(seed: int = 0) -> torch.nn.Sequential:
 
 
 def world_data_parallel(bucket_cap_mb: float) -> dict:
-    """kernels' DataParallel and torch's DDP on the same model and per-rank data: their largest
+    """kernel_ladder's DataParallel and torch's DDP on the same model and per-rank data: their largest
     gradient difference, and when each bucket's all-reduce was launched."""
     import copy
 
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from kernels.distributed import DataParallel
+    from kernel_ladder.distributed import DataParallel
 
     model = _mlp()
     twin = copy.deepcopy(model)
@@ -576,7 +576,7 @@ def world_no_sync(micro_batches: int = 4) -> dict:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from kernels.distributed import DataParallel
+    from kernel_ladder.distributed import DataParallel
 
     r, p = dist.get_rank(), dist.get_world_size()
     model, twin, whole = _mlp(), _mlp(), _mlp()
@@ -629,7 +629,7 @@ def _deep_mlp(width: int, depth: int = 16) -> torch.nn.Sequential:
 def _zero_step(model: torch.nn.Module, stage: int, x: torch.Tensor, bucket_cap_mb: float | None = None):
     """``model`` under DDP (stage 0) or ZeRO 1/2/3 with Adam, after one step on ``x``: ``(optimizer,
     memory)``, the bytes of parameters, gradients and optimizer state this rank holds."""
-    from kernels.distributed import DataParallel, ZeroOptimizer, module_memory, shard_module
+    from kernel_ladder.distributed import DataParallel, ZeroOptimizer, module_memory, shard_module
 
     if stage in (1, 2):
         options = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
@@ -672,14 +672,14 @@ def world_zero_memory() -> dict:
 
 def world_tensor_parallel() -> dict:
     """A column-then-row parallel MLP against the same MLP in one process (every rank computes it)."""
-    import kernels
-    from kernels.distributed import ColumnParallelLinear, RowParallelLinear
+    import kernel_ladder
+    from kernel_ladder.distributed import ColumnParallelLinear, RowParallelLinear
 
     model = _mlp()
     up, down = ColumnParallelLinear.from_linear(model[0]), RowParallelLinear.from_linear(model[2])
     x = torch.randn(4, 32, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        ours = down(kernels.gelu(up(x)))
+        ours = down(kernel_ladder.gelu(up(x)))
         reference = model[2](torch.nn.functional.gelu(model[0](x)))
     return {"max_error": float((ours - reference).abs().max()), "up_shard": tuple(up.weight.shape),
             "down_shard": tuple(down.weight.shape)}
@@ -689,7 +689,7 @@ def world_ring_attention(layout: str, causal: bool, seq: int = 32) -> dict:
     """Ring attention of this rank's slice against SDPA over the whole sequence (computed here too)."""
     import torch.distributed as dist
 
-    import kernels.distributed as kd
+    import kernel_ladder.distributed as kd
 
     r, p = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(7)
@@ -707,8 +707,8 @@ def world_sequence_parallel(sequence_parallel: bool) -> dict:
     counted), each saved tensor's shape, and the largest error against one process."""
     import torch.distributed as dist
 
-    import kernels
-    from kernels.distributed import ColumnParallelLinear, RowParallelLinear
+    import kernel_ladder
+    from kernel_ladder.distributed import ColumnParallelLinear, RowParallelLinear
 
     r, p = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -731,7 +731,7 @@ def world_sequence_parallel(sequence_parallel: bool) -> dict:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = kernels.add(x, down(kernels.gelu(up(kernels.rms_norm(x, w)))))
+        out = kernel_ladder.add(x, down(kernel_ladder.gelu(up(kernel_ladder.rms_norm(x, w)))))
     with torch.no_grad():
         reference = x_full + model[2](F.gelu(model[0](F.rms_norm(x_full, (32,), w, 1e-6))))
     expected = reference[rows] if sequence_parallel else reference
@@ -740,11 +740,11 @@ def world_sequence_parallel(sequence_parallel: bool) -> dict:
 
 
 def world_pipeline(schedule: str, microbatches: int) -> dict:
-    """kernels' Pipeline (one stage of two Linear+Tanh pairs per rank) against the whole model in one
+    """kernel_ladder's Pipeline (one stage of two Linear+Tanh pairs per rank) against the whole model in one
     process: this stage's largest gradient difference, the micro-batches it held at once, its order."""
     import torch.distributed as dist
 
-    from kernels.distributed import Pipeline
+    from kernel_ladder.distributed import Pipeline
 
     r, p = dist.get_rank(), dist.get_world_size()
 

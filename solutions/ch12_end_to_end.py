@@ -1,8 +1,8 @@
 """Solutions to chapter 12, end to end, and what the chapter gives its checks.
 
-Four exercises, each one piece of what ``kernels.models`` and ``kernels.patch`` do in full:
+Four exercises, each one piece of what ``kernel_ladder.models`` and ``kernel_ladder.patch`` do in full:
 
-1. :func:`decoder_layer` — a Llama decoder layer from ``kernels`` ops, checked against Hugging
+1. :func:`decoder_layer` — a Llama decoder layer from ``kernel_ladder`` ops, checked against Hugging
    Face's own ``LlamaDecoderLayer`` with the same weights.
 2. :func:`top_p_filter` — the nucleus of a distribution, as the engine samples from it.
 3. :func:`speculative_accept` — one speculative step's acceptance rule, the one that keeps the
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-import kernels
+import kernel_ladder
 
 __all__ = [
     "decoder_layer",
@@ -36,12 +36,12 @@ __all__ = [
 
 
 # ----------------------------------------------------------------------------------------------
-# Exercise 1: a decoder layer from kernels ops
+# Exercise 1: a decoder layer from kernel_ladder ops
 # ----------------------------------------------------------------------------------------------
 
 
 def decoder_layer(x: torch.Tensor, layer, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``layer`` (an HF ``LlamaDecoderLayer``) on ``x`` ``(B, T, hidden)`` with ``kernels`` ops:
+    """``layer`` (an HF ``LlamaDecoderLayer``) on ``x`` ``(B, T, hidden)`` with ``kernel_ladder`` ops:
 
     ``h = x + o(attn(rope(q(n1(x))), rope(k(n1(x))), v(n1(x))))``, ``out = h + mlp(n2(h))``: RMS
     norms, the three projections split into heads, rotary on q and k, causal grouped-query
@@ -50,16 +50,16 @@ def decoder_layer(x: torch.Tensor, layer, cos: torch.Tensor, sin: torch.Tensor) 
     attn, eps = layer.self_attn, layer.input_layernorm.variance_epsilon
     b, t, _ = x.shape
     d = attn.head_dim
-    h = kernels.rms_norm(x, layer.input_layernorm.weight, eps)
-    q = kernels.linear(h, attn.q_proj.weight).view(b, t, -1, d).transpose(1, 2)  # (B, Hq, T, D)
-    k = kernels.linear(h, attn.k_proj.weight).view(b, t, -1, d).transpose(1, 2)  # (B, Hkv, T, D)
-    v = kernels.linear(h, attn.v_proj.weight).view(b, t, -1, d).transpose(1, 2)
-    q, k = kernels.rope(q, k, cos, sin)
-    out = kernels.flash_attention(q, k, v, causal=True, softmax_scale=attn.scaling)  # GQA: K/V not repeated
-    x = kernels.add(x, kernels.linear(out.transpose(1, 2).reshape(b, t, -1), attn.o_proj.weight))
+    h = kernel_ladder.rms_norm(x, layer.input_layernorm.weight, eps)
+    q = kernel_ladder.linear(h, attn.q_proj.weight).view(b, t, -1, d).transpose(1, 2)  # (B, Hq, T, D)
+    k = kernel_ladder.linear(h, attn.k_proj.weight).view(b, t, -1, d).transpose(1, 2)  # (B, Hkv, T, D)
+    v = kernel_ladder.linear(h, attn.v_proj.weight).view(b, t, -1, d).transpose(1, 2)
+    q, k = kernel_ladder.rope(q, k, cos, sin)
+    out = kernel_ladder.flash_attention(q, k, v, causal=True, softmax_scale=attn.scaling)  # GQA: K/V not repeated
+    x = kernel_ladder.add(x, kernel_ladder.linear(out.transpose(1, 2).reshape(b, t, -1), attn.o_proj.weight))
     mlp = layer.mlp
-    h = kernels.rms_norm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
-    return kernels.add(x, kernels.gated_mlp(h, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight))
+    h = kernel_ladder.rms_norm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
+    return kernel_ladder.add(x, kernel_ladder.gated_mlp(h, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight))
 
 
 _FORBIDDEN = ("aten.mm", "aten.bmm", "aten.addmm", "aten.matmul", "aten.linear", "aten._softmax", "aten.softmax",
@@ -68,7 +68,7 @@ _FORBIDDEN = ("aten.mm", "aten.bmm", "aten.addmm", "aten.matmul", "aten.linear",
 
 def kernels_only(candidate):
     """Run ``candidate`` and refuse it if it computed with torch's matmuls, softmax or attention
-    (every op the dispatcher runs is seen) or ran no ``kernels`` op at all."""
+    (every op the dispatcher runs is seen) or ran no ``kernel_ladder`` op at all."""
     from utils.trace import OpLog
 
     def run(*args):
@@ -77,11 +77,11 @@ def kernels_only(candidate):
         torch_ops = log.matching(*_FORBIDDEN)
         if torch_ops:
             raise ValueError(f"the layer ran torch's {', '.join(torch_ops)}: compute it with kernels ops "
-                             "(kernels.linear, kernels.flash_attention, …), not by calling the HF layer or torch's "
+                             "(kernel_ladder.linear, kernel_ladder.flash_attention, …), not by calling the HF layer or torch's "
                              "matmul/softmax")
-        if not log.matching("kernels."):
-            raise ValueError("no kernels op ran: build the layer from kernels.rms_norm, kernels.linear, kernels.rope, "
-                             "kernels.flash_attention, kernels.gated_mlp and kernels.add")
+        if not log.matching("kernel_ladder."):
+            raise ValueError("no kernels op ran: build the layer from kernel_ladder.rms_norm, kernel_ladder.linear, kernel_ladder.rope, "
+                             "kernel_ladder.flash_attention, kernel_ladder.gated_mlp and kernel_ladder.add")
         return out
 
     return run

@@ -18,8 +18,8 @@ import torch
 # cache per test run.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="kernel-ladder-inductor-"))
 
-import kernels  # noqa: F401,E402  (sets the interpreter mode before any test module defines a kernel)
-from kernels import _launch
+import kernel_ladder  # noqa: F401,E402  (sets the interpreter mode before any test module defines a kernel)
+from kernel_ladder import _launch
 
 #: Set to an integer to replay the inputs of a failed run (its seed is printed with the failure).
 SEED_ENV = "KERNEL_LADDER_SEED"
@@ -35,7 +35,7 @@ def pytest_collection_modifyitems(config, items):
     # The longest tests first (the notebooks, then the rest marked slow): with work stealing, two
     # workers then finish together instead of one waiting on the last notebook.
     items.sort(key=lambda item: 0 if "test_notebooks.py" in item.nodeid else 1 if "slow" in item.keywords else 2)
-    compiled = torch.cuda.is_available() and not kernels.runtime.INTERPRETER
+    compiled = torch.cuda.is_available() and not kernel_ladder.runtime.INTERPRETER
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device (sizes too large for the interpreter)")
     skip_interpreter = pytest.mark.skip(reason="counts or diagnoses through Triton's interpreter; kernels compile here")
     for item in items:
@@ -48,7 +48,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def device() -> torch.device:
     """Where tensors go: the GPU when kernels compile, else the CPU."""
-    return kernels.runtime.DEVICE
+    return kernel_ladder.runtime.DEVICE
 
 
 def test_seed() -> int:
@@ -81,7 +81,7 @@ def _poison(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture
 def poisoned(monkeypatch):
-    """Every buffer the ops allocate (``kernels._launch.empty``, the one allocation hook) starts as
+    """Every buffer the ops allocate (``kernel_ladder._launch.empty``, the one allocation hook) starts as
     NaN (floats) or the smallest integer, so an element a kernel forgets to write shows up.
 
     ``raising=True``: if the hook is renamed, every test that relies on poisoning fails loudly

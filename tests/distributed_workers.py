@@ -14,7 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from kernels.distributed import collectives as C
+from kernel_ladder.distributed import collectives as C
 
 
 def rank_input(seed: int, rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -107,7 +107,7 @@ def all_reduce_in_subgroup(seed: int, n: int) -> dict:
 
 def broken_ring_all_reduce(seed: int, n: int) -> torch.Tensor:
     """A negative control: reduce-scatter without the all-gather (each rank has only its chunk)."""
-    from kernels.distributed.collectives import _reduce_scatter_ring, chunk_bounds
+    from kernel_ladder.distributed.collectives import _reduce_scatter_ring, chunk_bounds
 
     r, p = dist.get_rank(), dist.get_world_size()
     x = rank_input(seed, r, n, torch.float32)
@@ -162,7 +162,7 @@ def data_parallel_vs_ddp(seed: int, bucket_cap_mb: float, micro_batches: int = 1
 
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from kernels.distributed import DataParallel
+    from kernel_ladder.distributed import DataParallel
 
     r = dist.get_rank()
     model = _mlp(seed)
@@ -188,7 +188,7 @@ def data_parallel_vs_ddp(seed: int, bucket_cap_mb: float, micro_batches: int = 1
 
 
 def data_parallel_unused_param() -> str:
-    from kernels.distributed import DataParallel
+    from kernel_ladder.distributed import DataParallel
 
     model = DataParallel(_mlp(0, unused=True))
     try:
@@ -216,14 +216,14 @@ def tensor_parallel_mlp(seed: int) -> dict:
     """Megatron's MLP (ours) and DTensor's ColwiseParallel/RowwiseParallel on the same weights and input."""
     import copy
 
-    import kernels
-    from kernels.distributed import ColumnParallelLinear, RowParallelLinear
+    import kernel_ladder
+    from kernel_ladder.distributed import ColumnParallelLinear, RowParallelLinear
 
     p = dist.get_world_size()
     model = _tp_mlp(seed)
     up, down = ColumnParallelLinear.from_linear(model[0]), RowParallelLinear.from_linear(model[2])
     x = tp_batch(seed).requires_grad_(True)
-    out = down(kernels.gelu(up(x), approximate="tanh"))
+    out = down(kernel_ladder.gelu(up(x), approximate="tanh"))
     out.pow(2).mean().backward()
     ours = {"out": out.detach(), "x_grad": x.grad.clone(), "up.weight": up.weight.grad.clone(),
             "up.bias": up.bias.grad.clone(), "down.weight": down.weight.grad.clone(),
@@ -245,7 +245,7 @@ def tensor_parallel_mlp(seed: int) -> dict:
 
 def vocab_parallel(seed: int, vocab: int = 12, dim: int = 6) -> dict:
     """An embedding and an LM head split over the vocabulary, the loss never gathering the logits."""
-    from kernels.distributed import ColumnParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy
+    from kernel_ladder.distributed import ColumnParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy
 
     torch.manual_seed(seed)
     embed, head = torch.nn.Embedding(vocab, dim), torch.nn.Linear(dim, vocab, bias=False)
@@ -278,13 +278,13 @@ def attention_inputs(seed: int, heads: int = 2, kv_heads: int = 2, seq: int = 16
 
 
 def local_slice(x: torch.Tensor, rank: int, world: int, layout: str) -> torch.Tensor:
-    from kernels.distributed import zigzag_shard
+    from kernel_ladder.distributed import zigzag_shard
 
     return x.chunk(world, dim=2)[rank] if layout == "contiguous" else zigzag_shard(x, rank, world)
 
 
 def ring_attention_run(seed: int, causal: bool, layout: str, kv_heads: int = 2) -> dict:
-    from kernels.distributed import collectives, ring_attention
+    from kernel_ladder.distributed import collectives, ring_attention
 
     r, p = dist.get_rank(), dist.get_world_size()
     q, k, v, dout = (local_slice(t, r, p, layout).contiguous() for t in attention_inputs(seed, kv_heads=kv_heads))
@@ -321,7 +321,7 @@ def _stages(model: torch.nn.Sequential, world: int) -> list[torch.nn.Sequential]
 def pipeline_run(seed: int, schedule: str, microbatches: int) -> dict:
     import copy
 
-    from kernels.distributed import Pipeline
+    from kernel_ladder.distributed import Pipeline
 
     r, p = dist.get_rank(), dist.get_world_size()
     model = pipeline_model(seed, p)
@@ -373,7 +373,7 @@ def zero_run(seed: int, stage: int, steps: int = 3) -> dict:
     """ZeRO stage 1/2/3 (ours) and torch's ZeroRedundancyOptimizer, Adam, a few steps on each rank's data."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    from kernels.distributed import ZeroOptimizer, module_memory, shard_module
+    from kernel_ladder.distributed import ZeroOptimizer, module_memory, shard_module
 
     r = dist.get_rank()
     model, twin = zero_model(seed), zero_model(seed)
@@ -424,7 +424,7 @@ def deep_batch(seed: int, rank: int, step: int, micro: int = 0, width: int = 16)
 def zero2_bucketed_run(seed: int, steps: int, cap_bytes: int, micro_batches: int = 1) -> dict:
     """ZeRO-2 with small buckets: parameters after ``steps`` Adam steps (each over ``micro_batches``
     backwards), the gradient bytes held at the peak of the last backward, and its launch timeline."""
-    from kernels.distributed import ZeroOptimizer
+    from kernel_ladder.distributed import ZeroOptimizer
 
     r = dist.get_rank()
     model = deep_model(seed)
@@ -475,8 +475,8 @@ def sp_inputs(seed: int, tokens: int = 8, dim: int = 8):
 
 def sequence_parallel_block(seed: int, sequence_parallel: bool) -> dict:
     """``x + down(gelu(up(rms_norm(x))))``, tensor parallel, with or without sequence parallelism."""
-    import kernels
-    from kernels.distributed import ColumnParallelLinear, RowParallelLinear
+    import kernel_ladder
+    from kernel_ladder.distributed import ColumnParallelLinear, RowParallelLinear
 
     r, p = dist.get_rank(), dist.get_world_size()
     x, dout, norm_w, up, down = sp_inputs(seed)
@@ -494,7 +494,7 @@ def sequence_parallel_block(seed: int, sequence_parallel: bool) -> dict:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = kernels.add(x, row(kernels.gelu(col(kernels.rms_norm(x, w)))))
+        out = kernel_ladder.add(x, row(kernel_ladder.gelu(col(kernel_ladder.rms_norm(x, w)))))
     out.backward(dout)
     if sequence_parallel:  # the norm's weight saw only this rank's rows: its gradient is a partial sum
         dist.all_reduce(w.grad)
@@ -512,14 +512,14 @@ class _TPMLP(torch.nn.Module):
         self.up, self.down = up, down
 
     def forward(self, x):
-        import kernels
+        import kernel_ladder
 
-        return self.down(kernels.gelu(self.up(x), approximate="tanh"))
+        return self.down(kernel_ladder.gelu(self.up(x), approximate="tanh"))
 
 
 def two_d_parallel(seed: int, tp: int = 2) -> dict:
     """A world of tp x dp ranks: tensor parallel within rows of the mesh, data parallel down its columns."""
-    from kernels.distributed import ColumnParallelLinear, DataParallel, RowParallelLinear
+    from kernel_ladder.distributed import ColumnParallelLinear, DataParallel, RowParallelLinear
 
     r, p = dist.get_rank(), dist.get_world_size()
     dp = p // tp
@@ -538,9 +538,9 @@ def two_d_parallel(seed: int, tp: int = 2) -> dict:
 
 def head_parallel_attention(seed: int, heads: int = 4, dim: int = 16) -> dict:
     """Attention with its heads split across ranks: q, k, v column parallel (whole heads per rank),
-    kernels.flash_attention on the local heads, the output projection row parallel."""
-    import kernels
-    from kernels.distributed import ColumnParallelLinear, RowParallelLinear
+    kernel_ladder.flash_attention on the local heads, the output projection row parallel."""
+    import kernel_ladder
+    from kernel_ladder.distributed import ColumnParallelLinear, RowParallelLinear
 
     p = dist.get_world_size()
     torch.manual_seed(seed)
@@ -553,24 +553,24 @@ def head_parallel_attention(seed: int, heads: int = 4, dim: int = 16) -> dict:
     def split(t):  # (B, T, local_heads * head_dim) -> (B, local_heads, T, head_dim)
         return t.view(t.shape[0], t.shape[1], local_heads, head_dim).transpose(1, 2)
 
-    attn = kernels.flash_attention(split(q_(x)), split(k_(x)), split(v_(x)), causal=True)
+    attn = kernel_ladder.flash_attention(split(q_(x)), split(k_(x)), split(v_(x)), causal=True)
     out = o_(attn.transpose(1, 2).reshape(x.shape[0], x.shape[1], local_heads * head_dim))
     out.pow(2).mean().backward()
     return {"out": out.detach(), "x_grad": x.grad, "wo_grad": o_.weight.grad}
 
 
 # ----------------------------------------------------------------------------------------------
-# The torchrun training example (kernels.distributed.train) on a World
+# The torchrun training example (kernel_ladder.distributed.train) on a World
 # ----------------------------------------------------------------------------------------------
 
 
 def train_example(argv: list[str], broken: str | None = None) -> dict:
-    """kernels.distributed.train on this world; ``broken="no-dp"`` swaps DataParallel for the bare
+    """kernel_ladder.distributed.train on this world; ``broken="no-dp"`` swaps DataParallel for the bare
     module (no gradient averaging), ``"no-tp-reduce"`` drops the row-parallel all-reduce — both
     must be caught by the example's comparison with one process."""
-    import kernels.distributed.data_parallel as dp_module
-    import kernels.distributed.tensor_parallel as tp_module
-    from kernels.distributed import train
+    import kernel_ladder.distributed.data_parallel as dp_module
+    import kernel_ladder.distributed.tensor_parallel as tp_module
+    from kernel_ladder.distributed import train
 
     saved = dp_module.DataParallel, tp_module.reduce_from_parallel
     if broken == "no-dp":

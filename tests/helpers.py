@@ -9,8 +9,8 @@
   against float64 is at most twice torch's own largest error (plus ``atol``). The second form
   scales with the problem (long rows, large values), so a fresh random seed cannot push a correct
   kernel over a fixed bound.
-* :func:`paged_attention_reference` — ``kernels.paged_attention`` written out: each sequence's K/V
-  gathered from the paged cache (``kernels.ops.paged_attention.gather_kv``), scores, mask, softmax.
+* :func:`paged_attention_reference` — ``kernel_ladder.paged_attention`` written out: each sequence's K/V
+  gathered from the paged cache (``kernel_ladder.ops.paged_attention.gather_kv``), scores, mask, softmax.
 * :func:`make_input` — a tensor of a logical shape in a given memory layout (transposed, sliced,
   expanded, permuted), never a hidden copy.
 
@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import torch
 
-import kernels
+import kernel_ladder
 
 __all__ = ["DEVICE", "DTYPES", "LAYOUTS", "TOLERANCES", "assert_matches", "make_input", "paged_attention_reference",
            "tolerance"]
 
-DEVICE = kernels.runtime.DEVICE
+DEVICE = kernel_ladder.runtime.DEVICE
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 LAYOUTS = ("contiguous", "transposed", "sliced", "expanded", "permuted")
 
@@ -158,8 +158,8 @@ def random_targets(
 def paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale=None, window=None,
                               softcap=None, cu_seqlens_q=None, k_scale=None, v_scale=None,
                               dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """``kernels.paged_attention`` written out, per sequence, on the CPU: K/V gathered by the block table
-    (:func:`kernels.ops.paged_attention.gather_kv`, fp8 dequantized by its scales), GQA by
+    """``kernel_ladder.paged_attention`` written out, per sequence, on the CPU: K/V gathered by the block table
+    (:func:`kernel_ladder.ops.paged_attention.gather_kv`, fp8 dequantized by its scales), GQA by
     ``repeat_interleave``, scores, soft-cap, the causal (and window) mask by position, softmax, ``P V``.
 
     ``dtype=float64`` is the exact reference. A low dtype evaluates it as torch would in that dtype
@@ -168,7 +168,7 @@ def paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, softm
     """
     import math  # noqa: PLC0415
 
-    from kernels.ops.paged_attention import gather_kv  # noqa: PLC0415
+    from kernel_ladder.ops.paged_attention import gather_kv  # noqa: PLC0415
 
     q = q.detach().cpu()
     head_dim, heads_q = q.shape[-1], q.shape[1]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
+import kernel_ladder
 
-DEVICE = kernels.runtime.DEVICE
+DEVICE = kernel_ladder.runtime.DEVICE
 
 
 def _w(n):
@@ -15,15 +15,15 @@ def _w(n):
 
 
 OPS = {
-    "gelu": kernels.gelu,
-    "silu": kernels.silu,
-    "swiglu": lambda x: kernels.swiglu(x, x * 0.5),
-    "softmax": lambda x: kernels.softmax(x) * torch.arange(x.shape[-1], device=DEVICE),
-    "log_softmax": kernels.log_softmax,
-    "rms_norm": lambda x: kernels.rms_norm(x, _w(x.shape[-1])) ** 2,
-    "layer_norm": lambda x: kernels.layer_norm(x, x.shape[-1:]) ** 2,
-    "matmul": lambda x: kernels.matmul(x, x.t()),
-    "linear": lambda x: kernels.linear(x, x, activation="gelu"),
+    "gelu": kernel_ladder.gelu,
+    "silu": kernel_ladder.silu,
+    "swiglu": lambda x: kernel_ladder.swiglu(x, x * 0.5),
+    "softmax": lambda x: kernel_ladder.softmax(x) * torch.arange(x.shape[-1], device=DEVICE),
+    "log_softmax": kernel_ladder.log_softmax,
+    "rms_norm": lambda x: kernel_ladder.rms_norm(x, _w(x.shape[-1])) ** 2,
+    "layer_norm": lambda x: kernel_ladder.layer_norm(x, x.shape[-1:]) ** 2,
+    "matmul": lambda x: kernel_ladder.matmul(x, x.t()),
+    "linear": lambda x: kernel_ladder.linear(x, x, activation="gelu"),
 }
 
 
@@ -31,19 +31,19 @@ OPS = {
 def test_double_backward_raises_an_error_naming_the_op(name):
     x = torch.randn(4, 6, device=DEVICE, requires_grad=True)
     (g,) = torch.autograd.grad(OPS[name](x).sum(), x, create_graph=True)  # recording is fine
-    with pytest.raises(RuntimeError, match=rf"kernels\.{name} \(backward\): double backward .* not supported"):
+    with pytest.raises(RuntimeError, match=rf"kernel_ladder\.{name} \(backward\): double backward .* not supported"):
         g.sum().backward()
 
 
 def test_every_backward_op_without_in_place_writes_is_covered():
-    names = {n for n in dir(torch.ops.kernels) if n.endswith("_backward")}
+    names = {n for n in dir(torch.ops.kernel_ladder) if n.endswith("_backward")}
     in_place = {"cross_entropy_backward"}  # scales its saved gradient buffer in place
-    assert set(kernels._autograd.COVERED) == names - in_place
+    assert set(kernel_ladder._autograd.COVERED) == names - in_place
     assert {"gelu_backward", "softmax_backward", "matmul_backward", "rms_norm_backward"} <= names
 
 
 def test_layer_norm_without_affine_params_records_a_graph():
     # Its backward returns empty weight/bias gradients; they must not alias (a custom-op rule).
     x = torch.randn(3, 8, device=DEVICE, requires_grad=True)
-    (g,) = torch.autograd.grad(kernels.layer_norm(x, (8,)).pow(2).sum(), x, create_graph=True)
+    (g,) = torch.autograd.grad(kernel_ladder.layer_norm(x, (8,)).pow(2).sum(), x, create_graph=True)
     assert g.shape == x.shape and g.requires_grad

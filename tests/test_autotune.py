@@ -1,4 +1,4 @@
-"""kernels.autotune: the fixed interpreter config, the GPU autotuner's wiring, pruning, the CPU timer.
+"""kernel_ladder.autotune: the fixed interpreter config, the GPU autotuner's wiring, pruning, the CPU timer.
 
 The GPU path is checked without a GPU: the ``triton.autotune`` wrapper is built (that needs no
 driver), its configs, key, pruner, heuristic and disk-cache request are inspected, and its tuning
@@ -13,12 +13,12 @@ import pytest
 import torch
 import triton
 
-import kernels
-from kernels import autotune as at
-from kernels.autotune import GPU_CONFIGS, INTERPRETER_CONFIG, MatmulConfig
-from kernels.ops import matmul as mm
+import kernel_ladder
+from kernel_ladder import autotune as at
+from kernel_ladder.autotune import GPU_CONFIGS, INTERPRETER_CONFIG, MatmulConfig
+from kernel_ladder.ops import matmul as mm
 
-DEVICE = kernels.runtime.DEVICE
+DEVICE = kernel_ladder.runtime.DEVICE
 
 
 def test_matmul_config_validates_and_converts():
@@ -45,7 +45,7 @@ def test_buckets_and_fitting():
     assert at.fit_config(INTERPRETER_CONFIG, 1000, 1000, 1000) == INTERPRETER_CONFIG
 
 
-@pytest.mark.skipif(not kernels.runtime.INTERPRETER, reason="the interpreter's configuration")
+@pytest.mark.skipif(not kernel_ladder.runtime.INTERPRETER, reason="the interpreter's configuration")
 def test_interpreter_uses_the_fixed_config(monkeypatch):
     for kind in ("tiled", "split_k", "persistent"):
         assert at.default_config(100, 130, 70, torch.float16, kind) == INTERPRETER_CONFIG
@@ -55,7 +55,7 @@ def test_interpreter_uses_the_fixed_config(monkeypatch):
 
     a, b = torch.randn(100, 70), torch.randn(70, 130)
     with trace(torch_ops=False) as t:
-        out = kernels.matmul(a, b)
+        out = kernel_ladder.matmul(a, b)
     (launch,) = t.launches
     assert launch.grid == (triton.cdiv(100, 64) * triton.cdiv(130, 64), 1)
     torch.testing.assert_close(out, a @ b, rtol=1e-5, atol=1e-5)
@@ -166,6 +166,6 @@ def test_autotune_cpu_times_each_config_and_labels_them():
 def test_autotune_cpu_on_real_launches(device):
     a, b = torch.randn(32, 32, device=device), torch.randn(32, 32, device=device)
     configs = [MatmulConfig(16, 16, 16, 1), MatmulConfig(32, 32, 32, 8)]
-    report = at.autotune_cpu(lambda c: kernels.matmul_tiled(a, b, c), configs, repeats=1, warmup=0)
+    report = at.autotune_cpu(lambda c: kernel_ladder.matmul_tiled(a, b, c), configs, repeats=1, warmup=0)
     assert report.best in configs and all(t.median > 0 for t in report.timings)
     assert str(configs[0]) in report.table()

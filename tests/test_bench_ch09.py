@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
+import kernel_ladder
 from bench import ch09_moe
 from bench.gpu import Check, Timing
 from solutions import ch09_moe as solutions
@@ -29,11 +29,11 @@ def test_gpu_checks_mark_grouped_mm_unavailable_without_it(monkeypatch):
     (timing,) = [e for e in entries if isinstance(e, Timing) and "_grouped_mm" in e.impl]
     assert timing.unavailable == f"torch {torch.__version__} has no torch._grouped_mm"
     assert not any("_grouped_mm" in e.op for e in entries if isinstance(e, Check))  # nothing to check it with
-    assert any(e.impl == "kernels.moe" and not e.unavailable for e in entries if isinstance(e, Timing))
+    assert any(e.impl == "kernel_ladder.moe" and not e.unavailable for e in entries if isinstance(e, Timing))
 
 
 def test_block_sparse_ideal_counts_each_allowed_tile_once():
-    q, k, v, mask = ch09_moe.bsa_inputs(kernels.runtime.DEVICE, torch.float32, "cpu")
+    q, k, v, mask = ch09_moe.bsa_inputs(kernel_ladder.runtime.DEVICE, torch.float32, "cpu")
     out = torch.empty_like(q)
     tiles = ch09_moe.visited_tiles(q, mask)
     block = q.shape[2] // mask.shape[-1]

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-import kernels
+import kernel_ladder
 from bench import overhead as bo
 
 
 @pytest.fixture(scope="module")
 def measured():
-    before = kernels.runtime.values_checked()
+    before = kernel_ladder.runtime.values_checked()
     rows, floor = bo.run(["gelu", "softmax", "moe_permute"], number=2, repeat=1, warmup=1)
-    assert kernels.runtime.values_checked() == before, "bench.overhead left the value-check policy changed"
+    assert kernel_ladder.runtime.values_checked() == before, "bench.overhead left the value-check policy changed"
     return rows, floor
 
 
@@ -36,18 +36,18 @@ def test_value_checks_are_off_while_measuring_and_restored(monkeypatch):
     real = bo.measure
 
     def spy(case, *args):
-        seen.append(kernels.runtime.values_checked())
+        seen.append(kernel_ladder.runtime.values_checked())
         return real(case, *args)
 
     monkeypatch.setattr(bo, "measure", spy)
-    before = kernels.runtime.values_checked()
-    kernels.runtime.check_values(True)
+    before = kernel_ladder.runtime.values_checked()
+    kernel_ladder.runtime.check_values(True)
     try:
         bo.run(["gelu"], number=1, repeat=1, warmup=0)
         assert seen == [False]
-        assert kernels.runtime.values_checked() is True
+        assert kernel_ladder.runtime.values_checked() is True
     finally:
-        kernels.runtime.check_values(before)
+        kernel_ladder.runtime.check_values(before)
 
 
 def test_an_unknown_op_is_refused_with_the_known_names():

@@ -1,4 +1,4 @@
-"""kernels.distributed.collectives on real gloo worlds of 2, 3 and 4 processes, against torch's own
+"""kernel_ladder.distributed.collectives on real gloo worlds of 2, 3 and 4 processes, against torch's own
 collectives and a float64 reference; the bytes each rank sends against the α–β model; and the
 harness (utils.distributed.World) ending a failure or a deadlock with an error, not a hang."""
 
@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from kernels.distributed import collectives as C
+from kernel_ladder.distributed import collectives as C
 from tests import distributed_workers as W
 from utils.distributed import World, WorldError, run_world
 
@@ -175,10 +175,10 @@ def test_alpha_beta_model_of_the_ring():
 
 
 @pytest.mark.parametrize("what, message", [
-    ("noncontiguous", "kernels.distributed.ring_all_reduce: tensor must be contiguous"),
-    ("list", "kernels.distributed.ring_all_reduce: tensor must be a torch.Tensor"),
-    ("src", "kernels.distributed.tree_broadcast: src must be a rank of the group"),
-    ("bool", "kernels.distributed.ring_all_gather: tensor must be a float or int32/int64 tensor"),
+    ("noncontiguous", "kernel_ladder.distributed.ring_all_reduce: tensor must be contiguous"),
+    ("list", "kernel_ladder.distributed.ring_all_reduce: tensor must be a torch.Tensor"),
+    ("src", "kernel_ladder.distributed.tree_broadcast: src must be a rank of the group"),
+    ("bool", "kernel_ladder.distributed.ring_all_gather: tensor must be a float or int32/int64 tensor"),
 ])
 def test_bad_arguments_name_the_op_and_the_argument(world, what, message):
     assert all(message in text for text in world.run(W.refuses, what))

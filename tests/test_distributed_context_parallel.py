@@ -1,4 +1,4 @@
-"""Ring attention (kernels.distributed.ring_attention) on gloo worlds against attention over the
+"""Ring attention (kernel_ladder.distributed.ring_attention) on gloo worlds against attention over the
 whole sequence in one process, in float64: outputs and every gradient, both layouts, causal or
 not, GQA; the zigzag layout's balance of causal work."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.distributed import causal_work, zigzag_shard, zigzag_unshard
+from kernel_ladder.distributed import causal_work, zigzag_shard, zigzag_unshard
 from tests import distributed_workers as W
 from utils.distributed import World
 

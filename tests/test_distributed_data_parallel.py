@@ -1,4 +1,4 @@
-"""kernels.distributed.DataParallel on gloo worlds against torch's DistributedDataParallel on the
+"""kernel_ladder.distributed.DataParallel on gloo worlds against torch's DistributedDataParallel on the
 same model and data, and against one process doing the whole batch; its buckets and their overlap."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.distributed import plan_buckets
+from kernel_ladder.distributed import plan_buckets
 from tests import distributed_workers as W
 from utils.distributed import World
 

@@ -1,10 +1,10 @@
-"""kernels.distributed.plan_layout: the counts of a 3-D mesh follow from the sizes."""
+"""kernel_ladder.distributed.plan_layout: the counts of a 3-D mesh follow from the sizes."""
 
 from __future__ import annotations
 
 import pytest
 
-from kernels.distributed import AlphaBeta, plan_layout
+from kernel_ladder.distributed import AlphaBeta, plan_layout
 
 SIZES = dict(layers=8, hidden=1024, seq=2048, micro_batch=1, microbatches=8)
 

@@ -1,4 +1,4 @@
-"""Pipeline parallelism (kernels.distributed.Pipeline): GPipe and 1F1B on gloo worlds against one
+"""Pipeline parallelism (kernel_ladder.distributed.Pipeline): GPipe and 1F1B on gloo worlds against one
 process and against torch.distributed.pipelining's ScheduleGPipe / Schedule1F1B; the schedules'
 orders, their memory, and the bubble against (p - 1)/(m + p - 1)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.distributed import bubble_fraction, logical_timeline, schedule_order
+from kernel_ladder.distributed import bubble_fraction, logical_timeline, schedule_order
 from tests import distributed_workers as W
 from utils.distributed import World
 

@@ -1,4 +1,4 @@
-"""Tensor parallelism (kernels.distributed.tensor_parallel) on gloo worlds: the same outputs and
+"""Tensor parallelism (kernel_ladder.distributed.tensor_parallel) on gloo worlds: the same outputs and
 shard gradients as one process and as DTensor's parallelize_module; the vocabulary split."""
 
 from __future__ import annotations
@@ -63,12 +63,12 @@ def test_vocab_parallel_embedding_and_loss_equal_one_process(world):
 
 
 def test_a_split_that_does_not_divide_is_refused_naming_the_layer():
-    from kernels.distributed import shard_range
+    from kernel_ladder.distributed import shard_range
 
     assert shard_range(12, 1, 3) == range(4, 8)
-    with pytest.raises(ValueError, match=r"kernels.distributed.ColumnParallelLinear: out_features \(10\) must be "
+    with pytest.raises(ValueError, match=r"kernel_ladder.distributed.ColumnParallelLinear: out_features \(10\) must be "
                                          r"divisible by the tensor-parallel world size \(4\)"):
-        shard_range(10, 0, 4, "kernels.distributed.ColumnParallelLinear", "out_features")
+        shard_range(10, 0, 4, "kernel_ladder.distributed.ColumnParallelLinear", "out_features")
 
 
 def test_tensor_times_data_parallel_on_a_world_of_four():

@@ -1,4 +1,4 @@
-"""The production path: kernels.distributed under torchrun's own launcher and rendezvous (gloo)."""
+"""The production path: kernel_ladder.distributed under torchrun's own launcher and rendezvous (gloo)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def torchrun(ranks: int, module: str, *args: str) -> subprocess.CompletedProcess
 
 @pytest.mark.timeout(300)
 def test_selfcheck_passes_under_torchrun():
-    out = torchrun(2, "kernels.distributed.selfcheck", "--timeout", "60")
+    out = torchrun(2, "kernel_ladder.distributed.selfcheck", "--timeout", "60")
     assert "selfcheck on 2 ranks (gloo)" in out.stdout
     assert out.stdout.count("  ok   ") == 3 and "FAIL" not in out.stdout
 
@@ -30,7 +30,7 @@ TRAIN = ["--steps", "4", "--layers", "1", "--log-every", "1"]
 
 @pytest.mark.timeout(300)
 def test_tp_dp_training_example_under_torchrun():
-    out = torchrun(4, "kernels.distributed.train", *TRAIN)
+    out = torchrun(4, "kernel_ladder.distributed.train", *TRAIN)
     assert "4 ranks (gloo) as dp 2 x tp 2" in out.stdout
     assert out.stdout.count("   one process") == 4 and "\nok: loss" in out.stdout
 

@@ -1,4 +1,4 @@
-"""ZeRO stages 1, 2 (kernels.distributed.ZeroOptimizer) and 3 (shard_module) on gloo worlds: the
+"""ZeRO stages 1, 2 (kernel_ladder.distributed.ZeroOptimizer) and 3 (shard_module) on gloo worlds: the
 parameters after several Adam steps equal one process's and torch's ZeroRedundancyOptimizer's;
 the bytes each rank holds shrink as the stages promise."""
 

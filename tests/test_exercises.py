@@ -20,17 +20,17 @@ import torch
 import triton
 import triton.language as tl
 
-import kernels
+import kernel_ladder
 from utils import exercises
 from utils.exercises import MissingSolutionError, Verdict, check, default_tolerance, exercise, solution_mode
 
 # The checker's out-of-bounds diagnoses and the traced references need the interpreter.
 pytestmark = pytest.mark.interpreter
 
-DEVICE = kernels.runtime.DEVICE
+DEVICE = kernel_ladder.runtime.DEVICE
 BLOCK = 1024
 SIZES = (1000, 2500)  # not multiples of BLOCK: the last program is partly masked
-interpreter_only = pytest.mark.skipif(not kernels.runtime.INTERPRETER, reason="the tracer sees interpreted kernels")
+interpreter_only = pytest.mark.skipif(not kernel_ladder.runtime.INTERPRETER, reason="the tracer sees interpreted kernels")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -235,7 +235,7 @@ def test_off_by_one_start_leaves_the_first_element_unwritten():
     verdict = check_add(add_shifted_store_kernel)
     assert_not_solved(verdict, "1 of 1000 elements never written (still NaN) — the first 1 element")
     assert "wrong values" not in verdict.message  # the others are right
-    if kernels.runtime.INTERPRETER:
+    if kernel_ladder.runtime.INTERPRETER:
         assert_not_solved(verdict, "no program's store reached index 0: the offsets skip it")
         assert_not_in(verdict, "grid", "mask")
 

@@ -32,7 +32,7 @@ def test_smoke_run_passes_every_chapters_checks(tmp_path):
     chapters_with_checks = [m for m in bench.CHAPTER_MODULES if hasattr(__import__(m, fromlist=["_"]), "gpu_checks")]
     assert len(chapters_with_checks) >= 2
     assert "correctness:" in out.stdout and "of copy" in out.stdout  # the table is printed last
-    assert "kernels::" in out.stdout and (tmp_path / "profile" / "step_trace.json").exists()  # --profile
+    assert "kernel_ladder::" in out.stdout and (tmp_path / "profile" / "step_trace.json").exists()  # --profile
 
 
 def test_a_wrong_result_fails_the_check_and_a_crash_is_reported(monkeypatch):

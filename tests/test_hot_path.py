@@ -10,17 +10,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import _validate
-from kernels.ops import norm as _norm
-from kernels.ops import softmax as _sm
+import kernel_ladder
+from kernel_ladder import _validate
+from kernel_ladder.ops import norm as _norm
+from kernel_ladder.ops import softmax as _sm
 
-DEVICE = kernels.runtime.DEVICE
+DEVICE = kernel_ladder.runtime.DEVICE
 
 
 def test_softmax_config_cache_does_not_answer_a_bool_with_a_cached_int():
     assert _sm.softmax_launch_config(1, torch.float32).block_cols == 1
-    with pytest.raises(ValueError, match="kernels.softmax_launch_config: n_cols"):
+    with pytest.raises(ValueError, match="kernel_ladder.softmax_launch_config: n_cols"):
         _sm.softmax_launch_config(True, torch.float32)  # True == 1 and hashes alike
 
 
@@ -31,9 +31,9 @@ def test_softmax_config_cache_follows_a_changed_limit(monkeypatch):
 
 
 def test_softmax_config_bad_dtype_is_still_refused():
-    with pytest.raises(TypeError, match="kernels.softmax_launch_config: dtype"):
+    with pytest.raises(TypeError, match="kernel_ladder.softmax_launch_config: dtype"):
         _sm.softmax_launch_config(64, torch.int32)
-    with pytest.raises(TypeError, match="kernels.softmax_launch_config: dtype"):
+    with pytest.raises(TypeError, match="kernel_ladder.softmax_launch_config: dtype"):
         _sm.softmax_launch_config(64, [torch.float32])  # unhashable: the uncached path, same error
 
 
@@ -63,14 +63,14 @@ def test_broadcast_cache_gives_torchs_shape_and_still_refuses():
 
 
 @pytest.mark.parametrize("call, message", [
-    (lambda x, w: kernels.rms_norm(x.tolist(), w), "kernels.rms_norm: x must be a torch.Tensor"),
-    (lambda x, w: kernels.rms_norm(x, w, eps="1e-6"), "kernels.rms_norm: eps"),
-    (lambda x, w: kernels.rms_norm(x, w, casting=1), "kernels.rms_norm: casting"),
-    (lambda x, w: kernels.rms_norm(x, w, eps=-1.0), "kernels.rms_norm: eps"),  # a value: the op's check
-    (lambda x, w: kernels.add(x, [1.0]), "kernels.add: y must be a torch.Tensor"),
-    (lambda x, w: kernels.add(x, torch.ones(3)), "kernels.add: x and y must have broadcastable shapes"),
-    (lambda x, w: kernels.add_rms_norm(x, x, w, eps=None), "kernels.add_rms_norm: eps"),
-    (lambda x, w: kernels.add_rms_norm(x, x[:, :3], w), "kernels.add_rms_norm: "),
+    (lambda x, w: kernel_ladder.rms_norm(x.tolist(), w), "kernel_ladder.rms_norm: x must be a torch.Tensor"),
+    (lambda x, w: kernel_ladder.rms_norm(x, w, eps="1e-6"), "kernel_ladder.rms_norm: eps"),
+    (lambda x, w: kernel_ladder.rms_norm(x, w, casting=1), "kernel_ladder.rms_norm: casting"),
+    (lambda x, w: kernel_ladder.rms_norm(x, w, eps=-1.0), "kernel_ladder.rms_norm: eps"),  # a value: the op's check
+    (lambda x, w: kernel_ladder.add(x, [1.0]), "kernel_ladder.add: y must be a torch.Tensor"),
+    (lambda x, w: kernel_ladder.add(x, torch.ones(3)), "kernel_ladder.add: x and y must have broadcastable shapes"),
+    (lambda x, w: kernel_ladder.add_rms_norm(x, x, w, eps=None), "kernel_ladder.add_rms_norm: eps"),
+    (lambda x, w: kernel_ladder.add_rms_norm(x, x[:, :3], w), "kernel_ladder.add_rms_norm: "),
 ])
 def test_a_bad_argument_still_gets_the_op_and_argument_named(gen, call, message):
     x, w = torch.randn(4, 8, generator=gen).to(DEVICE), torch.randn(8, generator=gen).to(DEVICE)
@@ -89,19 +89,19 @@ def test_schema_types_accepts_plain_values_and_refuses_the_rest():
 
 
 @pytest.mark.parametrize("call, message", [
-    (lambda t: kernels.flash_attention(t.tolist(), t, t), "kernels.flash_attention: q must be a torch.Tensor"),
-    (lambda t: kernels.flash_attention(t[0, 0, 0, 0], t, t), "kernels.flash_attention: q"),  # 0-d: not q.shape[-1]
-    (lambda t: kernels.flash_attention(t, t, t, causal=1), "kernels.flash_attention: causal"),
-    (lambda t: kernels.flash_attention(t, t, t, window="8"), "kernels.flash_attention: window"),
-    (lambda t: kernels.flash_attention(t, t, t, softmax_scale=-1.0), "kernels.flash_attention: softmax_scale"),
-    (lambda t: kernels.cross_entropy(t[0, 0], torch.zeros(4, dtype=torch.long), reduction=None),
-     "kernels.cross_entropy: reduction"),
-    (lambda t: kernels.linear(t[0, 0], t[0, 0], bias=[0.0]), "kernels.linear: bias must be a torch.Tensor"),
-    (lambda t: kernels.rope(t, t, t[0, 0], t[0, 0], unsqueeze_dim=1.0), "kernels.rope: unsqueeze_dim"),
-    (lambda t: kernels.topk_routing(t[0, 0], k="2"), "kernels.topk_routing: k"),
-    (lambda t: kernels.moe_permute(torch.zeros(4, 2, dtype=torch.long), num_experts=4.0),
-     "kernels.moe_permute: num_experts"),
-    (lambda t: kernels.grouped_matmul(t[0, 0], t[0], [4]), "kernels.grouped_matmul: offsets must be a torch.Tensor"),
+    (lambda t: kernel_ladder.flash_attention(t.tolist(), t, t), "kernel_ladder.flash_attention: q must be a torch.Tensor"),
+    (lambda t: kernel_ladder.flash_attention(t[0, 0, 0, 0], t, t), "kernel_ladder.flash_attention: q"),  # 0-d: not q.shape[-1]
+    (lambda t: kernel_ladder.flash_attention(t, t, t, causal=1), "kernel_ladder.flash_attention: causal"),
+    (lambda t: kernel_ladder.flash_attention(t, t, t, window="8"), "kernel_ladder.flash_attention: window"),
+    (lambda t: kernel_ladder.flash_attention(t, t, t, softmax_scale=-1.0), "kernel_ladder.flash_attention: softmax_scale"),
+    (lambda t: kernel_ladder.cross_entropy(t[0, 0], torch.zeros(4, dtype=torch.long), reduction=None),
+     "kernel_ladder.cross_entropy: reduction"),
+    (lambda t: kernel_ladder.linear(t[0, 0], t[0, 0], bias=[0.0]), "kernel_ladder.linear: bias must be a torch.Tensor"),
+    (lambda t: kernel_ladder.rope(t, t, t[0, 0], t[0, 0], unsqueeze_dim=1.0), "kernel_ladder.rope: unsqueeze_dim"),
+    (lambda t: kernel_ladder.topk_routing(t[0, 0], k="2"), "kernel_ladder.topk_routing: k"),
+    (lambda t: kernel_ladder.moe_permute(torch.zeros(4, 2, dtype=torch.long), num_experts=4.0),
+     "kernel_ladder.moe_permute: num_experts"),
+    (lambda t: kernel_ladder.grouped_matmul(t[0, 0], t[0], [4]), "kernel_ladder.grouped_matmul: offsets must be a torch.Tensor"),
 ])
 def test_a_guarded_wrapper_still_names_the_op_and_argument(gen, call, message):
     t = torch.randn(1, 2, 4, 8, generator=gen).to(DEVICE)
@@ -110,7 +110,7 @@ def test_a_guarded_wrapper_still_names_the_op_and_argument(gen, call, message):
 
 
 def test_shape_cache_is_typed_and_runs_unhashable_arguments_uncached():
-    from kernels._launch import shape_cache
+    from kernel_ladder._launch import shape_cache
 
     calls = []
 

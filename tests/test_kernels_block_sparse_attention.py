@@ -1,7 +1,7 @@
-"""kernels.block_sparse_attention: values and gradients against a masked dense float64 reference (the
+"""kernel_ladder.block_sparse_attention: values and gradients against a masked dense float64 reference (the
 block mask expanded to elements), random masks of several densities, broadcast and per-head masks, GQA,
 lengths that are not multiples of the block, empty rows, every dtype; the all-true mask against
-kernels.flash_attention; traced FLOPs and K/V bytes proportional to the density; the mask builders;
+kernel_ladder.flash_attention; traced FLOPs and K/V bytes proportional to the density; the mask builders;
 custom-op plumbing, torch.compile and errors.
 
 Every buffer the ops allocate is poisoned (NaN) first. Low-precision results are judged by
@@ -16,13 +16,13 @@ import pytest
 import torch
 from helpers import assert_matches
 
-import kernels
-from kernels.ops import block_sparse_attention as bsa
+import kernel_ladder
+from kernel_ladder.ops import block_sparse_attention as bsa
 from utils.trace import trace
 
 pytestmark = pytest.mark.usefixtures("poisoned")
 
-DEVICE = kernels.runtime.DEVICE
+DEVICE = kernel_ladder.runtime.DEVICE
 LOW = (torch.float16, torch.bfloat16)
 
 
@@ -71,7 +71,7 @@ def reference_grads(q, k, v, grad_out, grad_lse, block_mask, block, dtype=torch.
 
 def check(q, k, v, block_mask, block, gen):
     q, k, v = leaf(q), leaf(k), leaf(v)
-    out, lse = kernels.block_sparse_attention(q, k, v, block_mask, block_size=block, return_lse=True)
+    out, lse = kernel_ladder.block_sparse_attention(q, k, v, block_mask, block_size=block, return_lse=True)
     assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == q.shape[:3] and lse.dtype == torch.float32
     g, gl = rand(*out.shape, gen=gen, dtype=q.dtype), rand(*lse.shape, gen=gen)
     got = [out, lse, *torch.autograd.grad([out, lse], (q, k, v), [g, gl])]
@@ -127,8 +127,8 @@ def test_empty_rows_give_zero_and_minus_inf(gen):
 def test_all_true_mask_equals_flash_attention(gen):
     q, k, v = rand(1, 4, 64, 32, gen=gen), rand(1, 2, 64, 32, gen=gen), rand(1, 2, 64, 32, gen=gen)
     mask = torch.ones(1, 1, 2, 2, dtype=torch.bool, device=DEVICE)
-    ours = kernels.block_sparse_attention(q, k, v, mask, block_size=32, return_lse=True)
-    theirs = kernels.flash_attention(q, k, v, return_lse=True)  # the interpreter's tile is 32 x 32 too
+    ours = kernel_ladder.block_sparse_attention(q, k, v, mask, block_size=32, return_lse=True)
+    theirs = kernel_ladder.flash_attention(q, k, v, return_lse=True)  # the interpreter's tile is 32 x 32 too
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
@@ -140,8 +140,8 @@ def test_expanded_mask_is_read_in_place(gen):
     small[..., 0, 0] = True
     big = small.expand(2, 2, 2, 2)
     assert bsa.block_lists(big, 16).counts.shape == (1, 1, 2)
-    torch.testing.assert_close(kernels.block_sparse_attention(q, k, v, big, block_size=16),
-                               kernels.block_sparse_attention(q, k, v, small, block_size=16), rtol=0, atol=0)
+    torch.testing.assert_close(kernel_ladder.block_sparse_attention(q, k, v, big, block_size=16),
+                               kernel_ladder.block_sparse_attention(q, k, v, small, block_size=16), rtol=0, atol=0)
 
 
 def test_block_lists_put_allowed_blocks_first_in_order():
@@ -164,11 +164,11 @@ def test_flops_and_kv_bytes_scale_with_density(density, gen):
     mask[0, 0, 0, 0] = True
     density = mask.float().mean().item()
     with trace() as sparse:
-        out = kernels.block_sparse_attention(q, k, v, mask, block_size=block)
+        out = kernel_ladder.block_sparse_attention(q, k, v, mask, block_size=block)
     with trace() as sparse_bwd:
         out.backward(torch.ones_like(out))
     with trace() as dense:
-        kernels.flash_attention(q, k, v)
+        kernel_ladder.flash_attention(q, k, v)
     dense_flops = dense.flops
     assert dense_flops == 2 * (2 * t * t * d)  # QK^T and PV
     launch = next(x for x in sparse.launches if x.kernel == "flash_attention_forward_kernel")
@@ -219,7 +219,7 @@ def test_bigbird_mask_is_seeded_and_adds_random_blocks(gen):
 def test_opcheck(gen):
     q, k = rand(1, 2, 20, 16, gen=gen), rand(1, 1, 24, 16, gen=gen)
     mask = random_mask(1, 2, 20, 24, 16, 0.6, gen)
-    torch.library.opcheck(torch.ops.kernels.block_sparse_attention.default, (q, k, k * 0.5, mask, 16, 0.25))
+    torch.library.opcheck(torch.ops.kernel_ladder.block_sparse_attention.default, (q, k, k * 0.5, mask, 16, 0.25))
 
 
 def test_torch_compile_fullgraph_forward_and_backward(gen):
@@ -228,7 +228,7 @@ def test_torch_compile_fullgraph_forward_and_backward(gen):
     mask = random_mask(1, 2, 24, 40, 16, 0.6, gen)
 
     def step(q, k, v):
-        out, lse = kernels.block_sparse_attention(q, k, v, mask, block_size=16, return_lse=True)
+        out, lse = kernel_ladder.block_sparse_attention(q, k, v, mask, block_size=16, return_lse=True)
         return (out * 2).sum() + torch.where(torch.isfinite(lse), lse, 0.0).sum()
 
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
@@ -246,7 +246,7 @@ def test_torch_compile_fullgraph_forward_and_backward(gen):
 def test_bad_input_is_refused_clearly(gen):
     q = rand(1, 2, 40, 16, gen=gen)
     good = torch.ones(1, 2, 3, 3, dtype=torch.bool, device=DEVICE)
-    op = kernels.block_sparse_attention
+    op = kernel_ladder.block_sparse_attention
     with pytest.raises(ValueError, match=r"kernels\.block_sparse_attention: block_mask must be .*got \(1, 2, 3, 2\)"):
         op(q, q, q, good[..., :2], block_size=16)
     with pytest.raises(ValueError, match=r"block_mask must be"):

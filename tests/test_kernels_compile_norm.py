@@ -2,7 +2,7 @@
 
 No GPU is needed: Triton compiles ahead of time for a named target down to PTX and (with ptxas)
 a cubin. Every kernel variant the launchers can pick is compiled with the tile, block and warp
-count :func:`kernels._norm.norm_launch_config` chooses, specialized the way Triton's launcher
+count :func:`kernel_ladder._norm.norm_launch_config` chooses, specialized the way Triton's launcher
 specializes a contiguous tensor (column strides equal to 1, sizes and strides divisible by 16).
 The test proves what the interpreter cannot: that each variant is valid compiled Triton, that the
 contiguous fused path issues 128-bit loads and stores, and that the fused paths fit in registers

@@ -6,7 +6,7 @@ proves on a CPU-only machine what the interpreter cannot:
 
 * every kernel variant (softmax / log-softmax, forward / backward, one-block / online, linear or
   per-row row offsets, int32 or int64 column offsets, fp32 / fp16 / bf16) is valid compiled Triton;
-* at the largest one-block sizes :func:`kernels.softmax.softmax_launch_config` chooses (32768
+* at the largest one-block sizes :func:`kernel_ladder.softmax.softmax_launch_config` chooses (32768
   columns forward, 16384 backward, 32 warps) and for the online chunks, ptxas allocates the
   registers without spilling to local memory (the reason for the limits);
 * rows whose columns are contiguous get 128-bit loads and stores (``ld.global.v4``);

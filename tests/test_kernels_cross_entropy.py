@@ -1,4 +1,4 @@
-"""kernels.cross_entropy: values and gradients against torch in float64, shapes, layouts, dtypes,
+"""kernel_ladder.cross_entropy: values and gradients against torch in float64, shapes, layouts, dtypes,
 ignore_index, label smoothing, class weights, soft-capping, z-loss, reductions, custom-op plumbing,
 double backward, memory, traffic (no host sync, no torch work), errors.
 
@@ -18,14 +18,14 @@ import triton.language as tl
 from helpers import assert_matches
 from helpers import random_targets as targets
 
-import kernels
-from kernels.ops import cross_entropy as ce
-from kernels.ops.cross_entropy import cross_entropy
+import kernel_ladder
+from kernel_ladder.ops import cross_entropy as ce
+from kernel_ladder.ops.cross_entropy import cross_entropy
 from utils.memory import peak_memory
 
 pytestmark = pytest.mark.usefixtures("poisoned")  # every buffer the op allocates starts as NaN
 
-DEVICE = kernels.runtime.DEVICE
+DEVICE = kernel_ladder.runtime.DEVICE
 
 
 def randn(shape, gen, dtype=torch.float32, scale=3.0):
@@ -78,8 +78,8 @@ def assert_close(got, want, dtype, what="loss"):
 
 def raw_op(logits, target, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, softcap=None,
            z_loss=0.0, return_z_loss=False, compute_grad=False):
-    """``torch.ops.kernels.cross_entropy`` with its schema's positional arguments."""
-    return torch.ops.kernels.cross_entropy(logits, target, weight, ignore_index, reduction, label_smoothing, softcap,
+    """``torch.ops.kernel_ladder.cross_entropy`` with its schema's positional arguments."""
+    return torch.ops.kernel_ladder.cross_entropy(logits, target, weight, ignore_index, reduction, label_smoothing, softcap,
                                            z_loss, return_z_loss, compute_grad)
 
 
@@ -593,7 +593,7 @@ def test_forward_without_gradient_is_three_triton_launches_and_one_assert(reduct
         assert _kernels(t) == ["cross_entropy_targets_kernel", "cross_entropy_forward_kernel", *reduces]
         # The only aten op inside: the device-side check of the targets kernel's flag (8 bytes read).
         assert [(op.name, op.inside, op.bytes) for op in t.torch_ops] == [
-            ("aten._assert_async.msg", "kernels.cross_entropy.default", 8)]
+            ("aten._assert_async.msg", "kernel_ladder.cross_entropy.default", 8)]
         assert t.num_launches == len(t.launches) + 1
         assert all(launch.atomics == 0 for launch in t.launches)
         targets_kernel, forward, *reduce = t.launches
@@ -723,11 +723,11 @@ def test_opcheck_forward(reduction, compute_grad, options, gen):
     target = targets((6,), 37, gen)
     weight, softcap, z_loss = (class_weights(37, gen), 7.0, 1e-2) if options else (None, None, 0.0)
     args = (logits, target, weight, -100, reduction, 0.1, softcap, z_loss, options, compute_grad)
-    torch.library.opcheck(torch.ops.kernels.cross_entropy.default, args)
+    torch.library.opcheck(torch.ops.kernel_ladder.cross_entropy.default, args)
 
 
 def test_opcheck_backward(gen):
-    op = torch.ops.kernels.cross_entropy_backward.default
+    op = torch.ops.kernel_ladder.cross_entropy_backward.default
     torch.library.opcheck(op, (randn((6, 37), gen), torch.rand(6, generator=gen).to(DEVICE)))
     torch.library.opcheck(op, (randn((2, 9, 3), gen), torch.tensor(0.5, device=DEVICE)))
 

@@ -1,4 +1,4 @@
-"""kernels.add, gelu, silu, swiglu: values, gradients, layouts, dtypes, custom-op plumbing, errors.
+"""kernel_ladder.add, gelu, silu, swiglu: values, gradients, layouts, dtypes, custom-op plumbing, errors.
 
 Every result is compared with a float64 reference on fresh random inputs; outputs are poisoned
 (NaN) before the kernels write them, so an element a kernel forgets stays NaN and fails.
@@ -11,20 +11,20 @@ import torch
 import torch.nn.functional as F
 from helpers import DTYPES, LAYOUTS, assert_matches, make_input
 
-import kernels
-from kernels import _elementwise, _launch
+import kernel_ladder
+from kernel_ladder import _elementwise, _launch
 
 pytestmark = pytest.mark.usefixtures("poisoned")  # every buffer the ops allocate starts as NaN
 
-DEVICE = kernels.runtime.DEVICE
-# name -> (kernels op, float64 reference, number of tensor inputs)
+DEVICE = kernel_ladder.runtime.DEVICE
+# name -> (kernel_ladder op, float64 reference, number of tensor inputs)
 OPS = {
-    "add": (kernels.add, torch.add, 2),
-    "gelu": (kernels.gelu, F.gelu, 1),
-    "gelu_tanh": (lambda x: kernels.gelu(x, approximate="tanh"), lambda x: F.gelu(x, approximate="tanh"), 1),
-    "silu": (kernels.silu, F.silu, 1),
-    "swiglu": (kernels.swiglu, lambda gate, up: F.silu(gate) * up, 2),
-    "geglu": (kernels.geglu, lambda gate, up: F.gelu(gate, approximate="tanh") * up, 2),
+    "add": (kernel_ladder.add, torch.add, 2),
+    "gelu": (kernel_ladder.gelu, F.gelu, 1),
+    "gelu_tanh": (lambda x: kernel_ladder.gelu(x, approximate="tanh"), lambda x: F.gelu(x, approximate="tanh"), 1),
+    "silu": (kernel_ladder.silu, F.silu, 1),
+    "swiglu": (kernel_ladder.swiglu, lambda gate, up: F.silu(gate) * up, 2),
+    "geglu": (kernel_ladder.geglu, lambda gate, up: F.gelu(gate, approximate="tanh") * up, 2),
 }
 
 # Odd sizes, size-1 dims, empty tensors, up to 5 dims; each is a handful of programs at most.
@@ -76,9 +76,9 @@ def test_many_dims_beyond_the_kernel_rank(gen):
     sizes, _ = _launch.coalesce_dims(x.shape, [x.stride()])
     assert len(sizes) > _elementwise.MAX_DIMS
     assert len(_elementwise.plan_elementwise(x.shape, [x], [torch.empty(x.shape)])) > 1
-    assert_matches(kernels.gelu(x), F.gelu(x.double()), torch.float32)
+    assert_matches(kernel_ladder.gelu(x), F.gelu(x.double()), torch.float32)
     y = make_input((2, 3, 2, 3, 2, 5), torch.float32, "contiguous", gen)
-    assert_matches(kernels.swiglu(x, y), F.silu(x.double()) * y.double(), torch.float32)
+    assert_matches(kernel_ladder.swiglu(x, y), F.silu(x.double()) * y.double(), torch.float32)
 
 
 def test_int64_index_path(monkeypatch, gen):
@@ -87,7 +87,7 @@ def test_int64_index_path(monkeypatch, gen):
     for layout in ("contiguous", "transposed"):
         x = make_input((40, 70), torch.float32, layout, gen)
         assert _elementwise.plan_elementwise(x.shape, [x], [torch.empty(x.shape)])[0].index_64
-        assert_matches(kernels.silu(x), F.silu(x.double()), torch.float32)
+        assert_matches(kernel_ladder.silu(x), F.silu(x.double()), torch.float32)
 
 
 # --------------------------------------------------------------------------- add broadcasting
@@ -101,15 +101,15 @@ def test_int64_index_path(monkeypatch, gen):
 def test_add_broadcasts_like_torch(x_shape, y_shape, gen):
     x = make_input(x_shape, torch.float32, "contiguous", gen)
     y = make_input(y_shape, torch.float32, "contiguous", gen)
-    assert_matches(kernels.add(x, y), x.double() + y.double(), torch.float32)
-    assert_matches(kernels.add(y, x), y.double() + x.double(), torch.float32)
+    assert_matches(kernel_ladder.add(x, y), x.double() + y.double(), torch.float32)
+    assert_matches(kernel_ladder.add(y, x), y.double() + x.double(), torch.float32)
 
 
 def test_add_broadcast_gradients_are_summed(gen):
     x = make_input((6, 5), torch.float32, "contiguous", gen).requires_grad_()
     y = make_input((5,), torch.float32, "contiguous", gen).requires_grad_()
     grad_out = make_input((6, 5), torch.float32, "contiguous", gen)
-    kernels.add(x, y).backward(grad_out)
+    kernel_ladder.add(x, y).backward(grad_out)
     torch.testing.assert_close(x.grad, grad_out)
     torch.testing.assert_close(y.grad, grad_out.sum(0))
 
@@ -119,7 +119,7 @@ def test_add_broadcast_gradients_are_summed(gen):
 def test_add_promotes_mixed_dtypes_like_torch(x_dtype, y_dtype, gen):
     x = make_input((33, 17), x_dtype, "transposed", gen).requires_grad_()
     y = make_input((17,), y_dtype, "contiguous", gen).requires_grad_()
-    out = kernels.add(x, y)
+    out = kernel_ladder.add(x, y)
     expected_dtype = torch.promote_types(x_dtype, y_dtype)
     assert out.dtype == expected_dtype == (x + y).dtype
     assert_matches(out, x.detach().double() + y.detach().double(), expected_dtype)
@@ -139,7 +139,7 @@ def test_add_zero_dim_tensors_promote_like_torch(tensor_dtype, zero_dim_dtype, g
     x = make_input((4, 9), tensor_dtype, "contiguous", gen)
     s = make_input((), zero_dim_dtype, "contiguous", gen)
     for a, b in ((x, s), (s, x), (s, s.to(tensor_dtype)), (x, x.to(zero_dim_dtype))):
-        out = kernels.add(a, b)
+        out = kernel_ladder.add(a, b)
         assert out.dtype == torch.result_type(a, b) == (a + b).dtype, (a.dtype, a.dim(), b.dtype, b.dim())
         assert_matches(out, a.double() + b.double(), out.dtype)
 
@@ -148,7 +148,7 @@ def test_add_zero_dim_tensors_promote_like_torch(tensor_dtype, zero_dim_dtype, g
 def test_add_python_scalar_takes_the_tensors_dtype(dtype, gen):
     x = make_input((5, 7), dtype, "sliced", gen)
     for scalar in (1.5, -3):
-        for out in (kernels.add(x, scalar), kernels.add(scalar, x)):
+        for out in (kernel_ladder.add(x, scalar), kernel_ladder.add(scalar, x)):
             assert out.dtype == (x + scalar).dtype == dtype
             assert_matches(out, x.double() + scalar, dtype)
 
@@ -168,11 +168,11 @@ def test_no_hidden_copies(monkeypatch, gen):
     y = make_input((33, 65), torch.float32, "sliced", gen)
     bias = make_input((65,), torch.float32, "contiguous", gen)
     wide = make_input((2, 3, 2, 3, 2, 5), torch.float32, "permuted", gen)  # launched per slice
-    kernels.add(x, bias)
-    kernels.gelu(x)
-    kernels.swiglu(x, y)
-    kernels.dropout(y, 0.5, seed=3)
-    kernels.silu(wide)
+    kernel_ladder.add(x, bias)
+    kernel_ladder.gelu(x)
+    kernel_ladder.swiglu(x, y)
+    kernel_ladder.dropout(y, 0.5, seed=3)
+    kernel_ladder.silu(wide)
     storages = {t.untyped_storage().data_ptr() for t in (x, y, bias, wide)}
     assert len(planned) > 5
     for launch in planned:
@@ -216,7 +216,7 @@ def test_backward_half_precision(name, dtype, gen):
 def test_backward_of_empty_and_scalar_tensors(gen):
     for shape in [(0, 3), ()]:
         x = make_input(shape, torch.float32, "contiguous", gen).requires_grad_()
-        (grad,) = torch.autograd.grad(kernels.gelu(x), [x], torch.ones(shape))
+        (grad,) = torch.autograd.grad(kernel_ladder.gelu(x), [x], torch.ones(shape))
         assert grad.shape == x.shape
 
 
@@ -227,7 +227,7 @@ def _opcheck_cases(gen):
     x = make_input((5, 7), torch.float32, "contiguous", gen)
     xt = make_input((5, 7), torch.float32, "transposed", gen)
     y = make_input((7,), torch.float32, "contiguous", gen)
-    ops = torch.ops.kernels
+    ops = torch.ops.kernel_ladder
     return {
         "add": (ops.add.default, (x, y)),
         "add_strided": (ops.add.default, (xt, x)),
@@ -252,13 +252,13 @@ def test_opcheck(case, gen):
 
 
 def test_opcheck_dropout_mask():
-    torch.library.opcheck(torch.ops.kernels.dropout_mask.default, ([3, 50], 0.3, 5, torch.device(DEVICE)))
+    torch.library.opcheck(torch.ops.kernel_ladder.dropout_mask.default, ([3, 50], 0.3, 5, torch.device(DEVICE)))
 
 
 @pytest.mark.parametrize("name", list(OPS) + ["dropout"])
 def test_torch_compile_fullgraph_forward_and_backward(name, gen):
     if name == "dropout":
-        op, arity = (lambda x: kernels.dropout(x, 0.3, seed=21)), 1
+        op, arity = (lambda x: kernel_ladder.dropout(x, 0.3, seed=21)), 1
     else:
         op, _, arity = OPS[name]
     torch._dynamo.reset()
@@ -276,7 +276,7 @@ def test_torch_compile_fullgraph_forward_and_backward(name, gen):
 
 def test_torch_compile_composes_ops_and_broadcasts(gen):
     def block(x, bias, up):
-        return kernels.swiglu(kernels.gelu(kernels.add(x, bias), approximate="tanh"), up)
+        return kernel_ladder.swiglu(kernel_ladder.gelu(kernel_ladder.add(x, bias), approximate="tanh"), up)
 
     torch._dynamo.reset()
     compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
@@ -338,48 +338,48 @@ def test_plan_switches_to_int64_offsets_past_2_to_the_31():
 @pytest.mark.parametrize(
     "call, error, message",
     [
-        (lambda: kernels.gelu(torch.arange(4)), TypeError,
+        (lambda: kernel_ladder.gelu(torch.arange(4)), TypeError,
          r"^kernels\.gelu: x must be float32, float16 or bfloat16, got torch\.int64"),
-        (lambda: kernels.gelu(torch.ones(4, dtype=torch.float64)), TypeError,
+        (lambda: kernel_ladder.gelu(torch.ones(4, dtype=torch.float64)), TypeError,
          r"^kernels\.gelu: x must be .*got torch\.float64"),
-        (lambda: kernels.gelu([1.0, 2.0]), TypeError, r"^kernels\.gelu: x must be a torch\.Tensor, got list"),
-        (lambda: kernels.gelu(torch.ones(4), approximate="fast"), ValueError,
+        (lambda: kernel_ladder.gelu([1.0, 2.0]), TypeError, r"^kernels\.gelu: x must be a torch\.Tensor, got list"),
+        (lambda: kernel_ladder.gelu(torch.ones(4), approximate="fast"), ValueError,
          r"^kernels\.gelu: approximate must be 'none' or 'tanh', got 'fast'"),
-        (lambda: kernels.gelu(torch.ones(4), approximate=None), TypeError, r"^kernels\.gelu: approximate must be"),
-        (lambda: kernels.silu(3.0), TypeError, r"^kernels\.silu: x must be a torch\.Tensor, got float"),
-        (lambda: kernels.silu(torch.ones(2, dtype=torch.int32)), TypeError, r"^kernels\.silu: x must be float32"),
-        (lambda: kernels.add(torch.ones(3), torch.ones(3, dtype=torch.int64)), TypeError,
+        (lambda: kernel_ladder.gelu(torch.ones(4), approximate=None), TypeError, r"^kernels\.gelu: approximate must be"),
+        (lambda: kernel_ladder.silu(3.0), TypeError, r"^kernels\.silu: x must be a torch\.Tensor, got float"),
+        (lambda: kernel_ladder.silu(torch.ones(2, dtype=torch.int32)), TypeError, r"^kernels\.silu: x must be float32"),
+        (lambda: kernel_ladder.add(torch.ones(3), torch.ones(3, dtype=torch.int64)), TypeError,
          r"^kernels\.add: y must be float32, float16 or bfloat16, got torch\.int64"),
-        (lambda: kernels.add(1.0, 2.0), TypeError, r"^kernels\.add: x must be a torch\.Tensor, got float"),
-        (lambda: kernels.add(torch.ones(3), True), TypeError, r"^kernels\.add: y must be a torch\.Tensor, got bool"),
-        (lambda: kernels.add(torch.ones(3), torch.ones(4)), ValueError,
+        (lambda: kernel_ladder.add(1.0, 2.0), TypeError, r"^kernels\.add: x must be a torch\.Tensor, got float"),
+        (lambda: kernel_ladder.add(torch.ones(3), True), TypeError, r"^kernels\.add: y must be a torch\.Tensor, got bool"),
+        (lambda: kernel_ladder.add(torch.ones(3), torch.ones(4)), ValueError,
          r"^kernels\.add: x and y must have broadcastable shapes, got \(3,\) and \(4,\)"),
-        (lambda: kernels.add(torch.ones(3), torch.ones(3, device="meta")), ValueError,
+        (lambda: kernel_ladder.add(torch.ones(3), torch.ones(3, device="meta")), ValueError,
          r"^kernels\.add: x and y must be on the same device, got cpu and meta"),
-        (lambda: kernels.swiglu(torch.ones(2, 3), torch.ones(3, 2)), ValueError,
+        (lambda: kernel_ladder.swiglu(torch.ones(2, 3), torch.ones(3, 2)), ValueError,
          r"^kernels\.swiglu: gate and up must have the same shape, got \(2, 3\) and \(3, 2\)"),
-        (lambda: kernels.swiglu(torch.ones(3), torch.ones(3, dtype=torch.bfloat16)), TypeError,
+        (lambda: kernel_ladder.swiglu(torch.ones(3), torch.ones(3, dtype=torch.bfloat16)), TypeError,
          r"^kernels\.swiglu: gate and up must have the same dtype"),
-        (lambda: kernels.swiglu(torch.ones(3, dtype=torch.int8), torch.ones(3)), TypeError,
+        (lambda: kernel_ladder.swiglu(torch.ones(3, dtype=torch.int8), torch.ones(3)), TypeError,
          r"^kernels\.swiglu: gate must be float32"),
-        (lambda: kernels.dropout(torch.ones(3), p=1.5), ValueError,
+        (lambda: kernel_ladder.dropout(torch.ones(3), p=1.5), ValueError,
          r"^kernels\.dropout: p must be in \[0, 1\], got 1\.5"),
-        (lambda: kernels.dropout(torch.ones(3), p=-0.1), ValueError, r"^kernels\.dropout: p must be in \[0, 1\]"),
-        (lambda: kernels.dropout(torch.ones(3), p="0.5"), TypeError, r"^kernels\.dropout: p must be a float"),
-        (lambda: kernels.dropout(torch.ones(3), seed=1.5), TypeError, r"^kernels\.dropout: seed must be an int"),
-        (lambda: kernels.dropout(torch.ones(3), seed=-1), ValueError, r"^kernels\.dropout: seed must be in"),
-        (lambda: kernels.dropout(torch.ones(3), training="yes"), TypeError,
+        (lambda: kernel_ladder.dropout(torch.ones(3), p=-0.1), ValueError, r"^kernels\.dropout: p must be in \[0, 1\]"),
+        (lambda: kernel_ladder.dropout(torch.ones(3), p="0.5"), TypeError, r"^kernels\.dropout: p must be a float"),
+        (lambda: kernel_ladder.dropout(torch.ones(3), seed=1.5), TypeError, r"^kernels\.dropout: seed must be an int"),
+        (lambda: kernel_ladder.dropout(torch.ones(3), seed=-1), ValueError, r"^kernels\.dropout: seed must be in"),
+        (lambda: kernel_ladder.dropout(torch.ones(3), training="yes"), TypeError,
          r"^kernels\.dropout: training must be a bool"),
-        (lambda: kernels.dropout(torch.arange(3)), TypeError, r"^kernels\.dropout: x must be float32"),
-        (lambda: kernels.dropout_mask((3, -1), 0.5, 1), ValueError, r"^kernels\.dropout_mask: shape must have"),
-        (lambda: kernels.dropout_mask((3, 1.5), 0.5, 1), TypeError, r"^kernels\.dropout_mask: shape must be"),
-        (lambda: kernels.dropout_mask((3,), 2.0, 1), ValueError, r"^kernels\.dropout_mask: p must be in"),
+        (lambda: kernel_ladder.dropout(torch.arange(3)), TypeError, r"^kernels\.dropout: x must be float32"),
+        (lambda: kernel_ladder.dropout_mask((3, -1), 0.5, 1), ValueError, r"^kernels\.dropout_mask: shape must have"),
+        (lambda: kernel_ladder.dropout_mask((3, 1.5), 0.5, 1), TypeError, r"^kernels\.dropout_mask: shape must be"),
+        (lambda: kernel_ladder.dropout_mask((3,), 2.0, 1), ValueError, r"^kernels\.dropout_mask: p must be in"),
         # the custom op validates too, when called directly through torch.ops
-        (lambda: torch.ops.kernels.dropout_mask([3], 2.0, 1, torch.device("cpu")), ValueError,
+        (lambda: torch.ops.kernel_ladder.dropout_mask([3], 2.0, 1, torch.device("cpu")), ValueError,
          r"^kernels\.dropout_mask: p must be in"),
-        (lambda: torch.ops.kernels.dropout_mask([3], 0.5, -5, torch.device("cpu")), ValueError,
+        (lambda: torch.ops.kernel_ladder.dropout_mask([3], 0.5, -5, torch.device("cpu")), ValueError,
          r"^kernels\.dropout_mask: seed"),
-        (lambda: kernels.dropout_mask((3,), 0.5, 1, device="meta"), ValueError,
+        (lambda: kernel_ladder.dropout_mask((3,), 0.5, 1, device="meta"), ValueError,
          r"^kernels\.dropout_mask: device must hold data"),
     ],
 )
@@ -390,9 +390,9 @@ def test_bad_input_raises_a_clear_error(call, error, message):
 
 def test_errors_also_come_from_the_raw_custom_op():
     with pytest.raises(TypeError, match=r"^kernels\.gelu: x must be float32"):
-        torch.ops.kernels.gelu(torch.arange(3), "none")
+        torch.ops.kernel_ladder.gelu(torch.arange(3), "none")
     with pytest.raises(ValueError, match=r"^kernels\.dropout: p must be in"):
-        torch.ops.kernels.dropout(torch.ones(3), 3.0, 1)
+        torch.ops.kernel_ladder.dropout(torch.ones(3), 3.0, 1)
 
 
 # --------------------------------------------------------------------------- GPU sizes
@@ -404,16 +404,16 @@ def test_gpu_large_tensors(dtype):
     """Real sizes on a GPU: a tensor past 2**31 elements (int64 offsets) and large strided views."""
     n = 2**31 + 1031
     x = torch.randn(n, device="cuda", dtype=torch.float32).to(dtype)
-    out = kernels.silu(x)
+    out = kernel_ladder.silu(x)
     for where in (slice(0, 4096), slice(n - 4096, n)):
         assert_matches(out[where], F.silu(x[where].double()), dtype)
     del out
     m = torch.randn(8192, 8193, device="cuda", dtype=dtype)
-    assert_matches(kernels.gelu(m.t()), F.gelu(m.t().double()), dtype)
-    assert_matches(kernels.add(m, m[0]), m.double() + m[0].double(), dtype)
+    assert_matches(kernel_ladder.gelu(m.t()), F.gelu(m.t().double()), dtype)
+    assert_matches(kernel_ladder.add(m, m[0]), m.double() + m[0].double(), dtype)
 
 
-@pytest.mark.parametrize("op", [kernels.swiglu, kernels.geglu], ids=["swiglu", "geglu"])
+@pytest.mark.parametrize("op", [kernel_ladder.swiglu, kernel_ladder.geglu], ids=["swiglu", "geglu"])
 def test_in_place_backward_writes_grad_gate_into_the_incoming_gradient(op, gen):
     gate = make_input((9, 130), torch.float32, "transposed", gen).requires_grad_()
     up = make_input((9, 130), torch.float32, "contiguous", gen).requires_grad_()
@@ -430,4 +430,4 @@ def test_in_place_backward_writes_grad_gate_into_the_incoming_gradient(op, gen):
     g_graph = g.clone()
     (dgate,) = torch.autograd.grad(op(gate, up, in_place_backward=True), [gate], g_graph, create_graph=True)
     assert dgate.data_ptr() != g_graph.data_ptr() and torch.equal(g_graph, g)
-    torch.library.opcheck(torch.ops.kernels.swiglu_backward_inplace.default, (g.clone(), gate.detach(), up.detach()))
+    torch.library.opcheck(torch.ops.kernel_ladder.swiglu_backward_inplace.default, (g.clone(), gate.detach(), up.detach()))

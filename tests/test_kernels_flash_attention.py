@@ -1,4 +1,4 @@
-"""kernels.flash_attention and kernels.flash_attention_varlen: values and gradients against a float64
+"""kernel_ladder.flash_attention and kernel_ladder.flash_attention_varlen: values and gradients against a float64
 reference (explicit scores and masks), bottom-right causal, sliding windows, soft-capping, GQA/MQA,
 odd lengths and head dims, every dtype, lse and its gradient, strided inputs, packed sequences,
 determinism, memory (no Tq x Tk buffer), traced traffic and FLOPs (block skipping), Hugging Face,
@@ -20,14 +20,14 @@ import triton
 import triton.language as tl
 from helpers import assert_matches
 
-import kernels
-from kernels.ops import flash_attention as fa
+import kernel_ladder
+from kernel_ladder.ops import flash_attention as fa
 from utils.memory import peak_memory
 from utils.trace import trace
 
 pytestmark = pytest.mark.usefixtures("poisoned")  # every buffer the ops allocate starts as NaN
 
-DEVICE = kernels.runtime.DEVICE
+DEVICE = kernel_ladder.runtime.DEVICE
 LOW = (torch.float16, torch.bfloat16)
 
 
@@ -94,7 +94,7 @@ def check(q, k, v, gen, grad_lse=True, varlen=None, **options):
     """Run the op forward (out, lse) and backward (dq, dk, dv) and compare all five with float64
     (low dtypes: at most twice the low-precision reference's error)."""
     q, k, v = leaf(q), leaf(k), leaf(v)
-    out, lse = kernels.flash_attention(q, k, v, return_lse=True, **options)
+    out, lse = kernel_ladder.flash_attention(q, k, v, return_lse=True, **options)
     assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == q.shape[:3] and lse.dtype == torch.float32
     g = rand(*out.shape, gen=gen, dtype=q.dtype)
     gl = rand(*lse.shape, gen=gen) if grad_lse else None
@@ -145,7 +145,7 @@ def test_head_dims_8_and_256_forward(gen):
     """The smallest tile (D = 8 padded to 16) and the largest head."""
     for d in (8, 256):
         q, k, v = rand(1, 2, 20, d, gen=gen), rand(1, 1, 24, d, gen=gen), rand(1, 1, 24, d, gen=gen)
-        out = kernels.flash_attention(q, k, v, causal=True)
+        out = kernel_ladder.flash_attention(q, k, v, causal=True)
         assert_matches(out, reference(q, k, v, causal=True)[0], torch.float32)
 
 
@@ -153,7 +153,7 @@ def test_large_scores_do_not_overflow(gen):
     """Scores near 1e4: the running max keeps every exp in range."""
     q, k, v = rand(1, 2, 33, 32, gen=gen, scale=30.0), rand(1, 2, 33, 32, gen=gen, scale=30.0), rand(1, 2, 33, 32,
                                                                                                       gen=gen)
-    out, lse = kernels.flash_attention(q, k, v, return_lse=True)
+    out, lse = kernel_ladder.flash_attention(q, k, v, return_lse=True)
     want, want_lse = reference(q, k, v)
     assert_matches(out, want, torch.float32, slack=10)
     assert_matches(lse, want_lse, torch.float32, slack=10)
@@ -163,7 +163,7 @@ def test_rows_that_see_no_key_give_zero_and_minus_inf(gen):
     """Causal with Tq > Tk: the first Tq - Tk queries see nothing (flash-attn's convention: 0, lse -inf),
     and their gradients are zero, not NaN."""
     q, k, v = leaf(rand(1, 2, 40, 16, gen=gen)), leaf(rand(1, 2, 8, 16, gen=gen)), leaf(rand(1, 2, 8, 16, gen=gen))
-    out, lse = kernels.flash_attention(q, k, v, causal=True, return_lse=True)
+    out, lse = kernel_ladder.flash_attention(q, k, v, causal=True, return_lse=True)
     assert torch.equal(out[:, :, :32], torch.zeros_like(out[:, :, :32]))
     assert torch.isneginf(lse[:, :, :32]).all() and torch.isfinite(lse[:, :, 32:]).all()
     (out.sum() + torch.where(torch.isfinite(lse), lse, 0.0).sum()).backward()
@@ -176,7 +176,7 @@ def test_gradient_through_lse_alone_and_through_out_alone(gen):
     q, k, v = rand(2, 2, 20, 16, gen=gen), rand(2, 1, 30, 16, gen=gen), rand(2, 1, 30, 16, gen=gen)
     for use in ("lse", "out"):
         q2, k2, v2 = leaf(q), leaf(k), leaf(v)
-        out, lse = kernels.flash_attention(q2, k2, v2, causal=True, return_lse=True)
+        out, lse = kernel_ladder.flash_attention(q2, k2, v2, causal=True, return_lse=True)
         g = rand(*lse.shape, gen=gen) if use == "lse" else rand(*out.shape, gen=gen)
         got = torch.autograd.grad(lse if use == "lse" else out, (q2, k2, v2), g)
         q6, k6, v6 = (t.double().requires_grad_() for t in (q, k, v))
@@ -190,7 +190,7 @@ def test_gradient_through_lse_alone_and_through_out_alone(gen):
 
 def test_lse_is_the_log_sum_exp_of_the_scaled_capped_scores(gen):
     q, k, v = rand(1, 2, 9, 16, gen=gen), rand(1, 2, 11, 16, gen=gen), rand(1, 2, 11, 16, gen=gen)
-    _, lse = kernels.flash_attention(q, k, v, softmax_scale=0.5, softcap=2.0, return_lse=True)
+    _, lse = kernel_ladder.flash_attention(q, k, v, softmax_scale=0.5, softcap=2.0, return_lse=True)
     s = 2.0 * torch.tanh((q.double() @ k.double().transpose(-1, -2)) * 0.5 / 2.0)
     assert_matches(lse, torch.logsumexp(s, -1), torch.float32)
 
@@ -208,10 +208,10 @@ def test_strided_inputs_are_read_in_place(gen):
     v = qkv[..., (hq + hkv) * d :].view(batch, t, hkv, d).transpose(1, 2)
     assert not q.is_contiguous()
     with trace() as tr:
-        out = kernels.flash_attention(q, k, v, causal=True)
+        out = kernel_ladder.flash_attention(q, k, v, causal=True)
     copies = [op.name for op in tr.torch_ops if op.launches]
     assert not copies, copies
-    assert torch.equal(out, kernels.flash_attention(q.contiguous(), k.contiguous(), v.contiguous(), causal=True))
+    assert torch.equal(out, kernel_ladder.flash_attention(q.contiguous(), k.contiguous(), v.contiguous(), causal=True))
     assert out.is_contiguous() and out.shape == (batch, hq, t, d)
     assert_matches(out, reference(q, k, v, causal=True)[0], torch.float32)
 
@@ -219,7 +219,7 @@ def test_strided_inputs_are_read_in_place(gen):
 def test_strided_backward_and_a_noncontiguous_output_gradient(gen):
     qkv = leaf(rand(2, 17, 3, 2, 32, gen=gen))  # (B, T, 3, H, D): q, k, v interleaved per token
     q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
-    out = kernels.flash_attention(q, k, v, causal=True)
+    out = kernel_ladder.flash_attention(q, k, v, causal=True)
     g = rand(2, 17, 2, 32, gen=gen).transpose(1, 2)  # the gradient of a (B, T, H, D) consumer
     out.backward(g)
     q6 = qkv.detach().double().requires_grad_()
@@ -250,7 +250,7 @@ def test_varlen_matches_the_reference_per_sequence(case, gen):
     k, cu_k = pack(lengths_k, hkv, d, gen)
     v = rand(*k.shape, gen=gen)
     q, k, v = leaf(q), leaf(k), leaf(v)
-    out, lse = kernels.flash_attention_varlen(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), return_lse=True,
+    out, lse = kernel_ladder.flash_attention_varlen(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), return_lse=True,
                                               **options)
     assert out.shape == q.shape and lse.shape == (hq, q.shape[0])
     g = rand(*out.shape, gen=gen)
@@ -281,10 +281,10 @@ def test_varlen_bf16_against_the_dense_op_per_sequence(gen):
     lengths = [3, 20, 1]
     q, cu = pack(lengths, 2, 32, gen, torch.bfloat16)
     k, v = rand(*q.shape, gen=gen, dtype=torch.bfloat16), rand(*q.shape, gen=gen, dtype=torch.bfloat16)
-    out = kernels.flash_attention_varlen(q, k, v, cu, cu, 20, 20, causal=True)
+    out = kernel_ladder.flash_attention_varlen(q, k, v, cu, cu, 20, 20, causal=True)
     for b in range(len(lengths)):
         r = slice(int(cu[b]), int(cu[b + 1]))
-        dense = kernels.flash_attention(*(t[r].transpose(0, 1)[None] for t in (q, k, v)), causal=True)
+        dense = kernel_ladder.flash_attention(*(t[r].transpose(0, 1)[None] for t in (q, k, v)), causal=True)
         assert torch.equal(out[r], dense[0].transpose(0, 1))
 
 
@@ -295,7 +295,7 @@ def test_varlen_programs_past_a_sequence_do_no_work(gen):
     q, cu = pack([64, 5], 1, 32, gen)
     k, v = rand(*q.shape, gen=gen), rand(*q.shape, gen=gen)
     with trace() as tr:
-        kernels.flash_attention_varlen(q, k, v, cu, cu, 64, 64)
+        kernel_ladder.flash_attention_varlen(q, k, v, cu, cu, 64, 64)
     block = fa.INTERPRETER_CONFIG.BLOCK_M
     tiles = (64 // block) ** 2 + 1  # the long sequence's tiles, and one for the short one
     assert tr.flops == tiles * 4 * block * block * 32
@@ -307,12 +307,12 @@ def test_cu_seqlens_values_are_checked(gen):
         cu_bad = torch.tensor(bad, dtype=torch.int32, device=DEVICE)
         with pytest.raises(ValueError, match=r"kernels\.flash_attention_varlen: cu_seqlens_q must start at 0, never "
                                              rf"decrease, end at 7 .*got \[{bad[0]}, {bad[1]}, {bad[2]}\]"):
-            kernels.flash_attention_varlen(q, q, q, cu_bad, cu, 7, 7)
+            kernel_ladder.flash_attention_varlen(q, q, q, cu_bad, cu, 7, 7)
     with pytest.raises(ValueError, match=r"cu_seqlens_k must .* every sequence length <= max_seqlen = 3"):
-        kernels.flash_attention_varlen(q, q, q, cu, cu, 4, 3)
+        kernel_ladder.flash_attention_varlen(q, q, q, cu, cu, 4, 3)
     # Valid input: one Triton launch reads both, no host synchronization (no aten._local_scalar_dense).
     with trace() as tr:
-        kernels.flash_attention_varlen(q, q, q, cu, cu, 4, 4)
+        kernel_ladder.flash_attention_varlen(q, q, q, cu, cu, 4, 4)
     assert [x.kernel for x in tr.launches] == ["flash_attention_cu_seqlens_kernel", "flash_attention_forward_kernel"]
     assert [op.name for op in tr.torch_ops if op.launches] == ["aten._assert_async.msg"]
 
@@ -327,7 +327,7 @@ def test_two_backward_runs_are_bitwise_equal(gen):
     runs = []
     for _ in range(2):
         q2, k2, v2 = leaf(q), leaf(k), leaf(v)
-        runs.append(torch.autograd.grad(kernels.flash_attention(q2, k2, v2, causal=True), (q2, k2, v2), g))
+        runs.append(torch.autograd.grad(kernel_ladder.flash_attention(q2, k2, v2, causal=True), (q2, k2, v2), g))
     for first, second in zip(*runs):
         assert torch.equal(first, second)
 
@@ -339,7 +339,7 @@ def test_no_tq_by_tk_buffer_is_allocated(gen):
     q, k, v = leaf(rand(1, 1, t, d, gen=gen)), leaf(rand(1, 1, t, d, gen=gen)), leaf(rand(1, 1, t, d, gen=gen))
     g = rand(1, 1, t, d, gen=gen)
     with peak_memory(cuda=False) as m:
-        out = kernels.flash_attention(q, k, v, causal=True)
+        out = kernel_ladder.flash_attention(q, k, v, causal=True)
         out.backward(g)
     scores = t * t * 4
     per_tensor = t * d * 4
@@ -351,17 +351,17 @@ def test_no_tq_by_tk_buffer_is_allocated(gen):
 def test_index_64_path(gen, monkeypatch):
     """The int64-offset variant (taken for tensors past 2**31 elements) gives the same bits."""
     q, k, v = rand(1, 2, 40, 16, gen=gen), rand(1, 1, 40, 16, gen=gen), rand(1, 1, 40, 16, gen=gen)
-    want = kernels.flash_attention(q, k, v, causal=True, window=11)
+    want = kernel_ladder.flash_attention(q, k, v, causal=True, window=11)
     monkeypatch.setattr(fa, "_index_64", lambda *tensors: True)
-    assert torch.equal(kernels.flash_attention(q, k, v, causal=True, window=11), want)
+    assert torch.equal(kernel_ladder.flash_attention(q, k, v, causal=True, window=11), want)
 
 
 def test_empty_inputs(gen):
     q = rand(2, 2, 0, 16, gen=gen)
     k = rand(2, 1, 5, 16, gen=gen)
-    assert kernels.flash_attention(q, k, k).shape == (2, 2, 0, 16)
+    assert kernel_ladder.flash_attention(q, k, k).shape == (2, 2, 0, 16)
     # no keys at all: every row sees nothing
-    out, lse = kernels.flash_attention(rand(1, 2, 3, 16, gen=gen), k[:1, :, :0], k[:1, :, :0], return_lse=True)
+    out, lse = kernel_ladder.flash_attention(rand(1, 2, 3, 16, gen=gen), k[:1, :, :0], k[:1, :, :0], return_lse=True)
     assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
 
 
@@ -386,9 +386,9 @@ def test_forward_traffic_and_flops_are_the_ideal_and_causal_skips_half(gen):
     n = t // block
     q, k, v = rand(batch, hq, t, d, gen=gen), rand(batch, hkv, t, d, gen=gen), rand(batch, hkv, t, d, gen=gen)
     with trace() as full:
-        kernels.flash_attention(q, k, v)
+        kernel_ladder.flash_attention(q, k, v)
     with trace() as causal:
-        kernels.flash_attention(q, k, v, causal=True)
+        kernel_ladder.flash_attention(q, k, v, causal=True)
     element = q.element_size()
     io = 2 * batch * hq * t * d * element + batch * hq * t * 4  # q read, out written, lse written
     ideal = io + n * batch * hq * 2 * t * d * element  # K and V once per query block per head
@@ -410,7 +410,7 @@ def test_window_and_backward_skip_every_invisible_tile(gen):
     block = fa.INTERPRETER_CONFIG.BLOCK_M
     q, k, v = leaf(rand(1, 1, t, d, gen=gen)), leaf(rand(1, 1, t, d, gen=gen)), leaf(rand(1, 1, t, d, gen=gen))
     with trace() as fwd:
-        out = kernels.flash_attention(q, k, v, causal=True, window=window)
+        out = kernel_ladder.flash_attention(q, k, v, causal=True, window=window)
     with trace() as bwd:
         out.backward(torch.ones_like(out))
     tiles = _tiles_seen(t // block, t // block, block, True, t, t, window)
@@ -448,9 +448,9 @@ def test_negative_control_a_top_left_diagonal_is_caught(gen, monkeypatch):
     q, k, v = rand(1, 2, 20, 16, gen=gen), rand(1, 2, 45, 16, gen=gen), rand(1, 2, 45, 16, gen=gen)
     monkeypatch.setattr(fa, "_diagonal", _top_left_diagonal)
     with pytest.raises(AssertionError, match="elements outside"):
-        assert_matches(kernels.flash_attention(q, k, v, causal=True), reference(q, k, v, causal=True)[0])
+        assert_matches(kernel_ladder.flash_attention(q, k, v, causal=True), reference(q, k, v, causal=True)[0])
     square = k[:, :, :20], v[:, :, :20]
-    assert_matches(kernels.flash_attention(q, *square, causal=True), reference(q, *square, causal=True)[0])
+    assert_matches(kernel_ladder.flash_attention(q, *square, causal=True), reference(q, *square, causal=True)[0])
 
 
 @pytest.mark.interpreter
@@ -460,7 +460,7 @@ def test_negative_control_a_skipped_key_block_is_caught(gen, monkeypatch):
     monkeypatch.setattr(fa, "_key_range", _one_block_short)
     for causal in (False, True):
         with pytest.raises(AssertionError, match="elements outside"):
-            assert_matches(kernels.flash_attention(q, k, v, causal=causal), reference(q, k, v, causal=causal)[0])
+            assert_matches(kernel_ladder.flash_attention(q, k, v, causal=causal), reference(q, k, v, causal=causal)[0])
 
 
 # ----------------------------------------------------------------------------- Hugging Face
@@ -488,7 +488,7 @@ def test_hugging_face_adapter_masks(gen):
     q, k, v = rand(2, 4, 6, 16, gen=gen), rand(2, 2, 6, 16, gen=gen), rand(2, 2, 6, 16, gen=gen)
     module = type("Attention", (), {"is_causal": True})()
     causal = visible_mask(6, 6, True, None, DEVICE)[None, None].expand(2, 1, 6, 6)
-    want = kernels.flash_attention(q, k, v, causal=True).transpose(1, 2)
+    want = kernel_ladder.flash_attention(q, k, v, causal=True).transpose(1, 2)
     for mask in (None, causal, torch.zeros(causal.shape, device=DEVICE).masked_fill(~causal, -3.4e38)):
         out, weights = fa.hf_attention(module, q, k, v, mask, scaling=0.25 if mask is None else None)
         assert weights is None and out.shape == (2, 6, 4, 16)
@@ -510,10 +510,10 @@ def test_hugging_face_adapter_masks(gen):
 
 def test_opcheck(gen):
     q, k = rand(1, 2, 5, 16, gen=gen), rand(1, 1, 7, 16, gen=gen)
-    torch.library.opcheck(torch.ops.kernels.flash_attention.default, (q, k, k * 0.5, True, 0.25, 3, 4.0))
+    torch.library.opcheck(torch.ops.kernel_ladder.flash_attention.default, (q, k, k * 0.5, True, 0.25, 3, 4.0))
     lengths = [2, 0, 3]
     qv, cu = pack(lengths, 2, 16, gen)
-    torch.library.opcheck(torch.ops.kernels.flash_attention_varlen.default,
+    torch.library.opcheck(torch.ops.kernel_ladder.flash_attention_varlen.default,
                           (qv, qv[:, :1], qv[:, 1:], cu, cu, 3, 3, False, 0.25, None, None))
 
 
@@ -526,12 +526,12 @@ def test_torch_compile_fullgraph_forward_and_backward(varlen, backend, gen):
         k, v = rand(*q.shape, gen=gen), rand(*q.shape, gen=gen)
 
         def step_terms(q, k, v):
-            return kernels.flash_attention_varlen(q, k, v, cu, cu, 9, 9, causal=True, return_lse=True)
+            return kernel_ladder.flash_attention_varlen(q, k, v, cu, cu, 9, 9, causal=True, return_lse=True)
     else:
         q, k, v = rand(2, 2, 9, 16, gen=gen), rand(2, 1, 12, 16, gen=gen), rand(2, 1, 12, 16, gen=gen)
 
         def step_terms(q, k, v):
-            return kernels.flash_attention(q, k, v, causal=True, softcap=3.0, return_lse=True)
+            return kernel_ladder.flash_attention(q, k, v, causal=True, softcap=3.0, return_lse=True)
 
     def step(q, k, v):
         out, lse = step_terms(q, k, v)
@@ -555,12 +555,12 @@ def test_torch_compile_fullgraph_forward_and_backward(varlen, backend, gen):
 
 def test_double_backward_is_refused_clearly(gen):
     q, k = leaf(rand(1, 1, 4, 16, gen=gen)), rand(1, 1, 4, 16, gen=gen)
-    (dq,) = torch.autograd.grad(kernels.flash_attention(q, k, k).pow(2).sum(), q, create_graph=True)
+    (dq,) = torch.autograd.grad(kernel_ladder.flash_attention(q, k, k).pow(2).sum(), q, create_graph=True)
     with pytest.raises(RuntimeError, match=r"kernels\.flash_attention \(backward\): double backward"):
         dq.sum().backward()
     qv, cu = pack([3], 1, 16, torch.Generator().manual_seed(0))
     qv = leaf(qv)
-    (dq,) = torch.autograd.grad(kernels.flash_attention_varlen(qv, qv, qv, cu, cu, 3, 3).pow(2).sum(), qv,
+    (dq,) = torch.autograd.grad(kernel_ladder.flash_attention_varlen(qv, qv, qv, cu, cu, 3, 3).pow(2).sum(), qv,
                                 create_graph=True)
     with pytest.raises(RuntimeError, match=r"kernels\.flash_attention_varlen \(backward\): double backward"):
         dq.sum().backward()
@@ -605,7 +605,7 @@ def test_autotuned_launch_path_in_the_interpreter(gen, monkeypatch):
     q, k, v = rand(1, 2, 40, 16, gen=gen), rand(1, 1, 50, 16, gen=gen), rand(1, 1, 50, 16, gen=gen)
     for _ in range(2):  # the second call is served from the tuning cache
         q2, k2, v2 = leaf(q), leaf(k), leaf(v)
-        out = kernels.flash_attention(q2, k2, v2, causal=True)
+        out = kernel_ladder.flash_attention(q2, k2, v2, causal=True)
         out.backward(torch.ones_like(out))
     assert len(benched) == 6  # 3 kernels x 2 candidates, once
     assert all(t.best_config.kwargs == {"BLOCK_M": 32, "BLOCK_N": 32} for t in tuned.values())
@@ -619,7 +619,7 @@ def test_autotuned_launch_path_in_the_interpreter(gen, monkeypatch):
 def _bad(**changes):
     base = dict(q=torch.zeros(2, 4, 5, 16), k=torch.zeros(2, 2, 7, 16), v=torch.zeros(2, 2, 7, 16))
     base.update(changes)
-    return lambda: kernels.flash_attention(**base)
+    return lambda: kernel_ladder.flash_attention(**base)
 
 
 @pytest.mark.parametrize("call, error, message", [
@@ -651,7 +651,7 @@ def test_bad_input_errors(call, error, message):
 
 def test_bad_varlen_input_errors():
     q, cu = torch.zeros(7, 2, 16), torch.tensor([0, 3, 7], dtype=torch.int32)
-    op = kernels.flash_attention_varlen
+    op = kernel_ladder.flash_attention_varlen
     cases = [
         (lambda: op(q[None], q, q, cu, cu, 4, 4), ValueError,
          r"^kernels\.flash_attention_varlen: q must be 3-D \(total_Tq, Hq, D\)"),
@@ -666,7 +666,7 @@ def test_bad_varlen_input_errors():
     if torch.cuda.is_available():
         cases.append((lambda: op(q.cuda(), q.cuda(), q.cuda(), cu, cu, 4, 4), ValueError,
                       r"q and cu_seqlens_q must be on the same device"))
-        cases.append((lambda: kernels.flash_attention(q[None].cuda(), q[None], q[None]), ValueError,
+        cases.append((lambda: kernel_ladder.flash_attention(q[None].cuda(), q[None], q[None]), ValueError,
                       r"q and k must be on the same device"))
     for call, error, message in cases:
         with pytest.raises(error, match=message):
@@ -687,7 +687,7 @@ def test_gpu_real_sizes(dtype, options):
         q = torch.randn(batch, hq, tq, d, device="cuda", generator=g, dtype=dtype).requires_grad_()
         k = torch.randn(batch, hkv, tk, d, device="cuda", generator=g, dtype=dtype).requires_grad_()
         v = torch.randn(batch, hkv, tk, d, device="cuda", generator=g, dtype=dtype).requires_grad_()
-        out = kernels.flash_attention(q, k, v, **options)
+        out = kernel_ladder.flash_attention(q, k, v, **options)
         grad = torch.randn_like(out)
         got = [out, *torch.autograd.grad(out, (q, k, v), grad)]
         want = reference_grads(q.float(), k.float(), v.float(), grad.float(), dtype=torch.float32, **options)
@@ -703,10 +703,10 @@ def test_gpu_varlen_real_sizes():
     lengths = [1, 0, 2048, 517, 3000, 64]
     q, cu = pack(lengths, 16, 128, g, torch.bfloat16)
     k, v = rand(q.shape[0], 4, 128, gen=g, dtype=torch.bfloat16), rand(q.shape[0], 4, 128, gen=g, dtype=torch.bfloat16)
-    out = kernels.flash_attention_varlen(q, k, v, cu, cu, max(lengths), max(lengths), causal=True)
+    out = kernel_ladder.flash_attention_varlen(q, k, v, cu, cu, max(lengths), max(lengths), causal=True)
     for b in range(len(lengths)):
         r = slice(int(cu[b]), int(cu[b + 1]))
         if r.start == r.stop:
             continue
-        dense = kernels.flash_attention(*(t[r].transpose(0, 1)[None] for t in (q, k, v)), causal=True)
+        dense = kernel_ladder.flash_attention(*(t[r].transpose(0, 1)[None] for t in (q, k, v)), causal=True)
         assert torch.equal(out[r], dense[0].transpose(0, 1))

@@ -1,4 +1,4 @@
-"""kernels.fused_linear_cross_entropy: loss and gradients against float64 torch for every reduction and
+"""kernel_ladder.fused_linear_cross_entropy: loss and gradients against float64 torch for every reduction and
 option, chunk sizes, shapes, dtypes, memory (never the N x V logits), custom-op plumbing, errors.
 
 Every buffer the op allocates is poisoned (NaN) first; inputs are fresh random draws.
@@ -11,13 +11,13 @@ import torch
 import torch.nn.functional as F
 from helpers import assert_matches, random_targets
 
-import kernels
-from kernels.ops import fused_linear_cross_entropy as flce
+import kernel_ladder
+from kernel_ladder.ops import fused_linear_cross_entropy as flce
 from utils.memory import peak_memory
 
 pytestmark = pytest.mark.usefixtures("poisoned")
 
-DEVICE = kernels.runtime.DEVICE
+DEVICE = kernel_ladder.runtime.DEVICE
 OPTIONS = {
     "plain": {},
     "smoothing": {"label_smoothing": 0.1},
@@ -62,7 +62,7 @@ def test_loss_and_gradients_match_float64(reduction, options, gen):
     target = targets((37,), 301, gen)
     kwargs = OPTIONS[options]
     g = rand(37, gen=gen) if reduction == "none" else rand(gen=gen)
-    loss, grads = grads_of(lambda a, w, b: kernels.fused_linear_cross_entropy(
+    loss, grads = grads_of(lambda a, w, b: kernel_ladder.fused_linear_cross_entropy(
         a, w, target, b, reduction=reduction, chunk_size=8, **kwargs), [x, weight, bias], g)
     want, want_grads = grads_of(lambda a, w, b: reference(a, w, target, b, reduction, **kwargs),
                                 [x.double(), weight.double(), bias.double()], g.double())
@@ -75,7 +75,7 @@ def test_loss_and_gradients_match_float64(reduction, options, gen):
 def test_every_chunk_size_gives_the_same_answer(chunk_size, gen):
     x, weight = rand(2, 9, 32, gen=gen), rand(130, 32, gen=gen, scale=0.3)
     target = targets((2, 9), 130, gen)
-    loss, grads = grads_of(lambda a, w: kernels.fused_linear_cross_entropy(a, w, target, chunk_size=chunk_size),
+    loss, grads = grads_of(lambda a, w: kernel_ladder.fused_linear_cross_entropy(a, w, target, chunk_size=chunk_size),
                            [x, weight], None)
     want, want_grads = grads_of(lambda a, w: reference(a, w, target), [x.double(), weight.double()], None)
     assert_matches(loss, want, torch.float32, slack=2.0)
@@ -87,7 +87,7 @@ def test_every_chunk_size_gives_the_same_answer(chunk_size, gen):
 def test_half_precision_within_twice_torchs_own_error(dtype, gen):
     x, weight = rand(24, 64, gen=gen, dtype=dtype), rand(257, 64, gen=gen, dtype=dtype, scale=0.2)
     target = targets((24,), 257, gen)
-    loss, grads = grads_of(lambda a, w: kernels.fused_linear_cross_entropy(a, w, target, chunk_size=8),
+    loss, grads = grads_of(lambda a, w: kernel_ladder.fused_linear_cross_entropy(a, w, target, chunk_size=8),
                            [x, weight], None)
     lowp, lowp_grads = grads_of(lambda a, w: F.cross_entropy(F.linear(a, w), target), [x, weight], None)
     want, want_grads = grads_of(lambda a, w: reference(a, w, target), [x.double(), weight.double()], None)
@@ -102,10 +102,10 @@ def test_half_precision_within_twice_torchs_own_error(dtype, gen):
 def test_all_ignored_gives_nan_mean_and_zero_gradients(gen):
     x, weight = rand(6, 16, gen=gen).requires_grad_(), rand(20, 16, gen=gen)
     target = torch.full((6,), -100, device=DEVICE)
-    loss = kernels.fused_linear_cross_entropy(x, weight, target)
+    loss = kernel_ladder.fused_linear_cross_entropy(x, weight, target)
     assert loss.isnan()
-    assert kernels.fused_linear_cross_entropy(x, weight, target, reduction="sum").item() == 0.0
-    (grad,) = torch.autograd.grad(kernels.fused_linear_cross_entropy(x, weight, target, reduction="sum"), x)
+    assert kernel_ladder.fused_linear_cross_entropy(x, weight, target, reduction="sum").item() == 0.0
+    (grad,) = torch.autograd.grad(kernel_ladder.fused_linear_cross_entropy(x, weight, target, reduction="sum"), x)
     assert torch.equal(grad, torch.zeros_like(grad))
 
 
@@ -114,7 +114,7 @@ def test_int32_targets_and_a_row_sliced_x(gen):
     x = base[:, 0]  # rows 48 elements apart: one run of rows, read in place
     weight = rand(40, 24, gen=gen)
     target = targets((10,), 40, gen).to(torch.int32)
-    assert_matches(kernels.fused_linear_cross_entropy(x, weight, target),
+    assert_matches(kernel_ladder.fused_linear_cross_entropy(x, weight, target),
                    reference(x.double(), weight.double(), target.long()), torch.float32, slack=2.0)
 
 
@@ -131,7 +131,7 @@ def test_peak_memory_is_a_chunk_of_logits_not_all_of_them(gen):
     target = targets((n,), vocab, gen)
 
     def ours():
-        kernels.fused_linear_cross_entropy(x, weight, target, chunk_size=chunk).backward()
+        kernel_ladder.fused_linear_cross_entropy(x, weight, target, chunk_size=chunk).backward()
 
     def theirs():
         F.cross_entropy(F.linear(x, weight).float(), target).backward()
@@ -164,10 +164,10 @@ def test_opcheck_and_torch_compile(gen):
     x, weight, bias = rand(6, 16, gen=gen), rand(30, 16, gen=gen), rand(30, gen=gen)
     target = targets((6,), 30, gen)
     for reduction, compute_grad in (("mean", True), ("none", False), ("sum", True)):
-        torch.library.opcheck(torch.ops.kernels.fused_linear_cross_entropy.default,
+        torch.library.opcheck(torch.ops.kernel_ladder.fused_linear_cross_entropy.default,
                               (x, weight, target, bias, -100, reduction, 0.1, 4.0, 1e-3, 4, compute_grad))
     torch._dynamo.reset()
-    compiled = torch.compile(lambda a, w: kernels.fused_linear_cross_entropy(a, w, target, chunk_size=4),
+    compiled = torch.compile(lambda a, w: kernel_ladder.fused_linear_cross_entropy(a, w, target, chunk_size=4),
                              fullgraph=True)
     xg = x.clone().requires_grad_()
     loss = compiled(xg, weight)
@@ -180,10 +180,10 @@ def test_opcheck_and_torch_compile(gen):
 def test_double_backward_and_second_backward_are_refused_clearly(gen):
     x, weight = rand(5, 16, gen=gen).requires_grad_(), rand(30, 16, gen=gen)
     target = targets((5,), 30, gen)
-    (g,) = torch.autograd.grad(kernels.fused_linear_cross_entropy(x, weight, target), x, create_graph=True)
+    (g,) = torch.autograd.grad(kernel_ladder.fused_linear_cross_entropy(x, weight, target), x, create_graph=True)
     with pytest.raises(RuntimeError, match=r"kernels\.fused_linear_cross_entropy \(backward\): double backward"):
         g.pow(2).sum().backward()
-    loss = kernels.fused_linear_cross_entropy(x, weight, target)
+    loss = kernel_ladder.fused_linear_cross_entropy(x, weight, target)
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match=r"backward through the same loss twice"):
         loss.backward()
@@ -192,7 +192,7 @@ def test_double_backward_and_second_backward_are_refused_clearly(gen):
 def test_bad_input_errors(gen):
     x, weight = rand(5, 16, gen=gen), rand(30, 16, gen=gen)
     target = targets((5,), 30, gen)
-    op = kernels.fused_linear_cross_entropy
+    op = kernel_ladder.fused_linear_cross_entropy
     cases = [
         (lambda: op(x, weight[:, :8], target), ValueError,
          r"weight must be the LM head's \(vocab, hidden\) = \(V, 16\)"),

@@ -1,4 +1,4 @@
-"""kernels.grouped_matmul: values per expert, empty groups, tile remainders, dtypes, strides, the rows past the
+"""kernel_ladder.grouped_matmul: values per expert, empty groups, tile remainders, dtypes, strides, the rows past the
 last group, gradients, one launch whatever E, traffic, opcheck, torch.compile, bad input.
 
 Every result is compared with a float64 loop over the experts on fresh random inputs; every buffer the op
@@ -12,14 +12,14 @@ import torch
 from helpers import DTYPES
 from helpers import assert_matches as _assert_matches
 
-import kernels
-from kernels import _launch
-from kernels.autotune import MatmulConfig
-from kernels.ops import grouped_matmul as gm
+import kernel_ladder
+from kernel_ladder import _launch
+from kernel_ladder.autotune import MatmulConfig
+from kernel_ladder.ops import grouped_matmul as gm
 
 pytestmark = pytest.mark.usefixtures("poisoned")  # every buffer the ops allocate starts as NaN
 
-DEVICE = kernels.runtime.DEVICE
+DEVICE = kernel_ladder.runtime.DEVICE
 SMALL = MatmulConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=1, num_warps=4, num_stages=2)
 
 
@@ -80,7 +80,7 @@ def test_groups_and_remainders(case, gen):
 def test_each_dtype_public_function(dtype, gen):
     sizes, M, K, N = [9, 0, 30, 14], 56, 40, 24
     x, w, offsets = rand(gen, M, K, dtype=dtype), rand(gen, len(sizes), K, N, dtype=dtype), offsets_of(sizes)
-    out = kernels.grouped_matmul(x, w, offsets)
+    out = kernel_ladder.grouped_matmul(x, w, offsets)
     assert out.shape == (M, N) and out.dtype == dtype
     assert_matches(out, reference(x, w, offsets), dtype)
 
@@ -101,7 +101,7 @@ def test_empty_problems(gen):
     # M == 0; no experts; K == 0 (every row zero); N == 0.
     for sizes, M, K, N in [([0, 0], 0, 8, 4), ([], 6, 8, 4), ([2, 4], 6, 0, 4), ([2, 4], 6, 8, 0)]:
         x, w, offsets = rand(gen, M, K), rand(gen, len(sizes), K, N), offsets_of(sizes)
-        out = kernels.grouped_matmul(x, w, offsets)
+        out = kernel_ladder.grouped_matmul(x, w, offsets)
         assert out.shape == (M, N)
         assert torch.equal(out, torch.zeros_like(out))
 
@@ -113,7 +113,7 @@ def test_int64_offsets(monkeypatch, gen):
     assert gm._index_64(x, w)
     assert_matches(run_small(x, w, offsets), reference(x, w, offsets), torch.float32)
     x.requires_grad_(), w.requires_grad_()
-    out = kernels.grouped_matmul(x, w, offsets)
+    out = kernel_ladder.grouped_matmul(x, w, offsets)
     g = rand(gen, M, N)
     gx, gw = torch.autograd.grad(out, (x, w), g)
     _check_grads(x, w, offsets, g, gx, gw, torch.float32)
@@ -123,13 +123,13 @@ def test_int64_offsets(monkeypatch, gen):
 
 
 def test_tile_map():
-    assert kernels.grouped_tile_map([0, 10, 10, 33, 40], 16) == [(1, 0, 10), (3, 10, 26), (3, 26, 33), (4, 33, 40)]
-    assert kernels.grouped_tile_map([5, 5], 4, num_rows=11) == [(0, 0, 4), (0, 4, 5), (None, 5, 9), (None, 9, 11)]
-    assert kernels.grouped_tile_map([], 16, num_rows=3) == [(None, 0, 3)]
+    assert kernel_ladder.grouped_tile_map([0, 10, 10, 33, 40], 16) == [(1, 0, 10), (3, 10, 26), (3, 26, 33), (4, 33, 40)]
+    assert kernel_ladder.grouped_tile_map([5, 5], 4, num_rows=11) == [(0, 0, 4), (0, 4, 5), (None, 5, 9), (None, 9, 11)]
+    assert kernel_ladder.grouped_tile_map([], 16, num_rows=3) == [(None, 0, 3)]
     # Never more tiles than the grid's cdiv(M, BLOCK_M) + E row programs.
     for ends in ([1, 2, 3, 4, 5], [15, 17, 33, 49], [0, 0, 0], [16, 32]):
         M = ends[-1] + 7
-        assert len(kernels.grouped_tile_map(ends, 16, M)) <= -(-M // 16) + len(ends)
+        assert len(kernel_ladder.grouped_tile_map(ends, 16, M)) <= -(-M // 16) + len(ends)
 
 
 @pytest.mark.interpreter
@@ -143,7 +143,7 @@ def test_programs_visit_the_tile_map(gen):
     (launch,) = t.launches
     assert launch.grid == (-(-M // 16) + len(sizes), 1)
     owner = launch.access["out_ptr"][:, 0]
-    tiles = kernels.grouped_tile_map(offsets.tolist(), 16, M)
+    tiles = kernel_ladder.grouped_tile_map(offsets.tolist(), 16, M)
     for program, (_, start, end) in enumerate(tiles):
         assert (owner[start:end] == program).all(), (program, start, end, owner)
     assert launch.out_of_bounds == 0
@@ -163,7 +163,7 @@ def test_one_launch_whatever_the_number_of_experts(gen):
         sizes = [M // E] * E
         w, offsets = rand(gen, E, N, K).transpose(1, 2), offsets_of(sizes)  # transposed: still no copy
         with trace() as t:
-            out = kernels.grouped_matmul(x, w, offsets)
+            out = kernel_ladder.grouped_matmul(x, w, offsets)
         assert [launch.kernel for launch in t.launches] == ["grouped_matmul_kernel"]
         # Besides the kernel, only the on-device check of offsets runs (a few E-element torch ops): no copy
         # of x or w (the transposed weight is read in place).
@@ -183,9 +183,9 @@ def test_traffic_close_to_ideal(gen):
     x, w = rand(gen, M, K, dtype=torch.float16), rand(gen, len(sizes), K, N, dtype=torch.float16)
     offsets = offsets_of(sizes)
     with trace() as t:
-        out = kernels.grouped_matmul(x, w, offsets)
+        out = kernel_ladder.grouped_matmul(x, w, offsets)
     (launch,) = t.launches
-    ideal = kernels.grouped_matmul_ideal_bytes(x, w, offsets, out)
+    ideal = kernel_ladder.grouped_matmul_ideal_bytes(x, w, offsets, out)
     assert ideal == (x.numel() + 4 * K * N + out.numel()) * 2 + 5 * 4  # the empty expert's weight is not read
     assert launch.bytes <= 1.1 * ideal, (launch.bytes, ideal)
     assert launch.per_tensor["w_ptr"].bytes_read == 4 * K * N * 2
@@ -223,7 +223,7 @@ def test_gradients(dtype, gen):
     x = rand(gen, M, K, dtype=dtype).requires_grad_()
     w = rand(gen, len(sizes), N, K, dtype=dtype).transpose(1, 2).requires_grad_()
     offsets = offsets_of(sizes)
-    out = kernels.grouped_matmul(x, w, offsets)
+    out = kernel_ladder.grouped_matmul(x, w, offsets)
     g = rand(gen, M, N, dtype=dtype)
     gx, gw = torch.autograd.grad(out, (x, w), g)
     _check_grads(x, w, offsets, g, gx, gw, dtype)
@@ -236,16 +236,16 @@ def test_gradient_of_one_input_only(gen):
     x, w, offsets = rand(gen, M, K), rand(gen, 3, K, N), offsets_of(sizes)
     g = rand(gen, M, N)
     want_x, want_w = _reference_grads(x, w, offsets, g)
-    (gx,) = torch.autograd.grad(kernels.grouped_matmul(x.requires_grad_(), w, offsets), (x,), g)
+    (gx,) = torch.autograd.grad(kernel_ladder.grouped_matmul(x.requires_grad_(), w, offsets), (x,), g)
     _assert_matches(gx, want_x, torch.float32, slack=2.0, what="dx")
-    (gw,) = torch.autograd.grad(kernels.grouped_matmul(x.detach(), w.requires_grad_(), offsets), (w,), g)
+    (gw,) = torch.autograd.grad(kernel_ladder.grouped_matmul(x.detach(), w.requires_grad_(), offsets), (w,), g)
     _assert_matches(gw, want_w, torch.float32, slack=2.0, what="dw")
 
 
 def test_double_backward_is_refused(gen):
     x = rand(gen, 6, 8).requires_grad_()
     w = rand(gen, 2, 8, 4).requires_grad_()
-    out = kernels.grouped_matmul(x, w, offsets_of([2, 4]))
+    out = kernel_ladder.grouped_matmul(x, w, offsets_of([2, 4]))
     (gx,) = torch.autograd.grad(out.sum(), (x,), create_graph=True)
     with pytest.raises(RuntimeError, match=r"kernels\.grouped_matmul \(backward\): double backward"):
         torch.autograd.grad(gx.sum(), (w,))
@@ -259,12 +259,12 @@ def test_opcheck(gen):
 
 def test_torch_compile_fullgraph_forward_and_backward(gen):
     torch._dynamo.reset()
-    compiled = torch.compile(kernels.grouped_matmul, fullgraph=True)
+    compiled = torch.compile(kernel_ladder.grouped_matmul, fullgraph=True)
     x, w, offsets = rand(gen, 20, 16).requires_grad_(), rand(gen, 3, 16, 8).requires_grad_(), offsets_of([6, 0, 11])
     g = rand(gen, 20, 8)
     got = compiled(x, w, offsets)
     got_grads = torch.autograd.grad(got, (x, w), g)
-    want = kernels.grouped_matmul(x, w, offsets)
+    want = kernel_ladder.grouped_matmul(x, w, offsets)
     want_grads = torch.autograd.grad(want, (x, w), g)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     for a, b in zip(got_grads, want_grads):
@@ -306,7 +306,7 @@ def _args(M=6, K=8, N=4, E=2, **over):
 def test_bad_input_errors(over, error, message):
     args = _args(**over)
     with pytest.raises(error, match=message):
-        kernels.grouped_matmul(args["x"], args["w"], args["offsets"])
+        kernel_ladder.grouped_matmul(args["x"], args["w"], args["offsets"])
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="on a GPU the offsets are checked by torch._assert_async")
@@ -315,7 +315,7 @@ def test_bad_offset_values(ends):
     args = _args(offsets=torch.tensor(ends, dtype=torch.int32))
     with pytest.raises(ValueError, match=r"kernels\.grouped_matmul: offsets must be non-negative, non-decreasing "
                                          r"and at most x's rows M = 6.*got \[" + ", ".join(map(str, ends))):
-        kernels.grouped_matmul(args["x"], args["w"], args["offsets"])
+        kernel_ladder.grouped_matmul(args["x"], args["w"], args["offsets"])
 
 
 # --------------------------------------------------------------------------- real sizes (GPU only)
@@ -329,7 +329,7 @@ def test_gpu_moe_sizes(dtype, gen):
     sizes[3] = 0
     M = sum(sizes) + 5
     x, w, offsets = rand(gen, M, K, dtype=dtype), rand(gen, E, N, K, dtype=dtype).transpose(1, 2), offsets_of(sizes)
-    out = kernels.grouped_matmul(x, w, offsets)
+    out = kernel_ladder.grouped_matmul(x, w, offsets)
     want = reference(x, w, offsets)
     rtol, atol = {torch.float32: (1e-4, 1e-2), torch.float16: (2e-3, 0.1), torch.bfloat16: (1.6e-2, 1.0)}[dtype]
     torch.testing.assert_close(out.double().cpu(), want, rtol=rtol, atol=atol)

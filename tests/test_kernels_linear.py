@@ -1,4 +1,4 @@
-"""kernels.linear: the fused bias + activation epilogue, forward and backward, against float64 torch.
+"""kernel_ladder.linear: the fused bias + activation epilogue, forward and backward, against float64 torch.
 
 Outputs are poisoned (NaN) before the kernels write them; inputs are fresh random tensors; the
 matmul kernels run with the interpreter's fixed configuration (small problems: one or two tiles).
@@ -12,13 +12,13 @@ import torch.nn.functional as F
 from helpers import DTYPES
 from helpers import assert_matches as _assert_matches
 
-import kernels
-from kernels.ops import linear as lin
+import kernel_ladder
+from kernel_ladder.ops import linear as lin
 from utils.trace import trace
 
 pytestmark = pytest.mark.usefixtures("poisoned")  # every buffer the ops allocate starts as NaN
 
-DEVICE = kernels.runtime.DEVICE
+DEVICE = kernel_ladder.runtime.DEVICE
 ACTIVATIONS = [None, "relu", "gelu", "gelu_tanh", "silu"]
 TORCH_ACT = {None: lambda t: t, "relu": F.relu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
              "silu": F.silu}
@@ -45,28 +45,28 @@ def assert_matches(out, reference64, dtype):
                          ids=str)
 def test_forward_matches_torch(x_shape, out_features, activation, gen):
     x, w, b = rand(gen, *x_shape), rand(gen, out_features, x_shape[-1]), rand(gen, out_features)
-    assert_matches(kernels.linear(x, w, b, activation), reference(x, w, b, activation), torch.float32)
-    assert_matches(kernels.linear(x, w, None, activation), reference(x, w, None, activation), torch.float32)
+    assert_matches(kernel_ladder.linear(x, w, b, activation), reference(x, w, b, activation), torch.float32)
+    assert_matches(kernel_ladder.linear(x, w, None, activation), reference(x, w, None, activation), torch.float32)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("activation", ["gelu", "silu"])
 def test_forward_dtypes(activation, dtype, gen):
     x, w, b = rand(gen, 7, 40, dtype=dtype), rand(gen, 24, 40, dtype=dtype), rand(gen, 24, dtype=dtype)
-    assert_matches(kernels.linear(x, w, b, activation), reference(x, w, b, activation), dtype)
+    assert_matches(kernel_ladder.linear(x, w, b, activation), reference(x, w, b, activation), dtype)
 
 
 def test_forward_strided_inputs(gen):
     x = rand(gen, 20, 3, 6).permute(2, 1, 0)  # (6, 3, 20): rows cannot fold into one M
     w = rand(gen, 20, 9).t()  # (9, 20) transposed
     b = rand(gen, 18)[::2]  # stride 2
-    assert_matches(kernels.linear(x, w, b, "relu"), reference(x, w, b, "relu"), torch.float32)
+    assert_matches(kernel_ladder.linear(x, w, b, "relu"), reference(x, w, b, "relu"), torch.float32)
 
 
 def test_forward_empty_and_zero_in_features(gen):
     x, w, b = rand(gen, 3, 0), rand(gen, 4, 0), rand(gen, 4)
-    assert_matches(kernels.linear(x, w, b, "silu"), F.silu(b.double()).expand(3, 4), torch.float32)
-    out = kernels.linear(rand(gen, 0, 5), rand(gen, 4, 5), rand(gen, 4), "gelu")
+    assert_matches(kernel_ladder.linear(x, w, b, "silu"), F.silu(b.double()).expand(3, 4), torch.float32)
+    out = kernel_ladder.linear(rand(gen, 0, 5), rand(gen, 4, 5), rand(gen, 4), "gelu")
     assert out.shape == (0, 4)
 
 
@@ -77,22 +77,22 @@ def test_fused_epilogue_is_one_launch_and_decode_shapes_split_k(gen):
     M, K, N = 8, 32, 24
     x, w, b = rand(gen, M, K), rand(gen, N, K), rand(gen, N)
     with trace() as t:
-        kernels.linear(x, w, b, "gelu")
+        kernel_ladder.linear(x, w, b, "gelu")
     (launch,) = t.launches
     assert launch.kernel == "matmul_kernel"
     assert launch.bytes_written == M * N * 4  # the output, once: no pre-activation kept without grads
     assert launch.per_tensor["bias_ptr"].bytes_read == N * 4
     # With a gradient to come, GELU also stores z (M*N more bytes): the cost of not recomputing it.
     with trace() as t:
-        kernels.linear(x, w.requires_grad_(), b, "gelu")
+        kernel_ladder.linear(x, w.requires_grad_(), b, "gelu")
     assert t.launches[0].bytes_written == 2 * M * N * 4
     with trace() as t:
-        kernels.linear(x, w, b, "relu")  # ReLU's backward uses the output: nothing extra
+        kernel_ladder.linear(x, w, b, "relu")  # ReLU's backward uses the output: nothing extra
     assert t.launches[0].bytes_written == M * N * 4
     # A decode-shaped input runs split-K; the reduction applies the same epilogue.
     x1, w1, b1 = rand(gen, 1, 1024), rand(gen, 16, 1024), rand(gen, 16)
     with trace() as t:
-        out = kernels.linear(x1, w1, b1, "silu")
+        out = kernel_ladder.linear(x1, w1, b1, "silu")
     assert [x.kernel for x in t.launches] == ["matmul_split_k_kernel", "matmul_split_k_reduce_kernel"]
     assert_matches(out, reference(x1, w1, b1, "silu"), torch.float32)
 
@@ -102,7 +102,7 @@ def test_fused_epilogue_is_one_launch_and_decode_shapes_split_k(gen):
 
 def _check_grads(x, w, b, activation, out=None, rtol=2e-5, atol=2e-5, gen=None):
     """Gradients of the inputs that require them match float64 torch; the others get none."""
-    out = kernels.linear(x, w, b, activation) if out is None else out
+    out = kernel_ladder.linear(x, w, b, activation) if out is None else out
     wanted = [t for t in (x, w, b) if t is not None and t.requires_grad]
     grad = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(out.dtype).to(DEVICE)
     got = torch.autograd.grad(out, wanted, grad)
@@ -145,7 +145,7 @@ def test_gradient_of_one_input_only(needed, activation, gen):
 @pytest.mark.parametrize("activation", ["gelu", "silu"])
 def test_recomputed_preactivation_gives_the_same_gradients(activation, gen):
     x, w, b = rand(gen, 6, 20).requires_grad_(), rand(gen, 11, 20).requires_grad_(), rand(gen, 11).requires_grad_()
-    out, preact = torch.ops.kernels.linear(x, w, b, activation, False)  # z not kept: the backward recomputes it
+    out, preact = torch.ops.kernel_ladder.linear(x, w, b, activation, False)  # z not kept: the backward recomputes it
     assert preact.numel() == 0
     _check_grads(x, w, b, activation, out=out, gen=gen)
 
@@ -157,7 +157,7 @@ def test_opcheck(gen):
 
 def test_torch_compile_fullgraph_forward_and_backward(gen):
     def layer(x, w, b):
-        return kernels.linear(x, w, b, activation="silu")
+        return kernel_ladder.linear(x, w, b, activation="silu")
 
     torch._dynamo.reset()
     compiled = torch.compile(layer, fullgraph=True)
@@ -206,7 +206,7 @@ def test_torch_compile_fullgraph_forward_and_backward(gen):
 def test_bad_input_errors(make, error, message):
     x, w, b, activation = make()
     with pytest.raises(error, match=message):
-        kernels.linear(x, w, b, activation)
+        kernel_ladder.linear(x, w, b, activation)
 
 
 @pytest.mark.gpu
@@ -215,7 +215,7 @@ def test_gpu_real_sizes_forward_and_backward(activation, gen):
     x = rand(gen, 4, 512, 1024, dtype=torch.bfloat16).requires_grad_()
     w = (rand(gen, 2048, 1024, dtype=torch.bfloat16) * 0.03).requires_grad_()
     b = rand(gen, 2048, dtype=torch.bfloat16).requires_grad_()
-    out = kernels.linear(x, w, b, activation)
+    out = kernel_ladder.linear(x, w, b, activation)
     want = TORCH_ACT[activation](F.linear(x.float(), w.float(), b.float()))
     torch.testing.assert_close(out.float(), want, rtol=1.6e-2, atol=5e-2)
     grad = rand(gen, *out.shape, dtype=torch.bfloat16)
@@ -232,7 +232,7 @@ def test_backward_materializes_no_zeros_for_the_saved_intermediate(op, gen):
     allocate and fill an M x N tensor of zeros for them in every backward."""
     x = rand(gen, 8, 32).requires_grad_()
     w = rand(gen, 24, 32)
-    out = kernels.linear(x, w, activation="gelu") if op == "linear" else kernels.gated_mlp(x, w, w, w.t())
+    out = kernel_ladder.linear(x, w, activation="gelu") if op == "linear" else kernel_ladder.gated_mlp(x, w, w, w.t())
     grad = torch.ones_like(out)
     with trace() as t:
         out.backward(grad)

@@ -1,4 +1,4 @@
-"""kernels.matmul and its launchers: values, layouts, batches, dtypes, dispatch, traffic, autograd, errors.
+"""kernel_ladder.matmul and its launchers: values, layouts, batches, dtypes, dispatch, traffic, autograd, errors.
 
 Every result is compared with a float64 reference (of the inputs as stored) on fresh random inputs;
 outputs are poisoned (NaN) before the kernels write them. Tiles are 16-32 wide via explicit configs
@@ -12,14 +12,14 @@ import torch
 from helpers import DTYPES
 from helpers import assert_matches as _assert_matches
 
-import kernels
-from kernels import _launch
-from kernels.autotune import INTERPRETER_CONFIG, MatmulConfig, fit_config
-from kernels.ops import matmul as mm
+import kernel_ladder
+from kernel_ladder import _launch
+from kernel_ladder.autotune import INTERPRETER_CONFIG, MatmulConfig, fit_config
+from kernel_ladder.ops import matmul as mm
 
 pytestmark = pytest.mark.usefixtures("poisoned")  # every buffer the ops allocate starts as NaN
 
-DEVICE = kernels.runtime.DEVICE
+DEVICE = kernel_ladder.runtime.DEVICE
 
 SMALL = MatmulConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=1, num_warps=4, num_stages=2)
 SMALL_GROUPED = MatmulConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=8, num_warps=4, num_stages=2)
@@ -194,7 +194,7 @@ def test_dispatch_rule():
     assert plan.method == "split_k" and plan.split_k > 1
     plan = mm.plan_matmul(256, 256, 256, torch.float16)
     assert plan.method == "tiled"
-    if kernels.runtime.INTERPRETER:
+    if kernel_ladder.runtime.INTERPRETER:
         assert plan.config == INTERPRETER_CONFIG  # the fixed interpreter config (fits this problem)
         assert mm.plan_matmul(5, 300, 20).config == fit_config(INTERPRETER_CONFIG, 5, 300, 20)
         assert mm.plan_matmul(5, 300, 20).config.BLOCK_M == 16

@@ -1,4 +1,4 @@
-"""kernels.moe: the sparse MoE block against a float64 loop over experts and tokens — top_k 1 and 2, both
+"""kernel_ladder.moe: the sparse MoE block against a float64 loop over experts and tokens — top_k 1 and 2, both
 renormalizations, sigmoid-free Mixtral routing, uneven and empty experts, dtypes, strided inputs — and its
 gradients for x, router_logits, w_gate_up and w_down; the fused gate/up kernel's epilogues on their own (several
 tiles, tile remainders, empty groups); launches independent of E; traced bytes against the ideal; opcheck,
@@ -13,15 +13,15 @@ import torch
 import torch.nn.functional as F
 from helpers import DTYPES, assert_matches, tolerance
 
-import kernels
-from kernels import _launch
-from kernels.autotune import MatmulConfig
-from kernels.ops import grouped_matmul as gm
-from kernels.ops import moe as moe_mod
+import kernel_ladder
+from kernel_ladder import _launch
+from kernel_ladder.autotune import MatmulConfig
+from kernel_ladder.ops import grouped_matmul as gm
+from kernel_ladder.ops import moe as moe_mod
 
 pytestmark = pytest.mark.usefixtures("poisoned")  # every buffer the ops allocate starts as NaN
 
-DEVICE = kernels.runtime.DEVICE
+DEVICE = kernel_ladder.runtime.DEVICE
 SMALL = MatmulConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=1, num_warps=4, num_stages=2)
 
 
@@ -66,7 +66,7 @@ def f64(*tensors):
 @pytest.mark.parametrize("top_k, renormalize", [(1, True), (2, True), (2, False), (5, True)])
 def test_matches_the_loop_over_tokens(top_k, renormalize, gen):
     x, logits, wg, wd = block(gen, 23, 24, 20, 5, skew=1.5)  # uneven experts, some nearly empty
-    out = kernels.moe(x, logits, wg, wd, top_k, renormalize=renormalize)
+    out = kernel_ladder.moe(x, logits, wg, wd, top_k, renormalize=renormalize)
     ref = loop_reference(*f64(x, logits, wg, wd), top_k, renormalize)
     assert_matches(out, ref, torch.float32, slack=2.0)
 
@@ -74,16 +74,16 @@ def test_matches_the_loop_over_tokens(top_k, renormalize, gen):
 def test_empty_experts_and_one_token(gen):
     x, logits, wg, wd = block(gen, 9, 16, 16, 6)
     logits[:, 2:4] = -1e4  # experts 2 and 3 never chosen: empty groups between full ones
-    out = kernels.moe(x, logits, wg, wd, 2)
+    out = kernel_ladder.moe(x, logits, wg, wd, 2)
     assert_matches(out, loop_reference(*f64(x, logits, wg, wd), 2), torch.float32, slack=2.0)
-    one = kernels.moe(x[:1], logits[:1], wg, wd, 2)
+    one = kernel_ladder.moe(x[:1], logits[:1], wg, wd, 2)
     assert_matches(one, loop_reference(*f64(x[:1], logits[:1], wg, wd), 2), torch.float32, slack=2.0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_dtypes_against_torch_own_error(dtype, gen):
     x, logits, wg, wd = block(gen, 19, 32, 24, 4, dtype=dtype)
-    out = kernels.moe(x, logits, wg, wd, 2)
+    out = kernel_ladder.moe(x, logits, wg, wd, 2)
     assert out.dtype == dtype
     ref = loop_reference(*f64(x, logits, wg, wd), 2)
     lowp = loop_reference(x, logits, wg, wd, 2)  # torch in the low precision (CPU fp16/bf16 matmuls)
@@ -97,7 +97,7 @@ def test_strided_inputs_are_read_in_place(gen):
     logits_s.copy_(logits)
     wg_p = wg.transpose(1, 2).contiguous().transpose(1, 2)  # (E, 2F, H) stored as (E, H, 2F)
     wd_p = wd.permute(2, 0, 1).contiguous().permute(1, 2, 0)
-    out = kernels.moe(x_t, logits_s, wg_p, wd_p, 2)
+    out = kernel_ladder.moe(x_t, logits_s, wg_p, wd_p, 2)
     assert_matches(out, loop_reference(*f64(x, logits, wg, wd), 2), torch.float32, slack=2.0)
 
 
@@ -151,7 +151,7 @@ def _grads(out, inputs, g):
 def test_gradients_for_every_input(top_k, renormalize, gen):
     x, logits, wg, wd = block(gen, 17, 16, 24, 5, skew=1.0)
     inputs = [t.clone().requires_grad_() for t in (x, logits, wg, wd)]
-    out = kernels.moe(*inputs, top_k, renormalize=renormalize)
+    out = kernel_ladder.moe(*inputs, top_k, renormalize=renormalize)
     g = rand(gen, *out.shape)
     got = _grads(out, inputs, g)
     ref_inputs = [t.requires_grad_() for t in f64(x, logits, wg, wd)]
@@ -165,7 +165,7 @@ def test_gradients_for_every_input(top_k, renormalize, gen):
 def test_gradients_low_precision(dtype, gen):
     x, logits, wg, wd = block(gen, 11, 16, 16, 4, dtype=dtype)
     inputs = [t.clone().requires_grad_() for t in (x, logits, wg, wd)]
-    out = kernels.moe(*inputs, 2)
+    out = kernel_ladder.moe(*inputs, 2)
     g = rand(gen, *out.shape, dtype=dtype)
     got = _grads(out, inputs, g)
     ref_inputs = [t.requires_grad_() for t in f64(x, logits, wg, wd)]
@@ -182,7 +182,7 @@ def test_gradients_low_precision(dtype, gen):
 def test_gradient_of_the_weights_only(gen):
     x, logits, wg, wd = block(gen, 7, 16, 16, 3)
     wg.requires_grad_()
-    out = kernels.moe(x, logits, wg, wd, 2)
+    out = kernel_ladder.moe(x, logits, wg, wd, 2)
     (grad,) = torch.autograd.grad(out.sum(), [wg])
     ref_wg = f64(wg)[0].requires_grad_()
     ref = loop_reference(*f64(x, logits), ref_wg, f64(wd)[0], 2)
@@ -201,7 +201,7 @@ def test_launches_do_not_grow_with_the_experts(gen):
     for E in (4, 16):
         x, logits, wg, wd = block(gen, 24, 16, 16, E)
         with trace() as t:
-            kernels.moe(x, logits, wg, wd, 2)
+            kernel_ladder.moe(x, logits, wg, wd, 2)
         counts.append([launch.kernel for launch in t.launches])
     assert counts[0] == counts[1]
     assert counts[0].count("grouped_matmul_kernel") == 2  # gate/up (+ SwiGLU) and down: no separate swiglu or gather
@@ -216,11 +216,11 @@ def test_traffic_within_ten_percent_of_the_ideal(gen):
 
     x, logits, wg, wd = block(gen, 128, 64, 64, 8, dtype=torch.float16)
     logits = logits * 0.1  # a balanced router: every expert's group fits one 64-row tile
-    _, ids = kernels.topk_routing(logits, 2)
+    _, ids = kernel_ladder.topk_routing(logits, 2)
     assert int(torch.bincount(ids.flatten(), minlength=8).max()) <= 64
-    ideal = kernels.moe_ideal_bytes(x, logits, wg, wd, ids)
+    ideal = kernel_ladder.moe_ideal_bytes(x, logits, wg, wd, ids)
     with trace() as fused:
-        kernels.moe(x, logits, wg, wd, 2)
+        kernel_ladder.moe(x, logits, wg, wd, 2)
     with trace() as unfused:
         moe_unfused(x, logits, wg, wd, 2)
     assert fused.bytes <= 1.1 * ideal, (fused.bytes, ideal)
@@ -234,8 +234,8 @@ def test_traffic_within_ten_percent_of_the_ideal(gen):
 
 def test_opcheck_the_fused_ops(gen):
     x, logits, wg, wd = block(gen, 6, 16, 16, 3)
-    _, ids = kernels.topk_routing(logits, 2)
-    perm, offsets = kernels.moe_permute(ids, 3)
+    _, ids = kernel_ladder.topk_routing(logits, 2)
+    perm, offsets = kernel_ladder.moe_permute(ids, 3)
     torch.library.opcheck(moe_mod._moe_gate_up_op, (x, wg, offsets, perm, 2))
     dh = rand(gen, 12, 16)
     torch.library.opcheck(moe_mod._moe_gate_up_backward_op, (dh, x, wg, offsets, perm, 2, True, True))
@@ -244,12 +244,12 @@ def test_opcheck_the_fused_ops(gen):
 def test_torch_compile_fullgraph_forward_and_backward(gen):
     x, logits, wg, wd = block(gen, 8, 16, 16, 4)
     inputs = [t.clone().requires_grad_() for t in (x, logits, wg, wd)]
-    compiled = torch.compile(kernels.moe, fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(kernel_ladder.moe, fullgraph=True, backend="aot_eager")
     out = compiled(*inputs, 2)
     out.sum().backward()
     eager = [t.clone().requires_grad_() for t in (x, logits, wg, wd)]
-    kernels.moe(*eager, 2).sum().backward()
-    torch.testing.assert_close(out, kernels.moe(x, logits, wg, wd, 2))
+    kernel_ladder.moe(*eager, 2).sum().backward()
+    torch.testing.assert_close(out, kernel_ladder.moe(x, logits, wg, wd, 2))
     for a, b in zip(inputs, eager):
         torch.testing.assert_close(a.grad, b.grad)
 
@@ -273,12 +273,12 @@ def _bad(over, gen):
     (lambda a: {"w_down": a["w_down"][:, :, :4]}, ValueError, r"w_down must be \(E, H, F\)"),
     (lambda a: {"x": a["x"][None]}, ValueError, "x must be 2-D"),
     (lambda a: {"w_down": a["w_down"].half()}, TypeError, "w_down must have x's dtype"),
-    (lambda a: {"x": a["x"].long()}, TypeError, "kernels.moe"),
+    (lambda a: {"x": a["x"].long()}, TypeError, "kernel_ladder.moe"),
 ])
 def test_bad_input_errors(over, error, message, gen):
     args = _bad(over, gen)
     with pytest.raises(error, match=message):
-        kernels.moe(**args)
+        kernel_ladder.moe(**args)
 
 
 # --------------------------------------------------------------------------- Hugging Face's Mixtral block
@@ -290,7 +290,7 @@ def test_matches_mixtral_sparse_moe_block(gen):
 
     if not hasattr(modeling, "MixtralExperts"):
         pytest.skip("this transformers keeps Mixtral's experts as separate Linear layers, not the stacked "
-                    "(E, 2F, H) / (E, H, F) tensors kernels.moe takes")
+                    "(E, 2F, H) / (E, H, F) tensors kernel_ladder.moe takes")
     config = MixtralConfig(hidden_size=32, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
                            router_jitter_noise=0.0)
     hf = modeling.MixtralSparseMoeBlock(config).to(DEVICE)
@@ -304,7 +304,7 @@ def test_matches_mixtral_sparse_moe_block(gen):
     want_grads = torch.autograd.grad(want, params, g)
 
     flat = x.reshape(-1, 32)
-    got = kernels.moe(flat, F.linear(flat, hf.gate.weight), hf.experts.gate_up_proj, hf.experts.down_proj,
+    got = kernel_ladder.moe(flat, F.linear(flat, hf.gate.weight), hf.experts.gate_up_proj, hf.experts.down_proj,
                       config.num_experts_per_tok).reshape(x.shape)
     got_grads = torch.autograd.grad(got, params, g)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -319,7 +319,7 @@ def test_matches_mixtral_sparse_moe_block(gen):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_mixtral_like_block(dtype, gen):
     x, logits, wg, wd = block(gen, 2048, 1024, 1536, 8, dtype=dtype)
-    out = kernels.moe(x, logits, wg, wd, 2)
+    out = kernel_ladder.moe(x, logits, wg, wd, 2)
     from solutions.ch09_moe import experts_loop
 
     ref = experts_loop(*[t.double() for t in (x, logits, wg, wd)], 2)

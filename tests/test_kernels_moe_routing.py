@@ -1,5 +1,5 @@
-"""kernels.topk_routing, kernels.moe_load_balancing_loss, kernels.moe_permute, kernels.moe_gather and
-kernels.moe_combine: values and gradients against float64 references, the stable counting sort
+"""kernel_ladder.topk_routing, kernel_ladder.moe_load_balancing_loss, kernel_ladder.moe_permute, kernel_ladder.moe_gather and
+kernel_ladder.moe_combine: values and gradients against float64 references, the stable counting sort
 against torch.argsort, launches, custom-op plumbing, errors.
 
 Router logits are drawn as distinct values (a random permutation of a grid exact in every dtype),
@@ -13,13 +13,13 @@ import pytest
 import torch
 from helpers import DTYPES
 
-import kernels
-from kernels.ops import moe_permute as mp
-from kernels.ops import topk_routing as tr
+import kernel_ladder
+from kernel_ladder.ops import moe_permute as mp
+from kernel_ladder.ops import topk_routing as tr
 
 pytestmark = pytest.mark.usefixtures("poisoned")
 
-DEVICE = kernels.runtime.DEVICE
+DEVICE = kernel_ladder.runtime.DEVICE
 
 
 def distinct_logits(n_tokens, n_experts, dtype, gen, transposed=False) -> torch.Tensor:
@@ -53,7 +53,7 @@ ROUTING_CASES = [(37, 8, 2), (1, 60, 6), (50, 64, 8), (13, 128, 1), (9, 128, 8),
 @pytest.mark.parametrize("T, E, k", ROUTING_CASES, ids=str)
 def test_topk_routing_matches_float64_reference(T, E, k, scoring, renormalize, gen):
     x = distinct_logits(T, E, torch.float32, gen, transposed=(T % 2 == 1))
-    weights, ids = kernels.topk_routing(x, k, renormalize, scoring)
+    weights, ids = kernel_ladder.topk_routing(x, k, renormalize, scoring)
     ref_w, ref_ids = reference(x.double(), k, renormalize, scoring)
     assert ids.dtype == torch.int64 and weights.dtype == torch.float32
     assert torch.equal(ids, ref_ids)
@@ -66,7 +66,7 @@ def test_topk_routing_backward_matches_float64_autograd(scoring, renormalize, dt
     T, E, k = 21, 60, 6
     x = distinct_logits(T, E, dtype, gen).requires_grad_()
     dw = helpers.make_input((T, k), torch.float32, "transposed", gen)
-    weights, ids = kernels.topk_routing(x, k, renormalize, scoring)
+    weights, ids = kernel_ladder.topk_routing(x, k, renormalize, scoring)
     (grad,) = torch.autograd.grad(weights, [x], dw)
     leaf = x.detach().double().requires_grad_()
     ref_w, ref_ids = reference(leaf, k, renormalize, scoring)
@@ -82,7 +82,7 @@ def test_topk_routing_gradcheck_like_small_case(gen):
     x = distinct_logits(3, 8, torch.float32, gen).requires_grad_()
     dw = torch.randn(3, 2, generator=gen).to(DEVICE)
     for scoring in tr.SCORINGS:
-        (grad,) = torch.autograd.grad(kernels.topk_routing(x, 2, True, scoring)[0], [x], dw)
+        (grad,) = torch.autograd.grad(kernel_ladder.topk_routing(x, 2, True, scoring)[0], [x], dw)
         leaf = x.detach().double().requires_grad_()
         assert torch.autograd.gradcheck(lambda z: reference(z, 2, True, scoring)[0], (leaf,))
         (ref,) = torch.autograd.grad(reference(leaf, 2, True, scoring)[0], [leaf], dw.double())
@@ -95,23 +95,23 @@ def test_topk_routing_matches_mixtral_routing(gen):
     p = torch.softmax(x, dim=1, dtype=torch.float)
     w, ids = torch.topk(p, 2, dim=-1)
     w = (w / w.sum(-1, keepdim=True)).to(torch.bfloat16)
-    got_w, got_ids = kernels.topk_routing(x, 2)
+    got_w, got_ids = kernel_ladder.topk_routing(x, 2)
     assert torch.equal(got_ids, ids)
     torch.testing.assert_close(got_w.to(torch.bfloat16), w, rtol=0, atol=0)
 
 
 def test_topk_routing_ties_pick_the_lowest_expert():
     x = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0], [0.0, 0.0, 0.0, 0.0, 0.0]], device=DEVICE)
-    weights, ids = kernels.topk_routing(x, 2, renormalize=False)
+    weights, ids = kernel_ladder.topk_routing(x, 2, renormalize=False)
     assert ids.tolist() == [[1, 2], [0, 1]]
     torch.testing.assert_close(weights[1], torch.full((2,), 0.2, device=DEVICE))
 
 
 def test_topk_routing_empty_and_k_equals_e(gen):
-    w, ids = kernels.topk_routing(torch.empty(0, 8, device=DEVICE), 2)
+    w, ids = kernel_ladder.topk_routing(torch.empty(0, 8, device=DEVICE), 2)
     assert w.shape == ids.shape == (0, 2)
     x = distinct_logits(4, 6, torch.float32, gen)
-    w, ids = kernels.topk_routing(x, 6)
+    w, ids = kernel_ladder.topk_routing(x, 6)
     assert torch.equal(ids.sort(-1).values, torch.arange(6, device=DEVICE).expand(4, 6))
     helpers.assert_matches(w, torch.softmax(x.double(), -1).sort(-1, descending=True).values, torch.float32)
 
@@ -123,8 +123,8 @@ def test_topk_routing_empty_and_k_equals_e(gen):
 def test_load_balancing_loss_matches_transformers(T, E, k, gen):
     modeling = pytest.importorskip("transformers.models.mixtral.modeling_mixtral")
     x = distinct_logits(T, E, torch.float32, gen).requires_grad_()
-    _, ids = kernels.topk_routing(x, k)
-    loss = kernels.moe_load_balancing_loss(x, ids, E)
+    _, ids = kernel_ladder.topk_routing(x, k)
+    loss = kernel_ladder.moe_load_balancing_loss(x, ids, E)
     leaf = x.detach().double().requires_grad_()
     want = modeling.load_balancing_loss_func((leaf,), E, k)
     assert loss.dtype == torch.float32 and loss.dim() == 0
@@ -138,7 +138,7 @@ def test_load_balancing_loss_matches_transformers(T, E, k, gen):
 
 
 def check_permute(ids, num_experts):
-    perm, offsets = kernels.moe_permute(ids, num_experts)
+    perm, offsets = kernel_ladder.moe_permute(ids, num_experts)
     flat = ids.flatten().long()
     assert perm.dtype == torch.int32 and offsets.dtype == torch.int32
     assert torch.equal(perm.long(), torch.argsort(flat, stable=True))
@@ -170,7 +170,7 @@ def test_moe_permute_edge_cases(monkeypatch, gen):
 
 def routed(T, k, E, H, dtype, gen):
     ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).to(DEVICE)
-    perm, _ = kernels.moe_permute(ids, E)
+    perm, _ = kernel_ladder.moe_permute(ids, E)
     inverse = torch.empty_like(perm)
     inverse[perm.long()] = torch.arange(T * k, dtype=torch.int32, device=DEVICE)
     return ids, perm, inverse.long()
@@ -181,12 +181,12 @@ def routed(T, k, E, H, dtype, gen):
 def test_moe_gather_and_combine_match_loops(T, k, E, H, dtype, gen):
     _, perm, inverse = routed(T, k, E, H, dtype, gen)
     x = helpers.make_input((T, H), dtype, "transposed", gen).requires_grad_()
-    gathered = kernels.moe_gather(x, perm, k)
+    gathered = kernel_ladder.moe_gather(x, perm, k)
     rows = perm.long() // k
     assert torch.equal(gathered, x[rows])  # an exact copy
     y = helpers.make_input((T * k, H), dtype, "sliced", gen).requires_grad_()
     w = torch.rand((T, k), generator=gen).to(DEVICE).requires_grad_()
-    out = kernels.moe_combine(y, perm, w)
+    out = kernel_ladder.moe_combine(y, perm, w)
     y64, w64 = y.detach().double().requires_grad_(), w.detach().double().requires_grad_()
     want = torch.stack([sum(w64[t, j] * y64[inverse[t * k + j]] for j in range(k)) for t in range(T)])
     helpers.assert_matches(out, want.detach(), dtype)
@@ -207,10 +207,10 @@ def test_moe_pipeline_round_trip(gen):
     """gather -> identity experts -> combine with weights summing to 1 gives x back."""
     T, E, k, H = 23, 8, 2, 16
     logits = distinct_logits(T, E, torch.float32, gen)
-    w, ids = kernels.topk_routing(logits, k)
-    perm, offsets = kernels.moe_permute(ids, E)
+    w, ids = kernel_ladder.topk_routing(logits, k)
+    perm, offsets = kernel_ladder.moe_permute(ids, E)
     x = torch.randn(T, H, generator=gen).to(DEVICE)
-    out = kernels.moe_combine(kernels.moe_gather(x, perm, k), perm, w)
+    out = kernel_ladder.moe_combine(kernel_ladder.moe_gather(x, perm, k), perm, w)
     torch.testing.assert_close(out, x, rtol=1e-5, atol=1e-5)
     sorted_ids = ids.flatten()[perm.long()]
     starts = torch.cat([offsets.new_zeros(1), offsets[:-1]])
@@ -227,9 +227,9 @@ def _count_launches(T, gen):
     logits = distinct_logits(T, 8, torch.float32, gen).requires_grad_()
     x = torch.randn(T, 16, generator=gen).to(DEVICE).requires_grad_()
     with trace(torch_ops=False) as t:
-        w, ids = kernels.topk_routing(logits, 2)
-        perm, _ = kernels.moe_permute(ids, 8)
-        out = kernels.moe_combine(kernels.moe_gather(x, perm, 2), perm, w)
+        w, ids = kernel_ladder.topk_routing(logits, 2)
+        perm, _ = kernel_ladder.moe_permute(ids, 8)
+        out = kernel_ladder.moe_combine(kernel_ladder.moe_gather(x, perm, 2), perm, w)
         out.sum().backward()
     assert t.out_of_bounds == 0
     return [launch.kernel for launch in t.launches]
@@ -249,11 +249,11 @@ def test_launch_count_is_small_and_independent_of_tokens(monkeypatch, gen):
 
 def _opcheck_cases(gen):
     x = distinct_logits(7, 60, torch.float32, gen, transposed=True)
-    w, ids = kernels.topk_routing(x, 4)
-    perm, _ = kernels.moe_permute(ids, 60)
+    w, ids = kernel_ladder.topk_routing(x, 4)
+    perm, _ = kernel_ladder.moe_permute(ids, 60)
     rows = torch.randn(7, 20, generator=gen).to(DEVICE)
     sorted_rows = torch.randn(28, 20, generator=gen).to(DEVICE)
-    ops = torch.ops.kernels
+    ops = torch.ops.kernel_ladder
     return {
         "topk_routing": (ops.topk_routing.default, (x, 4, True, "softmax")),
         "topk_routing_sigmoid": (ops.topk_routing.default, (x.bfloat16(), 2, False, "sigmoid")),
@@ -275,9 +275,9 @@ def test_opcheck(case, gen):
 
 def test_torch_compile_fullgraph_routing_forward_and_backward(gen):
     def fn(logits, x):
-        w, ids = kernels.topk_routing(logits, 2)
-        perm, _ = kernels.moe_permute(ids, 8)
-        return kernels.moe_combine(kernels.moe_gather(x, perm, 2), perm, w)
+        w, ids = kernel_ladder.topk_routing(logits, 2)
+        perm, _ = kernel_ladder.moe_permute(ids, 8)
+        return kernel_ladder.moe_combine(kernel_ladder.moe_gather(x, perm, 2), perm, w)
 
     torch._dynamo.reset()
     compiled = torch.compile(fn, fullgraph=True)
@@ -301,39 +301,39 @@ _P = torch.zeros(8, dtype=torch.int32)
 @pytest.mark.parametrize(
     "call, error, message",
     [
-        (lambda: kernels.topk_routing(_L, 9), ValueError, r"^kernels\.topk_routing: k must be in \[1, min"),
-        (lambda: kernels.topk_routing(_L, 0), ValueError, r"^kernels\.topk_routing: k must be in"),
-        (lambda: kernels.topk_routing(_L, 2.0), TypeError, r"^kernels\.topk_routing: k must be an int, got float"),
-        (lambda: kernels.topk_routing(torch.zeros(2, 4, 8), 2), ValueError,
+        (lambda: kernel_ladder.topk_routing(_L, 9), ValueError, r"^kernels\.topk_routing: k must be in \[1, min"),
+        (lambda: kernel_ladder.topk_routing(_L, 0), ValueError, r"^kernels\.topk_routing: k must be in"),
+        (lambda: kernel_ladder.topk_routing(_L, 2.0), TypeError, r"^kernels\.topk_routing: k must be an int, got float"),
+        (lambda: kernel_ladder.topk_routing(torch.zeros(2, 4, 8), 2), ValueError,
          r"^kernels\.topk_routing: router_logits must be 2-D"),
-        (lambda: kernels.topk_routing(torch.zeros(4, 8, dtype=torch.int64), 2), TypeError,
+        (lambda: kernel_ladder.topk_routing(torch.zeros(4, 8, dtype=torch.int64), 2), TypeError,
          r"^kernels\.topk_routing: router_logits must be float32, float16 or bfloat16, got torch\.int64"),
-        (lambda: kernels.topk_routing(_L, 2, scoring="softplus"), ValueError,
+        (lambda: kernel_ladder.topk_routing(_L, 2, scoring="softplus"), ValueError,
          r"^kernels\.topk_routing: scoring must be 'softmax' or 'sigmoid', got 'softplus'"),
-        (lambda: kernels.topk_routing(_L, 2, renormalize=1), TypeError,
+        (lambda: kernel_ladder.topk_routing(_L, 2, renormalize=1), TypeError,
          r"^kernels\.topk_routing: renormalize must be a bool"),
-        (lambda: kernels.topk_routing([[1.0]], 1), TypeError, r"^kernels\.topk_routing: router_logits must be a torch"),
-        (lambda: torch.ops.kernels.topk_routing(_L, 9, True, "softmax"), ValueError,
+        (lambda: kernel_ladder.topk_routing([[1.0]], 1), TypeError, r"^kernels\.topk_routing: router_logits must be a torch"),
+        (lambda: torch.ops.kernel_ladder.topk_routing(_L, 9, True, "softmax"), ValueError,
          r"^kernels\.topk_routing: k must be"),
-        (lambda: kernels.moe_permute(torch.zeros(4, 2), 8), TypeError,
+        (lambda: kernel_ladder.moe_permute(torch.zeros(4, 2), 8), TypeError,
          r"^kernels\.moe_permute: expert_ids must be int32 or int64, got torch\.float32"),
-        (lambda: kernels.moe_permute(torch.zeros(8, dtype=torch.int64), 8), ValueError,
+        (lambda: kernel_ladder.moe_permute(torch.zeros(8, dtype=torch.int64), 8), ValueError,
          r"^kernels\.moe_permute: expert_ids must be 2-D"),
-        (lambda: kernels.moe_permute(torch.zeros(4, 2, dtype=torch.int64), 0), ValueError,
+        (lambda: kernel_ladder.moe_permute(torch.zeros(4, 2, dtype=torch.int64), 0), ValueError,
          r"^kernels\.moe_permute: num_experts must be in \[1, 4096\], got 0"),
-        (lambda: kernels.moe_gather(_L, _P, 3), ValueError,
+        (lambda: kernel_ladder.moe_gather(_L, _P, 3), ValueError,
          r"^kernels\.moe_gather: permutation must have T \* k = 12 entries, got 8"),
-        (lambda: kernels.moe_gather(_L, _P.long(), 2), TypeError, r"^kernels\.moe_gather: permutation must be int32"),
-        (lambda: kernels.moe_gather(_L, _P, 0), ValueError, r"^kernels\.moe_gather: top_k must be >= 1"),
-        (lambda: kernels.moe_combine(torch.zeros(8, 8), _P, torch.zeros(3, 2)), ValueError,
+        (lambda: kernel_ladder.moe_gather(_L, _P.long(), 2), TypeError, r"^kernels\.moe_gather: permutation must be int32"),
+        (lambda: kernel_ladder.moe_gather(_L, _P, 0), ValueError, r"^kernels\.moe_gather: top_k must be >= 1"),
+        (lambda: kernel_ladder.moe_combine(torch.zeros(8, 8), _P, torch.zeros(3, 2)), ValueError,
          r"^kernels\.moe_combine: weights must be \(T, k\) = \(4, 2\), got \(3, 2\)"),
-        (lambda: kernels.moe_combine(torch.zeros(8, 8, dtype=torch.int32), _P, torch.zeros(4, 2)), TypeError,
+        (lambda: kernel_ladder.moe_combine(torch.zeros(8, 8, dtype=torch.int32), _P, torch.zeros(4, 2)), TypeError,
          r"^kernels\.moe_combine: y_sorted must be float32"),
-        (lambda: kernels.moe_combine(torch.zeros(8, 8), _P, torch.zeros(8)), ValueError,
+        (lambda: kernel_ladder.moe_combine(torch.zeros(8, 8), _P, torch.zeros(8)), ValueError,
          r"^kernels\.moe_combine: weights must be 2-D"),
-        (lambda: kernels.moe_load_balancing_loss(_L, torch.zeros(4, 2, dtype=torch.int64), 6), ValueError,
+        (lambda: kernel_ladder.moe_load_balancing_loss(_L, torch.zeros(4, 2, dtype=torch.int64), 6), ValueError,
          r"^kernels\.moe_load_balancing_loss: num_experts must equal router_logits\.shape\[1\] = 8"),
-        (lambda: kernels.moe_load_balancing_loss(_L, torch.zeros(4, 2), 8), TypeError,
+        (lambda: kernel_ladder.moe_load_balancing_loss(_L, torch.zeros(4, 2), 8), TypeError,
          r"^kernels\.moe_load_balancing_loss: expert_ids must be int32 or int64"),
     ],
 )

@@ -1,4 +1,4 @@
-"""kernels.rms_norm, layer_norm, add_rms_norm: values, gradients, layouts, dtypes, plumbing, traffic, errors.
+"""kernel_ladder.rms_norm, layer_norm, add_rms_norm: values, gradients, layouts, dtypes, plumbing, traffic, errors.
 
 Every result is compared with a float64 reference on fresh random inputs; outputs (and the saved
 statistics) are poisoned (NaN) before the kernels write them, so an element a kernel forgets stays
@@ -16,17 +16,17 @@ import torch.nn.functional as F
 from helpers import DTYPES
 from helpers import assert_matches as _assert_matches
 
-import kernels  # noqa: F401  (fixes the mode first)
-from kernels import _launch, _rows
-from kernels.ops import norm as _norm
-from kernels.ops.add_rms_norm import add_rms_norm
-from kernels.ops.layer_norm import layer_norm
-from kernels.ops.rms_norm import rms_norm
+import kernel_ladder  # noqa: F401  (fixes the mode first)
+from kernel_ladder import _launch, _rows
+from kernel_ladder.ops import norm as _norm
+from kernel_ladder.ops.add_rms_norm import add_rms_norm
+from kernel_ladder.ops.layer_norm import layer_norm
+from kernel_ladder.ops.rms_norm import rms_norm
 from utils.memory import peak_memory
 
 pytestmark = pytest.mark.usefixtures("poisoned")  # outputs and saved statistics start as NaN
 
-DEVICE = kernels.runtime.DEVICE
+DEVICE = kernel_ladder.runtime.DEVICE
 
 
 def rand(shape, dtype, gen, scale=1.0, shift=0.0) -> torch.Tensor:
@@ -311,7 +311,7 @@ def test_backward_half_precision(name, dtype, gen):
 
 
 def test_backward_formulas_in_the_docstrings_equal_autograd(gen):
-    """The closed forms the kernels implement (kernels/rms_norm.py, kernels/layer_norm.py), in float64."""
+    """The closed forms the kernels implement (kernels/kernel_ladder/rms_norm.py, kernels/kernel_ladder/layer_norm.py), in float64."""
     x, w = rand((6, 40), torch.float64, gen, shift=1.0), rand((40,), torch.float64, gen)
     dy = rand((6, 40), torch.float64, gen)
     g = dy * w
@@ -501,7 +501,7 @@ def _opcheck_cases(gen):
     w = make_param(7, torch.float32, gen, strided=True)
     x3 = make_input((2, 3, 4), torch.float32, "contiguous", gen)
     w2 = rand((3, 4), torch.float32, gen)
-    ops = torch.ops.kernels
+    ops = torch.ops.kernel_ladder
     rstd = ops.rms_norm(x, w, 1e-6)[1]
     _, mean3, rstd3 = ops.layer_norm(x3, [3, 4], w2, w2, 1e-5)
     _, s, rstd_s = ops.add_rms_norm(x, xt, w, 1e-6)
@@ -629,10 +629,10 @@ _W = torch.ones(8)
         (lambda: add_rms_norm(_X, _X, _W, eps=-1.0), ValueError, r"^kernels\.add_rms_norm: eps must be"),
         (lambda: add_rms_norm(_X.long(), _X.long(), _W), TypeError, r"^kernels\.add_rms_norm: x must be float32"),
         # the raw custom ops validate too (and so do their fakes, under torch.compile)
-        (lambda: torch.ops.kernels.rms_norm(_X, torch.ones(3), 1e-6), ValueError,
+        (lambda: torch.ops.kernel_ladder.rms_norm(_X, torch.ones(3), 1e-6), ValueError,
          r"^kernels\.rms_norm: weight must have shape"),
-        (lambda: torch.ops.kernels.layer_norm(_X, [8], None, None, 0.0), ValueError, r"^kernels\.layer_norm: eps"),
-        (lambda: torch.ops.kernels.rms_norm(torch.ones(2, 8, device="meta"), None, -1.0), ValueError,
+        (lambda: torch.ops.kernel_ladder.layer_norm(_X, [8], None, None, 0.0), ValueError, r"^kernels\.layer_norm: eps"),
+        (lambda: torch.ops.kernel_ladder.rms_norm(torch.ones(2, 8, device="meta"), None, -1.0), ValueError,
          r"^kernels\.rms_norm: eps"),
     ],
 )
@@ -705,7 +705,7 @@ def test_casting_modes_reproduce_hugging_face_bit_for_bit(dtype, n_cols, gen):
     and 'none' is F.rms_norm's one rounding; the modes really differ (a negative control)."""
     x = make_input((33, n_cols), dtype, "contiguous", gen)
     w = make_param(n_cols, dtype, gen)
-    rms = torch.ops.kernels.rms_norm
+    rms = torch.ops.kernel_ladder.rms_norm
     llama, rstd = rms(x, w, 1e-6, 0.0, "llama", False)
     assert torch.equal(llama, hf_llama_rms_norm(x, w, rstd))
     gemma, rstd_g = rms(x, w, 1e-6, 1.0, "gemma", False)
@@ -713,7 +713,7 @@ def test_casting_modes_reproduce_hugging_face_bit_for_bit(dtype, n_cols, gen):
     none, _ = rms(x, w, 1e-6, 0.0, "none", False)
     assert torch.equal(none, (x.float() * rstd[:, None] * w.float()).to(dtype))
     assert not torch.equal(llama, none)  # two roundings against one: some elements differ
-    assert_matches(kernels.rms_norm(x, w, casting="llama"), rms_reference(x, w), dtype)
+    assert_matches(kernel_ladder.rms_norm(x, w, casting="llama"), rms_reference(x, w), dtype)
 
 
 def test_casting_modes_against_transformers_modules(gen):
@@ -726,8 +726,8 @@ def test_casting_modes_against_transformers_modules(gen):
     with torch.no_grad():
         hf_llama.weight.copy_(w)
         hf_gemma.weight.copy_(w - 1.0)
-        ours_and_theirs = [(kernels.rms_norm(x, w, casting="llama"), hf_llama(x)),
-                           (kernels.rms_norm(x, w - 1.0, offset=1.0, casting="gemma"), hf_gemma(x))]
+        ours_and_theirs = [(kernel_ladder.rms_norm(x, w, casting="llama"), hf_llama(x)),
+                           (kernel_ladder.rms_norm(x, w - 1.0, offset=1.0, casting="gemma"), hf_gemma(x))]
     for ours, theirs in ours_and_theirs:
         # Only rstd's last bit (an fp32 sum in another order) can differ: one bf16 step, rarely.
         differ = ours != theirs
@@ -739,7 +739,7 @@ def test_casting_modes_against_transformers_modules(gen):
 def test_offset_shifts_the_weight_forward_and_backward(offset, gen):
     x = make_input((9, 70), torch.float32, "transposed", gen).requires_grad_()
     w = make_param(70, torch.float32, gen).requires_grad_()
-    y = kernels.rms_norm(x, w, offset=offset)
+    y = kernel_ladder.rms_norm(x, w, offset=offset)
     g = make_input((9, 70), torch.float32, "contiguous", gen)
     dx, dw = torch.autograd.grad(y, [x, w], g)
     x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
@@ -756,21 +756,21 @@ def test_in_place_backward_reuses_the_incoming_gradient(gen):
     x = make_input((16, 96), torch.float32, "contiguous", gen).requires_grad_()
     w = make_param(96, torch.float32, gen).requires_grad_()
     g = make_input((16, 96), torch.float32, "contiguous", gen)
-    want = torch.autograd.grad(kernels.rms_norm(x, w), [x, w], g)
+    want = torch.autograd.grad(kernel_ladder.rms_norm(x, w), [x, w], g)
     g_in_place = g.clone()
-    got = torch.autograd.grad(kernels.rms_norm(x, w, in_place_backward=True), [x, w], g_in_place)
+    got = torch.autograd.grad(kernel_ladder.rms_norm(x, w, in_place_backward=True), [x, w], g_in_place)
     assert got[0].data_ptr() == g_in_place.data_ptr()  # the buffer was reused ...
     torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
     torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
     assert torch.equal(g_in_place, want[0])  # ... so the caller's gradient now holds dx: the aliasing rule
     # A stride-0 gradient (y.sum().backward() hands down ones.expand(...)) cannot be written in
     # place: the out-of-place op runs, with the same result.
-    (dx_sum,) = torch.autograd.grad(kernels.rms_norm(x, w, in_place_backward=True).sum(), [x])
-    (want_sum,) = torch.autograd.grad(kernels.rms_norm(x, w).sum(), [x])
+    (dx_sum,) = torch.autograd.grad(kernel_ladder.rms_norm(x, w, in_place_backward=True).sum(), [x])
+    (want_sum,) = torch.autograd.grad(kernel_ladder.rms_norm(x, w).sum(), [x])
     torch.testing.assert_close(dx_sum, want_sum, rtol=0, atol=0)
     # Under create_graph (a gradient that is itself differentiated) the out-of-place op runs too.
     g_graph = g.clone()
-    (dx_graph,) = torch.autograd.grad(kernels.rms_norm(x, w, in_place_backward=True), [x], g_graph,
+    (dx_graph,) = torch.autograd.grad(kernel_ladder.rms_norm(x, w, in_place_backward=True), [x], g_graph,
                                       create_graph=True)
     assert dx_graph.data_ptr() != g_graph.data_ptr() and torch.equal(g_graph, g)
 
@@ -780,7 +780,7 @@ def test_in_place_backward_lowers_peak_memory(gen):
     w = make_param(512, torch.float32, gen)
     peaks = {}
     for in_place in (False, True):
-        y = kernels.rms_norm(x, w, in_place_backward=in_place)
+        y = kernel_ladder.rms_norm(x, w, in_place_backward=in_place)
         g = torch.randn(y.shape, generator=gen).to(DEVICE)
         with peak_memory() as peak:
             (dx,) = torch.autograd.grad(y, [x], g)
@@ -792,14 +792,14 @@ def test_in_place_backward_lowers_peak_memory(gen):
 def test_rms_norm_options_opcheck_compile_and_errors(gen):
     x = make_input((6, 40), torch.float32, "contiguous", gen)
     w = make_param(40, torch.float32, gen)
-    torch.library.opcheck(torch.ops.kernels.rms_norm.default, (x, w, 1e-6, 1.0, "llama", True))
-    y, rstd = torch.ops.kernels.rms_norm(x, w, 1e-6, 1.0, "gemma", False)
+    torch.library.opcheck(torch.ops.kernel_ladder.rms_norm.default, (x, w, 1e-6, 1.0, "llama", True))
+    y, rstd = torch.ops.kernel_ladder.rms_norm(x, w, 1e-6, 1.0, "gemma", False)
     g = make_input((6, 40), torch.float32, "contiguous", gen)
-    torch.library.opcheck(torch.ops.kernels.rms_norm_backward_inplace.default, (g.clone(), x, w, rstd, True, 1.0))
+    torch.library.opcheck(torch.ops.kernel_ladder.rms_norm_backward_inplace.default, (g.clone(), x, w, rstd, True, 1.0))
     torch._dynamo.reset()
-    compiled = torch.compile(lambda a, b: kernels.rms_norm(a, b, offset=1.0, casting="llama"), fullgraph=True)
+    compiled = torch.compile(lambda a, b: kernel_ladder.rms_norm(a, b, offset=1.0, casting="llama"), fullgraph=True)
     xg = x.clone().requires_grad_()
-    torch.testing.assert_close(compiled(xg, w), kernels.rms_norm(x, w, offset=1.0, casting="llama"), rtol=0, atol=0)
+    torch.testing.assert_close(compiled(xg, w), kernel_ladder.rms_norm(x, w, offset=1.0, casting="llama"), rtol=0, atol=0)
     compiled(xg, w).sum().backward()
     assert xg.grad is not None
     for kwargs, error, message in [
@@ -809,6 +809,6 @@ def test_rms_norm_options_opcheck_compile_and_errors(gen):
         (dict(in_place_backward=1), TypeError, r"in_place_backward must be a bool"),
     ]:
         with pytest.raises(error, match=message):
-            kernels.rms_norm(x, w, **kwargs)
+            kernel_ladder.rms_norm(x, w, **kwargs)
     with pytest.raises(ValueError, match=r"offset=1\.0 needs a weight"):
-        kernels.rms_norm(x, None, offset=1.0)
+        kernel_ladder.rms_norm(x, None, offset=1.0)

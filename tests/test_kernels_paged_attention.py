@@ -1,4 +1,4 @@
-"""kernels.paged_attention against a float64 reference over the gathered cache (tests/helpers.py's
+"""kernel_ladder.paged_attention against a float64 reference over the gathered cache (tests/helpers.py's
 ``paged_attention_reference``): decode and packed (chunked-prefill) queries, shuffled physical blocks,
 lengths 1, a block, a block plus one, long contexts through split-KV (forced and automatic), GQA groups
 of 1, 2, 4, 8 and MQA, every cache dtype (fp8 e4m3 with scales), windows, soft-capping, strided caches
@@ -19,13 +19,13 @@ import pytest
 import torch
 from helpers import assert_matches, paged_attention_reference
 
-import kernels
-from kernels.ops import paged_attention as pa
+import kernel_ladder
+from kernel_ladder.ops import paged_attention as pa
 from utils.trace import trace
 
 pytestmark = pytest.mark.usefixtures("poisoned")
 
-DEVICE = kernels.runtime.DEVICE
+DEVICE = kernel_ladder.runtime.DEVICE
 FP8 = torch.float8_e4m3fn
 
 
@@ -88,7 +88,7 @@ def make_cache(seq_lens, heads_kv, d, block_size, gen, dtype=torch.float32, spar
 def check(q, cache, lowp=False, **options):
     """Run the op and compare with float64 (low dtypes: at most twice torch's own low-precision error)."""
     k, v, table, lens, (k_scale, v_scale) = cache
-    out = kernels.paged_attention(q, k, v, table, lens, k_scale=k_scale, v_scale=v_scale, **options)
+    out = kernel_ladder.paged_attention(q, k, v, table, lens, k_scale=k_scale, v_scale=v_scale, **options)
     assert out.shape == q.shape and out.dtype == q.dtype
     ref_options = {name: options[name] for name in ("softmax_scale", "window", "softcap", "cu_seqlens_q")
                    if name in options}
@@ -133,7 +133,7 @@ def test_long_context_split_kv_forced_and_automatic(gen):
         out = check(q, cache, num_splits=splits)
         torch.testing.assert_close(out, single, rtol=1e-5, atol=1e-6)
     with trace() as tr:
-        out = kernels.paged_attention(q, k, v, table, lens)
+        out = kernel_ladder.paged_attention(q, k, v, table, lens)
     assert [x.kernel for x in tr.launches] == ["paged_attention_kernel", "paged_attention_merge_kernel"]
     assert tr.launches[0].grid == (2, 2, 2)
     torch.testing.assert_close(out, single, rtol=1e-5, atol=1e-6)
@@ -190,17 +190,17 @@ def test_packed_queries_chunked_prefill(options, gen):
 
 
 def test_packed_queries_match_flash_attention(gen):
-    """A full prefill over a paged cache equals kernels.flash_attention (causal) on the gathered K/V, and a
+    """A full prefill over a paged cache equals kernel_ladder.flash_attention (causal) on the gathered K/V, and a
     windowed chunk equals it too (bottom-right aligned: the chunk's queries are the cache's newest)."""
     seq_lens = [37, 50]  # new tokens: all 37 of the first, the last 12 of the second
     cache = make_cache(seq_lens, 1, 16, 8, gen, dtype=torch.bfloat16)
     k, v, table, lens, _ = cache
     cu = torch.tensor([0, 37, 49], dtype=torch.int32, device=DEVICE)
     q = rand(49, 4, 16, gen=gen, dtype=torch.bfloat16)
-    out = kernels.paged_attention(q, k, v, table, lens, cu_seqlens_q=cu, window=9)
+    out = kernel_ladder.paged_attention(q, k, v, table, lens, cu_seqlens_q=cu, window=9)
     for b, (kb, vb) in enumerate(pa.gather_kv(k, v, table, lens)):
         rows = slice(int(cu[b]), int(cu[b + 1]))
-        dense = kernels.flash_attention(q[rows].transpose(0, 1)[None], kb.transpose(0, 1)[None],
+        dense = kernel_ladder.flash_attention(q[rows].transpose(0, 1)[None], kb.transpose(0, 1)[None],
                                         vb.transpose(0, 1)[None], causal=True, window=9)
         torch.testing.assert_close(out[rows].float(), dense[0].transpose(0, 1).float(), rtol=2e-2, atol=2e-2)
 
@@ -224,10 +224,10 @@ def test_strided_caches_and_queries_are_read_in_place(layout, gen):
     qkv = rand(2, 3 * 8 * 32, gen=gen)
     q = qkv[:, 8 * 32: 16 * 32].view(2, 8, 32)
     with trace() as tr:
-        out = kernels.paged_attention(q, k, v, table, lens, num_splits=2)
+        out = kernel_ladder.paged_attention(q, k, v, table, lens, num_splits=2)
     copies = [op.name for op in tr.torch_ops if op.launches and ("copy" in op.name or "clone" in op.name)]
     assert not copies, copies
-    assert torch.equal(out, kernels.paged_attention(q.contiguous(), k.contiguous(), v.contiguous(), table, lens,
+    assert torch.equal(out, kernel_ladder.paged_attention(q.contiguous(), k.contiguous(), v.contiguous(), table, lens,
                                                     num_splits=2))
     assert_matches(out, paged_attention_reference(q, k, v, table, lens), torch.float32)
 
@@ -271,7 +271,7 @@ def test_decode_bytes_are_ideal_with_gqa_grouping(splits, gen):
     k, v, table, lens, _ = cache
     q = rand(2, hq, d, gen=gen, dtype=torch.float16)
     with trace() as tr:
-        kernels.paged_attention(q, k, v, table, lens, num_splits=splits)
+        kernel_ladder.paged_attention(q, k, v, table, lens, num_splits=splits)
     ideal = _decode_ideal(q, k, table, lens, hkv)
     assert tr.out_of_bounds == 0
     kernel_bytes = tr.launches[0].per_tensor
@@ -306,7 +306,7 @@ def test_negative_control_per_query_head_programs_read_the_group_times_more(gen)
 
 
 def test_plan_splits_only_small_batches_of_long_sequences():
-    sms = kernels._launch.num_sms(DEVICE)
+    sms = kernel_ladder._launch.num_sms(DEVICE)
     plan = pa.plan_paged_attention
     assert plan(2 * sms, 1, 1 << 16, 16, DEVICE) == 1  # two waves already
     assert plan(1, 1, 256, 16, DEVICE) == 1  # too short to split
@@ -323,14 +323,14 @@ def test_plan_splits_only_small_batches_of_long_sequences():
 def test_opcheck(gen):
     k, v, table, lens, _ = make_cache([9, 20], 1, 16, 8, gen)
     q = rand(2, 2, 16, gen=gen)
-    torch.library.opcheck(torch.ops.kernels.paged_attention.default,
+    torch.library.opcheck(torch.ops.kernel_ladder.paged_attention.default,
                           (q, k, v, table, lens, None, None, None, 0.25, None, None, 2))
 
 
 def test_backward_raises_a_clear_error(gen):
     k, v, table, lens, _ = make_cache([9], 1, 16, 8, gen)
     q = rand(1, 2, 16, gen=gen).requires_grad_()
-    out = kernels.paged_attention(q, k, v, table, lens)
+    out = kernel_ladder.paged_attention(q, k, v, table, lens)
     with pytest.raises(NotImplementedError, match=r"kernels\.paged_attention is forward only"):
         out.sum().backward()
 
@@ -377,7 +377,7 @@ def test_errors_name_the_op_and_the_argument(gen):
     base = dict(q=q, k_cache=k, v_cache=v, block_tables=table, seq_lens=lens)
     for change, error, message in bad:
         with pytest.raises(error, match=r"kernels\.paged_attention: .*" + message):
-            kernels.paged_attention(**{**base, **change})
+            kernel_ladder.paged_attention(**{**base, **change})
     with pytest.raises(TypeError, match=r"kernels\.paged_attention: q must be a torch.Tensor"):
-        kernels.paged_attention(None, k, v, table, lens)
-    torch.testing.assert_close(kernels.paged_attention(**base), kernels.paged_attention(**base))  # base is valid
+        kernel_ladder.paged_attention(None, k, v, table, lens)
+    torch.testing.assert_close(kernel_ladder.paged_attention(**base), kernel_ladder.paged_attention(**base))  # base is valid

@@ -1,4 +1,4 @@
-"""kernels.quantized_linear: values, layouts, dtypes, split-K, W8A8, traffic, custom-op plumbing, errors.
+"""kernel_ladder.quantized_linear: values, layouts, dtypes, split-K, W8A8, traffic, custom-op plumbing, errors.
 
 Weight-only results are compared with ``F.linear(x, qweight.dequantize(), bias)`` in float64 —
 the quantization itself is tested in test_kernels_quantize.py, so the only differences allowed
@@ -15,13 +15,13 @@ import torch.nn.functional as F
 from helpers import DTYPES, TOLERANCES
 from helpers import assert_matches as _assert_matches
 
-import kernels
-from kernels import QuantizedLinearConfig, quantize_weight, quantized_linear
-from kernels.ops import quantized_linear as QL
+import kernel_ladder
+from kernel_ladder import QuantizedLinearConfig, quantize_weight, quantized_linear
+from kernel_ladder.ops import quantized_linear as QL
 
 pytestmark = pytest.mark.usefixtures("poisoned")  # every buffer the op allocates starts as NaN
 
-DEVICE = kernels.runtime.DEVICE
+DEVICE = kernel_ladder.runtime.DEVICE
 # Relative to the output's largest magnitude (a K-long fp32 sum: twice one rounding; bf16's own
 # rounding already dominates); fp32 leaves room for TF32 on a GPU.
 TOLERANCE = {dtype: TOLERANCES[dtype][0] * (1 if dtype == torch.bfloat16 else 2) for dtype in DTYPES}
@@ -276,7 +276,7 @@ def test_quantization_error_per_scheme(gen):
     w = randn(128, 512, gen=gen)
     errors = {}
     for (scheme, group_size, activations), (low, high) in ERROR_BOUNDS.items():
-        errors[scheme, group_size, activations] = err = kernels.quantization_error(
+        errors[scheme, group_size, activations] = err = kernel_ladder.quantization_error(
             w, x, scheme, group_size, activations=activations)
         assert low < err < high, (scheme, group_size, activations, err)
     assert errors["int8", None, None] < errors["fp8", None, None] < errors["int4", 32, None]
@@ -298,7 +298,7 @@ def test_opcheck(case, gen):
     utils = "ALL"
     if scheme == "fp8":  # test_schema's mutation check compares inputs with ops torch lacks for float8 on a CPU
         utils = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
-    torch.library.opcheck(torch.ops.kernels.quantized_linear.default, args, test_utils=utils)
+    torch.library.opcheck(torch.ops.kernel_ladder.quantized_linear.default, args, test_utils=utils)
 
 
 def test_torch_compile_fullgraph_forward_and_backward(gen):
@@ -306,7 +306,7 @@ def test_torch_compile_fullgraph_forward_and_backward(gen):
     _, qw4, _ = make_layer(48, 48, "int4", 32, gen)
 
     def block(x):  # two quantized layers around an activation, as in an MLP: W8A8, then int4
-        h = kernels.silu(quantized_linear(x, qw, bias, activations="int8"))
+        h = kernel_ladder.silu(quantized_linear(x, qw, bias, activations="int8"))
         return quantized_linear(h, qw4)
 
     torch._dynamo.reset()
@@ -361,7 +361,7 @@ def test_bad_input_errors(gen):
     with pytest.raises(TypeError, match=op + r"config must be a kernels\.QuantizedLinearConfig or None, got tuple"):
         quantized_linear(x, qw, config=(16, 16, 64, 1, 4, 1))
     # the custom op checks what it is given, too (scheme, group size, packed shapes)
-    ops = torch.ops.kernels.quantized_linear.default
+    ops = torch.ops.kernel_ladder.quantized_linear.default
     with pytest.raises(ValueError, match=op + r"scheme must be 'int8', 'int4' or 'fp8', got 'int2'"):
         ops(x, qw.data, qw.scales, None, "int2", 0, 64, "none", None)
     with pytest.raises(ValueError, match=op + r"group_size for scheme 'int4' must be one of 32, 64, .* got 48"):
@@ -424,10 +424,10 @@ def test_opcheck_backward(gen):
     _, qw, bias = make_layer(24, 70, "int4", 32, gen)
     x = randn(5, 70, gen=gen).requires_grad_()
     bias.requires_grad_()
-    torch.library.opcheck(torch.ops.kernels.quantized_linear.default,
+    torch.library.opcheck(torch.ops.kernel_ladder.quantized_linear.default,
                           (x, qw.data, qw.scales, bias, "int4", 32, 70, "none", None))
     grad_out = randn(5, 24, gen=gen)
-    torch.library.opcheck(torch.ops.kernels.quantized_linear_backward.default,
+    torch.library.opcheck(torch.ops.kernel_ladder.quantized_linear_backward.default,
                           (grad_out, qw.data, qw.scales, "int4", 32, 70))
 
 

@@ -1,4 +1,4 @@
-"""kernels.rope and kernels.rope_cos_sin: values against float64 transcriptions of Hugging Face's code
+"""kernel_ladder.rope and kernel_ladder.rope_cos_sin: values against float64 transcriptions of Hugging Face's code
 (and HF itself when transformers is installed), layouts, GQA/MQA, partial and interleaved rotary,
 dtypes, the backward, traffic, custom-op plumbing, errors.
 
@@ -13,13 +13,13 @@ import pytest
 import torch
 from helpers import DTYPES, assert_matches
 
-import kernels
-from kernels.ops import rope as rope_module
+import kernel_ladder
+from kernel_ladder.ops import rope as rope_module
 from utils.trace import trace
 
 pytestmark = pytest.mark.usefixtures("poisoned")
 
-DEVICE = kernels.runtime.DEVICE
+DEVICE = kernel_ladder.runtime.DEVICE
 
 
 def rand(*shape, gen, dtype=torch.float32):
@@ -60,7 +60,7 @@ def reference(q, k, cos, sin, unsqueeze_dim=1, interleaved=False):
 def tables(batch, seq_len, rotary, gen, interleaved=False, dtype=torch.float32, shared=False):
     """cos/sin from random positions (a batch may hold different positions per sequence)."""
     positions = torch.randint(0, 4096, (1 if shared else batch, seq_len), generator=gen).to(DEVICE)
-    return kernels.rope_cos_sin(positions, rotary, base=10000.0, dtype=dtype, interleaved=interleaved)
+    return kernel_ladder.rope_cos_sin(positions, rotary, base=10000.0, dtype=dtype, interleaved=interleaved)
 
 
 def fused_qkv(batch, seq_len, hq, hk, d, gen, dtype=torch.float32):
@@ -88,7 +88,7 @@ def test_forward_matches_float64_reference(case, interleaved, gen):
     batch, hq, hk, seq_len, d, r = case
     _, q, k = fused_qkv(batch, seq_len, hq, hk, d, gen)
     cos, sin = tables(batch, seq_len, r, gen, interleaved)
-    q_embed, k_embed = kernels.rope(q, k, cos, sin, interleaved=interleaved)
+    q_embed, k_embed = kernel_ladder.rope(q, k, cos, sin, interleaved=interleaved)
     want_q, want_k = reference(q, k, cos, sin, interleaved=interleaved)
     assert_matches(q_embed, want_q, torch.float32, what="q_embed")
     assert_matches(k_embed, want_k, torch.float32, what="k_embed")
@@ -99,7 +99,7 @@ def test_forward_matches_float64_reference(case, interleaved, gen):
 def test_dtypes(dtype, table_dtype, gen):
     _, q, k = fused_qkv(2, 6, 4, 2, 32, gen, dtype=dtype)
     cos, sin = tables(2, 6, 32, gen, dtype=dtype if table_dtype == "same" else table_dtype)
-    q_embed, k_embed = kernels.rope(q, k, cos, sin)
+    q_embed, k_embed = kernel_ladder.rope(q, k, cos, sin)
     want_q, want_k = reference(q, k, cos, sin)
     assert_matches(q_embed, want_q, dtype)
     assert_matches(k_embed, want_k, dtype)
@@ -111,7 +111,7 @@ def test_table_shapes_broadcast_over_the_batch(shape, gen):
     cos, sin = tables(3, 5, 16, gen, shared=shape != "(B, T, R)")
     if shape == "(T, R)":
         cos, sin = cos[0], sin[0]
-    q_embed, k_embed = kernels.rope(q, k, cos, sin)
+    q_embed, k_embed = kernel_ladder.rope(q, k, cos, sin)
     want_q, want_k = reference(q, k, cos, sin)
     assert_matches(q_embed, want_q, torch.float32)
     assert_matches(k_embed, want_k, torch.float32)
@@ -123,7 +123,7 @@ def test_b_t_h_d_layout_with_unsqueeze_dim_2(gen):
     q = qkv[..., :64].view(2, 7, 4, 16)
     k = qkv[..., 64:].view(2, 7, 2, 16)
     cos, sin = tables(2, 7, 16, gen)
-    q_embed, k_embed = kernels.rope(q, k, cos, sin, unsqueeze_dim=2)
+    q_embed, k_embed = kernel_ladder.rope(q, k, cos, sin, unsqueeze_dim=2)
     want_q, want_k = reference(q, k, cos, sin, unsqueeze_dim=2)
     assert q_embed.shape == q.shape and k_embed.shape == k.shape
     assert_matches(q_embed, want_q, torch.float32)
@@ -134,7 +134,7 @@ def test_empty_and_single_token(gen):
     for seq_len in (0, 1):
         _, q, k = fused_qkv(2, seq_len, 2, 1, 8, gen)
         cos, sin = tables(2, seq_len, 8, gen)
-        q_embed, k_embed = kernels.rope(q, k, cos, sin)
+        q_embed, k_embed = kernel_ladder.rope(q, k, cos, sin)
         want_q, want_k = reference(q, k, cos, sin)
         assert_matches(q_embed, want_q, torch.float32)
         assert_matches(k_embed, want_k, torch.float32)
@@ -155,11 +155,11 @@ def test_matches_hugging_face_apply_rotary_pos_emb_and_rotary_module(gen):
         positions = torch.randint(0, 512, (2, 9), generator=gen).to(DEVICE)
         x = rand(2, 9, 64, gen=gen)
         hf_cos, hf_sin = rotary(x, positions)
-        cos, sin = kernels.rope_cos_sin(positions, 16, base=500000.0, scaling=rope_scaling)
+        cos, sin = kernel_ladder.rope_cos_sin(positions, 16, base=500000.0, scaling=rope_scaling)
         assert torch.equal(cos, hf_cos) and torch.equal(sin, hf_sin), rope_scaling
         _, q, k = fused_qkv(2, 9, 4, 2, 16, gen)
         hf_q, hf_k = llama.apply_rotary_pos_emb(q, k, hf_cos, hf_sin)
-        q_embed, k_embed = kernels.rope(q, k, cos, sin)
+        q_embed, k_embed = kernel_ladder.rope(q, k, cos, sin)
         # fp32 in both, the same products and sums: equal to the last bit (or within one ulp).
         torch.testing.assert_close(q_embed, hf_q, rtol=2e-7, atol=1e-7)
         torch.testing.assert_close(k_embed, hf_k, rtol=2e-7, atol=1e-7)
@@ -174,7 +174,7 @@ def test_llama3_scaling_changes_only_the_long_wavelengths():
     wavelen = 2 * math.pi / plain
     assert torch.equal(scaled[wavelen < 8192 / 4], plain[wavelen < 8192 / 4])  # short: kept
     torch.testing.assert_close(scaled[wavelen > 8192], plain[wavelen > 8192] / 8)  # long: divided
-    assert kernels.rope_cos_sin(positions, 64)[0].shape == (8, 64)
+    assert kernel_ladder.rope_cos_sin(positions, 64)[0].shape == (8, 64)
 
 
 # ----------------------------------------------------------------------------- backward
@@ -187,7 +187,7 @@ def test_backward_matches_float64_autograd(case, interleaved, gen):
     qkv, q, k = fused_qkv(batch, seq_len, hq, hk, d, gen)
     cos, sin = tables(batch, seq_len, r, gen, interleaved)
     q, k = q.detach().requires_grad_(), k.detach().requires_grad_()
-    q_embed, k_embed = kernels.rope(q, k, cos, sin, interleaved=interleaved)
+    q_embed, k_embed = kernel_ladder.rope(q, k, cos, sin, interleaved=interleaved)
     g_q, g_k = rand(*q_embed.shape, gen=gen), rand(*k_embed.shape, gen=gen)
     dq, dk = torch.autograd.grad((q_embed, k_embed), (q, k), (g_q, g_k))
     q64, k64 = q.detach().double().requires_grad_(), k.detach().double().requires_grad_()
@@ -201,7 +201,7 @@ def test_backward_with_only_q_in_the_loss(gen):
     _, q, k = fused_qkv(2, 4, 2, 1, 16, gen)
     q, k = q.detach().requires_grad_(), k.detach().requires_grad_()
     cos, sin = tables(2, 4, 16, gen)
-    q_embed, _ = kernels.rope(q, k, cos, sin)
+    q_embed, _ = kernel_ladder.rope(q, k, cos, sin)
     (q_embed * 2).sum().backward()
     q64 = q.detach().double().requires_grad_()
     (reference(q64, k.detach(), cos, sin)[0] * 2).sum().backward()
@@ -214,7 +214,7 @@ def test_backward_half_precision(dtype, gen):
     _, q, k = fused_qkv(2, 3, 2, 2, 32, gen, dtype=dtype)
     q, k = q.detach().requires_grad_(), k.detach().requires_grad_()
     cos, sin = tables(2, 3, 32, gen)
-    q_embed, k_embed = kernels.rope(q, k, cos, sin)
+    q_embed, k_embed = kernel_ladder.rope(q, k, cos, sin)
     g_q, g_k = rand(*q.shape, gen=gen, dtype=dtype), rand(*k.shape, gen=gen, dtype=dtype)
     dq, dk = torch.autograd.grad((q_embed, k_embed), (q, k), (g_q, g_k))
     q64, k64 = q.detach().double().requires_grad_(), k.detach().double().requires_grad_()
@@ -238,7 +238,7 @@ def test_one_launch_reads_q_k_and_the_tables_once(dtype, table, gen):
     if table == "(T, R)":
         cos, sin = cos[0], sin[0]
     with trace() as t:
-        q_embed, k_embed = kernels.rope(q, k, cos, sin)
+        q_embed, k_embed = kernel_ladder.rope(q, k, cos, sin)
     assert t.num_launches == 1 and t.launches[0].kernel == "rope_kernel"
     element = q.element_size()
     ideal = 2 * (q.numel() + k.numel()) * element + 2 * cos.numel() * cos.element_size()
@@ -248,12 +248,12 @@ def test_one_launch_reads_q_k_and_the_tables_once(dtype, table, gen):
 def test_opcheck_and_torch_compile(gen):
     _, q, k = fused_qkv(2, 3, 2, 1, 16, gen)
     cos, sin = tables(2, 3, 16, gen)
-    torch.library.opcheck(torch.ops.kernels.rope.default, (q, k, cos, sin, 1, False))
-    torch.library.opcheck(torch.ops.kernels.rope.default, (q, k, cos, sin, 1, True))
+    torch.library.opcheck(torch.ops.kernel_ladder.rope.default, (q, k, cos, sin, 1, False))
+    torch.library.opcheck(torch.ops.kernel_ladder.rope.default, (q, k, cos, sin, 1, True))
     q, k = q.detach().requires_grad_(), k.detach().requires_grad_()
-    compiled = torch.compile(lambda a, b: kernels.rope(a, b, cos, sin), fullgraph=True)
+    compiled = torch.compile(lambda a, b: kernel_ladder.rope(a, b, cos, sin), fullgraph=True)
     q_embed, k_embed = compiled(q, k)
-    want_q, want_k = kernels.rope(q, k, cos, sin)
+    want_q, want_k = kernel_ladder.rope(q, k, cos, sin)
     torch.testing.assert_close(q_embed, want_q, rtol=0, atol=0)
     (q_embed.sum() + k_embed.sum()).backward()
     assert q.grad is not None and k.grad is not None
@@ -263,7 +263,7 @@ def test_double_backward_is_refused_clearly(gen):
     _, q, k = fused_qkv(1, 2, 1, 1, 8, gen)
     q = q.detach().requires_grad_()
     cos, sin = tables(1, 2, 8, gen)
-    (dq,) = torch.autograd.grad(kernels.rope(q, k, cos, sin)[0].pow(2).sum(), q, create_graph=True)
+    (dq,) = torch.autograd.grad(kernel_ladder.rope(q, k, cos, sin)[0].pow(2).sum(), q, create_graph=True)
     with pytest.raises(RuntimeError, match=r"kernels\.rope \(backward\): double backward"):
         dq.sum().backward()
 
@@ -272,22 +272,22 @@ def test_bad_input_errors(gen):
     _, q, k = fused_qkv(2, 5, 4, 2, 16, gen)
     cos, sin = tables(2, 5, 16, gen)
     cases = [
-        (lambda: kernels.rope(q[0], k, cos, sin), ValueError, r"kernels\.rope: q must be 4-D \(B, H, T, D\)"),
-        (lambda: kernels.rope(q, k[..., :8], cos, sin), ValueError, r"q and k must share B, T and D"),
-        (lambda: kernels.rope(q, k, cos[..., :15], sin[..., :15]), ValueError, r"R = cos\.shape\[-1\] must be even"),
-        (lambda: kernels.rope(q, k, cos[:, :4], sin[:, :4]), ValueError, r"cos and sin must be \(B, T, R\)"),
-        (lambda: kernels.rope(q, k, cos, sin[..., :8]), ValueError, r"cos and sin must have the same shape"),
-        (lambda: kernels.rope(q, k, torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)), ValueError,
+        (lambda: kernel_ladder.rope(q[0], k, cos, sin), ValueError, r"kernels\.rope: q must be 4-D \(B, H, T, D\)"),
+        (lambda: kernel_ladder.rope(q, k[..., :8], cos, sin), ValueError, r"q and k must share B, T and D"),
+        (lambda: kernel_ladder.rope(q, k, cos[..., :15], sin[..., :15]), ValueError, r"R = cos\.shape\[-1\] must be even"),
+        (lambda: kernel_ladder.rope(q, k, cos[:, :4], sin[:, :4]), ValueError, r"cos and sin must be \(B, T, R\)"),
+        (lambda: kernel_ladder.rope(q, k, cos, sin[..., :8]), ValueError, r"cos and sin must have the same shape"),
+        (lambda: kernel_ladder.rope(q, k, torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)), ValueError,
          r"R = 32 exceeds the head dim D = 16"),
-        (lambda: kernels.rope(q, k, cos, sin, unsqueeze_dim=0), ValueError, r"unsqueeze_dim must be 1"),
-        (lambda: kernels.rope(q, k.half(), cos, sin), TypeError, r"q and k must have the same dtype"),
-        (lambda: kernels.rope(q, k.long(), cos, sin), TypeError, r"k must be float32, float16 or bfloat16"),
-        (lambda: kernels.rope(q, k, cos, sin, interleaved=1), TypeError, r"interleaved must be a bool"),
-        (lambda: kernels.rope_cos_sin(torch.arange(4.0), 16), TypeError, r"positions must be an integer tensor"),
-        (lambda: kernels.rope_cos_sin(torch.arange(4), 15), ValueError, r"head_dim must be a positive even int"),
-        (lambda: kernels.rope_cos_sin(torch.arange(4), 16, scaling={"rope_type": "yarn"}), ValueError,
+        (lambda: kernel_ladder.rope(q, k, cos, sin, unsqueeze_dim=0), ValueError, r"unsqueeze_dim must be 1"),
+        (lambda: kernel_ladder.rope(q, k.half(), cos, sin), TypeError, r"q and k must have the same dtype"),
+        (lambda: kernel_ladder.rope(q, k.long(), cos, sin), TypeError, r"k must be float32, float16 or bfloat16"),
+        (lambda: kernel_ladder.rope(q, k, cos, sin, interleaved=1), TypeError, r"interleaved must be a bool"),
+        (lambda: kernel_ladder.rope_cos_sin(torch.arange(4.0), 16), TypeError, r"positions must be an integer tensor"),
+        (lambda: kernel_ladder.rope_cos_sin(torch.arange(4), 15), ValueError, r"head_dim must be a positive even int"),
+        (lambda: kernel_ladder.rope_cos_sin(torch.arange(4), 16, scaling={"rope_type": "yarn"}), ValueError,
          r"rope_type'\] must be one of"),
-        (lambda: kernels.rope_cos_sin(torch.arange(4), 16, scaling={"rope_type": "llama3", "factor": 8}),
+        (lambda: kernel_ladder.rope_cos_sin(torch.arange(4), 16, scaling={"rope_type": "llama3", "factor": 8}),
          ValueError, r"needs \['low_freq_factor'"),
     ]
     for call, error, message in cases:

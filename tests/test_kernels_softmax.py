@@ -1,4 +1,4 @@
-"""kernels.softmax and kernels.log_softmax: values, gradients, layouts, dtypes, extremes, the launch
+"""kernel_ladder.softmax and kernel_ladder.log_softmax: values, gradients, layouts, dtypes, extremes, the launch
 rule, traffic, custom-op plumbing, errors.
 
 Every result is compared with a float64 reference on fresh random inputs; outputs are poisoned
@@ -15,15 +15,15 @@ import torch
 import torch.nn.functional as F
 from helpers import DTYPES, TOLERANCES
 
-import kernels
-from kernels import _launch, _rows
-from kernels.ops import softmax as sm
+import kernel_ladder
+from kernel_ladder import _launch, _rows
+from kernel_ladder.ops import softmax as sm
 
 pytestmark = pytest.mark.usefixtures("poisoned")  # every buffer the ops allocate starts as NaN
 
-DEVICE = kernels.runtime.DEVICE
+DEVICE = kernel_ladder.runtime.DEVICE
 OPS = {"softmax": (sm.softmax, F.softmax), "log_softmax": (sm.log_softmax, F.log_softmax)}
-BACKWARD_OPS = {"softmax": torch.ops.kernels.softmax_backward, "log_softmax": torch.ops.kernels.log_softmax_backward}
+BACKWARD_OPS = {"softmax": torch.ops.kernel_ladder.softmax_backward, "log_softmax": torch.ops.kernel_ladder.log_softmax_backward}
 KERNEL_NAMES = ["softmax_kernel", "softmax_online_kernel", "softmax_backward_kernel",
                 "softmax_backward_online_kernel"]
 
@@ -382,8 +382,8 @@ def test_backward_op_uses_only_the_output(gen):
     """The backward ops take (grad_out, out): what autograd saved is the output, not the input."""
     x = rand((5, 33), gen=gen)
     grad_out = rand((5, 33), gen=gen)
-    for name, backward in [("softmax", torch.ops.kernels.softmax_backward),
-                           ("log_softmax", torch.ops.kernels.log_softmax_backward)]:
+    for name, backward in [("softmax", torch.ops.kernel_ladder.softmax_backward),
+                           ("log_softmax", torch.ops.kernel_ladder.log_softmax_backward)]:
         op, reference = OPS[name]
         out = op(x, 1)
         assert_matches(backward(grad_out, out, 1, torch.float32), reference_grad(reference, x, 1, grad_out),
@@ -399,7 +399,7 @@ def _opcheck_cases(gen):
     xh = make_input((6, 20), torch.bfloat16, "sliced", gen)
     y = sm.softmax(x, -1)
     yl = sm.log_softmax(xt, 0)
-    ops = torch.ops.kernels
+    ops = torch.ops.kernel_ladder
     return {
         "softmax": (ops.softmax.default, (x, -1, None)),
         "softmax_strided_dim0": (ops.softmax.default, (xt, 0, None)),
@@ -594,12 +594,12 @@ def test_online_kernels_read_the_row_twice(name, monkeypatch, gen):
         (lambda: sm.log_softmax(torch.ones(3), dtype="float16"), TypeError,
          r"^kernels\.log_softmax: dtype must be a torch\.dtype or None, got str"),
         # the custom ops validate too, when called directly through torch.ops
-        (lambda: torch.ops.kernels.softmax(torch.ones(2), 5), ValueError, r"^kernels\.softmax: dim must be in"),
-        (lambda: torch.ops.kernels.log_softmax(torch.ones(2, dtype=torch.int32), 0), TypeError,
+        (lambda: torch.ops.kernel_ladder.softmax(torch.ones(2), 5), ValueError, r"^kernels\.softmax: dim must be in"),
+        (lambda: torch.ops.kernel_ladder.log_softmax(torch.ones(2, dtype=torch.int32), 0), TypeError,
          r"^kernels\.log_softmax: x must be float32"),
-        (lambda: torch.ops.kernels.softmax_backward(torch.ones(2, 3), torch.ones(3, 2), 0, torch.float32), ValueError,
+        (lambda: torch.ops.kernel_ladder.softmax_backward(torch.ones(2, 3), torch.ones(3, 2), 0, torch.float32), ValueError,
          r"^kernels\.softmax \(backward\): grad_out and out must have the same shape"),
-        (lambda: torch.ops.kernels.log_softmax_backward(torch.ones(2), torch.ones(2), 0, torch.float64), TypeError,
+        (lambda: torch.ops.kernel_ladder.log_softmax_backward(torch.ones(2), torch.ones(2), 0, torch.float64), TypeError,
          r"^kernels\.log_softmax \(backward\): input_dtype must be float32"),
         (lambda: sm.softmax_launch_config(-1, torch.float32), ValueError,
          r"^kernels\.softmax_launch_config: n_cols must be a non-negative int"),

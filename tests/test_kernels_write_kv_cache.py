@@ -1,4 +1,4 @@
-"""kernels.write_kv_cache: exactly its slots are written (bit for bit, the rest untouched), padding and
+"""kernel_ladder.write_kv_cache: exactly its slots are written (bit for bit, the rest untouched), padding and
 out-of-range slots skipped, every cache dtype (fp8 with scales against torch's own cast), strided
 operands, and clear errors for bad input."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
+import kernel_ladder
 from tests.helpers import DEVICE
 
 _BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16,
@@ -65,7 +65,7 @@ def test_writes_exactly_its_slots(gen, cache_dtype, input_dtype, slot_dtype):
     k_cache = _sentinel_cache((num_blocks, block_size, heads, dim), cache_dtype)
     v_cache = _sentinel_cache((num_blocks, block_size, heads, dim), cache_dtype)
     k_ref, v_ref = _reference(k_cache, k, slots), _reference(v_cache, v, slots)
-    kernels.write_kv_cache(k, v, k_cache, v_cache, slots.to(DEVICE))
+    kernel_ladder.write_kv_cache(k, v, k_cache, v_cache, slots.to(DEVICE))
     _assert_bits_equal(k_cache, k_ref, "k_cache")
     _assert_bits_equal(v_cache, v_ref, "v_cache")
 
@@ -77,13 +77,13 @@ def test_negative_and_out_of_range_slots_are_never_written(gen):
     slots = torch.tensor([-1, 12, 5, -7, 2**40, 0], dtype=torch.int64)
     k_cache = _sentinel_cache((num_blocks, block_size, heads, dim), torch.float32)
     v_cache = _sentinel_cache((num_blocks, block_size, heads, dim), torch.float32)
-    with kernels.runtime.check_values(True), pytest.raises(
+    with kernel_ladder.runtime.check_values(True), pytest.raises(
             ValueError, match=r"kernels\.write_kv_cache: slot_mapping must hold slots below num_blocks \* "
                               r"block_size = 12 .*got slot_mapping\[1\] = 12"):
-        kernels.write_kv_cache(k, v, k_cache, v_cache, slots.to(DEVICE))  # a value check (the CPU's default)
+        kernel_ladder.write_kv_cache(k, v, k_cache, v_cache, slots.to(DEVICE))  # a value check (the CPU's default)
     assert torch.isnan(k_cache).all()
-    with kernels.runtime.check_values(False):  # unchecked (CUDA's default): the kernel masks them
-        kernels.write_kv_cache(k, v, k_cache, v_cache, slots.to(DEVICE))
+    with kernel_ladder.runtime.check_values(False):  # unchecked (CUDA's default): the kernel masks them
+        kernel_ladder.write_kv_cache(k, v, k_cache, v_cache, slots.to(DEVICE))
     flat = k_cache.view(-1, heads, dim).cpu()
     written = (~torch.isnan(flat)).all(-1).all(-1).nonzero().flatten().tolist()
     assert written == [0, 5]
@@ -95,8 +95,8 @@ def test_all_padding_and_empty_batch_write_nothing(gen):
     k_cache = _sentinel_cache((2, 4, 1, 4), torch.float16)
     v_cache = _sentinel_cache((2, 4, 1, 4), torch.float16)
     k, v = _inputs(gen, 3, 1, 4, torch.float16)
-    kernels.write_kv_cache(k, v, k_cache, v_cache, torch.full((3,), -1, dtype=torch.int32, device=DEVICE))
-    kernels.write_kv_cache(k[:0], v[:0], k_cache, v_cache, torch.empty(0, dtype=torch.int32, device=DEVICE))
+    kernel_ladder.write_kv_cache(k, v, k_cache, v_cache, torch.full((3,), -1, dtype=torch.int32, device=DEVICE))
+    kernel_ladder.write_kv_cache(k[:0], v[:0], k_cache, v_cache, torch.empty(0, dtype=torch.int32, device=DEVICE))
     assert torch.isnan(k_cache).all() and torch.isnan(v_cache).all()
 
 
@@ -112,7 +112,7 @@ def test_fp8_scales_round_trip_like_torch(gen, k_scale, v_scale):
     k_cache = _sentinel_cache((num_blocks, block_size, heads, dim), torch.float8_e4m3fn)
     v_cache = _sentinel_cache((num_blocks, block_size, heads, dim), torch.float8_e4m3fn)
     k_ref, v_ref = _reference(k_cache, k, slots, ks), _reference(v_cache, v, slots, vs)
-    kernels.write_kv_cache(k, v, k_cache, v_cache, slots.to(DEVICE), ks, vs)
+    kernel_ladder.write_kv_cache(k, v, k_cache, v_cache, slots.to(DEVICE), ks, vs)
     _assert_bits_equal(k_cache, k_ref, "k_cache")
     _assert_bits_equal(v_cache, v_ref, "v_cache")
     stored = k_cache.view(-1, heads, dim)[slots.long()].float() * ks
@@ -136,7 +136,7 @@ def test_strided_caches_and_fused_qkv_inputs(gen):
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:t].to(torch.int64)
     before = all_k.clone()
     k_ref, v_ref = _reference(all_k[1], k, slots), _reference(head_major, v, slots)
-    kernels.write_kv_cache(k, v, all_k[1], head_major, slots.to(DEVICE))
+    kernel_ladder.write_kv_cache(k, v, all_k[1], head_major, slots.to(DEVICE))
     _assert_bits_equal(all_k[1], k_ref, "layer 1 of the stacked cache")
     _assert_bits_equal(all_k[0], before[0], "layer 0 (untouched)")
     _assert_bits_equal(all_k[2], before[2], "layer 2 (untouched)")
@@ -148,7 +148,7 @@ def test_opcheck(gen):
     k_cache = torch.zeros(3, 2, 2, 4, device=DEVICE)
     v_cache = torch.zeros(3, 2, 2, 4, device=DEVICE)
     slots = torch.tensor([3, -1, 0, 5], dtype=torch.int32, device=DEVICE)
-    torch.library.opcheck(torch.ops.kernels.write_kv_cache.default, (k, v, k_cache, v_cache, slots, None, None))
+    torch.library.opcheck(torch.ops.kernel_ladder.write_kv_cache.default, (k, v, k_cache, v_cache, slots, None, None))
 
 
 def _good(dtype=torch.float32):
@@ -176,8 +176,8 @@ def test_bad_input_errors(change, error, message):
     args = _good()
     args.update({name: value.to(DEVICE) if isinstance(value, torch.Tensor) else value
                  for name, value in change.items()})
-    with pytest.raises(error, match=f"kernels.write_kv_cache: .*{message}"):
-        kernels.write_kv_cache(**args)
+    with pytest.raises(error, match=f"kernel_ladder.write_kv_cache: .*{message}"):
+        kernel_ladder.write_kv_cache(**args)
 
 
 @pytest.mark.parametrize("k_scale, v_scale, error, message", [
@@ -188,12 +188,12 @@ def test_bad_input_errors(change, error, message):
 def test_bad_fp8_scales(k_scale, v_scale, error, message):
     args = _good(torch.float8_e4m3fn)
     args.update(k_scale=k_scale.to(DEVICE), v_scale=None if v_scale is None else v_scale.to(DEVICE))
-    with pytest.raises(error, match=f"kernels.write_kv_cache: {message}"):
-        kernels.write_kv_cache(**args)
+    with pytest.raises(error, match=f"kernel_ladder.write_kv_cache: {message}"):
+        kernel_ladder.write_kv_cache(**args)
 
 
 def test_overlapping_caches_rejected():
     args = _good()
     args["v_cache"] = args["k_cache"]
     with pytest.raises(ValueError, match="must not overlap"):
-        kernels.write_kv_cache(**args)
+        kernel_ladder.write_kv_cache(**args)

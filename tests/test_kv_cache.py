@@ -1,6 +1,6 @@
-"""kernels.kv_cache: the block allocator, the paged cache (copy-on-write forks, prefix caching,
+"""kernel_ladder.kv_cache: the block allocator, the paged cache (copy-on-write forks, prefix caching,
 eviction) under randomized operation sequences with its invariants checked after every step, and the
-continuous-batching scheduler — with an end-to-end run through kernels.write_kv_cache."""
+continuous-batching scheduler — with an end-to-end run through kernel_ladder.write_kv_cache."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import zlib
 import pytest
 import torch
 
-import kernels
-from kernels.kv_cache import BlockAllocator, KVCacheOutOfBlocks, PagedKVCache, Scheduler, SchedulerOutput
+import kernel_ladder
+from kernel_ladder.kv_cache import BlockAllocator, KVCacheOutOfBlocks, PagedKVCache, Scheduler, SchedulerOutput
 from tests.helpers import DEVICE
 
 # ----------------------------------------------------------------------------------------------
@@ -422,7 +422,7 @@ def test_scheduler_errors():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_end_to_end_cache_holds_every_sequence_history(gen, dtype):
     """A toy model step: each token's K/V is a fixed function of (token, position) per layer, written
-    with kernels.write_kv_cache through the step's slot_mapping; then every sequence's cache, gathered
+    with kernel_ladder.write_kv_cache through the step's slot_mapping; then every sequence's cache, gathered
     through block_tables and seq_lens, equals its full K/V history, and float64 attention of this
     step's queries over it equals attention over the history (causal within the step)."""
     layers, heads, dim, vocab, max_pos = 2, 2, 8, 64, 64
@@ -446,7 +446,7 @@ def test_end_to_end_cache_holds_every_sequence_history(gen, dtype):
             return
         for layer in range(layers):
             k, v = kv(layer, out.token_ids, out.positions)
-            kernels.write_kv_cache(k.to(dtype).to(DEVICE), v.to(dtype).to(DEVICE), cache.k_cache(layer),
+            kernel_ladder.write_kv_cache(k.to(dtype).to(DEVICE), v.to(dtype).to(DEVICE), cache.k_cache(layer),
                                    cache.v_cache(layer), out.slot_mapping)
             cu = out.cu_seqlens_q.tolist()
             for b, request_id in enumerate(out.request_ids):

@@ -14,7 +14,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-import kernels  # noqa: E402
+import kernel_ladder  # noqa: E402
 from utils.l2cache import (  # noqa: E402
     LRUCache,
     interleave,
@@ -180,7 +180,7 @@ def grouped_matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, BLOCK_M: tl.constexpr, B
 
 
 @pytest.mark.interpreter
-@pytest.mark.skipif(not kernels.runtime.INTERPRETER, reason="the tracer watches the interpreter")
+@pytest.mark.skipif(not kernel_ladder.runtime.INTERPRETER, reason="the tracer watches the interpreter")
 def test_analytic_stream_equals_the_traced_kernel():
     M, N, K, BM, BN, BK, group_m = 48, 64, 40, 16, 32, 16, 2  # remainders in M and K
     a = torch.randn(M, K, dtype=torch.float16)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
+import kernel_ladder
 from utils.memory import peak_memory
 from utils.trace import trace
 
@@ -118,15 +118,15 @@ def test_our_triton_ops_outputs_are_seen_and_credited():
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(64, 1000, generator=gen, requires_grad=True)
     with peak_memory(cuda=False) as m:
-        y = kernels.gelu(x)
+        y = kernel_ladder.gelu(x)
         y.backward(torch.ones_like(y))
     by_op = {r.op: r for r in m.by_op()}
-    assert by_op["kernels.gelu"].total_bytes == x.nbytes  # its torch.empty output, once
-    assert by_op["kernels.gelu_backward"].total_bytes == x.nbytes
+    assert by_op["kernel_ladder.gelu"].total_bytes == x.nbytes  # its torch.empty output, once
+    assert by_op["kernel_ladder.gelu_backward"].total_bytes == x.nbytes
     assert by_op["aten.ones_like"].total_bytes == x.nbytes
     assert m.peak_bytes == 3 * x.nbytes
     assert m.allocated_bytes == 3 * x.nbytes  # y, the ones, x.grad
-    assert {a.inner for a in m.allocations if a.op.startswith("kernels.")} == {"aten.empty"}
+    assert {a.inner for a in m.allocations if a.op.startswith("kernel_ladder.")} == {"aten.empty"}
     del y
 
 
@@ -162,7 +162,7 @@ def test_misuse_is_explained():
 def test_composes_with_the_tracer():
     x = torch.randn(1000)
     with trace() as t, peak_memory(cuda=False) as m:
-        y = kernels.gelu(x)
+        y = kernel_ladder.gelu(x)
     assert m.peak_bytes == x.nbytes
     assert t.num_launches == 1
     del y

@@ -1,4 +1,4 @@
-"""kernels.models.CausalLM against Hugging Face's own models (tiny random configs, fp32): logits,
+"""kernel_ladder.models.CausalLM against Hugging Face's own models (tiny random configs, fp32): logits,
 loss and every parameter's gradient for Llama (GQA, Llama 3 RoPE scaling, tied embeddings),
 Mistral (a sliding window shorter than the sequence, multi-query attention) and Qwen2 (qkv biases,
 one sliding layer); a safetensors checkpoint saved by HF loads; bad models and checkpoints are
@@ -11,7 +11,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from kernels.models import CausalLM, CausalLMConfig  # noqa: E402
+from kernel_ladder.models import CausalLM, CausalLMConfig  # noqa: E402
 
 VOCAB = 64
 
@@ -108,21 +108,23 @@ def test_unsupported_models_and_wrong_checkpoints_are_refused(tmp_path):
         ours(torch.tensor([[1, 64]]))
 
 
-def test_transformers_runs_beside_this_kernels_package():
-    """transformers can use another PyPI project named `kernels` (Hugging Face's Hub-kernel loader);
-    here `import kernels` must be this repository's, and transformers must import and run a model
-    with it installed, its Hub-kernel integration off."""
+def test_transformers_runs_beside_hugging_faces_kernels_package():
+    """transformers (>= 5.25) requires Hugging Face's Hub-kernel loader, imported as ``kernels``: it and
+    ``kernel_ladder`` share an environment. ``import kernel_ladder`` is this repository's package (its src
+    layout: ``kernels/kernel_ladder``), ``import kernels`` the Hub loader, and a model still runs."""
     import importlib.metadata
     import pathlib
 
-    from transformers.utils import is_kernels_available
+    import kernel_ladder
 
-    import kernels
-
-    assert pathlib.Path(kernels.__file__).resolve().parent == pathlib.Path(__file__).resolve().parent.parent / "kernels"
+    here = pathlib.Path(__file__).resolve().parent.parent
+    assert pathlib.Path(kernel_ladder.__file__).resolve().parent == here / "kernels" / "kernel_ladder"
     names = {d.metadata["Name"].lower() for d in importlib.metadata.distributions()}
-    assert "kernels" not in names  # the Hub loader is not installed beside it
-    assert not is_kernels_available()  # transformers finds no Hub loader: its integration stays off
+    if "kernels" in names:  # the Hub loader: its own package, not a folder of this repository
+        import kernels
+
+        assert pathlib.Path(kernels.__file__).resolve().parent != here / "kernels"
+        assert hasattr(kernels, "kernelize")  # its API, not a folder of ours
     hf = hf_model("llama")
     with torch.no_grad():
         assert hf(torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, VOCAB)

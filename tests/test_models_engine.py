@@ -1,4 +1,4 @@
-"""kernels.models.Engine against Hugging Face's greedy generate (tiny random configs, fp32): prompts
+"""kernel_ladder.models.Engine against Hugging Face's greedy generate (tiny random configs, fp32): prompts
 of different lengths batched together with chunked prefill, a sliding window, prefix caching,
 stop tokens, seeded sampling and nucleus filtering, and speculative decoding (a draft model,
 prompt lookup) whose acceptance rule keeps the target's distribution exact."""
@@ -10,7 +10,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from kernels.models import CausalLM, Engine  # noqa: E402
+from kernel_ladder.models import CausalLM, Engine  # noqa: E402
 
 VOCAB = 64
 SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=4,
@@ -151,7 +151,7 @@ def test_the_acceptance_rule_keeps_the_target_distribution_exactly():
 
 def test_bad_input_is_refused(llama):
     _, model = llama
-    with pytest.raises(TypeError, match="must be a kernels.models.CausalLM"):
+    with pytest.raises(TypeError, match="must be a kernel_ladder.models.CausalLM"):
         Engine(torch.nn.Linear(2, 2), num_blocks=4)
     engine = Engine(model, num_blocks=4, block_size=8)
     with pytest.raises(ValueError, match=r"prompt 1 must be a non-empty list of token ids in \[0, 64\)"):

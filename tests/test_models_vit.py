@@ -1,4 +1,4 @@
-"""kernels.models.ViT against Hugging Face's ViTModel and CLIPVisionModel (tiny random configs, fp32):
+"""kernel_ladder.models.ViT against Hugging Face's ViTModel and CLIPVisionModel (tiny random configs, fp32):
 last hidden states, CLIP's pooled output, gradients through the encoder, and clear errors."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from kernels.models import ViT, ViTConfig  # noqa: E402
+from kernel_ladder.models import ViT, ViTConfig  # noqa: E402
 
 VISION = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48, image_size=12,
               patch_size=4)
@@ -69,7 +69,7 @@ def test_gradients_match_hf():
 
 
 def test_clear_errors():
-    with pytest.raises(ValueError, match="kernels.models.ViT: model_type 'llama' is not supported"):
+    with pytest.raises(ValueError, match="kernel_ladder.models.ViT: model_type 'llama' is not supported"):
         ViTConfig.from_hf({"model_type": "llama"})
     ours = ViT.from_hf(_hf("vit"))
     with pytest.raises(ValueError, match=r"pixel_values must be \(batch, 3, 12, 12\)"):

@@ -7,14 +7,14 @@ their CUDA default (off):
 
 * the ``torch.Tensor`` methods that read values — ``item``, ``tolist``, ``cpu``, ``numpy``,
   ``__bool__``, ``__int__``, ``__float__``, ``__index__`` — patched to record any call made from
-  ``kernels``' code (calls from inside Triton's interpreter are its CPU emulation of a launch: it
+  ``kernel_ladder``' code (calls from inside Triton's interpreter are its CPU emulation of a launch: it
   copies the arguments to numpy and back, which a compiled launch does not);
-* a ``utils.trace`` trace, which sees every aten op a ``kernels`` op runs inside: no
+* a ``utils.trace`` trace, which sees every aten op a ``kernel_ladder`` op runs inside: no
   ``aten._local_scalar_dense`` (what every host read of a value comes down to), no op whose output
   size depends on the data (``nonzero``, ``masked_select``, ``unique``...), no copy to the CPU from
   another device.
 
-Every non-backward op in ``torch.ops.kernels`` must have a case here (a new op without one fails
+Every non-backward op in ``torch.ops.kernel_ladder`` must have a case here (a new op without one fails
 :func:`test_every_op_has_a_no_sync_case`); a deliberately syncing op is caught (negative controls).
 The GPU tests at the end capture a training step of ``utils.transformer``'s block in a CUDA graph,
 and compile its forward with ``mode="reduce-overhead"``.
@@ -30,8 +30,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-import kernels
-from kernels import _autocast, runtime
+import kernel_ladder
+from kernel_ladder import _autocast, runtime
 from tests.helpers import DEVICE
 from utils.trace import trace
 
@@ -41,12 +41,12 @@ SYNC_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__floa
 SYNC_ATEN = ("_local_scalar_dense", "item", "nonzero", "masked_select", "unique", "_unique", "unique_dim",
              "unique_consecutive", "bincount", "repeat_interleave", "histc", "equal", "is_nonzero")
 
-_KERNELS_DIR = os.path.dirname(kernels.__file__) + os.sep
+_KERNELS_DIR = os.path.dirname(kernel_ladder.__file__) + os.sep
 _TRITON_DIR = os.path.dirname(sys.modules["triton"].__file__) + os.sep
 
 
 def _caller_in_kernels() -> str | None:
-    """``file:line`` of the innermost ``kernels`` frame calling, unless Triton's interpreter is on the stack."""
+    """``file:line`` of the innermost ``kernel_ladder`` frame calling, unless Triton's interpreter is on the stack."""
     frame = sys._getframe(2)
     where = None
     while frame is not None:
@@ -60,7 +60,7 @@ def _caller_in_kernels() -> str | None:
 
 
 class HostSyncs:
-    """Records host reads of tensor values made by ``kernels`` code, by both instruments (see the module)."""
+    """Records host reads of tensor values made by ``kernel_ladder`` code, by both instruments (see the module)."""
 
     def __init__(self) -> None:
         self.calls: list[str] = []   # "method at file:line"
@@ -132,88 +132,88 @@ def _int(values, dtype=torch.int32):
 def _case_varlen():
     q, k, v = _r(7, 2, 16), _r(7, 1, 16), _r(7, 1, 16)
     cu = _int([0, 3, 7])
-    _backward(kernels.flash_attention_varlen(q, k, v, cu, cu, 4, 4, causal=True))
+    _backward(kernel_ladder.flash_attention_varlen(q, k, v, cu, cu, 4, 4, causal=True))
 
 
 def _case_paged():
     q = _r(2, 2, 16, grad=False)
     k_cache, v_cache = _r(4, 8, 1, 16, grad=False), _r(4, 8, 1, 16, grad=False)
-    kernels.paged_attention(q, k_cache, v_cache, _int([[0, 2], [3, 1]]), _int([9, 5]), num_splits=1)
+    kernel_ladder.paged_attention(q, k_cache, v_cache, _int([[0, 2], [3, 1]]), _int([9, 5]), num_splits=1)
     cu = _int([0, 2, 3])
-    kernels.paged_attention(_r(3, 2, 16, grad=False), k_cache, v_cache, _int([[0, 2], [3, 1]]), _int([9, 5]),
+    kernel_ladder.paged_attention(_r(3, 2, 16, grad=False), k_cache, v_cache, _int([[0, 2], [3, 1]]), _int([9, 5]),
                             cu_seqlens_q=cu)
 
 
 def _case_write_kv_cache():
     k_cache, v_cache = _r(3, 8, 1, 16, grad=False), _r(3, 8, 1, 16, grad=False)
-    kernels.write_kv_cache(_r(4, 1, 16, grad=False), _r(4, 1, 16, grad=False), k_cache, v_cache,
+    kernel_ladder.write_kv_cache(_r(4, 1, 16, grad=False), _r(4, 1, 16, grad=False), k_cache, v_cache,
                            _int([0, 9, -1, 23], torch.int64))
 
 
 def _case_moe():
     x, logits = _r(6, 16), _r(6, 4)
-    _backward(kernels.moe(x, logits, _r(4, 32, 16), _r(4, 16, 16), top_k=2))
+    _backward(kernel_ladder.moe(x, logits, _r(4, 32, 16), _r(4, 16, 16), top_k=2))
 
 
 def _case_moe_permute_gather_combine():
     ids = _int([[0, 2], [1, 2], [3, 0]])
-    permutation, offsets = kernels.moe_permute(ids, 4)
-    rows = kernels.moe_gather(_r(3, 16), permutation, 2)
-    _backward(kernels.moe_combine(rows, permutation, _r(3, 2)))
+    permutation, offsets = kernel_ladder.moe_permute(ids, 4)
+    rows = kernel_ladder.moe_gather(_r(3, 16), permutation, 2)
+    _backward(kernel_ladder.moe_combine(rows, permutation, _r(3, 2)))
 
 
 def _case_topk_routing():
     logits = _r(5, 4)
-    weights, ids = kernels.topk_routing(logits, 2)
+    weights, ids = kernel_ladder.topk_routing(logits, 2)
     _backward(weights)
-    _backward(kernels.moe_load_balancing_loss(_r(5, 4), ids, 4))
+    _backward(kernel_ladder.moe_load_balancing_loss(_r(5, 4), ids, 4))
 
 
 def _case_quantize():
-    # kernels.quantize_weight (an offline conversion, not a step's op) checks its weight is finite on the
+    # kernel_ladder.quantize_weight (an offline conversion, not a step's op) checks its weight is finite on the
     # host, one sync by design: the weights are quantized before the watch, its ops are watched directly.
     w = _r(16, 64, grad=False)
-    qweights = [kernels.quantize_weight(w, scheme, group_size=group)
+    qweights = [kernel_ladder.quantize_weight(w, scheme, group_size=group)
                 for scheme, group in (("int8", None), ("int4", 32), ("fp8", None))]
 
     def case():
-        torch.ops.kernels.quantize_int4(w, 32, torch.float32)
-        torch.ops.kernels.quantize_rows(w, False, torch.float32)
-        torch.ops.kernels.quantize_rows(w, True, torch.float32)
-        kernels.quantize_activations(_r(3, 64, grad=False))
+        torch.ops.kernel_ladder.quantize_int4(w, 32, torch.float32)
+        torch.ops.kernel_ladder.quantize_rows(w, False, torch.float32)
+        torch.ops.kernel_ladder.quantize_rows(w, True, torch.float32)
+        kernel_ladder.quantize_activations(_r(3, 64, grad=False))
         for qweight in qweights:
-            _backward(kernels.quantized_linear(_r(3, 64), qweight, _r(16)))
-        _backward(kernels.quantized_linear(_r(3, 64), qweights[0], activations="int8"))
+            _backward(kernel_ladder.quantized_linear(_r(3, 64), qweight, _r(16)))
+        _backward(kernel_ladder.quantized_linear(_r(3, 64), qweights[0], activations="int8"))
 
     return case
 
 
 def _case_grouped_matmul():
-    _backward(kernels.grouped_matmul(_r(6, 16), _r(3, 16, 16), _int([2, 2, 5])))
+    _backward(kernel_ladder.grouped_matmul(_r(6, 16), _r(3, 16, 16), _int([2, 2, 5])))
 
 
 def _case_block_sparse():
     q, k, v = _r(1, 2, 32, 16), _r(1, 2, 32, 16), _r(1, 2, 32, 16)
-    mask = kernels.sliding_window_mask(2, 2, 1, device=DEVICE)
-    _backward(kernels.block_sparse_attention(q, k, v, mask, block_size=16))
+    mask = kernel_ladder.sliding_window_mask(2, 2, 1, device=DEVICE)
+    _backward(kernel_ladder.block_sparse_attention(q, k, v, mask, block_size=16))
 
 
 def _case_cross_entropy():
     target = _int([1, -100, 5, 0], torch.int64)
-    _backward(kernels.cross_entropy(_r(4, 7), target))
-    _backward(kernels.cross_entropy(_r(4, 7), target, reduction="none"))
+    _backward(kernel_ladder.cross_entropy(_r(4, 7), target))
+    _backward(kernel_ladder.cross_entropy(_r(4, 7), target, reduction="none"))
 
 
 def _case_flce():
     target = _int([1, -100, 5, 0], torch.int64)
-    _backward(kernels.fused_linear_cross_entropy(_r(4, 16), _r(7, 16), target))
-    _backward(kernels.fused_linear_cross_entropy(_r(4, 16), _r(7, 16), target, reduction="none"))
+    _backward(kernel_ladder.fused_linear_cross_entropy(_r(4, 16), _r(7, 16), target))
+    _backward(kernel_ladder.fused_linear_cross_entropy(_r(4, 16), _r(7, 16), target, reduction="none"))
 
 
 def _case_matmul():
-    _backward(kernels.matmul(_r(8, 16), _r(16, 8)))
-    kernels.matmul_split_k(_r(8, 32, grad=False), _r(32, 8, grad=False), 2)
-    kernels.matmul_persistent(_r(8, 16, grad=False), _r(16, 8, grad=False))
+    _backward(kernel_ladder.matmul(_r(8, 16), _r(16, 8)))
+    kernel_ladder.matmul_split_k(_r(8, 32, grad=False), _r(32, 8, grad=False), 2)
+    kernel_ladder.matmul_persistent(_r(8, 16, grad=False), _r(16, 8, grad=False))
 
 
 class _Prepared:
@@ -223,25 +223,25 @@ class _Prepared:
         self.make = make
 
 
-#: op name in torch.ops.kernels -> the case that runs it (forward and backward).
+#: op name in torch.ops.kernel_ladder -> the case that runs it (forward and backward).
 CASES: dict[str, Callable[[], None] | _Prepared] = {
-    "add": lambda: _backward(kernels.add(_r(4, 8), _r(8))),
-    "add_rms_norm": lambda: _backward(kernels.add_rms_norm(_r(4, 8), _r(4, 8), _r(8))),
+    "add": lambda: _backward(kernel_ladder.add(_r(4, 8), _r(8))),
+    "add_rms_norm": lambda: _backward(kernel_ladder.add_rms_norm(_r(4, 8), _r(4, 8), _r(8))),
     "block_sparse_attention": _case_block_sparse,
     "cross_entropy": _case_cross_entropy,
-    "dropout": lambda: _backward(kernels.dropout(_r(4, 8), 0.5, seed=3)),
-    "dropout_mask": lambda: kernels.dropout_mask((4, 8), 0.5, seed=3, device=DEVICE),
-    "flash_attention": lambda: _backward(kernels.flash_attention(_r(1, 2, 8, 16), _r(1, 1, 8, 16),
+    "dropout": lambda: _backward(kernel_ladder.dropout(_r(4, 8), 0.5, seed=3)),
+    "dropout_mask": lambda: kernel_ladder.dropout_mask((4, 8), 0.5, seed=3, device=DEVICE),
+    "flash_attention": lambda: _backward(kernel_ladder.flash_attention(_r(1, 2, 8, 16), _r(1, 1, 8, 16),
                                                                  _r(1, 1, 8, 16), causal=True)),
     "flash_attention_varlen": _case_varlen,
     "fused_linear_cross_entropy": _case_flce,
-    "gated_mlp": lambda: _backward(kernels.gated_mlp(_r(4, 16), _r(8, 16), _r(8, 16), _r(16, 8))),
-    "geglu": lambda: _backward(kernels.geglu(_r(4, 8), _r(4, 8), in_place_backward=True)),
-    "gelu": lambda: _backward(kernels.gelu(_r(4, 8))),
+    "gated_mlp": lambda: _backward(kernel_ladder.gated_mlp(_r(4, 16), _r(8, 16), _r(8, 16), _r(16, 8))),
+    "geglu": lambda: _backward(kernel_ladder.geglu(_r(4, 8), _r(4, 8), in_place_backward=True)),
+    "gelu": lambda: _backward(kernel_ladder.gelu(_r(4, 8))),
     "grouped_matmul": _case_grouped_matmul,
-    "layer_norm": lambda: _backward(kernels.layer_norm(_r(4, 8), 8, _r(8), _r(8))),
-    "linear": lambda: _backward(kernels.linear(_r(4, 16), _r(8, 16), _r(8), activation="gelu")),
-    "log_softmax": lambda: _backward(kernels.log_softmax(_r(4, 8))),
+    "layer_norm": lambda: _backward(kernel_ladder.layer_norm(_r(4, 8), 8, _r(8), _r(8))),
+    "linear": lambda: _backward(kernel_ladder.linear(_r(4, 16), _r(8, 16), _r(8), activation="gelu")),
+    "log_softmax": lambda: _backward(kernel_ladder.log_softmax(_r(4, 8))),
     "matmul": _case_matmul,
     "moe_combine": _case_moe_permute_gather_combine,
     "moe_gate_up": _case_moe,
@@ -251,21 +251,21 @@ CASES: dict[str, Callable[[], None] | _Prepared] = {
     "quantize_int4": _Prepared(_case_quantize),
     "quantize_rows": _Prepared(_case_quantize),
     "quantized_linear": _Prepared(_case_quantize),
-    "rms_norm": lambda: (_backward(kernels.rms_norm(_r(4, 8), _r(8))),
-                         _backward(kernels.rms_norm(_r(4, 8), _r(8), in_place_backward=True))),
-    "rope": lambda: _backward(kernels.rope(_r(1, 2, 4, 8), _r(1, 1, 4, 8),
-                                           *kernels.rope_cos_sin(torch.arange(4, device=DEVICE), 8))),
-    "silu": lambda: _backward(kernels.silu(_r(4, 8))),
-    "softmax": lambda: _backward(kernels.softmax(_r(4, 8))),
-    "swiglu": lambda: (_backward(kernels.swiglu(_r(4, 8), _r(4, 8))),
-                       _backward(kernels.swiglu(_r(4, 8), _r(4, 8), in_place_backward=True))),
+    "rms_norm": lambda: (_backward(kernel_ladder.rms_norm(_r(4, 8), _r(8))),
+                         _backward(kernel_ladder.rms_norm(_r(4, 8), _r(8), in_place_backward=True))),
+    "rope": lambda: _backward(kernel_ladder.rope(_r(1, 2, 4, 8), _r(1, 1, 4, 8),
+                                           *kernel_ladder.rope_cos_sin(torch.arange(4, device=DEVICE), 8))),
+    "silu": lambda: _backward(kernel_ladder.silu(_r(4, 8))),
+    "softmax": lambda: _backward(kernel_ladder.softmax(_r(4, 8))),
+    "swiglu": lambda: (_backward(kernel_ladder.swiglu(_r(4, 8), _r(4, 8))),
+                       _backward(kernel_ladder.swiglu(_r(4, 8), _r(4, 8), in_place_backward=True))),
     "topk_routing": _case_topk_routing,
     "write_kv_cache": _case_write_kv_cache,
 }
 
 
 def _forward_ops() -> set[str]:
-    # the public ops (no backward ops, no private ops other tests define under kernels::)
+    # the public ops (no backward ops, no private ops other tests define under kernel_ladder::)
     return set(_autocast.public_ops())
 
 
@@ -280,7 +280,7 @@ def test_every_op_has_a_no_sync_case():
 def test_op_makes_no_host_sync(op):
     case = CASES[op]
     syncs = run_without_syncs(case.make() if isinstance(case, _Prepared) else case)
-    assert not syncs, f"kernels.{op} synchronized with the host: {syncs}"
+    assert not syncs, f"kernel_ladder.{op} synchronized with the host: {syncs}"
 
 
 def test_the_decoder_block_training_step_makes_no_host_sync():
@@ -303,7 +303,7 @@ def _define_syncing_op(name: str, read: Callable[[torch.Tensor], object]):
     """A throwaway op in the kernels package's namespace whose launch path reads a value on the host."""
     lib = torch.library.Library("kernels_sync_control", "FRAGMENT")  # noqa: TOR901
     lib.define(f"{name}(Tensor x) -> Tensor")
-    # The implementation is compiled as if it lived in kernels/ops (that is what the checker looks for).
+    # The implementation is compiled as if it lived in kernels/kernel_ladder/ops (that is what the checker looks for).
     source = "def impl(x):\n    read(x)\n    return x.clone()\n"
     namespace = {"read": read}
     exec(compile(source, os.path.join(_KERNELS_DIR, "ops", "sync_control.py"), "exec"), namespace)  # noqa: S102
@@ -340,23 +340,23 @@ def test_a_data_dependent_shape_is_caught():
 
 
 def test_host_reads_inside_kernels_ops_are_caught():
-    """Both instruments see inside a real ``kernels::`` op: its value checks, when on, read values."""
+    """Both instruments see inside a real ``kernel_ladder::`` op: its value checks, when on, read values."""
     cache = (_r(3, 8, 1, 16, grad=False), _r(3, 8, 1, 16, grad=False))
     syncs = HostSyncs()
     with runtime.check_values(True), syncs.watching(), pytest.raises(ValueError):
-        kernels.write_kv_cache(_r(1, 1, 16, grad=False), _r(1, 1, 16, grad=False), *cache, _int([99], torch.int64))
-    assert any(call.startswith("Tensor.item at kernels/ops/write_kv_cache.py") for call in syncs.calls), str(syncs)
-    assert "aten.nonzero.default inside kernels.write_kv_cache.default" in syncs.aten, str(syncs)
-    assert any(s.startswith("aten._local_scalar_dense.default inside kernels.write_kv_cache") for s in syncs.aten)
+        kernel_ladder.write_kv_cache(_r(1, 1, 16, grad=False), _r(1, 1, 16, grad=False), *cache, _int([99], torch.int64))
+    assert any(call.startswith("Tensor.item at kernels/kernel_ladder/ops/write_kv_cache.py") for call in syncs.calls), str(syncs)
+    assert "aten.nonzero.default inside kernel_ladder.write_kv_cache.default" in syncs.aten, str(syncs)
+    assert any(s.startswith("aten._local_scalar_dense.default inside kernel_ladder.write_kv_cache") for s in syncs.aten)
     syncs = HostSyncs()
     with runtime.check_values(True), syncs.watching(), pytest.raises(ValueError):
-        kernels.grouped_matmul(_r(6, 16, grad=False), _r(3, 16, 16, grad=False), _int([4, 2, 5]))
-    assert any(call.startswith("Tensor.tolist at kernels/ops/grouped_matmul.py") for call in syncs.calls), str(syncs)
+        kernel_ladder.grouped_matmul(_r(6, 16, grad=False), _r(3, 16, 16, grad=False), _int([4, 2, 5]))
+    assert any(call.startswith("Tensor.tolist at kernels/kernel_ladder/ops/grouped_matmul.py") for call in syncs.calls), str(syncs)
 
 
 def test_the_interpreters_own_copies_are_not_counted():
     """Triton's interpreter copies arguments to numpy: the emulation of a launch, not the op's."""
-    syncs = run_without_syncs(lambda: kernels.gelu(_r(64, grad=False)))
+    syncs = run_without_syncs(lambda: kernel_ladder.gelu(_r(64, grad=False)))
     assert not syncs, str(syncs)
 
 
@@ -386,7 +386,7 @@ def test_value_checks_default_on_for_cpu_tensors_and_settable():
 def test_value_checks_follow_the_environment():
     import subprocess
 
-    code = ("import kernels, torch; from kernels import runtime; "
+    code = ("import kernel_ladder, torch; from kernel_ladder import runtime; "
             "print(runtime.check_values.setting(), runtime.values_checked(torch.zeros(1)))")
     env = {**os.environ, runtime.CHECK_VALUES_ENV: "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
@@ -398,30 +398,30 @@ def test_value_checks_follow_the_environment():
 
 #: (what, a call with one bad value) for every data-dependent value check.
 BAD_VALUES = {
-    "cross_entropy targets": (lambda: kernels.cross_entropy(_r(2, 5, grad=False), _int([1, 5], torch.int64)),
+    "cross_entropy targets": (lambda: kernel_ladder.cross_entropy(_r(2, 5, grad=False), _int([1, 5], torch.int64)),
                               r"kernels\.cross_entropy: target must hold class indices in \[0, 5\)"),
-    "flce targets": (lambda: kernels.fused_linear_cross_entropy(_r(2, 8, grad=False), _r(5, 8, grad=False),
+    "flce targets": (lambda: kernel_ladder.fused_linear_cross_entropy(_r(2, 8, grad=False), _r(5, 8, grad=False),
                                                                 _int([-3, 1], torch.int64)),
                      r"kernels\.cross_entropy: target must hold class indices in \[0, 5\)"),
-    "grouped_matmul offsets": (lambda: kernels.grouped_matmul(_r(6, 16, grad=False), _r(2, 16, 16, grad=False),
+    "grouped_matmul offsets": (lambda: kernel_ladder.grouped_matmul(_r(6, 16, grad=False), _r(2, 16, 16, grad=False),
                                                               _int([4, 2])),
                                r"kernels\.grouped_matmul: offsets must be non-negative, non-decreasing"),
-    "moe_permute expert ids": (lambda: kernels.moe_permute(_int([[0, 4]]), 4),
+    "moe_permute expert ids": (lambda: kernel_ladder.moe_permute(_int([[0, 4]]), 4),
                                r"kernels\.moe_permute: expert_ids must be in \[0, num_experts\) = \[0, 4\); "
                                r"got ids from 0 to 4"),
-    "paged seq_lens": (lambda: kernels.paged_attention(_r(1, 2, 16, grad=False), _r(4, 8, 1, 16, grad=False),
+    "paged seq_lens": (lambda: kernel_ladder.paged_attention(_r(1, 2, 16, grad=False), _r(4, 8, 1, 16, grad=False),
                                                        _r(4, 8, 1, 16, grad=False), _int([[0, 1]]), _int([17])),
                        r"kernels\.paged_attention: seq_lens must be in \[0, max_blocks \* block_size\]"),
-    "paged block tables": (lambda: kernels.paged_attention(_r(1, 2, 16, grad=False), _r(4, 8, 1, 16, grad=False),
+    "paged block tables": (lambda: kernel_ladder.paged_attention(_r(1, 2, 16, grad=False), _r(4, 8, 1, 16, grad=False),
                                                            _r(4, 8, 1, 16, grad=False), _int([[0, 4]]), _int([9])),
                            r"kernels\.paged_attention: every block_tables entry a sequence uses .* in \[0, "
                            r"num_blocks = 4\); got block_tables\[0, 1\] = 4 \(sequence 0 has seq_len 9\)"),
-    "write_kv_cache slots": (lambda: kernels.write_kv_cache(_r(2, 1, 16, grad=False), _r(2, 1, 16, grad=False),
+    "write_kv_cache slots": (lambda: kernel_ladder.write_kv_cache(_r(2, 1, 16, grad=False), _r(2, 1, 16, grad=False),
                                                             _r(3, 8, 1, 16, grad=False), _r(3, 8, 1, 16, grad=False),
                                                             _int([0, 24], torch.int64)),
                              r"kernels\.write_kv_cache: slot_mapping must hold slots below num_blocks \* "
                              r"block_size = 24 \(or a negative slot for padding\); got slot_mapping\[1\] = 24"),
-    "varlen cu_seqlens": (lambda: kernels.flash_attention_varlen(_r(5, 1, 16, grad=False), _r(5, 1, 16, grad=False),
+    "varlen cu_seqlens": (lambda: kernel_ladder.flash_attention_varlen(_r(5, 1, 16, grad=False), _r(5, 1, 16, grad=False),
                                                                  _r(5, 1, 16, grad=False), _int([0, 3, 4]),
                                                                  _int([0, 3, 5]), 4, 4),
                           r"kernels\.flash_attention_varlen: cu_seqlens_q must start at 0"),
@@ -449,7 +449,7 @@ def test_each_value_check_raises_by_default_on_the_cpu_and_is_skipped_when_off(w
 
 
 def test_device_assertion_message_says_how_to_turn_the_checks_on():
-    assert "kernels.runtime.check_values(True)" in runtime.CHECK_VALUES_HINT
+    assert "kernel_ladder.runtime.check_values(True)" in runtime.CHECK_VALUES_HINT
     assert runtime.CHECK_VALUES_ENV + "=1" in runtime.CHECK_VALUES_HINT
 
 

@@ -8,11 +8,11 @@ import triton
 import triton.language as tl
 from triton.runtime import autotuner, interpreter, jit
 
-import kernels
+import kernel_ladder
 from utils import overhead
 from utils.overhead import Overhead, dispatch_floor, eager_time, host_overhead, no_launch
 
-DEVICE = kernels.runtime.DEVICE
+DEVICE = kernel_ladder.runtime.DEVICE
 
 
 @triton.jit
@@ -28,7 +28,7 @@ def _patched_attributes():
 def test_no_launch_leaves_the_output_unwritten(poisoned, gen):
     x = torch.randn(3, 50, generator=gen).to(DEVICE)
     with no_launch() as block:
-        out = kernels.gelu(x)
+        out = kernel_ladder.gelu(x)
     assert torch.isnan(out).all(), "a kernel ran under no_launch: its output was written"
     assert block.launches == 1
     assert block.by_kernel == {"gelu_kernel": 1}
@@ -52,7 +52,7 @@ def test_no_launch_restores_every_patched_attribute_and_kernels_run_again(poison
         assert all(cls.__dict__[name] is stub for cls, name, stub in overhead._PATCHES)
     assert _patched_attributes() == before
     x = torch.randn(2, 33, generator=gen).to(DEVICE)
-    torch.testing.assert_close(kernels.gelu(x), torch.nn.functional.gelu(x))
+    torch.testing.assert_close(kernel_ladder.gelu(x), torch.nn.functional.gelu(x))
 
 
 def test_no_launch_restores_after_an_exception():
@@ -65,7 +65,7 @@ def test_no_launch_restores_after_an_exception():
 def test_no_launch_counts_forward_and_backward_launches(gen):
     x = torch.randn(4, 30, generator=gen, device=DEVICE, requires_grad=True)
     with no_launch() as block:
-        y = kernels.softmax(x, dim=-1)
+        y = kernel_ladder.softmax(x, dim=-1)
         y.backward(torch.ones_like(y))
     assert block.launches == 2
     assert block.by_kernel == {"softmax_kernel": 1, "softmax_backward_kernel": 1}
@@ -115,7 +115,7 @@ def test_no_launch_covers_the_autotuner_and_the_jit_launch():
 
 def test_host_overhead_gives_sane_positive_numbers(gen):
     x = torch.randn(4, 64, generator=gen).to(DEVICE)
-    result = host_overhead(kernels.gelu, x, number=20, repeat=3, warmup=2)
+    result = host_overhead(kernel_ladder.gelu, x, number=20, repeat=3, warmup=2)
     assert isinstance(result, Overhead)
     assert 0 < result.min_us <= result.median_us
     assert result.launches_per_call == 1
@@ -125,7 +125,7 @@ def test_host_overhead_gives_sane_positive_numbers(gen):
 def test_host_overhead_of_forward_and_backward_counts_both_launches(gen):
     x = torch.randn(4, 64, generator=gen, device=DEVICE, requires_grad=True)
     g = torch.ones(4, 64, device=DEVICE)
-    result = host_overhead(lambda: kernels.silu(x).backward(g), number=10, repeat=3, warmup=1)
+    result = host_overhead(lambda: kernel_ladder.silu(x).backward(g), number=10, repeat=3, warmup=1)
     assert result.launches_per_call == 2
     assert result.median_us > 0
 
@@ -159,14 +159,14 @@ def test_python_calls_sees_the_validation_a_wrapper_skips(gen):
     # The public wrappers check only what the op's schema would refuse (the op checks values):
     # calling the wrapper costs at most a handful of calls more than calling the op directly.
     x, w = torch.randn(8, 64, generator=gen).to(DEVICE), torch.randn(64, generator=gen).to(DEVICE)
-    before = kernels.runtime.values_checked()
-    kernels.runtime.check_values(False)
+    before = kernel_ladder.runtime.values_checked()
+    kernel_ladder.runtime.check_values(False)
     try:
-        wrapper = overhead.python_calls(kernels.rms_norm, x, w)
-        op = overhead.python_calls(torch.ops.kernels.rms_norm, x, w, 1e-6)
+        wrapper = overhead.python_calls(kernel_ladder.rms_norm, x, w)
+        op = overhead.python_calls(torch.ops.kernel_ladder.rms_norm, x, w, 1e-6)
         floor = overhead.python_calls(overhead.floor_op(), x)
     finally:
-        kernels.runtime.check_values(before)
+        kernel_ladder.runtime.check_values(before)
     assert floor < op <= wrapper <= op + 10, (floor, op, wrapper)
 
 

@@ -1,4 +1,4 @@
-"""kernels.patch on Hugging Face's own models (tiny random configs, fp32): patched against unpatched
+"""kernel_ladder.patch on Hugging Face's own models (tiny random configs, fp32): patched against unpatched
 logits (or encoder states), loss and every parameter's gradient for each supported family; what
 the patched forward dispatches (kernels ops for norms, rotary, attention and MLP; no torch softmax
 or SDPA); unpatch_model restores; bad input is refused with clear errors."""
@@ -12,7 +12,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-import kernels.patch as kp  # noqa: E402
+import kernel_ladder.patch as kp  # noqa: E402
 from utils.trace import OpLog  # noqa: E402
 
 VOCAB = 64
@@ -115,7 +115,7 @@ def test_the_patched_forward_runs_kernels_ops_and_no_torch_attention():
     assert any("scaled_dot_product" in n or "softmax" in n for n in before)  # the control: HF's own path
     kp.patch_model(model)
     after = _dispatched(model, ids)
-    for op in ("kernels.rms_norm", "kernels.rope", "kernels.flash_attention", "kernels.gated_mlp", "kernels.linear"):
+    for op in ("kernel_ladder.rms_norm", "kernel_ladder.rope", "kernel_ladder.flash_attention", "kernel_ladder.gated_mlp", "kernel_ladder.linear"):
         assert op in after, (op, sorted(after))
     assert not any("softmax" in n or "scaled_dot_product" in n or n in ("aten.mm", "aten.addmm", "aten.bmm")
                    for n in after), sorted(after)

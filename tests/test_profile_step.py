@@ -17,9 +17,9 @@ from bench import gpu_check  # noqa: E402
 from bench import profile_step as ps  # noqa: E402
 
 # Every op of the decoder's training step (utils.transformer): each must show up under its name.
-STEP_OPS = {"kernels::rms_norm", "kernels::linear", "kernels::rope", "kernels::flash_attention", "kernels::add",
-            "kernels::gated_mlp", "kernels::fused_linear_cross_entropy", "kernels::rms_norm_backward",
-            "kernels::linear_backward", "kernels::flash_attention_backward"}
+STEP_OPS = {"kernel_ladder::rms_norm", "kernel_ladder::linear", "kernel_ladder::rope", "kernel_ladder::flash_attention", "kernel_ladder::add",
+            "kernel_ladder::gated_mlp", "kernel_ladder::fused_linear_cross_entropy", "kernel_ladder::rms_norm_backward",
+            "kernel_ladder::linear_backward", "kernel_ladder::flash_attention_backward"}
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def test_the_trace_table_and_data_are_written(profiled):
     trace = json.loads((where / "step_trace.json").read_text())
     names = {e.get("name") for e in trace["traceEvents"]}
     assert STEP_OPS <= names, f"missing from the chrome trace: {sorted(STEP_OPS - names)}"
-    assert "kernels::rms_norm" in (where / "top_ops.txt").read_text()
+    assert "kernel_ladder::rms_norm" in (where / "top_ops.txt").read_text()
     assert json.loads((where / "profile.json").read_text()) == data
     assert data["size"] == "smoke" and data["steps"] == 1 and data["time_key"] == "self_cpu_us"
     ops = {e["name"] for e in ps.kernel_ops(data)}
@@ -47,11 +47,11 @@ def test_the_plot_draws_the_kernels_ops(profiled):
     _, data = profiled
     ax = ps.plot_profile(data, top=5)
     labels = [t.get_text() for t in ax.get_yticklabels()]
-    assert len(labels) == 5 and all(label.startswith("kernels::") for label in labels)
+    assert len(labels) == 5 and all(label.startswith("kernel_ladder::") for label in labels)
     assert all(p.get_width() >= 0 for p in ax.patches)
     plt.close("all")
-    with pytest.raises(ValueError, match="plot_profile: the profile has no kernels:: events"):
-        ps.plot_profile({**data, "events": [e for e in data["events"] if not e["name"].startswith("kernels::")]})
+    with pytest.raises(ValueError, match="plot_profile: the profile has no kernel_ladder:: events"):
+        ps.plot_profile({**data, "events": [e for e in data["events"] if not e["name"].startswith("kernel_ladder::")]})
 
 
 @pytest.mark.parametrize("kwargs, message", [({"size": "huge"}, "size must be one of"),
@@ -77,6 +77,6 @@ def test_gpu_check_summary_lists_the_profiled_ops(profiled):
     results = {"device": "d", "torch": "t", "triton": "tr", "date": "today", "copy_GBps": 1.0, "correctness": [],
                "timings": [], "peaks": [],
                "profile": {"dir": str(out / "profile"), "time_key": data["time_key"],
-                           "top_kernels_ops": [{"name": "kernels::linear", data["time_key"]: 1500.0}]}}
+                           "top_kernels_ops": [{"name": "kernel_ladder::linear", data["time_key"]: 1500.0}]}}
     text = gpu_check.summary(results, [])
-    assert "top kernels ops by self_cpu_us" in text and "kernels::linear" in text and "1.500 ms" in text
+    assert "top kernels ops by self_cpu_us" in text and "kernel_ladder::linear" in text and "1.500 ms" in text

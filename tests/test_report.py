@@ -33,18 +33,18 @@ def test_every_ladder_step_is_correct_and_counted(chapter):
     by = {(r.op, r.step): r for r in rows}
     if chapter == "00_gpu_model":
         # Exact traffic of the top step: vector add reads two fp32 vectors and writes one.
-        add = by[("vector add", "triton kernels.add")]
+        add = by[("vector add", "triton kernel_ladder.add")]
         assert add.bytes == add.ideal_bytes == 12 * 2048 and add.launches == 1
         # The Python loop launches two kernels per element (add, copy_); its selects are views.
         assert by[("vector add", "python loop")].launches == 2 * 2048
     if chapter == "01_elementwise":
         # Fusion: the fused SwiGLU moves the ideal bytes in one launch; the 3-launch chain moves more.
-        fused = by[("swiglu", "triton kernels.swiglu (fused)")]
+        fused = by[("swiglu", "triton kernel_ladder.swiglu (fused)")]
         chain = by[("swiglu", "torch sigmoid, mul, mul")]
         assert fused.launches == 1 and fused.bytes_ratio <= 1.05
         assert chain.launches == 3 and chain.bytes > 2 * fused.bytes
     if chapter == "09_moe":
-        # The loop over experts launches more with every expert; the composed ops and kernels.moe do not.
+        # The loop over experts launches more with every expert; the composed ops and kernel_ladder.moe do not.
         from bench.ch09_moe import MOE_EXPERTS, MOE_LOOP
 
         def launches(step):
@@ -52,7 +52,7 @@ def test_every_ladder_step_is_correct_and_counted(chapter):
 
         loop = launches(MOE_LOOP)
         assert loop == sorted(loop) and len(set(loop)) == len(loop), loop
-        for step in ("kernels ops composed (route, sort, gather, GEMM, swiglu, GEMM, combine)", "kernels.moe"):
+        for step in ("kernel_ladder ops composed (route, sort, gather, GEMM, swiglu, GEMM, combine)", "kernel_ladder.moe"):
             assert len(set(launches(step))) == 1, (step, launches(step))
 
 

@@ -5,9 +5,9 @@ import torch
 import triton
 import triton.language as tl
 
-import kernels  # noqa: F401  (fixes the mode before the kernel below is defined)
-from kernels._launch import next_power_of_2
-from kernels._rows import merge_trailing, plan_rows, row_start
+import kernel_ladder  # noqa: F401  (fixes the mode before the kernel below is defined)
+from kernel_ladder._launch import next_power_of_2
+from kernel_ladder._rows import merge_trailing, plan_rows, row_start
 
 
 @triton.jit

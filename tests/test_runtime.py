@@ -2,7 +2,7 @@
 
 The bf16 tests run Triton kernels that feed bf16 values straight into arithmetic, ``tl.dot``,
 reductions and casts — exactly what production kernels do — and compare with torch. Without
-``kernels._interpreter_numerics`` every one of them fails in the interpreter (negative control
+``kernel_ladder._interpreter_numerics`` every one of them fails in the interpreter (negative control
 at the bottom shows the unpatched interpreter is wrong).
 """
 
@@ -18,9 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-import kernels
-from kernels import _interpreter_numerics as numerics
-from kernels import runtime
+import kernel_ladder
+from kernel_ladder import _interpreter_numerics as numerics
+from kernel_ladder import runtime
 
 interpreter_only = pytest.mark.skipif(not runtime.INTERPRETER, reason="interpreter numerics only")
 
@@ -95,9 +95,9 @@ def test_mode_is_interpreter_without_cuda():
 
 
 def test_import_alone_needs_nothing_set():
-    """`import kernels` in a fresh interpreter with no TRITON_* variables works and picks a mode."""
+    """`import kernel_ladder` in a fresh interpreter with no TRITON_* variables works and picks a mode."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TRITON_", "KERNEL_LADDER_"))}
-    code = "import kernels, os; print(kernels.runtime.mode(), os.environ.get('TRITON_INTERPRET'))"
+    code = "import kernel_ladder, os; print(kernel_ladder.runtime.mode(), os.environ.get('TRITON_INTERPRET'))"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     expected = "compiled" if torch.cuda.is_available() else "interpreter 1"
@@ -109,7 +109,7 @@ def test_compiled_launch_without_gpu_says_what_to_do(monkeypatch):
     monkeypatch.setattr(runtime, "INTERPRETER", False)
     assert "no CUDA device is visible" in runtime.describe()  # describe() itself must not crash
     with pytest.raises(RuntimeError, match=r"kernels\.add: cannot launch a compiled Triton kernel.*KERNEL_LADDER"):
-        runtime.require_launchable("kernels.add", torch.zeros(1))
+        runtime.require_launchable("kernel_ladder.add", torch.zeros(1))
 
 
 def test_bf16_codec_round_to_nearest_even_matches_torch():
@@ -207,11 +207,11 @@ def test_negative_control_unpatched_interpreter_is_wrong(monkeypatch):
 
 
 def test_package_stands_alone():
-    """kernels must not import the course's packages."""
+    """kernel_ladder must not import the course's packages."""
     import pathlib
     import re
 
-    root = pathlib.Path(kernels.__file__).parent
+    root = pathlib.Path(kernel_ladder.__file__).parent
     for path in root.rglob("*.py"):
         text = path.read_text()
         assert not re.search(r"^\s*(from|import)\s+(utils|solutions|chapters|bench)\b", text, re.M), path
@@ -224,7 +224,7 @@ import torch, triton, triton.language as tl
 def defined_too_early(x_ptr):
     tl.store(x_ptr, 1.0)
 
-import kernels
+import kernel_ladder
 
 @triton.jit
 def uses_library(x_ptr, o_ptr, B: tl.constexpr):
@@ -247,14 +247,14 @@ except RuntimeError as error:
 @interpreter_only
 def test_triton_imported_before_kernels(tmp_path):
     """tl.sum & co. still work when triton.language was imported first; a kernel defined before
-    `import kernels` gets an error that says what to do instead of Triton's '0 active drivers'."""
+    `import kernel_ladder` gets an error that says what to do instead of Triton's '0 active drivers'."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TRITON_", "KERNEL_LADDER_"))}
     script = tmp_path / "early_import.py"  # Triton reads kernel source from a file
     script.write_text(_EARLY_IMPORT)
     out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "ERROR: kernels: this Triton kernel was built for compilation" in out.stdout
-    assert "Import kernels (or utils) before defining" in out.stdout
+    assert "Import kernel_ladder (or utils) before defining" in out.stdout
 
 
 @pytest.mark.interpreter
@@ -262,8 +262,8 @@ def test_interpreter_does_not_warn_about_inf_and_nan_a_gpu_computes_silently():
     import warnings
 
     with warnings.catch_warnings(record=True) as caught:
-        kernels.silu(torch.full((4,), -100.0))  # exp(100) overflows to inf: sigmoid is 0, as on a GPU
-        kernels.softmax(torch.full((2, 3), float("-inf")))  # -inf - -inf: nan, as torch gives
+        kernel_ladder.silu(torch.full((4,), -100.0))  # exp(100) overflows to inf: sigmoid is 0, as on a GPU
+        kernel_ladder.softmax(torch.full((2, 3), float("-inf")))  # -inf - -inf: nan, as torch gives
     assert not [w for w in caught if issubclass(w.category, RuntimeWarning)]
 
 

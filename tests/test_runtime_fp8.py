@@ -4,7 +4,7 @@ What the interpreter does on its own (the negative controls at the bottom show i
 values as raw bytes and decodes the NaN codes 0x7F / 0xFF as +-480; its fp32 -> fp8 conversion
 flushes subnormals to zero, does not round to nearest even, and does not saturate (500 becomes
 256, 464 becomes NaN, inf becomes 256); and fp8 arithmetic acts on the codes. The runtime's
-repairs (``kernels._interpreter_numerics``: decode exactly, compute in fp32, encode with
+repairs (``kernel_ladder._interpreter_numerics``: decode exactly, compute in fp32, encode with
 round-to-nearest-even and saturation to +-448, as a GPU's ``cvt.rn.satfinite`` and torch do) make
 every check here pass. int8 ``tl.dot`` needs no repair: the interpreter accumulates it in int32
 exactly, which is checked too.
@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _interpreter_numerics as numerics
-from kernels import runtime
+from kernel_ladder import _interpreter_numerics as numerics
+from kernel_ladder import runtime
 
 interpreter_only = pytest.mark.skipif(not runtime.INTERPRETER, reason="interpreter numerics only")
 E4M3 = torch.float8_e4m3fn

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-import kernels
+import kernel_ladder
 import solutions.ch00_gpu_model as sol
 from utils.exercises import check
 from utils.roofline import arithmetic_intensity
@@ -22,7 +22,7 @@ from utils.trace import trace
 # The checker's out-of-bounds diagnoses and the traced references need the interpreter.
 pytestmark = pytest.mark.interpreter
 
-DEVICE = kernels.runtime.DEVICE
+DEVICE = kernel_ladder.runtime.DEVICE
 
 
 # ----------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-import kernels
+import kernel_ladder
 from solutions import ch01_elementwise as solutions
 from utils.exercises import check
 
@@ -23,7 +23,7 @@ from utils.exercises import check
 pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"), pytest.mark.interpreter]
 
 BLOCK = 1024
-DEVICE = kernels.runtime.DEVICE
+DEVICE = kernel_ladder.runtime.DEVICE
 
 
 # ----------------------------------------------------------------------------------------------
@@ -130,12 +130,12 @@ def dropout_cases(gen: torch.Generator) -> list:
 
 
 def dropout_reference(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
-    keep = kernels.dropout_mask(x.shape, p, seed, x.device)
+    keep = kernel_ladder.dropout_mask(x.shape, p, seed, x.device)
     return torch.where(keep, x / (1 - p), 0.0)
 
 
 def measured_swiglu_bytes(n_elements: int, element_size: int) -> tuple[int, int]:
-    """What the tracer counts for ``sigmoid(g) * g * u`` and for ``kernels.swiglu``."""
+    """What the tracer counts for ``sigmoid(g) * g * u`` and for ``kernel_ladder.swiglu``."""
     from utils.trace import trace
 
     dtype = {2: torch.bfloat16, 4: torch.float32}[element_size]
@@ -144,7 +144,7 @@ def measured_swiglu_bytes(n_elements: int, element_size: int) -> tuple[int, int]
     with trace() as unfused:
         torch.sigmoid(gate) * gate * up
     with trace() as fused:
-        kernels.swiglu(gate, up)
+        kernel_ladder.swiglu(gate, up)
     return unfused.bytes, fused.bytes
 
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-import kernels
+import kernel_ladder
 from solutions import ch02_softmax as solutions
 from utils.aot import run_compiled
 from utils.exercises import check
@@ -32,7 +32,7 @@ pytestmark = [
     pytest.mark.interpreter,
 ]
 
-DEVICE = kernels.runtime.DEVICE
+DEVICE = kernel_ladder.runtime.DEVICE
 ROW_SUM_BLOCK = 1024
 ROWS_PER_PROGRAM = 8
 ONLINE_BLOCK = 256

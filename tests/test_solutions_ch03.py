@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-import kernels
+import kernel_ladder
 from solutions import ch03_normalization as solutions
 from utils.aot import run_compiled
 from utils.exercises import check
@@ -30,7 +30,7 @@ from utils.trace import trace
 # launcher and compile tests run compiled on a GPU too.
 interpreter = pytest.mark.interpreter
 
-DEVICE = kernels.runtime.DEVICE
+DEVICE = kernel_ladder.runtime.DEVICE
 LAYER_NORM_EPS = 1e-5
 BLOCK_M, BLOCK_N = 16, 128
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-import kernels
+import kernel_ladder
 from solutions import ch04_matmul as solutions
 from utils.aot import run_compiled
 from utils.coalescing import matrix_strides, tile_requests
@@ -27,7 +27,7 @@ from utils.trace import trace
 
 pytestmark = pytest.mark.interpreter  # out-of-bounds diagnoses need the interpreter's tracer
 
-DEVICE = kernels.runtime.DEVICE
+DEVICE = kernel_ladder.runtime.DEVICE
 
 
 # ----------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-import kernels
+import kernel_ladder
 from solutions import ch05_quantization as solutions
 from utils.aot import run_compiled
 from utils.exercises import check
@@ -27,7 +27,7 @@ from utils.trace import trace
 # The checker's out-of-bounds diagnosis and the interpreter's numerics need the interpreter.
 pytestmark = pytest.mark.interpreter
 
-DEVICE = kernels.runtime.DEVICE
+DEVICE = kernel_ladder.runtime.DEVICE
 
 
 def _randn(gen, *shape, dtype=torch.float32, scale=1.0):
@@ -65,7 +65,7 @@ def int8_cases(gen: torch.Generator) -> list:
 
 
 def int8_reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    qweight = kernels.quantize_weight(w, "int8")
+    qweight = kernel_ladder.quantize_weight(w, "int8")
     return qweight.data, qweight.scales
 
 
@@ -229,7 +229,7 @@ def test_pack_and_unpack_match_the_library_layout():
     gen = torch.Generator().manual_seed(0)
     for k in (64, 301):
         w = torch.randn(20, k, generator=gen).to(DEVICE)
-        qweight = kernels.quantize_weight(w, "int4", group_size=32)
+        qweight = kernel_ladder.quantize_weight(w, "int4", group_size=32)
         q = solutions.unpack_int4(qweight.data, k)
         assert torch.equal(solutions.pack_int4(q), qweight.data)
         scales = qweight.scales.float().repeat_interleave(32, dim=1)[:, :k]
@@ -275,7 +275,7 @@ def int4_linear_cases(gen: torch.Generator) -> list:
     def case(m, n, k, group_size, dtype):
         x = _randn(gen, m, k, dtype=dtype)
         packed = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8).to(DEVICE)
-        # group-major scales, as kernels.quantize_weight lays them out; sized for outputs of about 1
+        # group-major scales, as kernel_ladder.quantize_weight lays them out; sized for outputs of about 1
         scales = (0.5 + torch.rand(k // group_size, n, generator=gen)).t().to(DEVICE) * (0.3 / k**0.5)
         return x, packed, scales, group_size
 
@@ -373,10 +373,10 @@ def test_int4_linear_launcher_matches_kernels_quantized_linear():
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(96, 256, generator=gen).to(DEVICE)
     x = torch.randn(3, 256, generator=gen).to(DEVICE)
-    qweight = kernels.quantize_weight(w, "int4", group_size=64)
+    qweight = kernel_ladder.quantize_weight(w, "int4", group_size=64)
     ours = solutions.int4_linear(x, qweight.data, qweight.scales, 64)
     with torch.no_grad():
-        theirs = kernels.quantized_linear(x, qweight)
+        theirs = kernel_ladder.quantized_linear(x, qweight)
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
 
 
@@ -404,7 +404,7 @@ def per_token_cases(gen: torch.Generator) -> list:
 
 
 def per_token_reference(x):
-    return kernels.quantize_activations(x)
+    return kernel_ladder.quantize_activations(x)
 
 
 @triton.jit
@@ -562,11 +562,11 @@ def test_w8a8_launcher_matches_kernels_quantized_linear():
     gen = torch.Generator().manual_seed(2)
     w = torch.randn(40, 200, generator=gen).to(DEVICE)
     x = torch.randn(6, 200, generator=gen).to(DEVICE)
-    qweight = kernels.quantize_weight(w, "int8")
+    qweight = kernel_ladder.quantize_weight(w, "int8")
     xq, x_scales = solutions.quantize_per_token(x)
     ours = solutions.w8a8_matmul(xq, x_scales, qweight.data, qweight.scales)
     with torch.no_grad():
-        theirs = kernels.quantized_linear(x, qweight, activations="int8")
+        theirs = kernel_ladder.quantized_linear(x, qweight, activations="int8")
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
 
 

@@ -13,14 +13,14 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-import kernels
+import kernel_ladder
 from solutions import ch06_fused_ops as solutions
 from utils.exercises import check
 from utils.trace import trace
 
 pytestmark = pytest.mark.interpreter  # the traffic checks and diagnoses need the interpreter
 
-DEVICE = kernels.runtime.DEVICE
+DEVICE = kernel_ladder.runtime.DEVICE
 
 
 # ----------------------------------------------------------------------------------------------
@@ -184,10 +184,10 @@ def test_rope_backward_solution_and_negative_controls():
 
 
 def test_rope_backward_matches_the_kernels_backward(gen):
-    """The exercise's formula is what kernels.rope's BACKWARD kernel computes."""
+    """The exercise's formula is what kernel_ladder.rope's BACKWARD kernel computes."""
     q = torch.randn(1, 2, 4, 16, generator=gen).to(DEVICE).requires_grad_()
-    cos, sin = kernels.rope_cos_sin(torch.arange(4, device=DEVICE), 16)
-    q_embed, _ = kernels.rope(q, q.detach()[:, :1], cos, sin)
+    cos, sin = kernel_ladder.rope_cos_sin(torch.arange(4, device=DEVICE), 16)
+    q_embed, _ = kernel_ladder.rope(q, q.detach()[:, :1], cos, sin)
     g = torch.randn(q_embed.shape, generator=gen).to(DEVICE)
     (dq,) = torch.autograd.grad(q_embed, q, g)
     torch.testing.assert_close(dq, solutions.rope_backward(g, cos, sin), rtol=1e-6, atol=1e-6)

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-import kernels
+import kernel_ladder
 from solutions import ch07_flash_attention as solutions
 from solutions.ch07_flash_attention import kv_head_index as solution_kv_head_index
 from utils.exercises import check
@@ -22,7 +22,7 @@ from utils.trace import trace
 
 pytestmark = pytest.mark.interpreter  # the traffic checks and diagnoses need the interpreter
 
-DEVICE = kernels.runtime.DEVICE
+DEVICE = kernel_ladder.runtime.DEVICE
 
 
 def attention_reference(q, k, v):

@@ -3,7 +3,7 @@
 Each exercise is checked as the notebook checks it (the same givens from ``solutions.ch08_kv_cache``:
 cases, launcher, reference, diagnosis), once with the solution (SOLVED) and once per negative control
 — a plausible wrong answer the checker must reject, with the diagnosis it must give. The admission
-rule is also checked against :class:`kernels.kv_cache.Scheduler`, which must apply the same rule.
+rule is also checked against :class:`kernel_ladder.kv_cache.Scheduler`, which must apply the same rule.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-import kernels
-from kernels.kv_cache import PagedKVCache, Scheduler
+import kernel_ladder
+from kernel_ladder.kv_cache import PagedKVCache, Scheduler
 from solutions import ch08_kv_cache as given
 from utils.exercises import check
 
@@ -134,7 +134,7 @@ def test_paged_decode_negative_controls(bug):
 def test_the_production_kernel_passes_the_same_check():
     def production(q, k_cache, v_cache, block_tables, seq_lens, out):
         lens = torch.tensor(seq_lens, dtype=torch.int32, device=q.device)
-        out.copy_(kernels.paged_attention(q, k_cache, v_cache, block_tables, lens))
+        out.copy_(kernel_ladder.paged_attention(q, k_cache, v_cache, block_tables, lens))
         return out
 
     assert check("ch08.paged_decode_kernel", production, given.paged_reference, given.decode_cases, out=True).solved
@@ -143,12 +143,12 @@ def test_the_production_kernel_passes_the_same_check():
 def test_the_lesson_kernel_reads_kv_once_per_query_head_and_production_once_per_kv_head():
     from utils.trace import trace
 
-    inputs = given.paged_inputs([100, 33, 57], 8, 2, 32, 16, device=kernels.runtime.DEVICE, seed=1)
+    inputs = given.paged_inputs([100, 33, 57], 8, 2, 32, 16, device=kernel_ladder.runtime.DEVICE, seed=1)
     ideal = given.decode_ideal_bytes(*inputs)
     with trace() as per_head:
         given.launch_paged_decode(given.paged_decode_kernel, *inputs, torch.empty_like(inputs[0]))
     with trace() as grouped:
-        kernels.paged_attention(*inputs)
+        kernel_ladder.paged_attention(*inputs)
     assert grouped.bytes <= 1.05 * ideal
     assert per_head.bytes > 3.5 * ideal  # G = 4: the K/V read four times
 

@@ -3,7 +3,7 @@
 Each exercise is checked as the notebook checks it (the same givens from ``solutions.ch09_moe``:
 cases, launcher, reference, diagnosis), once with the solution (SOLVED) and once per negative control
 — a plausible wrong answer the checker must reject, with the diagnosis it must give. The library's
-own ops (``kernels.topk_routing``, ``moe_permute``, ``grouped_tile_map``, ``moe_combine``, the
+own ops (``kernel_ladder.topk_routing``, ``moe_permute``, ``grouped_tile_map``, ``moe_combine``, the
 block-sparse attention's block lists) must pass the same checks: the exercises ask what they do.
 """
 
@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-import kernels
-from kernels.ops.block_sparse_attention import block_lists
+import kernel_ladder
+from kernel_ladder.ops.block_sparse_attention import block_lists
 from solutions import ch09_moe as given
 from utils.exercises import check
 
@@ -114,7 +114,7 @@ def test_routing_negative_controls(bug, diagnosis):
 
 def test_the_production_router_passes_the_same_check():
     def production(logits, k, renormalize, weights, ids):
-        w, i = kernels.topk_routing(logits, k, renormalize=renormalize)
+        w, i = kernel_ladder.topk_routing(logits, k, renormalize=renormalize)
         weights.copy_(w)
         ids.copy_(i)
         return weights, ids
@@ -196,7 +196,7 @@ def test_counting_sort_negative_controls(wrong, diagnosis):
 
 
 def test_the_production_permute_passes_the_same_check():
-    assert check_counting_sort(kernels.moe_permute).solved
+    assert check_counting_sort(kernel_ladder.moe_permute).solved
 
 
 # ----------------------------------------------------------------------------------------------
@@ -264,7 +264,7 @@ def test_the_tile_map_diagnosis_names_the_order():
 
 
 def test_the_production_tile_map_passes_the_same_check():
-    assert check_tile_map(kernels.grouped_tile_map).solved
+    assert check_tile_map(kernel_ladder.grouped_tile_map).solved
 
 
 # ----------------------------------------------------------------------------------------------
@@ -305,7 +305,7 @@ def test_combine_solution_solves():
     assert check_combine(given.combine).solved
 
 
-@pytest.mark.parametrize("candidate", [combine_by_scatter_add, kernels.moe_combine], ids=["scatter-add", "production"])
+@pytest.mark.parametrize("candidate", [combine_by_scatter_add, kernel_ladder.moe_combine], ids=["scatter-add", "production"])
 def test_other_right_combines_pass_the_same_check(candidate):
     assert check_combine(candidate).solved
 

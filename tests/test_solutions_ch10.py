@@ -185,10 +185,10 @@ def test_installed_names_an_unknown_registration():
 
 
 def test_double_backward_stays_unsupported_for_the_library_ops_with_a_clear_error():
-    import kernels
+    import kernel_ladder
 
     x = torch.randn(4, 8, requires_grad=True)
-    (grad,) = torch.autograd.grad(kernels.gelu(x).sum(), x, create_graph=True)
+    (grad,) = torch.autograd.grad(kernel_ladder.gelu(x).sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="double backward"):
         grad.sum().backward()
 

@@ -112,7 +112,7 @@ def _short_timeout(init):
 
 def test_bucket_solution_solves_and_matches_the_library():
     assert check_buckets(given.plan_buckets).solved
-    from kernels.distributed import plan_buckets as library
+    from kernel_ladder.distributed import plan_buckets as library
 
     sizes = [400, 40, 4000, 40, 40]
     params = [(str(i), torch.nn.Parameter(torch.zeros(s // 4))) for i, s in enumerate(sizes)]

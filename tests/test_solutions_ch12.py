@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-import kernels  # noqa: E402
+import kernel_ladder  # noqa: E402
 from solutions import ch12_end_to_end as given  # noqa: E402
 from utils.exercises import check  # noqa: E402
 
@@ -33,19 +33,19 @@ def _no_rope(x, layer, cos, sin):
 
 
 def _not_causal(x, layer, cos, sin):
-    original = kernels.flash_attention
+    original = kernel_ladder.flash_attention
     try:
-        kernels.flash_attention = lambda q, k, v, causal=False, **kw: original(q, k, v, causal=False, **kw)
+        kernel_ladder.flash_attention = lambda q, k, v, causal=False, **kw: original(q, k, v, causal=False, **kw)
         return given.decoder_layer(x, layer, cos, sin)
     finally:
-        kernels.flash_attention = original
+        kernel_ladder.flash_attention = original
 
 
 def _no_second_residual(x, layer, cos, sin):
     attn_only = given.decoder_layer(x, layer, cos, sin)
     mlp = layer.mlp
-    h = kernels.rms_norm(attn_only, layer.post_attention_layernorm.weight, 1e-5)  # a wrong path, on purpose
-    return kernels.gated_mlp(h, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+    h = kernel_ladder.rms_norm(attn_only, layer.post_attention_layernorm.weight, 1e-5)  # a wrong path, on purpose
+    return kernel_ladder.gated_mlp(h, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
 
 
 def _calls_the_hf_layer(x, layer, cos, sin):  # right values, no kernels: refused
@@ -136,7 +136,7 @@ def test_accept_wrong_variants_rejected(fn):
 
 def test_the_accept_rule_is_the_engines():
     """The exercise's rule and Engine.verify keep the same drafts given the same uniforms."""
-    from kernels.models import Engine
+    from kernel_ladder.models import Engine
 
     for p, q, drafts, _ in given.accept_cases(torch.Generator().manual_seed(4))[:4]:
         for seed in range(5):

@@ -9,10 +9,10 @@ import triton
 import triton.language as tl
 from triton.runtime import interpreter as interp
 
-import kernels
+import kernel_ladder
 from utils.trace import Trace, format_bytes, ideal_bytes, tensor_bytes, trace
 
-pytestmark = pytest.mark.skipif(not kernels.runtime.INTERPRETER, reason="the tracer watches the interpreter")
+pytestmark = pytest.mark.skipif(not kernel_ladder.runtime.INTERPRETER, reason="the tracer watches the interpreter")
 
 BLOCK = 1024
 
@@ -410,18 +410,18 @@ _double_lib_defined = False
 
 
 def _double_op():
-    """A custom op in the ``kernels`` namespace whose body launches a Triton kernel."""
+    """A custom op in the ``kernel_ladder`` namespace whose body launches a Triton kernel."""
     global _double_lib_defined
     if not _double_lib_defined:
 
-        @torch.library.custom_op("kernels::_trace_test_double", mutates_args=())
+        @torch.library.custom_op("kernel_ladder::_trace_test_double", mutates_args=())
         def _trace_test_double(x: torch.Tensor) -> torch.Tensor:
             out = torch.empty_like(x)
             add_kernel[(triton.cdiv(x.numel(), BLOCK),)](x, x, out, x.numel(), BLOCK=BLOCK)
             return out
 
         _double_lib_defined = True
-    return torch.ops.kernels._trace_test_double
+    return torch.ops.kernel_ladder._trace_test_double
 
 
 def test_kernels_custom_ops_are_counted_by_their_triton_launches_only():
@@ -442,11 +442,11 @@ _hidden_lib_defined = False
 
 
 def _hidden_work_op():
-    """A ``kernels`` custom op that hides torch work behind its Triton launch: a sum, a host sync, a copy."""
+    """A ``kernel_ladder`` custom op that hides torch work behind its Triton launch: a sum, a host sync, a copy."""
     global _hidden_lib_defined
     if not _hidden_lib_defined:
 
-        @torch.library.custom_op("kernels::_trace_test_hidden_work", mutates_args=())
+        @torch.library.custom_op("kernel_ladder::_trace_test_hidden_work", mutates_args=())
         def _trace_test_hidden_work(x: torch.Tensor) -> torch.Tensor:
             scale = x.sum()  # an aten reduction: a kernel and n * 4 bytes
             if scale.item() > 1e30:  # a host synchronization
@@ -461,7 +461,7 @@ def _hidden_work_op():
             return torch.empty_like(x)
 
         _hidden_lib_defined = True
-    return torch.ops.kernels._trace_test_hidden_work
+    return torch.ops.kernel_ladder._trace_test_hidden_work
 
 
 def test_torch_work_inside_a_kernels_op_is_counted_and_attributed_to_it():
@@ -471,7 +471,7 @@ def test_torch_work_inside_a_kernels_op_is_counted_and_attributed_to_it():
         y = op(x)
         z = y + 1
     torch.testing.assert_close(z, 2 * x + 1)
-    inside = "kernels._trace_test_hidden_work.default"
+    inside = "kernel_ladder._trace_test_hidden_work.default"
     assert [(o.name, o.inside) for o in t.torch_ops] == [
         ("aten.sum.default", inside), ("aten._local_scalar_dense.default", inside), ("aten.clone.default", inside),
         ("aten.add.Tensor", ""),
@@ -540,14 +540,14 @@ def test_library_op_forward_and_backward_are_traced_as_triton_launches():
     n = 3000
     x, y = torch.randn(n), torch.randn(n)
     with trace() as t:
-        out = kernels.add(x, y)
+        out = kernel_ladder.add(x, y)
     torch.testing.assert_close(out, x + y)
     assert t.torch_ops == [] and t.num_launches == len(t.launches) == 1
     assert t.bytes == 12 * n == ideal_bytes(x, y, out)
 
     x.requires_grad_(True)
     with trace() as t:
-        kernels.gelu(x).backward(torch.ones(n))
+        kernel_ladder.gelu(x).backward(torch.ones(n))
     assert [launch.kernel for launch in t.launches] == ["gelu_kernel", "gelu_backward_kernel"]
     forward, backward = t.launches
     assert forward.bytes == 8 * n and backward.bytes == 12 * n  # backward reads x and grad, writes grad_x

@@ -8,11 +8,11 @@ import torch
 import triton
 import triton.language as tl
 
-import kernels
+import kernel_ladder
 from utils.trace import SectorAccess, trace
 
 pytestmark = [pytest.mark.interpreter,
-              pytest.mark.skipif(not kernels.runtime.INTERPRETER, reason="the tracer watches the interpreter")]
+              pytest.mark.skipif(not kernel_ladder.runtime.INTERPRETER, reason="the tracer watches the interpreter")]
 
 
 @triton.jit

@@ -1,4 +1,4 @@
-"""utils.transformer: a decoder block built only from kernels ops, against its float64 reference;
+"""utils.transformer: a decoder block built only from kernel_ladder ops, against its float64 reference;
 opcheck of every op it runs; torch.compile(fullgraph=True, dynamic=True) without graph breaks."""
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def _clone_args(args, requires_grad: bool):
 def test_opcheck_every_op_of_the_block(gen):
     model = _model(gen)
     tokens, targets = _batch(gen, model.config, batch=1, seq=8)
-    recorder = OpLog(keep_calls="kernels")  # every kernels:: call, forwards and the backwards they launch
+    recorder = OpLog(keep_calls="kernel_ladder")  # every kernel_ladder:: call, forwards and the backwards they launch
     loss = model.loss(tokens, targets)
     with recorder:
         loss = model.loss(tokens, targets)

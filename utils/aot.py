@@ -6,7 +6,7 @@ laptop what the interpreter cannot: that a kernel is valid compiled Triton for e
 specialization the launcher will create, which instructions it becomes (128-bit vector loads,
 ``wgmma`` tensor-core ops), and whether ptxas had to spill registers to local memory.
 
-Two halves, because kernels are interpreted or compiled per *process* (``kernels.runtime``):
+Two halves, because kernels are interpreted or compiled per *process* (``kernel_ladder.runtime``):
 
 * in the test (interpreter) process, :func:`run_compiled` runs a script in a child process
   with compiled mode forced and its own Triton cache;
@@ -44,7 +44,7 @@ def run_compiled(script: str | os.PathLike, tmp_path: Path | str, timeout: float
     that ruff checks), or the text of one, which is written to ``tmp_path`` first (``@triton.jit``
     needs a kernel's source file). The calling process runs the interpreter
     (``TRITON_INTERPRET=1``); the child must not inherit it. The repository is put on the child's
-    ``PYTHONPATH`` so that it imports this checkout's ``kernels`` and ``utils``.
+    ``PYTHONPATH`` so that it imports this checkout's ``kernel_ladder`` and ``utils``.
     """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     repo = str(Path(__file__).resolve().parent.parent)

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kernels import runtime as _runtime
+from kernel_ladder import runtime as _runtime
 
 __all__ = ["Timing", "Row", "measure", "compare", "format_table", "gbps", "CPU_NOTE"]
 

@@ -5,7 +5,7 @@ processes), NCCL on GPUs. A lesson or a test needs the same function run on ever
 results back, and a deadlock must end with an error, not a hang. :class:`World` does that:
 
     from utils.distributed import World
-    from kernels.distributed import collectives_demo
+    from kernel_ladder.distributed import collectives_demo
 
     with World(4) as world:                       # 4 processes, gloo, a process group each
         results = world.run(collectives_demo.all_reduce_check, 1000)   # one result per rank
@@ -64,7 +64,7 @@ def _function_name(fn: Callable) -> tuple[str, str]:
                         "(workers import it by name); lambdas and nested functions cannot travel")
     if module == "__main__":
         raise TypeError(f"utils.distributed: {qualname} is defined in __main__ (a notebook or script), which the "
-                        "workers cannot import; put it in a module (e.g. solutions/ or kernels/distributed/)")
+                        "workers cannot import; put it in a module (e.g. solutions/ or kernels/kernel_ladder/distributed/)")
     return module, qualname
 
 

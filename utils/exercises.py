@@ -68,7 +68,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-import kernels  # noqa: F401  (fixes interpreter vs compiled mode before any solution kernel is defined)
+import kernel_ladder  # noqa: F401  (fixes interpreter vs compiled mode before any solution kernel is defined)
 
 __all__ = [
     "CHECK_SEED_ENV",

@@ -5,7 +5,7 @@ knows when each one is freed, so it reports the largest number of bytes alive at
 
     from utils.memory import peak_memory
     with peak_memory() as m:
-        loss = kernels.cross_entropy(logits, target)
+        loss = kernel_ladder.cross_entropy(logits, target)
         loss.backward()
     m.peak_bytes          # the most bytes alive at once inside the block
     m.allocated_bytes     # bytes allocated inside the block and still alive at its end
@@ -13,7 +13,7 @@ knows when each one is freed, so it reports the largest number of bytes alive at
 
 How it works: a ``TorchDispatchMode`` sees every operator call below autograd — the forward's
 ops, the backward's (the autograd engine dispatches them too), factory functions such as
-``torch.empty``, and our ``kernels::`` custom ops. For each output it takes the tensor's
+``torch.empty``, and our ``kernel_ladder::`` custom ops. For each output it takes the tensor's
 *storage* (views and in-place results share their input's storage, so each storage is counted
 once) and registers a ``weakref.finalize`` on it: torch keeps one Python object per live
 storage, so the finalizer runs exactly when the memory is released. Custom ops (and any op
@@ -68,7 +68,7 @@ class Allocation:
     """One storage allocated inside the block."""
 
     index: int  # order of allocation
-    op: str  # the operator called from the block (or by autograd), e.g. "aten.mul" or "kernels.gelu"
+    op: str  # the operator called from the block (or by autograd), e.g. "aten.mul" or "kernel_ladder.gelu"
     inner: str  # the operator that returned the storage first (``op`` itself unless ``op`` calls others)
     nbytes: int
     device: str

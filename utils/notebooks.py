@@ -15,7 +15,7 @@ notebook's folder:
    (:func:`output_differences`), except that a rounding residue (a number in e-notation below
    1e-3, an fp32 kernel's error say) may differ by up to :data:`RESIDUE_FACTOR` — its digits
    depend on the CPU the run had. A difference means that a later cell depends on the learner's
-   code (it should use ``kernels`` or the solutions): the notebook is refused and the cell named.
+   code (it should use ``kernel_ladder`` or the solutions): the notebook is refused and the cell named.
 
 Only then is the learner-mode run saved (execution counts 1..n, a run's metadata noise
 removed). ``make test`` proves both modes against the committed outputs through

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-import kernels
+import kernel_ladder
 
 __all__ = ["ELEMENTWISE", "ROWS", "Built", "OpCase", "op_cases"]
 
@@ -37,7 +37,7 @@ class Built:
 
 @dataclass(frozen=True)
 class OpCase:
-    """One public op: its name, its ``kernels::`` custom ops (forward, backward) and a builder."""
+    """One public op: its name, its ``kernel_ladder::`` custom ops (forward, backward) and a builder."""
 
     name: str
     custom_ops: tuple[str, ...]  # the custom ops a forward call goes through
@@ -45,9 +45,9 @@ class OpCase:
     make: Callable[[torch.device, torch.Generator], Built]
 
     def build(self, device: torch.device | None = None, seed: int = 0) -> Built:
-        """The callables on ``device`` (kernels' default device if None), inputs drawn from ``seed``."""
+        """The callables on ``device`` (kernel_ladder's default device if None), inputs drawn from ``seed``."""
         gen = torch.Generator().manual_seed(seed)
-        return self.make(device or kernels.runtime.DEVICE, gen)
+        return self.make(device or kernel_ladder.runtime.DEVICE, gen)
 
 
 def _randn(gen: torch.Generator, device: torch.device, *shape: int, grad: bool = False) -> torch.Tensor:
@@ -91,21 +91,21 @@ def _rows(op: Callable, eager: Callable) -> Callable[[torch.device, torch.Genera
 def _rms_norm(device, gen):
     x, w = _randn(gen, device, 8, 64), _randn(gen, device, 64)
     xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
-    return Built(lambda: kernels.rms_norm(x, w), _with_backward(lambda: kernels.rms_norm(xg, wg)),
+    return Built(lambda: kernel_ladder.rms_norm(x, w), _with_backward(lambda: kernel_ladder.rms_norm(xg, wg)),
                  lambda: F.rms_norm(x, (64,), w, 1e-6))
 
 
 def _layer_norm(device, gen):
     x, w, b = _randn(gen, device, 8, 64), _randn(gen, device, 64), _randn(gen, device, 64)
     xg, wg, bg = (t.clone().requires_grad_(True) for t in (x, w, b))
-    return Built(lambda: kernels.layer_norm(x, 64, w, b), _with_backward(lambda: kernels.layer_norm(xg, 64, wg, bg)),
+    return Built(lambda: kernel_ladder.layer_norm(x, 64, w, b), _with_backward(lambda: kernel_ladder.layer_norm(xg, 64, wg, bg)),
                  lambda: F.layer_norm(x, (64,), w, b))
 
 
 def _add_rms_norm(device, gen):
     x, r, w = _randn(gen, device, 8, 64), _randn(gen, device, 8, 64), _randn(gen, device, 64)
     xg, rg, wg = (t.clone().requires_grad_(True) for t in (x, r, w))
-    return Built(lambda: kernels.add_rms_norm(x, r, w), _with_backward(lambda: kernels.add_rms_norm(xg, rg, wg)),
+    return Built(lambda: kernel_ladder.add_rms_norm(x, r, w), _with_backward(lambda: kernel_ladder.add_rms_norm(xg, rg, wg)),
                  lambda: F.rms_norm(x + r, (64,), w, 1e-6))
 
 
@@ -113,8 +113,8 @@ def _cross_entropy(device, gen):
     logits = _randn(gen, device, 8, 64)
     target = torch.randint(0, 64, (8,), generator=gen).to(device)
     lg = logits.clone().requires_grad_(True)
-    return Built(lambda: kernels.cross_entropy(logits, target),
-                 _with_backward(lambda: kernels.cross_entropy(lg, target)),
+    return Built(lambda: kernel_ladder.cross_entropy(logits, target),
+                 _with_backward(lambda: kernel_ladder.cross_entropy(lg, target)),
                  lambda: F.cross_entropy(logits, target))
 
 
@@ -131,63 +131,63 @@ def _in_place(op: Callable, eager: Callable, *extra: int) -> Callable[[torch.dev
 def _dropout(device, gen):
     x = _randn(gen, device, 8, 64)
     xg = x.clone().requires_grad_(True)
-    return Built(lambda: kernels.dropout(x, 0.5, seed=1), _with_backward(lambda: kernels.dropout(xg, 0.5, seed=1)),
+    return Built(lambda: kernel_ladder.dropout(x, 0.5, seed=1), _with_backward(lambda: kernel_ladder.dropout(xg, 0.5, seed=1)),
                  lambda: F.dropout(x, 0.5))
 
 
 def _dropout_mask(device, gen):
-    return Built(lambda: kernels.dropout_mask((8, 64), 0.5, 1, device), None,
+    return Built(lambda: kernel_ladder.dropout_mask((8, 64), 0.5, 1, device), None,
                  lambda: torch.rand(8, 64, device=device) >= 0.5)
 
 
 def _matmul(device, gen):
     a, b = _randn(gen, device, 16, 32), _randn(gen, device, 32, 16)
     ag, bg = a.clone().requires_grad_(True), b.clone().requires_grad_(True)
-    return Built(lambda: kernels.matmul(a, b), _with_backward(lambda: kernels.matmul(ag, bg)), lambda: a @ b)
+    return Built(lambda: kernel_ladder.matmul(a, b), _with_backward(lambda: kernel_ladder.matmul(ag, bg)), lambda: a @ b)
 
 
 def _linear(device, gen):
     x, w, b = _randn(gen, device, 16, 32), _randn(gen, device, 16, 32), _randn(gen, device, 16)
     xg, wg, bg = (t.clone().requires_grad_(True) for t in (x, w, b))
-    return Built(lambda: kernels.linear(x, w, b), _with_backward(lambda: kernels.linear(xg, wg, bg)),
+    return Built(lambda: kernel_ladder.linear(x, w, b), _with_backward(lambda: kernel_ladder.linear(xg, wg, bg)),
                  lambda: F.linear(x, w, b))
 
 
 def _quantize_weight(device, gen):
     w = _randn(gen, device, 16, 64)
-    return Built(lambda: kernels.quantize_weight(w, "int8"), None, lambda: w.abs().amax(1))
+    return Built(lambda: kernel_ladder.quantize_weight(w, "int8"), None, lambda: w.abs().amax(1))
 
 
 def _quantize_weight_int4(device, gen):
     w = _randn(gen, device, 16, 64)
-    return Built(lambda: kernels.quantize_weight(w, "int4", group_size=32), None, lambda: w.abs().amax(1))
+    return Built(lambda: kernel_ladder.quantize_weight(w, "int4", group_size=32), None, lambda: w.abs().amax(1))
 
 
 def _quantize_activations(device, gen):
     x = _randn(gen, device, 8, 64)
-    return Built(lambda: kernels.quantize_activations(x), None, lambda: x.abs().amax(1))
+    return Built(lambda: kernel_ladder.quantize_activations(x), None, lambda: x.abs().amax(1))
 
 
 def _quantized_linear(device, gen):
     x, w = _randn(gen, device, 8, 64), _randn(gen, device, 16, 64)
-    qw = kernels.quantize_weight(w, "int8")
+    qw = kernel_ladder.quantize_weight(w, "int8")
     xg = x.clone().requires_grad_(True)
-    return Built(lambda: kernels.quantized_linear(x, qw), _with_backward(lambda: kernels.quantized_linear(xg, qw)),
+    return Built(lambda: kernel_ladder.quantized_linear(x, qw), _with_backward(lambda: kernel_ladder.quantized_linear(xg, qw)),
                  lambda: F.linear(x, w))
 
 
 def _rope(device, gen):
     q, k = _randn(gen, device, 1, 2, 8, 16), _randn(gen, device, 1, 2, 8, 16)
-    cos, sin = kernels.rope_cos_sin(torch.arange(8, device=device), 16)
+    cos, sin = kernel_ladder.rope_cos_sin(torch.arange(8, device=device), 16)
     qg, kg = q.clone().requires_grad_(True), k.clone().requires_grad_(True)
-    return Built(lambda: kernels.rope(q, k, cos, sin), _with_backward(lambda: kernels.rope(qg, kg, cos, sin)),
+    return Built(lambda: kernel_ladder.rope(q, k, cos, sin), _with_backward(lambda: kernel_ladder.rope(qg, kg, cos, sin)),
                  lambda: (q * cos + q.flip(-1) * sin, k * cos + k.flip(-1) * sin))
 
 
 def _gated_mlp(device, gen):
     x, wg, wu, wd = (_randn(gen, device, *s) for s in ((8, 32), (16, 32), (16, 32), (32, 16)))
     grads = [t.clone().requires_grad_(True) for t in (x, wg, wu, wd)]
-    return Built(lambda: kernels.gated_mlp(x, wg, wu, wd), _with_backward(lambda: kernels.gated_mlp(*grads)),
+    return Built(lambda: kernel_ladder.gated_mlp(x, wg, wu, wd), _with_backward(lambda: kernel_ladder.gated_mlp(*grads)),
                  lambda: F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd))
 
 
@@ -195,8 +195,8 @@ def _grouped_matmul(device, gen):
     x, w = _randn(gen, device, 16, 32), _randn(gen, device, 2, 32, 16)
     offsets = torch.tensor([8, 16], dtype=torch.int32, device=device)
     xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
-    return Built(lambda: kernels.grouped_matmul(x, w, offsets),
-                 _with_backward(lambda: kernels.grouped_matmul(xg, wg, offsets)),
+    return Built(lambda: kernel_ladder.grouped_matmul(x, w, offsets),
+                 _with_backward(lambda: kernel_ladder.grouped_matmul(xg, wg, offsets)),
                  lambda: torch.cat([x[:8] @ w[0], x[8:] @ w[1]]))
 
 
@@ -204,8 +204,8 @@ def _fused_linear_cross_entropy(device, gen):
     x, w = _randn(gen, device, 8, 32), _randn(gen, device, 64, 32)
     target = torch.randint(0, 64, (8,), generator=gen).to(device)
     xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
-    return Built(lambda: kernels.fused_linear_cross_entropy(x, w, target),
-                 _with_backward(lambda: kernels.fused_linear_cross_entropy(xg, wg, target)),
+    return Built(lambda: kernel_ladder.fused_linear_cross_entropy(x, w, target),
+                 _with_backward(lambda: kernel_ladder.fused_linear_cross_entropy(xg, wg, target)),
                  lambda: F.cross_entropy(F.linear(x, w), target))
 
 
@@ -213,8 +213,8 @@ def _fused_linear_cross_entropy_none(device, gen):
     x, w = _randn(gen, device, 8, 32), _randn(gen, device, 64, 32)
     target = torch.randint(0, 64, (8,), generator=gen).to(device)
     xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
-    return Built(lambda: kernels.fused_linear_cross_entropy(x, w, target, reduction="none"),
-                 _with_backward(lambda: kernels.fused_linear_cross_entropy(xg, wg, target, reduction="none")),
+    return Built(lambda: kernel_ladder.fused_linear_cross_entropy(x, w, target, reduction="none"),
+                 _with_backward(lambda: kernel_ladder.fused_linear_cross_entropy(xg, wg, target, reduction="none")),
                  lambda: F.cross_entropy(F.linear(x, w), target, reduction="none"))
 
 
@@ -225,8 +225,8 @@ def _attention_inputs(device, gen):
 def _flash_attention(device, gen):
     q, k, v = _attention_inputs(device, gen)
     grads = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    return Built(lambda: kernels.flash_attention(q, k, v, causal=True),
-                 _with_backward(lambda: kernels.flash_attention(*grads, causal=True)),
+    return Built(lambda: kernel_ladder.flash_attention(q, k, v, causal=True),
+                 _with_backward(lambda: kernel_ladder.flash_attention(*grads, causal=True)),
                  lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
 
 
@@ -234,8 +234,8 @@ def _flash_attention_varlen(device, gen):
     q, k, v = (_randn(gen, device, 16, 2, 16) for _ in range(3))
     cu = torch.tensor([0, 7, 16], dtype=torch.int32, device=device)
     grads = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    return Built(lambda: kernels.flash_attention_varlen(q, k, v, cu, cu, 9, 9),
-                 _with_backward(lambda: kernels.flash_attention_varlen(*grads, cu, cu, 9, 9)),
+    return Built(lambda: kernel_ladder.flash_attention_varlen(q, k, v, cu, cu, 9, 9),
+                 _with_backward(lambda: kernel_ladder.flash_attention_varlen(*grads, cu, cu, 9, 9)),
                  lambda: F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)))
 
 
@@ -243,8 +243,8 @@ def _block_sparse_attention(device, gen):
     q, k, v = _attention_inputs(device, gen)
     mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
     grads = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    return Built(lambda: kernels.block_sparse_attention(q, k, v, mask, block_size=16),
-                 _with_backward(lambda: kernels.block_sparse_attention(*grads, mask, block_size=16)),
+    return Built(lambda: kernel_ladder.block_sparse_attention(q, k, v, mask, block_size=16),
+                 _with_backward(lambda: kernel_ladder.block_sparse_attention(*grads, mask, block_size=16)),
                  lambda: F.scaled_dot_product_attention(q, k, v))
 
 
@@ -253,7 +253,7 @@ def _paged_attention(device, gen):
     k_cache, v_cache = _randn(gen, device, 4, 8, 2, 16), _randn(gen, device, 4, 8, 2, 16)
     tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=device)
     seq_lens = torch.tensor([9, 16], dtype=torch.int32, device=device)
-    return Built(lambda: kernels.paged_attention(q, k_cache, v_cache, tables, seq_lens), None,
+    return Built(lambda: kernel_ladder.paged_attention(q, k_cache, v_cache, tables, seq_lens), None,
                  lambda: F.scaled_dot_product_attention(q[:, :, None], k_cache[:2].flatten(0, 1).transpose(0, 1)[None],
                                                         v_cache[:2].flatten(0, 1).transpose(0, 1)[None]))
 
@@ -263,44 +263,44 @@ def _write_kv_cache(device, gen):
     k_cache, v_cache = torch.zeros(4, 8, 2, 16, device=device), torch.zeros(4, 8, 2, 16, device=device)
     slots = torch.tensor([0, 3, 9, 20], dtype=torch.int64, device=device)
     flat_k = k_cache.view(-1, 2, 16)
-    return Built(lambda: kernels.write_kv_cache(k, v, k_cache, v_cache, slots), None,
+    return Built(lambda: kernel_ladder.write_kv_cache(k, v, k_cache, v_cache, slots), None,
                  lambda: flat_k.index_copy_(0, slots, k))
 
 
 def _topk_routing(device, gen):
     logits = _randn(gen, device, 8, 8)
     lg = logits.clone().requires_grad_(True)
-    return Built(lambda: kernels.topk_routing(logits, 2), _with_backward(lambda: kernels.topk_routing(lg, 2)),
+    return Built(lambda: kernel_ladder.topk_routing(logits, 2), _with_backward(lambda: kernel_ladder.topk_routing(lg, 2)),
                  lambda: torch.topk(torch.softmax(logits, -1), 2))
 
 
 def _routing(device, gen, tokens=8, experts=4, top_k=2):
     logits = _randn(gen, device, tokens, experts)
-    weights, ids = kernels.topk_routing(logits, top_k)
+    weights, ids = kernel_ladder.topk_routing(logits, top_k)
     return logits, weights, ids
 
 
 def _moe_permute(device, gen):
     _, _, ids = _routing(device, gen)
-    return Built(lambda: kernels.moe_permute(ids, 4), None, lambda: torch.sort(ids.flatten(), stable=True))
+    return Built(lambda: kernel_ladder.moe_permute(ids, 4), None, lambda: torch.sort(ids.flatten(), stable=True))
 
 
 def _moe_gather(device, gen):
     _, _, ids = _routing(device, gen)
-    perm, _ = kernels.moe_permute(ids, 4)
+    perm, _ = kernel_ladder.moe_permute(ids, 4)
     x = _randn(gen, device, 8, 32)
     xg = x.clone().requires_grad_(True)
-    return Built(lambda: kernels.moe_gather(x, perm, 2), _with_backward(lambda: kernels.moe_gather(xg, perm, 2)),
+    return Built(lambda: kernel_ladder.moe_gather(x, perm, 2), _with_backward(lambda: kernel_ladder.moe_gather(xg, perm, 2)),
                  lambda: x.index_select(0, perm.long() // 2))
 
 
 def _moe_combine(device, gen):
     _, weights, ids = _routing(device, gen)
-    perm, _ = kernels.moe_permute(ids, 4)
+    perm, _ = kernel_ladder.moe_permute(ids, 4)
     y = _randn(gen, device, 16, 32)
     yg, wg = y.clone().requires_grad_(True), weights.clone().requires_grad_(True)
-    return Built(lambda: kernels.moe_combine(y, perm, weights),
-                 _with_backward(lambda: kernels.moe_combine(yg, perm, wg)),
+    return Built(lambda: kernel_ladder.moe_combine(y, perm, weights),
+                 _with_backward(lambda: kernel_ladder.moe_combine(yg, perm, wg)),
                  lambda: (y.view(8, 2, 32) * weights[..., None]).sum(1))
 
 
@@ -308,39 +308,39 @@ def _moe(device, gen):
     x, logits = _randn(gen, device, 8, 32), _randn(gen, device, 8, 4)
     w_gate_up, w_down = _randn(gen, device, 4, 32, 32), _randn(gen, device, 4, 32, 16)
     grads = [t.clone().requires_grad_(True) for t in (x, logits, w_gate_up, w_down)]
-    return Built(lambda: kernels.moe(x, logits, w_gate_up, w_down, 2),
-                 _with_backward(lambda: kernels.moe(*grads, 2)), None)
+    return Built(lambda: kernel_ladder.moe(x, logits, w_gate_up, w_down, 2),
+                 _with_backward(lambda: kernel_ladder.moe(*grads, 2)), None)
 
 
 def _load_balancing_loss(device, gen):
     logits, _, ids = _routing(device, gen)
     lg = logits.clone().requires_grad_(True)
-    return Built(lambda: kernels.moe_load_balancing_loss(logits, ids, 4),
-                 _with_backward(lambda: kernels.moe_load_balancing_loss(lg, ids, 4)),
+    return Built(lambda: kernel_ladder.moe_load_balancing_loss(logits, ids, 4),
+                 _with_backward(lambda: kernel_ladder.moe_load_balancing_loss(lg, ids, 4)),
                  lambda: torch.softmax(logits, -1).mean(0).sum())
 
 
 def op_cases() -> list[OpCase]:
-    """Every public op of :mod:`kernels` that runs a kernel, with a tiny call each."""
+    """Every public op of :mod:`kernel_ladder` that runs a kernel, with a tiny call each."""
     return [
-        OpCase("add", ("add",), (), _binary(kernels.add, torch.add)),
-        OpCase("gelu", ("gelu",), ("gelu_backward",), _unary(kernels.gelu, F.gelu)),
-        OpCase("silu", ("silu",), ("silu_backward",), _unary(kernels.silu, F.silu)),
-        OpCase("swiglu", ("swiglu",), ("swiglu_backward",), _binary(kernels.swiglu, lambda g, u: F.silu(g) * u)),
+        OpCase("add", ("add",), (), _binary(kernel_ladder.add, torch.add)),
+        OpCase("gelu", ("gelu",), ("gelu_backward",), _unary(kernel_ladder.gelu, F.gelu)),
+        OpCase("silu", ("silu",), ("silu_backward",), _unary(kernel_ladder.silu, F.silu)),
+        OpCase("swiglu", ("swiglu",), ("swiglu_backward",), _binary(kernel_ladder.swiglu, lambda g, u: F.silu(g) * u)),
         OpCase("geglu", ("geglu",), ("geglu_backward",),
-               _binary(kernels.geglu, lambda g, u: F.gelu(g, approximate="tanh") * u)),
+               _binary(kernel_ladder.geglu, lambda g, u: F.gelu(g, approximate="tanh") * u)),
         OpCase("swiglu[in_place_backward]", ("swiglu",), ("swiglu_backward_inplace",),
-               _in_place(kernels.swiglu, lambda g, u: F.silu(g) * u)),
+               _in_place(kernel_ladder.swiglu, lambda g, u: F.silu(g) * u)),
         OpCase("geglu[in_place_backward]", ("geglu",), ("geglu_backward_inplace",),
-               _in_place(kernels.geglu, lambda g, u: F.gelu(g, approximate="tanh") * u)),
+               _in_place(kernel_ladder.geglu, lambda g, u: F.gelu(g, approximate="tanh") * u)),
         OpCase("dropout", ("dropout",), (), _dropout),
         OpCase("dropout_mask", ("dropout_mask",), (), _dropout_mask),
-        OpCase("softmax", ("softmax",), ("softmax_backward",), _rows(kernels.softmax, lambda x: torch.softmax(x, -1))),
+        OpCase("softmax", ("softmax",), ("softmax_backward",), _rows(kernel_ladder.softmax, lambda x: torch.softmax(x, -1))),
         OpCase("log_softmax", ("log_softmax",), ("log_softmax_backward",),
-               _rows(kernels.log_softmax, lambda x: torch.log_softmax(x, -1))),
+               _rows(kernel_ladder.log_softmax, lambda x: torch.log_softmax(x, -1))),
         OpCase("rms_norm", ("rms_norm",), ("rms_norm_backward",), _rms_norm),
         OpCase("rms_norm[in_place_backward]", ("rms_norm",), ("rms_norm_backward_inplace",),
-               _in_place(kernels.rms_norm, lambda x, w: F.rms_norm(x, (64,), w, 1e-6), 64)),
+               _in_place(kernel_ladder.rms_norm, lambda x, w: F.rms_norm(x, (64,), w, 1e-6), 64)),
         OpCase("layer_norm", ("layer_norm",), ("layer_norm_backward",), _layer_norm),
         OpCase("add_rms_norm", ("add_rms_norm",), ("add_rms_norm_backward",), _add_rms_norm),
         OpCase("cross_entropy", ("cross_entropy",), ("cross_entropy_backward",), _cross_entropy),

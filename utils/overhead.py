@@ -9,20 +9,20 @@ Triton kernel launch with a no-op that only counts it, so that what remains is t
 
     from utils.overhead import host_overhead, eager_time
     x = torch.randn(8, 64)
-    host_overhead(kernels.gelu, x)               # kernels' host time per call, launches skipped
+    host_overhead(kernel_ladder.gelu, x)               # kernels' host time per call, launches skipped
     eager_time(torch.nn.functional.gelu, x)      # torch's own op on the same tiny input, for scale
 
 Under :func:`no_launch` outputs are never written (they keep whatever the allocator gave them),
 so nothing computed there should be used. An op that reads a kernel's result on the host (a check
 slot: cross-entropy's target range) needs ``no_launch(fill=1)``: every buffer kernels allocate
-(``kernels._launch.empty``) then starts as that value, which costs one fill per buffer.
+(``kernel_ladder._launch.empty``) then starts as that value, which costs one fill per buffer.
 
 What is replaced, for every kernel at once (at class level, restored on exit):
 
 * the interpreter's launch: ``triton.runtime.interpreter.InterpretedFunction.run`` (and the
   ``GridExecutor`` it builds, for a caller that reaches it directly);
 * the compiled launch: ``triton.runtime.jit.JITFunction.run``;
-* Triton's autotuner (``Autotuner.run``, which ``kernels.autotune.make_autotuned`` builds on a
+* Triton's autotuner (``Autotuner.run``, which ``kernel_ladder.autotune.make_autotuned`` builds on a
   GPU): a no-op there too, so that an autotuner never benchmarks no-ops and caches a choice
   made from them.
 """
@@ -110,7 +110,7 @@ class NoLaunch:
             self._saved.append((cls, name, cls.__dict__[name]))
             setattr(cls, name, stub)
         if self.fill is not None:
-            from kernels import _launch
+            from kernel_ladder import _launch
 
             fill = self.fill
 

@@ -255,7 +255,7 @@ def overhead_bars(items: Sequence[tuple], floor: float | None = None, goal: floa
     theirs = [item[2] if len(item) > 2 else None for item in items]
     ax = _new_axes(ax, (7.5, max(3.0, 0.32 * len(items) + 1.2)))
     ys = np.arange(len(items))
-    ax.barh(ys - 0.18, ours, height=0.36, color="tab:blue", label="kernels (host only)")
+    ax.barh(ys - 0.18, ours, height=0.36, color="tab:blue", label="kernel_ladder (host only)")
     torch_ys = [y for y, t in zip(ys, theirs) if t is not None]
     if torch_ys:
         ax.barh(np.asarray(torch_ys) + 0.18, [t for t in theirs if t is not None], height=0.36,

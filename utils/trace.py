@@ -7,19 +7,19 @@ counts, per kernel launch, the bytes that the masked-in lanes really move, the 3
 they touch, the FLOPs of every dot, which tensor argument each access belongs to, and the
 accesses that fall outside every tensor argument (a missing mask). Alongside, a
 ``TorchDispatchMode`` counts the bytes each aten op reads and writes, so a naive torch version
-and a fused kernel are compared on the same scale. That includes the torch work a ``kernels``
+and a fused kernel are compared on the same scale. That includes the torch work a ``kernel_ladder``
 custom op does inside its implementation (``TorchOp.inside`` names the op), so an op cannot hide
 a reduction or a host sync (``aten._local_scalar_dense``) behind its one Triton launch::
 
     from utils.trace import trace
     with trace() as t:
-        y = kernels.gelu(x)
+        y = kernel_ladder.gelu(x)
     print(t)            # one row per launch / torch op, then the totals
     t.bytes, t.flops, t.num_launches
 
 The wrappers are installed when the outermost trace starts and removed when it ends, so code
 that runs outside a trace pays nothing. They wrap whatever is on the interpreter's classes at
-that moment (for instance the bf16 numerics of ``kernels``), so the two compose. Traces nest:
+that moment (for instance the bf16 numerics of ``kernel_ladder``), so the two compose. Traces nest:
 every active trace receives every launch and op.
 
 Only the interpreter can be watched: with compiled kernels (on a GPU) Triton launches are not
@@ -41,9 +41,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from triton.runtime import interpreter as _interp
 
-# Import order matters: kernels.runtime installs the bf16 numerics on the same interpreter class
+# Import order matters: kernel_ladder.runtime installs the bf16 numerics on the same interpreter class
 # before any trace wraps it, so a trace's wrappers sit outside them and restore them intact.
-from kernels import runtime as _runtime
+from kernel_ladder import runtime as _runtime
 
 __all__ = [
     "SECTOR_BYTES",
@@ -184,7 +184,7 @@ class TorchOp:
     flops: int = 0
     #: 1 for an op that runs a kernel, 0 for views and allocations (they move nothing).
     launches: int = 1
-    #: The ``kernels::`` custom op whose implementation ran this aten op ("" for one called directly).
+    #: The ``kernel_ladder::`` custom op whose implementation ran this aten op ("" for one called directly).
     inside: str = ""
 
     @property
@@ -589,9 +589,9 @@ def _torch_op(func: Any, args: tuple, kwargs: dict, out: Any) -> TorchOp:
 
 
 class _TorchCounter(TorchDispatchMode):
-    """Counts every aten op below autograd, including those a ``kernels::`` custom op runs inside.
+    """Counts every aten op below autograd, including those a ``kernel_ladder::`` custom op runs inside.
 
-    A ``kernels::`` op is not counted as an op of its own: its Triton launches are recorded as
+    A ``kernel_ladder::`` op is not counted as an op of its own: its Triton launches are recorded as
     launches, and its implementation runs with this mode re-entered, so the aten ops it runs
     (a reduction, a copy, a host sync) are counted too, with :attr:`TorchOp.inside` naming the op.
     Views and allocations inside such an op are left out: they move nothing and launch nothing.
@@ -601,7 +601,7 @@ class _TorchCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func.namespace == "kernels" and not _STATE.in_launch:
+        if func.namespace == "kernel_ladder" and not _STATE.in_launch:
             return self._run_kernels_op(func, args, kwargs)
         if func._can_decompose():
             # A composite op reaches this mode undecomposed where autograd is not in the way (inside
@@ -625,7 +625,7 @@ class _TorchCounter(TorchDispatchMode):
         return out
 
     def _run_kernels_op(self, func, args, kwargs):
-        """Run a ``kernels::`` op's implementation below this mode's dispatch key, with the mode active."""
+        """Run a ``kernel_ladder::`` op's implementation below this mode's dispatch key, with the mode active."""
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if not tensors or any(_is_fake(t) or t.device.type == "meta" for t in tensors):
             return func(*args, **kwargs)  # a tracer's fake tensors: nothing runs, nothing to count
@@ -654,7 +654,7 @@ class _GlobalState:
         self.active: list[Trace] = []
         self.launch: _LaunchState | None = None
         self.in_launch = 0
-        #: The ``kernels::`` ops whose implementations are running (innermost last).
+        #: The ``kernel_ladder::`` ops whose implementations are running (innermost last).
         self.inside: list[str] = []
         self.installed: list[tuple[type, str, Any, Any]] = []
         self.mode: _TorchCounter | None = None
@@ -992,10 +992,10 @@ class OpLog(TorchDispatchMode):
     backward's ops count too): the lighter question beside :class:`Trace`'s bytes.
 
     Attributes:
-        counts: calls per operator name, ``"aten.mm"``, ``"kernels.rms_norm"`` (a ``Counter``).
+        counts: calls per operator name, ``"aten.mm"``, ``"kernel_ladder.rms_norm"`` (a ``Counter``).
         shapes: the shape of every tensor an operator returned, in order.
         largest: ``(bytes, shape, operator)`` of the largest tensor any operator returned.
-        calls: ``(func, args, kwargs)`` of the operators of namespace ``keep_calls`` (``"kernels"``,
+        calls: ``(func, args, kwargs)`` of the operators of namespace ``keep_calls`` (``"kernel_ladder"``,
             say), to be called again; empty when ``keep_calls`` is None.
     """
 

@@ -1,16 +1,16 @@
-"""A small pre-norm decoder block built only from ``kernels`` ops, and its float64 reference.
+"""A small pre-norm decoder block built only from ``kernel_ladder`` ops, and its float64 reference.
 
 The block is the shape of a LLaMA / Mistral / Qwen layer::
 
     h   = x + o_proj(attention(rope(qkv_proj(rms_norm(x)))))     # causal, GQA when n_kv_heads < n_heads
     out = h + gated_mlp(rms_norm(h))                              # SwiGLU
 
-and every tensor op on the way is a ``kernels`` custom op: ``kernels.rms_norm`` →
-``kernels.linear`` (q, k and v in one fused projection) → ``kernels.rope`` →
-``kernels.flash_attention`` → ``kernels.linear`` → ``kernels.add`` → ``kernels.rms_norm`` →
-``kernels.gated_mlp`` → ``kernels.add``. Only views, one reshape of the attention output and the
+and every tensor op on the way is a ``kernel_ladder`` custom op: ``kernel_ladder.rms_norm`` →
+``kernel_ladder.linear`` (q, k and v in one fused projection) → ``kernel_ladder.rope`` →
+``kernel_ladder.flash_attention`` → ``kernel_ladder.linear`` → ``kernel_ladder.add`` → ``kernel_ladder.rms_norm`` →
+``kernel_ladder.gated_mlp`` → ``kernel_ladder.add``. Only views, one reshape of the attention output and the
 rotary tables are torch. :class:`TinyDecoder` puts an embedding lookup in front and
-``kernels.rms_norm`` + ``kernels.fused_linear_cross_entropy`` (the LM head and its loss, without
+``kernel_ladder.rms_norm`` + ``kernel_ladder.fused_linear_cross_entropy`` (the LM head and its loss, without
 the logits) behind, so that a training step exists: :func:`block_training_step`.
 
 :func:`reference_decoder` (and :func:`reference_block`) compute the same thing in plain torch in
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-import kernels
+import kernel_ladder
 
 __all__ = [
     "BlockConfig",
@@ -70,9 +70,9 @@ class BlockConfig:
 
 def rotary_tables(seq_len: int, head_dim: int, base: float = 10000.0, device=None,
                   dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``(T, head_dim)`` cos/sin tables of positions ``0 .. T-1`` (``kernels.rope_cos_sin``)."""
+    """The ``(T, head_dim)`` cos/sin tables of positions ``0 .. T-1`` (``kernel_ladder.rope_cos_sin``)."""
     positions = torch.arange(seq_len, device=device)
-    return kernels.rope_cos_sin(positions, head_dim, base=base, dtype=dtype)
+    return kernel_ladder.rope_cos_sin(positions, head_dim, base=base, dtype=dtype)
 
 
 def _init(shape: tuple[int, ...], fan_in: int, generator: torch.Generator | None, dtype, device) -> torch.nn.Parameter:
@@ -87,7 +87,7 @@ def _norm_weight(n: int, generator: torch.Generator | None, dtype, device) -> to
 
 
 class DecoderBlock(torch.nn.Module):
-    """One pre-norm decoder layer (attention, then a SwiGLU MLP) computed only with ``kernels`` ops.
+    """One pre-norm decoder layer (attention, then a SwiGLU MLP) computed only with ``kernel_ladder`` ops.
 
     Args:
         config: the sizes.
@@ -117,23 +117,23 @@ class DecoderBlock(torch.nn.Module):
         """``(B, T, hidden)`` → ``(B, T, hidden)``; ``cos``/``sin``: ``(T, head_dim)`` (:func:`rotary_tables`)."""
         c = self.config
         batch, seq = x.shape[0], x.shape[1]
-        normed = kernels.rms_norm(x, self.attn_norm, c.eps)
-        qkv = kernels.linear(normed, self.qkv).view(batch, seq, c.n_heads + 2 * c.n_kv_heads, c.head_dim)
+        normed = kernel_ladder.rms_norm(x, self.attn_norm, c.eps)
+        qkv = kernel_ladder.linear(normed, self.qkv).view(batch, seq, c.n_heads + 2 * c.n_kv_heads, c.head_dim)
         q = qkv[:, :, : c.n_heads]                                    # (B, T, Hq, D) views, read in place
         k = qkv[:, :, c.n_heads : c.n_heads + c.n_kv_heads]
         v = qkv[:, :, c.n_heads + c.n_kv_heads :]
-        q, k = kernels.rope(q, k, cos, sin, unsqueeze_dim=2)
-        attn = kernels.flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
+        q, k = kernel_ladder.rope(q, k, cos, sin, unsqueeze_dim=2)
+        attn = kernel_ladder.flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
         attn = attn.transpose(1, 2).reshape(batch, seq, c.n_heads * c.head_dim)
-        h = kernels.add(x, kernels.linear(attn, self.o_proj))
-        mlp = kernels.gated_mlp(kernels.rms_norm(h, self.mlp_norm, c.eps), self.gate, self.up, self.down)
-        return kernels.add(h, mlp)
+        h = kernel_ladder.add(x, kernel_ladder.linear(attn, self.o_proj))
+        mlp = kernel_ladder.gated_mlp(kernel_ladder.rms_norm(h, self.mlp_norm, c.eps), self.gate, self.up, self.down)
+        return kernel_ladder.add(h, mlp)
 
 
 class TinyDecoder(torch.nn.Module):
     """Embedding → :class:`DecoderBlock` → final RMSNorm → LM head loss: the smallest trainable model.
 
-    :meth:`loss` is ``kernels.fused_linear_cross_entropy`` of the final hidden states against the
+    :meth:`loss` is ``kernel_ladder.fused_linear_cross_entropy`` of the final hidden states against the
     targets (mean over the tokens whose target is not ``ignore_index``). The embedding is a torch
     lookup (``F.embedding``): indexing, not a kernel of this package.
     """
@@ -154,14 +154,14 @@ class TinyDecoder(torch.nn.Module):
         cos, sin = rotary_tables(tokens.shape[1], c.head_dim, c.rope_base, device=tokens.device,
                                  dtype=self.embed.dtype)
         x = torch.nn.functional.embedding(tokens, self.embed)
-        return kernels.rms_norm(self.block(x, cos, sin), self.final_norm, c.eps)
+        return kernel_ladder.rms_norm(self.block(x, cos, sin), self.final_norm, c.eps)
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
         """The mean next-token cross-entropy (0-d) of ``tokens`` against ``targets`` (both ``(B, T)``)."""
         h = self.hidden_states(tokens)
         # A fixed chunk (not the default rule, computed from the row count) keeps torch.compile's
         # dynamic shapes from specializing on B * T; the logits buffer is min(chunk, B * T) x vocab.
-        return kernels.fused_linear_cross_entropy(h, self.lm_head, targets, ignore_index=ignore_index,
+        return kernel_ladder.fused_linear_cross_entropy(h, self.lm_head, targets, ignore_index=ignore_index,
                                                   chunk_size=LOSS_CHUNK_ROWS)
 
     forward = loss

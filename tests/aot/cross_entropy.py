@@ -6,7 +6,7 @@ Run by tests/test_kernels_compile_cross_entropy.py in a compiled-mode child proc
 
 import sys
 
-from kernels.ops import cross_entropy as ce
+from kernel_ladder.ops import cross_entropy as ce
 from utils.aot import compile_kernel, vectorized
 
 FLOATS = {"label_smoothing", "softcap", "z_loss"}

@@ -12,7 +12,7 @@ the preprocess; ``KERNEL_LADDER_AOT_FULL=1`` runs everything.
 
 import sys
 
-from kernels.ops import flash_attention as fa
+from kernel_ladder.ops import flash_attention as fa
 from utils.aot import compile_kernel, resource_usage
 
 FLOATS = {"sm_scale", "qk_scale", "softcap"}

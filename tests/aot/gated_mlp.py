@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from kernels.ops import gated_mlp as gm
+from kernel_ladder.ops import gated_mlp as gm
 from utils.aot import compile_kernel, resource_usage
 
 TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}

@@ -1,6 +1,6 @@
 """Compile the grouped-GEMM kernels for sm_90 at the tiles grouped_config picks: the forward (the in-kernel
 tile search over offsets, at 8 and 128 experts) and the weight gradient, in bf16, fp16 and fp32 (TF32),
-with no register spills and the 16-bit dots on tensor cores; the int64-offset forward once; and kernels.moe's
+with no register spills and the 16-bit dots on tensor cores; the int64-offset forward once; and kernel_ladder.moe's
 variants (rows gathered through the permutation, the SwiGLU epilogue and its backward, the gathered dw).
 
 Run by tests/test_kernels_compile_grouped_matmul.py in a compiled-mode child process (utils.aot.run_compiled).
@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from kernels.ops import grouped_matmul as gm
+from kernel_ladder.ops import grouped_matmul as gm
 from utils.aot import compile_kernel, resource_usage
 
 TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -59,7 +59,7 @@ config = gm.grouped_config(8192, 2048, 7168, torch.bfloat16)
 check(gm.grouped_matmul_kernel, torch.bfloat16, {"BLOCK_E": 16, "EVEN_K": False, "INPUT_PRECISION": "ieee",
                                                  "INDEX_64": True, "BLOCK_M": config.BLOCK_M,
                                                  "BLOCK_N": config.BLOCK_N, "BLOCK_K": config.BLOCK_K}, config)
-for dtype in (torch.bfloat16, torch.float16):  # kernels.moe at Mixtral's sizes: H = 4096, F = 14336
+for dtype in (torch.bfloat16, torch.float16):  # kernel_ladder.moe at Mixtral's sizes: H = 4096, F = 14336
     config = gm.grouped_config(8192, 14336, 4096, dtype, paired=True)
     tiles = {"BLOCK_M": config.BLOCK_M, "BLOCK_N": config.BLOCK_N, "BLOCK_K": config.BLOCK_K}
     for epilogue in (1, 2):  # the SwiGLU, its backward

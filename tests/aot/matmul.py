@@ -5,7 +5,7 @@ Run by tests/test_kernels_compile_matmul.py in a compiled-mode child process (ut
 
 import sys
 
-from kernels.ops import matmul as mm
+from kernel_ladder.ops import matmul as mm
 from utils.aot import compile_kernel
 
 

@@ -6,10 +6,10 @@ Run by tests/test_kernels_compile_norm.py in a compiled-mode child process (util
 
 import sys
 
-from kernels.ops import norm as _norm
-from kernels.ops.add_rms_norm import add_rms_norm_kernel
-from kernels.ops.layer_norm import layer_norm_backward_kernel, layer_norm_kernel
-from kernels.ops.rms_norm import rms_norm_backward_kernel, rms_norm_kernel
+from kernel_ladder.ops import norm as _norm
+from kernel_ladder.ops.add_rms_norm import add_rms_norm_kernel
+from kernel_ladder.ops.layer_norm import layer_norm_backward_kernel, layer_norm_kernel
+from kernel_ladder.ops.rms_norm import rms_norm_backward_kernel, rms_norm_kernel
 from utils.aot import compile_kernel, resource_usage
 
 FP32_POINTERS = {"rstd_ptr", "mean_ptr", "scratch_ptr", "dw_partial_ptr", "db_partial_ptr", "partial_ptr"}

@@ -10,7 +10,7 @@ Run by tests/test_kernels_compile_paged_attention.py in a compiled-mode child pr
 
 import sys
 
-from kernels.ops import paged_attention as pa
+from kernel_ladder.ops import paged_attention as pa
 from utils.aot import compile_kernel, resource_usage
 
 FLOATS = {"sm_scale", "softcap"}

@@ -6,7 +6,7 @@ Run by tests/test_kernels_compile_rope.py in a compiled-mode child process (util
 
 import sys
 
-from kernels.ops import rope as rope_module
+from kernel_ladder.ops import rope as rope_module
 from utils.aot import compile_kernel, resource_usage
 
 # What Triton's launcher specializes: unit feature strides become constants; sizes and strides of

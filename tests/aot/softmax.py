@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from kernels.ops import softmax as sm
+from kernel_ladder.ops import softmax as sm
 from utils.aot import compile_kernel, resource_usage
 
 TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}

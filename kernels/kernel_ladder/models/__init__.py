@@ -1,0 +1,16 @@
+"""``kernel_ladder.models``: models written only with ``kernel_ladder`` ops, loadable from Hugging Face.
+
+* :class:`CausalLM` — the Llama / Mistral / Qwen2 decoder (GQA, sliding windows, qkv biases,
+  RoPE scaling, tied embeddings), :meth:`CausalLM.from_hf` and :meth:`CausalLM.from_pretrained`
+  (a local safetensors checkpoint in HF's layout).
+* :class:`Engine` — generation with continuous batching, chunked prefill and prefix caching over
+  chapter 08's paged KV cache, greedy or sampled, streaming, and speculative decoding (a draft
+  model or prompt lookup).
+* :class:`ViT` — the vision encoder of ``ViTModel`` and ``CLIPVisionModel``, :meth:`ViT.from_hf`.
+"""
+
+from .causal_lm import SUPPORTED_MODEL_TYPES, CausalLM, CausalLMConfig
+from .engine import Engine, EngineStats
+from .vit import ViT, ViTConfig
+
+__all__ = ["SUPPORTED_MODEL_TYPES", "CausalLM", "CausalLMConfig", "Engine", "EngineStats", "ViT", "ViTConfig"]

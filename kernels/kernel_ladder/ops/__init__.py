@@ -1,0 +1,7 @@
+"""One module per op: its Triton kernels at the top, then the launcher, the custom op and its autograd.
+
+The public functions are re-exported by :mod:`kernel_ladder` (``kernel_ladder.softmax`` is the function,
+``kernel_ladder.ops.softmax`` the module that defines it, its kernels and its launch rule).
+:mod:`kernel_ladder.ops.norm` holds what the three norm ops share (their launch rule and the second
+stage of their weight gradients).
+"""

@@ -1,0 +1,354 @@
+"""Mixture-of-experts top-k routing, forward and backward, as ``kernel_ladder::topk_routing``, and the
+Switch/Mixtral auxiliary load-balancing loss.
+
+``topk_routing(router_logits, k)`` gives each token (a row of ``router_logits``, ``(T, E)``) its
+``k`` experts and their weights:
+
+* ``scoring="softmax"`` (Mixtral, Qwen2-MoE, Qwen3-MoE): ``p = softmax(logits)`` over the experts in
+  float32, the ``k`` largest ``p``, then (``renormalize=True``, Mixtral; Qwen's ``norm_topk_prob``)
+  divided by their sum. ``renormalize=False`` is Qwen2-MoE without ``norm_topk_prob``.
+* ``scoring="sigmoid"``: ``p = sigmoid(logits)``, the ``k`` largest, renormalized (DeepSeek-V3's
+  scoring *without* its per-expert bias correction, group-limited routing or routed scaling factor).
+
+One kernel, :func:`topk_routing_kernel`: a program takes ``BLOCK_T`` whole rows (all ``E`` experts
+in one block of registers, ``E <= MAX_EXPERTS``), computes the scores, and picks the top ``k`` by
+``k`` rounds of "argmax, then mask the winner out" in registers — no sort, no second pass over
+memory. It reads the logits once and writes ``T * k`` weights and ids: the ideal traffic.
+
+**Ties** pick the lowest expert index (each round's argmax is the smallest index holding the
+maximum). ``torch.topk`` leaves the order of equal values unspecified (on the CPU it does not pick
+the lowest indices), so the ids can differ from torch's where scores tie exactly; the weights
+cannot.
+
+The backward (:func:`topk_routing_backward_kernel`, ``kernel_ladder::topk_routing_backward``) recomputes
+the scores from the logits (one more read of ``T * E``, instead of saving a ``T * E`` float32 buffer)
+and applies, per row: the renormalization's Jacobian ``ds_j = (dw_j - sum_i dw_i w_i) / S``
+(``S = sum_i s_i``), the scatter of ``ds`` to the chosen experts (``g``, zero elsewhere), then the
+softmax Jacobian ``dx = p * (g - sum(g * p))`` or the sigmoid's ``dx = g * p * (1 - p)``. The
+expert ids are not differentiable.
+
+:func:`moe_load_balancing_loss` is torch code on :func:`kernel_ladder.softmax` (see its docstring).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import _launch, runtime
+from .._launch import next_power_of_2
+from .._validate import check_bool, check_choice, check_float_dtype, check_tensor, is_int, schema_types
+from .softmax import softmax
+
+__all__ = [
+    "MAX_EXPERTS",
+    "MAX_K",
+    "SCORINGS",
+    "moe_load_balancing_loss",
+    "topk_routing",
+    "topk_routing_backward_kernel",
+    "topk_routing_kernel",
+]
+
+#: The widest router one block holds (experts per token, ``E``).
+MAX_EXPERTS: int = 4096
+#: The most experts a token may be routed to (the ``k`` rounds are unrolled).
+MAX_K: int = 32
+#: Elements of logits a program aims to hold (short rows are packed, ``BLOCK_T`` rows a program).
+ROUTING_TILE: int = 4096
+SCORINGS = ("softmax", "sigmoid")
+
+_NEG_INF = tl.constexpr(float("-inf"))
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _scores(x_ptr, rows, row_ok, cols, n_experts, stride_xt, stride_xe, SIGMOID: tl.constexpr):
+    """float32 scores of a (BLOCK_T, BLOCK_E) tile of logits; padding columns (and rows) get -1,
+    below every real score (softmax and sigmoid scores are >= 0), so they are never chosen."""
+    col_ok = cols < n_experts
+    mask = row_ok[:, None] & col_ok[None, :]
+    offs = rows.to(tl.int64)[:, None] * stride_xt + cols.to(tl.int64)[None, :] * stride_xe
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if SIGMOID:
+        p = tl.sigmoid(x)
+    else:
+        x = tl.where(col_ok[None, :], x, _NEG_INF)
+        m = tl.max(x, axis=1)
+        e = tl.exp(x - m[:, None])
+        p = e * (1.0 / tl.sum(e, axis=1))[:, None]
+    return tl.where(mask, p, -1.0)
+
+
+@triton.jit
+def topk_routing_kernel(
+    x_ptr, w_ptr, ids_ptr, n_tokens, n_experts, stride_xt, stride_xe,
+    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr,
+):
+    """weights, ids (T, K) of BLOCK_T rows: scores, then K rounds of argmax-and-mask."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < n_tokens
+    cols = tl.arange(0, BLOCK_E)
+    p = _scores(x_ptr, rows, row_ok, cols, n_experts, stride_xt, stride_xe, SIGMOID)
+    slots = tl.arange(0, BLOCK_K)
+    weights = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
+    ids = tl.zeros((BLOCK_T, BLOCK_K), tl.int32)
+    for j in tl.static_range(K):
+        best = tl.max(p, axis=1)
+        # The lowest index holding the maximum (ties: lowest expert).
+        winner = tl.min(tl.where(p == best[:, None], cols[None, :], BLOCK_E), axis=1)
+        weights = tl.where(slots[None, :] == j, best[:, None], weights)
+        ids = tl.where(slots[None, :] == j, winner[:, None], ids)
+        p = tl.where(cols[None, :] == winner[:, None], -2.0, p)
+    if RENORMALIZE:
+        weights = weights / tl.sum(weights, axis=1)[:, None]
+    out = rows.to(tl.int64)[:, None] * K + slots[None, :]
+    mask = row_ok[:, None] & (slots < K)[None, :]
+    tl.store(w_ptr + out, weights, mask=mask)
+    tl.store(ids_ptr + out, ids.to(ids_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def topk_routing_backward_kernel(
+    x_ptr, ids_ptr, dw_ptr, dx_ptr, n_tokens, n_experts, stride_xt, stride_xe,
+    stride_it, stride_ik, stride_dwt, stride_dwk,
+    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr,
+):
+    """d logits of BLOCK_T rows from d weights: renormalization, scatter, score Jacobians."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < n_tokens
+    cols = tl.arange(0, BLOCK_E)
+    p = _scores(x_ptr, rows, row_ok, cols, n_experts, stride_xt, stride_xe, SIGMOID)
+    p = tl.where(p < 0.0, 0.0, p)  # padding contributes nothing
+    slots = tl.arange(0, BLOCK_K)
+    kmask = row_ok[:, None] & (slots < K)[None, :]
+    rows64 = rows.to(tl.int64)[:, None]
+    ids = tl.load(ids_ptr + rows64 * stride_it + slots[None, :] * stride_ik, mask=kmask, other=0).to(tl.int32)
+    dw = tl.load(dw_ptr + rows64 * stride_dwt + slots[None, :] * stride_dwk, mask=kmask, other=0.0).to(tl.float32)
+    # Selected scores s_j = p[ids_j]: their sum S and sum_j dw_j s_j.
+    total = tl.zeros((BLOCK_T,), tl.float32)
+    dot = tl.zeros((BLOCK_T,), tl.float32)
+    for j in tl.static_range(K):
+        id_j = tl.sum(tl.where(slots[None, :] == j, ids, 0), axis=1)
+        dw_j = tl.sum(tl.where(slots[None, :] == j, dw, 0.0), axis=1)
+        s_j = tl.sum(tl.where(cols[None, :] == id_j[:, None], p, 0.0), axis=1)
+        total += s_j
+        dot += dw_j * s_j
+    total = tl.where(row_ok, total, 1.0)
+    g = tl.zeros((BLOCK_T, BLOCK_E), tl.float32)
+    for j in tl.static_range(K):
+        id_j = tl.sum(tl.where(slots[None, :] == j, ids, 0), axis=1)
+        dw_j = tl.sum(tl.where(slots[None, :] == j, dw, 0.0), axis=1)
+        if RENORMALIZE:
+            ds_j = (dw_j - dot / total) / total  # w_i = s_i / S: sum_i dw_i w_i = dot / S
+        else:
+            ds_j = dw_j
+        g += tl.where(cols[None, :] == id_j[:, None], ds_j[:, None], 0.0)
+    if SIGMOID:
+        dx = g * p * (1.0 - p)
+    else:
+        dx = p * (g - tl.sum(g * p, axis=1)[:, None])
+    mask = row_ok[:, None] & (cols < n_experts)[None, :]
+    tl.store(dx_ptr + rows64 * n_experts + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch
+# ----------------------------------------------------------------------------------------------
+
+
+def _config(n_tokens: int, n_experts: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_T, BLOCK_E, BLOCK_K, num_warps): whole rows, packed to about ROUTING_TILE elements."""
+    block_e = next_power_of_2(n_experts)
+    block_t = max(1, min(ROUTING_TILE // block_e, next_power_of_2(max(n_tokens, 1))))
+    warps = _launch.num_warps_for(block_t * block_e, 16, max_warps=16)
+    return block_t, block_e, next_power_of_2(k), warps
+
+
+def _check_args(op: str, router_logits: object, k: object, renormalize: object, scoring: object) -> None:
+    check_tensor(op, "router_logits", router_logits)
+    check_float_dtype(op, "router_logits", router_logits)
+    if router_logits.dim() != 2:
+        raise ValueError(f"{op}: router_logits must be 2-D (tokens, experts), got shape {tuple(router_logits.shape)}"
+                         " (flatten the leading dims with .reshape(-1, num_experts))")
+    n_experts = router_logits.shape[1]
+    if not 1 <= n_experts <= MAX_EXPERTS:
+        raise ValueError(f"{op}: router_logits must have 1 to {MAX_EXPERTS} experts (its last dim), got {n_experts}")
+    if not is_int(k):
+        raise TypeError(f"{op}: k must be an int, got {type(k).__name__}")
+    if not 1 <= k <= min(n_experts, MAX_K):
+        raise ValueError(f"{op}: k must be in [1, min(num_experts, {MAX_K})] = [1, {min(n_experts, MAX_K)}] "
+                         f"for {n_experts} experts, got {k}")
+    check_bool(op, "renormalize", renormalize)
+    check_choice(op, "scoring", scoring, SCORINGS)
+
+
+def _check_backward_args(op: str, grad_weights, router_logits, expert_ids, renormalize, scoring) -> None:
+    for name, t in (("grad_weights", grad_weights), ("router_logits", router_logits), ("expert_ids", expert_ids)):
+        check_tensor(op, name, t)
+    check_float_dtype(op, "grad_weights", grad_weights)
+    check_float_dtype(op, "router_logits", router_logits)
+    if router_logits.dim() != 2:
+        raise ValueError(f"{op}: router_logits must be 2-D, got shape {tuple(router_logits.shape)}")
+    if expert_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{op}: expert_ids must be int32 or int64, got {expert_ids.dtype}")
+    if expert_ids.dim() != 2 or expert_ids.shape[0] != router_logits.shape[0] or grad_weights.shape != expert_ids.shape:
+        raise ValueError(f"{op}: grad_weights and expert_ids must both be (T, k) with T = {router_logits.shape[0]}, "
+                         f"got {tuple(grad_weights.shape)} and {tuple(expert_ids.shape)}")
+    if not 1 <= expert_ids.shape[1] <= MAX_K:
+        raise ValueError(f"{op}: k must be in [1, {MAX_K}], got {expert_ids.shape[1]}")
+    check_bool(op, "renormalize", renormalize)
+    check_choice(op, "scoring", scoring, SCORINGS)
+
+
+# ----------------------------------------------------------------------------------------------
+# Custom ops and autograd
+# ----------------------------------------------------------------------------------------------
+
+_OP = "kernel_ladder.topk_routing"
+
+
+@torch.library.custom_op("kernel_ladder::topk_routing", mutates_args=())
+def _topk_routing_op(router_logits: torch.Tensor, k: int, renormalize: bool,
+                     scoring: str) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_args(_OP, router_logits, k, renormalize, scoring)
+    runtime.require_launchable(_OP, router_logits)
+    n_tokens, n_experts = router_logits.shape
+    weights = _launch.empty_output((n_tokens, k), router_logits, torch.float32)
+    ids = _launch.empty_output((n_tokens, k), router_logits, torch.int64)
+    if n_tokens:
+        block_t, block_e, block_k, warps = _config(n_tokens, n_experts, k)
+        topk_routing_kernel[(triton.cdiv(n_tokens, block_t),)](
+            router_logits, weights, ids, n_tokens, n_experts, *router_logits.stride(),
+            K=k, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k,
+            SIGMOID=scoring == "sigmoid", RENORMALIZE=renormalize, num_warps=warps,
+        )
+    return weights, ids
+
+
+@_topk_routing_op.register_fake
+def _topk_routing_fake(router_logits, k, renormalize, scoring):
+    _check_args(_OP, router_logits, k, renormalize, scoring)
+    n_tokens = router_logits.shape[0]
+    return (router_logits.new_empty((n_tokens, k), dtype=torch.float32),
+            router_logits.new_empty((n_tokens, k), dtype=torch.int64))
+
+
+@torch.library.custom_op("kernel_ladder::topk_routing_backward", mutates_args=())
+def _topk_routing_backward_op(grad_weights: torch.Tensor, router_logits: torch.Tensor, expert_ids: torch.Tensor,
+                              renormalize: bool, scoring: str) -> torch.Tensor:
+    op = _OP + " (backward)"
+    _check_backward_args(op, grad_weights, router_logits, expert_ids, renormalize, scoring)
+    runtime.require_launchable(op, router_logits, grad_weights, expert_ids)
+    n_tokens, n_experts = router_logits.shape
+    k = expert_ids.shape[1]
+    grad = _launch.empty_output(router_logits.shape, router_logits)
+    if n_tokens:
+        block_t, block_e, block_k, warps = _config(n_tokens, n_experts, k)
+        topk_routing_backward_kernel[(triton.cdiv(n_tokens, block_t),)](
+            router_logits, expert_ids, grad_weights, grad, n_tokens, n_experts, *router_logits.stride(),
+            *expert_ids.stride(), *grad_weights.stride(),
+            K=k, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k,
+            SIGMOID=scoring == "sigmoid", RENORMALIZE=renormalize, num_warps=warps,
+        )
+    return grad
+
+
+@_topk_routing_backward_op.register_fake
+def _topk_routing_backward_fake(grad_weights, router_logits, expert_ids, renormalize, scoring):
+    _check_backward_args(_OP + " (backward)", grad_weights, router_logits, expert_ids, renormalize, scoring)
+    return router_logits.new_empty(router_logits.shape)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    router_logits, _, renormalize, scoring = inputs
+    _, ids = output
+    ctx.save_for_backward(router_logits, ids)
+    ctx.renormalize, ctx.scoring = renormalize, scoring
+    ctx.mark_non_differentiable(ids)
+
+
+def _backward(ctx, grad_weights, grad_ids):
+    router_logits, ids = ctx.saved_tensors
+    if grad_weights is None:
+        return None, None, None, None
+    grad = _topk_routing_backward_op(grad_weights, router_logits, ids, ctx.renormalize, ctx.scoring)
+    return grad, None, None, None
+
+
+_topk_routing_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public functions
+# ----------------------------------------------------------------------------------------------
+
+
+def topk_routing(router_logits: torch.Tensor, k: int, renormalize: bool = True,
+                 scoring: str = "softmax") -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's top-``k`` experts and their routing weights.
+
+    Args:
+        router_logits: ``(T, E)`` float32, float16 or bfloat16 (any strides), ``1 <= E <= MAX_EXPERTS``.
+        k: experts per token, ``1 <= k <= min(E, MAX_K)``.
+        renormalize: divide the ``k`` chosen scores by their sum (Mixtral; Qwen's ``norm_topk_prob``).
+        scoring: ``"softmax"`` (softmax over the experts in float32, as Mixtral's
+            ``softmax(router_logits, dim=1, dtype=torch.float)``) or ``"sigmoid"`` (DeepSeek-V3's
+            scores, without its bias, group routing or scaling factor).
+
+    Returns:
+        ``(weights, expert_ids)``, both ``(T, k)`` and contiguous, in descending order of score:
+        ``weights`` **float32** whatever the logits' dtype (Mixtral casts them to the hidden dtype
+        only after the renormalization: ``weights.to(hidden.dtype)`` does the same), ``expert_ids``
+        **int64** like ``torch.topk``'s indices. Ties pick the lowest expert index.
+        Differentiable with respect to ``router_logits`` through ``weights``.
+    """
+    if not schema_types(tensors=(router_logits,), ints=(k,), flags=(renormalize,), strings=(scoring,)):
+        _check_args(_OP, router_logits, k, renormalize, scoring)  # the op checks values
+    return _topk_routing_op(router_logits, k, renormalize, scoring)
+
+
+def moe_load_balancing_loss(router_logits: torch.Tensor, expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """The Switch Transformer / Mixtral auxiliary loss ``num_experts * sum_e f_e * P_e``.
+
+    Hugging Face's ``load_balancing_loss_func`` (transformers' Mixtral) for one layer and no
+    attention mask: ``f_e`` = (number of (token, slot) entries routed to ``e``) / ``T`` — divided by
+    the tokens, not the entries, so the ``f_e`` sum to ``k`` — and ``P_e`` = the mean over tokens of
+    the softmax router probability of ``e``. Balanced routing gives ``k``.
+
+    Torch ops on :func:`kernel_ladder.softmax` (so the gradient flows through ``kernel_ladder::softmax_backward``);
+    the counts are a ``scatter_add`` (no host sync, unlike ``bincount``), not differentiable, as in
+    Hugging Face. ``expert_ids`` ``(T, k)`` int32/int64 must be in ``[0, num_experts)`` (not checked:
+    that would sync). Returns a float32 scalar.
+    """
+    op = "kernel_ladder.moe_load_balancing_loss"
+    check_tensor(op, "router_logits", router_logits)
+    check_tensor(op, "expert_ids", expert_ids)
+    check_float_dtype(op, "router_logits", router_logits)
+    if router_logits.dim() != 2:
+        raise ValueError(f"{op}: router_logits must be 2-D (tokens, experts), got shape {tuple(router_logits.shape)}")
+    if not is_int(num_experts):
+        raise TypeError(f"{op}: num_experts must be an int, got {type(num_experts).__name__}")
+    if num_experts != router_logits.shape[1]:
+        raise ValueError(f"{op}: num_experts must equal router_logits.shape[1] = {router_logits.shape[1]}, "
+                         f"got {num_experts}")
+    if expert_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{op}: expert_ids must be int32 or int64, got {expert_ids.dtype}")
+    if expert_ids.dim() != 2 or expert_ids.shape[0] != router_logits.shape[0]:
+        raise ValueError(f"{op}: expert_ids must be (T, k) with T = {router_logits.shape[0]}, "
+                         f"got {tuple(expert_ids.shape)}")
+    n_tokens = router_logits.shape[0]
+    probs = softmax(router_logits, -1, dtype=torch.float32)
+    flat = expert_ids.reshape(-1).to(torch.int64)
+    counts = torch.zeros(num_experts, dtype=torch.float32, device=router_logits.device).scatter_add_(
+        0, flat, torch.ones(flat.shape, dtype=torch.float32, device=router_logits.device))
+    tokens_per_expert = counts / n_tokens
+    prob_per_expert = probs.sum(0) / n_tokens
+    return (tokens_per_expert * prob_per_expert).sum() * num_experts
