@@ -29,7 +29,7 @@ def test_matmul_config_validates_and_converts():
     assert cfg.shared_memory_bytes(2) == 3 * (32 * 16 + 16 * 64) * 2
     assert str(cfg) == "32x64x16 G4 w2 s3"
     for bad, message in [
-        (dict(BLOCK_M=24), r"kernels\.MatmulConfig: BLOCK_M must be a power of two >= 16, got 24"),
+        (dict(BLOCK_M=24), r"kernel_ladder\.MatmulConfig: BLOCK_M must be a power of two >= 16, got 24"),
         (dict(BLOCK_K=8), r"BLOCK_K must be a power of two >= 16, got 8"),
         (dict(GROUP_M=0), r"GROUP_M must be an int >= 1, got 0"),
         (dict(num_warps=3), r"num_warps must be a power of two in \[1, 32\], got 3"),
@@ -157,9 +157,9 @@ def test_autotune_cpu_times_each_config_and_labels_them():
     assert [t.seconds for t in report.timings] == [(1.0, 1.0)] * 3
     assert report.best == "a"
     assert "not GPU speed" in str(report) and "interpreter" in str(report)
-    with pytest.raises(ValueError, match=r"kernels\.autotune\.autotune_cpu: repeats must be an int >= 1"):
+    with pytest.raises(ValueError, match=r"kernel_ladder\.autotune\.autotune_cpu: repeats must be an int >= 1"):
         at.autotune_cpu(lambda c: None, ["a"], repeats=0)
-    with pytest.raises(ValueError, match=r"kernels\.autotune\.autotune_cpu: configs must not be empty"):
+    with pytest.raises(ValueError, match=r"kernel_ladder\.autotune\.autotune_cpu: configs must not be empty"):
         at.autotune_cpu(lambda c: None, [])
 
 

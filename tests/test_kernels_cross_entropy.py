@@ -461,20 +461,20 @@ def test_a_second_backward_through_the_same_loss_is_refused(gen):
     x = randn((3, 20), gen).requires_grad_()
     loss = cross_entropy(x, targets((3,), 20, gen, ignore_fraction=0.0))
     loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match=r"kernels\.cross_entropy: backward through the same loss twice"):
+    with pytest.raises(RuntimeError, match=r"kernel_ladder\.cross_entropy: backward through the same loss twice"):
         loss.backward()
 
 
 def test_raw_op_without_gradient_explains_itself(gen):
     x = randn((3, 20), gen).requires_grad_()
     loss, *_ = raw_op(x, targets((3,), 20, gen))
-    with pytest.raises(RuntimeError, match=r"kernels\.cross_entropy: the forward ran with compute_grad=False"):
+    with pytest.raises(RuntimeError, match=r"kernel_ladder\.cross_entropy: the forward ran with compute_grad=False"):
         loss.backward()
 
 
 # --------------------------------------------------------------------------- double backward
 
-_DOUBLE = r"^kernels\.cross_entropy \(backward\): double backward \(a gradient of a gradient\) is not supported"
+_DOUBLE = r"^kernel_ladder\.cross_entropy \(backward\): double backward \(a gradient of a gradient\) is not supported"
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
@@ -782,69 +782,69 @@ def _t(*values):
     "call, error, message",
     [
         (lambda: cross_entropy(_X, _t(1, 2, 10, 0)), ValueError,
-         r"^kernels\.cross_entropy: target must hold class indices in \[0, 10\) or ignore_index=-100, got 10 "
+         r"^kernel_ladder\.cross_entropy: target must hold class indices in \[0, 10\) or ignore_index=-100, got 10 "
          r".*pass the padding label as ignore_index"),
         (lambda: cross_entropy(_X, _t(1, -1, 3, 0)), ValueError,
-         r"^kernels\.cross_entropy: target must hold class indices in \[0, 10\).*got -1"),
+         r"^kernel_ladder\.cross_entropy: target must hold class indices in \[0, 10\).*got -1"),
         (lambda: cross_entropy(_X, _t(1, -100, 3, 0), ignore_index=0), ValueError,
-         r"^kernels\.cross_entropy: target .* or ignore_index=0, got -100"),
+         r"^kernel_ladder\.cross_entropy: target .* or ignore_index=0, got -100"),
         (lambda: cross_entropy(_X, _t(1, 2, 3)), ValueError,
-         r"^kernels\.cross_entropy: target must have shape \(4,\) for logits of shape \(4, 10\) "
+         r"^kernel_ladder\.cross_entropy: target must have shape \(4,\) for logits of shape \(4, 10\) "
          r"\(\(N, V\) logits take an \(N,\) target.*got \(3,\)"),
-        (lambda: cross_entropy(_X, _T[None]), ValueError, r"^kernels\.cross_entropy: target must have shape \(4,\)"),
+        (lambda: cross_entropy(_X, _T[None]), ValueError, r"^kernel_ladder\.cross_entropy: target must have shape \(4,\)"),
         (lambda: cross_entropy(_X[0], _T), ValueError,
-         r"^kernels\.cross_entropy: target must have shape \(\) .*\(V,\) logits take a 0-d target"),
+         r"^kernel_ladder\.cross_entropy: target must have shape \(\) .*\(V,\) logits take a 0-d target"),
         (lambda: cross_entropy(_X[:2, :, None].expand(2, 10, 3), _T[:2, None].expand(2, 10)), ValueError,
-         r"^kernels\.cross_entropy: target must have shape \(2, 3\) .*class dim is dim 1"),
+         r"^kernel_ladder\.cross_entropy: target must have shape \(2, 3\) .*class dim is dim 1"),
         (lambda: cross_entropy(_X[0, 0], _T[0]), ValueError,
-         r"^kernels\.cross_entropy: logits must have a class dim"),
+         r"^kernel_ladder\.cross_entropy: logits must have a class dim"),
         (lambda: cross_entropy(_X[:3, :0], _T[:3]), ValueError,
-         r"^kernels\.cross_entropy: logits must have at least one class"),
+         r"^kernel_ladder\.cross_entropy: logits must have at least one class"),
         (lambda: cross_entropy(_X.long(), _T), TypeError,
-         r"^kernels\.cross_entropy: logits must be float32, float16 or bfloat16, got torch\.int64"),
+         r"^kernel_ladder\.cross_entropy: logits must be float32, float16 or bfloat16, got torch\.int64"),
         (lambda: cross_entropy(_X.double(), _T), TypeError,
-         r"^kernels\.cross_entropy: logits must be float32, float16 or bfloat16, got torch\.float64"),
+         r"^kernel_ladder\.cross_entropy: logits must be float32, float16 or bfloat16, got torch\.float64"),
         (lambda: cross_entropy(_X, _T.float()), TypeError,
-         r"^kernels\.cross_entropy: target must be int64 \(or int32\) class indices, got torch\.float32 "
+         r"^kernel_ladder\.cross_entropy: target must be int64 \(or int32\) class indices, got torch\.float32 "
          r"\(class-probability targets are not supported"),
         (lambda: cross_entropy(_X, _T.to(torch.int16)), TypeError,
-         r"^kernels\.cross_entropy: target must be int64 \(or int32\) class indices, got torch\.int16$"),
+         r"^kernel_ladder\.cross_entropy: target must be int64 \(or int32\) class indices, got torch\.int16$"),
         (lambda: cross_entropy(_X.cpu().numpy(), _T), TypeError,
-         r"^kernels\.cross_entropy: logits must be a torch\.Tensor, got ndarray"),
+         r"^kernel_ladder\.cross_entropy: logits must be a torch\.Tensor, got ndarray"),
         (lambda: cross_entropy(_X, [1, 2, 3, 4]), TypeError,
-         r"^kernels\.cross_entropy: target must be a torch\.Tensor, got list"),
+         r"^kernel_ladder\.cross_entropy: target must be a torch\.Tensor, got list"),
         (lambda: cross_entropy(_X, _T.to("meta")), ValueError,
-         r"^kernels\.cross_entropy: logits and target must be on the same device, got \S+ and meta"),
+         r"^kernel_ladder\.cross_entropy: logits and target must be on the same device, got \S+ and meta"),
         (lambda: cross_entropy(_X, _T, reduction="avg"), ValueError,
-         r"^kernels\.cross_entropy: reduction must be 'mean', 'sum' or 'none', got 'avg'"),
-        (lambda: cross_entropy(_X, _T, reduction=None), TypeError, r"^kernels\.cross_entropy: reduction must be"),
+         r"^kernel_ladder\.cross_entropy: reduction must be 'mean', 'sum' or 'none', got 'avg'"),
+        (lambda: cross_entropy(_X, _T, reduction=None), TypeError, r"^kernel_ladder\.cross_entropy: reduction must be"),
         (lambda: cross_entropy(_X, _T, label_smoothing=1.5), ValueError,
-         r"^kernels\.cross_entropy: label_smoothing must be in \[0, 1\], got 1\.5"),
+         r"^kernel_ladder\.cross_entropy: label_smoothing must be in \[0, 1\], got 1\.5"),
         (lambda: cross_entropy(_X, _T, label_smoothing="0.1"), TypeError,
-         r"^kernels\.cross_entropy: label_smoothing must be a float"),
+         r"^kernel_ladder\.cross_entropy: label_smoothing must be a float"),
         (lambda: cross_entropy(_X, _T, ignore_index=1.0), TypeError,
-         r"^kernels\.cross_entropy: ignore_index must be an int, got float"),
+         r"^kernel_ladder\.cross_entropy: ignore_index must be an int, got float"),
         (lambda: cross_entropy(_X, _T, weight=torch.ones(9, device=DEVICE)), ValueError,
-         r"^kernels\.cross_entropy: weight must hold one weight per class, shape \(10,\), got \(9,\)"),
+         r"^kernel_ladder\.cross_entropy: weight must hold one weight per class, shape \(10,\), got \(9,\)"),
         (lambda: cross_entropy(_X, _T, weight=torch.ones(10, dtype=torch.float64, device=DEVICE)), TypeError,
-         r"^kernels\.cross_entropy: weight must be float32, float16 or bfloat16, got torch\.float64"),
+         r"^kernel_ladder\.cross_entropy: weight must be float32, float16 or bfloat16, got torch\.float64"),
         (lambda: cross_entropy(_X, _T, weight=[1.0] * 10), TypeError,
-         r"^kernels\.cross_entropy: weight must be a torch\.Tensor, got list"),
+         r"^kernel_ladder\.cross_entropy: weight must be a torch\.Tensor, got list"),
         (lambda: cross_entropy(_X, _T, weight=torch.ones(10, device=DEVICE, requires_grad=True)), ValueError,
-         r"^kernels\.cross_entropy: weight is not differentiable \(as in torch's cross_entropy\)"),
+         r"^kernel_ladder\.cross_entropy: weight is not differentiable \(as in torch's cross_entropy\)"),
         (lambda: cross_entropy(_X, _T, softcap=0.0), ValueError,
-         r"^kernels\.cross_entropy: softcap must be a positive, finite float \(Gemma-2 uses 30\.0\), got 0\.0"),
-        (lambda: cross_entropy(_X, _T, softcap=float("inf")), ValueError, r"^kernels\.cross_entropy: softcap must be"),
+         r"^kernel_ladder\.cross_entropy: softcap must be a positive, finite float \(Gemma-2 uses 30\.0\), got 0\.0"),
+        (lambda: cross_entropy(_X, _T, softcap=float("inf")), ValueError, r"^kernel_ladder\.cross_entropy: softcap must be"),
         (lambda: cross_entropy(_X, _T, softcap="30"), TypeError,
-         r"^kernels\.cross_entropy: softcap must be None or a positive float, got str"),
+         r"^kernel_ladder\.cross_entropy: softcap must be None or a positive float, got str"),
         (lambda: cross_entropy(_X, _T, z_loss=-1e-4), ValueError,
-         r"^kernels\.cross_entropy: z_loss must be a finite float >= 0 \(PaLM uses 1e-4\), got -0\.0001"),
-        (lambda: cross_entropy(_X, _T, z_loss=None), TypeError, r"^kernels\.cross_entropy: z_loss must be a float"),
+         r"^kernel_ladder\.cross_entropy: z_loss must be a finite float >= 0 \(PaLM uses 1e-4\), got -0\.0001"),
+        (lambda: cross_entropy(_X, _T, z_loss=None), TypeError, r"^kernel_ladder\.cross_entropy: z_loss must be a float"),
         (lambda: cross_entropy(_X, _T, return_z_loss=1), TypeError,
-         r"^kernels\.cross_entropy: return_z_loss must be a bool, got int"),
+         r"^kernel_ladder\.cross_entropy: return_z_loss must be a bool, got int"),
         # the custom op validates too, when called directly through torch.ops
-        (lambda: raw_op(_X.double(), _T), TypeError, r"^kernels\.cross_entropy: logits must be float32"),
-        (lambda: raw_op(_X, _t(0, 0, 0, 99)), ValueError, r"^kernels\.cross_entropy: target must hold class indices"),
+        (lambda: raw_op(_X.double(), _T), TypeError, r"^kernel_ladder\.cross_entropy: logits must be float32"),
+        (lambda: raw_op(_X, _t(0, 0, 0, 99)), ValueError, r"^kernel_ladder\.cross_entropy: target must hold class indices"),
     ],
 )
 def test_bad_input_raises_a_clear_error(call, error, message):

@@ -171,9 +171,9 @@ def test_torch_compile_with_seed_from_the_caller(gen, seed):
 
 def test_dropout_mask_device_errors_name_the_op():
     if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match=r"kernels\.dropout_mask: device 'cuda' was asked for, but no CUDA device"):
+        with pytest.raises(ValueError, match=r"kernel_ladder\.dropout_mask: device 'cuda' was asked for, but no CUDA device"):
             kernel_ladder.dropout_mask((4, 4), 0.5, seed=1, device="cuda")
-    with pytest.raises(ValueError, match=r"kernels\.dropout_mask: device must be a torch\.device or a name"):
+    with pytest.raises(ValueError, match=r"kernel_ladder\.dropout_mask: device must be a torch\.device or a name"):
         kernel_ladder.dropout_mask((4, 4), 0.5, seed=1, device="not-a-device")
-    with pytest.raises(ValueError, match=r"kernels\.dropout_mask: device must hold data"):
+    with pytest.raises(ValueError, match=r"kernel_ladder\.dropout_mask: device must hold data"):
         kernel_ladder.dropout_mask((4, 4), 0.5, seed=1, device="meta")

@@ -339,48 +339,48 @@ def test_plan_switches_to_int64_offsets_past_2_to_the_31():
     "call, error, message",
     [
         (lambda: kernel_ladder.gelu(torch.arange(4)), TypeError,
-         r"^kernels\.gelu: x must be float32, float16 or bfloat16, got torch\.int64"),
+         r"^kernel_ladder\.gelu: x must be float32, float16 or bfloat16, got torch\.int64"),
         (lambda: kernel_ladder.gelu(torch.ones(4, dtype=torch.float64)), TypeError,
-         r"^kernels\.gelu: x must be .*got torch\.float64"),
-        (lambda: kernel_ladder.gelu([1.0, 2.0]), TypeError, r"^kernels\.gelu: x must be a torch\.Tensor, got list"),
+         r"^kernel_ladder\.gelu: x must be .*got torch\.float64"),
+        (lambda: kernel_ladder.gelu([1.0, 2.0]), TypeError, r"^kernel_ladder\.gelu: x must be a torch\.Tensor, got list"),
         (lambda: kernel_ladder.gelu(torch.ones(4), approximate="fast"), ValueError,
-         r"^kernels\.gelu: approximate must be 'none' or 'tanh', got 'fast'"),
-        (lambda: kernel_ladder.gelu(torch.ones(4), approximate=None), TypeError, r"^kernels\.gelu: approximate must be"),
-        (lambda: kernel_ladder.silu(3.0), TypeError, r"^kernels\.silu: x must be a torch\.Tensor, got float"),
-        (lambda: kernel_ladder.silu(torch.ones(2, dtype=torch.int32)), TypeError, r"^kernels\.silu: x must be float32"),
+         r"^kernel_ladder\.gelu: approximate must be 'none' or 'tanh', got 'fast'"),
+        (lambda: kernel_ladder.gelu(torch.ones(4), approximate=None), TypeError, r"^kernel_ladder\.gelu: approximate must be"),
+        (lambda: kernel_ladder.silu(3.0), TypeError, r"^kernel_ladder\.silu: x must be a torch\.Tensor, got float"),
+        (lambda: kernel_ladder.silu(torch.ones(2, dtype=torch.int32)), TypeError, r"^kernel_ladder\.silu: x must be float32"),
         (lambda: kernel_ladder.add(torch.ones(3), torch.ones(3, dtype=torch.int64)), TypeError,
-         r"^kernels\.add: y must be float32, float16 or bfloat16, got torch\.int64"),
-        (lambda: kernel_ladder.add(1.0, 2.0), TypeError, r"^kernels\.add: x must be a torch\.Tensor, got float"),
-        (lambda: kernel_ladder.add(torch.ones(3), True), TypeError, r"^kernels\.add: y must be a torch\.Tensor, got bool"),
+         r"^kernel_ladder\.add: y must be float32, float16 or bfloat16, got torch\.int64"),
+        (lambda: kernel_ladder.add(1.0, 2.0), TypeError, r"^kernel_ladder\.add: x must be a torch\.Tensor, got float"),
+        (lambda: kernel_ladder.add(torch.ones(3), True), TypeError, r"^kernel_ladder\.add: y must be a torch\.Tensor, got bool"),
         (lambda: kernel_ladder.add(torch.ones(3), torch.ones(4)), ValueError,
-         r"^kernels\.add: x and y must have broadcastable shapes, got \(3,\) and \(4,\)"),
+         r"^kernel_ladder\.add: x and y must have broadcastable shapes, got \(3,\) and \(4,\)"),
         (lambda: kernel_ladder.add(torch.ones(3), torch.ones(3, device="meta")), ValueError,
-         r"^kernels\.add: x and y must be on the same device, got cpu and meta"),
+         r"^kernel_ladder\.add: x and y must be on the same device, got cpu and meta"),
         (lambda: kernel_ladder.swiglu(torch.ones(2, 3), torch.ones(3, 2)), ValueError,
-         r"^kernels\.swiglu: gate and up must have the same shape, got \(2, 3\) and \(3, 2\)"),
+         r"^kernel_ladder\.swiglu: gate and up must have the same shape, got \(2, 3\) and \(3, 2\)"),
         (lambda: kernel_ladder.swiglu(torch.ones(3), torch.ones(3, dtype=torch.bfloat16)), TypeError,
-         r"^kernels\.swiglu: gate and up must have the same dtype"),
+         r"^kernel_ladder\.swiglu: gate and up must have the same dtype"),
         (lambda: kernel_ladder.swiglu(torch.ones(3, dtype=torch.int8), torch.ones(3)), TypeError,
-         r"^kernels\.swiglu: gate must be float32"),
+         r"^kernel_ladder\.swiglu: gate must be float32"),
         (lambda: kernel_ladder.dropout(torch.ones(3), p=1.5), ValueError,
-         r"^kernels\.dropout: p must be in \[0, 1\], got 1\.5"),
-        (lambda: kernel_ladder.dropout(torch.ones(3), p=-0.1), ValueError, r"^kernels\.dropout: p must be in \[0, 1\]"),
-        (lambda: kernel_ladder.dropout(torch.ones(3), p="0.5"), TypeError, r"^kernels\.dropout: p must be a float"),
-        (lambda: kernel_ladder.dropout(torch.ones(3), seed=1.5), TypeError, r"^kernels\.dropout: seed must be an int"),
-        (lambda: kernel_ladder.dropout(torch.ones(3), seed=-1), ValueError, r"^kernels\.dropout: seed must be in"),
+         r"^kernel_ladder\.dropout: p must be in \[0, 1\], got 1\.5"),
+        (lambda: kernel_ladder.dropout(torch.ones(3), p=-0.1), ValueError, r"^kernel_ladder\.dropout: p must be in \[0, 1\]"),
+        (lambda: kernel_ladder.dropout(torch.ones(3), p="0.5"), TypeError, r"^kernel_ladder\.dropout: p must be a float"),
+        (lambda: kernel_ladder.dropout(torch.ones(3), seed=1.5), TypeError, r"^kernel_ladder\.dropout: seed must be an int"),
+        (lambda: kernel_ladder.dropout(torch.ones(3), seed=-1), ValueError, r"^kernel_ladder\.dropout: seed must be in"),
         (lambda: kernel_ladder.dropout(torch.ones(3), training="yes"), TypeError,
-         r"^kernels\.dropout: training must be a bool"),
-        (lambda: kernel_ladder.dropout(torch.arange(3)), TypeError, r"^kernels\.dropout: x must be float32"),
-        (lambda: kernel_ladder.dropout_mask((3, -1), 0.5, 1), ValueError, r"^kernels\.dropout_mask: shape must have"),
-        (lambda: kernel_ladder.dropout_mask((3, 1.5), 0.5, 1), TypeError, r"^kernels\.dropout_mask: shape must be"),
-        (lambda: kernel_ladder.dropout_mask((3,), 2.0, 1), ValueError, r"^kernels\.dropout_mask: p must be in"),
+         r"^kernel_ladder\.dropout: training must be a bool"),
+        (lambda: kernel_ladder.dropout(torch.arange(3)), TypeError, r"^kernel_ladder\.dropout: x must be float32"),
+        (lambda: kernel_ladder.dropout_mask((3, -1), 0.5, 1), ValueError, r"^kernel_ladder\.dropout_mask: shape must have"),
+        (lambda: kernel_ladder.dropout_mask((3, 1.5), 0.5, 1), TypeError, r"^kernel_ladder\.dropout_mask: shape must be"),
+        (lambda: kernel_ladder.dropout_mask((3,), 2.0, 1), ValueError, r"^kernel_ladder\.dropout_mask: p must be in"),
         # the custom op validates too, when called directly through torch.ops
         (lambda: torch.ops.kernel_ladder.dropout_mask([3], 2.0, 1, torch.device("cpu")), ValueError,
-         r"^kernels\.dropout_mask: p must be in"),
+         r"^kernel_ladder\.dropout_mask: p must be in"),
         (lambda: torch.ops.kernel_ladder.dropout_mask([3], 0.5, -5, torch.device("cpu")), ValueError,
-         r"^kernels\.dropout_mask: seed"),
+         r"^kernel_ladder\.dropout_mask: seed"),
         (lambda: kernel_ladder.dropout_mask((3,), 0.5, 1, device="meta"), ValueError,
-         r"^kernels\.dropout_mask: device must hold data"),
+         r"^kernel_ladder\.dropout_mask: device must hold data"),
     ],
 )
 def test_bad_input_raises_a_clear_error(call, error, message):
@@ -389,9 +389,9 @@ def test_bad_input_raises_a_clear_error(call, error, message):
 
 
 def test_errors_also_come_from_the_raw_custom_op():
-    with pytest.raises(TypeError, match=r"^kernels\.gelu: x must be float32"):
+    with pytest.raises(TypeError, match=r"^kernel_ladder\.gelu: x must be float32"):
         torch.ops.kernel_ladder.gelu(torch.arange(3), "none")
-    with pytest.raises(ValueError, match=r"^kernels\.dropout: p must be in"):
+    with pytest.raises(ValueError, match=r"^kernel_ladder\.dropout: p must be in"):
         torch.ops.kernel_ladder.dropout(torch.ones(3), 3.0, 1)
 
 

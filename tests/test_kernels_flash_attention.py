@@ -305,7 +305,7 @@ def test_cu_seqlens_values_are_checked(gen):
     q, cu = pack([3, 4], 2, 16, gen)
     for bad in ([1, 3, 7], [0, 5, 3], [0, 3, 6]):  # not starting at 0, decreasing, not ending at the total
         cu_bad = torch.tensor(bad, dtype=torch.int32, device=DEVICE)
-        with pytest.raises(ValueError, match=r"kernels\.flash_attention_varlen: cu_seqlens_q must start at 0, never "
+        with pytest.raises(ValueError, match=r"kernel_ladder\.flash_attention_varlen: cu_seqlens_q must start at 0, never "
                                              rf"decrease, end at 7 .*got \[{bad[0]}, {bad[1]}, {bad[2]}\]"):
             kernel_ladder.flash_attention_varlen(q, q, q, cu_bad, cu, 7, 7)
     with pytest.raises(ValueError, match=r"cu_seqlens_k must .* every sequence length <= max_seqlen = 3"):
@@ -496,7 +496,7 @@ def test_hugging_face_adapter_masks(gen):
             assert torch.equal(out, want)
     padded = causal.clone()
     padded[0, :, :, 0] = False  # sequence 0 starts with a padding token
-    with pytest.raises(NotImplementedError, match=r"kernels\.flash_attention \(Hugging Face attention\): only "
+    with pytest.raises(NotImplementedError, match=r"kernel_ladder\.flash_attention \(Hugging Face attention\): only "
                                                   r"causal \(or no\) masks are supported"):
         fa.hf_attention(module, q, k, v, padded)
     with pytest.raises(NotImplementedError, match="dropout"):
@@ -556,13 +556,13 @@ def test_torch_compile_fullgraph_forward_and_backward(varlen, backend, gen):
 def test_double_backward_is_refused_clearly(gen):
     q, k = leaf(rand(1, 1, 4, 16, gen=gen)), rand(1, 1, 4, 16, gen=gen)
     (dq,) = torch.autograd.grad(kernel_ladder.flash_attention(q, k, k).pow(2).sum(), q, create_graph=True)
-    with pytest.raises(RuntimeError, match=r"kernels\.flash_attention \(backward\): double backward"):
+    with pytest.raises(RuntimeError, match=r"kernel_ladder\.flash_attention \(backward\): double backward"):
         dq.sum().backward()
     qv, cu = pack([3], 1, 16, torch.Generator().manual_seed(0))
     qv = leaf(qv)
     (dq,) = torch.autograd.grad(kernel_ladder.flash_attention_varlen(qv, qv, qv, cu, cu, 3, 3).pow(2).sum(), qv,
                                 create_graph=True)
-    with pytest.raises(RuntimeError, match=r"kernels\.flash_attention_varlen \(backward\): double backward"):
+    with pytest.raises(RuntimeError, match=r"kernel_ladder\.flash_attention_varlen \(backward\): double backward"):
         dq.sum().backward()
 
 
@@ -624,7 +624,7 @@ def _bad(**changes):
 
 @pytest.mark.parametrize("call, error, message", [
     (_bad(k=torch.zeros(2, 3, 7, 16), v=torch.zeros(2, 3, 7, 16)), ValueError,
-     r"^kernels\.flash_attention: the query heads \(4\) must be a multiple of the key/value heads \(3\)"),
+     r"^kernel_ladder\.flash_attention: the query heads \(4\) must be a multiple of the key/value heads \(3\)"),
     (_bad(q=torch.zeros(2, 4, 5, 8)), ValueError, r"q, k and v must share the head dim D .* got 8, 16 and 16"),
     (_bad(q=torch.zeros(1, 1, 5, 320), k=torch.zeros(1, 1, 5, 320), v=torch.zeros(1, 1, 5, 320)), ValueError,
      r"the head dim D must be in \[1, 256\], got 320"),
@@ -654,7 +654,7 @@ def test_bad_varlen_input_errors():
     op = kernel_ladder.flash_attention_varlen
     cases = [
         (lambda: op(q[None], q, q, cu, cu, 4, 4), ValueError,
-         r"^kernels\.flash_attention_varlen: q must be 3-D \(total_Tq, Hq, D\)"),
+         r"^kernel_ladder\.flash_attention_varlen: q must be 3-D \(total_Tq, Hq, D\)"),
         (lambda: op(q, q, q, cu.long(), cu, 4, 4), TypeError, r"cu_seqlens_q must be int32"),
         (lambda: op(q, q, q, cu, cu[None], 4, 4), ValueError, r"cu_seqlens_k must be 1-D \(B \+ 1,\)"),
         (lambda: op(q, q, q, cu, cu[:2], 4, 4), ValueError, r"cu_seqlens_q and cu_seqlens_k must have the same length"),

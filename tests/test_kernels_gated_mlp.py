@@ -148,7 +148,7 @@ def test_double_backward_is_refused_clearly(gen):
     x = rand(3, 16, gen=gen).requires_grad_()
     weights = layer(16, 8, gen)
     (dx,) = torch.autograd.grad(kernel_ladder.gated_mlp(x, *weights).pow(2).sum(), x, create_graph=True)
-    with pytest.raises(RuntimeError, match=r"kernels\.gated_mlp \(backward\): double backward"):
+    with pytest.raises(RuntimeError, match=r"kernel_ladder\.gated_mlp \(backward\): double backward"):
         dx.sum().backward()
 
 
@@ -157,7 +157,7 @@ def test_bad_input_errors(gen):
     w_gate, w_up, w_down = layer(32, 16, gen)
     cases = [
         (lambda: kernel_ladder.gated_mlp(x, w_gate, w_up, w_down, activation="tanh"), ValueError,
-         r"kernels\.gated_mlp: activation must be 'silu', 'gelu_tanh', 'gelu' or 'relu'"),
+         r"kernel_ladder\.gated_mlp: activation must be 'silu', 'gelu_tanh', 'gelu' or 'relu'"),
         (lambda: kernel_ladder.gated_mlp(x[:, :30], w_gate, w_up, w_down), ValueError,
          r"w_gate and w_up must both be \(intermediate, hidden\) = \(F, 30\)"),
         (lambda: kernel_ladder.gated_mlp(x, w_gate, w_up[:8], w_down), ValueError, r"w_gate and w_up must both be"),

@@ -247,7 +247,7 @@ def test_double_backward_is_refused(gen):
     w = rand(gen, 2, 8, 4).requires_grad_()
     out = kernel_ladder.grouped_matmul(x, w, offsets_of([2, 4]))
     (gx,) = torch.autograd.grad(out.sum(), (x,), create_graph=True)
-    with pytest.raises(RuntimeError, match=r"kernels\.grouped_matmul \(backward\): double backward"):
+    with pytest.raises(RuntimeError, match=r"kernel_ladder\.grouped_matmul \(backward\): double backward"):
         torch.autograd.grad(gx.sum(), (w,))
 
 
@@ -283,24 +283,24 @@ def _args(M=6, K=8, N=4, E=2, **over):
 @pytest.mark.parametrize(
     "over, error, message",
     [
-        ({"x": torch.randn(2, 6, 8)}, ValueError, r"kernels\.grouped_matmul: x must be 2-D \(rows, K\).*\(2, 6, 8\)"),
-        ({"w": torch.randn(8, 4)}, ValueError, r"kernels\.grouped_matmul: w must be 3-D \(experts, K, N\)"),
+        ({"x": torch.randn(2, 6, 8)}, ValueError, r"kernel_ladder\.grouped_matmul: x must be 2-D \(rows, K\).*\(2, 6, 8\)"),
+        ({"w": torch.randn(8, 4)}, ValueError, r"kernel_ladder\.grouped_matmul: w must be 3-D \(experts, K, N\)"),
         ({"w": torch.randn(2, 7, 4)}, ValueError,
-         r"kernels\.grouped_matmul: w's dim 1 \(7\) must equal x's last dim K \(8\)"),
+         r"kernel_ladder\.grouped_matmul: w's dim 1 \(7\) must equal x's last dim K \(8\)"),
         ({"offsets": torch.tensor([2, 6])}, TypeError,
-         r"kernels\.grouped_matmul: offsets must be int32.*got torch\.int64"),
+         r"kernel_ladder\.grouped_matmul: offsets must be int32.*got torch\.int64"),
         ({"offsets": torch.tensor([6], dtype=torch.int32)}, ValueError,
-         r"kernels\.grouped_matmul: offsets must have shape \(E,\) = \(2,\).*got shape \(1,\)"),
+         r"kernel_ladder\.grouped_matmul: offsets must have shape \(E,\) = \(2,\).*got shape \(1,\)"),
         ({"offsets": torch.tensor([[2, 6]], dtype=torch.int32)}, ValueError, r"offsets must have shape \(E,\)"),
         ({"w": torch.randn(2, 8, 4, dtype=torch.float16)}, TypeError,
-         r"kernels\.grouped_matmul: x and w must have the same dtype, got torch\.float32 and torch\.float16"),
+         r"kernel_ladder\.grouped_matmul: x and w must have the same dtype, got torch\.float32 and torch\.float16"),
         ({"x": torch.randn(6, 8, dtype=torch.float64), "w": torch.randn(2, 8, 4, dtype=torch.float64)}, TypeError,
-         r"kernels\.grouped_matmul: x must be float32, float16 or bfloat16, got torch\.float64"),
+         r"kernel_ladder\.grouped_matmul: x must be float32, float16 or bfloat16, got torch\.float64"),
         ({"w": torch.randn(2, 8, 4, device="meta")}, ValueError,
-         r"kernels\.grouped_matmul: x and w must be on the same device"),
+         r"kernel_ladder\.grouped_matmul: x and w must be on the same device"),
         ({"offsets": torch.tensor([2, 6], dtype=torch.int32, device="meta")}, ValueError,
-         r"kernels\.grouped_matmul: x and offsets must be on the same device"),
-        ({"x": [[1.0]]}, TypeError, r"kernels\.grouped_matmul: x must be a torch\.Tensor, got list"),
+         r"kernel_ladder\.grouped_matmul: x and offsets must be on the same device"),
+        ({"x": [[1.0]]}, TypeError, r"kernel_ladder\.grouped_matmul: x must be a torch\.Tensor, got list"),
     ],
 )
 def test_bad_input_errors(over, error, message):
@@ -313,7 +313,7 @@ def test_bad_input_errors(over, error, message):
 @pytest.mark.parametrize("ends", [[4, 2], [-1, 6], [3, 7]], ids=["decreasing", "negative", "past_M"])
 def test_bad_offset_values(ends):
     args = _args(offsets=torch.tensor(ends, dtype=torch.int32))
-    with pytest.raises(ValueError, match=r"kernels\.grouped_matmul: offsets must be non-negative, non-decreasing "
+    with pytest.raises(ValueError, match=r"kernel_ladder\.grouped_matmul: offsets must be non-negative, non-decreasing "
                                          r"and at most x's rows M = 6.*got \[" + ", ".join(map(str, ends))):
         kernel_ladder.grouped_matmul(args["x"], args["w"], args["offsets"])
 

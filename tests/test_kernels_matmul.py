@@ -351,21 +351,21 @@ def test_torch_compile_fullgraph_forward_and_backward(gen):
     "make, error, message",
     [
         (lambda: (torch.randn(3, 5), torch.randn(6, 4)), ValueError,
-         r"kernels\.matmul: a's last dim \(5\) must equal b's dim -2 \(second to last\) \(6\).*"
+         r"kernel_ladder\.matmul: a's last dim \(5\) must equal b's dim -2 \(second to last\) \(6\).*"
          r"a of shape \(3, 5\) and b of shape \(6, 4\)"),
         (lambda: (torch.randn(3, 5), torch.randn(6)), ValueError, r"b's dim 0 \(6\).*b of shape \(6,\)"),
         (lambda: (torch.randn(2, 3, 5), torch.randn(4, 5, 2)), ValueError,
-         r"kernels\.matmul: the batch dims of a \(2,\) and b \(4,\) must broadcast"),
-        (lambda: (torch.randn(()), torch.randn(3)), ValueError, r"kernels\.matmul: a must be at least 1-D"),
+         r"kernel_ladder\.matmul: the batch dims of a \(2,\) and b \(4,\) must broadcast"),
+        (lambda: (torch.randn(()), torch.randn(3)), ValueError, r"kernel_ladder\.matmul: a must be at least 1-D"),
         (lambda: (torch.randn(3, 5), torch.randn(5, 2, dtype=torch.float16)), TypeError,
-         r"kernels\.matmul: a and b must have the same dtype, got torch\.float32 and torch\.float16"),
+         r"kernel_ladder\.matmul: a and b must have the same dtype, got torch\.float32 and torch\.float16"),
         (lambda: (torch.randn(3, 5, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64)), TypeError,
-         r"kernels\.matmul: a must be float32, float16 or bfloat16, got torch\.float64"),
+         r"kernel_ladder\.matmul: a must be float32, float16 or bfloat16, got torch\.float64"),
         (lambda: (torch.ones(3, 5, dtype=torch.int32), torch.ones(5, 2, dtype=torch.int32)), TypeError,
-         r"kernels\.matmul: a must be float32, float16 or bfloat16, got torch\.int32"),
+         r"kernel_ladder\.matmul: a must be float32, float16 or bfloat16, got torch\.int32"),
         (lambda: (torch.randn(3, 5), torch.randn(5, 2, device="meta")), ValueError,
-         r"kernels\.matmul: a and b must be on the same device, got cpu and meta"),
-        (lambda: ([[1.0]], torch.randn(1, 1)), TypeError, r"kernels\.matmul: a must be a torch\.Tensor, got list"),
+         r"kernel_ladder\.matmul: a and b must be on the same device, got cpu and meta"),
+        (lambda: ([[1.0]], torch.randn(1, 1)), TypeError, r"kernel_ladder\.matmul: a must be a torch\.Tensor, got list"),
     ],
 )
 def test_bad_input_errors(make, error, message):
@@ -378,15 +378,15 @@ def test_bad_input_errors(make, error, message):
 
 def test_launcher_argument_errors(gen):
     a, b = rand(gen, 4, 5), rand(gen, 5, 3)
-    with pytest.raises(ValueError, match=r"kernels\.matmul_split_k: split_k must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"kernel_ladder\.matmul_split_k: split_k must be an int >= 1, got 0"):
         mm.matmul_split_k(a, b, 0)
-    with pytest.raises(ValueError, match=r"kernels\.matmul_persistent: num_programs must be an int >= 1"):
+    with pytest.raises(ValueError, match=r"kernel_ladder\.matmul_persistent: num_programs must be an int >= 1"):
         mm.matmul_persistent(a, b, num_programs=-1)
-    with pytest.raises(TypeError, match=r"kernels\.matmul_tiled: config must be a kernels\.MatmulConfig or None"):
+    with pytest.raises(TypeError, match=r"kernel_ladder\.matmul_tiled: config must be a kernel_ladder\.MatmulConfig or None"):
         mm.matmul_tiled(a, b, {"BLOCK_M": 16})
-    with pytest.raises(ValueError, match=r"kernels\.matmul_tiled: a must be at least 2-D"):
+    with pytest.raises(ValueError, match=r"kernel_ladder\.matmul_tiled: a must be at least 2-D"):
         mm.matmul_tiled(rand(gen, 5), b)
-    with pytest.raises(ValueError, match=r"kernels\.matmul_tiled: a's last dim \(5\) must equal b's"):
+    with pytest.raises(ValueError, match=r"kernel_ladder\.matmul_tiled: a's last dim \(5\) must equal b's"):
         mm.matmul_tiled(a, rand(gen, 4, 3))
 
 

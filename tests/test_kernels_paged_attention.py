@@ -331,7 +331,7 @@ def test_backward_raises_a_clear_error(gen):
     k, v, table, lens, _ = make_cache([9], 1, 16, 8, gen)
     q = rand(1, 2, 16, gen=gen).requires_grad_()
     out = kernel_ladder.paged_attention(q, k, v, table, lens)
-    with pytest.raises(NotImplementedError, match=r"kernels\.paged_attention is forward only"):
+    with pytest.raises(NotImplementedError, match=r"kernel_ladder\.paged_attention is forward only"):
         out.sum().backward()
 
 
@@ -376,8 +376,8 @@ def test_errors_name_the_op_and_the_argument(gen):
     ]
     base = dict(q=q, k_cache=k, v_cache=v, block_tables=table, seq_lens=lens)
     for change, error, message in bad:
-        with pytest.raises(error, match=r"kernels\.paged_attention: .*" + message):
+        with pytest.raises(error, match=r"kernel_ladder\.paged_attention: .*" + message):
             kernel_ladder.paged_attention(**{**base, **change})
-    with pytest.raises(TypeError, match=r"kernels\.paged_attention: q must be a torch.Tensor"):
+    with pytest.raises(TypeError, match=r"kernel_ladder\.paged_attention: q must be a torch.Tensor"):
         kernel_ladder.paged_attention(None, k, v, table, lens)
     torch.testing.assert_close(kernel_ladder.paged_attention(**base), kernel_ladder.paged_attention(**base))  # base is valid

@@ -263,7 +263,7 @@ def test_quantize_weight_rejects_non_finite_weights(scheme, group_size, bad, gen
     w = randn(6, 64, gen=gen)
     w[4, 17] = bad
     w[5, 1] = bad
-    with pytest.raises(ValueError, match=r"kernels\.quantize_weight: w has 2 non-finite value\(s\) \(NaN or \+-inf; "
+    with pytest.raises(ValueError, match=r"kernel_ladder\.quantize_weight: w has 2 non-finite value\(s\) \(NaN or \+-inf; "
                                          r"the first at \[4, 17\] is (nan|inf|-inf)\).*torch\.nan_to_num"):
         kernel_ladder.quantize_weight(w, scheme, group_size=group_size)
 
@@ -282,43 +282,43 @@ def test_rounding_is_half_to_even():
 def test_bad_input_errors():
     w = torch.randn(8, 64, device=DEVICE)
     floats = "float32, float16 or bfloat16"
-    with pytest.raises(ValueError, match=r"kernels\.quantize_weight: scheme must be 'int8', 'int4' or 'fp8', "
+    with pytest.raises(ValueError, match=r"kernel_ladder\.quantize_weight: scheme must be 'int8', 'int4' or 'fp8', "
                                          r"got 'int3'"):
         kernel_ladder.quantize_weight(w, "int3")
-    with pytest.raises(ValueError, match=r"kernels\.quantize_weight: group_size must be a power of two from 32 to 4096 "
+    with pytest.raises(ValueError, match=r"kernel_ladder\.quantize_weight: group_size must be a power of two from 32 to 4096 "
                                          r"\(32, 64, 128, 256, 512, 1024, 2048, 4096\) for scheme 'int4', got 48"):
         kernel_ladder.quantize_weight(w, "int4", group_size=48)
-    with pytest.raises(ValueError, match=r"kernels\.quantize_weight: group_size must be .* got 16"):
+    with pytest.raises(ValueError, match=r"kernel_ladder\.quantize_weight: group_size must be .* got 16"):
         kernel_ladder.quantize_weight(w, "int4", group_size=16)
-    with pytest.raises(TypeError, match=r"kernels\.quantize_weight: group_size must be an int"):
+    with pytest.raises(TypeError, match=r"kernel_ladder\.quantize_weight: group_size must be an int"):
         kernel_ladder.quantize_weight(w, "int4", group_size=128.0)
-    with pytest.raises(ValueError, match=r"kernels\.quantize_weight: group_size applies to scheme 'int4' only"):
+    with pytest.raises(ValueError, match=r"kernel_ladder\.quantize_weight: group_size applies to scheme 'int4' only"):
         kernel_ladder.quantize_weight(w, "int8", group_size=128)
-    with pytest.raises(ValueError, match=r"kernels\.quantize_weight: w must be a 2-D \(out_features, in_features\)"):
+    with pytest.raises(ValueError, match=r"kernel_ladder\.quantize_weight: w must be a 2-D \(out_features, in_features\)"):
         kernel_ladder.quantize_weight(w[0], "int8")
     with pytest.raises(TypeError, match=rf"kernel_ladder\.quantize_weight: w must be {floats}, got torch\.float64"):
         kernel_ladder.quantize_weight(w.double(), "int8")
     with pytest.raises(TypeError, match=rf"kernel_ladder\.quantize_weight: w must be {floats}, got torch\.int32"):
         kernel_ladder.quantize_weight(w.int(), "int4")
-    with pytest.raises(TypeError, match=r"kernels\.quantize_weight: w must be a torch\.Tensor, got list"):
+    with pytest.raises(TypeError, match=r"kernel_ladder\.quantize_weight: w must be a torch\.Tensor, got list"):
         kernel_ladder.quantize_weight([[1.0]], "int8")
-    with pytest.raises(TypeError, match=r"kernels\.quantize_weight: scale_dtype must be torch\.float32"):
+    with pytest.raises(TypeError, match=r"kernel_ladder\.quantize_weight: scale_dtype must be torch\.float32"):
         kernel_ladder.quantize_weight(w, "int8", scale_dtype=torch.int8)
-    with pytest.raises(ValueError, match=r"kernels\.quantize_activations: dtype must be 'int8' or 'fp8', got 'int4'"):
+    with pytest.raises(ValueError, match=r"kernel_ladder\.quantize_activations: dtype must be 'int8' or 'fp8', got 'int4'"):
         kernel_ladder.quantize_activations(w, "int4")
-    with pytest.raises(ValueError, match=r"kernels\.quantize_activations: x must have at least one dimension"):
+    with pytest.raises(ValueError, match=r"kernel_ladder\.quantize_activations: x must have at least one dimension"):
         kernel_ladder.quantize_activations(torch.tensor(1.0, device=DEVICE))
 
 
 def test_quantized_weight_constructor_checks_its_parts():
     qw = kernel_ladder.quantize_weight(torch.randn(8, 64, device=DEVICE), "int4", group_size=32)
-    with pytest.raises(ValueError, match=r"kernels\.QuantizedWeight: data for scheme 'int4' and shape \(8, 64\) "
+    with pytest.raises(ValueError, match=r"kernel_ladder\.QuantizedWeight: data for scheme 'int4' and shape \(8, 64\) "
                                          r"must be torch\.uint8 of shape \(8, 32\), got torch\.uint8 of shape "
                                          r"\(8, 31\)"):
         kq.QuantizedWeight("int4", qw.data[:, 1:], qw.scales, (8, 64), torch.float32, 32)
-    with pytest.raises(ValueError, match=r"kernels\.QuantizedWeight: scales for scheme 'int4'"):
+    with pytest.raises(ValueError, match=r"kernel_ladder\.QuantizedWeight: scales for scheme 'int4'"):
         kq.QuantizedWeight("int4", qw.data, qw.scales[:, :1], (8, 64), torch.float32, 32)
-    with pytest.raises(ValueError, match=r"kernels\.QuantizedWeight: data for scheme 'int8'"):
+    with pytest.raises(ValueError, match=r"kernel_ladder\.QuantizedWeight: data for scheme 'int8'"):
         kq.QuantizedWeight("int8", qw.data, qw.scales[:, 0], (8, 64), torch.float32)
 
 

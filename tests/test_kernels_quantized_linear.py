@@ -329,9 +329,9 @@ def test_bad_input_errors(gen):
     _, qw, bias = make_layer(8, 64, "int8", None, gen)
     _, qw4, _ = make_layer(8, 64, "int4", 32, gen)
     x = randn(2, 64, gen=gen)
-    op = r"kernels\.quantized_linear: "
-    with pytest.raises(TypeError, match=op + r"qweight must be a kernels\.QuantizedWeight \(from "
-                                             r"kernels\.quantize_weight\), got Tensor"):
+    op = r"kernel_ladder\.quantized_linear: "
+    with pytest.raises(TypeError, match=op + r"qweight must be a kernel_ladder\.QuantizedWeight \(from "
+                                             r"kernel_ladder\.quantize_weight\), got Tensor"):
         quantized_linear(x, torch.randn(8, 64))
     with pytest.raises(ValueError, match=op + r"x's last dim must equal qweight's in_features \(64\), "
                                               r"got x of shape \(2, 65\)"):
@@ -358,7 +358,7 @@ def test_bad_input_errors(gen):
     with pytest.raises(ValueError, match=op + r"config has unsupported values: BLOCK_M=8 \(a power of two >= 16\), "
                                               r"SPLIT_K=0"):
         quantized_linear(x, qw, config=QuantizedLinearConfig(8, 16, 64, 0, 4, 1))
-    with pytest.raises(TypeError, match=op + r"config must be a kernels\.QuantizedLinearConfig or None, got tuple"):
+    with pytest.raises(TypeError, match=op + r"config must be a kernel_ladder\.QuantizedLinearConfig or None, got tuple"):
         quantized_linear(x, qw, config=(16, 16, 64, 1, 4, 1))
     # the custom op checks what it is given, too (scheme, group size, packed shapes)
     ops = torch.ops.kernel_ladder.quantized_linear.default

@@ -264,7 +264,7 @@ def test_double_backward_is_refused_clearly(gen):
     q = q.detach().requires_grad_()
     cos, sin = tables(1, 2, 8, gen)
     (dq,) = torch.autograd.grad(kernel_ladder.rope(q, k, cos, sin)[0].pow(2).sum(), q, create_graph=True)
-    with pytest.raises(RuntimeError, match=r"kernels\.rope \(backward\): double backward"):
+    with pytest.raises(RuntimeError, match=r"kernel_ladder\.rope \(backward\): double backward"):
         dq.sum().backward()
 
 
@@ -272,7 +272,7 @@ def test_bad_input_errors(gen):
     _, q, k = fused_qkv(2, 5, 4, 2, 16, gen)
     cos, sin = tables(2, 5, 16, gen)
     cases = [
-        (lambda: kernel_ladder.rope(q[0], k, cos, sin), ValueError, r"kernels\.rope: q must be 4-D \(B, H, T, D\)"),
+        (lambda: kernel_ladder.rope(q[0], k, cos, sin), ValueError, r"kernel_ladder\.rope: q must be 4-D \(B, H, T, D\)"),
         (lambda: kernel_ladder.rope(q, k[..., :8], cos, sin), ValueError, r"q and k must share B, T and D"),
         (lambda: kernel_ladder.rope(q, k, cos[..., :15], sin[..., :15]), ValueError, r"R = cos\.shape\[-1\] must be even"),
         (lambda: kernel_ladder.rope(q, k, cos[:, :4], sin[:, :4]), ValueError, r"cos and sin must be \(B, T, R\)"),

@@ -78,7 +78,7 @@ def test_negative_and_out_of_range_slots_are_never_written(gen):
     k_cache = _sentinel_cache((num_blocks, block_size, heads, dim), torch.float32)
     v_cache = _sentinel_cache((num_blocks, block_size, heads, dim), torch.float32)
     with kernel_ladder.runtime.check_values(True), pytest.raises(
-            ValueError, match=r"kernels\.write_kv_cache: slot_mapping must hold slots below num_blocks \* "
+            ValueError, match=r"kernel_ladder\.write_kv_cache: slot_mapping must hold slots below num_blocks \* "
                               r"block_size = 12 .*got slot_mapping\[1\] = 12"):
         kernel_ladder.write_kv_cache(k, v, k_cache, v_cache, slots.to(DEVICE))  # a value check (the CPU's default)
     assert torch.isnan(k_cache).all()

@@ -378,7 +378,7 @@ def test_value_checks_default_on_for_cpu_tensors_and_settable():
     fake = torch.empty(2, device="meta")
     with runtime.check_values(True):
         assert not runtime.values_checked(fake)  # no values to read
-    with pytest.raises(TypeError, match=r"kernels\.runtime\.check_values: enabled must be True, False or None"):
+    with pytest.raises(TypeError, match=r"kernel_ladder\.runtime\.check_values: enabled must be True, False or None"):
         runtime.check_values("yes")
 
 
@@ -399,32 +399,32 @@ def test_value_checks_follow_the_environment():
 #: (what, a call with one bad value) for every data-dependent value check.
 BAD_VALUES = {
     "cross_entropy targets": (lambda: kernel_ladder.cross_entropy(_r(2, 5, grad=False), _int([1, 5], torch.int64)),
-                              r"kernels\.cross_entropy: target must hold class indices in \[0, 5\)"),
+                              r"kernel_ladder\.cross_entropy: target must hold class indices in \[0, 5\)"),
     "flce targets": (lambda: kernel_ladder.fused_linear_cross_entropy(_r(2, 8, grad=False), _r(5, 8, grad=False),
                                                                 _int([-3, 1], torch.int64)),
-                     r"kernels\.cross_entropy: target must hold class indices in \[0, 5\)"),
+                     r"kernel_ladder\.cross_entropy: target must hold class indices in \[0, 5\)"),
     "grouped_matmul offsets": (lambda: kernel_ladder.grouped_matmul(_r(6, 16, grad=False), _r(2, 16, 16, grad=False),
                                                               _int([4, 2])),
-                               r"kernels\.grouped_matmul: offsets must be non-negative, non-decreasing"),
+                               r"kernel_ladder\.grouped_matmul: offsets must be non-negative, non-decreasing"),
     "moe_permute expert ids": (lambda: kernel_ladder.moe_permute(_int([[0, 4]]), 4),
-                               r"kernels\.moe_permute: expert_ids must be in \[0, num_experts\) = \[0, 4\); "
+                               r"kernel_ladder\.moe_permute: expert_ids must be in \[0, num_experts\) = \[0, 4\); "
                                r"got ids from 0 to 4"),
     "paged seq_lens": (lambda: kernel_ladder.paged_attention(_r(1, 2, 16, grad=False), _r(4, 8, 1, 16, grad=False),
                                                        _r(4, 8, 1, 16, grad=False), _int([[0, 1]]), _int([17])),
-                       r"kernels\.paged_attention: seq_lens must be in \[0, max_blocks \* block_size\]"),
+                       r"kernel_ladder\.paged_attention: seq_lens must be in \[0, max_blocks \* block_size\]"),
     "paged block tables": (lambda: kernel_ladder.paged_attention(_r(1, 2, 16, grad=False), _r(4, 8, 1, 16, grad=False),
                                                            _r(4, 8, 1, 16, grad=False), _int([[0, 4]]), _int([9])),
-                           r"kernels\.paged_attention: every block_tables entry a sequence uses .* in \[0, "
+                           r"kernel_ladder\.paged_attention: every block_tables entry a sequence uses .* in \[0, "
                            r"num_blocks = 4\); got block_tables\[0, 1\] = 4 \(sequence 0 has seq_len 9\)"),
     "write_kv_cache slots": (lambda: kernel_ladder.write_kv_cache(_r(2, 1, 16, grad=False), _r(2, 1, 16, grad=False),
                                                             _r(3, 8, 1, 16, grad=False), _r(3, 8, 1, 16, grad=False),
                                                             _int([0, 24], torch.int64)),
-                             r"kernels\.write_kv_cache: slot_mapping must hold slots below num_blocks \* "
+                             r"kernel_ladder\.write_kv_cache: slot_mapping must hold slots below num_blocks \* "
                              r"block_size = 24 \(or a negative slot for padding\); got slot_mapping\[1\] = 24"),
     "varlen cu_seqlens": (lambda: kernel_ladder.flash_attention_varlen(_r(5, 1, 16, grad=False), _r(5, 1, 16, grad=False),
                                                                  _r(5, 1, 16, grad=False), _int([0, 3, 4]),
                                                                  _int([0, 3, 5]), 4, 4),
-                          r"kernels\.flash_attention_varlen: cu_seqlens_q must start at 0"),
+                          r"kernel_ladder\.flash_attention_varlen: cu_seqlens_q must start at 0"),
 }
 
 

@@ -6,10 +6,9 @@ Run by tests/test_kernels_compile_quant.py in a compiled-mode child process (uti
 
 import sys
 
-import kernel_ladder
 from utils.aot import compile_kernel
 
-kq = kl = kernels  # the kernels are exported by the package
+kq = kl = kernel_ladder  # the kernels are exported by the package
 
 # What Triton's launcher specializes: integer arguments equal to 1 become constants, integers
 # and pointers divisible by 16 are marked so (torch allocations; K, N, row strides of real sizes).
