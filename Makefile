@@ -64,13 +64,14 @@ lab: $(LAB_STAMP)
 	KERNEL_LADDER_INTERPRET=$(LAB_INTERPRET) $(VENV)/bin/jupyter lab --ServerApp.root_dir="$(CURDIR)" \
 	  --LabApp.default_url="/lab/tree/$(LAB_START)" $(LAB_FLAGS)
 
-# Every test (compiled on a GPU machine) in two processes (pytest-xdist; the long ones stolen first),
-# among them every notebook in both modes at once against its committed outputs (tests/test_notebooks.py):
-# solution mode solves every check and prints the rest as committed, learner mode prints exactly what is
-# committed. TEST_WORKERS=0 runs them in this process.
+# Every test (compiled on a GPU machine) in two processes (pytest-xdist), and every chapter notebook
+# twice: nbval runs it in learner mode against its committed outputs (chapters/conftest.py: the learner's
+# environment, rounding residues; all cells of a notebook on one worker, hence --dist loadgroup), and
+# tests/test_notebooks.py runs it in solution mode (every check solved, everything else as committed).
+# TEST_WORKERS=0 runs them in this process.
 TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist worksteal --timeout=900 -p no:cacheprovider $(PYTEST_FLAGS)
+	$(PY) -m pytest tests chapters --nbval -n $(TEST_WORKERS) --dist loadgroup --timeout=900 -p no:cacheprovider $(PYTEST_FLAGS)
 
 test-fast: setup
 	$(PY) -m pytest tests -x -q -m "not slow" $(PYTEST_FLAGS)

@@ -50,23 +50,28 @@ from nbclient.exceptions import CellExecutionError
 from nbformat import NotebookNode
 
 __all__ = [
+    "KERNEL_DISPLAY_NAME",
     "KERNEL_NAME",
     "LEARNER_CHECK_SEED",
     "chapter_notebooks",
     "error_outputs",
     "execute_notebooks",
+    "kernel_env",
     "main",
     "normalize",
     "notebook_problems",
     "output_differences",
     "RESIDUE_FACTOR",
     "run_notebook",
+    "same_text",
     "solution_mode_problems",
     "verdict_lines",
 ]
 
-#: The kernel every chapter notebook names and runs in.
-KERNEL_NAME = "python3"
+#: The kernel every chapter notebook names and runs in: ``make setup`` installs it into the environment
+#: under this name and display name, so that JupyterLab opens a notebook without changing its metadata.
+KERNEL_NAME = "kernel-ladder"
+KERNEL_DISPLAY_NAME = "Python 3 (kernel-ladder)"
 #: Seconds one cell may take before the run is abandoned (notebooks are meant to take < 60 s in all).
 CELL_TIMEOUT_S = 600
 #: ``KERNEL_LADDER_CHECK_SEED`` in learner-mode runs (``make notebooks``, ``make test``):
@@ -98,7 +103,7 @@ _LANGUAGE_INFO = {
     "nbconvert_exporter": "python",
     "pygments_lexer": "ipython3",
 }
-_KERNELSPEC = {"display_name": "Python 3", "language": "python", "name": KERNEL_NAME}
+_KERNELSPEC = {"display_name": KERNEL_DISPLAY_NAME, "language": "python", "name": KERNEL_NAME}
 
 
 def chapter_notebooks(root: str | os.PathLike = "chapters") -> list[Path]:
@@ -109,7 +114,8 @@ def chapter_notebooks(root: str | os.PathLike = "chapters") -> list[Path]:
     return sorted(p for p in root.glob("*/*.ipynb") if ".ipynb_checkpoints" not in p.parts)
 
 
-def _kernel_env(solutions: bool) -> dict[str, str]:
+def kernel_env(solutions: bool) -> dict[str, str]:
+    """The environment a notebook's kernel runs with, in solution or in learner mode (what nbval's run uses too)."""
     env = dict(os.environ)
     env[_SOLUTIONS_ENV] = "1" if solutions else "0"
     if not solutions:  # reproducible NOT SOLVED verdicts (solution mode keeps fresh inputs)
@@ -146,7 +152,7 @@ def run_notebook(
         skip_cells_with_tag="nbval-skip",  # as nbval: a cell so tagged is not run (nor compared)
         resources={"metadata": {"path": str(path.resolve().parent)}},
     )
-    client.execute(env=_kernel_env(solutions))
+    client.execute(env=kernel_env(solutions))
     return notebook
 
 
@@ -241,7 +247,7 @@ _RESIDUE = re.compile(r"(?<![\w.])(\d\.\d+)e-(0[4-9]|[1-9]\d)\b")
 RESIDUE_FACTOR = 8.0
 
 
-def _same_text(a: str, b: str) -> bool:
+def same_text(a: str, b: str) -> bool:
     """Equal, or equal but for rounding residues within :data:`RESIDUE_FACTOR` of each other."""
     if a == b:
         return True
@@ -257,7 +263,7 @@ def _same_text(a: str, b: str) -> bool:
 
 def _same_value(a: object, b: object) -> bool:
     if isinstance(a, str) and isinstance(b, str):
-        return _same_text(a, b)
+        return same_text(a, b)
     return a == b
 
 
@@ -282,7 +288,7 @@ def _first_difference(expected: object, got: object) -> str:
         return f"expected {_excerpt(str(expected), 0)!r}, got {_excerpt(str(got), 0)!r}"
     expected_lines, got_lines = expected.splitlines(), got.splitlines()
     for number, (left, right) in enumerate(zip(expected_lines, got_lines), start=1):
-        if not _same_text(left, right):
+        if not same_text(left, right):
             at = next((i for i, (a, b) in enumerate(zip(left, right)) if a != b), min(len(left), len(right)))
             return f"line {number}: expected {_excerpt(left, at)!r}, got {_excerpt(right, at)!r}"
     if len(expected_lines) != len(got_lines):
