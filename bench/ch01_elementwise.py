@@ -79,7 +79,8 @@ register(
         steps=[
             # torch's dropout draws a different mask: it is a bytes and time baseline only.
             Step("torch F.dropout", lambda x: F.dropout(x, DROPOUT_P, training=True), baseline=True),
-            Step("triton kernel_ladder.dropout (seeded)", lambda x: kernel_ladder.dropout(x, DROPOUT_P, seed=DROPOUT_SEED),
+            Step("triton kernel_ladder.dropout (seeded)",
+                 lambda x: kernel_ladder.dropout(x, DROPOUT_P, seed=DROPOUT_SEED),
                  bound=FORWARD_BOUND),
         ],
         note="torch's mask differs from ours (another RNG): only the seeded step is checked for values",

@@ -317,7 +317,8 @@ def gpu_checks(size: str) -> list:
         target = _randint(vocab, n_rows, device, seed=9)
         target[::7] = -100  # ignored positions, as in padded batches
         entries += [
-            Check(f"cross_entropy {n_rows}x{vocab}", dtype, lambda lg=logits, t=target: kernel_ladder.cross_entropy(lg, t),
+            Check(f"cross_entropy {n_rows}x{vocab}", dtype,
+                  lambda lg=logits, t=target: kernel_ladder.cross_entropy(lg, t),
                   lambda lg=logits, t=target: F.cross_entropy(lg.float(), t)),
             Check(f"cross_entropy backward {n_rows}x{vocab}", dtype,
                   lambda lg=logits, t=target: grads(lambda a: kernel_ladder.cross_entropy(a, t), (lg,)),

@@ -102,7 +102,8 @@ def mlp_torch(x, w_gate, w_up, w_down):
 
 def mlp_unfused_kernels(x, w_gate, w_up, w_down):
     """The same chain from kernel_ladder ops: gate and up written and read back by swiglu."""
-    return kernel_ladder.linear(kernel_ladder.swiglu(kernel_ladder.linear(x, w_gate), kernel_ladder.linear(x, w_up)), w_down)
+    return kernel_ladder.linear(kernel_ladder.swiglu(kernel_ladder.linear(x, w_gate), kernel_ladder.linear(x, w_up)),
+                                w_down)
 
 
 register(

@@ -112,7 +112,8 @@ register(
         reference=lambda q, k, v: reference(q, k, v, causal=True),
         steps=[
             Step("torch: masked scores (eager)", lambda q, k, v: attention_torch(q, k, v, causal=True), baseline=True),
-            Step("kernel_ladder.flash_attention(causal=True)", lambda q, k, v: kernel_ladder.flash_attention(q, k, v, causal=True),
+            Step("kernel_ladder.flash_attention(causal=True)",
+                 lambda q, k, v: kernel_ladder.flash_attention(q, k, v, causal=True),
                  bound=FLASH_BOUND),
         ],
         ideal_bytes=lambda q, k, v, out: forward_ideal(q, k, v, out, causal=True),
@@ -260,8 +261,8 @@ def gpu_checks(size: str) -> list:
         entries += [
             Timing(f"{label} fwd", "SDPA (flash backend, K/V repeated)",
                    lambda c=causal: sdpa(q, k_rep, v_rep, c), flops=flops, baseline=True),
-            Timing(f"{label} fwd", "kernel_ladder.flash_attention", lambda c=causal: kernel_ladder.flash_attention(q, k, v,
-                                                                                                       causal=c),
+            Timing(f"{label} fwd", "kernel_ladder.flash_attention",
+                   lambda c=causal: kernel_ladder.flash_attention(q, k, v, causal=c),
                    flops=flops, target=">= 1.1x SDPA, >= 550 TFLOP/s"),
         ]
         grad = torch.randn(q.shape, generator=gen).to(device, torch.bfloat16)

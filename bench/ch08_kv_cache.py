@@ -142,8 +142,8 @@ def gpu_checks(size: str) -> list:
         k_scale, v_scale = (t.abs().amax().float() / 448 for t in (kc, vc))
         k8, v8 = (kc.float() / k_scale).to(torch.float8_e4m3fn), (vc.float() / v_scale).to(torch.float8_e4m3fn)
         entries.append(Check("paged_attention decode, fp8 cache", dtype,
-                             lambda q=q, k8=k8, v8=v8, bt=bt, sl=sl, ks=k_scale, vs=v_scale: kernel_ladder.paged_attention(
-                                 q, k8, v8, bt, sl, k_scale=ks, v_scale=vs),
+                             lambda q=q, k8=k8, v8=v8, bt=bt, sl=sl, ks=k_scale, vs=v_scale:
+                             kernel_ladder.paged_attention(q, k8, v8, bt, sl, k_scale=ks, v_scale=vs),
                              lambda q=q, k8=k8, v8=v8, bt=bt, sl=sl, ks=k_scale, vs=v_scale: baseline32(
                                  q, k8.float() * ks, v8.float() * vs, bt, sl)))
         # Chunked prefill: each sequence's newest tokens, causal among themselves, seeing the cache.

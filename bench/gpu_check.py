@@ -279,7 +279,7 @@ def summary(results: dict, failures: list[str]) -> str:
                      f"TFLOP/s = MFU {m['mfu_vs_h200_bf16_peak']:.1%} of an H200's {H200_BF16_PEAK / 1e12:.0f}")
     if "profile" in results:
         prof = results["profile"]
-        lines.append(f"profile ({prof['dir']}): top kernels ops by {prof['time_key']}")
+        lines.append(f"profile ({prof['dir']}): top kernel_ladder ops by {prof['time_key']}")
         lines += [f"  {e['name']:<44}{e[prof['time_key']] / 1e3:>10.3f} ms" for e in prof["top_kernels_ops"]]
     return "\n".join(lines)
 
@@ -306,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = pathlib.Path(os.environ.get("OUT") or "results")
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict = {
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else f"{device} ({kernel_ladder.runtime.mode()})",
+        "device": (torch.cuda.get_device_name() if device.type == "cuda"
+                   else f"{device} ({kernel_ladder.runtime.mode()})"),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "mode": kernel_ladder.runtime.mode(),

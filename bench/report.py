@@ -69,7 +69,8 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    gpu = torch.cuda.get_device_name() if (torch.cuda.is_available() and not kernel_ladder.runtime.INTERPRETER) else "none"
+    compiled = torch.cuda.is_available() and not kernel_ladder.runtime.INTERPRETER
+    gpu = torch.cuda.get_device_name() if compiled else "none"
     import triton
 
     return (

@@ -570,7 +570,7 @@ def world_data_parallel(bucket_cap_mb: float) -> dict:
 
 
 def world_no_sync(micro_batches: int = 4) -> dict:
-    """Gradient accumulation over ``micro_batches`` with ``no_sync`` on all but the last, in kernels'
+    """Gradient accumulation over ``micro_batches`` with ``no_sync`` on all but the last, in kernel_ladder's
     DataParallel and torch's DDP: the all-reduces each launched, and the gradients against one
     backward over the whole batch of every rank."""
     import torch.distributed as dist

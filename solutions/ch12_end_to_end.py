@@ -58,8 +58,10 @@ def decoder_layer(x: torch.Tensor, layer, cos: torch.Tensor, sin: torch.Tensor) 
     out = kernel_ladder.flash_attention(q, k, v, causal=True, softmax_scale=attn.scaling)  # GQA: K/V not repeated
     x = kernel_ladder.add(x, kernel_ladder.linear(out.transpose(1, 2).reshape(b, t, -1), attn.o_proj.weight))
     mlp = layer.mlp
-    h = kernel_ladder.rms_norm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
-    return kernel_ladder.add(x, kernel_ladder.gated_mlp(h, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight))
+    h = kernel_ladder.rms_norm(x, layer.post_attention_layernorm.weight,
+                               layer.post_attention_layernorm.variance_epsilon)
+    return kernel_ladder.add(x,
+                             kernel_ladder.gated_mlp(h, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight))
 
 
 _FORBIDDEN = ("aten.mm", "aten.bmm", "aten.addmm", "aten.matmul", "aten.linear", "aten._softmax", "aten.softmax",
@@ -76,12 +78,13 @@ def kernels_only(candidate):
             out = candidate(*args)
         torch_ops = log.matching(*_FORBIDDEN)
         if torch_ops:
-            raise ValueError(f"the layer ran torch's {', '.join(torch_ops)}: compute it with kernels ops "
-                             "(kernel_ladder.linear, kernel_ladder.flash_attention, …), not by calling the HF layer or torch's "
-                             "matmul/softmax")
+            raise ValueError(f"the layer ran torch's {', '.join(torch_ops)}: compute it with kernel_ladder ops "
+                             "(kernel_ladder.linear, kernel_ladder.flash_attention, …), not by calling the HF layer "
+                             "or torch's matmul/softmax")
         if not log.matching("kernel_ladder."):
-            raise ValueError("no kernels op ran: build the layer from kernel_ladder.rms_norm, kernel_ladder.linear, kernel_ladder.rope, "
-                             "kernel_ladder.flash_attention, kernel_ladder.gated_mlp and kernel_ladder.add")
+            raise ValueError("no kernel_ladder op ran: build the layer from kernel_ladder.rms_norm, "
+                             "kernel_ladder.linear, kernel_ladder.rope, kernel_ladder.flash_attention, "
+                             "kernel_ladder.gated_mlp and kernel_ladder.add")
         return out
 
     return run

@@ -74,7 +74,7 @@ def _poison(t: torch.Tensor) -> torch.Tensor:
         return t
     value = float("nan") if t.dtype.is_floating_point else torch.iinfo(t.dtype).min
     # Test instrumentation, not the op's work: hidden from dispatch modes (utils.trace counts the
-    # torch ops a kernels op runs inside, and would count this fill as one of them).
+    # torch ops a kernel_ladder op runs inside, and would count this fill as one of them).
     with torch.utils._python_dispatch._disable_current_modes():
         return t.fill_(value)
 

@@ -52,7 +52,7 @@ def _grouped_reference(x, w, offsets):
 def cases(gen, device, low):
     """op name -> a thunk building (kernel_ladder call, torch counterpart, exact): each call a thunk run
     under autocast. ``exact``: the result must equal the torch side bit for bit (non-float ops whose
-    'torch side' is the kernels op run without autocast)."""
+    'torch side' is the kernel_ladder op run without autocast)."""
     d = torch.device(device)
 
     def r(*shape, dtype=F32, scale=1.0):
@@ -299,7 +299,8 @@ def check_case(name, build, device_type, dtype):
     assert len(ours) >= len(theirs), f"{name}: {len(ours)} results, torch gives {len(theirs)}"
     for i, (got, want) in enumerate(zip(ours, theirs)):
         assert got.dtype == want.dtype, f"kernel_ladder.{name} result {i}: dtype {got.dtype}, torch gives {want.dtype}"
-        assert got.shape == want.shape, f"kernel_ladder.{name} result {i}: shape {tuple(got.shape)} vs {tuple(want.shape)}"
+        assert got.shape == want.shape, (f"kernel_ladder.{name} result {i}: "
+                                         f"shape {tuple(got.shape)} vs {tuple(want.shape)}")
         if exact or not got.is_floating_point():
             assert torch.equal(got.cpu(), want.cpu()), f"kernel_ladder.{name} result {i}: not equal to torch's"
         else:

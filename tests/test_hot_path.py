@@ -89,11 +89,14 @@ def test_schema_types_accepts_plain_values_and_refuses_the_rest():
 
 
 @pytest.mark.parametrize("call, message", [
-    (lambda t: kernel_ladder.flash_attention(t.tolist(), t, t), "kernel_ladder.flash_attention: q must be a torch.Tensor"),
-    (lambda t: kernel_ladder.flash_attention(t[0, 0, 0, 0], t, t), "kernel_ladder.flash_attention: q"),  # 0-d: not q.shape[-1]
+    (lambda t: kernel_ladder.flash_attention(t.tolist(), t, t),
+     "kernel_ladder.flash_attention: q must be a torch.Tensor"),
+    (lambda t: kernel_ladder.flash_attention(t[0, 0, 0, 0], t, t), "kernel_ladder.flash_attention: q"),
+    # 0-d: not q.shape[-1]
     (lambda t: kernel_ladder.flash_attention(t, t, t, causal=1), "kernel_ladder.flash_attention: causal"),
     (lambda t: kernel_ladder.flash_attention(t, t, t, window="8"), "kernel_ladder.flash_attention: window"),
-    (lambda t: kernel_ladder.flash_attention(t, t, t, softmax_scale=-1.0), "kernel_ladder.flash_attention: softmax_scale"),
+    (lambda t: kernel_ladder.flash_attention(t, t, t, softmax_scale=-1.0),
+     "kernel_ladder.flash_attention: softmax_scale"),
     (lambda t: kernel_ladder.cross_entropy(t[0, 0], torch.zeros(4, dtype=torch.long), reduction=None),
      "kernel_ladder.cross_entropy: reduction"),
     (lambda t: kernel_ladder.linear(t[0, 0], t[0, 0], bias=[0.0]), "kernel_ladder.linear: bias must be a torch.Tensor"),
@@ -101,7 +104,8 @@ def test_schema_types_accepts_plain_values_and_refuses_the_rest():
     (lambda t: kernel_ladder.topk_routing(t[0, 0], k="2"), "kernel_ladder.topk_routing: k"),
     (lambda t: kernel_ladder.moe_permute(torch.zeros(4, 2, dtype=torch.long), num_experts=4.0),
      "kernel_ladder.moe_permute: num_experts"),
-    (lambda t: kernel_ladder.grouped_matmul(t[0, 0], t[0], [4]), "kernel_ladder.grouped_matmul: offsets must be a torch.Tensor"),
+    (lambda t: kernel_ladder.grouped_matmul(t[0, 0], t[0], [4]),
+     "kernel_ladder.grouped_matmul: offsets must be a torch.Tensor"),
 ])
 def test_a_guarded_wrapper_still_names_the_op_and_argument(gen, call, message):
     t = torch.randn(1, 2, 4, 8, generator=gen).to(DEVICE)

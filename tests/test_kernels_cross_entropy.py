@@ -79,7 +79,8 @@ def assert_close(got, want, dtype, what="loss"):
 def raw_op(logits, target, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, softcap=None,
            z_loss=0.0, return_z_loss=False, compute_grad=False):
     """``torch.ops.kernel_ladder.cross_entropy`` with its schema's positional arguments."""
-    return torch.ops.kernel_ladder.cross_entropy(logits, target, weight, ignore_index, reduction, label_smoothing, softcap,
+    return torch.ops.kernel_ladder.cross_entropy(logits, target, weight, ignore_index, reduction, label_smoothing,
+                                                 softcap,
                                            z_loss, return_z_loss, compute_grad)
 
 
@@ -791,7 +792,8 @@ def _t(*values):
         (lambda: cross_entropy(_X, _t(1, 2, 3)), ValueError,
          r"^kernel_ladder\.cross_entropy: target must have shape \(4,\) for logits of shape \(4, 10\) "
          r"\(\(N, V\) logits take an \(N,\) target.*got \(3,\)"),
-        (lambda: cross_entropy(_X, _T[None]), ValueError, r"^kernel_ladder\.cross_entropy: target must have shape \(4,\)"),
+        (lambda: cross_entropy(_X, _T[None]), ValueError,
+         r"^kernel_ladder\.cross_entropy: target must have shape \(4,\)"),
         (lambda: cross_entropy(_X[0], _T), ValueError,
          r"^kernel_ladder\.cross_entropy: target must have shape \(\) .*\(V,\) logits take a 0-d target"),
         (lambda: cross_entropy(_X[:2, :, None].expand(2, 10, 3), _T[:2, None].expand(2, 10)), ValueError,
@@ -834,17 +836,20 @@ def _t(*values):
          r"^kernel_ladder\.cross_entropy: weight is not differentiable \(as in torch's cross_entropy\)"),
         (lambda: cross_entropy(_X, _T, softcap=0.0), ValueError,
          r"^kernel_ladder\.cross_entropy: softcap must be a positive, finite float \(Gemma-2 uses 30\.0\), got 0\.0"),
-        (lambda: cross_entropy(_X, _T, softcap=float("inf")), ValueError, r"^kernel_ladder\.cross_entropy: softcap must be"),
+        (lambda: cross_entropy(_X, _T, softcap=float("inf")), ValueError,
+         r"^kernel_ladder\.cross_entropy: softcap must be"),
         (lambda: cross_entropy(_X, _T, softcap="30"), TypeError,
          r"^kernel_ladder\.cross_entropy: softcap must be None or a positive float, got str"),
         (lambda: cross_entropy(_X, _T, z_loss=-1e-4), ValueError,
          r"^kernel_ladder\.cross_entropy: z_loss must be a finite float >= 0 \(PaLM uses 1e-4\), got -0\.0001"),
-        (lambda: cross_entropy(_X, _T, z_loss=None), TypeError, r"^kernel_ladder\.cross_entropy: z_loss must be a float"),
+        (lambda: cross_entropy(_X, _T, z_loss=None), TypeError,
+         r"^kernel_ladder\.cross_entropy: z_loss must be a float"),
         (lambda: cross_entropy(_X, _T, return_z_loss=1), TypeError,
          r"^kernel_ladder\.cross_entropy: return_z_loss must be a bool, got int"),
         # the custom op validates too, when called directly through torch.ops
         (lambda: raw_op(_X.double(), _T), TypeError, r"^kernel_ladder\.cross_entropy: logits must be float32"),
-        (lambda: raw_op(_X, _t(0, 0, 0, 99)), ValueError, r"^kernel_ladder\.cross_entropy: target must hold class indices"),
+        (lambda: raw_op(_X, _t(0, 0, 0, 99)), ValueError,
+         r"^kernel_ladder\.cross_entropy: target must hold class indices"),
     ],
 )
 def test_bad_input_raises_a_clear_error(call, error, message):

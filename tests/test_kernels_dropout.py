@@ -150,8 +150,10 @@ def test_edge_shapes(shape, gen, seed):
 
 def test_mask_index_is_logical_row_major(seed):
     """The mask of a (3, 400) tensor is the flat mask of 1200 elements, reshaped."""
-    assert torch.equal(kernel_ladder.dropout_mask((3, 400), 0.5, seed), kernel_ladder.dropout_mask((1200,), 0.5, seed).view(3, 400))
-    assert torch.equal(kernel_ladder.dropout_mask(torch.Size([1200]), 0.5, seed), kernel_ladder.dropout_mask(1200, 0.5, seed))
+    assert torch.equal(kernel_ladder.dropout_mask((3, 400), 0.5, seed),
+                       kernel_ladder.dropout_mask((1200,), 0.5, seed).view(3, 400))
+    assert torch.equal(kernel_ladder.dropout_mask(torch.Size([1200]), 0.5, seed),
+                       kernel_ladder.dropout_mask(1200, 0.5, seed))
 
 
 def test_torch_compile_with_seed_from_the_caller(gen, seed):
@@ -171,7 +173,8 @@ def test_torch_compile_with_seed_from_the_caller(gen, seed):
 
 def test_dropout_mask_device_errors_name_the_op():
     if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match=r"kernel_ladder\.dropout_mask: device 'cuda' was asked for, but no CUDA device"):
+        with pytest.raises(ValueError,
+                           match=r"kernel_ladder\.dropout_mask: device 'cuda' was asked for, but no CUDA device"):
             kernel_ladder.dropout_mask((4, 4), 0.5, seed=1, device="cuda")
     with pytest.raises(ValueError, match=r"kernel_ladder\.dropout_mask: device must be a torch\.device or a name"):
         kernel_ladder.dropout_mask((4, 4), 0.5, seed=1, device="not-a-device")

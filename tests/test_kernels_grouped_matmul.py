@@ -123,7 +123,8 @@ def test_int64_offsets(monkeypatch, gen):
 
 
 def test_tile_map():
-    assert kernel_ladder.grouped_tile_map([0, 10, 10, 33, 40], 16) == [(1, 0, 10), (3, 10, 26), (3, 26, 33), (4, 33, 40)]
+    assert kernel_ladder.grouped_tile_map([0, 10, 10, 33, 40], 16) == [(1, 0, 10), (3, 10, 26), (3, 26, 33),
+                                                                       (4, 33, 40)]
     assert kernel_ladder.grouped_tile_map([5, 5], 4, num_rows=11) == [(0, 0, 4), (0, 4, 5), (None, 5, 9), (None, 9, 11)]
     assert kernel_ladder.grouped_tile_map([], 16, num_rows=3) == [(None, 0, 3)]
     # Never more tiles than the grid's cdiv(M, BLOCK_M) + E row programs.
@@ -283,7 +284,8 @@ def _args(M=6, K=8, N=4, E=2, **over):
 @pytest.mark.parametrize(
     "over, error, message",
     [
-        ({"x": torch.randn(2, 6, 8)}, ValueError, r"kernel_ladder\.grouped_matmul: x must be 2-D \(rows, K\).*\(2, 6, 8\)"),
+        ({"x": torch.randn(2, 6, 8)}, ValueError,
+         r"kernel_ladder\.grouped_matmul: x must be 2-D \(rows, K\).*\(2, 6, 8\)"),
         ({"w": torch.randn(8, 4)}, ValueError, r"kernel_ladder\.grouped_matmul: w must be 3-D \(experts, K, N\)"),
         ({"w": torch.randn(2, 7, 4)}, ValueError,
          r"kernel_ladder\.grouped_matmul: w's dim 1 \(7\) must equal x's last dim K \(8\)"),

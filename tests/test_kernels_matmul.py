@@ -365,7 +365,8 @@ def test_torch_compile_fullgraph_forward_and_backward(gen):
          r"kernel_ladder\.matmul: a must be float32, float16 or bfloat16, got torch\.int32"),
         (lambda: (torch.randn(3, 5), torch.randn(5, 2, device="meta")), ValueError,
          r"kernel_ladder\.matmul: a and b must be on the same device, got cpu and meta"),
-        (lambda: ([[1.0]], torch.randn(1, 1)), TypeError, r"kernel_ladder\.matmul: a must be a torch\.Tensor, got list"),
+        (lambda: ([[1.0]], torch.randn(1, 1)), TypeError,
+         r"kernel_ladder\.matmul: a must be a torch\.Tensor, got list"),
     ],
 )
 def test_bad_input_errors(make, error, message):
@@ -382,7 +383,8 @@ def test_launcher_argument_errors(gen):
         mm.matmul_split_k(a, b, 0)
     with pytest.raises(ValueError, match=r"kernel_ladder\.matmul_persistent: num_programs must be an int >= 1"):
         mm.matmul_persistent(a, b, num_programs=-1)
-    with pytest.raises(TypeError, match=r"kernel_ladder\.matmul_tiled: config must be a kernel_ladder\.MatmulConfig or None"):
+    with pytest.raises(TypeError,
+                       match=r"kernel_ladder\.matmul_tiled: config must be a kernel_ladder\.MatmulConfig or None"):
         mm.matmul_tiled(a, b, {"BLOCK_M": 16})
     with pytest.raises(ValueError, match=r"kernel_ladder\.matmul_tiled: a must be at least 2-D"):
         mm.matmul_tiled(rand(gen, 5), b)

@@ -380,4 +380,5 @@ def test_errors_name_the_op_and_the_argument(gen):
             kernel_ladder.paged_attention(**{**base, **change})
     with pytest.raises(TypeError, match=r"kernel_ladder\.paged_attention: q must be a torch.Tensor"):
         kernel_ladder.paged_attention(None, k, v, table, lens)
-    torch.testing.assert_close(kernel_ladder.paged_attention(**base), kernel_ladder.paged_attention(**base))  # base is valid
+    torch.testing.assert_close(kernel_ladder.paged_attention(**base),
+                               kernel_ladder.paged_attention(**base))  # base is valid

@@ -263,7 +263,8 @@ def test_quantize_weight_rejects_non_finite_weights(scheme, group_size, bad, gen
     w = randn(6, 64, gen=gen)
     w[4, 17] = bad
     w[5, 1] = bad
-    with pytest.raises(ValueError, match=r"kernel_ladder\.quantize_weight: w has 2 non-finite value\(s\) \(NaN or \+-inf; "
+    with pytest.raises(ValueError,
+                       match=r"kernel_ladder\.quantize_weight: w has 2 non-finite value\(s\) \(NaN or \+-inf; "
                                          r"the first at \[4, 17\] is (nan|inf|-inf)\).*torch\.nan_to_num"):
         kernel_ladder.quantize_weight(w, scheme, group_size=group_size)
 
@@ -285,7 +286,8 @@ def test_bad_input_errors():
     with pytest.raises(ValueError, match=r"kernel_ladder\.quantize_weight: scheme must be 'int8', 'int4' or 'fp8', "
                                          r"got 'int3'"):
         kernel_ladder.quantize_weight(w, "int3")
-    with pytest.raises(ValueError, match=r"kernel_ladder\.quantize_weight: group_size must be a power of two from 32 to 4096 "
+    with pytest.raises(ValueError,
+                       match=r"kernel_ladder\.quantize_weight: group_size must be a power of two from 32 to 4096 "
                                          r"\(32, 64, 128, 256, 512, 1024, 2048, 4096\) for scheme 'int4', got 48"):
         kernel_ladder.quantize_weight(w, "int4", group_size=48)
     with pytest.raises(ValueError, match=r"kernel_ladder\.quantize_weight: group_size must be .* got 16"):
@@ -294,7 +296,8 @@ def test_bad_input_errors():
         kernel_ladder.quantize_weight(w, "int4", group_size=128.0)
     with pytest.raises(ValueError, match=r"kernel_ladder\.quantize_weight: group_size applies to scheme 'int4' only"):
         kernel_ladder.quantize_weight(w, "int8", group_size=128)
-    with pytest.raises(ValueError, match=r"kernel_ladder\.quantize_weight: w must be a 2-D \(out_features, in_features\)"):
+    with pytest.raises(ValueError,
+                       match=r"kernel_ladder\.quantize_weight: w must be a 2-D \(out_features, in_features\)"):
         kernel_ladder.quantize_weight(w[0], "int8")
     with pytest.raises(TypeError, match=rf"kernel_ladder\.quantize_weight: w must be {floats}, got torch\.float64"):
         kernel_ladder.quantize_weight(w.double(), "int8")
@@ -304,7 +307,8 @@ def test_bad_input_errors():
         kernel_ladder.quantize_weight([[1.0]], "int8")
     with pytest.raises(TypeError, match=r"kernel_ladder\.quantize_weight: scale_dtype must be torch\.float32"):
         kernel_ladder.quantize_weight(w, "int8", scale_dtype=torch.int8)
-    with pytest.raises(ValueError, match=r"kernel_ladder\.quantize_activations: dtype must be 'int8' or 'fp8', got 'int4'"):
+    with pytest.raises(ValueError,
+                       match=r"kernel_ladder\.quantize_activations: dtype must be 'int8' or 'fp8', got 'int4'"):
         kernel_ladder.quantize_activations(w, "int4")
     with pytest.raises(ValueError, match=r"kernel_ladder\.quantize_activations: x must have at least one dimension"):
         kernel_ladder.quantize_activations(torch.tensor(1.0, device=DEVICE))

@@ -358,7 +358,8 @@ def test_bad_input_errors(gen):
     with pytest.raises(ValueError, match=op + r"config has unsupported values: BLOCK_M=8 \(a power of two >= 16\), "
                                               r"SPLIT_K=0"):
         quantized_linear(x, qw, config=QuantizedLinearConfig(8, 16, 64, 0, 4, 1))
-    with pytest.raises(TypeError, match=op + r"config must be a kernel_ladder\.QuantizedLinearConfig or None, got tuple"):
+    with pytest.raises(TypeError,
+                       match=op + r"config must be a kernel_ladder\.QuantizedLinearConfig or None, got tuple"):
         quantized_linear(x, qw, config=(16, 16, 64, 1, 4, 1))
     # the custom op checks what it is given, too (scheme, group size, packed shapes)
     ops = torch.ops.kernel_ladder.quantized_linear.default

@@ -272,9 +272,11 @@ def test_bad_input_errors(gen):
     _, q, k = fused_qkv(2, 5, 4, 2, 16, gen)
     cos, sin = tables(2, 5, 16, gen)
     cases = [
-        (lambda: kernel_ladder.rope(q[0], k, cos, sin), ValueError, r"kernel_ladder\.rope: q must be 4-D \(B, H, T, D\)"),
+        (lambda: kernel_ladder.rope(q[0], k, cos, sin), ValueError,
+         r"kernel_ladder\.rope: q must be 4-D \(B, H, T, D\)"),
         (lambda: kernel_ladder.rope(q, k[..., :8], cos, sin), ValueError, r"q and k must share B, T and D"),
-        (lambda: kernel_ladder.rope(q, k, cos[..., :15], sin[..., :15]), ValueError, r"R = cos\.shape\[-1\] must be even"),
+        (lambda: kernel_ladder.rope(q, k, cos[..., :15], sin[..., :15]), ValueError,
+         r"R = cos\.shape\[-1\] must be even"),
         (lambda: kernel_ladder.rope(q, k, cos[:, :4], sin[:, :4]), ValueError, r"cos and sin must be \(B, T, R\)"),
         (lambda: kernel_ladder.rope(q, k, cos, sin[..., :8]), ValueError, r"cos and sin must have the same shape"),
         (lambda: kernel_ladder.rope(q, k, torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)), ValueError,

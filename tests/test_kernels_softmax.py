@@ -23,7 +23,8 @@ pytestmark = pytest.mark.usefixtures("poisoned")  # every buffer the ops allocat
 
 DEVICE = kernel_ladder.runtime.DEVICE
 OPS = {"softmax": (sm.softmax, F.softmax), "log_softmax": (sm.log_softmax, F.log_softmax)}
-BACKWARD_OPS = {"softmax": torch.ops.kernel_ladder.softmax_backward, "log_softmax": torch.ops.kernel_ladder.log_softmax_backward}
+BACKWARD_OPS = {"softmax": torch.ops.kernel_ladder.softmax_backward,
+                "log_softmax": torch.ops.kernel_ladder.log_softmax_backward}
 KERNEL_NAMES = ["softmax_kernel", "softmax_online_kernel", "softmax_backward_kernel",
                 "softmax_backward_online_kernel"]
 
@@ -594,12 +595,15 @@ def test_online_kernels_read_the_row_twice(name, monkeypatch, gen):
         (lambda: sm.log_softmax(torch.ones(3), dtype="float16"), TypeError,
          r"^kernel_ladder\.log_softmax: dtype must be a torch\.dtype or None, got str"),
         # the custom ops validate too, when called directly through torch.ops
-        (lambda: torch.ops.kernel_ladder.softmax(torch.ones(2), 5), ValueError, r"^kernel_ladder\.softmax: dim must be in"),
+        (lambda: torch.ops.kernel_ladder.softmax(torch.ones(2), 5), ValueError,
+         r"^kernel_ladder\.softmax: dim must be in"),
         (lambda: torch.ops.kernel_ladder.log_softmax(torch.ones(2, dtype=torch.int32), 0), TypeError,
          r"^kernel_ladder\.log_softmax: x must be float32"),
-        (lambda: torch.ops.kernel_ladder.softmax_backward(torch.ones(2, 3), torch.ones(3, 2), 0, torch.float32), ValueError,
+        (lambda: torch.ops.kernel_ladder.softmax_backward(torch.ones(2, 3), torch.ones(3, 2), 0, torch.float32),
+         ValueError,
          r"^kernel_ladder\.softmax \(backward\): grad_out and out must have the same shape"),
-        (lambda: torch.ops.kernel_ladder.log_softmax_backward(torch.ones(2), torch.ones(2), 0, torch.float64), TypeError,
+        (lambda: torch.ops.kernel_ladder.log_softmax_backward(torch.ones(2), torch.ones(2), 0, torch.float64),
+         TypeError,
          r"^kernel_ladder\.log_softmax \(backward\): input_dtype must be float32"),
         (lambda: sm.softmax_launch_config(-1, torch.float32), ValueError,
          r"^kernel_ladder\.softmax_launch_config: n_cols must be a non-negative int"),

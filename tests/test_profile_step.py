@@ -17,7 +17,8 @@ from bench import gpu_check  # noqa: E402
 from bench import profile_step as ps  # noqa: E402
 
 # Every op of the decoder's training step (utils.transformer): each must show up under its name.
-STEP_OPS = {"kernel_ladder::rms_norm", "kernel_ladder::linear", "kernel_ladder::rope", "kernel_ladder::flash_attention", "kernel_ladder::add",
+STEP_OPS = {"kernel_ladder::rms_norm", "kernel_ladder::linear", "kernel_ladder::rope",
+            "kernel_ladder::flash_attention", "kernel_ladder::add",
             "kernel_ladder::gated_mlp", "kernel_ladder::fused_linear_cross_entropy", "kernel_ladder::rms_norm_backward",
             "kernel_ladder::linear_backward", "kernel_ladder::flash_attention_backward"}
 
@@ -79,4 +80,4 @@ def test_gpu_check_summary_lists_the_profiled_ops(profiled):
                "profile": {"dir": str(out / "profile"), "time_key": data["time_key"],
                            "top_kernels_ops": [{"name": "kernel_ladder::linear", data["time_key"]: 1500.0}]}}
     text = gpu_check.summary(results, [])
-    assert "top kernels ops by self_cpu_us" in text and "kernel_ladder::linear" in text and "1.500 ms" in text
+    assert "top kernel_ladder ops by self_cpu_us" in text and "kernel_ladder::linear" in text and "1.500 ms" in text

@@ -52,7 +52,8 @@ def test_every_ladder_step_is_correct_and_counted(chapter):
 
         loop = launches(MOE_LOOP)
         assert loop == sorted(loop) and len(set(loop)) == len(loop), loop
-        for step in ("kernel_ladder ops composed (route, sort, gather, GEMM, swiglu, GEMM, combine)", "kernel_ladder.moe"):
+        for step in ("kernel_ladder ops composed (route, sort, gather, GEMM, swiglu, GEMM, combine)",
+                     "kernel_ladder.moe"):
             assert len(set(launches(step))) == 1, (step, launches(step))
 
 

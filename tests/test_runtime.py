@@ -108,7 +108,8 @@ def test_import_alone_needs_nothing_set():
 def test_compiled_launch_without_gpu_says_what_to_do(monkeypatch):
     monkeypatch.setattr(runtime, "INTERPRETER", False)
     assert "no CUDA device is visible" in runtime.describe()  # describe() itself must not crash
-    with pytest.raises(RuntimeError, match=r"kernel_ladder\.add: cannot launch a compiled Triton kernel.*KERNEL_LADDER"):
+    with pytest.raises(RuntimeError,
+                       match=r"kernel_ladder\.add: cannot launch a compiled Triton kernel.*KERNEL_LADDER"):
         runtime.require_launchable("kernel_ladder.add", torch.zeros(1))
 
 

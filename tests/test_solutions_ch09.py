@@ -305,7 +305,8 @@ def test_combine_solution_solves():
     assert check_combine(given.combine).solved
 
 
-@pytest.mark.parametrize("candidate", [combine_by_scatter_add, kernel_ladder.moe_combine], ids=["scatter-add", "production"])
+@pytest.mark.parametrize("candidate", [combine_by_scatter_add, kernel_ladder.moe_combine],
+                         ids=["scatter-add", "production"])
 def test_other_right_combines_pass_the_same_check(candidate):
     assert check_combine(candidate).solved
 

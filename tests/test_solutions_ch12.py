@@ -55,7 +55,7 @@ def _calls_the_hf_layer(x, layer, cos, sin):  # right values, no kernels: refuse
 
 
 @pytest.mark.parametrize("fn, diagnosis", [(_no_rope, ""), (_not_causal, ""), (_no_second_residual, ""),
-                                           (_calls_the_hf_layer, "compute it with kernels ops")],
+                                           (_calls_the_hf_layer, "compute it with kernel_ladder ops")],
                          ids=["no rope", "not causal", "no residual", "the HF layer itself"])
 def test_decoder_wrong_variants_rejected(fn, diagnosis):
     assert rejected(check_decoder(fn), diagnosis)

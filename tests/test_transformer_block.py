@@ -168,7 +168,7 @@ def test_block_config_rejects_bad_sizes():
 
 
 def test_block_uses_only_kernels_ops_for_its_math(gen):
-    """The block's compute is kernels ops: the only aten ops around them are views, copies and tables."""
+    """The block's compute is kernel_ladder ops: the only aten ops around them are views, copies and tables."""
     config = BlockConfig()
     block = DecoderBlock(config, gen, device=DEVICE)
     x = torch.randn(1, 8, config.hidden, generator=gen).to(DEVICE)

@@ -64,7 +64,8 @@ def _function_name(fn: Callable) -> tuple[str, str]:
                         "(workers import it by name); lambdas and nested functions cannot travel")
     if module == "__main__":
         raise TypeError(f"utils.distributed: {qualname} is defined in __main__ (a notebook or script), which the "
-                        "workers cannot import; put it in a module (e.g. solutions/ or kernels/kernel_ladder/distributed/)")
+                        "workers cannot import; put it in a module "
+                        "(e.g. solutions/ or kernels/kernel_ladder/distributed/)")
     return module, qualname
 
 

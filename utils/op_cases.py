@@ -1,4 +1,4 @@
-"""One tiny call of every public kernels op: forward, forward + backward, and torch's matching op.
+"""One tiny call of every public kernel_ladder op: forward, forward + backward, and torch's matching op.
 
 For measuring what a call costs outside its kernels (:mod:`utils.overhead`), for checking that
 every op shows up by name in a profiler trace, and for the chapter 10 report. Sizes are tiny (one
@@ -98,14 +98,16 @@ def _rms_norm(device, gen):
 def _layer_norm(device, gen):
     x, w, b = _randn(gen, device, 8, 64), _randn(gen, device, 64), _randn(gen, device, 64)
     xg, wg, bg = (t.clone().requires_grad_(True) for t in (x, w, b))
-    return Built(lambda: kernel_ladder.layer_norm(x, 64, w, b), _with_backward(lambda: kernel_ladder.layer_norm(xg, 64, wg, bg)),
+    return Built(lambda: kernel_ladder.layer_norm(x, 64, w, b),
+                 _with_backward(lambda: kernel_ladder.layer_norm(xg, 64, wg, bg)),
                  lambda: F.layer_norm(x, (64,), w, b))
 
 
 def _add_rms_norm(device, gen):
     x, r, w = _randn(gen, device, 8, 64), _randn(gen, device, 8, 64), _randn(gen, device, 64)
     xg, rg, wg = (t.clone().requires_grad_(True) for t in (x, r, w))
-    return Built(lambda: kernel_ladder.add_rms_norm(x, r, w), _with_backward(lambda: kernel_ladder.add_rms_norm(xg, rg, wg)),
+    return Built(lambda: kernel_ladder.add_rms_norm(x, r, w),
+                 _with_backward(lambda: kernel_ladder.add_rms_norm(xg, rg, wg)),
                  lambda: F.rms_norm(x + r, (64,), w, 1e-6))
 
 
@@ -131,7 +133,8 @@ def _in_place(op: Callable, eager: Callable, *extra: int) -> Callable[[torch.dev
 def _dropout(device, gen):
     x = _randn(gen, device, 8, 64)
     xg = x.clone().requires_grad_(True)
-    return Built(lambda: kernel_ladder.dropout(x, 0.5, seed=1), _with_backward(lambda: kernel_ladder.dropout(xg, 0.5, seed=1)),
+    return Built(lambda: kernel_ladder.dropout(x, 0.5, seed=1),
+                 _with_backward(lambda: kernel_ladder.dropout(xg, 0.5, seed=1)),
                  lambda: F.dropout(x, 0.5))
 
 
@@ -143,7 +146,8 @@ def _dropout_mask(device, gen):
 def _matmul(device, gen):
     a, b = _randn(gen, device, 16, 32), _randn(gen, device, 32, 16)
     ag, bg = a.clone().requires_grad_(True), b.clone().requires_grad_(True)
-    return Built(lambda: kernel_ladder.matmul(a, b), _with_backward(lambda: kernel_ladder.matmul(ag, bg)), lambda: a @ b)
+    return Built(lambda: kernel_ladder.matmul(a, b), _with_backward(lambda: kernel_ladder.matmul(ag, bg)),
+                 lambda: a @ b)
 
 
 def _linear(device, gen):
@@ -172,7 +176,8 @@ def _quantized_linear(device, gen):
     x, w = _randn(gen, device, 8, 64), _randn(gen, device, 16, 64)
     qw = kernel_ladder.quantize_weight(w, "int8")
     xg = x.clone().requires_grad_(True)
-    return Built(lambda: kernel_ladder.quantized_linear(x, qw), _with_backward(lambda: kernel_ladder.quantized_linear(xg, qw)),
+    return Built(lambda: kernel_ladder.quantized_linear(x, qw),
+                 _with_backward(lambda: kernel_ladder.quantized_linear(xg, qw)),
                  lambda: F.linear(x, w))
 
 
@@ -180,14 +185,16 @@ def _rope(device, gen):
     q, k = _randn(gen, device, 1, 2, 8, 16), _randn(gen, device, 1, 2, 8, 16)
     cos, sin = kernel_ladder.rope_cos_sin(torch.arange(8, device=device), 16)
     qg, kg = q.clone().requires_grad_(True), k.clone().requires_grad_(True)
-    return Built(lambda: kernel_ladder.rope(q, k, cos, sin), _with_backward(lambda: kernel_ladder.rope(qg, kg, cos, sin)),
+    return Built(lambda: kernel_ladder.rope(q, k, cos, sin),
+                 _with_backward(lambda: kernel_ladder.rope(qg, kg, cos, sin)),
                  lambda: (q * cos + q.flip(-1) * sin, k * cos + k.flip(-1) * sin))
 
 
 def _gated_mlp(device, gen):
     x, wg, wu, wd = (_randn(gen, device, *s) for s in ((8, 32), (16, 32), (16, 32), (32, 16)))
     grads = [t.clone().requires_grad_(True) for t in (x, wg, wu, wd)]
-    return Built(lambda: kernel_ladder.gated_mlp(x, wg, wu, wd), _with_backward(lambda: kernel_ladder.gated_mlp(*grads)),
+    return Built(lambda: kernel_ladder.gated_mlp(x, wg, wu, wd),
+                 _with_backward(lambda: kernel_ladder.gated_mlp(*grads)),
                  lambda: F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd))
 
 
@@ -270,7 +277,8 @@ def _write_kv_cache(device, gen):
 def _topk_routing(device, gen):
     logits = _randn(gen, device, 8, 8)
     lg = logits.clone().requires_grad_(True)
-    return Built(lambda: kernel_ladder.topk_routing(logits, 2), _with_backward(lambda: kernel_ladder.topk_routing(lg, 2)),
+    return Built(lambda: kernel_ladder.topk_routing(logits, 2),
+                 _with_backward(lambda: kernel_ladder.topk_routing(lg, 2)),
                  lambda: torch.topk(torch.softmax(logits, -1), 2))
 
 
@@ -290,7 +298,8 @@ def _moe_gather(device, gen):
     perm, _ = kernel_ladder.moe_permute(ids, 4)
     x = _randn(gen, device, 8, 32)
     xg = x.clone().requires_grad_(True)
-    return Built(lambda: kernel_ladder.moe_gather(x, perm, 2), _with_backward(lambda: kernel_ladder.moe_gather(xg, perm, 2)),
+    return Built(lambda: kernel_ladder.moe_gather(x, perm, 2),
+                 _with_backward(lambda: kernel_ladder.moe_gather(xg, perm, 2)),
                  lambda: x.index_select(0, perm.long() // 2))
 
 
@@ -335,7 +344,8 @@ def op_cases() -> list[OpCase]:
                _in_place(kernel_ladder.geglu, lambda g, u: F.gelu(g, approximate="tanh") * u)),
         OpCase("dropout", ("dropout",), (), _dropout),
         OpCase("dropout_mask", ("dropout_mask",), (), _dropout_mask),
-        OpCase("softmax", ("softmax",), ("softmax_backward",), _rows(kernel_ladder.softmax, lambda x: torch.softmax(x, -1))),
+        OpCase("softmax", ("softmax",), ("softmax_backward",),
+               _rows(kernel_ladder.softmax, lambda x: torch.softmax(x, -1))),
         OpCase("log_softmax", ("log_softmax",), ("log_softmax_backward",),
                _rows(kernel_ladder.log_softmax, lambda x: torch.log_softmax(x, -1))),
         OpCase("rms_norm", ("rms_norm",), ("rms_norm_backward",), _rms_norm),

@@ -9,7 +9,7 @@ Triton kernel launch with a no-op that only counts it, so that what remains is t
 
     from utils.overhead import host_overhead, eager_time
     x = torch.randn(8, 64)
-    host_overhead(kernel_ladder.gelu, x)               # kernels' host time per call, launches skipped
+    host_overhead(kernel_ladder.gelu, x)               # kernel_ladder's host time per call, launches skipped
     eager_time(torch.nn.functional.gelu, x)      # torch's own op on the same tiny input, for scale
 
 Under :func:`no_launch` outputs are never written (they keep whatever the allocator gave them),

@@ -245,7 +245,7 @@ def overhead_bars(items: Sequence[tuple], floor: float | None = None, goal: floa
                   ax: Axes | None = None, title: str = "Host time per forward call (launches skipped)") -> Axes:
     """Horizontal bar per op of its host time per call in microseconds.
 
-    ``items`` are ``(op, kernels_us)`` or ``(op, kernels_us, torch_us)``: the kernels op's bar, and
+    ``items`` are ``(op, kernels_us)`` or ``(op, kernels_us, torch_us)``: the kernel_ladder op's bar, and
     torch's own eager op on the same input as a thin grey bar beside it (left out where None).
     ``floor`` (the cheapest possible custom op) and ``goal`` are drawn as vertical lines. The axis
     is logarithmic when the bars span more than a factor of 30.

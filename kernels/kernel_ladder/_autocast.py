@@ -163,7 +163,7 @@ def public_ops() -> list[str]:
 
 
 def policy_for(op: str, device_type: str) -> str:
-    """The policy of ``op`` (``"linear"`` or ``"kernel_ladder.linear"``) on ``device_type``; ``"none"`` if it has none."""
+    """The policy of ``op`` (``"linear"`` or ``"kernel_ladder.linear"``) on ``device_type``; ``"none"`` if none."""
     entry = TABLE.get(op.removeprefix("kernel_ladder."))
     return entry.on(device_type) if entry is not None else NONE
 
@@ -287,7 +287,8 @@ def register() -> list[tuple[str, str]]:
     missing = sorted(set(ops) - set(TABLE))
     stale = sorted(set(TABLE) - set(ops))
     if missing or stale:
-        raise RuntimeError(f"kernel_ladder autocast table: ops without a policy {missing}, policies without an op {stale}")
+        raise RuntimeError(f"kernel_ladder autocast table: ops without a policy {missing}, "
+                           f"policies without an op {stale}")
     for name, p in TABLE.items():
         for device_type in DEVICE_TYPES:
             if p.on(device_type) not in POLICIES:

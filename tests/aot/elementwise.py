@@ -11,11 +11,14 @@ from utils.aot import compile_kernel, vectorized
 SCALARS = {"p": "fp32", "scale": "fp32", "seed": "i64"}
 CASES = [
     (kernel_ladder.add_kernel, {}), (kernel_ladder.gelu_kernel, {"ACTIVATION": "gelu"}),
-    (kernel_ladder.gelu_kernel, {"ACTIVATION": "gelu_tanh"}), (kernel_ladder.gelu_backward_kernel, {"ACTIVATION": "gelu"}),
+    (kernel_ladder.gelu_kernel, {"ACTIVATION": "gelu_tanh"}),
+    (kernel_ladder.gelu_backward_kernel, {"ACTIVATION": "gelu"}),
     (kernel_ladder.gelu_backward_kernel, {"ACTIVATION": "gelu_tanh"}),
-    *[(kernel_ladder.linear_activation_backward_kernel, {"ACTIVATION": a}) for a in ("relu", "gelu", "gelu_tanh", "silu")],
+    *[(kernel_ladder.linear_activation_backward_kernel, {"ACTIVATION": a}) for a in ("relu", "gelu", "gelu_tanh",
+                                                                                     "silu")],
     (kernel_ladder.silu_kernel, {}), (kernel_ladder.silu_backward_kernel, {}), (kernel_ladder.swiglu_kernel, {}),
-    (kernel_ladder.swiglu_backward_kernel, {}), (kernel_ladder.dropout_kernel, {}), (kernel_ladder.dropout_mask_kernel, {}),
+    (kernel_ladder.swiglu_backward_kernel, {}), (kernel_ladder.dropout_kernel, {}),
+    (kernel_ladder.dropout_mask_kernel, {}),
 ]
 failures = []
 for fn, constexprs in CASES:

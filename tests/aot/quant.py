@@ -6,6 +6,7 @@ Run by tests/test_kernels_compile_quant.py in a compiled-mode child process (uti
 
 import sys
 
+import kernel_ladder
 from utils.aot import compile_kernel
 
 kq = kl = kernel_ladder  # the kernels are exported by the package

@@ -78,7 +78,8 @@ class CausalLMConfig:
         model_type = c.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"{_OP}: model_type {model_type!r} is not supported; supported: "
-                             f"{', '.join(SUPPORTED_MODEL_TYPES)} (for other families see kernel_ladder.patch.patch_model)")
+                             f"{', '.join(SUPPORTED_MODEL_TYPES)} "
+                             "(for other families see kernel_ladder.patch.patch_model)")
         heads = c["num_attention_heads"]
         head_dim = c.get("head_dim") or c["hidden_size"] // heads
         rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
@@ -158,7 +159,8 @@ class MLP(torch.nn.Module):
         if self.gate_proj.bias is None and self.activation == "silu":
             return kernel_ladder.gated_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
         gate, up = _linear(self.gate_proj, x), _linear(self.up_proj, x)
-        hidden = kernel_ladder.swiglu(gate, up) if self.activation == "silu" else kernel_ladder.geglu(gate, up)  # tanh GELU
+        # geglu: the tanh GELU
+        hidden = kernel_ladder.swiglu(gate, up) if self.activation == "silu" else kernel_ladder.geglu(gate, up)
         return _linear(self.down_proj, hidden)
 
 
@@ -172,7 +174,9 @@ class DecoderLayer(torch.nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = kernel_ladder.add(x, self.self_attn(kernel_ladder.rms_norm(x, self.input_layernorm.weight, self.eps), cos, sin))
+        h = kernel_ladder.add(x,
+                              self.self_attn(kernel_ladder.rms_norm(x, self.input_layernorm.weight, self.eps), cos,
+                                             sin))
         return kernel_ladder.add(h, self.mlp(kernel_ladder.rms_norm(h, self.post_attention_layernorm.weight, self.eps)))
 
 

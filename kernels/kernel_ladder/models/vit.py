@@ -67,7 +67,8 @@ class ViTConfig:
         model_type = c.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"{_OP}: model_type {model_type!r} is not supported; supported: "
-                             f"{', '.join(SUPPORTED_MODEL_TYPES)} (for other families see kernel_ladder.patch.patch_model)")
+                             f"{', '.join(SUPPORTED_MODEL_TYPES)} "
+                             "(for other families see kernel_ladder.patch.patch_model)")
         clip = model_type == "clip_vision_model"
         return cls(
             hidden_size=c["hidden_size"], num_hidden_layers=c["num_hidden_layers"],

@@ -295,8 +295,8 @@ def _backward(ctx, grad_loss, *_unused):
                                                    label_smoothing, softcap, z_loss, chunk_size)
     else:
         if not ctx.compute_grad:
-            raise RuntimeError(f"{_OP}: the forward ran without a gradient; call kernel_ladder.fused_linear_cross_entropy "
-                               "(it decides from requires_grad and grad mode)")
+            raise RuntimeError(f"{_OP}: the forward ran without a gradient; call "
+                               "kernel_ladder.fused_linear_cross_entropy (it decides from requires_grad and grad mode)")
         ctx.backward_ran = True
         grad_x, grad_w, grad_b = (_scaled(g, grad_loss.reshape(())) for g in (grad_x, grad_w, grad_b))
     if torch.is_grad_enabled():  # create_graph=True: usable, but a gradient of it raises the op's error

@@ -671,7 +671,8 @@ def quantized_linear(
     if activations not in ACTIVATION_SCHEMES:
         raise ValueError(f"{op}: activations must be None (weight-only) or 'int8' (W8A8), got {activations!r}")
     if config is not None and not isinstance(config, QuantizedLinearConfig):
-        raise TypeError(f"{op}: config must be a kernel_ladder.QuantizedLinearConfig or None, got {type(config).__name__}")
+        raise TypeError(f"{op}: config must be a kernel_ladder.QuantizedLinearConfig or None, "
+                        f"got {type(config).__name__}")
     group_size = qweight.group_size or 0
     acts = "none" if activations is None else activations
     _check_quantized_linear_args(op, x, qweight.data, qweight.scales, bias, qweight.scheme, group_size,

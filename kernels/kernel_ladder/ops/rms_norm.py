@@ -410,7 +410,7 @@ def rms_norm(
               then multiplied by the weight in that dtype (``weight * h.to(input_dtype)``): two
               roundings.
             * ``"gemma"``: ``GemmaRMSNorm``: everything in float32, ``* (1 + w.float())``,
-              rounded once — the same computation as ``"none"`` (kernels' ``"none"`` is already
+              rounded once — the same computation as ``"none"`` (kernel_ladder's ``"none"`` is already
               float32 throughout; the name is there so that a Gemma patch says what it means).
 
             Given the same float32 ``rstd`` the output equals the Hugging Face module's bit for bit
