@@ -4,13 +4,15 @@
 computation through a ``kernel_ladder`` op, keeping every parameter where it is (same tensors, same
 names, so the state dict, the optimizer and ``save_pretrained`` are unaffected):
 
-* **attention** — through ``transformers``' own extension point: a ``"kernel_ladder"`` entry registered
-  in ``AttentionInterface`` (:func:`kernel_ladder.flash_attention`: causal or not as the module says,
-  the sliding window a layer passes, GQA without repeating K/V) and the matching mask entry in
+* **attention** — through ``transformers``' own extension points (:mod:`kernel_ladder.hf`): the
+  ``"kernel_ladder"`` entries :func:`kernel_ladder.hf.register` puts in ``AttentionInterface``
+  (:func:`kernel_ladder.hf.attention`, running :func:`kernel_ladder.flash_attention`: causal or not as
+  the module says, the sliding window a layer passes, GQA without repeating K/V) and
   ``AttentionMaskInterface``; the model is switched to it with ``set_attn_implementation``.
-* **experts** (Mixtral) — a ``"kernel_ladder"`` entry in ``ExpertsInterface`` running the routed tokens
-  through :mod:`kernel_ladder.ops.moe`'s grouped GEMMs on ``MixtralExperts``' own stacked weights, and
-  the router through :func:`kernel_ladder.topk_routing`.
+* **experts** (Mixtral) — the ``"kernel_ladder"`` entry in ``ExpertsInterface``
+  (:func:`kernel_ladder.hf.experts`: the routed tokens through :mod:`kernel_ladder.ops.moe`'s grouped
+  GEMMs on ``MixtralExperts``' own stacked weights), and the router through
+  :func:`kernel_ladder.topk_routing`.
 * **modules without an extension point** — their ``forward`` replaced on the instance: RMS and
   layer norms, every ``nn.Linear`` and GPT-2 ``Conv1D`` (whose ``(in, out)`` weight is read in
   place, transposed by strides), the Llama-family attention's projections and rotary embedding
@@ -19,11 +21,13 @@ names, so the state dict, the optimizer and ``save_pretrained`` are unaffected):
   torch's between two patched linears).
 * **the loss** — a causal LM called with ``labels`` computes its loss with
   :func:`kernel_ladder.fused_linear_cross_entropy` from the last hidden states: the ``(N, V)`` logits
-  are never materialized (the output's ``logits`` is then ``None``).
+  are never materialized (the output's ``logits`` is then ``None``). Given ``num_items_in_batch``
+  (``Trainer`` passes it), the loss is normalized by it, as transformers' own loss is, so gradient
+  accumulation weighs every token alike.
 
 Supported families: see :data:`SUPPORTED_FAMILIES`. :func:`unpatch_model` restores the model
-exactly (the instance ``forward`` overrides removed, the attention and experts implementations
-set back).
+exactly (each module's forward as it was, a kernelized one included; the attention and experts
+implementations set back).
 
 Padded batches (an ``attention_mask`` with zeros) and attention dropout are refused with an
 error, not computed wrongly.
@@ -38,67 +42,18 @@ import torch
 
 import kernel_ladder
 
-__all__ = ["SUPPORTED_FAMILIES", "patch_model", "unpatch_model", "kernels_attention"]
+from . import hf
+
+__all__ = ["SUPPORTED_FAMILIES", "patch_model", "unpatch_model"]
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "mixtral", "gpt2", "vit", "clip_vision_model")
 _OP = "kernel_ladder.patch.patch_model"
-_NAME = "kernel_ladder"
+_NAME = hf.NAME
 _STATE = "_kernels_patch_state"
 _LLAMA_ATTENTION = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "MixtralAttention")
 _GATED_MLP = ("LlamaMLP", "MistralMLP", "Qwen2MLP")
 _CAUSAL_LM = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "MixtralForCausalLM",
               "GPT2LMHeadModel")
-
-
-# ----------------------------------------------------------------------------------------------
-# The attention and experts functions registered with transformers
-# ----------------------------------------------------------------------------------------------
-
-
-def kernels_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
-                      softcap=None, is_causal=None, **kwargs):
-    """``AttentionInterface`` entry: ``query`` ``(B, H, Tq, D)``, ``key``/``value`` ``(B, Hkv, Tk, D)``
-    (a cache's keys included), returns ``((B, Tq, H, D), None)``."""
-    op = "kernel_ladder.patch (attention)"
-    if dropout:
-        raise ValueError(f"{op}: attention dropout {dropout} is not supported by kernel_ladder.flash_attention; set the "
-                         "config's attention dropout to 0 (or call model.eval())")
-    if attention_mask is not None:
-        mask = attention_mask
-        if mask.dtype != torch.bool or mask.dim() != 2 or not bool(mask.all()):
-            raise ValueError(f"{op}: padded batches are not supported (an attention_mask of shape "
-                             f"{tuple(mask.shape)} with masked positions); pass unpadded sequences of one length")
-    causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
-    out = kernel_ladder.flash_attention(query, key, value, causal=causal, softmax_scale=scaling,
-                                  window=sliding_window if causal else None, softcap=softcap)
-    return out.transpose(1, 2), None
-
-
-def _mask_function():
-    from transformers.masking_utils import flash_attention_mask
-
-    return flash_attention_mask  # None when nothing is padded, else the 2-D padding mask (refused above)
-
-
-def kernels_experts(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-    """``ExpertsInterface`` entry for ``MixtralExperts``: the routed tokens through grouped GEMMs."""
-    from .ops.moe import experts_forward
-
-    if getattr(self, "act_fn", None) is not None and type(self.act_fn).__name__ not in ("SiLU", "SiLUActivation"):
-        raise ValueError(f"kernel_ladder.patch (experts): only SiLU-gated experts are supported, got "
-                         f"{type(self.act_fn).__name__}")
-    return experts_forward(hidden_states, top_k_index, top_k_weights.to(hidden_states.dtype), self.gate_up_proj,
-                           self.down_proj)
-
-
-def _register() -> None:
-    from transformers import AttentionInterface
-    from transformers.integrations.moe import ExpertsInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    AttentionInterface.register(_NAME, kernels_attention)
-    AttentionMaskInterface.register(_NAME, _mask_function())
-    ExpertsInterface.register(_NAME, kernels_experts)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -183,13 +138,20 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, labels=None, *
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     kwargs.pop("logits_to_keep", None)
-    kwargs.pop("num_items_in_batch", None)
+    num_items_in_batch = kwargs.pop("num_items_in_batch", None)
     body = self.transformer if hasattr(self, "transformer") else self.model
     outputs = body(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
     hidden = outputs.last_hidden_state
     head = self.get_output_embeddings()
+    # Like transformers' causal-LM loss: given the number of targets in the whole (accumulated) batch, as
+    # Trainer passes it, the sum over this micro-batch divided by it; else the mean over this batch.
     loss = kernel_ladder.fused_linear_cross_entropy(hidden[:, :-1].reshape(-1, hidden.shape[-1]), head.weight,
-                                              labels[:, 1:].reshape(-1).to(hidden.device), bias=head.bias)
+                                                    labels[:, 1:].reshape(-1).to(hidden.device), bias=head.bias,
+                                                    reduction="mean" if num_items_in_batch is None else "sum")
+    if num_items_in_batch is not None:
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        loss = loss / num_items_in_batch
     return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=getattr(outputs, "past_key_values", None),
                                   hidden_states=getattr(outputs, "hidden_states", None),
                                   attentions=getattr(outputs, "attentions", None))
@@ -230,18 +192,26 @@ def _family(model: torch.nn.Module) -> str:
     return model_type
 
 
+_MISSING = object()
+
+
 def patch_model(model: torch.nn.Module) -> dict[str, int]:
     """Patch a ``transformers`` model in place to run on ``kernel_ladder`` ops; returns what was replaced, by kind.
 
     Outputs and gradients are unchanged up to rounding. Refuses an unsupported model (the error
     lists the supported families) and a model already patched. Undo with :func:`unpatch_model`.
+
+    Composes with ``kernels.kernelize`` (which transformers' ``from_pretrained`` runs by default when
+    ``kernels`` is installed): a forward that kernelize put on a module is kept aside and put back by
+    :func:`unpatch_model`, and while patched the model does not kernelize itself again when
+    ``train()`` / ``eval()`` change its mode (that would replace the patched norms).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"{_OP}: model must be a transformers PreTrainedModel, got {type(model).__name__}")
     family = _family(model)
     if getattr(model, _STATE, None) is not None:
         raise ValueError(f"{_OP}: this model is already patched (call kernel_ladder.patch.unpatch_model first)")
-    _register()
+    hf.register()
     counts: Counter[str] = Counter()
     overridden = []
     # Modules whose own forward we replace handle their children (a gated MLP's projections, GPT-2's
@@ -256,30 +226,43 @@ def patch_model(model: torch.nn.Module) -> dict[str, int]:
         kind, forward = handler
         if kind in ("gated_mlp", "mlp"):
             handled_children.update(id(m) for m in module.modules() if m is not module)
+        # what the instance held (a forward kernelize put there) or nothing: the class's forward
+        overridden.append((module, module.__dict__.get("forward", _MISSING)))
         module.forward = types.MethodType(forward, module)
-        overridden.append(module)
         counts[kind] += 1
     attention_modules = sum(1 for m in model.modules() if hasattr(m, "is_causal") and "Attention" in type(m).__name__)
-    state = {"modules": overridden, "attn": model.config._attn_implementation, "experts": None}
+    state = {"modules": overridden, "attn": model.config._attn_implementation,
+             "use_kernels": model.__dict__.get("_use_kernels", _MISSING)}
     model.set_attn_implementation(_NAME)
     counts["attention (AttentionInterface)"] = attention_modules
     if family == "mixtral":
-        state["experts"] = getattr(model.config, "_experts_implementation", None)
+        state["experts"] = model.config._experts_implementation
         model.set_experts_implementation(_NAME)
         counts["experts (ExpertsInterface)"] = sum(1 for m in model.modules() if type(m).__name__ == "MixtralExperts")
+    if state["use_kernels"] is not _MISSING:
+        # transformers' train()/eval() kernelize a model whose use_kernels is on whenever its mode changes,
+        # which would put the decorated layers' forwards back over the patched ones
+        model._use_kernels = False
     setattr(model, _STATE, state)
     return dict(counts)
 
 
 def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
-    """Undo :func:`patch_model`: the original forwards and attention/experts implementations. Returns ``model``."""
+    """Undo :func:`patch_model`: each module's forward as it was (kernelized or the class's), the attention and
+    experts implementations, and transformers' ``use_kernels``. Returns ``model``."""
     state = getattr(model, _STATE, None)
     if state is None:
-        raise ValueError("kernel_ladder.patch.unpatch_model: this model was not patched by kernel_ladder.patch.patch_model")
-    for module in state["modules"]:
-        del module.forward  # the instance attribute; the class's forward is visible again
+        raise ValueError("kernel_ladder.patch.unpatch_model: this model was not patched by "
+                         "kernel_ladder.patch.patch_model")
+    for module, forward in state["modules"]:
+        if forward is _MISSING:
+            del module.forward  # the instance attribute; the class's forward is visible again
+        else:
+            module.forward = forward
     model.set_attn_implementation(state["attn"])
-    if state["experts"] is not None:
+    if "experts" in state:
         model.set_experts_implementation(state["experts"])
+    if state["use_kernels"] is not _MISSING:
+        model._use_kernels = state["use_kernels"]
     delattr(model, _STATE)
     return model
