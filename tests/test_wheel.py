@@ -4,7 +4,8 @@ The wheel is built from this checkout, installed into a fresh virtual environmen
 newest ``transformers`` from the package index (and so with Hugging Face's Hub-kernel loader, whose
 import name is ``kernels``), and used from a folder outside the repository, where nothing of the
 checkout can be imported by accident: every subpackage imports, an op runs against torch, a tiny
-Llama is patched and run, and the Hub loader still imports.
+Llama is patched and run, loaded with ``attn_implementation="kernel_ladder"`` and kernelized from the
+layer repository the wheel ships, and the Hub loader still imports.
 
 The fresh environment gets the torch build this one has (``torch==<this version>``), so that the
 test does not download a multi-gigabyte CUDA build on a machine without a GPU.
@@ -61,6 +62,21 @@ USER_SCRIPT = textwrap.dedent(
     error = ((patched - reference).abs().max() / reference.abs().max()).item()
     assert error < 1e-4, error
     print("patched Llama matches transformers")
+
+    import kernel_ladder.hf
+
+    kernel_ladder.hf.register()  # attn_implementation="kernel_ladder", no patching
+    torch.manual_seed(0)
+    by_name = LlamaForCausalLM._from_config(config, attn_implementation="kernel_ladder").eval()
+    by_name.load_state_dict(model.state_dict())
+    kernel_ladder.hf.kernelize(by_name)  # the layer repository shipped in the wheel
+    with torch.no_grad(), torch.profiler.profile() as prof:
+        error = ((by_name(ids).logits - reference).abs().max() / reference.abs().max()).item()
+    assert error < 1e-4, error
+    ran = {e.name for e in prof.events()}
+    for op in ("kernel_ladder::flash_attention", "kernel_ladder::rms_norm", "kernel_ladder::rope"):
+        assert op in ran, (op, sorted(n for n in ran if "kernel_ladder" in n))
+    print("attn_implementation='kernel_ladder' and kernelize match transformers")
 
     import kernels  # Hugging Face's Hub-kernel loader, which transformers requires
     assert hasattr(kernels, "kernelize"), kernels.__file__
@@ -126,6 +142,7 @@ def test_the_installed_wheel_works_beside_the_newest_transformers(wheel: Path, t
     outside.mkdir()
     (outside / "use_it.py").write_text(USER_SCRIPT)
     printed = _run([str(python), "use_it.py"], cwd=outside, timeout=900)
-    for line in ("rms_norm matches", "patched Llama matches transformers", "Hugging Face's kernels imports"):
+    for line in ("rms_norm matches", "patched Llama matches transformers", "kernelize match transformers",
+                 "Hugging Face's kernels imports"):
         assert line in printed, printed
     print(f"transformers, kernels: {versions.strip()}\n{printed}")
