@@ -73,7 +73,7 @@ def forward_ideal(q, k, v, out, causal: bool = False) -> int:
     load. On a GPU the re-reads are served by L2; what DRAM sees is closer to each tensor once (the
     tracer's distinct sectors, the report's bytes-against-length figure).
     """
-    config = kernel_ladder.ops.flash_attention.INTERPRETER_CONFIG
+    config = kernel_ladder.ops.attention.INTERPRETER_CONFIG
     block_m = config.BLOCK_M if kernel_ladder.runtime.INTERPRETER else 128  # autotuned on a GPU: 64 or 128
     seq_q, seq_k = q.shape[2], k.shape[2]
     keys_read = 0

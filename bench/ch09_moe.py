@@ -15,6 +15,7 @@ import kernel_ladder
 from bench import Figure, Ladder, Step, register, register_figure
 from kernel_ladder.ops.block_sparse_attention import bigbird_mask, sliding_window_mask
 from solutions import ch09_moe as solutions
+from utils.traffic import moe_ideal_bytes
 
 #: Experts per token in every MoE ladder (Mixtral's top 2).
 TOP_K = 2
@@ -64,12 +65,12 @@ def moe_reference(x, router_logits, w_gate_up, w_down, top_k: int = TOP_K, renor
 
 
 def moe_ideal(x, router_logits, w_gate_up, w_down, out) -> int:
-    return kernel_ladder.moe_ideal_bytes(x, router_logits, w_gate_up, w_down, routed_experts(router_logits))
+    return moe_ideal_bytes(x, router_logits, w_gate_up, w_down, routed_experts(router_logits))
 
 
 MOE_LOOP = "torch: a loop over experts (HF MixtralExperts)"
 MOE_NOTE = ("T=128 tokens, H=64, F=64, top 2, fp16 on the CPU; Mixtral-8x7B's experts (T=4096, H=4096, "
-            "F=14336) on a GPU. The ideal (kernel_ladder.moe_ideal_bytes) reads x, the logits and each used "
+            "F=14336) on a GPU. The ideal (utils.traffic.moe_ideal_bytes) reads x, the logits and each used "
             "expert's weights once, writes out once, and keeps the activated rows (T·k, F) and the down "
             "rows (T·k, H) one round trip each. The issue's target for kernel_ladder.moe is at most "
             f"{TARGET_BOUND}× the ideal, enforced from E=8, where every expert's rows fit one 64-row tile of "
@@ -402,7 +403,7 @@ def gpu_checks(size: str) -> list:
     tokens, hidden, ffn = MOE_SIZES["gpu"] if real else (64, 32, 32)
     a = moe_inputs(device, dtype, (tokens, hidden, ffn), 8, seed=16)
     op = f"moe bf16 T{tokens} H{hidden} F{ffn} E8 top{TOP_K}"
-    common = {"bytes": kernel_ladder.moe_ideal_bytes(*a, routed_experts(a[1])),
+    common = {"bytes": moe_ideal_bytes(*a, routed_experts(a[1])),
               "flops": _moe_flops(tokens, hidden, ffn, TOP_K)}
     entries += [
         Timing(op, "torch loop, F.linear per expert", lambda a=a: solutions.experts_loop(*a, TOP_K),

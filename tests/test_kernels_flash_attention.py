@@ -1,7 +1,7 @@
 """kernel_ladder.flash_attention and kernel_ladder.flash_attention_varlen: values and gradients against a float64
 reference (explicit scores and masks), bottom-right causal, sliding windows, soft-capping, GQA/MQA,
 odd lengths and head dims, every dtype, lse and its gradient, strided inputs, packed sequences,
-determinism, memory (no Tq x Tk buffer), traced traffic and FLOPs (block skipping), Hugging Face,
+determinism, memory (no Tq x Tk buffer), traced traffic and FLOPs (block skipping),
 custom-op plumbing, errors, and negative controls (a wrongly aligned diagonal, a skipped block).
 
 Every buffer the ops allocate is poisoned (NaN) first; inputs are fresh random draws (the seed is
@@ -21,7 +21,7 @@ import triton.language as tl
 from helpers import assert_matches
 
 import kernel_ladder
-from kernel_ladder.ops import flash_attention as fa
+from kernel_ladder.ops import attention
 from utils.memory import peak_memory
 from utils.trace import trace
 
@@ -296,7 +296,7 @@ def test_varlen_programs_past_a_sequence_do_no_work(gen):
     k, v = rand(*q.shape, gen=gen), rand(*q.shape, gen=gen)
     with trace() as tr:
         kernel_ladder.flash_attention_varlen(q, k, v, cu, cu, 64, 64)
-    block = fa.INTERPRETER_CONFIG.BLOCK_M
+    block = attention.configs.INTERPRETER_CONFIG.BLOCK_M
     tiles = (64 // block) ** 2 + 1  # the long sequence's tiles, and one for the short one
     assert tr.flops == tiles * 4 * block * block * 32
 
@@ -352,7 +352,7 @@ def test_index_64_path(gen, monkeypatch):
     """The int64-offset variant (taken for tensors past 2**31 elements) gives the same bits."""
     q, k, v = rand(1, 2, 40, 16, gen=gen), rand(1, 1, 40, 16, gen=gen), rand(1, 1, 40, 16, gen=gen)
     want = kernel_ladder.flash_attention(q, k, v, causal=True, window=11)
-    monkeypatch.setattr(fa, "_index_64", lambda *tensors: True)
+    monkeypatch.setattr(attention.problem, "_index_64", lambda *tensors: True)
     assert torch.equal(kernel_ladder.flash_attention(q, k, v, causal=True, window=11), want)
 
 
@@ -382,7 +382,7 @@ def test_forward_traffic_and_flops_are_the_ideal_and_causal_skips_half(gen):
     FLOPs: 4 B Hq Tq Tk D (two products of 2 Tq Tk D). Causal visits only the n(n+1)/2 tiles on or
     below the diagonal: (n + 1) / 2n of the work, no tile above it (skipped, not masked)."""
     batch, hq, hkv, t, d = 1, 2, 1, 128, 32
-    block = fa.INTERPRETER_CONFIG.BLOCK_M
+    block = attention.configs.INTERPRETER_CONFIG.BLOCK_M
     n = t // block
     q, k, v = rand(batch, hq, t, d, gen=gen), rand(batch, hkv, t, d, gen=gen), rand(batch, hkv, t, d, gen=gen)
     with trace() as full:
@@ -407,7 +407,7 @@ def test_window_and_backward_skip_every_invisible_tile(gen):
     entry; the backward does 7 block products per tile (dK/dV: QK^T, dO V^T, P^T dO, dS^T Q; dQ: QK^T,
     dO V^T, dS K) against the forward's 2."""
     t, d, window = 160, 16, 40
-    block = fa.INTERPRETER_CONFIG.BLOCK_M
+    block = attention.configs.INTERPRETER_CONFIG.BLOCK_M
     q, k, v = leaf(rand(1, 1, t, d, gen=gen)), leaf(rand(1, 1, t, d, gen=gen)), leaf(rand(1, 1, t, d, gen=gen))
     with trace() as fwd:
         out = kernel_ladder.flash_attention(q, k, v, causal=True, window=window)
@@ -430,7 +430,7 @@ def _top_left_diagonal(seqlen_q, seqlen_k):
     return seqlen_q * 0  # the torch SDPA convention (is_causal=True): query i sees keys j <= i
 
 
-_key_range = fa._key_range  # the real bounds, for the wrong variant below
+_key_range = attention.forward._key_range  # the real bounds, for the wrong variant below
 
 
 @triton.jit
@@ -446,7 +446,7 @@ def test_negative_control_a_top_left_diagonal_is_caught(gen, monkeypatch):
     """The comparison fails for a kernel whose causal mask is aligned to the top left — except when
     Tq = Tk, where the two conventions agree (so that case alone could not tell them apart)."""
     q, k, v = rand(1, 2, 20, 16, gen=gen), rand(1, 2, 45, 16, gen=gen), rand(1, 2, 45, 16, gen=gen)
-    monkeypatch.setattr(fa, "_diagonal", _top_left_diagonal)
+    monkeypatch.setattr(attention.forward, "_diagonal", _top_left_diagonal)
     with pytest.raises(AssertionError, match="elements outside"):
         assert_matches(kernel_ladder.flash_attention(q, k, v, causal=True), reference(q, k, v, causal=True)[0])
     square = k[:, :, :20], v[:, :, :20]
@@ -457,52 +457,10 @@ def test_negative_control_a_top_left_diagonal_is_caught(gen, monkeypatch):
 def test_negative_control_a_skipped_key_block_is_caught(gen, monkeypatch):
     """Loop bounds one block too short (a plausible off-by-one in the skipping) fail the comparison."""
     q, k, v = rand(1, 2, 40, 16, gen=gen), rand(1, 2, 40, 16, gen=gen), rand(1, 2, 40, 16, gen=gen)
-    monkeypatch.setattr(fa, "_key_range", _one_block_short)
+    monkeypatch.setattr(attention.forward, "_key_range", _one_block_short)
     for causal in (False, True):
         with pytest.raises(AssertionError, match="elements outside"):
             assert_matches(kernel_ladder.flash_attention(q, k, v, causal=causal), reference(q, k, v, causal=causal)[0])
-
-
-# ----------------------------------------------------------------------------- Hugging Face
-
-
-def test_hugging_face_llama_with_our_attention_matches_eager(gen):
-    transformers = pytest.importorskip("transformers")
-    name = fa.register_hf_attention("kernel_ladder_test")
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
-    eager = transformers.LlamaForCausalLM._from_config(config, attn_implementation="eager").to(DEVICE).eval()
-    ours = transformers.LlamaForCausalLM._from_config(config, attn_implementation=name).to(DEVICE).eval()
-    ours.load_state_dict(eager.state_dict())
-    assert ours.config._attn_implementation == name
-    tokens = torch.randint(0, 128, (2, 21), generator=gen).to(DEVICE)
-    with torch.no_grad():
-        want = eager(tokens).logits
-        got = ours(tokens).logits
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-
-
-def test_hugging_face_adapter_masks(gen):
-    """A purely causal mask (bool or additive) is accepted, anything else refused by name."""
-    q, k, v = rand(2, 4, 6, 16, gen=gen), rand(2, 2, 6, 16, gen=gen), rand(2, 2, 6, 16, gen=gen)
-    module = type("Attention", (), {"is_causal": True})()
-    causal = visible_mask(6, 6, True, None, DEVICE)[None, None].expand(2, 1, 6, 6)
-    want = kernel_ladder.flash_attention(q, k, v, causal=True).transpose(1, 2)
-    for mask in (None, causal, torch.zeros(causal.shape, device=DEVICE).masked_fill(~causal, -3.4e38)):
-        out, weights = fa.hf_attention(module, q, k, v, mask, scaling=0.25 if mask is None else None)
-        assert weights is None and out.shape == (2, 6, 4, 16)
-        if mask is not None:
-            assert torch.equal(out, want)
-    padded = causal.clone()
-    padded[0, :, :, 0] = False  # sequence 0 starts with a padding token
-    with pytest.raises(NotImplementedError, match=r"kernel_ladder\.flash_attention \(Hugging Face attention\): only "
-                                                  r"causal \(or no\) masks are supported"):
-        fa.hf_attention(module, q, k, v, padded)
-    with pytest.raises(NotImplementedError, match="dropout"):
-        fa.hf_attention(module, q, k, v, None, dropout=0.1)
-    with pytest.raises(ValueError, match="name must not contain 'flash'"):
-        fa.register_hf_attention("my_flash_attention")
 
 
 # ----------------------------------------------------------------------------- plumbing
@@ -571,14 +529,14 @@ def test_gpu_configs_fit_every_head_dim():
     without soft-capping; up to 128 in fp32); the pruner drops those past their register limits or the
     shared memory, and falls back to the smallest tiles when nothing fits (fp32 at 256)."""
     smem = 227 * 1024
-    for kind, configs in fa._GPU_CONFIGS.items():
+    for kind, configs in attention.configs._GPU_CONFIGS.items():
         for block_d in (16, 32, 64, 128, 256):
             for element_size, softcap in ((2, False), (2, True), (4, False), (4, True)):
                 if element_size == 4 and block_d > 128:
                     continue
-                assert any(fa.fits(c, kind, block_d, element_size, softcap, shared_memory=smem) for c in configs), \
-                    (kind, block_d, element_size, softcap)
-        prune = fa._pruner(kind)
+                assert any(attention.configs.fits(c, kind, block_d, element_size, softcap, shared_memory=smem)
+                           for c in configs), (kind, block_d, element_size, softcap)
+        prune = attention.configs._pruner(kind)
         triton_configs = [c.to_triton() for c in configs]
         for dtype, block_d in ((torch.bfloat16, 256), (torch.bfloat16, 64), (torch.float32, 128)):
             kept = prune(triton_configs, {"q_ptr": torch.empty(1, dtype=dtype)}, BLOCK_D=block_d, SOFTCAP=False)
@@ -597,11 +555,13 @@ def test_autotuned_launch_path_in_the_interpreter(gen, monkeypatch):
         t = 2.0 if len(benched) % 2 else 1.0  # the second candidate is "faster"
         return [t, t, t]
 
-    candidates = (fa.AttentionConfig(16, 16, 4, 1), fa.AttentionConfig(32, 32, 4, 1))
-    monkeypatch.setattr(fa, "autotune_supports_disk_cache", lambda: False)  # a GPU run would reuse its disk cache
-    tuned = {kind: fa.make_autotuned(kind, candidates, do_bench=bench) for kind in ("forward", "dkdv", "dq")}
-    monkeypatch.setattr(fa, "_fixed_config", lambda: None)
-    monkeypatch.setattr(fa, "_autotuned", tuned.__getitem__)
+    candidates = (attention.configs.AttentionConfig(16, 16, 4, 1), attention.configs.AttentionConfig(32, 32, 4, 1))
+    # a GPU run would reuse its disk cache
+    monkeypatch.setattr(attention.configs, "autotune_supports_disk_cache", lambda: False)
+    tuned = {kind: attention.configs.make_autotuned(kind, candidates, do_bench=bench)
+             for kind in ("forward", "dkdv", "dq")}
+    monkeypatch.setattr(attention.configs, "_fixed_config", lambda: None)
+    monkeypatch.setattr(attention.configs, "_autotuned", tuned.__getitem__)
     q, k, v = rand(1, 2, 40, 16, gen=gen), rand(1, 1, 50, 16, gen=gen), rand(1, 1, 50, 16, gen=gen)
     for _ in range(2):  # the second call is served from the tuning cache
         q2, k2, v2 = leaf(q), leaf(k), leaf(v)

@@ -213,12 +213,13 @@ def test_traffic_within_ten_percent_of_the_ideal(gen):
     """The report's sizes: one column tile, groups of at most 64 rows, so each weight is read once."""
     from solutions.ch09_moe import moe_unfused
     from utils.trace import trace
+    from utils.traffic import moe_ideal_bytes
 
     x, logits, wg, wd = block(gen, 128, 64, 64, 8, dtype=torch.float16)
     logits = logits * 0.1  # a balanced router: every expert's group fits one 64-row tile
     _, ids = kernel_ladder.topk_routing(logits, 2)
     assert int(torch.bincount(ids.flatten(), minlength=8).max()) <= 64
-    ideal = kernel_ladder.moe_ideal_bytes(x, logits, wg, wd, ids)
+    ideal = moe_ideal_bytes(x, logits, wg, wd, ids)
     with trace() as fused:
         kernel_ladder.moe(x, logits, wg, wd, 2)
     with trace() as unfused:

@@ -4,7 +4,8 @@
 in Triton's interpreter on the CPU (see :mod:`kernel_ladder.runtime`).
 
 Layout: the ops and their kernels live in :mod:`kernel_ladder.ops` (one module per op; ``kernel_ladder.softmax``
-is the function, ``kernel_ladder.ops.softmax`` its module); :mod:`kernel_ladder.autotune` holds matmul's tile
+is the function, ``kernel_ladder.ops.softmax`` its module; flash attention is the subpackage
+:mod:`kernel_ladder.ops.attention`); :mod:`kernel_ladder.autotune` holds matmul's tile
 configurations; the private modules (``_launch``, ``_elementwise``, ``_rows``, ``_activations``,
 ``_validate``, ``_autograd``) are the helpers every op shares.
 """
@@ -21,10 +22,7 @@ from ._rows import RowConfig
 from .autotune import MatmulConfig
 from .ops.add import add, add_kernel
 from .ops.add_rms_norm import add_rms_norm, add_rms_norm_kernel
-from .ops.block_sparse_attention import bigbird_mask, block_sparse_attention, sliding_window_mask
-from .ops.cross_entropy import cross_entropy, cross_entropy_backward_kernel, cross_entropy_forward_kernel
-from .ops.dropout import dropout, dropout_kernel, dropout_mask, dropout_mask_kernel
-from .ops.flash_attention import (
+from .ops.attention import (
     flash_attention,
     flash_attention_backward_dkdv_kernel,
     flash_attention_backward_dq_kernel,
@@ -32,6 +30,9 @@ from .ops.flash_attention import (
     flash_attention_forward_kernel,
     flash_attention_varlen,
 )
+from .ops.block_sparse_attention import bigbird_mask, block_sparse_attention, sliding_window_mask
+from .ops.cross_entropy import cross_entropy, cross_entropy_backward_kernel, cross_entropy_forward_kernel
+from .ops.dropout import dropout, dropout_kernel, dropout_mask, dropout_mask_kernel
 from .ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 from .ops.gated_mlp import dual_matmul_kernel, gated_mlp, gated_mlp_backward_kernel, gated_mlp_kernel
 from .ops.gelu import gelu, gelu_backward_kernel, gelu_kernel
@@ -55,7 +56,7 @@ from .ops.matmul import (
     matmul_tiled,
     plan_matmul,
 )
-from .ops.moe import moe, moe_ideal_bytes
+from .ops.moe import moe
 from .ops.moe_permute import moe_combine, moe_gather, moe_permute
 from .ops.norm import column_sum_kernel, norm_launch_config
 from .ops.paged_attention import paged_attention, paged_attention_kernel, paged_attention_merge_kernel
@@ -139,7 +140,6 @@ __all__ = [
     "write_kv_cache",
     "topk_routing",
     "moe",
-    "moe_ideal_bytes",
     "moe_load_balancing_loss",
     "moe_permute",
     "moe_gather",

@@ -12,7 +12,8 @@ the preprocess; ``KERNEL_LADDER_AOT_FULL=1`` runs everything.
 
 import sys
 
-from kernel_ladder.ops import flash_attention as fa
+from kernel_ladder.ops.attention import backward, forward, problem
+from kernel_ladder.ops.attention.configs import _GPU_CONFIGS
 from utils.aot import compile_kernel, resource_usage
 
 FLOATS = {"sm_scale", "qk_scale", "softcap"}
@@ -23,8 +24,8 @@ CU = {"cu_seqlens_q_ptr", "cu_seqlens_k_ptr", "check_ptr", "block_count_ptr", "b
 UNIT = {"stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_dod", "stride_dkd", "stride_dvd", "stride_dqd",
         "stride_lm", "stride_gm", "stride_dm"}
 RUNTIME = {"seqlen_q", "seqlen_k", "group_size", "window", "n_rows", "n_heads", "BUCKET_Q", "BUCKET_K"}
-KERNELS = {"forward": fa.flash_attention_forward_kernel, "dkdv": fa.flash_attention_backward_dkdv_kernel,
-           "dq": fa.flash_attention_backward_dq_kernel}
+KERNELS = {"forward": forward.flash_attention_forward_kernel, "dkdv": backward.flash_attention_backward_dkdv_kernel,
+           "dq": backward.flash_attention_backward_dq_kernel}
 
 
 def compile_one(fn, dtype, constexprs, num_warps, num_stages=None):
@@ -78,7 +79,7 @@ def run(kind, dtype, head_dim, config, flags):
 
 
 for kind in ("forward", "dkdv", "dq"):
-    configs = fa._GPU_CONFIGS[kind]
+    configs = _GPU_CONFIGS[kind]
     for head_dim in (64, 128) if quick else (64, 128, 256):  # bf16, causal: each config up to its limit
         kept = [c for c in configs if head_dim <= c.max_head_dim]
         for config in kept[:1] if quick else kept:
@@ -98,9 +99,9 @@ for kind in ("forward", "dkdv", "dq"):
         run(kind, "bf16", 128, config, flags)
 for dtype in ("bf16",) if quick else ("bf16", "fp32"):
     for index_64 in (False,) if quick else (False, True):
-        compile_one(fa.flash_attention_backward_preprocess_kernel, dtype,
+        compile_one(backward.flash_attention_backward_preprocess_kernel, dtype,
                     {"HAS_DLSE": index_64, "INDEX_64": index_64, "BLOCK_M": 64, "BLOCK_D": 128}, num_warps=4)
-compile_one(fa.flash_attention_cu_seqlens_kernel, "bf16", {"BLOCK": 1024}, num_warps=4)
+compile_one(problem.flash_attention_cu_seqlens_kernel, "bf16", {"BLOCK": 1024}, num_warps=4)
 print("\n".join(rows))
 print(f"{len(rows)} variants compiled")
 print("\n".join(failures) or "ok")

@@ -8,7 +8,7 @@ random patterns of Longformer (Beltagy et al. 2020) and BigBird (Zaheer et al. 2
 masks (:func:`sliding_window_mask`, :func:`bigbird_mask`).
 
 **The work is proportional to the mask's density.** The kernels are flash attention's own
-(:mod:`kernel_ladder.ops.flash_attention`), run with their ``BLOCK_SPARSE`` switch: a program's key loop
+(:mod:`kernel_ladder.ops.attention`), run with their ``BLOCK_SPARSE`` switch: a program's key loop
 does not walk a range of consecutive blocks but reads the next block index from a per-row list, so
 it visits exactly the allowed blocks — no loop over all blocks with a skip branch, and no K/V load
 for a skipped block. The tiles are the mask's blocks (``BLOCK_M = BLOCK_N = block_size``), so a
@@ -47,7 +47,10 @@ import torch
 from .. import _launch, runtime
 from .._validate import check_attention_options, check_bool, check_same_device, check_tensor, schema_types
 from .._validate import is_int as _is_int
-from . import flash_attention as fa
+from .attention.configs import AttentionConfig
+from .attention.launch import _backward, _forward
+from .attention.op import _output_gradients
+from .attention.problem import BlockLists, _check_tensors, _dense_problem, _Problem, _scale
 
 __all__ = ["BLOCK_SIZES", "bigbird_mask", "block_lists", "block_sparse_attention", "sliding_window_mask"]
 
@@ -57,14 +60,14 @@ _OP = "kernel_ladder.block_sparse_attention"
 BLOCK_SIZES: tuple[int, ...] = (16, 32, 64, 128)
 
 
-def _config(block_size: int) -> fa.AttentionConfig:
+def _config(block_size: int) -> AttentionConfig:
     """The tile of every kernel at ``block_size``: the mask's block on both sides."""
     if runtime.INTERPRETER:
-        return fa.AttentionConfig(block_size, block_size, 4, 1)
-    return fa.AttentionConfig(block_size, block_size, 8 if block_size >= 128 else 4, 2)
+        return AttentionConfig(block_size, block_size, 4, 1)
+    return AttentionConfig(block_size, block_size, 8 if block_size >= 128 else 4, 2)
 
 
-def block_lists(block_mask: torch.Tensor, block_size: int) -> fa.BlockLists:
+def block_lists(block_mask: torch.Tensor, block_size: int) -> BlockLists:
     """Each row's allowed blocks of a ``(Bm, Hm, R, C)`` bool mask: counts ``(Bm, Hm, R)`` and, first in
     each row of ``indices`` ``(Bm, Hm, R, C)``, their indices in ascending order (see the module).
 
@@ -78,7 +81,7 @@ def block_lists(block_mask: torch.Tensor, block_size: int) -> fa.BlockLists:
             block_mask = block_mask[:, :1]
     counts = block_mask.sum(-1, dtype=torch.int32)
     indices = torch.sort((~block_mask).to(torch.uint8), dim=-1, stable=True).indices.to(torch.int32)
-    return fa.BlockLists(counts.contiguous(), indices.contiguous(), _config(block_size))
+    return BlockLists(counts.contiguous(), indices.contiguous(), _config(block_size))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -91,7 +94,7 @@ def _blocks(length: int, block_size: int) -> int:
 
 
 def _check(q, k, v, block_mask, block_size, softmax_scale, return_lse) -> None:
-    fa._check_tensors(_OP, q, k, v, 4, "(B, H, T, D)")
+    _check_tensors(_OP, q, k, v, 4, "(B, H, T, D)")
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"{_OP}: q and k must have the same batch size, got q {tuple(q.shape)} and k {tuple(k.shape)}")
     check_bool(_OP, "return_lse", return_lse)
@@ -119,8 +122,8 @@ def _check(q, k, v, block_mask, block_size, softmax_scale, return_lse) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def _problem(q, k, softmax_scale) -> fa._Problem:
-    return fa._dense_problem(q, k, False, softmax_scale, None, None)
+def _problem(q, k, softmax_scale) -> _Problem:
+    return _dense_problem(q, k, False, softmax_scale, None, None)
 
 
 @torch.library.custom_op("kernel_ladder::block_sparse_attention", mutates_args=())
@@ -132,7 +135,7 @@ def _block_sparse_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     batch, heads, seqlen_q, head_dim = q.shape
     out = _launch.empty_output((batch, heads, seqlen_q, head_dim), q)
     lse = _launch.empty((batch, heads, seqlen_q), torch.float32, q.device)
-    fa._forward(_problem(q, k, softmax_scale), q, k, v, out, lse, lse, lse, blocks=block_lists(block_mask, block_size))
+    _forward(_problem(q, k, softmax_scale), q, k, v, out, lse, lse, lse, blocks=block_lists(block_mask, block_size))
     return out, lse
 
 
@@ -152,9 +155,9 @@ def _block_sparse_attention_backward_op(
     """``(dq, dk, dv)``, new contiguous tensors of q's, k's and v's shapes."""
     runtime.require_launchable(f"{_OP} (backward)", grad_out, q, k, v, out, lse, block_mask)
     dq, dk, dv = _launch.empty_output(q.shape, q), _launch.empty_output(k.shape, k), _launch.empty_output(v.shape, v)
-    fa._backward(_problem(q, k, softmax_scale), grad_out, grad_lse, q, k, v, out, lse, lse, lse, dq, dk, dv,
-                 rows=block_lists(block_mask, block_size),
-                 cols=block_lists(block_mask.transpose(-1, -2), block_size))
+    _backward(_problem(q, k, softmax_scale), grad_out, grad_lse, q, k, v, out, lse, lse, lse, dq, dk, dv,
+              rows=block_lists(block_mask, block_size),
+              cols=block_lists(block_mask.transpose(-1, -2), block_size))
     return dq, dk, dv
 
 
@@ -176,7 +179,7 @@ def _backward_formula(ctx, grad_out, grad_lse):
     if grad_out is None and grad_lse is None:
         return None, None, None, None, None, None
     q, k, v, out, lse, block_mask = ctx.saved_tensors
-    grad_out, grad_lse = fa._output_gradients(ctx, grad_out, grad_lse, out)
+    grad_out, grad_lse = _output_gradients(ctx, grad_out, grad_lse, out)
     dq, dk, dv = _block_sparse_attention_backward_op(grad_out, grad_lse, q, k, v, out, lse, block_mask, *ctx.options)
     return dq, dk, dv, None, None, None
 
@@ -220,7 +223,7 @@ def block_sparse_attention(
     if not (schema_types(tensors=(q, k, v, block_mask), ints=(block_size,), optional_reals=(softmax_scale,),
                          flags=(return_lse,)) and q.dim()):
         _check(q, k, v, block_mask, block_size, softmax_scale, return_lse)  # the op checks values
-    scale = fa._scale(softmax_scale, q.shape[-1])
+    scale = _scale(softmax_scale, q.shape[-1])
     out, lse = _block_sparse_attention_op(q, k, v, block_mask, int(block_size), scale)
     return (out, lse) if return_lse else out
 

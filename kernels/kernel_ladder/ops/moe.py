@@ -21,8 +21,9 @@ transposed through their strides, no copy). Five ops, each a Triton op with its 
 
 Of the unfused chain (``solutions.ch09_moe.moe_unfused``: gather, GEMM, SwiGLU, GEMM, combine) the
 gathered rows ``(T·k, H)`` and the pre-activations ``(T·k, 2F)`` no longer go through memory; what
-is left besides the weights is what :func:`moe_ideal_bytes` counts. No step synchronizes with the
-host: the group sizes stay on the device, and the launch count does not depend on ``E``.
+is left besides the weights is the block's least traffic (the course's byte model for it is
+``utils.traffic.moe_ideal_bytes``). No step synchronizes with the host: the group sizes stay on the
+device, and the launch count does not depend on ``E``.
 
 **Backward.** ``h`` is saved (the down GEMM's weight gradient needs it); the pre-activations are
 not: ``kernel_ladder::moe_gate_up_backward`` recomputes the gate and up tiles in the same grouped kernel,
@@ -39,10 +40,11 @@ import torch
 
 from .. import _launch, runtime
 from .._validate import check_float_dtype, check_tensor, is_int
-from .grouped_matmul import launch_grouped_dw, launch_grouped_matmul
-from .moe_permute import _moe_combine_op
+from .grouped_matmul import grouped_matmul, launch_grouped_dw, launch_grouped_matmul
+from .moe_permute import _moe_combine_op, moe_combine, moe_permute
+from .topk_routing import topk_routing
 
-__all__ = ["moe", "moe_ideal_bytes"]
+__all__ = ["moe"]
 
 _OP = "kernel_ladder.moe"
 
@@ -187,10 +189,8 @@ def moe(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor, w
     Returns:
         ``(T, H)`` in ``x``'s dtype.
     """
-    import kernel_ladder
-
     _check(x, router_logits, w_gate_up, w_down, top_k, renormalize)
-    weights, expert_ids = kernel_ladder.topk_routing(router_logits, top_k, renormalize=renormalize)
+    weights, expert_ids = topk_routing(router_logits, top_k, renormalize=renormalize)
     return experts_forward(x, expert_ids, weights, w_gate_up, w_down)
 
 
@@ -199,33 +199,8 @@ def experts_forward(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Te
     """The experts half of :func:`moe`, for routing done elsewhere (``kernel_ladder.patch``'s
     ``ExpertsInterface`` entry): ``expert_ids`` and ``weights`` ``(T, k)``; sort by expert, the
     SwiGLU gate-up and the down grouped GEMMs, the weighted combine."""
-    import kernel_ladder
-
     top_k = expert_ids.shape[1]
-    permutation, offsets = kernel_ladder.moe_permute(expert_ids, w_gate_up.shape[0])
+    permutation, offsets = moe_permute(expert_ids, w_gate_up.shape[0])
     hidden = _moe_gate_up_op(x, w_gate_up, offsets, permutation, top_k)  # (T·k, F), SwiGLU applied
-    down = kernel_ladder.grouped_matmul(hidden, w_down.transpose(1, 2), offsets)  # (T·k, H)
-    return kernel_ladder.moe_combine(down, permutation, weights)
-
-def moe_ideal_bytes(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-                    expert_ids: torch.Tensor) -> int:
-    """The least traffic of a two-GEMM MoE block's forward, in bytes.
-
-    Each of these once: ``x`` ``(T, H)``, ``router_logits``, the weights of the experts that received
-    at least one token (``w_gate_up[e]`` and ``w_down[e]``), and ``out`` ``(T, H)``; plus the two
-    intermediates a block of two GEMMs and a k-way sum must keep, each written once and read once:
-    the activated hidden rows ``h`` ``(T·k, F)`` and the down rows ``y`` ``(T·k, H)`` (summing a
-    token's ``k`` rows needs them all, and after the sort by expert they sit in different tiles —
-    only atomics would avoid ``y``). Routing metadata (ids, permutation, offsets) is not counted:
-    it is ``O(T·k)`` integers, small next to rows of ``H``. (Reads ``expert_ids`` on the host: a
-    benchmark helper.)
-    """
-    tokens, hidden = x.shape
-    experts, two_f, _ = w_gate_up.shape
-    ffn = two_f // 2
-    k = expert_ids.shape[1]
-    used = int(torch.bincount(expert_ids.detach().cpu().flatten().long(), minlength=experts).gt(0).sum())
-    item = x.element_size()
-    weights = used * (w_gate_up[0].numel() + w_down[0].numel()) * item
-    return (2 * tokens * hidden * item + router_logits.numel() * router_logits.element_size() + weights
-            + 2 * tokens * k * ffn * item + 2 * tokens * k * hidden * item)
+    down = grouped_matmul(hidden, w_down.transpose(1, 2), offsets)  # (T·k, H)
+    return moe_combine(down, permutation, weights)

@@ -15,7 +15,7 @@ So each K/V block is read once per KV head, not once per query head (a GQA-8 mod
 eighth of the bytes a per-query-head kernel does; traced in the tests). Per step a program
 gathers ``PAGES`` blocks' table entries (one int32 each), loads their ``PAGES x block_size`` keys
 as one ``BLOCK_N x D`` tile, and folds it into a running ``(max, sum, acc)`` in float32 —
-FlashAttention's online softmax (see :mod:`kernel_ladder.ops.flash_attention`), in base 2. Scores are
+FlashAttention's online softmax (see :mod:`kernel_ladder.ops.attention.forward`), in base 2. Scores are
 ``tl.dot`` products when the row tile has at least 16 rows (a GQA group of 3 or more is padded up to
 16 rows: decoding is memory bound, so idle tensor-core rows cost no time); groups of 1 or 2 heads
 decoding use an elementwise multiply and sum instead (a 1- or 2-row tile, vLLM's v1 scheme).

@@ -1,0 +1,436 @@
+"""The flash-attention backward kernels: the preprocess (``delta``), ``dK, dV`` per key block, ``dQ`` per query block.
+
+**Backward (FlashAttention-2).** The forward saves ``O`` and ``lse`` (one float per row), not
+``P``: the backward recomputes ``P_ij = exp(S_ij - lse_i)`` exactly, block by block. With
+``dO`` the output's gradient::
+
+    dV = P^T dO        dP = dO V^T        dS = P * (dP - delta),  delta_i = sum_j P_ij dP_ij
+    dQ = scale * dS K  dK = scale * dS^T Q
+
+(``dS`` is the gradient of the softmax's input; with soft-capping it is multiplied by
+``1 - tanh(S / c)^2``, the derivative of ``c * tanh(x / c)``). The row sums ``delta_i`` would need
+a full row of ``P`` and ``dP``, but ``sum_j P_ij dP_ij = sum_j P_ij (dO_i . V_j) = dO_i . O_i``:
+a preprocess kernel computes ``delta = rowsum(dO * O)`` once, from two ``Tq x D`` tensors. A
+gradient of the returned ``lse`` adds ``dlse_i * P_ij`` to ``dS_ij`` (``d lse_i / d S_ij =
+P_ij``), so it is folded in as ``delta - dlse``: ``lse`` is differentiable at no extra cost (later
+chapters merge partial attention results through it).
+
+Then two kernels:
+
+* ``dK, dV``: one program per (key block, **kv** head, batch). It holds its ``K_blk, V_blk`` and
+  fp32 ``dK_blk, dV_blk`` on chip and loops over the query heads of its group and, for each,
+  over the query blocks that see its keys (for causal/window, ``[n0 - diag, n1 - diag + W)``;
+  the others are skipped). So the GQA sum over a group happens inside one program, in a fixed
+  order: no atomics and no buffer of repeated K/V gradients.
+* ``dQ``: one program per (query block, q head, batch), looping over the same key blocks as the
+  forward, recomputing ``P`` and ``dP`` a second time.
+
+Why a second pass for ``dQ`` rather than atomics. ``dQ_i`` sums over every key block, and the
+``dK/dV`` program of each key block has the pieces (``dS_blk K_blk``) in registers: adding them
+into ``dQ`` with float32 atomics saves the recomputation (FlashAttention-2's original CUDA kernel
+does this), but atomic float additions land in whatever order the programs run, so the gradient's
+rounding changes from run to run (non-deterministic training), and it needs an fp32 ``dQ``
+workspace and a final cast. The separate ``dQ`` kernel costs the ``QK^T`` and ``dO V^T`` products
+again — the backward does 7 ``Tq x Tk x D`` matrix products instead of 5 (4 of them in the
+``dK/dV`` kernel: ``QK^T``, ``dO V^T``, ``P^T dO``, ``dS^T Q``; 3 in the ``dQ`` kernel:
+``QK^T``, ``dO V^T``, ``dS K``), 1.4x the FLOPs — and is deterministic: two backward runs give
+bitwise-equal gradients (tested).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..cross_entropy import softcap_logits
+from .tiles import _LOG2E, _block_list, _diagonal, _key_range, _load_lse2, _query_range, _sequence
+
+__all__ = [
+    "flash_attention_backward_dkdv_kernel",
+    "flash_attention_backward_dq_kernel",
+    "flash_attention_backward_preprocess_kernel",
+]
+
+
+@triton.jit
+def flash_attention_backward_preprocess_kernel(
+    out_ptr, do_ptr, dlse_ptr, delta_ptr,           # delta = rowsum(dO * O) - dlse, float32
+    n_rows, n_heads, head_dim,                      # rows of (B, Hq, T) flattened in (b, h, t) order
+    stride_ob, stride_oh, stride_om, stride_od,     # out and dO as (B, Hq, T, D)
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_gb, stride_gh, stride_gm,                # dlse as (B, Hq, T)
+    stride_db, stride_dh, stride_dm,                # delta as (B, Hq, T)
+    HAS_DLSE: tl.constexpr, INDEX_64: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """``delta`` for ``BLOCK_M`` rows of one (batch, head); grid ``(row blocks, Hq, B)``."""
+    pid_m = tl.program_id(0)
+    head = tl.program_id(1)
+    batch = tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if INDEX_64:
+        head = head.to(tl.int64)
+        batch = batch.to(tl.int64)
+        rows = rows.to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_mask = rows < n_rows
+    mask = row_mask[:, None] & (offs_d < head_dim)[None, :]
+    o = tl.load(out_ptr + batch * stride_ob + head * stride_oh + rows[:, None] * stride_om
+                + offs_d[None, :] * stride_od, mask=mask, other=0.0)
+    do = tl.load(do_ptr + batch * stride_dob + head * stride_doh + rows[:, None] * stride_dom
+                 + offs_d[None, :] * stride_dod, mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    if HAS_DLSE:
+        delta -= tl.load(dlse_ptr + batch * stride_gb + head * stride_gh + rows * stride_gm, mask=row_mask,
+                         other=0.0).to(tl.float32)
+    tl.store(delta_ptr + batch * stride_db + head * stride_dh + rows * stride_dm, delta, mask=row_mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# dK, dV: one key block per program, the query blocks (of every query head of its group) streamed
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dkdv_blocks(
+    dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qm, stride_dom, stride_lm, first_row, last_row,
+    d_mask, start, end, seqlen_q, sm_scale, qk_scale, softcap, block_list_ptr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
+):
+    """Add query blocks ``[start, end)`` of one q head into one key block's ``dK, dV``.
+
+    Computed transposed (keys x queries), so that the key block is the tiles' first dim. Key ``j``
+    is seen by rows ``first_row[j] <= i <= last_row[j]`` (``j - diagonal`` and ``j - diagonal + W - 1``).
+    ``q_ptrs``/``do_ptrs`` point at row 0, ``lse_ptrs``/``delta_ptrs`` at row 0 of ``BLOCK_M`` lanes.
+    ``BLOCK_SPARSE``: the query blocks come one per step from the int32 list at ``block_list_ptr``
+    (``None`` and never read for consecutive blocks).
+    """
+    rows = start + tl.arange(0, BLOCK_M)
+    q_ptrs += start * stride_qm
+    do_ptrs += start * stride_dom
+    lse_ptrs += start * stride_lm
+    delta_ptrs += start * stride_lm
+    step_q = BLOCK_M * stride_qm
+    step_do = BLOCK_M * stride_dom
+    step_l = BLOCK_M * stride_lm
+    for _ in range(start, end, BLOCK_M):
+        if BLOCK_SPARSE:  # the next listed query block
+            block = tl.load(block_list_ptr)
+            block_list_ptr += 1
+            rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+            block = block.to(tl.int64)
+            q_tile = q_ptrs + block * step_q
+            do_tile = do_ptrs + block * step_do
+            lse_tile = lse_ptrs + block * step_l
+            delta_tile = delta_ptrs + block * step_l
+        else:
+            q_tile = q_ptrs
+            do_tile = do_ptrs
+            lse_tile = lse_ptrs
+            delta_tile = delta_ptrs
+        row_mask = rows < seqlen_q
+        mask = row_mask[:, None] & d_mask[None, :]
+        q = tl.load(q_tile, mask=mask, other=0.0)
+        do = tl.load(do_tile, mask=mask, other=0.0)
+        # lse in base 2; +inf for rows that see no key (lse = -inf) and padding rows: their P is 0.
+        lse = tl.load(lse_tile, mask=row_mask, other=float("inf"))
+        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
+        delta = tl.load(delta_tile, mask=row_mask, other=0.0)
+        qk_t = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION)  # [BLOCK_N, BLOCK_M]
+        if SOFTCAP:
+            capped_t, dcap_t = softcap_logits(qk_t * sm_scale, softcap)
+            s_t = capped_t * _LOG2E
+        else:
+            s_t = qk_t * qk_scale
+        if MASKED:
+            visible = row_mask[None, :]
+            if CAUSAL:
+                visible = visible & (rows[None, :] >= first_row[:, None])
+            if HAS_WINDOW:
+                visible = visible & (rows[None, :] <= last_row[:, None])
+            s_t = tl.where(visible, s_t, float("-inf"))
+        p_t = tl.exp2(s_t - lse2[None, :])
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        if SOFTCAP:
+            ds_t = ds_t * dcap_t
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=INPUT_PRECISION)
+        if not BLOCK_SPARSE:
+            rows += BLOCK_M
+            q_ptrs += step_q
+            do_ptrs += step_do
+            lse_ptrs += step_l
+            delta_ptrs += step_l
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "BUCKET_Q", "BUCKET_K"])
+def flash_attention_backward_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr,  # inputs; lse and delta share one (B, Hq, Tq) layout
+    dk_ptr, dv_ptr,                                   # outputs, (B, Hkv, Tk, D) in k's dtype
+    cu_seqlens_q_ptr, cu_seqlens_k_ptr,               # VARLEN: (B + 1,) int32 sequence starts
+    block_count_ptr, block_index_ptr,                 # BLOCK_SPARSE: int32 block counts and lists (see the forward)
+    stride_cb, stride_ch, stride_cm,
+    stride_ib, stride_ih, stride_im,
+    stride_qb, stride_qh, stride_qm, stride_qd,       # q as (B, Hq, Tq, D)
+    stride_kb, stride_kh, stride_kn, stride_kd,       # k, v as (B, Hkv, Tk, D)
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,   # dO as (B, Hq, Tq, D)
+    stride_lb, stride_lh, stride_lm,                  # lse and delta as (B, Hq, Tq)
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,   # dk, dv as (B, Hkv, Tk, D)
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    seqlen_q, seqlen_k, head_dim, group_size,
+    sm_scale, qk_scale, softcap, window,
+    BUCKET_Q, BUCKET_K,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
+    INDEX_64: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """``dK, dV`` of one block of ``BLOCK_N`` keys of one kv head; grid ``(key blocks, Hkv, B)``.
+
+    Sums over the ``group_size`` query heads of the group and, for each, over the query blocks of
+    :func:`_query_range`, in a fixed order, in float32 on chip.
+    """
+    pid_n = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    batch = tl.program_id(2)
+    q_start, seqlen_q, k_start, seqlen_k = _sequence(cu_seqlens_q_ptr=cu_seqlens_q_ptr,
+                                                     cu_seqlens_k_ptr=cu_seqlens_k_ptr, batch=batch,
+                                                     seqlen_q=seqlen_q, seqlen_k=seqlen_k, VARLEN=VARLEN)
+    if INDEX_64:
+        kv_head = kv_head.to(tl.int64)
+        batch = batch.to(tl.int64)
+        q_start = q_start.to(tl.int64)
+        k_start = k_start.to(tl.int64)
+    n0 = pid_n * BLOCK_N
+    if n0 < seqlen_k:  # a varlen program past its sequence's end does nothing
+        cols = n0 + tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_m = tl.arange(0, BLOCK_M)
+        if INDEX_64:
+            cols = cols.to(tl.int64)
+        d_mask = offs_d < head_dim
+        kv_mask = (cols < seqlen_k)[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + batch * stride_kb + kv_head * stride_kh + (k_start + cols[:, None]) * stride_kn
+                    + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + batch * stride_vb + kv_head * stride_vh + (k_start + cols[:, None]) * stride_vn
+                    + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        diagonal = _diagonal(seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+        n_last = tl.minimum(n0 + BLOCK_N, seqlen_k) - 1
+        lo, full_lo, full_hi, hi = _query_range(n0=n0, n_last=n_last, seqlen_q=seqlen_q, diagonal=diagonal,
+                                                window=window, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW, BLOCK_M=BLOCK_M,
+                                                INDEX_64=INDEX_64)
+        first_row = cols - diagonal  # key j is seen by rows first_row[j] <= i <= last_row[j]
+        last_row = first_row + window - 1
+        for g in range(0, group_size):
+            head = kv_head * group_size + g
+            q_ptrs = (q_ptr + batch * stride_qb + head * stride_qh + q_start * stride_qm
+                      + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd)
+            do_ptrs = (do_ptr + batch * stride_dob + head * stride_doh + q_start * stride_dom
+                       + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod)
+            row_base = batch * stride_lb + head * stride_lh + (q_start + offs_m) * stride_lm
+            lse_ptrs = lse_ptr + row_base
+            delta_ptrs = delta_ptr + row_base
+            if BLOCK_SPARSE:  # the query blocks of head `head` whose mask row allows this key block
+                block_list, n_blocks = _block_list(
+                    block_count_ptr=block_count_ptr, block_index_ptr=block_index_ptr, stride_cb=stride_cb,
+                    stride_ch=stride_ch, stride_cm=stride_cm, stride_ib=stride_ib, stride_ih=stride_ih,
+                    stride_im=stride_im, batch=batch, head=head, row=pid_n)
+                dk, dv = _dkdv_blocks(
+                    dk=dk, dv=dv, k=k, v=v, q_ptrs=q_ptrs, do_ptrs=do_ptrs, lse_ptrs=lse_ptrs, delta_ptrs=delta_ptrs,
+                    stride_qm=stride_qm, stride_dom=stride_dom, stride_lm=stride_lm, first_row=first_row,
+                    last_row=last_row, d_mask=d_mask, start=0, end=n_blocks * BLOCK_M, seqlen_q=seqlen_q,
+                    sm_scale=sm_scale, qk_scale=qk_scale, softcap=softcap, block_list_ptr=block_list,
+                    MASKED=True, CAUSAL=False, HAS_WINDOW=False, SOFTCAP=SOFTCAP, INPUT_PRECISION=INPUT_PRECISION,
+                    BLOCK_M=BLOCK_M, BLOCK_SPARSE=True)
+            else:  # the diagonal's side (masked), the blocks that see the whole key block, the window's edge (masked)
+                dk, dv = _dkdv_blocks(
+                    dk=dk, dv=dv, k=k, v=v, q_ptrs=q_ptrs, do_ptrs=do_ptrs, lse_ptrs=lse_ptrs, delta_ptrs=delta_ptrs,
+                    stride_qm=stride_qm, stride_dom=stride_dom, stride_lm=stride_lm, first_row=first_row,
+                    last_row=last_row, d_mask=d_mask, start=lo, end=full_lo, seqlen_q=seqlen_q,
+                    sm_scale=sm_scale, qk_scale=qk_scale, softcap=softcap, block_list_ptr=None,
+                    MASKED=True, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW, SOFTCAP=SOFTCAP,
+                    INPUT_PRECISION=INPUT_PRECISION, BLOCK_M=BLOCK_M, BLOCK_SPARSE=False)
+                dk, dv = _dkdv_blocks(
+                    dk=dk, dv=dv, k=k, v=v, q_ptrs=q_ptrs, do_ptrs=do_ptrs, lse_ptrs=lse_ptrs, delta_ptrs=delta_ptrs,
+                    stride_qm=stride_qm, stride_dom=stride_dom, stride_lm=stride_lm, first_row=first_row,
+                    last_row=last_row, d_mask=d_mask, start=full_lo, end=full_hi, seqlen_q=seqlen_q,
+                    sm_scale=sm_scale, qk_scale=qk_scale, softcap=softcap, block_list_ptr=None,
+                    MASKED=False, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW, SOFTCAP=SOFTCAP,
+                    INPUT_PRECISION=INPUT_PRECISION, BLOCK_M=BLOCK_M, BLOCK_SPARSE=False)
+                dk, dv = _dkdv_blocks(
+                    dk=dk, dv=dv, k=k, v=v, q_ptrs=q_ptrs, do_ptrs=do_ptrs, lse_ptrs=lse_ptrs, delta_ptrs=delta_ptrs,
+                    stride_qm=stride_qm, stride_dom=stride_dom, stride_lm=stride_lm, first_row=first_row,
+                    last_row=last_row, d_mask=d_mask, start=full_hi, end=hi, seqlen_q=seqlen_q,
+                    sm_scale=sm_scale, qk_scale=qk_scale, softcap=softcap, block_list_ptr=None,
+                    MASKED=True, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW, SOFTCAP=SOFTCAP,
+                    INPUT_PRECISION=INPUT_PRECISION, BLOCK_M=BLOCK_M, BLOCK_SPARSE=False)
+        dk = dk * sm_scale
+        tl.store(dk_ptr + batch * stride_dkb + kv_head * stride_dkh + (k_start + cols[:, None]) * stride_dkn
+                 + offs_d[None, :] * stride_dkd, dk.to(dk_ptr.dtype.element_ty), mask=kv_mask)
+        tl.store(dv_ptr + batch * stride_dvb + kv_head * stride_dvh + (k_start + cols[:, None]) * stride_dvn
+                 + offs_d[None, :] * stride_dvd, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# dQ: one query block per program, the forward's key blocks streamed again
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dq_blocks(
+    dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, last_key, first_key, d_mask,
+    start, end, seqlen_k, sm_scale, qk_scale, softcap, block_list_ptr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
+):
+    """Add key blocks ``[start, end)`` into one query block's ``dQ`` (``P`` and ``dP`` recomputed);
+    the arguments are the forward's ``_forward_blocks``'s."""
+    cols = start + tl.arange(0, BLOCK_N)
+    k_ptrs += start * stride_kn
+    v_ptrs += start * stride_vn
+    step_k = BLOCK_N * stride_kn
+    step_v = BLOCK_N * stride_vn
+    for _ in range(start, end, BLOCK_N):
+        if BLOCK_SPARSE:
+            block = tl.load(block_list_ptr)
+            block_list_ptr += 1
+            cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+            k_tile = k_ptrs + block.to(tl.int64) * step_k
+            v_tile = v_ptrs + block.to(tl.int64) * step_v
+        else:
+            k_tile = k_ptrs
+            v_tile = v_ptrs
+        if MASKED:
+            kv_mask = (cols < seqlen_k)[:, None] & d_mask[None, :]
+        else:
+            kv_mask = d_mask[None, :]
+        k = tl.load(k_tile, mask=kv_mask, other=0.0)
+        v = tl.load(v_tile, mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
+        if SOFTCAP:
+            capped, dcap = softcap_logits(qk * sm_scale, softcap)
+            s = capped * _LOG2E
+        else:
+            s = qk * qk_scale
+        if MASKED:
+            visible = (cols < seqlen_k)[None, :]
+            if CAUSAL:
+                visible = visible & (cols[None, :] <= last_key[:, None])
+            if HAS_WINDOW:
+                visible = visible & (cols[None, :] >= first_key[:, None])
+            s = tl.where(visible, s, float("-inf"))
+            cols += BLOCK_N
+        p = tl.exp2(s - lse2[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * dcap
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=INPUT_PRECISION)
+        if not BLOCK_SPARSE:
+            k_ptrs += step_k
+            v_ptrs += step_v
+    return dq
+
+
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "BUCKET_Q", "BUCKET_K"])
+def flash_attention_backward_dq_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr,  # inputs; lse and delta share one (B, Hq, Tq) layout
+    dq_ptr,                                           # output, (B, Hq, Tq, D) in q's dtype
+    cu_seqlens_q_ptr, cu_seqlens_k_ptr,               # VARLEN: (B + 1,) int32 sequence starts
+    block_count_ptr, block_index_ptr,                 # BLOCK_SPARSE: int32 block counts and lists (see the forward)
+    stride_cb, stride_ch, stride_cm,
+    stride_ib, stride_ih, stride_im,
+    stride_qb, stride_qh, stride_qm, stride_qd,       # q as (B, Hq, Tq, D)
+    stride_kb, stride_kh, stride_kn, stride_kd,       # k, v as (B, Hkv, Tk, D)
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,   # dO as (B, Hq, Tq, D)
+    stride_lb, stride_lh, stride_lm,                  # lse and delta as (B, Hq, Tq)
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,   # dq as (B, Hq, Tq, D)
+    seqlen_q, seqlen_k, head_dim, group_size,
+    sm_scale, qk_scale, softcap, window,
+    BUCKET_Q, BUCKET_K,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
+    INDEX_64: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """``dQ`` of one block of ``BLOCK_M`` queries of one head; grid ``(query blocks, Hq, B)``, the
+    forward's key blocks (:func:`_key_range`)."""
+    pid_m = tl.program_id(0)
+    head = tl.program_id(1)
+    batch = tl.program_id(2)
+    q_start, seqlen_q, k_start, seqlen_k = _sequence(cu_seqlens_q_ptr=cu_seqlens_q_ptr,
+                                                     cu_seqlens_k_ptr=cu_seqlens_k_ptr, batch=batch,
+                                                     seqlen_q=seqlen_q, seqlen_k=seqlen_k, VARLEN=VARLEN)
+    kv_head = head // group_size
+    if INDEX_64:
+        head = head.to(tl.int64)
+        kv_head = kv_head.to(tl.int64)
+        batch = batch.to(tl.int64)
+        q_start = q_start.to(tl.int64)
+        k_start = k_start.to(tl.int64)
+    m0 = pid_m * BLOCK_M
+    if m0 < seqlen_q:
+        rows = m0 + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_n = tl.arange(0, BLOCK_N)
+        if INDEX_64:
+            rows = rows.to(tl.int64)
+        d_mask = offs_d < head_dim
+        row_mask = rows < seqlen_q
+        mask = row_mask[:, None] & d_mask[None, :]
+        q = tl.load(q_ptr + batch * stride_qb + head * stride_qh + (q_start + rows[:, None]) * stride_qm
+                    + offs_d[None, :] * stride_qd, mask=mask, other=0.0)
+        do = tl.load(do_ptr + batch * stride_dob + head * stride_doh + (q_start + rows[:, None]) * stride_dom
+                     + offs_d[None, :] * stride_dod, mask=mask, other=0.0)
+        row_offsets = batch * stride_lb + head * stride_lh + (q_start + rows) * stride_lm
+        lse2 = _load_lse2(lse_ptr=lse_ptr, offsets=row_offsets, mask=row_mask)
+        delta = tl.load(delta_ptr + row_offsets, mask=row_mask, other=0.0)
+        k_ptrs = (k_ptr + batch * stride_kb + kv_head * stride_kh + k_start * stride_kn
+                  + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd)
+        v_ptrs = (v_ptr + batch * stride_vb + kv_head * stride_vh + k_start * stride_vn
+                  + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd)
+        diagonal = _diagonal(seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+        m_last = tl.minimum(m0 + BLOCK_M, seqlen_q) - 1
+        lo, full_lo, full_hi, hi = _key_range(m0=m0, m_last=m_last, seqlen_k=seqlen_k, diagonal=diagonal,
+                                              window=window, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW, BLOCK_N=BLOCK_N,
+                                              INDEX_64=INDEX_64)
+        last_key = rows + diagonal
+        first_key = last_key - window + 1
+        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        if BLOCK_SPARSE:  # the forward's list of key blocks
+            block_list, n_blocks = _block_list(
+                block_count_ptr=block_count_ptr, block_index_ptr=block_index_ptr, stride_cb=stride_cb,
+                stride_ch=stride_ch, stride_cm=stride_cm, stride_ib=stride_ib, stride_ih=stride_ih,
+                stride_im=stride_im, batch=batch, head=head, row=pid_m)
+            dq = _dq_blocks(
+                dq=dq, q=q, do=do, lse2=lse2, delta=delta, k_ptrs=k_ptrs, v_ptrs=v_ptrs, stride_kn=stride_kn,
+                stride_vn=stride_vn, last_key=last_key, first_key=first_key, d_mask=d_mask,
+                start=0, end=n_blocks * BLOCK_N, seqlen_k=seqlen_k, sm_scale=sm_scale, qk_scale=qk_scale,
+                softcap=softcap, block_list_ptr=block_list, MASKED=True, CAUSAL=False, HAS_WINDOW=False,
+                SOFTCAP=SOFTCAP, INPUT_PRECISION=INPUT_PRECISION, BLOCK_N=BLOCK_N, BLOCK_SPARSE=True)
+        else:  # the forward's three ranges: the window's edge, the blocks every row sees whole, the diagonal
+            dq = _dq_blocks(
+                dq=dq, q=q, do=do, lse2=lse2, delta=delta, k_ptrs=k_ptrs, v_ptrs=v_ptrs, stride_kn=stride_kn,
+                stride_vn=stride_vn, last_key=last_key, first_key=first_key, d_mask=d_mask,
+                start=lo, end=full_lo, seqlen_k=seqlen_k, sm_scale=sm_scale, qk_scale=qk_scale,
+                softcap=softcap, block_list_ptr=None, MASKED=True, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW,
+                SOFTCAP=SOFTCAP, INPUT_PRECISION=INPUT_PRECISION, BLOCK_N=BLOCK_N, BLOCK_SPARSE=False)
+            dq = _dq_blocks(
+                dq=dq, q=q, do=do, lse2=lse2, delta=delta, k_ptrs=k_ptrs, v_ptrs=v_ptrs, stride_kn=stride_kn,
+                stride_vn=stride_vn, last_key=last_key, first_key=first_key, d_mask=d_mask,
+                start=full_lo, end=full_hi, seqlen_k=seqlen_k, sm_scale=sm_scale, qk_scale=qk_scale,
+                softcap=softcap, block_list_ptr=None, MASKED=False, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW,
+                SOFTCAP=SOFTCAP, INPUT_PRECISION=INPUT_PRECISION, BLOCK_N=BLOCK_N, BLOCK_SPARSE=False)
+            dq = _dq_blocks(
+                dq=dq, q=q, do=do, lse2=lse2, delta=delta, k_ptrs=k_ptrs, v_ptrs=v_ptrs, stride_kn=stride_kn,
+                stride_vn=stride_vn, last_key=last_key, first_key=first_key, d_mask=d_mask,
+                start=full_hi, end=hi, seqlen_k=seqlen_k, sm_scale=sm_scale, qk_scale=qk_scale,
+                softcap=softcap, block_list_ptr=None, MASKED=True, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW,
+                SOFTCAP=SOFTCAP, INPUT_PRECISION=INPUT_PRECISION, BLOCK_N=BLOCK_N, BLOCK_SPARSE=False)
+        dq = dq * sm_scale
+        tl.store(dq_ptr + batch * stride_dqb + head * stride_dqh + (q_start + rows[:, None]) * stride_dqm
+                 + offs_d[None, :] * stride_dqd, dq.to(dq_ptr.dtype.element_ty), mask=mask)

@@ -1,0 +1,220 @@
+"""The flash-attention forward kernel: ``out`` and the log-sum-exp ``lse`` of one query block per program.
+
+**Never the Tq x Tk matrix.** One program owns ``BLOCK_M`` query rows of one head and walks the
+keys ``BLOCK_N`` at a time, keeping for each row a running maximum ``m``, a running sum ``l`` of
+``exp(S - m)`` and an unnormalized output ``acc`` (the *online softmax*, Milakov & Gimelshein 2018;
+FlashAttention, Dao et al. 2022, arXiv:2205.14135; FlashAttention-2, Dao 2023, arXiv:2307.08691).
+For each key block::
+
+    m' = max(m, rowmax(S_blk))     alpha = exp(m - m')          (the rescale)
+    P_blk = exp(S_blk - m')        l' = alpha * l + rowsum(P_blk)
+    acc' = alpha * acc + P_blk V_blk
+
+and at the end ``O = acc / l``, ``lse = m + log(l)``. The rescale makes every earlier term as if it
+had been computed with the final maximum, so the result is exact, and no ``exp`` ever overflows.
+Scores are kept in base 2: ``log2(e)`` is folded into the scale once, so each score costs one
+multiply and one ``exp2`` (the GPU's native instruction). Everything accumulates in float32; ``P``
+is rounded to the inputs' dtype only to feed the second ``tl.dot``, as on tensor cores. The
+running maximum starts at the most negative finite float, not ``-inf``, so that a block in which a
+row sees no key (all ``-inf``) gives ``exp2(-inf - finite) = 0`` and never ``inf - inf``.
+
+**Causal and sliding-window masks, and skipping.** ``causal`` is aligned to the bottom right, as in
+FlashAttention 2 and ``flash_attn_func``: with ``diag = Tk - Tq``, query ``i`` sees key ``j`` iff
+``j <= i + diag`` (so the last query sees every key, and a single query token — decoding — sees the
+whole cache). ``window = W`` (Mistral's sliding window; needs ``causal``) also requires
+``j > i + diag - W``: the ``W`` most recent keys, its own position included. For a query block with
+rows ``m0 .. m1`` the visible keys are ``[m0 + diag - W + 1, m1 + diag]`` (clamped to ``[0, Tk)``),
+so the key loop runs over those blocks only: everything else is skipped, not masked. Inside that
+range, blocks that every row of the block sees entirely (keys ``[m1 + diag - W + 1, m0 + diag]``
+and inside ``Tk``) run without any mask; only the blocks on the diagonal, on the window's edge and
+at the end of the keys compute the mask. Causal attention with ``Tq = Tk`` thus does
+``(n + 1) / 2n`` of the full work for ``n`` blocks — about half (the FLOP count is traced in the
+tests). When ``Tq > Tk``, the first ``Tq - Tk`` queries see no key at all: their output is 0 and
+their ``lse`` is ``-inf``, as in flash-attn (a softmax over an all-``-inf`` row in torch gives NaN).
+
+**Grouped-query attention without copies.** The grid is ``(query blocks, Hq, B)``; the program of
+query head ``h`` reads key/value head ``h // (Hq // Hkv)``. K and V are never repeated in memory;
+each query head's programs stream their group's K/V themselves (on a GPU the group's repeated reads
+are mostly served by L2). Packing a group's query heads into one program's rows, which would read
+K/V once per group (what decoding with a single query would gain most from), is not done here.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..cross_entropy import softcapped
+from .tiles import _FLOAT_MIN, _LN2, _LOG2E, _block_list, _diagonal, _key_range, _sequence
+
+__all__ = ["flash_attention_forward_kernel"]
+
+
+@triton.jit
+def _forward_blocks(
+    acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, last_key, first_key, d_mask,
+    start, end, seqlen_k, sm_scale, qk_scale, softcap, block_list_ptr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
+):
+    """Fold key blocks ``[start, end)`` into the running ``(acc, m, l)`` of one query block.
+
+    ``BLOCK_SPARSE``: the ``(end - start) / BLOCK_N`` blocks are not consecutive but read, one per
+    step, from the int32 list at ``block_list_ptr`` (block indices, in units of ``BLOCK_N`` keys;
+    ``None`` and never read for consecutive blocks).
+
+    ``k_ptrs``/``v_ptrs`` point at key 0 of the block's columns (``[BLOCK_N, BLOCK_D]``); row ``i``
+    sees keys ``first_key[i] <= j <= last_key[i]`` (``i + diagonal - W + 1`` and ``i + diagonal``).
+    Unmasked blocks (``MASKED`` False) are inside ``seqlen_k`` and visible to every row: no mask.
+    The loop body is written out (no helper calls): it is the hot loop, also in the interpreter.
+    """
+    cols = start + tl.arange(0, BLOCK_N)
+    k_ptrs += start * stride_kn
+    v_ptrs += start * stride_vn
+    step_k = BLOCK_N * stride_kn
+    step_v = BLOCK_N * stride_vn
+    for _ in range(start, end, BLOCK_N):
+        if BLOCK_SPARSE:  # the next listed block: its keys and their K/V rows
+            block = tl.load(block_list_ptr)
+            block_list_ptr += 1
+            cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+            k_tile = k_ptrs + block.to(tl.int64) * step_k
+            v_tile = v_ptrs + block.to(tl.int64) * step_v
+        else:
+            k_tile = k_ptrs
+            v_tile = v_ptrs
+        if MASKED:
+            kv_mask = (cols < seqlen_k)[:, None] & d_mask[None, :]
+        else:
+            kv_mask = d_mask[None, :]
+        k = tl.load(k_tile, mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
+        if SOFTCAP:  # Gemma-2: scale, then cap, then base 2
+            s = softcapped(qk * sm_scale, softcap) * _LOG2E
+        else:
+            s = qk * qk_scale
+        if MASKED:
+            visible = (cols < seqlen_k)[None, :]
+            if CAUSAL:
+                visible = visible & (cols[None, :] <= last_key[:, None])
+            if HAS_WINDOW:
+                visible = visible & (cols[None, :] >= first_key[:, None])
+            s = tl.where(visible, s, float("-inf"))
+            cols += BLOCK_N
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)  # the rescale of everything accumulated so far
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_tile, mask=kv_mask, other=0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=INPUT_PRECISION)
+        m_i = m_new
+        if not BLOCK_SPARSE:
+            k_ptrs += step_k
+            v_ptrs += step_v
+    return acc, m_i, l_i
+
+
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "BUCKET_Q", "BUCKET_K"])
+def flash_attention_forward_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,          # inputs; outputs: out (q's dtype), lse (float32, natural log)
+    cu_seqlens_q_ptr, cu_seqlens_k_ptr,             # VARLEN: (B + 1,) int32 sequence starts (else never read)
+    block_count_ptr, block_index_ptr,               # BLOCK_SPARSE: int32 counts (Bm, Hm, rows) and lists (.., rows, n)
+    stride_cb, stride_ch, stride_cm,                # the counts' strides (0 over a broadcast batch or head)
+    stride_ib, stride_ih, stride_im,                # the lists' strides (each list contiguous)
+    stride_qb, stride_qh, stride_qm, stride_qd,     # q as (B, Hq, Tq, D) whatever its layout (VARLEN: stride_qb 0)
+    stride_kb, stride_kh, stride_kn, stride_kd,     # k, v as (B, Hkv, Tk, D)
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_om, stride_od,     # out as (B, Hq, Tq, D)
+    stride_lb, stride_lh, stride_lm,                # lse as (B, Hq, Tq) (VARLEN: (Hq, total_q), stride_lb 0)
+    seqlen_q, seqlen_k, head_dim, group_size,       # lengths (VARLEN: read from cu_seqlens), Hq // Hkv
+    sm_scale, qk_scale, softcap, window,            # qk_scale = sm_scale * log2(e)
+    BUCKET_Q, BUCKET_K,                             # the autotuner's key only (powers of two of the lengths)
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
+    INDEX_64: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """``out`` and ``lse`` of one block of ``BLOCK_M`` queries of one head; grid ``(query blocks, Hq, B)``.
+
+    Walks the key blocks of :func:`_key_range` only: masked blocks at the window's edge, unmasked
+    ones in the middle, masked ones on the diagonal and at the end of the keys.
+    """
+    pid_m = tl.program_id(0)
+    head = tl.program_id(1)
+    batch = tl.program_id(2)
+    q_start, seqlen_q, k_start, seqlen_k = _sequence(cu_seqlens_q_ptr=cu_seqlens_q_ptr,
+                                                     cu_seqlens_k_ptr=cu_seqlens_k_ptr, batch=batch,
+                                                     seqlen_q=seqlen_q, seqlen_k=seqlen_k, VARLEN=VARLEN)
+    kv_head = head // group_size
+    if INDEX_64:
+        head = head.to(tl.int64)
+        kv_head = kv_head.to(tl.int64)
+        batch = batch.to(tl.int64)
+        q_start = q_start.to(tl.int64)
+        k_start = k_start.to(tl.int64)
+    m0 = pid_m * BLOCK_M
+    if m0 < seqlen_q:  # a varlen program past its sequence's end does nothing
+        rows = m0 + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_n = tl.arange(0, BLOCK_N)
+        if INDEX_64:
+            rows = rows.to(tl.int64)
+        d_mask = offs_d < head_dim
+        row_mask = rows < seqlen_q
+        q_base = q_ptr + batch * stride_qb + head * stride_qh + q_start * stride_qm
+        q = tl.load(q_base + rows[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                    mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+        k_ptrs = (k_ptr + batch * stride_kb + kv_head * stride_kh + k_start * stride_kn
+                  + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd)
+        v_ptrs = (v_ptr + batch * stride_vb + kv_head * stride_vh + k_start * stride_vn
+                  + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd)
+
+        diagonal = _diagonal(seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+        m_last = tl.minimum(m0 + BLOCK_M, seqlen_q) - 1
+        lo, full_lo, full_hi, hi = _key_range(m0=m0, m_last=m_last, seqlen_k=seqlen_k, diagonal=diagonal,
+                                              window=window, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW, BLOCK_N=BLOCK_N,
+                                              INDEX_64=INDEX_64)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], _FLOAT_MIN, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        last_key = rows + diagonal  # row i sees keys first_key[i] <= j <= last_key[i]
+        first_key = last_key - window + 1
+        if BLOCK_SPARSE:  # exactly the listed key blocks of this query block (BLOCK_M = BLOCK_N = the mask's block)
+            block_list, n_blocks = _block_list(
+                block_count_ptr=block_count_ptr, block_index_ptr=block_index_ptr, stride_cb=stride_cb,
+                stride_ch=stride_ch, stride_cm=stride_cm, stride_ib=stride_ib, stride_ih=stride_ih,
+                stride_im=stride_im, batch=batch, head=head, row=pid_m)
+            acc, m_i, l_i = _forward_blocks(
+                acc=acc, m_i=m_i, l_i=l_i, q=q, k_ptrs=k_ptrs, v_ptrs=v_ptrs, stride_kn=stride_kn,
+                stride_vn=stride_vn, last_key=last_key, first_key=first_key, d_mask=d_mask,
+                start=0, end=n_blocks * BLOCK_N, seqlen_k=seqlen_k, sm_scale=sm_scale, qk_scale=qk_scale,
+                softcap=softcap, block_list_ptr=block_list, MASKED=True, CAUSAL=False, HAS_WINDOW=False,
+                SOFTCAP=SOFTCAP, INPUT_PRECISION=INPUT_PRECISION, BLOCK_N=BLOCK_N, BLOCK_SPARSE=True)
+        else:  # the window's edge (masked), the blocks every row sees whole, the diagonal and the end (masked)
+            acc, m_i, l_i = _forward_blocks(
+                acc=acc, m_i=m_i, l_i=l_i, q=q, k_ptrs=k_ptrs, v_ptrs=v_ptrs, stride_kn=stride_kn,
+                stride_vn=stride_vn, last_key=last_key, first_key=first_key, d_mask=d_mask,
+                start=lo, end=full_lo, seqlen_k=seqlen_k, sm_scale=sm_scale, qk_scale=qk_scale,
+                softcap=softcap, block_list_ptr=None, MASKED=True, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW,
+                SOFTCAP=SOFTCAP, INPUT_PRECISION=INPUT_PRECISION, BLOCK_N=BLOCK_N, BLOCK_SPARSE=False)
+            acc, m_i, l_i = _forward_blocks(
+                acc=acc, m_i=m_i, l_i=l_i, q=q, k_ptrs=k_ptrs, v_ptrs=v_ptrs, stride_kn=stride_kn,
+                stride_vn=stride_vn, last_key=last_key, first_key=first_key, d_mask=d_mask,
+                start=full_lo, end=full_hi, seqlen_k=seqlen_k, sm_scale=sm_scale, qk_scale=qk_scale,
+                softcap=softcap, block_list_ptr=None, MASKED=False, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW,
+                SOFTCAP=SOFTCAP, INPUT_PRECISION=INPUT_PRECISION, BLOCK_N=BLOCK_N, BLOCK_SPARSE=False)
+            acc, m_i, l_i = _forward_blocks(
+                acc=acc, m_i=m_i, l_i=l_i, q=q, k_ptrs=k_ptrs, v_ptrs=v_ptrs, stride_kn=stride_kn,
+                stride_vn=stride_vn, last_key=last_key, first_key=first_key, d_mask=d_mask,
+                start=full_hi, end=hi, seqlen_k=seqlen_k, sm_scale=sm_scale, qk_scale=qk_scale,
+                softcap=softcap, block_list_ptr=None, MASKED=True, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW,
+                SOFTCAP=SOFTCAP, INPUT_PRECISION=INPUT_PRECISION, BLOCK_N=BLOCK_N, BLOCK_SPARSE=False)
+        # A row that sees no key has l = 0: output 0 and lse = -inf (flash-attn's convention).
+        empty = l_i == 0.0
+        l_safe = tl.where(empty, 1.0, l_i)
+        out = acc / l_safe[:, None]
+        lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * _LN2)
+        out_base = out_ptr + batch * stride_ob + head * stride_oh + q_start * stride_om
+        tl.store(out_base + rows[:, None] * stride_om + offs_d[None, :] * stride_od,
+                 out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+        lse_base = lse_ptr + batch * stride_lb + head * stride_lh + q_start * stride_lm
+        tl.store(lse_base + rows * stride_lm, lse, mask=row_mask)

@@ -1,0 +1,82 @@
+"""From a planned :class:`~.problem._Problem` to the kernel launches (inputs validated already).
+
+:func:`_forward` launches the forward kernel; :func:`_backward` the preprocess (``delta``), then dK/dV and
+dQ. Both take the block-sparse lists (:class:`~.problem.BlockLists`) of
+``kernel_ladder.block_sparse_attention``, which runs the same kernels with their ``BLOCK_SPARSE`` switch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from ... import _launch
+from ..._launch import next_power_of_2
+from .backward import flash_attention_backward_preprocess_kernel
+from .configs import _launch_kernel
+from .problem import BlockLists, _block_d, _index_64, _no_block_lists, _Problem
+
+
+def _forward(problem: _Problem, q, k, v, out, lse, cu_q, cu_k, blocks: BlockLists | None = None) -> None:
+    """``blocks``: block-sparse, over each query block's listed key blocks (:class:`BlockLists`)."""
+    if out.numel() == 0 or problem.batch == 0:
+        return
+    args = (q, k, v, out, lse, cu_q, cu_k, *(_no_block_lists(lse) if blocks is None else blocks.args()),
+            *problem.strides4(q), *problem.strides4(k), *problem.strides4(v),
+            *problem.strides4(out), *problem.strides3(lse), *problem.scalars())
+    constexprs = problem.constexprs(q.dtype, q, k, v, out, lse)
+    constexprs["BLOCK_SPARSE"] = blocks is not None
+    _launch_kernel("forward", lambda bm, bn: (triton.cdiv(problem.seqlen_q, bm), problem.heads_q, problem.batch),
+                   args, constexprs, None if blocks is None else blocks.config)
+
+
+def _preprocess(problem: _Problem, out, grad_out, grad_lse, delta) -> None:
+    """delta = rowsum(dO * O) - dlse; a varlen problem runs as one sequence of all the packed rows."""
+    if problem.varlen:
+        n_rows, batch = out.shape[0], 1
+    else:
+        n_rows, batch = problem.seqlen_q, problem.batch
+    if n_rows == 0 or batch == 0:
+        return
+    block_d = _block_d(problem.head_dim)
+    block_m = max(16, min(next_power_of_2(n_rows), 8192 // block_d))
+    dlse = grad_lse if grad_lse is not None else delta  # without a gradient for lse: never read
+    preprocess_index_64 = _index_64(out, grad_out, delta, *([grad_lse] if grad_lse is not None else []))
+    flash_attention_backward_preprocess_kernel[(triton.cdiv(n_rows, block_m), problem.heads_q, batch)](
+        out, grad_out, dlse, delta, n_rows, problem.heads_q, problem.head_dim,
+        *problem.strides4(out), *problem.strides4(grad_out), *problem.strides3(dlse), *problem.strides3(delta),
+        HAS_DLSE=grad_lse is not None, INDEX_64=preprocess_index_64, BLOCK_M=block_m, BLOCK_D=block_d,
+        num_warps=4,
+    )
+
+
+def _backward(problem: _Problem, grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k, dq, dk, dv,
+              rows: BlockLists | None = None, cols: BlockLists | None = None) -> None:
+    """``rows``/``cols``: block-sparse, dQ over each query block's key blocks, dK/dV over each key
+    block's query blocks (the transposed lists)."""
+    if problem.batch == 0:
+        return
+    delta = _launch.empty(lse.shape, torch.float32, lse.device)
+    if lse.stride() != delta.stride():  # the kernels read both with one set of strides (lse is ours: contiguous)
+        lse = lse.contiguous()
+    _preprocess(problem, out, grad_out, grad_lse, delta)
+    tensors = (q, k, v, grad_out, lse, dq, dk, dv)
+    constexprs = problem.constexprs(q.dtype, *tensors)
+    constexprs["BLOCK_SPARSE"] = rows is not None
+    common = (*problem.strides4(q), *problem.strides4(k), *problem.strides4(v), *problem.strides4(grad_out),
+              *problem.strides3(lse))
+    if dk.numel():
+        _launch_kernel(
+            "dkdv", lambda bm, bn: (triton.cdiv(problem.seqlen_k, bn), problem.heads_kv, problem.batch),
+            (q, k, v, grad_out, lse, delta, dk, dv, cu_q, cu_k,
+             *(_no_block_lists(lse) if cols is None else cols.args()), *common, *problem.strides4(dk),
+             *problem.strides4(dv), *problem.scalars()),
+            constexprs, None if cols is None else cols.config,
+        )
+    if dq.numel():
+        _launch_kernel(
+            "dq", lambda bm, bn: (triton.cdiv(problem.seqlen_q, bm), problem.heads_q, problem.batch),
+            (q, k, v, grad_out, lse, delta, dq, cu_q, cu_k, *(_no_block_lists(lse) if rows is None else rows.args()),
+             *common, *problem.strides4(dq), *problem.scalars()),
+            constexprs, None if rows is None else rows.config,
+        )
