@@ -74,7 +74,7 @@ class HostSyncs:
             def method(tensor, *args, **kwargs):
                 where = _caller_in_kernels()
                 if where is not None:
-                    self.calls.append(f"Tensor.{name} at kernels/{where}")
+                    self.calls.append(f"Tensor.{name} at kernels/kernel_ladder/{where}")
                 return original(tensor, *args, **kwargs)
 
             return method

@@ -254,7 +254,7 @@ def test_triton_imported_before_kernels(tmp_path):
     script.write_text(_EARLY_IMPORT)
     out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "ERROR: kernels: this Triton kernel was built for compilation" in out.stdout
+    assert "ERROR: kernel_ladder: this Triton kernel was built for compilation" in out.stdout
     assert "Import kernel_ladder (or utils) before defining" in out.stdout
 
 
