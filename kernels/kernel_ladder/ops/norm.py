@@ -470,7 +470,9 @@ def norm_backward(problem: NormProblem, grads: Sequence[torch.Tensor], x: torch.
     grads = [walkable(g, ndim) for g in grads]
     if dx is None:
         dx = _launch.empty(problem.shape, problem.dtype, problem.device)
-    operands = (grads[0], x, dx, *grads[-1:] * op.backward_grad_sum)  # the sum operand: the output's if none
+    operands = (grads[0], x, dx)
+    if op.backward_grad_sum:  # the gradient-sum operand: the output's own gradient when there is none (never read)
+        operands += (grads[-1],)
     plan = plan_norm(problem.shape, [t.stride() for t in operands], ndim, problem.device, backward=True)
     wanted = (problem.weight_grad, problem.bias_grad)[: len(op.params)]
     partials = [_launch.empty((plan.n_programs, n_cols) if w else (0,), torch.float32, problem.device) for w in wanted]
