@@ -445,7 +445,7 @@ def admit(waiting: list[int], num_running: int, free_blocks: int, block_size: in
 
     and the first request that cannot be admitted stops admission: a later, smaller request does
     not overtake it (it would starve a long prompt forever). Returns the admitted chunks, in order.
-    This is :class:`kernel_ladder.kv_cache.Scheduler`'s rule for new requests (without its prefix cache).
+    This is :class:`kernel_ladder.serving.Scheduler`'s rule for new requests (without its prefix cache).
     """
     budget = token_budget - num_running
     seats = max_num_seqs - num_running
@@ -518,7 +518,7 @@ def static_batching(requests: list[tuple[int, int]], batch_size: int) -> list[in
     first output token), then feeds one token per unfinished sequence per step until its *longest*
     output is done; only then does the next batch start. Returns the tokens fed to the model in
     each step: ``prompt + output - 1`` per request in all (the last sampled token is never fed
-    back), as :class:`kernel_ladder.kv_cache.Scheduler` counts them.
+    back), as :class:`kernel_ladder.serving.Scheduler` counts them.
     """
     steps = []
     for start in range(0, len(requests), batch_size):

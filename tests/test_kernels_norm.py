@@ -22,6 +22,7 @@ from kernel_ladder.ops import norm as _norm
 from kernel_ladder.ops.add_rms_norm import add_rms_norm
 from kernel_ladder.ops.layer_norm import layer_norm
 from kernel_ladder.ops.rms_norm import rms_norm
+from utils.call_path import argument_path
 from utils.memory import peak_memory
 
 pytestmark = pytest.mark.usefixtures("poisoned")  # outputs and saved statistics start as NaN
@@ -311,7 +312,7 @@ def test_backward_half_precision(name, dtype, gen):
 
 
 def test_backward_formulas_in_the_docstrings_equal_autograd(gen):
-    """The closed forms the kernels implement (kernels/kernel_ladder/rms_norm.py, kernels/kernel_ladder/layer_norm.py), in float64."""
+    """The closed forms the kernels implement (kernel_ladder/ops/rms_norm.py, ops/layer_norm.py), in float64."""
     x, w = rand((6, 40), torch.float64, gen, shift=1.0), rand((40,), torch.float64, gen)
     dy = rand((6, 40), torch.float64, gen)
     g = dy * w
@@ -567,6 +568,24 @@ def test_torch_compile_dynamic_shapes(name, gen):
             torch.testing.assert_close(g, expected, rtol=0, atol=0)
 
 
+# --------------------------------------------------------------------------- the host path
+
+
+def test_an_input_is_checked_and_planned_once_and_crosses_each_module_once(gen):
+    """Following ``x`` through a call (utils.call_path): the op's check and plan run once
+    (``check_norm``), and no module is entered twice; ``rms_norm`` in at most 12 calls."""
+    x, residual = rand((4, 32), torch.float32, gen), rand((4, 32), torch.float32, gen)
+    w, b = make_param(32, torch.float32, gen), make_param(32, torch.float32, gen)
+    for name, call in [("rms_norm", lambda: rms_norm(x, w)), ("layer_norm", lambda: layer_norm(x, 32, w, b)),
+                       ("add_rms_norm", lambda: add_rms_norm(x, residual, w))]:
+        call()  # the launch plan's caches warm
+        path = argument_path(call, watch=x)
+        assert [step.function for step in path].count("check_norm") == 1, f"{name}:\n{path}"
+        assert all(path.visits(file) == 1 for file in path.files), f"{name}:\n{path}"
+        if name == "rms_norm":
+            assert len(path) <= 12, f"{name}:\n{path}"
+
+
 # --------------------------------------------------------------------------- bad input
 
 _X = torch.ones(4, 8)
@@ -581,10 +600,12 @@ _W = torch.ones(8)
          r"^kernel_ladder\.rms_norm: x must be float32, float16 or bfloat16, got torch\.int64"),
         (lambda: rms_norm(torch.ones(4, 8, dtype=torch.float64), _W), TypeError,
          r"^kernel_ladder\.rms_norm: x must be .*got torch\.float64"),
-        (lambda: rms_norm(torch.tensor(1.0), _W), ValueError, r"^kernel_ladder\.rms_norm: x must have at least one dim"),
+        (lambda: rms_norm(torch.tensor(1.0), _W), ValueError,
+         r"^kernel_ladder\.rms_norm: x must have at least one dim"),
         (lambda: rms_norm(_X, torch.ones(7)), ValueError,
          r"^kernel_ladder\.rms_norm: weight must have shape \(8,\) \(x's last dim\), got \(7,\)"),
-        (lambda: rms_norm(_X, torch.ones(1, 8)), ValueError, r"^kernel_ladder\.rms_norm: weight must have shape \(8,\)"),
+        (lambda: rms_norm(_X, torch.ones(1, 8)), ValueError,
+         r"^kernel_ladder\.rms_norm: weight must have shape \(8,\)"),
         (lambda: rms_norm(_X, torch.ones(8, dtype=torch.bfloat16)), TypeError,
          r"^kernel_ladder\.rms_norm: x and weight must have the same dtype, got torch\.float32 and torch\.bfloat16"),
         (lambda: rms_norm(_X, torch.ones(8, device="meta")), ValueError,
@@ -593,18 +614,25 @@ _W = torch.ones(8)
         (lambda: rms_norm(_X, _W, eps=0.0), ValueError,
          r"^kernel_ladder\.rms_norm: eps must be a finite number > 0, got 0\.0"),
         (lambda: rms_norm(_X, _W, eps=-1e-6), ValueError, r"^kernel_ladder\.rms_norm: eps must be a finite number > 0"),
-        (lambda: rms_norm(_X, _W, eps=math.inf), ValueError, r"^kernel_ladder\.rms_norm: eps must be a finite .*, got inf"),
-        (lambda: rms_norm(_X, _W, eps=math.nan), ValueError, r"^kernel_ladder\.rms_norm: eps must be a finite .*, got nan"),
-        (lambda: rms_norm(_X, _W, eps="1e-6"), TypeError, r"^kernel_ladder\.rms_norm: eps must be a positive float, got str"),
-        (lambda: rms_norm(_X, _W, eps=True), TypeError, r"^kernel_ladder\.rms_norm: eps must be a positive float, got bool"),
+        (lambda: rms_norm(_X, _W, eps=math.inf), ValueError,
+         r"^kernel_ladder\.rms_norm: eps must be a finite .*, got inf"),
+        (lambda: rms_norm(_X, _W, eps=math.nan), ValueError,
+         r"^kernel_ladder\.rms_norm: eps must be a finite .*, got nan"),
+        (lambda: rms_norm(_X, _W, eps="1e-6"), TypeError,
+         r"^kernel_ladder\.rms_norm: eps must be a positive float, got str"),
+        (lambda: rms_norm(_X, _W, eps=True), TypeError,
+         r"^kernel_ladder\.rms_norm: eps must be a positive float, got bool"),
         (lambda: layer_norm(_X, 7), ValueError,
          r"^kernel_ladder\.layer_norm: x of shape \(4, 8\) must end in the normalized shape \(7,\)"),
         (lambda: layer_norm(_X, (3, 4, 8)), ValueError, r"^kernel_ladder\.layer_norm: x of shape \(4, 8\) must end in"),
-        (lambda: layer_norm(_X, ()), ValueError, r"^kernel_ladder\.layer_norm: normalized_shape must name at least one dim"),
-        (lambda: layer_norm(_X, (-8,)), ValueError, r"^kernel_ladder\.layer_norm: normalized_shape must have non-negative"),
+        (lambda: layer_norm(_X, ()), ValueError,
+         r"^kernel_ladder\.layer_norm: normalized_shape must name at least one dim"),
+        (lambda: layer_norm(_X, (-8,)), ValueError,
+         r"^kernel_ladder\.layer_norm: normalized_shape must have non-negative"),
         (lambda: layer_norm(_X, 8.0), TypeError,
          r"^kernel_ladder\.layer_norm: normalized_shape must be an int or a sequence of ints, got float"),
-        (lambda: layer_norm(_X, (8.0,)), TypeError, r"^kernel_ladder\.layer_norm: normalized_shape must be .* type float"),
+        (lambda: layer_norm(_X, (8.0,)), TypeError,
+         r"^kernel_ladder\.layer_norm: normalized_shape must be .* type float"),
         (lambda: layer_norm(_X, 8, torch.ones(4)), ValueError,
          r"^kernel_ladder\.layer_norm: weight must have shape \(8,\) \(normalized_shape\), got \(4,\)"),
         (lambda: layer_norm(_X, 8, None, torch.ones(8, dtype=torch.float16)), TypeError,
@@ -613,8 +641,8 @@ _W = torch.ones(8)
          r"^kernel_ladder\.layer_norm: bias must be float32, float16 or bfloat16, got torch\.int32"),
         (lambda: layer_norm(_X, 8, eps=0), ValueError, r"^kernel_ladder\.layer_norm: eps must be a finite number > 0"),
         (lambda: layer_norm(torch.ones(3, 4, 5).transpose(1, 2), (5, 4)), ValueError,
-         r"^kernel_ladder\.layer_norm: x's normalized dims \(5, 4\) have strides \(1, 5\), which one stride cannot walk; "
-         r"call x\.contiguous\(\) first"),
+         r"^kernel_ladder\.layer_norm: x's normalized dims \(5, 4\) have strides \(1, 5\), which one stride cannot "
+         r"walk; call x\.contiguous\(\) first"),
         (lambda: layer_norm(torch.ones(4, 8, dtype=torch.float64), 8), TypeError,
          r"^kernel_ladder\.layer_norm: x must be float32, float16 or bfloat16, got torch\.float64"),
         (lambda: add_rms_norm(_X, torch.ones(4, 7), _W), ValueError,
@@ -623,7 +651,8 @@ _W = torch.ones(8)
          r"^kernel_ladder\.add_rms_norm: x and residual must have the same dtype"),
         (lambda: add_rms_norm(_X, torch.ones(4, 8, device="meta"), _W), ValueError,
          r"^kernel_ladder\.add_rms_norm: x and residual must be on the same device"),
-        (lambda: add_rms_norm(_X, 1.0, _W), TypeError, r"^kernel_ladder\.add_rms_norm: residual must be a torch\.Tensor"),
+        (lambda: add_rms_norm(_X, 1.0, _W), TypeError,
+         r"^kernel_ladder\.add_rms_norm: residual must be a torch\.Tensor"),
         (lambda: add_rms_norm(_X, _X, torch.ones(9)), ValueError,
          r"^kernel_ladder\.add_rms_norm: weight must have shape \(8,\)"),
         (lambda: add_rms_norm(_X, _X, _W, eps=-1.0), ValueError, r"^kernel_ladder\.add_rms_norm: eps must be"),
@@ -631,7 +660,8 @@ _W = torch.ones(8)
         # the raw custom ops validate too (and so do their fakes, under torch.compile)
         (lambda: torch.ops.kernel_ladder.rms_norm(_X, torch.ones(3), 1e-6), ValueError,
          r"^kernel_ladder\.rms_norm: weight must have shape"),
-        (lambda: torch.ops.kernel_ladder.layer_norm(_X, [8], None, None, 0.0), ValueError, r"^kernel_ladder\.layer_norm: eps"),
+        (lambda: torch.ops.kernel_ladder.layer_norm(_X, [8], None, None, 0.0), ValueError,
+         r"^kernel_ladder\.layer_norm: eps"),
         (lambda: torch.ops.kernel_ladder.rms_norm(torch.ones(2, 8, device="meta"), None, -1.0), ValueError,
          r"^kernel_ladder\.rms_norm: eps"),
     ],
@@ -799,11 +829,13 @@ def test_rms_norm_options_opcheck_compile_and_errors(gen):
     torch._dynamo.reset()
     compiled = torch.compile(lambda a, b: kernel_ladder.rms_norm(a, b, offset=1.0, casting="llama"), fullgraph=True)
     xg = x.clone().requires_grad_()
-    torch.testing.assert_close(compiled(xg, w), kernel_ladder.rms_norm(x, w, offset=1.0, casting="llama"), rtol=0, atol=0)
+    torch.testing.assert_close(compiled(xg, w), kernel_ladder.rms_norm(x, w, offset=1.0, casting="llama"),
+                               rtol=0, atol=0)
     compiled(xg, w).sum().backward()
     assert xg.grad is not None
     for kwargs, error, message in [
-        (dict(casting="fp32"), ValueError, r"kernel_ladder\.rms_norm: casting must be one of \('none', 'llama', 'gemma'\)"),
+        (dict(casting="fp32"), ValueError,
+         r"kernel_ladder\.rms_norm: casting must be one of \('none', 'llama', 'gemma'\)"),
         (dict(offset=float("nan")), ValueError, r"offset must be a finite number"),
         (dict(offset="1"), TypeError, r"offset must be a float"),
         (dict(in_place_backward=1), TypeError, r"in_place_backward must be a bool"),

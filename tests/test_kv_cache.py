@@ -1,4 +1,4 @@
-"""kernel_ladder.kv_cache: the block allocator, the paged cache (copy-on-write forks, prefix caching,
+"""kernel_ladder.serving: the block allocator, the paged cache (copy-on-write forks, prefix caching,
 eviction) under randomized operation sequences with its invariants checked after every step, and the
 continuous-batching scheduler — with an end-to-end run through kernel_ladder.write_kv_cache."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import kernel_ladder
-from kernel_ladder.kv_cache import BlockAllocator, KVCacheOutOfBlocks, PagedKVCache, Scheduler, SchedulerOutput
+from kernel_ladder.serving import BlockAllocator, KVCacheOutOfBlocks, PagedKVCache, Scheduler, SchedulerOutput
 from tests.helpers import DEVICE
 
 # ----------------------------------------------------------------------------------------------
@@ -510,3 +510,19 @@ def test_scheduler_finish_ends_a_request_early_and_frees_its_blocks():
     assert scheduler.finish("c").status == "finished" and not scheduler.waiting  # a waiting one
     with pytest.raises(ValueError, match="no request 'z'"):
         scheduler.finish("z")
+
+
+# ----------------------------------------------------------------------------------------------
+# The package's layout
+# ----------------------------------------------------------------------------------------------
+
+
+def test_kv_cache_module_re_exports_serving_and_models_the_engine():
+    """``kernel_ladder.kv_cache`` (chapter 08's name) and ``kernel_ladder.models.Engine`` are the same
+    objects as ``kernel_ladder.serving``'s, not copies."""
+    from kernel_ladder import kv_cache, models, serving
+
+    for name in kv_cache.__all__:
+        assert getattr(kv_cache, name) is getattr(serving, name), name
+    assert kv_cache.BlockKey is serving.BlockKey
+    assert models.Engine is serving.Engine and models.EngineStats is serving.EngineStats

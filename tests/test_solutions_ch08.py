@@ -3,7 +3,7 @@
 Each exercise is checked as the notebook checks it (the same givens from ``solutions.ch08_kv_cache``:
 cases, launcher, reference, diagnosis), once with the solution (SOLVED) and once per negative control
 — a plausible wrong answer the checker must reject, with the diagnosis it must give. The admission
-rule is also checked against :class:`kernel_ladder.kv_cache.Scheduler`, which must apply the same rule.
+rule is also checked against :class:`kernel_ladder.serving.Scheduler`, which must apply the same rule.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 import kernel_ladder
-from kernel_ladder.kv_cache import PagedKVCache, Scheduler
+from kernel_ladder.serving import PagedKVCache, Scheduler
 from solutions import ch08_kv_cache as given
 from utils.exercises import check
 

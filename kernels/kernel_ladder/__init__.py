@@ -5,9 +5,11 @@ in Triton's interpreter on the CPU (see :mod:`kernel_ladder.runtime`).
 
 Layout: the ops and their kernels live in :mod:`kernel_ladder.ops` (one module per op; ``kernel_ladder.softmax``
 is the function, ``kernel_ladder.ops.softmax`` its module; flash attention is the subpackage
-:mod:`kernel_ladder.ops.attention`); :mod:`kernel_ladder.autotune` holds matmul's tile
-configurations; the private modules (``_launch``, ``_elementwise``, ``_rows``, ``_activations``,
-``_validate``, ``_autograd``) are the helpers every op shares.
+:mod:`kernel_ladder.ops.attention`); :mod:`kernel_ladder.autotune` holds matmul's tile configurations;
+:mod:`kernel_ladder.serving` the paged KV cache, the scheduler and the generation engine
+(:mod:`kernel_ladder.kv_cache` re-exports the cache and the scheduler under chapter 08's name); the private
+modules (``_launch``, ``_elementwise``, ``_rows``, ``_activations``, ``_validate``, ``_autograd``) are the
+helpers every op shares.
 """
 
 from . import (  # noqa: F401  (public modules: kernel_ladder.autotune, kernel_ladder.ops.<op>)
@@ -16,6 +18,7 @@ from . import (  # noqa: F401  (public modules: kernel_ladder.autotune, kernel_l
     kv_cache,
     ops,
     runtime,  # noqa: F401  (first: fixes the mode before any kernel is defined)
+    serving,
 )
 from ._autograd import forbid_double_backward
 from ._rows import RowConfig
@@ -145,6 +148,7 @@ __all__ = [
     "moe_gather",
     "moe_combine",
     "kv_cache",
+    "serving",
     "norm_launch_config",
     # matmul's launchers with an explicit configuration, and its dispatch rule
     "MatmulConfig",

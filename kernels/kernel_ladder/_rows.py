@@ -42,7 +42,8 @@ from . import _launch
 from ._launch import coalesce_dims
 
 __all__ = [
-    "MAX_LEAD_DIMS", "RowConfig", "RowLaunch", "load_rows", "merge_trailing", "plan_rows", "row_start", "store_rows",
+    "MAX_LEAD_DIMS", "RowConfig", "RowLaunch", "load_rows", "merge_trailing", "plan_rows", "row_geometry", "row_start",
+    "store_rows", "trailing_stride",
 ]
 
 #: Leading dims a kernel walks with div/mod after merging; more are split on the host.
@@ -128,6 +129,13 @@ def merge_trailing(t: torch.Tensor, ndim: int) -> tuple[list[int], list[int], in
     return list(lead_sizes), list(lead_strides), n_cols, col_stride
 
 
+def trailing_stride(shape: Sequence[int], strides: Sequence[int], ndim: int) -> int | None:
+    """The one column stride of the last ``ndim`` dims of a tensor of ``shape`` and ``strides``, or
+    ``None`` when one stride cannot walk them: :func:`merge_trailing` from the sizes alone."""
+    merged = _merge_trailing(tuple(shape), tuple(strides), ndim)
+    return None if merged is None else merged[3]
+
+
 @_launch.shape_cache
 def _merge_trailing(shape: tuple[int, ...], strides: tuple[int, ...], ndim: int):
     # Cached: a pure function of ints, on every row op's path (checks and plan) several times a call.
@@ -183,6 +191,18 @@ def _row_geometry(
         )
         launches.append((inner_rows, slice_number * inner_rows, tuple(padded_sizes[1:]), flat, index_64, deltas))
     return n_cols, tuple(launches)
+
+
+def row_geometry(shape: Sequence[int], strides: Sequence[Sequence[int]], reduce_ndim: int = 1):
+    """:func:`plan_rows` from the sizes alone: the launches of operands of ``shape`` with these
+    ``strides`` (one tuple per operand), without the tensors, for a plan built once per call.
+
+    ``None`` when some operand's reduced dims do not merge; else ``(n_cols, launches)`` with one
+    ``(n_rows, row_base, sizes, strides, index_64, deltas)`` per launch, in :class:`RowLaunch`'s
+    terms; ``deltas`` (None for the one launch over every row) is each operand's element offset to
+    the slice's first element. Cached on its arguments.
+    """
+    return _row_geometry(tuple(shape), tuple(map(tuple, strides)), reduce_ndim, _launch.INT32_MAX)
 
 
 def plan_rows(operands: Sequence[torch.Tensor], reduce_ndim: int = 1) -> list[RowLaunch]:

@@ -5,12 +5,12 @@
   (a local safetensors checkpoint in HF's layout).
 * :class:`Engine` — generation with continuous batching, chunked prefill and prefix caching over
   chapter 08's paged KV cache, greedy or sampled, streaming, and speculative decoding (a draft
-  model or prompt lookup).
+  model or prompt lookup); it lives in :mod:`kernel_ladder.serving` with the cache and the scheduler.
 * :class:`ViT` — the vision encoder of ``ViTModel`` and ``CLIPVisionModel``, :meth:`ViT.from_hf`.
 """
 
+from ..serving.engine import Engine, EngineStats
 from .causal_lm import SUPPORTED_MODEL_TYPES, CausalLM, CausalLMConfig
-from .engine import Engine, EngineStats
 from .vit import ViT, ViTConfig
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "CausalLM", "CausalLMConfig", "Engine", "EngineStats", "ViT", "ViTConfig"]

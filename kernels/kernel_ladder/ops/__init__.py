@@ -4,6 +4,6 @@ Flash attention, whose concerns fill several modules, is the subpackage :mod:`ke
 
 The public functions are re-exported by :mod:`kernel_ladder` (``kernel_ladder.softmax`` is the function,
 ``kernel_ladder.ops.softmax`` the module that defines it, its kernels and its launch rule).
-:mod:`kernel_ladder.ops.norm` holds what the three norm ops share (their launch rule and the second
-stage of their weight gradients).
+:mod:`kernel_ladder.ops.norm` holds what the three norm ops share (their one validation-and-plan step,
+their launch and launch rule, and the second stage of their weight gradients).
 """

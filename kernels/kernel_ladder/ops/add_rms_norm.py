@@ -23,19 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import _launch, runtime
+from .. import _launch
 from .._rows import row_start
-from .._validate import check_same_device, check_same_dtype, check_same_shape, check_tensor, schema_types
-from .norm import (
-    check_eps,
-    check_param,
-    check_row_input,
-    empty_stats,
-    launch_norm,
-    plan_norm,
-    program_rows,
-)
-from .rms_norm import rms_norm_backward_launch
+from .norm import NormOp, NormProblem, check_norm, check_norm_backward, norm_backward, norm_forward, program_rows
+from .rms_norm import backward_options, rms_norm_backward_kernel
 
 __all__ = ["add_rms_norm", "add_rms_norm_kernel"]
 
@@ -105,43 +96,26 @@ def add_rms_norm_kernel(
 _OP = "kernel_ladder.add_rms_norm"
 
 
-def _check_add_rms_norm_args(x, residual, weight, eps) -> int:
-    check_tensor(_OP, "x", x)
-    if x.dim() == 0:
-        raise ValueError(f"{_OP}: x must have at least one dim (the normalized one), got a 0-d tensor")
-    normalized_shape = (x.shape[-1],)
-    check_row_input(_OP, "x", x, normalized_shape)
-    check_tensor(_OP, "residual", residual)
-    check_same_shape(_OP, "x", x, "residual", residual)
-    check_row_input(_OP, "residual", residual, normalized_shape)
-    check_same_dtype(_OP, "x", x, "residual", residual)
-    check_same_device(_OP, "x", x, "residual", residual)
-    check_eps(_OP, eps)
-    if weight is None:
-        return 0
-    return check_param(_OP, "weight", weight, x, normalized_shape, "x's last dim")
+def _forward_options(problem: NormProblem) -> tuple[tuple, dict]:
+    return (problem.eps,), dict(HAS_WEIGHT=problem.has_params[0])
+
+
+ADD_RMS_NORM = NormOp(_OP, inputs=("x", "residual"), params=("weight",), stats=1, forward=add_rms_norm_kernel,
+                      backward=rms_norm_backward_kernel, forward_options=_forward_options,
+                      backward_options=backward_options, backward_grad_sum=True)
 
 
 @torch.library.custom_op("kernel_ladder::add_rms_norm", mutates_args=())
 def _add_rms_norm_op(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    w_stride = _check_add_rms_norm_args(x, residual, weight, eps)
-    runtime.require_launchable(_OP, x)
-    y, s = _launch.empty_output(x.shape, x), _launch.empty_output(x.shape, x)
-    rstd = empty_stats(x, 1)
-    if x.shape[-1] == 0:
-        rstd.fill_(eps**-0.5)
-    plan = plan_norm([x, residual, y, s], 1, params=int(weight is not None))
-    launch_norm(add_rms_norm_kernel, plan, [(weight, w_stride)], per_row=[rstd.view(-1)], scalars=[eps],
-                HAS_WEIGHT=weight is not None)
-    return y, s, rstd
+    return norm_forward(ADD_RMS_NORM, (x, residual), (weight,), eps)
 
 
 @_add_rms_norm_op.register_fake
 def _add_rms_norm_fake(x, residual, weight, eps):
-    _check_add_rms_norm_args(x, residual, weight, eps)
-    return _launch.empty_output(x.shape, x), _launch.empty_output(x.shape, x), empty_stats(x, 1)
+    (y, s), (rstd,) = check_norm(ADD_RMS_NORM, (x, residual), (weight,), eps).empty_outputs()
+    return y, s, rstd
 
 
 @torch.library.custom_op("kernel_ladder::add_rms_norm_backward", mutates_args=())
@@ -149,13 +123,9 @@ def _add_rms_norm_backward_op(
     grad_normed: torch.Tensor, grad_sum: torch.Tensor, s: torch.Tensor, weight: torch.Tensor | None,
     rstd: torch.Tensor, weight_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    op = f"{_OP} (backward)"
-    for name, t in (("grad_normed", grad_normed), ("grad_sum", grad_sum)):
-        check_same_shape(op, name, t, "sum", s)
-        check_same_dtype(op, name, t, "sum", s)
-        check_same_device(op, name, t, "sum", s)
-    runtime.require_launchable(op, grad_normed, grad_sum, s)
-    return rms_norm_backward_launch(grad_normed, s, weight, rstd, weight_grad, grad_sum=grad_sum)
+    problem = check_norm_backward(ADD_RMS_NORM, (("grad_normed", grad_normed), ("grad_sum", grad_sum)), ("sum", s),
+                                  weight, weight_grad)
+    return norm_backward(problem, (grad_normed, grad_sum), s, weight, (rstd,))
 
 
 @_add_rms_norm_backward_op.register_fake
@@ -202,7 +172,9 @@ def add_rms_norm(
         own (the backward is ``kernel_ladder::add_rms_norm_backward``; the forward saves only the sum
         it returns and ``rstd``, one float32 per row).
     """
-    if not schema_types(tensors=(x, residual), optional_tensors=(weight,), reals=(eps,)):
-        _check_add_rms_norm_args(x, residual, weight, eps)  # the op checks values
+    # The schema's types (the op checks values): anything else gets the op's error, not torch's.
+    if not (isinstance(x, torch.Tensor) and isinstance(residual, torch.Tensor)
+            and (weight is None or isinstance(weight, torch.Tensor)) and type(eps) in (float, int)):
+        check_norm(ADD_RMS_NORM, (x, residual), (weight,), eps)
     normed, s, _ = _add_rms_norm_op(x, residual, weight, float(eps))
     return normed, s

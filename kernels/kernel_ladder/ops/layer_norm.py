@@ -27,28 +27,15 @@ form), then the output pass reads the row again.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
-from .. import _launch, runtime
-from .._rows import load_rows, merge_trailing, row_start, store_rows
-from .._validate import check_same_device, check_same_dtype, check_same_shape
-from .norm import (
-    check_eps,
-    check_normalized_shape,
-    check_param,
-    check_row_input,
-    column_sum,
-    empty_stats,
-    launch_norm,
-    plan_norm,
-    program_rows,
-    walkable,
-)
+from .. import _launch
+from .._rows import load_rows, row_start, store_rows
+from .norm import NormOp, NormProblem, check_norm, check_norm_backward, norm_backward, norm_forward, program_rows
 
 __all__ = ["layer_norm", "layer_norm_kernel", "layer_norm_backward_kernel"]
 
@@ -235,72 +222,23 @@ def layer_norm_backward_kernel(
 
 
 # ----------------------------------------------------------------------------------------------
-# Launchers
-# ----------------------------------------------------------------------------------------------
-
-
-def _param_stride(p: torch.Tensor | None, ndim: int) -> int:
-    return 0 if p is None else merge_trailing(p, ndim)[3]
-
-
-def _layer_norm_forward(x, normalized_shape, weight, bias, eps):
-    ndim = len(normalized_shape)
-    y = _launch.empty_output(x.shape, x)
-    mean, rstd = empty_stats(x, ndim), empty_stats(x, ndim)
-    if math.prod(normalized_shape) == 0:  # the statistics of no elements: mean 0, variance 0
-        mean.zero_()
-        rstd.fill_(eps**-0.5)
-    plan = plan_norm([x, y], ndim, params=(weight is not None) + (bias is not None))
-    launch_norm(
-        layer_norm_kernel, plan, [(weight, _param_stride(weight, ndim)), (bias, _param_stride(bias, ndim))],
-        per_row=[mean.view(-1), rstd.view(-1)], scalars=[eps],
-        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-    )
-    return y, mean, rstd
-
-
-def _layer_norm_backward_launch(grad_out, x, normalized_shape, weight, mean, rstd, weight_grad, bias_grad):
-    ndim = len(normalized_shape)
-    grad_out = walkable(grad_out, ndim)
-    n_cols = math.prod(normalized_shape)
-    dx = _launch.empty_output(x.shape, x)
-    plan = plan_norm([grad_out, x, dx], ndim, backward=True)
-    weight_grad = weight_grad and weight is not None
-
-    def partial(needed: bool) -> torch.Tensor:
-        return _launch.empty((plan.n_programs, n_cols) if needed else (0,), torch.float32, x.device)
-
-    dw_partial, db_partial = partial(weight_grad), partial(bias_grad)
-    chunked = any(config.chunked for config in plan.configs)
-    scratch = _launch.empty((rstd.numel(), 2) if chunked else (0, 2), torch.float32, x.device)
-    launch_norm(
-        layer_norm_backward_kernel, plan, [(weight, _param_stride(weight, ndim))],
-        per_row=[mean.view(-1), rstd.view(-1), scratch], partials=[dw_partial, db_partial],
-        HAS_WEIGHT=weight is not None, WEIGHT_GRAD=weight_grad, BIAS_GRAD=bias_grad,
-    )
-    # Two distinct empty tensors: a custom op's outputs may not alias each other.
-    dw = (column_sum(dw_partial.view(plan.n_programs, n_cols), normalized_shape, x.dtype) if weight_grad
-          else x.new_empty((0,)))
-    db = (column_sum(db_partial.view(plan.n_programs, n_cols), normalized_shape, x.dtype) if bias_grad
-          else x.new_empty((0,)))
-    return dx, dw, db
-
-
-# ----------------------------------------------------------------------------------------------
 # The custom op
 # ----------------------------------------------------------------------------------------------
 
 _OP = "kernel_ladder.layer_norm"
 
 
-def _check_layer_norm_args(x, normalized_shape, weight, bias, eps) -> tuple[int, ...]:
-    normalized_shape = check_normalized_shape(_OP, normalized_shape)
-    check_row_input(_OP, "x", x, normalized_shape)
-    check_eps(_OP, eps)
-    for name, p in (("weight", weight), ("bias", bias)):
-        if p is not None:
-            check_param(_OP, name, p, x, normalized_shape, "normalized_shape")
-    return normalized_shape
+def _forward_options(problem: NormProblem) -> tuple[tuple, dict]:
+    return (problem.eps,), dict(HAS_WEIGHT=problem.has_params[0], HAS_BIAS=problem.has_params[1])
+
+
+def _backward_options(problem: NormProblem) -> tuple[tuple, dict]:
+    return (), dict(HAS_WEIGHT=problem.has_params[0], WEIGHT_GRAD=problem.weight_grad, BIAS_GRAD=problem.bias_grad)
+
+
+LAYER_NORM = NormOp(_OP, inputs=("x",), params=("weight", "bias"), stats=2, forward=layer_norm_kernel,
+                    backward=layer_norm_backward_kernel, forward_options=_forward_options,
+                    backward_options=_backward_options)
 
 
 @torch.library.custom_op("kernel_ladder::layer_norm", mutates_args=())
@@ -308,16 +246,13 @@ def _layer_norm_op(
     x: torch.Tensor, normalized_shape: Sequence[int], weight: torch.Tensor | None, bias: torch.Tensor | None,
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    normalized_shape = _check_layer_norm_args(x, normalized_shape, weight, bias, eps)
-    runtime.require_launchable(_OP, x)
-    return _layer_norm_forward(x, normalized_shape, weight, bias, eps)
+    return norm_forward(LAYER_NORM, (x,), (weight, bias), eps, normalized_shape)
 
 
 @_layer_norm_op.register_fake
 def _layer_norm_fake(x, normalized_shape, weight, bias, eps):
-    normalized_shape = _check_layer_norm_args(x, normalized_shape, weight, bias, eps)
-    ndim = len(normalized_shape)
-    return _launch.empty_output(x.shape, x), empty_stats(x, ndim), empty_stats(x, ndim)
+    (y,), (mean, rstd) = check_norm(LAYER_NORM, (x,), (weight, bias), eps, normalized_shape).empty_outputs()
+    return y, mean, rstd
 
 
 @torch.library.custom_op("kernel_ladder::layer_norm_backward", mutates_args=())
@@ -325,13 +260,9 @@ def _layer_norm_backward_op(
     grad_out: torch.Tensor, x: torch.Tensor, normalized_shape: Sequence[int], weight: torch.Tensor | None,
     mean: torch.Tensor, rstd: torch.Tensor, weight_grad: bool, bias_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    op = f"{_OP} (backward)"
-    check_same_shape(op, "grad_out", grad_out, "x", x)
-    check_same_dtype(op, "grad_out", grad_out, "x", x)
-    check_same_device(op, "grad_out", grad_out, "x", x)
-    runtime.require_launchable(op, grad_out, x)
-    return _layer_norm_backward_launch(grad_out, x, tuple(normalized_shape), weight, mean, rstd, weight_grad,
-                                       bias_grad)
+    problem = check_norm_backward(LAYER_NORM, (("grad_out", grad_out),), ("x", x), weight, weight_grad, bias_grad,
+                                  normalized_shape=normalized_shape)
+    return norm_backward(problem, (grad_out,), x, weight, (mean, rstd))
 
 
 @_layer_norm_backward_op.register_fake
@@ -397,5 +328,6 @@ def layer_norm(
         shape = None
     if shape is None or not (isinstance(x, torch.Tensor) and type(eps) in (float, int)
                              and all(p is None or isinstance(p, torch.Tensor) for p in (weight, bias))):
-        shape = list(_check_layer_norm_args(x, normalized_shape, weight, bias, eps))  # the op checks values
+        # the schema's types (the op checks values): anything else gets the op's error, not torch's
+        shape = list(check_norm(LAYER_NORM, (x,), (weight, bias), eps, normalized_shape).normalized_shape)
     return _layer_norm_op(x, shape, weight, bias, float(eps))[0]

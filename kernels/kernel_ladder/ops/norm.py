@@ -1,4 +1,13 @@
-"""Pieces shared by the normalization ops: the launch rule, the column reduction, the checks.
+"""What the normalization ops share: one validation-and-plan step, the launch, the launch rule, the column reduction.
+
+**One call, checked and planned once.** Each op (``rms_norm``, ``layer_norm``, ``add_rms_norm``)
+describes itself as a :class:`NormOp` (its operands, kernels and their options); its custom op
+hands its arguments to :func:`norm_forward` (or :func:`norm_backward`), which validates them in
+one pass (:func:`check_norm`, also the fake kernels' check) into a frozen :class:`NormProblem` —
+shapes, dtype, device, parameter strides, options, no tensor — plans the launches from the
+operands' shapes and strides alone (:func:`plan_norm`, cached) and launches. So an input crosses
+each module on its way once (``utils.call_path.argument_path`` counts the calls that receive it;
+``tests/test_kernels_norm.py`` bounds them).
 
 ``rms_norm``, ``layer_norm`` and ``add_rms_norm`` are row ops (:mod:`kernel_ladder._rows`): the
 normalized trailing dims, merged into one column stride, form a row of ``N`` columns; every other
@@ -49,17 +58,19 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from .. import _launch
+from .. import _launch, runtime
 from .._launch import next_power_of_2
-from .._rows import RowConfig, RowLaunch, merge_trailing, plan_rows
-from .._validate import check_float_dtype, check_same_device, check_same_dtype, check_tensor
+from .._rows import RowConfig, merge_trailing, row_geometry, trailing_stride
+from .._validate import check_float_dtype, check_same_device, check_same_dtype, check_same_shape, check_tensor
 
 __all__ = [
     "CASTINGS",
@@ -71,9 +82,15 @@ __all__ = [
     "PROGRAMS_PER_SM",
     "program_rows",
     "TILE_ELEMENTS",
+    "NormOp",
+    "NormPlan",
+    "NormProblem",
+    "check_norm",
+    "check_norm_backward",
     "column_sum",
     "column_sum_kernel",
-    "launch_norm",
+    "norm_backward",
+    "norm_forward",
     "norm_launch_config",
     "plan_norm",
 ]
@@ -193,68 +210,291 @@ def _norm_config(n_rows, n_cols, sms, backward, params, max_fused, max_fused_bac
 
 
 @dataclass(frozen=True)
+class NormLaunch:
+    """One launch of a norm kernel over (a slice of) the rows: everything but the tensors."""
+
+    grid: tuple[int]
+    args: tuple[int, ...]  # n_rows, n_cols, size1, size2, then each row operand's stride0, stride1, stride2, col stride
+    rows_per_program: int
+    row_base: int  # the slice's first row: the per-row tensors (statistics, scratch) are indexed from it
+    program_offset: int  # the slice's first program: the rows of the (n_programs, N) partial buffers
+    deltas: tuple[int, ...] | None  # each row operand's element offset to the slice (None: the operands themselves)
+    options: Mapping[str, object]  # BLOCK_ROWS, BLOCK_COLS, CHUNKED, INDEX_64 and num_warps
+
+
+@dataclass(frozen=True)
 class NormPlan:
-    """The launches of one norm op: the row slices, each one's config, and program offsets."""
+    """The launches of one norm kernel call, from the operands' shape and strides (no tensors)."""
 
-    launches: tuple[RowLaunch, ...]
-    configs: tuple[RowConfig, ...]
-    program_offsets: tuple[int, ...]  # each launch's first row in a (n_programs, N) partial buffer
-    n_programs: int  # over all launches
+    launches: tuple[NormLaunch, ...]
+    n_programs: int  # over all launches: the rows of a partial buffer
+    chunked: bool  # some launch walks its rows in chunks (the backward then needs a per-row scratch)
 
 
-def plan_norm(
-    row_operands: Sequence[torch.Tensor], reduce_ndim: int, *, backward: bool = False, params: int = 1
-) -> NormPlan:
-    """Plan a norm over ``row_operands`` (same shape), normalizing their last ``reduce_ndim`` dims.
+def plan_norm(shape: Sequence[int], strides: Sequence[Sequence[int]], ndim: int, device: torch.device | str = "cpu",
+              *, backward: bool = False, params: int = 1) -> NormPlan:
+    """Plan a norm over row operands of ``shape`` with these ``strides`` (one tuple per operand, in
+    the kernel's order), normalizing their last ``ndim`` dims.
 
     ``params``: how many parameter vectors (weight, bias) the forward kernel loads per program.
+    Cached: the key holds every input of the plan, the device's SM count, the index-width limit and
+    this module's tile limits included.
     """
-    launches = tuple(plan_rows(row_operands, reduce_ndim))
-    device = row_operands[0].device
-    configs = tuple(
-        norm_launch_config(rl.n_rows, rl.n_cols, device, backward=backward, params=params) for rl in launches
-    )
-    offsets, total = [], 0
-    for launch, config in zip(launches, configs):
-        offsets.append(total)
-        total += config.programs(launch.n_rows)
-    return NormPlan(launches, configs, tuple(offsets), total)
+    return _plan_norm(tuple(shape), tuple(map(tuple, strides)), ndim, backward, params,
+                      _launch.num_sms(torch.device(device)), _launch.INT32_MAX, _limits())
 
 
-def launch_norm(
-    kernel,
-    plan: NormPlan,
-    params: Sequence[tuple[torch.Tensor | None, int]],
-    per_row: Sequence[torch.Tensor] = (),
-    partials: Sequence[torch.Tensor] = (),
-    scalars: Sequence[object] = (),
-    **constexprs: object,
-) -> None:
-    """Launch ``kernel`` once per planned slice, in the norm kernels' argument convention::
+def _limits() -> tuple[int, ...]:
+    return (MAX_FUSED_BLOCK, MAX_FUSED_BLOCK_BACKWARD, CHUNK_BLOCK, TILE_ELEMENTS, PROGRAMS_PER_SM,
+            FORWARD_ROWS_PER_PROGRAM, MIN_FORWARD_ROWS_PER_PARAM)
+
+
+@_launch.shape_cache
+def _plan_norm(shape, strides, ndim, backward, params, sms, int32_max, limits) -> NormPlan:
+    geometry = row_geometry(shape, strides, ndim)
+    if geometry is None:
+        raise AssertionError("a row operand's normalized dims do not merge into one stride")
+    n_cols, slices = geometry
+    launches, n_programs = [], 0
+    for n_rows, row_base, sizes, flat_strides, index_64, deltas in slices:
+        config = _norm_config(n_rows, n_cols, sms, backward, params, *limits)
+        programs = config.programs(n_rows)
+        options = MappingProxyType(dict(
+            BLOCK_ROWS=config.block_rows, BLOCK_COLS=config.block_cols, CHUNKED=config.chunked,
+            INDEX_64=index_64 or n_rows + config.rows_per_program > int32_max, num_warps=config.num_warps,
+        ))
+        launches.append(NormLaunch((programs,), (n_rows, n_cols, *sizes, *flat_strides), config.rows_per_program,
+                                   row_base, n_programs, deltas, options))
+        n_programs += programs
+    return NormPlan(tuple(launches), n_programs, any(launch.options["CHUNKED"] for launch in launches))
+
+
+# ----------------------------------------------------------------------------------------------
+# One call of a norm op: validated and planned once
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NormOp:
+    """What the family's shared code knows of one op: its names, operands and kernels.
+
+    The row inputs (``x``, and ``residual`` for ``add_rms_norm``) come with as many row outputs of
+    the same shape (``y``, and the sum ``s``); the forward saves ``stats`` float32 values per row
+    (``rstd`` last: ``mean, rstd`` for LayerNorm). The kernels follow :func:`norm_forward`'s
+    argument convention; ``forward_options`` and ``backward_options`` give a call's kernel scalars
+    and constexprs from its :class:`NormProblem`.
+    """
+
+    name: str  # the public name every error starts with
+    inputs: tuple[str, ...]  # the row inputs' names, in the kernel's order
+    params: tuple[str, ...]  # the parameter vectors' names, in the kernel's order
+    stats: int
+    forward: Any  # the Triton kernels
+    backward: Any
+    forward_options: Callable[[NormProblem], tuple[tuple, dict]]
+    backward_options: Callable[[NormProblem], tuple[tuple, dict]]
+    backward_grad_sum: bool = False  # the backward kernel takes a gradient-sum row operand (HAS_GRAD_SUM)
+
+
+@dataclass(frozen=True)
+class NormProblem:
+    """One call of a norm op, validated once: what its launches and outputs need, and no tensor.
+
+    Built by :func:`check_norm` (a forward) or :func:`check_norm_backward`; the fake kernels use it
+    for their outputs, the launchers to plan (:func:`plan_norm`) and launch.
+    """
+
+    op: NormOp
+    shape: tuple[int, ...]  # every row operand's
+    normalized_shape: tuple[int, ...]  # the trailing dims normalized over
+    dtype: torch.dtype
+    device: torch.device
+    has_params: tuple[bool, ...]  # per parameter of op.params (the backward: the weight only)
+    param_strides: tuple[int, ...]  # each parameter's column stride (0 when absent)
+    eps: float = 0.0
+    offset: float = 0.0
+    round_before_scale: bool = False
+    weight_grad: bool = False  # the backward's
+    bias_grad: bool = False
+    grad_sum: bool = False
+
+    @property
+    def ndim(self) -> int:
+        return len(self.normalized_shape)
+
+    @property
+    def n_cols(self) -> int:
+        return math.prod(self.normalized_shape)
+
+    @property
+    def stats_shape(self) -> tuple[int, ...]:
+        """The leading (row) dims: the shape of each per-row statistic."""
+        return self.shape[: len(self.shape) - self.ndim]
+
+    def empty_outputs(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """Fresh row outputs (one per row input) and float32 per-row statistics, as the op returns them."""
+        rows = tuple(_launch.empty(self.shape, self.dtype, self.device) for _ in self.op.inputs)
+        stats = tuple(_launch.empty(self.stats_shape, torch.float32, self.device) for _ in range(self.op.stats))
+        return rows, stats
+
+
+def check_norm(op: NormOp, inputs: Sequence[object], params: Sequence[object], eps: object,
+               normalized_shape: object = None, *, offset: object = 0.0, casting: object = None,
+               in_place_backward: object = False) -> NormProblem:
+    """Validate one forward call of ``op``, once, with the op's errors; returns its :class:`NormProblem`.
+
+    ``normalized_shape=None``: the last dim of ``x`` (RMSNorm); ``casting=None``: the op has no
+    RMSNorm options (``offset``, ``casting``, ``in_place_backward``). The checks, in order: ``x``
+    (a float tensor ending in the normalized shape, whose normalized dims one stride walks), each
+    other row input (``x``'s shape, dtype and device), ``eps``, the options, each parameter.
+    """
+    name = op.name
+    x = inputs[0]
+    if normalized_shape is None:
+        check_tensor(name, "x", x)
+        if x.dim() == 0:
+            raise ValueError(f"{name}: x must have at least one dim (the normalized one), got a 0-d tensor")
+        normalized_shape, what = (x.shape[-1],), "x's last dim"
+    else:
+        normalized_shape, what = check_normalized_shape(name, normalized_shape), "normalized_shape"
+        check_tensor(name, "x", x)
+    ndim = len(normalized_shape)
+    for i, (label, t) in enumerate(zip(op.inputs, inputs)):
+        if i:
+            check_tensor(name, label, t)
+            check_same_shape(name, "x", x, label, t)
+        check_float_dtype(name, label, t)
+        if i == 0 and (x.dim() < ndim or tuple(x.shape[x.dim() - ndim :]) != normalized_shape):
+            raise ValueError(
+                f"{name}: x of shape {tuple(x.shape)} must end in the normalized shape {normalized_shape}"
+            )
+        _column_stride(name, label, t.shape, t.stride(), ndim)
+        if i:
+            check_same_dtype(name, "x", x, label, t)
+            check_same_device(name, "x", x, label, t)
+    check_eps(name, eps)
+    round_before_scale = False
+    if casting is not None:
+        round_before_scale = check_casting(name, casting)
+        check_offset(name, offset, params[0])
+        check_flag(name, "in_place_backward", in_place_backward)
+    strides = []
+    for label, p in zip(op.params, params):
+        if p is None:
+            strides.append(0)
+            continue
+        check_tensor(name, label, p)
+        check_float_dtype(name, label, p)
+        if tuple(p.shape) != normalized_shape:
+            raise ValueError(f"{name}: {label} must have shape {normalized_shape} ({what}), got {tuple(p.shape)}")
+        check_same_dtype(name, "x", x, label, p)
+        check_same_device(name, "x", x, label, p)
+        strides.append(_column_stride(name, label, p.shape, p.stride(), ndim))
+    return NormProblem(op, tuple(x.shape), normalized_shape, x.dtype, x.device,
+                       tuple(p is not None for p in params), tuple(strides), eps, offset, round_before_scale)
+
+
+def norm_forward(op: NormOp, inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor | None], eps: float,
+                 normalized_shape: Sequence[int] | None = None, *, offset: float = 0.0, casting: str | None = None,
+                 in_place_backward: bool = False) -> tuple[torch.Tensor, ...]:
+    """``op``'s forward: validate and plan once, launch; returns the row outputs, then the statistics.
+
+    The kernel's argument convention (every norm kernel's)::
 
         kernel(<row operands>, <params>, <per-row tensors>, <partial buffers>, <scalars>,
                n_rows, n_cols, size1, size2, <row operand strides>, <param column strides>,
                rows_per_program, <constexprs>, BLOCK_ROWS, BLOCK_COLS, CHUNKED, INDEX_64)
 
-    ``params`` are (tensor or None, column stride) pairs: weight/bias, read once per program; a
-    missing one is replaced by a dummy pointer that the kernel never loads (its ``HAS_*``
-    constexpr is off). ``per_row`` tensors (the statistics, a scratch) are indexed by the row's
-    global index, so each slice gets a view starting at its first row; ``partials`` are
-    ``(n_programs, N)`` buffers, each slice getting the rows of its programs.
+    The row operands are the inputs then the outputs; a missing parameter is replaced by a dummy
+    pointer that the kernel never loads (its ``HAS_*`` constexpr is off); the per-row tensors (the
+    statistics) are indexed by the row's global index, so each slice gets a view from its first row.
     """
-    for launch, config, offset in zip(plan.launches, plan.configs, plan.program_offsets):
-        dummy = launch.tensors[0]
-        param_ptrs = [dummy if p is None else p for p, _ in params]
-        param_strides = [0 if p is None else stride for p, stride in params]
-        rows = [t[launch.row_base :] for t in per_row]
-        parts = [t[offset:] for t in partials]
-        index_64 = launch.index_64 or _launch.needs_int64(launch.n_rows + config.rows_per_program)
-        kernel[(config.programs(launch.n_rows),)](
-            *launch.tensors, *param_ptrs, *rows, *parts, *scalars, *launch.args(), *param_strides,
-            config.rows_per_program, **constexprs,
-            BLOCK_ROWS=config.block_rows, BLOCK_COLS=config.block_cols, CHUNKED=config.chunked, INDEX_64=index_64,
-            num_warps=config.num_warps,
+    problem = check_norm(op, inputs, params, eps, normalized_shape, offset=offset, casting=casting,
+                         in_place_backward=in_place_backward)
+    runtime.require_launchable(op.name, inputs[0])
+    outputs, stats = problem.empty_outputs()
+    if problem.n_cols == 0:  # the statistics of no elements: mean 0, mean square or variance 0
+        for stat in stats[:-1]:
+            stat.zero_()
+        stats[-1].fill_(eps**-0.5)
+    operands = (*inputs, *outputs)
+    plan = plan_norm(problem.shape, [t.stride() for t in operands], problem.ndim, problem.device,
+                     params=sum(problem.has_params))
+    scalars, constexprs = op.forward_options(problem)
+    per_row = [stat.view(-1) for stat in stats]
+    # The loop is written out here and in norm_backward, not in a helper: the tensors go to the kernel directly.
+    for launch in plan.launches:
+        rows = operands if launch.deltas is None else _slice(operands, launch.deltas)
+        op.forward[launch.grid](
+            *rows, *[rows[0] if p is None else p for p in params], *[t[launch.row_base :] for t in per_row],
+            *scalars, *launch.args, *problem.param_strides, launch.rows_per_program, **constexprs, **launch.options,
         )
+    return (*outputs, *stats)
+
+
+def check_norm_backward(op: NormOp, grads: Sequence[tuple[str, torch.Tensor]], saved: tuple[str, torch.Tensor],
+                        weight: torch.Tensor | None, weight_grad: bool, bias_grad: bool = False, *,
+                        normalized_shape: Sequence[int] | None = None, offset: float = 0.0,
+                        in_place: bool = False) -> NormProblem:
+    """Validate one backward call, once: each incoming gradient has the saved input's shape, dtype
+    and device (``in_place``: the first is contiguous, to be overwritten with ``dx``)."""
+    name = f"{op.name} (backward)"
+    saved_name, saved_input = saved
+    for label, g in grads:
+        check_same_shape(name, label, g, saved_name, saved_input)
+        check_same_dtype(name, label, g, saved_name, saved_input)
+        check_same_device(name, label, g, saved_name, saved_input)
+    if in_place and not grads[0][1].is_contiguous():
+        raise ValueError(f"{name}: the in-place backward needs a contiguous {grads[0][0]}, "
+                         f"got strides {grads[0][1].stride()}")
+    runtime.require_launchable(name, *(g for _, g in grads), saved_input)
+    normalized_shape = (saved_input.shape[-1],) if normalized_shape is None else tuple(normalized_shape)
+    ndim = len(normalized_shape)
+    has_weight = weight is not None
+    w_stride = trailing_stride(weight.shape, weight.stride(), ndim) if has_weight else 0
+    return NormProblem(op, tuple(saved_input.shape), normalized_shape, saved_input.dtype, saved_input.device,
+                       (has_weight,), (w_stride,), offset=offset, weight_grad=weight_grad and has_weight,
+                       bias_grad=bias_grad, grad_sum=len(grads) > 1)
+
+
+def norm_backward(problem: NormProblem, grads: Sequence[torch.Tensor], x: torch.Tensor, weight: torch.Tensor | None,
+                  stats: Sequence[torch.Tensor], dx: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """``(dx, <one gradient per parameter, empty where not wanted>)`` of a checked backward ``problem``.
+
+    ``grads``: the gradient of the output, then (``add_rms_norm``) the one arriving at the sum;
+    ``dx``: the buffer to write into (the in-place backward passes the first gradient itself).
+    Each program sums its rows' parameter-gradient contributions into one row of a float32
+    ``(n_programs, N)`` partial buffer per parameter; :func:`column_sum` adds the rows.
+    """
+    op, ndim, n_cols = problem.op, problem.ndim, problem.n_cols
+    grads = [walkable(g, ndim) for g in grads]
+    if dx is None:
+        dx = _launch.empty(problem.shape, problem.dtype, problem.device)
+    operands = (grads[0], x, dx)
+    if op.backward_grad_sum:  # the gradient-sum operand: the output's own gradient when there is none (never read)
+        operands += (grads[-1],)
+    plan = plan_norm(problem.shape, [t.stride() for t in operands], ndim, problem.device, backward=True)
+    wanted = (problem.weight_grad, problem.bias_grad)[: len(op.params)]
+    partials = [_launch.empty((plan.n_programs, n_cols) if w else (0,), torch.float32, problem.device) for w in wanted]
+    rows = stats[-1].numel() if plan.chunked else 0
+    scratch = _launch.empty((rows, op.stats) if op.stats > 1 else (rows,), torch.float32, problem.device)
+    per_row = [*(stat.view(-1) for stat in stats), scratch]
+    scalars, constexprs = op.backward_options(problem)
+    for launch in plan.launches:  # as in norm_forward
+        slices = operands if launch.deltas is None else _slice(operands, launch.deltas)
+        op.backward[launch.grid](
+            *slices, slices[0] if weight is None else weight, *[t[launch.row_base :] for t in per_row],
+            *[t[launch.program_offset :] for t in partials], *scalars, *launch.args, *problem.param_strides,
+            launch.rows_per_program, **constexprs, **launch.options,
+        )
+    # Distinct empty tensors for the gradients not wanted: a custom op's outputs may not alias each other.
+    return dx, *[column_sum(t.view(plan.n_programs, n_cols), problem.normalized_shape, problem.dtype) if w
+                 else x.new_empty((0,)) for t, w in zip(partials, wanted)]
+
+
+def _slice(operands: Sequence[torch.Tensor], deltas: Sequence[int]) -> tuple[torch.Tensor, ...]:
+    """The operands of a launch over a slice of the rows: only their data pointer is used."""
+    return tuple(t.as_strided((1,), (1,), t.storage_offset() + d) for t, d in zip(operands, deltas))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -332,53 +572,22 @@ def check_normalized_shape(op: str, normalized_shape: object) -> tuple[int, ...]
     return tuple(dims)
 
 
-def check_row_input(op: str, name: str, x: object, normalized_shape: tuple[int, ...]) -> int:
-    """``x`` is a float tensor ending in ``normalized_shape`` whose normalized dims merge into one
-    stride; returns the column stride."""
-    check_tensor(op, name, x)
-    check_float_dtype(op, name, x)
-    k = len(normalized_shape)
-    if x.dim() < k or tuple(x.shape[x.dim() - k :]) != normalized_shape:
+def _column_stride(op: str, name: str, shape: Sequence[int], strides: Sequence[int], ndim: int) -> int:
+    """The column stride of a tensor's normalized dims; an error naming it when one stride cannot walk them."""
+    stride = trailing_stride(shape, strides, ndim)
+    if stride is None:
+        dims = tuple(shape[len(shape) - ndim :])
         raise ValueError(
-            f"{op}: {name} of shape {tuple(x.shape)} must end in the normalized shape {normalized_shape}"
+            f"{op}: {name}'s normalized dims {dims} have strides {tuple(strides[len(strides) - ndim :])}, which one "
+            f"stride cannot walk; call {name}.contiguous() first"
         )
-    return _column_stride(op, name, x, k)
-
-
-def check_param(
-    op: str, name: str, p: object, x: torch.Tensor, normalized_shape: tuple[int, ...], what: str
-) -> int:
-    """A weight/bias: ``x``'s dtype and device, shape ``normalized_shape``; returns its column stride."""
-    check_tensor(op, name, p)
-    check_float_dtype(op, name, p)
-    if tuple(p.shape) != normalized_shape:
-        raise ValueError(f"{op}: {name} must have shape {normalized_shape} ({what}), got {tuple(p.shape)}")
-    check_same_dtype(op, "x", x, name, p)
-    check_same_device(op, "x", x, name, p)
-    return _column_stride(op, name, p, len(normalized_shape))
-
-
-def _column_stride(op: str, name: str, t: torch.Tensor, ndim: int) -> int:
-    merged = merge_trailing(t, ndim)
-    if merged is None:
-        dims = tuple(t.shape[t.dim() - ndim :])
-        strides = tuple(t.stride()[t.dim() - ndim :])
-        raise ValueError(
-            f"{op}: {name}'s normalized dims {dims} have strides {strides}, which one stride cannot walk; "
-            f"call {name}.contiguous() first"
-        )
-    return merged[3]
+    return stride
 
 
 def walkable(t: torch.Tensor, ndim: int) -> torch.Tensor:
     """``t`` itself if its last ``ndim`` dims merge into one stride, else a contiguous copy.
 
     Only for gradients that autograd hands the backward (the user cannot fix their layout);
-    inputs the user passes get :func:`check_row_input`'s error instead of a hidden copy.
+    inputs the user passes get :func:`check_norm`'s error instead of a hidden copy.
     """
     return t if merge_trailing(t, ndim) is not None else t.contiguous()
-
-
-def empty_stats(x: torch.Tensor, ndim: int) -> torch.Tensor:
-    """Per-row float32 statistics: a contiguous tensor of ``x``'s leading shape."""
-    return _launch.empty(x.shape[: x.dim() - ndim], torch.float32, x.device)

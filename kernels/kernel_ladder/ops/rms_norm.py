@@ -29,24 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import _launch, runtime
+from .. import _launch
 from .._autograd import gradient_reusable
 from .._rows import load_rows, row_start, store_rows
-from .._validate import check_same_device, check_same_dtype, check_same_shape, check_tensor, schema_types
-from .norm import (
-    check_casting,
-    check_eps,
-    check_flag,
-    check_offset,
-    check_param,
-    check_row_input,
-    column_sum,
-    empty_stats,
-    launch_norm,
-    plan_norm,
-    program_rows,
-    walkable,
-)
+from .norm import NormOp, NormProblem, check_norm, check_norm_backward, norm_backward, norm_forward, program_rows
 
 __all__ = ["rms_norm", "rms_norm_kernel", "rms_norm_backward_kernel"]
 
@@ -224,82 +210,26 @@ def rms_norm_backward_kernel(
 
 
 # ----------------------------------------------------------------------------------------------
-# Launchers (shared with kernel_ladder.add_rms_norm)
-# ----------------------------------------------------------------------------------------------
-
-
-def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float, w_stride: int, offset: float = 0.0,
-                     round_before_scale: bool = False):
-    """Launch the forward; returns ``(y, rstd)``."""
-    y = _launch.empty_output(x.shape, x)
-    rstd = empty_stats(x, 1)
-    if x.shape[-1] == 0:
-        rstd.fill_(eps**-0.5)  # the mean square of no elements is taken as 0
-    plan = plan_norm([x, y], 1, params=int(weight is not None))
-    launch_norm(rms_norm_kernel, plan, [(weight, w_stride)], per_row=[rstd.view(-1)], scalars=[eps, offset],
-                HAS_WEIGHT=weight is not None, HAS_OFFSET=offset != 0.0, ROUND_BEFORE_SCALE=round_before_scale)
-    return y, rstd
-
-
-def rms_norm_backward_launch(
-    grad_out: torch.Tensor,
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    rstd: torch.Tensor,
-    weight_grad: bool,
-    grad_sum: torch.Tensor | None = None,
-    offset: float = 0.0,
-    dx: torch.Tensor | None = None,
-):
-    """``(dx, dw)`` (``dx`` plus ``grad_sum`` when given); ``dw`` empty unless ``weight_grad``.
-
-    ``dx``: the buffer to write into (the in-place backward passes ``grad_out`` itself, which must
-    then be contiguous); a fresh one by default.
-    """
-    grad_out = walkable(grad_out, 1)
-    if grad_sum is not None:
-        grad_sum = walkable(grad_sum, 1)
-    if dx is None:
-        dx = _launch.empty_output(x.shape, x)
-    n_cols = x.shape[-1]
-    plan = plan_norm([grad_out, x, dx, grad_out if grad_sum is None else grad_sum], 1, backward=True)
-    weight_grad = weight_grad and weight is not None
-    partial = _launch.empty((plan.n_programs, n_cols) if weight_grad else (0,), torch.float32, x.device)
-    chunked = any(config.chunked for config in plan.configs)
-    scratch = _launch.empty((rstd.numel() if chunked else 0,), torch.float32, x.device)
-    w_stride = 0 if weight is None else weight.stride(0)
-    launch_norm(
-        rms_norm_backward_kernel, plan, [(weight, w_stride)], per_row=[rstd.view(-1), scratch], partials=[partial],
-        scalars=[offset], HAS_WEIGHT=weight is not None, HAS_OFFSET=offset != 0.0, HAS_GRAD_SUM=grad_sum is not None,
-        WEIGHT_GRAD=weight_grad,
-    )
-    if not weight_grad:
-        return dx, x.new_empty((0,))
-    return dx, column_sum(partial.view(plan.n_programs, n_cols), weight.shape, weight.dtype)
-
-
-# ----------------------------------------------------------------------------------------------
 # The custom ops
 # ----------------------------------------------------------------------------------------------
 
 _OP = "kernel_ladder.rms_norm"
 
 
-def _check_rms_norm_args(x: object, weight: object, eps: object, offset: object = 0.0, casting: object = "none",
-                         in_place_backward: object = False) -> int:
-    """Validate; returns the weight's stride (0 without a weight)."""
-    check_tensor(_OP, "x", x)
-    if x.dim() == 0:
-        raise ValueError(f"{_OP}: x must have at least one dim (the normalized one), got a 0-d tensor")
-    normalized_shape = (x.shape[-1],)
-    check_row_input(_OP, "x", x, normalized_shape)
-    check_eps(_OP, eps)
-    check_casting(_OP, casting)
-    check_offset(_OP, offset, weight)
-    check_flag(_OP, "in_place_backward", in_place_backward)
-    if weight is None:
-        return 0
-    return check_param(_OP, "weight", weight, x, normalized_shape, "x's last dim")
+def _forward_options(problem: NormProblem) -> tuple[tuple, dict]:
+    return (problem.eps, problem.offset), dict(HAS_WEIGHT=problem.has_params[0], HAS_OFFSET=problem.offset != 0.0,
+                                               ROUND_BEFORE_SCALE=problem.round_before_scale)
+
+
+def backward_options(problem: NormProblem) -> tuple[tuple, dict]:
+    """:func:`rms_norm_backward_kernel`'s scalars and constexprs (shared with ``kernel_ladder.add_rms_norm``)."""
+    return (problem.offset,), dict(HAS_WEIGHT=problem.has_params[0], HAS_OFFSET=problem.offset != 0.0,
+                                   HAS_GRAD_SUM=problem.grad_sum, WEIGHT_GRAD=problem.weight_grad)
+
+
+RMS_NORM = NormOp(_OP, inputs=("x",), params=("weight",), stats=1, forward=rms_norm_kernel,
+                  backward=rms_norm_backward_kernel, forward_options=_forward_options,
+                  backward_options=backward_options, backward_grad_sum=True)
 
 
 @torch.library.custom_op("kernel_ladder::rms_norm", mutates_args=())
@@ -307,21 +237,21 @@ def _rms_norm_op(
     x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float = 0.0, casting: str = "none",
     in_place_backward: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    w_stride = _check_rms_norm_args(x, weight, eps, offset, casting, in_place_backward)
-    runtime.require_launchable(_OP, x)
-    return rms_norm_forward(x, weight, eps, w_stride, offset, casting == "llama")
+    return norm_forward(RMS_NORM, (x,), (weight,), eps, offset=offset, casting=casting,
+                        in_place_backward=in_place_backward)
 
 
 @_rms_norm_op.register_fake
 def _rms_norm_fake(x, weight, eps, offset=0.0, casting="none", in_place_backward=False):
-    _check_rms_norm_args(x, weight, eps, offset, casting, in_place_backward)
-    return _launch.empty_output(x.shape, x), empty_stats(x, 1)
+    (y,), (rstd,) = check_norm(RMS_NORM, (x,), (weight,), eps, offset=offset, casting=casting,
+                               in_place_backward=in_place_backward).empty_outputs()
+    return y, rstd
 
 
-def _check_backward_args(op: str, grad_out: torch.Tensor, x: torch.Tensor) -> None:
-    check_same_shape(op, "grad_out", grad_out, "x", x)
-    check_same_dtype(op, "grad_out", grad_out, "x", x)
-    check_same_device(op, "grad_out", grad_out, "x", x)
+def _backward(grad_out, x, weight, rstd, weight_grad, offset, dx=None):
+    problem = check_norm_backward(RMS_NORM, (("grad_out", grad_out),), ("x", x), weight, weight_grad, offset=offset,
+                                  in_place=dx is not None)
+    return norm_backward(problem, (grad_out,), x, weight, (rstd,), dx)
 
 
 @torch.library.custom_op("kernel_ladder::rms_norm_backward", mutates_args=())
@@ -329,10 +259,7 @@ def _rms_norm_backward_op(
     grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, rstd: torch.Tensor, weight_grad: bool,
     offset: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    op = f"{_OP} (backward)"
-    _check_backward_args(op, grad_out, x)
-    runtime.require_launchable(op, grad_out, x)
-    return rms_norm_backward_launch(grad_out, x, weight, rstd, weight_grad, offset=offset)
+    return _backward(grad_out, x, weight, rstd, weight_grad, offset)
 
 
 @_rms_norm_backward_op.register_fake
@@ -347,12 +274,7 @@ def _rms_norm_backward_inplace_op(
     offset: float = 0.0,
 ) -> torch.Tensor:
     """The backward writing ``dx`` over ``grad_out`` (contiguous); returns ``dw`` (empty unless ``weight_grad``)."""
-    op = f"{_OP} (backward)"
-    _check_backward_args(op, grad_out, x)
-    if not grad_out.is_contiguous():
-        raise ValueError(f"{op}: the in-place backward needs a contiguous grad_out, got strides {grad_out.stride()}")
-    runtime.require_launchable(op, grad_out, x)
-    return rms_norm_backward_launch(grad_out, x, weight, rstd, weight_grad, offset=offset, dx=grad_out)[1]
+    return _backward(grad_out, x, weight, rstd, weight_grad, offset, dx=grad_out)[1]
 
 
 @_rms_norm_backward_inplace_op.register_fake
@@ -429,7 +351,9 @@ def rms_norm(
         besides the inputs). The backward is the same for every casting mode: the gradient of
         ``x * rstd * (offset + w)`` computed in float32 and rounded once.
     """
-    if not schema_types(tensors=(x,), optional_tensors=(weight,), reals=(eps, offset), strings=(casting,),
-                        flags=(in_place_backward,)):
-        _check_rms_norm_args(x, weight, eps, offset, casting, in_place_backward)  # the op checks values
+    # The schema's types (the op checks values): anything else gets the op's error, not torch's.
+    if not (isinstance(x, torch.Tensor) and (weight is None or isinstance(weight, torch.Tensor))
+            and type(eps) in (float, int) and type(offset) in (float, int) and type(casting) is str
+            and type(in_place_backward) is bool):
+        check_norm(RMS_NORM, (x,), (weight,), eps, offset=offset, casting=casting, in_place_backward=in_place_backward)
     return _rms_norm_op(x, weight, float(eps), float(offset), casting, in_place_backward)[0]

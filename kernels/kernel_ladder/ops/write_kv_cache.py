@@ -2,8 +2,8 @@
 
 A paged cache stores keys (and, separately, values) in fixed-size *blocks* of ``block_size``
 token slots: ``k_cache`` has shape ``(num_blocks, block_size, Hkv, D)``. A sequence owns a list of
-blocks (its *block table*, kept by :mod:`kernel_ladder.kv_cache`), and its token at position ``p`` lives
-in slot ``p % block_size`` of block ``block_table[p // block_size]``. The scheduler flattens that
+blocks (its *block table*, kept by :mod:`kernel_ladder.serving.paged_cache`), and its token at
+position ``p`` lives in slot ``p % block_size`` of block ``block_table[p // block_size]``. The scheduler flattens that
 into one number per token, its **slot**::
 
     slot = block * block_size + offset        (block = slot // block_size, offset = slot % block_size)

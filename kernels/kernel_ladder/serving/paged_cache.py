@@ -1,0 +1,354 @@
+"""The paged KV cache: every layer's K and V in blocks, and each sequence's block table and length.
+
+:class:`PagedKVCache` hands out **slots** (``block * block_size + offset``) for a sequence's next
+tokens — the ``slot_mapping`` that :func:`kernel_ladder.write_kv_cache` writes through —
+allocating blocks from its :class:`~kernel_ladder.serving.block_pool.BlockAllocator` as the
+sequence grows, sharing blocks between forked sequences (copy-on-write) and between prompts with a
+common prefix (prefix caching), and builds the ``block_tables`` and ``seq_lens`` that
+:func:`kernel_ladder.paged_attention` reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .block_pool import BlockAllocator, KVCacheOutOfBlocks
+
+__all__ = ["PagedKVCache"]
+
+
+@dataclass
+class _Sequence:
+    """One sequence's view of the cache."""
+
+    block_table: list[int]
+    length: int  # tokens whose slots were handed out (cached or being written this step)
+    token_ids: list[int] | None  # known tokens (prompt, then appended), None if not prefix-caching
+    block_hashes: list[int] = field(default_factory=list)  # hash of each registered-full block, in order
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class PagedKVCache:
+    """The K and V caches of every layer, split into blocks, and each sequence's blocks and length.
+
+    ``k`` and ``v`` are each one ``(num_layers, num_blocks, block_size, num_kv_heads, head_dim)``
+    tensor; :meth:`k_cache` / :meth:`v_cache` give one layer's ``(num_blocks, block_size, Hkv, D)``
+    view, what :func:`kernel_ladder.write_kv_cache` and paged attention take. A sequence's token at
+    position ``p`` lives at slot ``block_table[p // block_size] * block_size + p % block_size``.
+
+    Sequence ids are any hashable values. Blocks beyond a sequence's length may be reserved
+    (:meth:`allocate` reserves a whole prompt's blocks), so prefilling it in chunks never runs out.
+    """
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        """Allocate the caches (zero-filled) and an empty pool of ``num_blocks`` blocks."""
+        for name, value in (("num_layers", num_layers), ("num_blocks", num_blocks), ("block_size", block_size),
+                            ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"PagedKVCache: {name} must be a positive int, got {value!r}")
+        if num_blocks * block_size > 2**31 - 1:
+            raise ValueError(f"PagedKVCache: num_blocks * block_size = {num_blocks * block_size} slots do not fit "
+                             "the int32 slot mapping")
+        self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.dtype, self.device = dtype, torch.device(device)
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.v = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.allocator = BlockAllocator(num_blocks)
+        self._seqs: dict[Hashable, _Sequence] = {}
+
+    # --- the tensors
+
+    def k_cache(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s key cache, a ``(num_blocks, block_size, Hkv, D)`` view."""
+        return self.k[layer]
+
+    def v_cache(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s value cache, a ``(num_blocks, block_size, Hkv, D)`` view."""
+        return self.v[layer]
+
+    # --- queries
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks available to new allocations (free plus evictable prefix-cached ones)."""
+        return self.allocator.num_free
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks that hold ``num_tokens`` tokens."""
+        return _cdiv(num_tokens, self.block_size)
+
+    def can_allocate(self, num_tokens: int) -> bool:
+        """Whether a new sequence of ``num_tokens`` tokens fits now (without counting prefix hits)."""
+        return self.blocks_for(num_tokens) <= self.num_free_blocks
+
+    def __contains__(self, seq_id: Hashable) -> bool:
+        return seq_id in self._seqs
+
+    @property
+    def seq_ids(self) -> list[Hashable]:
+        """The sequences the cache holds, in allocation order."""
+        return list(self._seqs)
+
+    def seq_len(self, seq_id: Hashable) -> int:
+        """Tokens of ``seq_id`` whose slots were handed out (in the cache, or written this step)."""
+        return self._seq(seq_id).length
+
+    def block_table(self, seq_id: Hashable) -> list[int]:
+        """A copy of ``seq_id``'s block table (reserved blocks past its length included)."""
+        return list(self._seq(seq_id).block_table)
+
+    def _seq(self, seq_id: Hashable) -> _Sequence:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise KeyError(f"PagedKVCache: no sequence {seq_id!r} (allocate() it first)") from None
+
+    # --- allocation
+
+    def allocate(self, seq_id: Hashable, num_tokens: int, token_ids: Sequence[int] | None = None) -> int:
+        """Start sequence ``seq_id`` and reserve blocks for its first ``num_tokens`` tokens.
+
+        With ``token_ids`` (the prompt, ``num_tokens`` of them) the prefix cache is consulted: the
+        longest run of leading full blocks already cached is reused (shared, not copied), and the
+        sequence's full blocks are registered as they fill. At least one token is always left to
+        compute (the model needs the last prompt token's output to sample), so a prompt that is
+        entirely cached reuses all but its last block.
+
+        Returns the number of tokens already in the cache: the sequence's length starts there, and
+        the caller prefills only the rest (with :meth:`append_slots`). Raises
+        :class:`KVCacheOutOfBlocks` (and changes nothing) if the blocks do not fit.
+        """
+        result = self.try_allocate(seq_id, num_tokens, token_ids)
+        if result is None:
+            hits = len(self._prefix_hits(token_ids, num_tokens)) if token_ids is not None else 0
+            needed = self.blocks_for(num_tokens) - hits
+            raise KVCacheOutOfBlocks(needed, self.num_free_blocks - self._evictable_hits(token_ids, num_tokens),
+                                     f"sequence {seq_id!r} ({num_tokens} tokens)")
+        return result
+
+    def try_allocate(self, seq_id: Hashable, num_tokens: int, token_ids: Sequence[int] | None = None) -> int | None:
+        """:meth:`allocate`, but returns None (and changes nothing) when the blocks do not fit."""
+        if seq_id in self._seqs:
+            raise ValueError(f"PagedKVCache.allocate: sequence {seq_id!r} already exists")
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+            raise ValueError(f"PagedKVCache.allocate: num_tokens must be an int >= 0, got {num_tokens!r}")
+        if token_ids is not None:
+            token_ids = [int(t) for t in token_ids]
+            if len(token_ids) != num_tokens:
+                raise ValueError(f"PagedKVCache.allocate: token_ids has {len(token_ids)} ids, "
+                                 f"num_tokens is {num_tokens}")
+        hits = self._prefix_hits(token_ids, num_tokens) if token_ids is not None else []
+        new = self.blocks_for(num_tokens) - len(hits)
+        # Reviving an evictable hit takes it out of the pool new blocks come from.
+        if new > self.num_free_blocks - self._evictable_hits(token_ids, num_tokens):
+            return None
+        for block, _ in hits:
+            self.allocator.incref(block)
+        table = [block for block, _ in hits] + self.allocator.allocate_many(new)
+        cached = len(hits) * self.block_size
+        self._seqs[seq_id] = _Sequence(table, cached, token_ids, [h for _, h in hits])
+        return cached
+
+    def _prefix_hits(self, token_ids: Sequence[int], num_tokens: int) -> list[tuple[int, int]]:
+        """(block, hash) of the leading full blocks of ``token_ids`` found in the prefix cache,
+        leaving at least the last token uncached."""
+        hits: list[tuple[int, int]] = []
+        parent: int | None = None
+        for i in range(max(0, num_tokens - 1) // self.block_size):
+            key = (parent, tuple(token_ids[i * self.block_size:(i + 1) * self.block_size]))
+            block = self.allocator.lookup(key)
+            if block is None:
+                break
+            parent = hash(key)
+            hits.append((block, parent))
+        return hits
+
+    def _evictable_hits(self, token_ids: Sequence[int] | None, num_tokens: int) -> int:
+        if token_ids is None:
+            return 0
+        return sum(1 for block, _ in self._prefix_hits(token_ids, num_tokens) if self.allocator.refcount(block) == 0)
+
+    def append_slots(self, seq_id: Hashable, n: int, token_ids: Sequence[int] | None = None) -> torch.Tensor:
+        """Slots for ``seq_id``'s next ``n`` tokens, as an int32 tensor ``(n,)`` on the cache's device.
+
+        Uses the sequence's reserved blocks first and allocates more as needed. A block about to be
+        written that other sequences share (reference count > 1, after :meth:`fork`) is first
+        copied on write: a new block gets the filled part of every layer's K and V, and the
+        shared one loses this sequence's reference. ``token_ids`` (``n`` ids) are the tokens being
+        added, for prefix caching (full blocks get registered); tokens the cache already knows
+        (the prompt given to :meth:`allocate`) need not be repeated. Raises
+        :class:`KVCacheOutOfBlocks` (and changes nothing) if the blocks do not fit.
+        """
+        slots = self.try_append_slots(seq_id, n, token_ids)
+        if slots is None:
+            raise KVCacheOutOfBlocks(self._blocks_to_append(self._seq(seq_id), n), self.num_free_blocks,
+                                     f"appending {n} token(s) to sequence {seq_id!r}")
+        return slots
+
+    def try_append_slots(self, seq_id: Hashable, n: int, token_ids: Sequence[int] | None = None) -> torch.Tensor | None:
+        """:meth:`append_slots`, but returns None (and changes nothing) when the blocks do not fit:
+        the scheduler's signal to preempt a sequence."""
+        seq = self._seq(seq_id)
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"PagedKVCache.append_slots: n must be an int >= 0, got {n!r}")
+        if token_ids is not None and len(token_ids) != n:
+            raise ValueError(f"PagedKVCache.append_slots: token_ids has {len(token_ids)} ids, n is {n}")
+        if self._blocks_to_append(seq, n) > self.num_free_blocks:
+            return None
+        bs = self.block_size
+        start, end = seq.length, seq.length + n
+        seq.block_table += self.allocator.allocate_many(max(0, self.blocks_for(end) - len(seq.block_table)))
+        for index in range(start // bs, self.blocks_for(end)):
+            self._own_block(seq, index, filled=max(0, start - index * bs))
+        seq.length = end
+        self._record_tokens(seq, start, token_ids)
+        positions = torch.arange(start, end, dtype=torch.int64)
+        table = torch.tensor(seq.block_table, dtype=torch.int64)
+        slots = table[positions // bs] * bs + positions % bs if n else positions
+        return slots.to(dtype=torch.int32, device=self.device)
+
+    def _blocks_to_append(self, seq: _Sequence, n: int) -> int:
+        """New blocks appending ``n`` tokens takes: growth past the table plus copies of shared blocks."""
+        end = seq.length + n
+        grow = max(0, self.blocks_for(end) - len(seq.block_table))
+        touched = range(seq.length // self.block_size, min(self.blocks_for(end), len(seq.block_table)))
+        return grow + sum(1 for i in touched if self.allocator.refcount(seq.block_table[i]) > 1)
+
+    def _own_block(self, seq: _Sequence, index: int, filled: int) -> None:
+        """Copy-on-write: make block ``index`` of ``seq`` its own before writing, copying its first ``filled`` slots."""
+        old = seq.block_table[index]
+        if self.allocator.refcount(old) <= 1:
+            return
+        new = self.allocator.allocate()
+        if filled:
+            self.k[:, new, :filled] = self.k[:, old, :filled]
+            self.v[:, new, :filled] = self.v[:, old, :filled]
+        self.allocator.decref(old)
+        seq.block_table[index] = new
+
+    def _record_tokens(self, seq: _Sequence, start: int, token_ids: Sequence[int] | None) -> None:
+        """Extend the known tokens and register every block that is now full and known."""
+        if seq.token_ids is None:
+            return
+        if token_ids is not None:
+            for offset, token in enumerate(token_ids):
+                position = start + offset
+                if position < len(seq.token_ids):
+                    if seq.token_ids[position] != int(token):
+                        raise ValueError(f"PagedKVCache.append_slots: token {int(token)} at position {position} "
+                                         f"differs from the prompt's {seq.token_ids[position]}")
+                else:
+                    seq.token_ids.append(int(token))
+        if len(seq.token_ids) < seq.length:  # tokens of unknown ids were appended: stop prefix caching it
+            seq.token_ids = None
+            return
+        bs = self.block_size
+        while (len(seq.block_hashes) + 1) * bs <= seq.length:
+            i = len(seq.block_hashes)
+            key = (seq.block_hashes[-1] if seq.block_hashes else None, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+            self.allocator.register(seq.block_table[i], key)
+            seq.block_hashes.append(hash(key))
+
+    # --- sharing and freeing
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        """Start ``child_id`` as a copy of ``parent_id`` that shares every block (beam search,
+        parallel sampling): no data moves; each block gains a reference, and whichever sequence
+        writes into a shared block first copies it (:meth:`append_slots`)."""
+        parent = self._seq(parent_id)
+        if child_id in self._seqs:
+            raise ValueError(f"PagedKVCache.fork: sequence {child_id!r} already exists")
+        for block in parent.block_table:
+            self.allocator.incref(block)
+        self._seqs[child_id] = _Sequence(list(parent.block_table), parent.length,
+                                         None if parent.token_ids is None else list(parent.token_ids),
+                                         list(parent.block_hashes))
+
+    def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Shorten ``seq_id`` to its first ``num_tokens`` tokens (speculative decoding's rollback of
+        rejected draft tokens): blocks past them lose this sequence's reference. A block registered
+        in the prefix cache cannot be cut into (its contents are shared by its key)."""
+        seq = self._seq(seq_id)
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or not 0 <= num_tokens <= seq.length:
+            raise ValueError(f"PagedKVCache.truncate: num_tokens must be an int in [0, {seq.length}], "
+                             f"got {num_tokens!r}")
+        if len(seq.block_hashes) * self.block_size > num_tokens:
+            raise ValueError(f"PagedKVCache.truncate: sequence {seq_id!r} has {len(seq.block_hashes)} blocks "
+                             f"registered in the prefix cache; it cannot be cut to {num_tokens} tokens")
+        keep = self.blocks_for(num_tokens)
+        for block in reversed(seq.block_table[keep:]):
+            self.allocator.decref(block)
+        del seq.block_table[keep:]
+        seq.length = num_tokens
+        if seq.token_ids is not None:
+            del seq.token_ids[num_tokens:]
+
+    def free(self, seq_id: Hashable) -> None:
+        """Drop ``seq_id``: each of its blocks loses a reference (prefix-cached ones stay evictable)."""
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            raise KeyError(f"PagedKVCache.free: no sequence {seq_id!r}")
+        # Last block first, so a prompt's leading blocks (the most reusable) are evicted last.
+        for block in reversed(seq.block_table):
+            self.allocator.decref(block)
+
+    # --- the model step's tensors
+
+    def block_tables(self, seq_ids: Iterable[Hashable], pad: int = 0) -> torch.Tensor:
+        """int32 ``(B, max_blocks)``: row ``b`` holds the blocks covering ``seq_ids[b]``'s length,
+        padded with ``pad`` (never read: attention stops at ``seq_lens``). At least one column."""
+        tables = []
+        for seq_id in seq_ids:
+            seq = self._seq(seq_id)
+            tables.append(seq.block_table[:self.blocks_for(seq.length)])
+        width = max([1, *(len(t) for t in tables)])
+        out = torch.full((len(tables), width), pad, dtype=torch.int32)
+        for row, table in enumerate(tables):
+            out[row, :len(table)] = torch.tensor(table, dtype=torch.int32)
+        return out.to(self.device)
+
+    def seq_lens(self, seq_ids: Iterable[Hashable]) -> torch.Tensor:
+        """int32 ``(B,)``: each sequence's length (tokens in the cache, this step's included)."""
+        return torch.tensor([self._seq(s).length for s in seq_ids], dtype=torch.int32, device=self.device)
+
+    def gather(self, seq_id: Hashable, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``seq_id``'s K and V history in ``layer``, ``(length, Hkv, D)`` each (a copy, for tests and lessons)."""
+        seq = self._seq(seq_id)
+        positions = torch.arange(seq.length)
+        table = torch.tensor(seq.block_table, dtype=torch.int64)[positions // self.block_size]
+        return self.k[layer, table, positions % self.block_size], self.v[layer, table, positions % self.block_size]
+
+    # --- invariants
+
+    def check_invariants(self) -> None:
+        """Assert the cache's bookkeeping is consistent (the tests call it after every step):
+
+        every reference count equals the number of block-table entries holding the block (a
+        cached-free block has none), free and evictable blocks are disjoint from used ones and
+        together with them cover every block exactly once (nothing leaked), a block appears at most
+        once in one table, a sequence's table covers its length, and every registered full block's
+        key matches that sequence's tokens."""
+        references: dict[int, int] = {}
+        for seq_id, seq in self._seqs.items():
+            assert len(set(seq.block_table)) == len(seq.block_table), f"sequence {seq_id!r} holds a block twice"
+            assert self.blocks_for(seq.length) <= len(seq.block_table), f"sequence {seq_id!r}'s table is too short"
+            for block in seq.block_table:
+                references[block] = references.get(block, 0) + 1
+            if seq.token_ids is not None:
+                assert len(seq.block_hashes) == seq.length // self.block_size, (
+                    f"sequence {seq_id!r}: {len(seq.block_hashes)} full blocks hashed, length {seq.length}")
+                parent = None
+                for i, h in enumerate(seq.block_hashes):
+                    key = (parent, tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size]))
+                    assert hash(key) == h, f"sequence {seq_id!r}: block {i}'s hash does not match its tokens"
+                    parent = h
+        self.allocator.check_invariants(references)

@@ -1,0 +1,263 @@
+"""The check runner: :func:`check` runs the candidate on every case and prints one verdict block.
+
+It never raises for a wrong answer: a stub, an exception inside the kernel, a wrong shape, NaNs,
+unwritten outputs and out-of-bounds accesses all become a ``❌ NOT SOLVED`` verdict whose lines say
+which case failed (its arguments), what is wrong and where (:mod:`utils.exercises.compare`,
+:mod:`utils.exercises.diagnosis`), and how to reproduce its random inputs (``seed=``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import random
+import secrets
+import zlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import exercises as _package  # the verdict registry lives there, read at each use
+from .compare import _custom_problems, _reference_result, _value_mismatch
+from .diagnosis import _store_resolver
+from .guards import _guard_case, _Guarded, _guarded_output, _has_unwritten
+from .marker import _unsolved_helpers
+from .running import _describe_error, _run_traced
+from .verdict import NOT_SOLVED_MARK, SOLVED_MARK, Verdict, _wrapped
+
+#: When set, :func:`check` draws random cases from a seed derived from its value and the check's
+#: name instead of a fresh one, so that a NOT SOLVED verdict (which describes its inputs) is the
+#: same on every run: learner-mode notebook runs set it (``utils.notebooks``), learners do not.
+CHECK_SEED_ENV = "KERNEL_LADDER_CHECK_SEED"
+
+
+# --------------------------------------------------------------------------------------------
+# Describing a case
+# --------------------------------------------------------------------------------------------
+
+
+def _parameter_names(*functions: Callable[..., Any]) -> list[str]:
+    for function in functions:
+        try:
+            parameters = inspect.signature(function).parameters.values()
+        except (TypeError, ValueError):
+            continue
+        names = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if names:
+            return names
+    return []
+
+
+def _describe_value(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        dtype = str(value.dtype).removeprefix("torch.")
+        text = f"{tuple(value.shape)} {dtype}"
+        if not value.is_contiguous():
+            text += f" strides {tuple(value.stride())}"
+        if value.device.type != "cpu":
+            text += f" on {value.device}"
+        return text
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _describe_case(index: int, count: int, names: list[str], case: tuple, outputs: list[_Guarded]) -> str:
+    parts = []
+    for i, value in enumerate(case):
+        label = names[i] if i < len(names) else f"arg{i}"
+        separator = ": " if isinstance(value, torch.Tensor) else "="
+        parts.append(f"{label}{separator}{_describe_value(value)}")
+    for output in outputs:
+        parts.append(f"{output.label}: {_describe_value(output.tensor)}")
+    described = "; ".join(parts) if parts else "no arguments"
+    return f"case {index + 1} of {count}: {described}"
+
+
+# --------------------------------------------------------------------------------------------
+# check
+# --------------------------------------------------------------------------------------------
+
+
+def _check_case(
+    name: str,
+    candidate: Callable[..., Any],
+    reference: Callable[..., Any],
+    case: tuple,
+    names: list[str],
+    out: bool,
+    rtol: float | None,
+    atol: float | None,
+    compare: Callable[[Any, Any], Any] | None,
+) -> tuple[list[str], list[_Guarded]]:
+    """Problems found in one case (empty when it passes) and the outputs given to the candidate."""
+    expected = _reference_result(reference, case)
+    args, input_guards = _guard_case(case, names)
+
+    outputs: list[_Guarded] = []
+    if out:
+        expected_outputs = list(expected) if isinstance(expected, (tuple, list)) else [expected]
+        if not all(isinstance(e, torch.Tensor) for e in expected_outputs):
+            raise TypeError("check(out=True) needs a reference that returns a tensor (or a tuple of tensors)")
+        out_names = names[len(case) :]
+        for i, e in enumerate(expected_outputs):
+            label = out_names[i] if i < len(out_names) else ("out" if len(expected_outputs) == 1 else f"out{i}")
+            outputs.append(_guarded_output(label, e))
+        run = _run_traced(lambda: candidate(*args, *(o.tensor for o in outputs)))
+        got: Any = tuple(o.tensor for o in outputs) if isinstance(expected, (tuple, list)) else outputs[0].tensor
+        if isinstance(expected, list):
+            got = list(got)
+    else:
+        run = _run_traced(lambda: candidate(*args))
+        got = run.value
+
+    problems: list[str] = []
+    if run.error is not None:
+        problems.append(_describe_error(run.error, name, candidate))
+    problems += run.out_of_bounds
+    for guarded in outputs + input_guards:
+        damage = guarded.guard_damage()
+        if damage:
+            problems.append(damage)
+    if run.error is not None:
+        if not problems[0].startswith("not implemented yet: this check runs"):
+            problems = _unsolved_helpers(name, candidate, run.launches) + problems
+        return problems, outputs
+    labels = [o.label for o in outputs] if out and isinstance(expected, (tuple, list)) else None
+    stores = _store_resolver(run.launches)
+    if compare is not None:
+        if out and _has_unwritten(got):
+            problems += _value_mismatch(got, expected, rtol, atol, poisoned=True, labels=labels, stores=stores)
+        else:
+            problems += _custom_problems(compare, got, expected)
+    else:
+        problems += _value_mismatch(got, expected, rtol, atol, poisoned=out, labels=labels, stores=stores)
+    if problems:
+        # An unsolved exercise this one builds on comes first: it is the likelier cause.
+        problems = _unsolved_helpers(name, candidate, run.launches) + problems
+    return problems, outputs
+
+
+@contextlib.contextmanager
+def _global_random_state_kept():
+    """Leave torch's, numpy's and Python's global random generators as they were found.
+
+    A reference or a candidate that draws from them would otherwise leave them in a state that
+    depends on how many cases ran — on the verdict — and a later cell's random inputs with them.
+    """
+    # numpy's legacy global generator is the very state a notebook's np.random calls share.
+    python_state, numpy_state = random.getstate(), np.random.get_state()  # noqa: NPY002
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)  # noqa: NPY002
+
+
+def _first_failure(
+    name: str,
+    candidate: Callable[..., Any],
+    reference: Callable[..., Any],
+    case_list: Sequence[tuple],
+    names: list[str],
+    out: bool,
+    rtol: float | None,
+    atol: float | None,
+    compare: Callable[[Any, Any], Any] | None,
+) -> tuple[int, tuple, list[str], list[_Guarded]] | None:
+    """The first case that fails — its index, the case, its problems and outputs — or None."""
+    for index, case in enumerate(case_list):
+        problems, outputs = _check_case(name, candidate, reference, case, names, out, rtol, atol, compare)
+        if problems:
+            return index, case, problems, outputs
+    return None
+
+
+def _seed_from_environment(name: str) -> int | None:
+    """The seed :data:`CHECK_SEED_ENV` fixes for the check ``name``, or None if it is not set."""
+    base = os.environ.get(CHECK_SEED_ENV, "").strip()
+    if not base:
+        return None
+    return zlib.crc32(f"{base}:{name}".encode()) & 0x7FFFFFFF
+
+
+def check(
+    name: str,
+    candidate: Callable[..., Any],
+    reference: Callable[..., Any],
+    cases: Sequence[tuple] | Callable[[torch.Generator], Sequence[tuple]],
+    *,
+    out: bool = False,
+    rtol: float | None = None,
+    atol: float | None = None,
+    compare: Callable[[Any, Any], Any] | None = None,
+    seed: int | None = None,
+) -> Verdict:
+    """Run ``candidate`` against ``reference`` on every case, print one verdict block, return it.
+
+    Args:
+        name: the exercise's name, as in :func:`exercise` (shown in the verdict).
+        candidate: the learner's code. With ``out=False`` it is called as ``candidate(*case)``
+            and its result compared; with ``out=True`` as ``candidate(*case, out)`` (one ``out``
+            per tensor the reference returns), and what it wrote into ``out`` is compared.
+        reference: computes the right answer: ``reference(*case)``. Floating-point tensor
+            inputs are upcast to float64 first and the result rounded to the inputs' dtype
+            (if the reference rejects float64, it runs in the inputs' dtype).
+        cases: a list of argument tuples, or ``make_cases(gen)`` returning one, called with a
+            freshly seeded CPU ``torch.Generator`` (draw on the CPU, then ``.to(device)``), so
+            each run sees new random inputs (unless :data:`CHECK_SEED_ENV` is set).
+        out: allocate the outputs for the candidate: contiguous, shaped and typed like the
+            reference's result, poisoned, between guard regions.
+        rtol, atol: override the tolerance (default: :func:`default_tolerance` of the output
+            dtype; 1e-6 relative for Python floats). Integers compare exactly.
+        compare: optional ``compare(got, expected)`` returning None/True if they match, False
+            or a diagnosis string if not; replaces the element-wise comparison.
+        seed: reproduce the inputs of an earlier run (printed in its NOT SOLVED verdict).
+
+    Every wrong answer — an exception (``NotImplementedError`` from a stub included), a wrong
+    shape, NaNs, unwritten elements, out-of-bounds accesses — becomes a NOT SOLVED verdict; the
+    checker raises only for mistakes in how it is called (or in the reference).
+    """
+    drawn = callable(cases)
+    fresh = False
+    if drawn:
+        if seed is None:
+            seed = _seed_from_environment(name)
+        if seed is None:
+            seed, fresh = secrets.randbits(31), True
+        # A CPU generator: the same seed gives the same inputs on every machine (draw, then .to(device)).
+        generator = torch.Generator()
+        generator.manual_seed(seed)
+        case_list = list(cases(generator))  # type: ignore[operator]
+    else:
+        case_list = list(cases)  # type: ignore[arg-type]
+    if not case_list:
+        raise ValueError(f"check({name!r}): no cases to run")
+    case_list = [c if isinstance(c, tuple) else (c,) for c in case_list]
+    names = _parameter_names(candidate, reference)
+
+    with _global_random_state_kept():
+        failure = _first_failure(name, candidate, reference, case_list, names, out, rtol, atol, compare)
+    if failure is not None:
+        index, case, problems, outputs = failure
+        lines = [f"{NOT_SOLVED_MARK} — {name}", "   " + _describe_case(index, len(case_list), names, case, outputs)]
+        lines += [f"   • {p}" for p in problems]
+        if drawn:
+            inputs = "fresh random inputs" if fresh else "random inputs"
+            lines.append(f"   ({inputs}; check(..., seed={seed}) reproduces them)")
+        verdict = Verdict(name=name, solved=False, message="\n".join(_wrapped(lines)))
+        _package._LAST_VERDICTS[name] = False
+        print(verdict.message)
+        return verdict
+
+    count = len(case_list)
+    matched = "the case matches" if count == 1 else f"all {count} cases match"
+    message = "\n".join(_wrapped([f"{SOLVED_MARK} — {name}: {matched} the reference"]))
+    verdict = Verdict(name=name, solved=True, message=message)
+    _package._LAST_VERDICTS[name] = True
+    print(verdict.message)
+    return verdict

@@ -1,0 +1,161 @@
+"""Guarded tensors: every tensor the candidate gets lives between guard regions, outputs start poisoned.
+
+An output (``out=True``) is a contiguous tensor filled with a recognisable NaN (:data:`_POISON_BITS`;
+the most negative value for integers), so an element the kernel never wrote is told apart from one
+it wrote wrongly, between guards of a canary byte (a write there is reported). An input is a copy
+with the same shape and strides between guards of NaN (a read there spoils the result visibly).
+On the CPU each tensor has its own storage that ends exactly where its data ends, so the tracer
+also counts every access outside every tensor argument, and a missing mask lands in the guard
+instead of in someone else's memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import torch
+
+# Poison for outputs: quiet NaNs with a payload no arithmetic produces, so "never written" is told
+# apart from "wrote NaN".
+_POISON_BITS: dict[torch.dtype, tuple[torch.dtype, int]] = {
+    torch.float64: (torch.int64, 0x7FF8DEADDEADDEAD),
+    torch.float32: (torch.int32, 0x7FC0DEAD),
+    torch.float16: (torch.int16, 0x7E5A),
+    torch.bfloat16: (torch.int16, 0x7FDA),
+}
+_CANARY_BYTE = 0xA5  # fills an output's guard regions
+_MIN_GUARD_BYTES = 64 * 1024  # at least a few BLOCKs of overrun in any direction
+
+
+@dataclasses.dataclass
+class _Guarded:
+    """A tensor given to the candidate, the guard regions on either side of it, and their snapshot."""
+
+    label: str
+    tensor: torch.Tensor
+    before: torch.Tensor  # uint8 views of the guards
+    after: torch.Tensor
+    before_snapshot: torch.Tensor
+    after_snapshot: torch.Tensor
+    element_size: int
+
+    def guard_damage(self) -> str | None:
+        """A sentence saying how many guard elements changed, or None if none did."""
+        parts = []
+        for where, region, snapshot in (
+            ("before the start", self.before, self.before_snapshot),
+            ("after the end", self.after, self.after_snapshot),
+        ):
+            changed = (region != snapshot).view(-1, self.element_size).any(dim=1)
+            count = int(changed.sum())
+            if count:
+                parts.append(f"{count} element{'s' if count != 1 else ''} {where} of {self.label}")
+        if not parts:
+            return None
+        return "wrote out of bounds (guard region changed): " + " and ".join(parts)
+
+
+def _storage_span(t: torch.Tensor) -> int:
+    """Elements from the first to the last one a strided tensor can address (0 if empty)."""
+    if t.numel() == 0:
+        return 0
+    return 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+
+
+def _guarded_bytes(nbytes: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """uint8 tensors (before, body, after) over one block of memory, with guards on both sides.
+
+    On the CPU each is a separate storage over one numpy allocation, so a tensor made from
+    ``body`` ends exactly at its data (the tracer sees accesses past it as out of bounds) while
+    an overrun still lands in memory we own.
+    """
+    guard = max(_MIN_GUARD_BYTES, -(-nbytes // 64) * 64)
+    if device.type == "cpu":
+        block = np.empty(guard + nbytes + guard, dtype=np.uint8)
+        return (
+            torch.from_numpy(block[:guard]),
+            torch.from_numpy(block[guard : guard + nbytes]),
+            torch.from_numpy(block[guard + nbytes :]),
+        )
+    block = torch.empty(guard + nbytes + guard, dtype=torch.uint8, device=device)
+    return block[:guard], block[guard : guard + nbytes], block[guard + nbytes :]
+
+
+def _fill_poison(flat: torch.Tensor) -> None:
+    """Fill a contiguous 1-D tensor with the poison for its dtype."""
+    if flat.dtype in _POISON_BITS:
+        int_dtype, bits = _POISON_BITS[flat.dtype]
+        flat.view(int_dtype).fill_(bits)
+    elif flat.dtype.is_floating_point:
+        flat.fill_(float("nan"))
+    elif flat.dtype == torch.bool:
+        flat.fill_(False)  # overwritten with the negated reference by the caller
+    else:
+        flat.fill_(torch.iinfo(flat.dtype).min)
+
+
+def _guarded_output(label: str, like: torch.Tensor) -> _Guarded:
+    """A contiguous poisoned tensor shaped like ``like``, between canary-filled guards."""
+    element_size = like.element_size()
+    before, body, after = _guarded_bytes(like.numel() * element_size, like.device)
+    before.fill_(_CANARY_BYTE)
+    after.fill_(_CANARY_BYTE)
+    flat = body.view(like.dtype)
+    _fill_poison(flat)
+    if like.dtype == torch.bool:
+        flat.copy_(~like.reshape(-1))  # an unwritten bool is then a wrong value
+    return _Guarded(label, flat.view(like.shape), before, after, before.clone(), after.clone(), element_size)
+
+
+def _guarded_input(label: str, t: torch.Tensor) -> _Guarded | None:
+    """A copy of ``t`` (same shape and strides) between NaN-filled guards; None if not possible."""
+    if t.numel() == 0 or t.layout != torch.strided or t.is_quantized or type(t) is not torch.Tensor:
+        return None
+    element_size = t.element_size()
+    span = _storage_span(t)
+    try:
+        before, body, after = _guarded_bytes(span * element_size, t.device)
+        for guard in (before, after):
+            if t.dtype.is_floating_point:
+                guard.view(t.dtype).fill_(float("nan"))
+            else:
+                guard.fill_(_CANARY_BYTE)
+        flat = body.view(t.dtype)
+        # Copy the whole addressed span (gaps included) so expanded/overlapping views stay valid.
+        flat.copy_(t.detach().as_strided((span,), (1,), t.storage_offset()))
+        copy = flat.as_strided(t.shape, t.stride())
+    except (RuntimeError, TypeError, ValueError):
+        return None
+    if t.requires_grad and t.is_leaf:
+        copy.requires_grad_(True)
+    return _Guarded(label, copy, before, after, before.clone(), after.clone(), element_size)
+
+
+def _guard_case(case: tuple, names: list[str]) -> tuple[tuple, list[_Guarded]]:
+    """The case with every tensor argument replaced by a guarded copy (same shape and strides)."""
+    guarded_args = []
+    guards: list[_Guarded] = []
+    for i, value in enumerate(case):
+        if isinstance(value, torch.Tensor):
+            label = names[i] if i < len(names) else f"arg{i}"
+            guarded = _guarded_input(label, value)
+            if guarded is not None:
+                guards.append(guarded)
+                guarded_args.append(guarded.tensor)
+                continue
+        guarded_args.append(value)
+    return tuple(guarded_args), guards
+
+
+def _has_unwritten(value: Any) -> bool:
+    """True if any float tensor in ``value`` still holds the checker's poison (never written)."""
+    if isinstance(value, torch.Tensor):
+        if value.dtype not in _POISON_BITS:
+            return False
+        int_dtype, bits = _POISON_BITS[value.dtype]
+        return bool((value.detach().reshape(-1).view(int_dtype) == bits).any())
+    if isinstance(value, (tuple, list)):
+        return any(_has_unwritten(v) for v in value)
+    return False
