@@ -95,7 +95,8 @@ def _moe_ladder(experts: int) -> Ladder:
                 Step(MOE_LOOP, lambda *a: solutions.experts_loop(*a, TOP_K), baseline=True),
                 Step("kernel_ladder ops composed (route, sort, gather, GEMM, swiglu, GEMM, combine)",
                      lambda *a: solutions.moe_unfused(*a, TOP_K)),
-                Step("kernel_ladder.moe", lambda *a: kernel_ladder.moe(*a, TOP_K), bound=TARGET_BOUND if experts >= 8 else None),
+                Step("kernel_ladder.moe", lambda *a: kernel_ladder.moe(*a, TOP_K),
+                     bound=TARGET_BOUND if experts >= 8 else None),
             ],
             ideal_bytes=moe_ideal,
             note=MOE_NOTE if experts == MOE_EXPERTS[0] else f"as at E={MOE_EXPERTS[0]}, with {experts} experts",
@@ -433,7 +434,8 @@ def gpu_checks(size: str) -> list:
             Timing(label, "SDPA, token mask", lambda m=visible: sdpa_masked(q, k, v, m), flops=dense_flops,
                    baseline=True),
             Timing(label, "flash_attention dense", lambda: kernel_ladder.flash_attention(q, k, v), flops=dense_flops),
-            Timing(label, "block_sparse_attention", lambda m=mask: kernel_ladder.block_sparse_attention(q, k, v, m, block),
+            Timing(label, "block_sparse_attention",
+                   lambda m=mask: kernel_ladder.block_sparse_attention(q, k, v, m, block),
                    flops=4 * tiles * block * block * d),
         ]
 
@@ -445,7 +447,8 @@ def gpu_checks(size: str) -> list:
 
     entries += [
         Timing(f"attention {shape}, dense", "SDPA (flash backend)", sdpa_flash, flops=dense_flops, baseline=True),
-        Timing(f"attention {shape}, dense", "kernel_ladder.flash_attention", lambda: kernel_ladder.flash_attention(q, k, v),
+        Timing(f"attention {shape}, dense", "kernel_ladder.flash_attention",
+               lambda: kernel_ladder.flash_attention(q, k, v),
                flops=dense_flops),
     ]
     return entries

@@ -30,7 +30,8 @@ pytestmark = pytest.mark.interpreter
 DEVICE = kernel_ladder.runtime.DEVICE
 BLOCK = 1024
 SIZES = (1000, 2500)  # not multiples of BLOCK: the last program is partly masked
-interpreter_only = pytest.mark.skipif(not kernel_ladder.runtime.INTERPRETER, reason="the tracer sees interpreted kernels")
+interpreter_only = pytest.mark.skipif(not kernel_ladder.runtime.INTERPRETER,
+                                      reason="the tracer sees interpreted kernels")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -247,7 +247,8 @@ def test_bad_input_is_refused_clearly(gen):
     q = rand(1, 2, 40, 16, gen=gen)
     good = torch.ones(1, 2, 3, 3, dtype=torch.bool, device=DEVICE)
     op = kernel_ladder.block_sparse_attention
-    with pytest.raises(ValueError, match=r"kernel_ladder\.block_sparse_attention: block_mask must be .*got \(1, 2, 3, 2\)"):
+    with pytest.raises(ValueError,
+                       match=r"kernel_ladder\.block_sparse_attention: block_mask must be .*got \(1, 2, 3, 2\)"):
         op(q, q, q, good[..., :2], block_size=16)
     with pytest.raises(ValueError, match=r"block_mask must be"):
         op(q, q, q, torch.ones(1, 3, 3, 3, dtype=torch.bool, device=DEVICE), block_size=16)  # 3 heads for 2

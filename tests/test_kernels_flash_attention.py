@@ -250,7 +250,8 @@ def test_varlen_matches_the_reference_per_sequence(case, gen):
     k, cu_k = pack(lengths_k, hkv, d, gen)
     v = rand(*k.shape, gen=gen)
     q, k, v = leaf(q), leaf(k), leaf(v)
-    out, lse = kernel_ladder.flash_attention_varlen(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), return_lse=True,
+    out, lse = kernel_ladder.flash_attention_varlen(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k),
+                                                    return_lse=True,
                                               **options)
     assert out.shape == q.shape and lse.shape == (hq, q.shape[0])
     g = rand(*out.shape, gen=gen)
@@ -305,7 +306,8 @@ def test_cu_seqlens_values_are_checked(gen):
     q, cu = pack([3, 4], 2, 16, gen)
     for bad in ([1, 3, 7], [0, 5, 3], [0, 3, 6]):  # not starting at 0, decreasing, not ending at the total
         cu_bad = torch.tensor(bad, dtype=torch.int32, device=DEVICE)
-        with pytest.raises(ValueError, match=r"kernel_ladder\.flash_attention_varlen: cu_seqlens_q must start at 0, never "
+        with pytest.raises(ValueError,
+                           match=r"kernel_ladder\.flash_attention_varlen: cu_seqlens_q must start at 0, never "
                                              rf"decrease, end at 7 .*got \[{bad[0]}, {bad[1]}, {bad[2]}\]"):
             kernel_ladder.flash_attention_varlen(q, q, q, cu_bad, cu, 7, 7)
     with pytest.raises(ValueError, match=r"cu_seqlens_k must .* every sequence length <= max_seqlen = 3"):

@@ -1,6 +1,6 @@
-"""kernel_ladder.topk_routing, kernel_ladder.moe_load_balancing_loss, kernel_ladder.moe_permute, kernel_ladder.moe_gather and
-kernel_ladder.moe_combine: values and gradients against float64 references, the stable counting sort
-against torch.argsort, launches, custom-op plumbing, errors.
+"""kernel_ladder.topk_routing, kernel_ladder.moe_load_balancing_loss, kernel_ladder.moe_permute,
+kernel_ladder.moe_gather and kernel_ladder.moe_combine: values and gradients against float64 references,
+the stable counting sort against torch.argsort, launches, custom-op plumbing, errors.
 
 Router logits are drawn as distinct values (a random permutation of a grid exact in every dtype),
 so that no two experts of a token tie and the chosen ids are unique; outputs are poisoned (NaN).
@@ -303,7 +303,8 @@ _P = torch.zeros(8, dtype=torch.int32)
     [
         (lambda: kernel_ladder.topk_routing(_L, 9), ValueError, r"^kernel_ladder\.topk_routing: k must be in \[1, min"),
         (lambda: kernel_ladder.topk_routing(_L, 0), ValueError, r"^kernel_ladder\.topk_routing: k must be in"),
-        (lambda: kernel_ladder.topk_routing(_L, 2.0), TypeError, r"^kernel_ladder\.topk_routing: k must be an int, got float"),
+        (lambda: kernel_ladder.topk_routing(_L, 2.0), TypeError,
+         r"^kernel_ladder\.topk_routing: k must be an int, got float"),
         (lambda: kernel_ladder.topk_routing(torch.zeros(2, 4, 8), 2), ValueError,
          r"^kernel_ladder\.topk_routing: router_logits must be 2-D"),
         (lambda: kernel_ladder.topk_routing(torch.zeros(4, 8, dtype=torch.int64), 2), TypeError,
@@ -312,7 +313,8 @@ _P = torch.zeros(8, dtype=torch.int32)
          r"^kernel_ladder\.topk_routing: scoring must be 'softmax' or 'sigmoid', got 'softplus'"),
         (lambda: kernel_ladder.topk_routing(_L, 2, renormalize=1), TypeError,
          r"^kernel_ladder\.topk_routing: renormalize must be a bool"),
-        (lambda: kernel_ladder.topk_routing([[1.0]], 1), TypeError, r"^kernel_ladder\.topk_routing: router_logits must be a torch"),
+        (lambda: kernel_ladder.topk_routing([[1.0]], 1), TypeError,
+         r"^kernel_ladder\.topk_routing: router_logits must be a torch"),
         (lambda: torch.ops.kernel_ladder.topk_routing(_L, 9, True, "softmax"), ValueError,
          r"^kernel_ladder\.topk_routing: k must be"),
         (lambda: kernel_ladder.moe_permute(torch.zeros(4, 2), 8), TypeError,
@@ -323,7 +325,8 @@ _P = torch.zeros(8, dtype=torch.int32)
          r"^kernel_ladder\.moe_permute: num_experts must be in \[1, 4096\], got 0"),
         (lambda: kernel_ladder.moe_gather(_L, _P, 3), ValueError,
          r"^kernel_ladder\.moe_gather: permutation must have T \* k = 12 entries, got 8"),
-        (lambda: kernel_ladder.moe_gather(_L, _P.long(), 2), TypeError, r"^kernel_ladder\.moe_gather: permutation must be int32"),
+        (lambda: kernel_ladder.moe_gather(_L, _P.long(), 2), TypeError,
+         r"^kernel_ladder\.moe_gather: permutation must be int32"),
         (lambda: kernel_ladder.moe_gather(_L, _P, 0), ValueError, r"^kernel_ladder\.moe_gather: top_k must be >= 1"),
         (lambda: kernel_ladder.moe_combine(torch.zeros(8, 8), _P, torch.zeros(3, 2)), ValueError,
          r"^kernel_ladder\.moe_combine: weights must be \(T, k\) = \(4, 2\), got \(3, 2\)"),

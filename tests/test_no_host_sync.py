@@ -344,14 +344,17 @@ def test_host_reads_inside_kernels_ops_are_caught():
     cache = (_r(3, 8, 1, 16, grad=False), _r(3, 8, 1, 16, grad=False))
     syncs = HostSyncs()
     with runtime.check_values(True), syncs.watching(), pytest.raises(ValueError):
-        kernel_ladder.write_kv_cache(_r(1, 1, 16, grad=False), _r(1, 1, 16, grad=False), *cache, _int([99], torch.int64))
-    assert any(call.startswith("Tensor.item at kernels/kernel_ladder/ops/write_kv_cache.py") for call in syncs.calls), str(syncs)
+        kernel_ladder.write_kv_cache(_r(1, 1, 16, grad=False), _r(1, 1, 16, grad=False), *cache,
+                                     _int([99], torch.int64))
+    at = "Tensor.item at kernels/kernel_ladder/ops/write_kv_cache.py"
+    assert any(call.startswith(at) for call in syncs.calls), str(syncs)
     assert "aten.nonzero.default inside kernel_ladder.write_kv_cache.default" in syncs.aten, str(syncs)
     assert any(s.startswith("aten._local_scalar_dense.default inside kernel_ladder.write_kv_cache") for s in syncs.aten)
     syncs = HostSyncs()
     with runtime.check_values(True), syncs.watching(), pytest.raises(ValueError):
         kernel_ladder.grouped_matmul(_r(6, 16, grad=False), _r(3, 16, 16, grad=False), _int([4, 2, 5]))
-    assert any(call.startswith("Tensor.tolist at kernels/kernel_ladder/ops/grouped_matmul.py") for call in syncs.calls), str(syncs)
+    at = "Tensor.tolist at kernels/kernel_ladder/ops/grouped_matmul.py"
+    assert any(call.startswith(at) for call in syncs.calls), str(syncs)
 
 
 def test_the_interpreters_own_copies_are_not_counted():
@@ -421,7 +424,8 @@ BAD_VALUES = {
                                                             _int([0, 24], torch.int64)),
                              r"kernel_ladder\.write_kv_cache: slot_mapping must hold slots below num_blocks \* "
                              r"block_size = 24 \(or a negative slot for padding\); got slot_mapping\[1\] = 24"),
-    "varlen cu_seqlens": (lambda: kernel_ladder.flash_attention_varlen(_r(5, 1, 16, grad=False), _r(5, 1, 16, grad=False),
+    "varlen cu_seqlens": (lambda: kernel_ladder.flash_attention_varlen(_r(5, 1, 16, grad=False),
+                                                                       _r(5, 1, 16, grad=False),
                                                                  _r(5, 1, 16, grad=False), _int([0, 3, 4]),
                                                                  _int([0, 3, 5]), 4, 4),
                           r"kernel_ladder\.flash_attention_varlen: cu_seqlens_q must start at 0"),

@@ -115,7 +115,8 @@ def test_the_patched_forward_runs_kernels_ops_and_no_torch_attention():
     assert any("scaled_dot_product" in n or "softmax" in n for n in before)  # the control: HF's own path
     kp.patch_model(model)
     after = _dispatched(model, ids)
-    for op in ("kernel_ladder.rms_norm", "kernel_ladder.rope", "kernel_ladder.flash_attention", "kernel_ladder.gated_mlp", "kernel_ladder.linear"):
+    for op in ("kernel_ladder.rms_norm", "kernel_ladder.rope", "kernel_ladder.flash_attention",
+               "kernel_ladder.gated_mlp", "kernel_ladder.linear"):
         assert op in after, (op, sorted(after))
     assert not any("softmax" in n or "scaled_dot_product" in n or n in ("aten.mm", "aten.addmm", "aten.bmm")
                    for n in after), sorted(after)

@@ -244,8 +244,8 @@ def sliding_window_mask(num_q_blocks: int, num_k_blocks: int, window_blocks: int
     whole: causality inside it is not expressed (the mask is per block).
     """
     if window_blocks < 0 or global_blocks < 0:
-        raise ValueError(f"kernel_ladder.ops.block_sparse_attention.sliding_window_mask: window_blocks and global_blocks "
-                         f"must be >= 0, got {window_blocks} and {global_blocks}")
+        raise ValueError("kernel_ladder.ops.block_sparse_attention.sliding_window_mask: window_blocks and "
+                         f"global_blocks must be >= 0, got {window_blocks} and {global_blocks}")
     i = torch.arange(num_q_blocks, device=device)[:, None]
     j = torch.arange(num_k_blocks, device=device)[None, :]
     diagonal = i + num_k_blocks - num_q_blocks
