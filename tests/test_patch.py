@@ -169,3 +169,27 @@ def test_bad_input_is_refused_with_clear_errors():
         layer.self_attn.attention_dropout = 0.1
     with pytest.raises(ValueError, match="attention dropout 0.1 is not supported"):
         model(ids)
+
+
+def test_the_patched_loss_output_uses_this_transformers_cache_field_without_a_deprecation_notice():
+    """transformers 5.25 renamed the output's ``past_key_values`` to ``cache`` and logs a notice for the old
+    name (once per process, hence a child process); the patched forward builds its output with the new one."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+        from kernel_ladder.patch import patch_model
+        config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                             num_attention_heads=4, num_key_value_heads=2)
+        model = LlamaForCausalLM(config)
+        patch_model(model)
+        ids = torch.randint(0, 64, (1, 6))
+        print("loss", model(ids, labels=ids).loss.item())
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "loss" in done.stdout
+    assert "deprecated" not in done.stderr, done.stderr

@@ -35,6 +35,7 @@ error, not computed wrongly.
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from collections import Counter
 
@@ -152,9 +153,11 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, labels=None, *
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(loss.device)
         loss = loss / num_items_in_batch
-    return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=getattr(outputs, "past_key_values", None),
-                                  hidden_states=getattr(outputs, "hidden_states", None),
-                                  attentions=getattr(outputs, "attentions", None))
+    # transformers 5.25 renamed the output's past_key_values to cache (the old name warns): use this version's
+    cache = "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
+    return CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=getattr(outputs, "hidden_states", None),
+                                  attentions=getattr(outputs, "attentions", None),
+                                  **{cache: getattr(outputs, cache, None)})
 
 
 def _handler(module: torch.nn.Module):
