@@ -65,13 +65,13 @@ lab: $(LAB_STAMP)
 	  --LabApp.default_url="/lab/tree/$(LAB_START)" $(LAB_FLAGS)
 
 # Every test (compiled on a GPU machine) in two processes (pytest-xdist), and every chapter notebook
-# twice: nbval runs it in learner mode against its committed outputs (chapters/conftest.py: the learner's
-# environment, rounding residues; all cells of a notebook on one worker, hence --dist loadgroup), and
+# twice: nbval runs it in learner mode against its committed outputs (utils/nbval_plugin.py: the learner's
+# environment, rounding residues; all cells of a notebook on one worker, hence --dist loadfile), and
 # tests/test_notebooks.py runs it in solution mode (every check solved, everything else as committed).
 # TEST_WORKERS=0 runs them in this process.
 TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest tests chapters --nbval -n $(TEST_WORKERS) --dist loadgroup --timeout=900 -p no:cacheprovider $(PYTEST_FLAGS)
+	$(PY) -m pytest tests chapters --nbval -p utils.nbval_plugin -n $(TEST_WORKERS) --dist loadfile --timeout=900 -p no:cacheprovider $(PYTEST_FLAGS)
 
 test-fast: setup
 	$(PY) -m pytest tests -x -q -m "not slow" $(PYTEST_FLAGS)

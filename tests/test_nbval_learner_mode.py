@@ -1,10 +1,10 @@
-"""nbval as ``make test`` runs it over the chapters (``chapters/conftest.py``), on small notebooks made here.
+"""nbval as ``make test`` runs it over the chapters (``utils/nbval_plugin.py``), on small notebooks made here.
 
 Each case writes a one-cell notebook whose committed output is given, runs ``pytest --nbval`` on it in a
-child process with the chapters' conftest loaded as a plugin, and reads the verdict: the learner-mode
-environment reaches the kernel, a rounding residue within the factor passes, and the negative controls —
-a residue beyond the factor, a changed digit of an ordinary number, a kernel in solution mode, plain nbval without the
-chapters' conftest — fail.
+child process with the plugin loaded, and reads the verdict: the learner-mode environment reaches the
+kernel, a rounding residue within the factor passes, and the negative controls — a residue beyond the
+factor, a changed digit of an ordinary number, a kernel in solution mode, plain nbval without the
+plugin — fail.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def _nbval(tmp_path: Path, source: str, committed: str, plugin: bool = True) -> 
     nbformat.write(notebook, path)
     env = {k: v for k, v in os.environ.items() if not k.startswith("KERNEL_LADDER_SOLUTIONS")}
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "--nbval", *(["-p", "chapters.conftest"] if plugin else []),
+        [sys.executable, "-m", "pytest", "--nbval", *(["-p", "utils.nbval_plugin"] if plugin else []),
          "-p", "no:cacheprovider", "-q", "-p", "no:xdist", str(path)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
     )
@@ -56,7 +56,7 @@ def test_rounding_residues_match_within_the_factor_and_nothing_else_does(tmp_pat
     source = "print('max error 2.9e-07 over 1,024 rows')"
     assert _passed(_nbval(tmp_path, source, "max error 2.9e-07 over 1,024 rows\n"))
     assert _passed(_nbval(tmp_path, source, "max error 6.1e-07 over 1,024 rows\n"))  # within the factor
-    # negative control: plain nbval (no chapters/conftest.py) refuses the same residue
+    # negative control: plain nbval (no utils/nbval_plugin.py) refuses the same residue
     assert not _passed(_nbval(tmp_path, source, "max error 6.1e-07 over 1,024 rows\n", plugin=False))
     beyond = 2.9e-07 * RESIDUE_FACTOR * 1.5
     assert not _passed(_nbval(tmp_path, source, f"max error {beyond:.1e} over 1,024 rows\n"))

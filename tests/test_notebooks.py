@@ -1,8 +1,8 @@
 """Every chapter notebook in solution mode, against its committed outputs.
 
 The committed outputs are a learner-mode run (``make notebooks``); nbval checks that learner mode
-still prints exactly them (``make test`` runs ``pytest --nbval chapters``, set up by
-``chapters/conftest.py``). What nbval cannot do is run here: each notebook in solution mode (stubs
+still prints exactly them (``make test`` runs ``pytest --nbval -p utils.nbval_plugin chapters``, set up by
+``utils/nbval_plugin.py``). What nbval cannot do is run here: each notebook in solution mode (stubs
 replaced by the solutions in ``solutions/``), whatever this run's own ``KERNEL_LADDER_SOLUTIONS``
 (``utils.notebooks.solution_mode_problems``): it must run to the end, every check must say
 ✅ SOLVED — the same checks as committed — and every other output must match the committed one.

@@ -2,9 +2,9 @@
 
 Their outputs are a learner-mode run (``make notebooks`` saves it, ``utils.notebooks``): every
 check's verdict is ``❌ NOT SOLVED`` and the first cell says ``solution mode: False``.
-nbval (``pytest --nbval chapters``, in ``make test``) proves that learner mode still prints exactly these
-outputs, and ``test_notebooks.py`` that solution mode solves every check and prints everything else the
-same. These tests only read the files.
+nbval (``pytest --nbval -p utils.nbval_plugin chapters``, in ``make test``) proves that learner mode still
+prints exactly these outputs, and ``test_notebooks.py`` that solution mode solves every check and prints
+everything else the same. These tests only read the files.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ import nbformat
 import pytest
 
 from utils.notebooks import (
+    KERNEL_NAME,
     RESIDUE_FACTOR,
     chapter_notebooks,
     error_outputs,
@@ -108,7 +109,7 @@ def test_execute_saves_the_learner_mode_run(executed) -> None:
         "cell 5: ValueError: shown on purpose"
     ]
     assert "version" not in saved.metadata["language_info"]
-    assert saved.metadata["kernelspec"]["name"] == "python3"
+    assert saved.metadata["kernelspec"]["name"] == KERNEL_NAME
     assert all(set(cell.metadata) == {"tags"} for cell in saved.cells)
 
 

@@ -1,9 +1,11 @@
 """nbval runs every chapter notebook in learner mode against its committed outputs (``make test``).
 
-``pytest --nbval chapters`` executes each notebook cell by cell in a fresh kernel of the notebooks'
-own kernelspec (``kernel-ladder``, installed by ``make setup``) and compares every output with the
-committed one, honouring the ``nbval-ignore-output`` / ``nbval-skip`` / ``raises-exception`` tags the
-notebooks carry. Three things are set here, and nothing else is changed in nbval:
+A pytest plugin, loaded by name (``pytest --nbval -p utils.nbval_plugin chapters``; a ``conftest.py`` in
+``chapters/`` would clash with ``tests/conftest.py``, which tests import as ``conftest``). nbval executes each
+notebook cell by cell in a fresh kernel of the notebooks' own kernelspec (``kernel-ladder``, installed by
+``make setup``) and compares every output with the committed one, honouring the ``nbval-ignore-output`` /
+``nbval-skip`` / ``raises-exception`` tags the notebooks carry. Two things are set here, and nothing else is
+changed in nbval:
 
 * the kernel runs in **learner mode** (the stubs as written, ``KERNEL_LADDER_CHECK_SEED`` fixed), the
   mode the committed outputs were made in (:func:`utils.notebooks.kernel_env`): so every check must
@@ -12,8 +14,9 @@ notebooks carry. Three things are set here, and nothing else is changed in nbval
   float64 reference, whose digits depend on the CPU's BLAS kernels) match within
   :data:`utils.notebooks.RESIDUE_FACTOR` of the committed value (:func:`utils.notebooks.same_text`);
   every other character must be equal;
-* under pytest-xdist, all cells of one notebook go to one worker (an ``xdist_group`` per notebook:
-  run with ``--dist loadgroup``), in order, since they share one kernel.
+* nothing for pytest-xdist: all cells of one notebook must run on one worker, in order (they share one
+  kernel), which ``--dist loadfile`` guarantees (``make test`` uses it; ``loadgroup`` does not group
+  nbval's items under pytest 9.2 with pytest-xdist 3.8).
 
 Solution mode (every check ✅) is what nbval cannot do: ``tests/test_notebooks.py`` runs it.
 """
@@ -21,8 +24,6 @@ Solution mode (every check ✅) is what nbval cannot do: ``tests/test_notebooks.
 from __future__ import annotations
 
 import copy
-
-import pytest
 
 from utils.notebooks import kernel_env, same_text
 
@@ -64,7 +65,6 @@ def _learner_kernel(start_new_kernel):
 
 
 def pytest_configure(config) -> None:
-    config.addinivalue_line("markers", "xdist_group(name): cells that share a notebook's kernel (pytest-xdist)")
     if not (getattr(config.option, "nbval", False) or getattr(config.option, "nbval_lax", False)):
         return
     import nbval.kernel
@@ -74,10 +74,3 @@ def pytest_configure(config) -> None:
         nbval.kernel.start_new_kernel = _learner_kernel(nbval.kernel.start_new_kernel)
     if not hasattr(nbval.plugin.IPyNbCell.compare_outputs, "__wrapped__"):
         nbval.plugin.IPyNbCell.compare_outputs = _residue_tolerant(nbval.plugin.IPyNbCell.compare_outputs)
-
-
-def pytest_collection_modifyitems(config, items) -> None:
-    for item in items:
-        path = str(getattr(item, "path", ""))
-        if path.endswith(".ipynb"):
-            item.add_marker(pytest.mark.xdist_group(name=f"nbval-{item.path.stem}"))
