@@ -32,8 +32,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 
 def pytest_collection_modifyitems(config, items):
-    # The longest tests first (the notebooks, then the rest marked slow): with work stealing, two
-    # workers then finish together instead of one waiting on the last notebook.
+    # The longest tests first (the notebooks, then the rest marked slow): the files holding them are
+    # handed out first, so that two workers finish together instead of one waiting on the last notebook.
     items.sort(key=lambda item: 0 if "test_notebooks.py" in item.nodeid else 1 if "slow" in item.keywords else 2)
     compiled = torch.cuda.is_available() and not kernel_ladder.runtime.INTERPRETER
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device (sizes too large for the interpreter)")
