@@ -34,7 +34,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 def pytest_collection_modifyitems(config, items):
     # The longest tests first (the notebooks, then the rest marked slow): the files holding them are
     # handed out first, so that two workers finish together instead of one waiting on the last notebook.
-    items.sort(key=lambda item: 0 if "test_notebooks.py" in item.nodeid else 1 if "slow" in item.keywords else 2)
+    # (nbval's cells of a chapter notebook count as a notebook; the sort is stable, so they stay in order.)
+    notebook = ("test_notebooks.py", ".ipynb::")
+    items.sort(key=lambda item: 0 if any(n in item.nodeid for n in notebook) else 1 if "slow" in item.keywords else 2)
     compiled = torch.cuda.is_available() and not kernel_ladder.runtime.INTERPRETER
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device (sizes too large for the interpreter)")
     skip_interpreter = pytest.mark.skip(reason="counts or diagnoses through Triton's interpreter; kernels compile here")
