@@ -148,7 +148,7 @@ def test_the_adapter_follows_the_mask_it_is_given():
     q1, k1, v1 = _qkv(tq=1, tk=5, seed=1)
     out, _ = hf.attention(_module(), q1, k1, v1, None)
     torch.testing.assert_close(out.double(), _reference(q1, k1, v1, torch.ones(1, 5, dtype=torch.bool,
-                                                                                device=DEVICE), scale),
+                                                                               device=DEVICE), scale),
                                rtol=1e-4, atol=1e-5)
     out, _ = hf.attention(_module(), q1, k1, v1, None, sliding_window=2)
     last_two = torch.tensor([[False, False, False, True, True]], device=DEVICE)
@@ -288,7 +288,7 @@ def test_kernelize_runs_kernel_ladder_layers_and_matches():
     for op in ("kernel_ladder.rms_norm", "kernel_ladder.rope", "kernel_ladder.silu"):
         assert op in ran, (op, sorted(ran))
     assert "forward" in model.model.norm.__dict__ and isinstance(model.model.norm._kernel_repo,
-                                                                  kernels.LocalLayerRepository)
+                                                                 kernels.LocalLayerRepository)
     with torch.no_grad():
         assert _rel(model(ids).logits, ref(ids).logits) < 1e-5
     # the same as kernels' own kernelize under the mapping, by hand

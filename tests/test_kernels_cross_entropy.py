@@ -81,7 +81,7 @@ def raw_op(logits, target, weight=None, ignore_index=-100, reduction="mean", lab
     """``torch.ops.kernel_ladder.cross_entropy`` with its schema's positional arguments."""
     return torch.ops.kernel_ladder.cross_entropy(logits, target, weight, ignore_index, reduction, label_smoothing,
                                                  softcap,
-                                           z_loss, return_z_loss, compute_grad)
+                                                 z_loss, return_z_loss, compute_grad)
 
 
 # --------------------------------------------------------------------------- values and gradients

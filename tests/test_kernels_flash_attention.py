@@ -252,7 +252,7 @@ def test_varlen_matches_the_reference_per_sequence(case, gen):
     q, k, v = leaf(q), leaf(k), leaf(v)
     out, lse = kernel_ladder.flash_attention_varlen(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k),
                                                     return_lse=True,
-                                              **options)
+                                                    **options)
     assert out.shape == q.shape and lse.shape == (hq, q.shape[0])
     g = rand(*out.shape, gen=gen)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), g)
@@ -308,7 +308,7 @@ def test_cu_seqlens_values_are_checked(gen):
         cu_bad = torch.tensor(bad, dtype=torch.int32, device=DEVICE)
         with pytest.raises(ValueError,
                            match=r"kernel_ladder\.flash_attention_varlen: cu_seqlens_q must start at 0, never "
-                                             rf"decrease, end at 7 .*got \[{bad[0]}, {bad[1]}, {bad[2]}\]"):
+                                 rf"decrease, end at 7 .*got \[{bad[0]}, {bad[1]}, {bad[2]}\]"):
             kernel_ladder.flash_attention_varlen(q, q, q, cu_bad, cu, 7, 7)
     with pytest.raises(ValueError, match=r"cu_seqlens_k must .* every sequence length <= max_seqlen = 3"):
         kernel_ladder.flash_attention_varlen(q, q, q, cu, cu, 4, 3)

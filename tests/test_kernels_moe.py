@@ -306,7 +306,7 @@ def test_matches_mixtral_sparse_moe_block(gen):
 
     flat = x.reshape(-1, 32)
     got = kernel_ladder.moe(flat, F.linear(flat, hf.gate.weight), hf.experts.gate_up_proj, hf.experts.down_proj,
-                      config.num_experts_per_tok).reshape(x.shape)
+                            config.num_experts_per_tok).reshape(x.shape)
     got_grads = torch.autograd.grad(got, params, g)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     for name, a, b in zip(("x", "gate.weight", "gate_up_proj", "down_proj"), got_grads, want_grads):

@@ -201,7 +201,7 @@ def test_packed_queries_match_flash_attention(gen):
     for b, (kb, vb) in enumerate(pa.gather_kv(k, v, table, lens)):
         rows = slice(int(cu[b]), int(cu[b + 1]))
         dense = kernel_ladder.flash_attention(q[rows].transpose(0, 1)[None], kb.transpose(0, 1)[None],
-                                        vb.transpose(0, 1)[None], causal=True, window=9)
+                                              vb.transpose(0, 1)[None], causal=True, window=9)
         torch.testing.assert_close(out[rows].float(), dense[0].transpose(0, 1).float(), rtol=2e-2, atol=2e-2)
 
 
@@ -228,7 +228,7 @@ def test_strided_caches_and_queries_are_read_in_place(layout, gen):
     copies = [op.name for op in tr.torch_ops if op.launches and ("copy" in op.name or "clone" in op.name)]
     assert not copies, copies
     assert torch.equal(out, kernel_ladder.paged_attention(q.contiguous(), k.contiguous(), v.contiguous(), table, lens,
-                                                    num_splits=2))
+                                                          num_splits=2))
     assert_matches(out, paged_attention_reference(q, k, v, table, lens), torch.float32)
 
 

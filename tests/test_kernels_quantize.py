@@ -265,7 +265,7 @@ def test_quantize_weight_rejects_non_finite_weights(scheme, group_size, bad, gen
     w[5, 1] = bad
     with pytest.raises(ValueError,
                        match=r"kernel_ladder\.quantize_weight: w has 2 non-finite value\(s\) \(NaN or \+-inf; "
-                                         r"the first at \[4, 17\] is (nan|inf|-inf)\).*torch\.nan_to_num"):
+                             r"the first at \[4, 17\] is (nan|inf|-inf)\).*torch\.nan_to_num"):
         kernel_ladder.quantize_weight(w, scheme, group_size=group_size)
 
 
@@ -288,7 +288,7 @@ def test_bad_input_errors():
         kernel_ladder.quantize_weight(w, "int3")
     with pytest.raises(ValueError,
                        match=r"kernel_ladder\.quantize_weight: group_size must be a power of two from 32 to 4096 "
-                                         r"\(32, 64, 128, 256, 512, 1024, 2048, 4096\) for scheme 'int4', got 48"):
+                             r"\(32, 64, 128, 256, 512, 1024, 2048, 4096\) for scheme 'int4', got 48"):
         kernel_ladder.quantize_weight(w, "int4", group_size=48)
     with pytest.raises(ValueError, match=r"kernel_ladder\.quantize_weight: group_size must be .* got 16"):
         kernel_ladder.quantize_weight(w, "int4", group_size=16)

@@ -447,7 +447,7 @@ def test_end_to_end_cache_holds_every_sequence_history(gen, dtype):
         for layer in range(layers):
             k, v = kv(layer, out.token_ids, out.positions)
             kernel_ladder.write_kv_cache(k.to(dtype).to(DEVICE), v.to(dtype).to(DEVICE), cache.k_cache(layer),
-                                   cache.v_cache(layer), out.slot_mapping)
+                                         cache.v_cache(layer), out.slot_mapping)
             cu = out.cu_seqlens_q.tolist()
             for b, request_id in enumerate(out.request_ids):
                 length = out.seq_lens[b].item()

@@ -141,13 +141,13 @@ def _case_paged():
     kernel_ladder.paged_attention(q, k_cache, v_cache, _int([[0, 2], [3, 1]]), _int([9, 5]), num_splits=1)
     cu = _int([0, 2, 3])
     kernel_ladder.paged_attention(_r(3, 2, 16, grad=False), k_cache, v_cache, _int([[0, 2], [3, 1]]), _int([9, 5]),
-                            cu_seqlens_q=cu)
+                                  cu_seqlens_q=cu)
 
 
 def _case_write_kv_cache():
     k_cache, v_cache = _r(3, 8, 1, 16, grad=False), _r(3, 8, 1, 16, grad=False)
     kernel_ladder.write_kv_cache(_r(4, 1, 16, grad=False), _r(4, 1, 16, grad=False), k_cache, v_cache,
-                           _int([0, 9, -1, 23], torch.int64))
+                                 _int([0, 9, -1, 23], torch.int64))
 
 
 def _case_moe():
@@ -232,7 +232,7 @@ CASES: dict[str, Callable[[], None] | _Prepared] = {
     "dropout": lambda: _backward(kernel_ladder.dropout(_r(4, 8), 0.5, seed=3)),
     "dropout_mask": lambda: kernel_ladder.dropout_mask((4, 8), 0.5, seed=3, device=DEVICE),
     "flash_attention": lambda: _backward(kernel_ladder.flash_attention(_r(1, 2, 8, 16), _r(1, 1, 8, 16),
-                                                                 _r(1, 1, 8, 16), causal=True)),
+                                                                       _r(1, 1, 8, 16), causal=True)),
     "flash_attention_varlen": _case_varlen,
     "fused_linear_cross_entropy": _case_flce,
     "gated_mlp": lambda: _backward(kernel_ladder.gated_mlp(_r(4, 16), _r(8, 16), _r(8, 16), _r(16, 8))),
@@ -254,7 +254,7 @@ CASES: dict[str, Callable[[], None] | _Prepared] = {
     "rms_norm": lambda: (_backward(kernel_ladder.rms_norm(_r(4, 8), _r(8))),
                          _backward(kernel_ladder.rms_norm(_r(4, 8), _r(8), in_place_backward=True))),
     "rope": lambda: _backward(kernel_ladder.rope(_r(1, 2, 4, 8), _r(1, 1, 4, 8),
-                                           *kernel_ladder.rope_cos_sin(torch.arange(4, device=DEVICE), 8))),
+                                                 *kernel_ladder.rope_cos_sin(torch.arange(4, device=DEVICE), 8))),
     "silu": lambda: _backward(kernel_ladder.silu(_r(4, 8))),
     "softmax": lambda: _backward(kernel_ladder.softmax(_r(4, 8))),
     "swiglu": lambda: (_backward(kernel_ladder.swiglu(_r(4, 8), _r(4, 8))),
@@ -404,30 +404,33 @@ BAD_VALUES = {
     "cross_entropy targets": (lambda: kernel_ladder.cross_entropy(_r(2, 5, grad=False), _int([1, 5], torch.int64)),
                               r"kernel_ladder\.cross_entropy: target must hold class indices in \[0, 5\)"),
     "flce targets": (lambda: kernel_ladder.fused_linear_cross_entropy(_r(2, 8, grad=False), _r(5, 8, grad=False),
-                                                                _int([-3, 1], torch.int64)),
+                                                                      _int([-3, 1], torch.int64)),
                      r"kernel_ladder\.cross_entropy: target must hold class indices in \[0, 5\)"),
     "grouped_matmul offsets": (lambda: kernel_ladder.grouped_matmul(_r(6, 16, grad=False), _r(2, 16, 16, grad=False),
-                                                              _int([4, 2])),
+                                                                    _int([4, 2])),
                                r"kernel_ladder\.grouped_matmul: offsets must be non-negative, non-decreasing"),
     "moe_permute expert ids": (lambda: kernel_ladder.moe_permute(_int([[0, 4]]), 4),
                                r"kernel_ladder\.moe_permute: expert_ids must be in \[0, num_experts\) = \[0, 4\); "
                                r"got ids from 0 to 4"),
     "paged seq_lens": (lambda: kernel_ladder.paged_attention(_r(1, 2, 16, grad=False), _r(4, 8, 1, 16, grad=False),
-                                                       _r(4, 8, 1, 16, grad=False), _int([[0, 1]]), _int([17])),
+                                                             _r(4, 8, 1, 16, grad=False), _int([[0, 1]]), _int([17])),
                        r"kernel_ladder\.paged_attention: seq_lens must be in \[0, max_blocks \* block_size\]"),
-    "paged block tables": (lambda: kernel_ladder.paged_attention(_r(1, 2, 16, grad=False), _r(4, 8, 1, 16, grad=False),
-                                                           _r(4, 8, 1, 16, grad=False), _int([[0, 4]]), _int([9])),
+    "paged block tables": (lambda: kernel_ladder.paged_attention(_r(1, 2, 16, grad=False),
+                                                                 _r(4, 8, 1, 16, grad=False),
+                                                                 _r(4, 8, 1, 16, grad=False), _int([[0, 4]]),
+                                                                 _int([9])),
                            r"kernel_ladder\.paged_attention: every block_tables entry a sequence uses .* in \[0, "
                            r"num_blocks = 4\); got block_tables\[0, 1\] = 4 \(sequence 0 has seq_len 9\)"),
     "write_kv_cache slots": (lambda: kernel_ladder.write_kv_cache(_r(2, 1, 16, grad=False), _r(2, 1, 16, grad=False),
-                                                            _r(3, 8, 1, 16, grad=False), _r(3, 8, 1, 16, grad=False),
-                                                            _int([0, 24], torch.int64)),
+                                                                  _r(3, 8, 1, 16, grad=False),
+                                                                  _r(3, 8, 1, 16, grad=False),
+                                                                  _int([0, 24], torch.int64)),
                              r"kernel_ladder\.write_kv_cache: slot_mapping must hold slots below num_blocks \* "
                              r"block_size = 24 \(or a negative slot for padding\); got slot_mapping\[1\] = 24"),
     "varlen cu_seqlens": (lambda: kernel_ladder.flash_attention_varlen(_r(5, 1, 16, grad=False),
                                                                        _r(5, 1, 16, grad=False),
-                                                                 _r(5, 1, 16, grad=False), _int([0, 3, 4]),
-                                                                 _int([0, 3, 5]), 4, 4),
+                                                                       _r(5, 1, 16, grad=False), _int([0, 3, 4]),
+                                                                       _int([0, 3, 5]), 4, 4),
                           r"kernel_ladder\.flash_attention_varlen: cu_seqlens_q must start at 0"),
 }
 

@@ -162,7 +162,7 @@ class TinyDecoder(torch.nn.Module):
         # A fixed chunk (not the default rule, computed from the row count) keeps torch.compile's
         # dynamic shapes from specializing on B * T; the logits buffer is min(chunk, B * T) x vocab.
         return kernel_ladder.fused_linear_cross_entropy(h, self.lm_head, targets, ignore_index=ignore_index,
-                                                  chunk_size=LOSS_CHUNK_ROWS)
+                                                        chunk_size=LOSS_CHUNK_ROWS)
 
     forward = loss
 

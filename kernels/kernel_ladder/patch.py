@@ -36,6 +36,7 @@ error, not computed wrongly.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 from collections import Counter
 
@@ -93,7 +94,7 @@ _FUSED_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tan
 
 def _fc_mlp_forward(self, hidden_states):  # ViT's and CLIP's MLP: fc2(act(fc1(x))), the activation fused
     h = kernel_ladder.linear(hidden_states, self.fc1.weight, self.fc1.bias,
-                       activation=_FUSED_ACTIVATIONS[self.config.hidden_act])
+                             activation=_FUSED_ACTIVATIONS[self.config.hidden_act])
     return kernel_ladder.linear(h, self.fc2.weight, self.fc2.bias)
 
 
@@ -132,6 +133,12 @@ def _llama_attention_forward(self, hidden_states, position_embeddings=None, atte
     return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
 
 
+@functools.cache
+def _cache_field(output_class: type) -> str:
+    """The output's cache field in this transformers: ``cache`` from 5.25 (the old ``past_key_values`` warns)."""
+    return "cache" if "cache" in {f.name for f in dataclasses.fields(output_class)} else "past_key_values"
+
+
 def _causal_lm_forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
     """With labels: the loss from the hidden states by kernel_ladder.fused_linear_cross_entropy."""
     if labels is None or getattr(self.config, "output_router_logits", False) or kwargs.get("inputs_embeds") is not None:
@@ -153,8 +160,7 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, labels=None, *
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(loss.device)
         loss = loss / num_items_in_batch
-    # transformers 5.25 renamed the output's past_key_values to cache (the old name warns): use this version's
-    cache = "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
+    cache = _cache_field(CausalLMOutputWithPast)
     return CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=getattr(outputs, "hidden_states", None),
                                   attentions=getattr(outputs, "attentions", None),
                                   **{cache: getattr(outputs, cache, None)})
