@@ -61,10 +61,15 @@ def _stub(x):
     raise NotImplementedError
 
 
+def _no_device(x):  # torch.empty without device=: a CPU tensor whatever x's device
+    return torch.empty(x.shape, dtype=torch.int8), torch.empty(x.shape[:-1], dtype=torch.float32)
+
+
 @pytest.mark.parametrize("fake, diagnosis", [
-    (_scale_keepdim, "output 1: the fake says shape"),
+    (_no_device, "output 0: the fake says device cpu, the kernel returns cuda (x's device)"),
+    (_scale_keepdim, "a trailing dimension of 1 kept"),
     (_q_in_x_dtype, "output 0: the fake says dtype float"),
-    (_scale_of_first_dim, "output 1: the fake says shape (2,), the kernel returns (2, 3)"),  # the 3-D case
+    (_scale_of_first_dim, "output 1: the fake says shape (2,), the kernel returns (2, 3): only the first dimension kept"),
     (_reads_values, "raised"),
     (_only_q, "the fake must return 2 tensors (q, scale), got tuple of 1"),
     (_stub, "not implemented yet"),
@@ -111,7 +116,12 @@ def _one_row_short(x, s):
     return x.new_empty((x.shape[0] - 1, x.shape[1]))
 
 
+def _contiguous_but_no_device(x, s):
+    return torch.empty(x.shape, dtype=x.dtype)
+
+
 @pytest.mark.parametrize("fake, diagnosis", [
+    (_contiguous_but_no_device, "the output: the fake says device cpu, the kernel returns cuda (x's device)"),
     (_always_float32, "the fake says dtype float32, the kernel returns float16"),
     (_one_row_short, "the output: the fake says shape"),
 ])
@@ -199,8 +209,8 @@ def test_double_backward_stays_unsupported_for_the_library_ops_with_a_clear_erro
 
 
 def check_nosync(function):
-    return check("ch10.embedding_rows_nosync", given.without_syncs(function), given.embedding_reference,
-                 given.embedding_cases)
+    return check("ch10.embedding_rows_nosync", given.embedding_checked(function), given.embedding_reference,
+                 given.embedding_cases, compare=given.diagnose_embedding)
 
 
 def test_embedding_rows_nosync_solved():
@@ -233,11 +243,41 @@ def _gathers_without_counting(table, ids):
     return rows, torch.zeros(1, dtype=torch.int32, device=table.device)
 
 
+def _without(*kept: str):
+    """``embedding_rows_nosync`` with only the metadata checks named in ``kept``."""
+
+    def function(table, ids):
+        if "rank" in kept and (table.dim() != 2 or ids.dim() != 1):
+            raise ValueError("ch10.embedding_rows: expected table (V, D) and ids (T,)")
+        if "dtype" in kept and ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError("ch10.embedding_rows: ids must be int32 or int64")
+        if "strides" in kept and table.stride(1) != 1:
+            raise ValueError("ch10.embedding_rows: table's rows must be contiguous")
+        bad = torch.zeros(1, dtype=torch.int32, device=table.device)
+        return given._launch_embedding(table, ids, bad), bad
+
+    return function
+
+
+@pytest.mark.parametrize("function, diagnosis", [
+    (_without("rank", "dtype", "strides"), None),
+    (_without(), "the rank check is gone"),
+    (_without("rank", "strides"), "the dtype check is gone: it accepted ids of dtype float32"),
+    (_without("rank", "dtype"), "the strides check is gone"),
+])
+def test_embedding_rows_metadata_checks_are_required(function, diagnosis):
+    verdict = check_nosync(function)
+    if diagnosis is None:
+        assert verdict.solved, verdict.message
+    else:
+        assert rejected(verdict, diagnosis), verdict.message
+
+
 @pytest.mark.parametrize("function, diagnosis", [
     (_sync_in_an_if, "_sync_in_an_if ("),
-    (_drops_the_flag, "wrong values"),
+    (_drops_the_flag, "bad is [1], expected [0]"),
     (_torch_gather_with_sync, "HostSyncError"),
-    (_gathers_without_counting, "case 3 of 3"),
+    (_gathers_without_counting, "case 3 of 6"),
 ])
 def test_embedding_rows_wrong_variants_rejected(function, diagnosis):
     verdict = check_nosync(function)
