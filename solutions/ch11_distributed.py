@@ -15,6 +15,7 @@ The chapter runs the library's versions on real gloo worlds beside each check.
 
 from __future__ import annotations
 
+import itertools
 import math
 import queue
 import threading
@@ -35,13 +36,16 @@ __all__ = [
     "ring_reference",
     "run_ring",
     "diagnose_ring",
+    "explain_ring",
     "plan_buckets",
     "bucket_cases",
     "bucket_reference",
     "diagnose_buckets",
+    "explain_buckets",
     "mlp_shards",
     "mlp_cases",
     "mlp_reference",
+    "MLP_TOLERANCE",
     "run_sharded_mlp",
     "merge_partials",
     "merge_cases",
@@ -57,6 +61,7 @@ __all__ = [
     "vocab_reference",
     "run_vocab_loss",
     "diagnose_vocab",
+    "explain_vocab",
 ]
 
 
@@ -96,7 +101,9 @@ class ThreadComm:
                                 "that never came (both waiting to receive? a send missing?)") from None
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """The elementwise ``"sum"`` or ``"max"`` of every rank's ``tensor`` (a new tensor)."""
+        """The elementwise ``"sum"`` or ``"max"`` of every rank's ``tensor``, returned as a new tensor;
+        ``tensor`` itself is left as it was (unlike ``torch.distributed.all_reduce``, which reduces in
+        place and returns None)."""
         if op not in ("sum", "max"):
             raise ValueError(f"rank {self.rank}: all_reduce op must be 'sum' or 'max', got {op!r}")
         self.bytes_sent += tensor.numel() * tensor.element_size()
@@ -217,6 +224,33 @@ def diagnose_ring(got: torch.Tensor, expected: torch.Tensor) -> str | None:
     return f"ranks {partial} hold a wrong chunk: a step sent or added the wrong chunk index, or too few steps"
 
 
+def explain_ring(case: tuple, got: torch.Tensor, expected: torch.Tensor) -> str | None:
+    """Which ranks' parts the first wrong rank's chunk sums, when it is a sum of some of them.
+
+    A chunk that holds only some ranks' contributions is a missing step or an arriving partial
+    sum stored instead of added; the right chunk index with every rank is a finished chunk.
+    """
+    p, data = case
+    parts = data.double().reshape(p, p, -1)  # [rank, chunk, element]
+    got = got.double()
+    for r in range(p):
+        if torch.allclose(got[r], parts[:, r].sum(0), rtol=1e-5, atol=1e-5):
+            continue
+        for chunk in [r] + [c for c in range(p) if c != r]:
+            for size in range(1, p + 1):
+                for ranks in itertools.combinations(range(p), size):
+                    if torch.allclose(got[r], parts[list(ranks), chunk].sum(0), rtol=1e-5, atol=1e-5):
+                        which = f"rank{'s' if size > 1 else ''} {list(ranks)}"
+                        if size == p:
+                            return (f"rank {r} ends with chunk {chunk}, finished (summed over every rank), "
+                                    f"instead of chunk {r}")
+                        return (f"rank {r} ends with chunk {chunk} summed over {which} only, {size} of the {p} "
+                                "ranks: an arriving partial sum was stored instead of added to this rank's own "
+                                "part, or a step is missing (p − 1 steps, each adding what arrives)")
+        return None
+    return None
+
+
 # ----------------------------------------------------------------------------------------------
 # Exercise 2: gradient buckets
 # ----------------------------------------------------------------------------------------------
@@ -250,6 +284,46 @@ def bucket_cases(gen: torch.Generator) -> list[tuple]:
 
 def bucket_reference(sizes: list[int], cap: int) -> list[list[int]]:
     return plan_buckets(sizes, cap)
+
+
+def _plan_variant(sizes: list[int], cap: int, order: list[int], close) -> list[list[int]]:
+    """Buckets filled along ``order``; ``close(current, total, size)`` says when to start a new one."""
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    total = 0
+    for i in order:
+        if close(current, total, sizes[i], cap):
+            buckets.append(current)
+            current, total = [], 0
+        current.append(i)
+        total += sizes[i]
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def explain_buckets(case: tuple, got: Any, expected: Any) -> str | None:
+    """The common wrong plans, each recomputed and compared with ``got``."""
+    sizes, cap = case
+    backward = list(reversed(range(len(sizes))))
+    over = lambda current, total, size, cap: bool(current) and total + size > cap  # noqa: E731
+    variants = [
+        (_plan_variant(sizes, cap, list(range(len(sizes))), over),
+         "the parameters walked in registration order: the backward produces the last registered "
+         "parameter's gradient first, so the buckets fill from the end (reversed(range(len(sizes))))"),
+        (_plan_variant(sizes, cap, backward, lambda c, t, s, cap: bool(c) and t + s >= cap),
+         "a bucket closed when the next parameter would bring it exactly to the cap: the cap is allowed — "
+         "close only when the next one would take it past the cap (total + size > cap)"),
+        (_plan_variant(sizes, cap, backward, lambda c, t, s, cap: bool(c) and t > cap),
+         "a bucket closed only once it is already over the cap: check before adding the next parameter "
+         "(total + size > cap), not after"),
+    ]
+    if isinstance(got, list) and any(b == [] for b in got):
+        return "an empty bucket: close the current bucket only when it holds a parameter"
+    for plan, cause in variants:
+        if got == plan and plan != expected:
+            return cause
+    return None
 
 
 def diagnose_buckets(got, expected) -> str | None:
@@ -291,17 +365,76 @@ def mlp_reference(x, w_up, b_up, w_down, p):
     return F.gelu(x @ w_up.T + b_up) @ w_down.T
 
 
+#: The check's tolerance: each output is a sum over the ranks of float32 partial products of a few
+#: units each, so an output near zero carries their rounding (about 1e-5), not its own.
+MLP_TOLERANCE = {"rtol": 1e-5, "atol": 1e-4}
+
+
+def _where_from(parts: torch.Tensor, whole: torch.Tensor) -> list[int] | None:
+    """For each slice ``parts[i]`` (rows), the index of the equal row of ``whole``, or None if one has none."""
+    found = []
+    for part in parts:
+        hits = [j for j in range(whole.shape[0]) if torch.equal(whole[j], part)]
+        if not hits:
+            return None
+        found.append(hits[0])
+    return found
+
+
+def _span(indices: list[int]) -> str:
+    """``[a:b]`` for a contiguous ascending run, else the list."""
+    if indices and indices == list(range(indices[0], indices[0] + len(indices))):
+        return f"[{indices[0]}:{indices[0] + len(indices)}]"
+    return str(indices)
+
+
+def _shard_problem(r: int, wu, bu, wd, w_up, b_up, w_down) -> tuple[str | None, list[int] | None]:
+    """What is wrong with rank ``r``'s shards, from which rows, bias entries and columns they are."""
+    rows = _where_from(wu, w_up)
+    if rows is None:
+        return (f"rank {r}'s w_up shard is not made of rows of w_up: split up's output features, the rows of "
+                "its (out, in) weight"), None
+    bias = _where_from(bu[:, None], b_up[:, None])
+    if bias is None:
+        return f"rank {r}'s b_up shard is not made of entries of b_up", None
+    cols = _where_from(wd.T, w_down.T)
+    if cols is None:
+        return (f"rank {r}'s w_down shard is not made of columns of w_down: split down's input features, the "
+                "columns of its (out, in) weight"), None
+    if bias != rows:
+        return (f"rank {r}'s bias is b_up{_span(bias)} but its rows of w_up are {_span(rows)}: hidden feature j "
+                "needs b_up[j] beside row j"), None
+    if cols != rows:
+        return (f"rank {r} holds rows {_span(rows)} of w_up but columns {_span(cols)} of w_down: the hidden "
+                "feature j computed by row j of w_up must be consumed by column j of w_down on the same rank"), None
+    return None, rows
+
+
 def run_sharded_mlp(candidate: Callable[..., tuple]) -> Callable[..., torch.Tensor]:
-    """The MLP from every rank's shards: each rank's partial product, then their sum (the all-reduce)."""
+    """The MLP from every rank's shards: each rank's partial product, then their sum (the all-reduce).
+
+    The shards are checked before they are used: each rank's must be rows of ``w_up``, the same
+    entries of ``b_up`` and the same columns of ``w_down``, and the ranks' hidden features must
+    cover each feature once; a wrong split raises, saying which rank holds what.
+    """
     def run(x, w_up, b_up, w_down, p):
         total = 0
+        held: list[int] = []
         for r in range(p):
             wu, bu, wd = candidate(w_up, b_up, w_down, r, p)
             if wu.shape[0] * p != w_up.shape[0] or wd.shape[1] * p != w_down.shape[1] or bu.shape != wu.shape[:1]:
                 raise ValueError(f"rank {r}'s shards are {tuple(wu.shape)}, {tuple(bu.shape)}, {tuple(wd.shape)}: "
                                  f"each rank holds 1/{p} of up's rows, the same slice of up's bias, and 1/{p} of "
                                  "down's columns")
+            problem, rows = _shard_problem(r, wu, bu, wd, w_up, b_up, w_down)
+            if problem is not None:
+                raise ValueError(problem)
+            held += rows
             total = total + F.gelu(x @ wu.T + bu) @ wd.T
+        twice = sorted({j for j in held if held.count(j) > 1})
+        if twice:
+            raise ValueError(f"hidden features {twice} are held by more than one rank (and others by none): give each "
+                             "rank its own range, rank r the r-th of p")
         return total
 
     return run
@@ -334,13 +467,21 @@ def _block_attention(q, k, v, mask=None):
 
 def merge_cases(gen: torch.Generator) -> list[tuple]:
     """``(q, k, v, split, masked)``: keys split at ``split``. ``masked``: row 0 sees nothing of the
-    first block, and row 1 no key at all (its output is 0 and its lse ``-inf``). One case has
-    scores in the hundreds, where ``log(exp(a) + exp(b))`` overflows."""
+    first block, and row 1 no key at all (its output is 0 and its lse ``-inf``). The fourth case has
+    scores in the hundreds, where ``log(exp(a) + exp(b))`` overflows; the fifth every score near
+    -250, where ``exp(lse)`` underflows to 0."""
     cases = []
     for rows, keys, dim, split, masked, scale in ((4, 8, 8, 3, False, 1.0), (5, 12, 4, 6, True, 1.0),
                                                   (3, 7, 16, 1, False, 1.0), (4, 8, 8, 4, True, 300.0)):
         cases.append((torch.randn(rows, dim, generator=gen) * scale, torch.randn(keys, dim, generator=gen),
                       torch.randn(keys, dim, generator=gen), split, masked))
+    # Every score near -250 (q near +125, every key near -1): exp of any lse underflows to 0, and a
+    # running max started at 0 shifts by nothing. Integers and sixty-fourths, so that float32 computes
+    # the scores exactly and the blocks' lse differ from float64's by their rounding only.
+    rows, keys, dim = 4, 8, 4
+    q = 125.0 + torch.randint(-3, 4, (rows, dim), generator=gen).float()
+    k = -1.0 + torch.randint(-2, 3, (keys, dim), generator=gen).float() / 64
+    cases.append((q, k, torch.randn(keys, dim, generator=gen), 3, False))
     return cases
 
 
@@ -368,12 +509,21 @@ def diagnose_merge(got, expected) -> str | None:
         rows = torch.nonzero(empty).flatten().tolist()
         return (f"row(s) {rows} saw no key in either block: their lse is -inf in both, and exp(-inf - (-inf)) is "
                 "NaN; such a row must get weight 0 from each block (output 0, lse -inf)")
-    if torch.isnan(out).any() or torch.isinf(out).any():
+    finite = torch.isfinite(want_lse)
+    low = bool(finite.any()) and float(want_lse[finite].max()) < -80
+    if torch.isnan(out).any() or torch.isinf(out).any() or torch.isnan(lse).any() or (torch.isinf(lse) & finite).any():
+        if low:
+            return (f"NaN/inf where every score is near {float(want_lse[finite].mean()):.0f}: exp of it underflowed "
+                    "to 0 (0/0, or log 0) — a max started at 0, or no max, shifts by nothing; weight each block by "
+                    "exp(lse_block - lse) with lse from torch.logaddexp")
         return ("NaN/inf in rows that saw some key: with scores in the hundreds, exp(lse) overflows — weight each "
                 "block by exp(lse_block - lse) with lse from torch.logaddexp, never by exp(lse_block) itself")
     if not torch.allclose(lse, want_lse, rtol=1e-5, atol=1e-5, equal_nan=True):
         return "lse is wrong: the merged lse is log(exp(lse_a) + exp(lse_b)), computed stably (torch.logaddexp)"
-    if not torch.allclose(out, want_out, rtol=1e-5, atol=1e-5):
+    # The blocks' lse come from float32 attention: a weight exp(lse_block - lse) carries their rounding,
+    # a few units in the last place of |lse| (1e-5 of the output at |lse| = 250).
+    scale = float(want_lse[finite].abs().max()) if bool(finite.any()) else 0.0
+    if not torch.allclose(out, want_out, rtol=1e-5, atol=1e-5 + 8 * 2.0**-24 * scale * float(want_out.abs().max())):
         return "out is wrong (lse is right): each block's output is weighted by exp(lse_block - lse), then summed"
     return None
 
@@ -424,12 +574,22 @@ def diagnose_order(got: list, expected: list) -> str | None:
     for r, order in enumerate(got):
         if sorted(order) != sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)]):
             return f"rank {r} must run every micro-batch's F and B exactly once, got {order}"
+        backwards = [i for kind, i in order if kind == "B"]
+        if backwards != sorted(backwards):
+            return (f"rank {r} runs its backwards in the order {backwards}: the backwards go oldest micro-batch "
+                    "first (the one whose activations have waited longest)")
         in_flight = peak = 0
         for kind, _ in order:
             in_flight += 1 if kind == "F" else -1
             peak = max(peak, in_flight)
+        warmup = next((i for i, (kind, _) in enumerate(order) if kind == "B"), len(order))
+        want = min(p - r - 1, m)
         if peak > min(p - r, m):
-            return f"rank {r} keeps {peak} micro-batches in flight; 1F1B keeps at most p − r = {min(p - r, m)}"
+            line = f"rank {r} keeps {peak} micro-batches in flight; 1F1B keeps at most p − r = {min(p - r, m)}"
+            if warmup == want + 2 and warmup <= m:  # warm-up forwards, then one more F before the first B
+                line += (f": rank {r} warms up with {warmup - 1} forwards, one too many: 1F1B's warm-up is "
+                         f"min(p − rank − 1, m) = {want}")
+            return line
     try:
         timeline = logical_timeline(got)
     except ValueError as error:
@@ -461,10 +621,16 @@ def vocab_parallel_loss(logits: torch.Tensor, target: torch.Tensor, vocab_start:
 
 
 def vocab_cases(gen: torch.Generator) -> list[tuple]:
+    """``(p, logits, target)``: the vocabulary split over 2, 4 and 3 ranks; then logits in the
+    hundreds (where ``exp`` of an unshifted logit overflows float32, and the row's max sits on one
+    rank) and logits all near -250 (where ``exp`` of every one underflows to 0)."""
     cases = []
     for p, n, vocab in ((2, 5, 8), (4, 3, 16), (3, 6, 9)):
         logits = torch.randn(n, vocab, generator=gen) * 4
         cases.append((p, logits, torch.randint(0, vocab, (n,), generator=gen)))
+    p, n, vocab = 4, 4, 12
+    cases.append((p, torch.randn(n, vocab, generator=gen) * 100, torch.randint(0, vocab, (n,), generator=gen)))
+    cases.append((p, torch.randn(n, vocab, generator=gen) * 4 - 250, torch.randint(0, vocab, (n,), generator=gen)))
     return cases
 
 
@@ -473,14 +639,72 @@ def vocab_reference(p: int, logits: torch.Tensor, target: torch.Tensor) -> torch
 
 
 def diagnose_vocab(got, expected) -> str | None:
+    """None if ``got`` is the mean loss, else what it is (the cause is :func:`explain_vocab`'s)."""
     got = torch.as_tensor(got)
     if got.shape != torch.as_tensor(expected).shape:
         return f"return the mean loss as a 0-d tensor, got shape {tuple(got.shape)}"
     if torch.allclose(got.double(), torch.as_tensor(expected).double(), rtol=1e-5, atol=1e-6):
         return None
-    return (f"loss {float(got):.6f}, expected {float(expected):.6f}: check that the target's logit comes from the "
-            "one rank whose columns hold it (mask it to 0 on the others before the all-reduce), and that every "
-            "rank shifts by the same global max (all-reduced with 'max') before exp")
+    return f"loss {float(got):.6f}, expected {float(expected):.6f}"
+
+
+def _vocab_variants(p: int, logits: torch.Tensor, target: torch.Tensor) -> list[tuple[torch.Tensor, str]]:
+    """The common wrong losses in float64, each with its cause."""
+    x = logits.double()
+    n, vocab = x.shape
+    width = vocab // p
+    shards = [x[:, r * width:(r + 1) * width] for r in range(p)]
+    owner = target // width
+    m = x.max(1).values
+    lse = torch.logsumexp(x, 1)
+    target_logit = x.gather(1, target[:, None])[:, 0]
+    per_row = lse - target_logit
+    right = per_row.mean()
+
+    local_max = [s.max(1).values for s in shards]
+    sum_local = sum(torch.exp(s - lm[:, None]).sum(1) for s, lm in zip(shards, local_max))
+    own_max = torch.stack(local_max)[owner, torch.arange(n)]
+    local_max_loss = (sum_local.log() - (target_logit - own_max)).mean()
+
+    every_rank = sum(s.gather(1, (target - r * width).clamp(0, width - 1)[:, None])[:, 0]  # no owner mask
+                     for r, s in enumerate(shards))
+    no_owner_mask = (lse - m - (every_rank - p * m)).mean()
+    ignore_start = sum(s.gather(1, target.clamp(0, width - 1)[:, None])[:, 0] * (target < width) for s in shards)
+    no_start = (lse - ignore_start).mean()
+    unshifted_target = (lse - m - target_logit).mean()
+    return [
+        (per_row.sum(), f"the sum of the {n} rows' losses, not their mean: divide the sum by the N = {n} rows "
+                        "(or take .mean())"),
+        (right / p, f"the mean divided by the world size p = {p}: after the three all-reduces every rank holds "
+                    f"every row's whole loss, so the mean is over the N = {n} rows alone"),
+        (per_row.sum() / p, f"the sum of the rows' losses divided by the world size p = {p}: the divisor is the "
+                            f"N = {n} rows"),
+        (local_max_loss, "each rank shifts by its own max: the sums of exp(z − max) then have different scales "
+                         "and cannot be added — all-reduce the row max with 'max' first, and shift every rank by it"),
+        (no_owner_mask, "the target's logit summed from every rank: only the rank whose columns hold the target "
+                        "(0 <= target − vocab_start < V/p) may contribute it, the others add 0"),
+        (no_start, "the target's column looked up without subtracting vocab_start: the target's local column "
+                   "is target − vocab_start"),
+        (unshifted_target, "the sum of exponentials shifted by the global max, the target's logit not: the loss "
+                           "is log Σ exp(z − max) − (z_target − max) — shift both by the same max"),
+    ]
+
+
+def explain_vocab(case: tuple, got: Any, expected: Any) -> str | None:
+    """The cause of a wrong vocabulary-parallel loss: the common mistakes, each recomputed in float64."""
+    p, logits, target = case
+    value = float(torch.as_tensor(got).double().reshape(-1)[0])
+    if not math.isfinite(value):
+        top, bottom = float(logits.max()), float(logits.min())
+        if top > 80:
+            return (f"exp of logits that reach {top:.0f} overflows float32 (past about 88): shift every logit by "
+                    "the row's global max (all-reduced with 'max') before exp")
+        return (f"exp of logits that reach only {top:.0f} (down to {bottom:.0f}) underflows to 0, and log 0 is -inf: "
+                "shift every logit by the row's global max (all-reduced with 'max') before exp")
+    for variant, cause in _vocab_variants(p, logits, target):
+        if math.isclose(value, float(variant), rel_tol=1e-4, abs_tol=1e-5):
+            return cause
+    return None
 
 
 def run_vocab_loss(candidate: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -496,7 +720,9 @@ def run_vocab_loss(candidate: Callable[..., torch.Tensor]) -> Callable[..., torc
             raise ValueError(f"the ranks sent {sent} bytes: three all-reduces of N numbers ({budget} bytes) are "
                              "enough; the (N, V) logits must not travel")
         if any(not torch.allclose(x, losses[0]) for x in losses):
-            raise ValueError(f"the ranks disagree on the loss: {[float(x) for x in losses]}")
+            raise ValueError(f"the ranks disagree on the loss: {[float(x) for x in losses]}: a value some rank used "
+                             "is its own, not the all-reduced one — comm.all_reduce returns a new tensor, the "
+                             "reduction over the ranks, and leaves its argument as it was: use what it returns")
         return losses[0]
 
     return run
