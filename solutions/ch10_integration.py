@@ -52,6 +52,7 @@ __all__ = [
     "gradients_with",
     "gradients_reference",
     "diagnose_gradients",
+    "explain_gradients",
     "embedding_rows_kernel",
     "embedding_rows",
     "embedding_rows_nosync",
@@ -469,16 +470,65 @@ def gradients_reference(rows: int, cols: int, seed: int) -> tuple[torch.Tensor, 
     return x.grad.detach(), s.grad.detach(), True
 
 
+def _checked_setup(setup_context: Callable[..., Any], saved: list[int]) -> Callable[..., Any]:
+    """``setup_context``, counting the tensors it saved (read back from ``ctx.to_save``)."""
+
+    def setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        setup_context(ctx, inputs, output)
+        saved.append(len(getattr(ctx, "to_save", None) or ()))
+
+    return setup
+
+
+def _checked_backward(backward: Callable[..., Any], saved: list[int]) -> Callable[..., Any]:
+    """``backward``, its result held to the forward's inputs before autograd reads it: one gradient
+    per input, each of its input's shape (a wrong one named, with the likely cause)."""
+
+    def checked(ctx: Any, grad_out: torch.Tensor):
+        x, s = ctx.saved_tensors if len(ctx.saved_tensors) == 2 else (None, None)
+        try:
+            result = backward(ctx, grad_out)
+        except ValueError as error:
+            if saved and saved[-1] < 2 and "unpack" in str(error):
+                raise ValueError(f"setup_context saved {saved[-1]} tensor{'' if saved[-1] == 1 else 's'}, the "
+                                 "backward reads 2: save both x and s (ctx.save_for_backward(x, s))") from error
+            raise
+        if not isinstance(result, (tuple, list)) or len(result) != 2:
+            count = len(result) if isinstance(result, (tuple, list)) else 1
+            raise ValueError(f"backward returned {count} value{'' if count == 1 else 's'}: return (grad_x, grad_s), "
+                             "one gradient per input of the forward, in order (None for an input without one)")
+        grad_x, grad_s = result
+        rows, cols = grad_out.shape
+        if isinstance(grad_s, torch.Tensor) and tuple(grad_s.shape) != (rows,):
+            where = ""
+            if tuple(grad_s.shape) == (rows, cols):
+                where = ": sum grad_out * x over each row (dim=1)"
+            elif tuple(grad_s.shape) == (cols,):
+                where = ": summed over the rows (dim=0) instead of along each row (dim=1)"
+            raise ValueError(f"grad_s has shape {tuple(grad_s.shape)}, s has shape ({rows},){where} — a gradient "
+                             "has its input's shape")
+        if isinstance(grad_x, torch.Tensor) and tuple(grad_x.shape) != (rows, cols):
+            turned = " (transposed)" if tuple(grad_x.shape) == (cols, rows) else ""
+            raise ValueError(f"grad_x has shape {tuple(grad_x.shape)}{turned}, x has shape ({rows}, {cols}) — a "
+                             "gradient has its input's shape")
+        return grad_x, grad_s
+
+    return checked
+
+
 def gradients_with(setup_context: Callable[..., Any], backward: Callable[..., Any]
                    ) -> Callable[[int, int, int], tuple[torch.Tensor, torch.Tensor, bool]]:
     """The candidate for the autograd check: ``(grad_x, grad_s, gradcheck passed)`` through
-    ``ch10::scale_rows`` with the learner's ``setup_context`` and ``backward`` installed."""
+    ``ch10::scale_rows`` with the learner's ``setup_context`` and ``backward`` installed (the
+    backward's result held to the inputs' count and shapes, a wrong one named)."""
 
     def gradients(rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
         x, s, grad = _gradient_inputs(rows, cols, seed)
         x.requires_grad_(True)
         s.requires_grad_(True)
-        with installed(scale_rows_setup_context=setup_context, scale_rows_backward=backward):
+        saved: list[int] = []
+        with installed(scale_rows_setup_context=_checked_setup(setup_context, saved),
+                       scale_rows_backward=_checked_backward(backward, saved)):
             grad_x, grad_s = torch.autograd.grad(scale_rows(x, s), (x, s), grad)
             passed = torch.autograd.gradcheck(scale_rows, (x, s), raise_exception=False)
         return grad_x.detach(), grad_s.detach(), bool(passed)
@@ -501,6 +551,39 @@ def diagnose_gradients(got: Any, expected: tuple) -> str | None:
     if not got[2]:
         return "torch.autograd.gradcheck in float64 failed (the formula disagrees with finite differences)"
     return None
+
+
+def explain_gradients(case: tuple, got: Any, expected: tuple) -> str | None:
+    """The common wrong formulas, each recomputed in float64 from the case's inputs, against ``got``."""
+    rows, cols, seed = case
+    x, s, grad = _gradient_inputs(rows, cols, seed)
+    grad_x, grad_s = got[0].double(), got[1].double()
+    right_x, right_s = expected[0].double(), expected[1].double()
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return a.shape == b.shape and torch.allclose(a, b, rtol=1e-7, atol=1e-9)
+
+    x_candidates = [
+        (grad * x, "x and s swapped: grad_x = grad_out · s[:, None] (out's derivative in x is s), "
+                   "grad_s = Σ_c grad_out · x"),
+        (grad, "grad_x is grad_out unscaled: out = x · s[:, None], so grad_x = grad_out · s[:, None]"),
+        (-grad * s[:, None], "grad_x has the wrong sign: grad_out · s[:, None]"),
+    ]
+    s_candidates = [
+        ((grad * s[:, None]).sum(1), "x and s swapped: grad_s = Σ_c grad_out · x (out's derivative in s is x), "
+                                     "grad_x = grad_out · s[:, None]"),
+        ((grad * x).mean(1), f"grad_s is the mean over each row, not the sum (÷ {cols}): "
+                             "grad_s[r] = Σ_c grad_out[r, c] · x[r, c]"),
+        (-(grad * x).sum(1), "grad_s has the wrong sign: Σ_c grad_out · x"),
+        (x.sum(1), "grad_s sums x alone: each term is weighted by grad_out — Σ_c grad_out · x"),
+    ]
+    causes = []
+    if not same(grad_x, right_x):
+        causes += [cause for value, cause in x_candidates if same(grad_x, value) and not same(value, right_x)]
+    if not same(grad_s, right_s):
+        causes += [cause for value, cause in s_candidates if same(grad_s, value) and not same(value, right_s)]
+    causes = list(dict.fromkeys(causes))
+    return "; and ".join(causes) if causes else None
 
 
 # ----------------------------------------------------------------------------------------------

@@ -69,7 +69,7 @@ def _no_device(x):  # torch.empty without device=: a CPU tensor whatever x's dev
     (_no_device, "output 0: the fake says device cpu, the kernel returns cuda (x's device)"),
     (_scale_keepdim, "a trailing dimension of 1 kept"),
     (_q_in_x_dtype, "output 0: the fake says dtype float"),
-    (_scale_of_first_dim, "output 1: the fake says shape (2,), the kernel returns (2, 3): only the first dimension kept"),
+    (_scale_of_first_dim, "the fake says shape (2,), the kernel returns (2, 3): only the first dimension kept"),
     (_reads_values, "raised"),
     (_only_q, "the fake must return 2 tensors (q, scale), got tuple of 1"),
     (_stub, "not implemented yet"),
@@ -137,7 +137,8 @@ def test_scale_rows_fake_wrong_variants_rejected(fake, diagnosis):
 
 def check_autograd(setup_context, backward):
     return check("ch10.scale_rows_autograd", given.gradients_with(setup_context, backward),
-                 given.gradients_reference, given.gradient_cases, compare=given.diagnose_gradients)
+                 given.gradients_reference, given.gradient_cases, compare=given.diagnose_gradients,
+                 diagnose=given.explain_gradients)
 
 
 def test_scale_rows_autograd_solved():
@@ -153,6 +154,16 @@ def _no_row_sum(ctx, grad_out):
     return grad_out * s[:, None], grad_out * x  # grad_s must be summed over the row
 
 
+def _summed_over_rows(ctx, grad_out):
+    x, s = ctx.saved_tensors
+    return grad_out * s[:, None], (grad_out * x).sum(dim=0)
+
+
+def _mean_not_sum(ctx, grad_out):
+    x, s = ctx.saved_tensors
+    return grad_out * s[:, None], (grad_out * x).mean(dim=1)
+
+
 def _swapped(ctx, grad_out):
     x, s = ctx.saved_tensors
     return grad_out * x, (grad_out * s[:, None]).sum(dim=1)
@@ -163,17 +174,33 @@ def _wrong_sign(ctx, grad_out):
     return grad_out * s[:, None], -(grad_out * x).sum(dim=1)
 
 
+def _grad_x_unscaled(ctx, grad_out):
+    x, s = ctx.saved_tensors
+    return grad_out.clone(), (grad_out * x).sum(dim=1)
+
+
+def _grad_s_without_grad_out(ctx, grad_out):
+    x, s = ctx.saved_tensors
+    return grad_out * s[:, None], x.sum(dim=1)
+
+
 def _one_gradient(ctx, grad_out):
     x, s = ctx.saved_tensors
     return grad_out * s[:, None]
 
 
 @pytest.mark.parametrize("setup_context, backward, diagnosis", [
-    (_save_only_x, given.scale_rows_backward, "raised"),
-    (given.scale_rows_setup_context, _no_row_sum, "invalid gradient at index 1 - got [3, 7] but expected shape"),
-    (given.scale_rows_setup_context, _swapped, "grad_x: wrong values"),
-    (given.scale_rows_setup_context, _wrong_sign, "grad_s: wrong values"),
-    (given.scale_rows_setup_context, _one_gradient, "raised"),
+    (_save_only_x, given.scale_rows_backward, "setup_context saved 1 tensor, the backward reads 2: save both x and s"),
+    (given.scale_rows_setup_context, _no_row_sum,
+     "grad_s has shape (1, 1), s has shape (1,): sum grad_out * x over each row (dim=1)"),
+    (given.scale_rows_setup_context, _summed_over_rows,
+     "grad_s has shape (7,), s has shape (3,): summed over the rows (dim=0) instead of along each row (dim=1)"),
+    (given.scale_rows_setup_context, _mean_not_sum, "cause: grad_s is the mean over each row, not the sum"),
+    (given.scale_rows_setup_context, _swapped, "cause: x and s swapped"),
+    (given.scale_rows_setup_context, _wrong_sign, "cause: grad_s has the wrong sign"),
+    (given.scale_rows_setup_context, _grad_x_unscaled, "cause: grad_x is grad_out unscaled"),
+    (given.scale_rows_setup_context, _grad_s_without_grad_out, "cause: grad_s sums x alone"),
+    (given.scale_rows_setup_context, _one_gradient, "backward returned 1 value: return (grad_x, grad_s)"),
 ])
 def test_scale_rows_autograd_wrong_variants_rejected(setup_context, backward, diagnosis):
     verdict = check_autograd(setup_context, backward)
