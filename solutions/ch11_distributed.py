@@ -65,6 +65,14 @@ __all__ = [
 ]
 
 
+def _named(causes: list[str]) -> str | None:
+    """The one cause that fits, or every one when the failing case cannot tell them apart."""
+    causes = list(dict.fromkeys(causes))
+    if len(causes) <= 1:
+        return causes[0] if causes else None
+    return "this case fits more than one common mistake — " + "; or ".join(causes)
+
+
 # ----------------------------------------------------------------------------------------------
 # A world of threads
 # ----------------------------------------------------------------------------------------------
@@ -320,10 +328,7 @@ def explain_buckets(case: tuple, got: Any, expected: Any) -> str | None:
     ]
     if isinstance(got, list) and any(b == [] for b in got):
         return "an empty bucket: close the current bucket only when it holds a parameter"
-    for plan, cause in variants:
-        if got == plan and plan != expected:
-            return cause
-    return None
+    return _named([cause for plan, cause in variants if got == plan and plan != expected])
 
 
 def diagnose_buckets(got, expected) -> str | None:
@@ -701,10 +706,10 @@ def explain_vocab(case: tuple, got: Any, expected: Any) -> str | None:
                     "the row's global max (all-reduced with 'max') before exp")
         return (f"exp of logits that reach only {top:.0f} (down to {bottom:.0f}) underflows to 0, and log 0 is -inf: "
                 "shift every logit by the row's global max (all-reduced with 'max') before exp")
-    for variant, cause in _vocab_variants(p, logits, target):
-        if math.isclose(value, float(variant), rel_tol=1e-4, abs_tol=1e-5):
-            return cause
-    return None
+    right = float(torch.as_tensor(expected).double())
+    return _named([cause for variant, cause in _vocab_variants(p, logits, target)
+                   if math.isclose(value, float(variant), rel_tol=1e-4, abs_tol=1e-5)
+                   and not math.isclose(right, float(variant), rel_tol=1e-4, abs_tol=1e-5)])
 
 
 def run_vocab_loss(candidate: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:

@@ -12,7 +12,11 @@ Four exercises, each one piece of what ``kernel_ladder.models`` and ``kernel_lad
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import torch
+import torch.nn.functional as F
 
 import kernel_ladder
 
@@ -22,17 +26,30 @@ __all__ = [
     "decoder_reference",
     "kernels_only",
     "DECODER_TOLERANCE",
+    "decoder_variant",
+    "explain_decoder",
     "top_p_filter",
     "top_p_cases",
     "top_p_reference",
+    "explain_top_p",
     "speculative_accept",
     "accept_cases",
     "accept_reference",
+    "explain_accept",
     "step_flops",
     "flops_cases",
     "flops_reference",
+    "explain_flops",
     "hf_decoder_layer",
 ]
+
+
+def _named(causes: list[str]) -> str | None:
+    """The one cause that fits, or every one when the failing case cannot tell them apart."""
+    causes = list(dict.fromkeys(causes))
+    if len(causes) <= 1:
+        return causes[0] if causes else None
+    return "this case fits more than one common mistake — " + "; or ".join(causes)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -155,6 +172,87 @@ def decoder_reference(x, layer, cos, sin):
 DECODER_TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
 
 
+def decoder_variant(x, layer, cos, sin, *, rope: bool = True, causal: bool = True, residual1: bool = True,
+                    residual2: bool = True, gqa: str = "group", transpose_back: bool = True,
+                    scale: float | None = None, second_norm: str = "post") -> torch.Tensor:
+    """The decoder layer in float64 from the layer's weights, with one step changeable: each keyword
+    is a common mistake (all defaults: HF's layer). ``gqa="modulo"`` sends query head ``h`` to K/V
+    head ``h % kv_heads``; ``scale`` replaces ``1/sqrt(head_dim)``; ``second_norm="input"`` normalizes
+    before the MLP with ``input_layernorm``'s weight."""
+    layer = getattr(layer, "_layer", layer)
+    attn = layer.self_attn
+    x, cos, sin = x.double(), cos.double(), sin.double()
+
+    def weight(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().double()
+
+    def rms(v: torch.Tensor, norm) -> torch.Tensor:
+        return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon) * weight(norm.weight)
+
+    def rotate(u: torch.Tensor) -> torch.Tensor:  # HF's rotate_half: (u1, u2) -> (-u2, u1)
+        half = u.shape[-1] // 2
+        return torch.cat((-u[..., half:], u[..., :half]), -1)
+
+    b, t, _ = x.shape
+    d = attn.head_dim
+    h = rms(x, layer.input_layernorm)
+    q, k, v = ((h @ weight(proj.weight).T).view(b, t, -1, d).transpose(1, 2)
+               for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+    if rope:
+        c, s = cos[:, None], sin[:, None]
+        q, k = q * c + rotate(q) * s, k * c + rotate(k) * s
+    heads, kv_heads = q.shape[1], k.shape[1]
+    index = torch.arange(heads) // (heads // kv_heads) if gqa == "group" else torch.arange(heads) % kv_heads
+    scores = q @ k[:, index].transpose(-1, -2) * (attn.scaling if scale is None else scale)
+    if causal:
+        scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+    out = torch.softmax(scores, -1) @ v[:, index]
+    out = out.transpose(1, 2).reshape(b, t, -1) if transpose_back else out.reshape(b, t, -1)
+    o = out @ weight(attn.o_proj.weight).T
+    x = x + o if residual1 else o
+    h = rms(x, layer.post_attention_layernorm if second_norm == "post" else layer.input_layernorm)
+    mlp = layer.mlp
+    gate, up, down = (weight(w) for w in (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight))
+    m = (F.silu(h @ gate.T) * (h @ up.T)) @ down.T
+    return x + m if residual2 else m
+
+
+def _decoder_mistakes(head_dim: int) -> list[tuple[dict, str]]:
+    return [
+        ({"rope": False}, "no rotary embedding: apply kernel_ladder.rope(q, k, cos, sin) to the projected, "
+                          "head-split q and k before the attention"),
+        ({"causal": False}, "attention is not causal: a query sees the keys after it — "
+                            "kernel_ladder.flash_attention(q, k, v, causal=True, ...)"),
+        ({"residual1": False}, "the first residual add is missing: h = x + o_proj(attention), and the MLP "
+                               "reads norm₂(h)"),
+        ({"residual2": False}, "the second residual add is missing: the layer returns h + mlp(norm₂(h))"),
+        ({"gqa": "modulo"}, "query head h attends K/V head h % kv_heads (K/V tiled with .repeat); grouped-query "
+                            "attention gives it K/V head h // (heads / kv_heads) — pass flash_attention the K/V "
+                            "heads as they are (or repeat_interleave)"),
+        ({"transpose_back": False}, "the attention output reshaped to (B, T, H·D) without transposing "
+                                    "(B, H, T, D) back to (B, T, H, D) first: .transpose(1, 2), then reshape"),
+        ({"scale": 1.0 / head_dim}, "softmax scale 1/head_dim: the scores are scaled by 1/sqrt(head_dim) "
+                                    "(layer.self_attn.scaling)"),
+        ({"scale": 1.0}, "no softmax scale: the scores are scaled by 1/sqrt(head_dim) (layer.self_attn.scaling)"),
+        ({"second_norm": "input"}, "the second norm uses input_layernorm's weight: the MLP's input is "
+                                   "normalized with post_attention_layernorm"),
+    ]
+
+
+def explain_decoder(case: tuple, got: Any, expected: Any) -> str | None:
+    """The common mistakes, each recomputed in float64, against the layer ``got`` returned."""
+    x, layer, cos, sin = case
+    got = got.detach().double()
+    head_dim = getattr(layer, "_layer", layer).self_attn.head_dim
+    causes = []
+    for change, cause in _decoder_mistakes(head_dim):
+        variant = decoder_variant(x, layer, cos, sin, **change)
+        if variant.shape == got.shape and torch.allclose(got, variant, rtol=1e-4, atol=1e-4) \
+                and not torch.allclose(variant, expected.double(), rtol=1e-4, atol=1e-4):
+            causes.append(cause)
+    return _named(causes)
+
+
 # ----------------------------------------------------------------------------------------------
 # Exercise 2: the nucleus
 # ----------------------------------------------------------------------------------------------
@@ -171,15 +269,65 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def top_p_cases(gen: torch.Generator) -> list[tuple]:
+    """Fixed rows (one at the boundary: 0.3's mass above is exactly 0.5), random rows of 50, and
+    rows from scores in the tens, nearly one-hot (the first token alone passes top_p)."""
     cases = [(torch.tensor([[0.5, 0.3, 0.15, 0.05]]), 0.7), (torch.tensor([[0.5, 0.3, 0.15, 0.05]]), 0.5),
              (torch.tensor([[0.1, 0.6, 0.3]]), 1.0), (torch.tensor([[0.35, 0.4, 0.25]]), 0.3)]  # no ties
     for top_p in (0.9, 0.5, 0.05):
         cases.append((torch.softmax(torch.randn(3, 50, generator=gen) * 3, -1), top_p))
+    scores = torch.randn(3, 50, generator=gen) * 2
+    scores[:, 7] += 30  # one token far ahead: the rest share less than 1e-12 of the mass
+    cases.append((torch.softmax(scores, -1), 0.9))
     return cases
 
 
+def _nucleus(probs: torch.Tensor, top_p: float, *, keep, descending: bool = True, scatter: bool = True,
+             renormalize: bool = True) -> torch.Tensor:
+    """Each row's tokens in order of probability; ``keep(mass_above, mass_through)`` says which stay."""
+    out = torch.zeros_like(probs)
+    for r, row in enumerate(probs):
+        order = sorted(range(row.shape[0]), key=lambda j: float(row[j]), reverse=descending)
+        above = 0.0
+        for rank, j in enumerate(order):
+            value = float(row[j])
+            if keep(above, above + value) or rank == 0:
+                out[r, j if scatter else rank] = value
+            above += value
+    return out / out.sum(-1, keepdim=True) if renormalize else out
+
+
 def top_p_reference(probs, top_p):
-    return top_p_filter(probs, top_p)
+    """Written apart from :func:`top_p_filter`: a token stays while the mass ranked above it is below
+    ``top_p`` (the most probable one always stays), then the row is renormalized."""
+    return _nucleus(probs, top_p, keep=lambda above, through: above < top_p)
+
+
+def explain_top_p(case: tuple, got: Any, expected: Any) -> str | None:
+    """The common mistakes, each recomputed, against the rows ``got``."""
+    probs, top_p = case
+    probs = probs.double()
+    right = lambda above, through: above < top_p  # noqa: E731
+    variants = [
+        (_nucleus(probs, top_p, keep=lambda above, through: through <= top_p),
+         "the token whose probability crosses top_p is dropped: a token stays while the mass ranked above it "
+         "(cumsum − itself) is below top_p, so the one that crosses top_p is kept"),
+        (_nucleus(probs, top_p, keep=lambda above, through: through < top_p),
+         "the token whose probability crosses top_p is dropped: a token stays while the mass ranked above it "
+         "(cumsum − itself) is below top_p, so the one that crosses top_p is kept"),
+        (_nucleus(probs, top_p, keep=right, renormalize=False),
+         "not renormalized: divide each row's kept probabilities by their sum"),
+        (_nucleus(probs, top_p, keep=lambda above, through: above <= top_p),
+         "a token whose mass above is exactly top_p kept: it stays only while that mass is below top_p (<, not <=)"),
+        (_nucleus(probs, top_p, keep=right, descending=False),
+         "sorted ascending: the nucleus is the most probable tokens — sort in descending order"),
+        (_nucleus(probs, top_p, keep=right, scatter=False),
+         "the kept probabilities are left in sorted order: scatter them back to their tokens' columns "
+         "(the indices the sort returned)"),
+    ]
+    got = got.detach().double()
+    return _named([cause for variant, cause in variants
+                   if variant.shape == got.shape and torch.allclose(got, variant, rtol=1e-5, atol=1e-6)
+                   and not torch.allclose(variant, expected.double(), rtol=1e-5, atol=1e-6)])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -209,12 +357,13 @@ def speculative_accept(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, u
 
 
 def accept_cases(gen: torch.Generator) -> list[tuple]:
-    """Random ``(p, q, drafts, u)`` with drafts sampled from ``q``; and fixed ones: every draft
-    kept, the first rejected, a draft the target gives more mass than the draft did."""
+    """Random ``(p, q, drafts, u)`` with drafts sampled from ``q``, two of them from scores in the
+    tens (probabilities from nearly 1 down to 1e-13, ratios p/q far from 1); and fixed ones: every
+    draft kept, the first rejected, a draft the target gives more mass than the draft did."""
     cases = []
-    for k, vocab in ((3, 6), (4, 10), (2, 5), (5, 8)):
-        p = torch.softmax(torch.randn(k + 1, vocab, generator=gen) * 2, -1)
-        q = torch.softmax(torch.randn(k, vocab, generator=gen) * 2, -1)
+    for k, vocab, spread in ((3, 6, 2.0), (4, 10, 2.0), (2, 5, 2.0), (5, 8, 2.0), (4, 12, 12.0), (3, 9, 12.0)):
+        p = torch.softmax(torch.randn(k + 1, vocab, generator=gen) * spread, -1)
+        q = torch.softmax(torch.randn(k, vocab, generator=gen) * spread, -1)
         drafts = torch.multinomial(q, 1, generator=gen).squeeze(-1)
         cases.append((p, q, drafts, torch.rand(k, generator=gen)))
     p = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.8, 0.1], [0.3, 0.3, 0.4]])
@@ -224,8 +373,60 @@ def accept_cases(gen: torch.Generator) -> list[tuple]:
     return cases
 
 
+def _accept(p, q, drafts, u, *, ratio=lambda p, q: p / q, leading: bool = True, residual: str = "p - q",
+            renormalize: bool = True, bonus: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule step by step, draft after draft; each keyword is one way to get it wrong."""
+    k = drafts.shape[0]
+    n = 0
+    for i in range(k):
+        x = int(drafts[i])
+        if float(u[i]) < min(1.0, float(ratio(p[i, x], q[i, x]))):
+            n += 1
+        elif leading:
+            break
+    if n == k:
+        return torch.tensor(n), p[k - bonus]
+    dist = (p[n] - q[n]).clamp_min(0.0) if residual == "p - q" else p[n].clone()
+    return torch.tensor(n), dist / dist.sum() if renormalize else dist
+
+
 def accept_reference(p, q, drafts, u):
-    return speculative_accept(p, q, drafts, u)
+    """Written apart from :func:`speculative_accept`: draft by draft, stopping at the first rejection."""
+    return _accept(p, q, drafts, u)
+
+
+def explain_accept(case: tuple, got: Any, expected: Any) -> str | None:
+    """The common mistakes, each recomputed, against the ``(n, dist)`` returned."""
+    p, q, drafts, u = (t.double() if t.dtype.is_floating_point else t for t in case)
+    variants = [
+        (_accept(p, q, drafts, u, residual="p"),
+         "after a rejection the next token is drawn from p[n] itself: draw it from max(0, p[n] − q[n]) "
+         "renormalized, which removes the mass the draft already had its chance at"),
+        (_accept(p, q, drafts, u, renormalize=False),
+         "max(0, p[n] − q[n]) not renormalized: divide it by its sum"),
+        (_accept(p, q, drafts, u, leading=False),
+         "n counts every draft accepted, not the leading run: the first rejection ends the run "
+         "(kept.long().cumprod(0).sum())"),
+        (_accept(p, q, drafts, u, ratio=lambda p, q: q / p),
+         "the ratio inverted: draft x is kept if u < min(1, p[i, x] / q[i, x]), the target's probability over "
+         "the draft's"),
+        (_accept(p, q, drafts, u, bonus=1),
+         "all drafts kept, the next token drawn from p[k − 1]: the bonus token comes from p[k], the target's "
+         "distribution after the last draft"),
+    ]
+    if not (isinstance(got, (tuple, list)) and len(got) == 2 and all(isinstance(t, torch.Tensor) for t in got)):
+        return None
+    n, dist = int(got[0]), got[1].detach().double()
+    if n == int(expected[0]) and n < drafts.shape[0] and bool((dist < 0).any()):
+        return ("p[n] − q[n] not clamped at 0: its negative entries are not probabilities (and it sums to 0) — "
+                "max(0, p[n] − q[n]), then renormalize")
+    causes = []
+    for (v_n, v_dist), cause in variants:
+        same = n == int(v_n) and v_dist.shape == dist.shape and torch.allclose(dist, v_dist, rtol=1e-5, atol=1e-6)
+        right = int(v_n) == int(expected[0]) and torch.allclose(v_dist, expected[1].double(), rtol=1e-5, atol=1e-6)
+        if same and not right:
+            causes.append(cause)
+    return _named(causes)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -243,15 +444,48 @@ def step_flops(params: int, layers: int, hidden: int, seq: int, tokens: int) -> 
 
 
 def flops_cases(gen: torch.Generator) -> list[tuple]:
-    cases = [(6_700_000_000, 32, 4096, 2048, 2048), (1_000, 2, 16, 8, 64)]
+    """``(params, layers, hidden, seq, tokens)``: a 7B-like and a 70B-like step of about four million
+    tokens, then random ones; every count passes 2^53 with a low bit a float64 cannot hold, so a
+    count computed in floating point comes out wrong (an odd ``params`` and an odd ``tokens`` leave
+    the count one factor of two)."""
+    cases = [(6_476_005_377, 32, 4096, 4096, 4_194_301), (68_976_648_193, 80, 8192, 8192, 4_194_303)]
+
     def draw(low: int, high: int) -> int:
         return int(torch.randint(low, high, (1,), generator=gen))
 
-    for _ in range(3):
+    while len(cases) < 5:
         layers, hidden, seq = draw(1, 80), draw(64, 8192), draw(128, 8192)
-        cases.append((12 * layers * hidden * hidden, layers, hidden, seq, seq * draw(1, 16)))
+        case = (12 * layers * hidden * hidden + 2 * layers * hidden + 1, layers, hidden, seq, draw(2**20, 2**23) | 1)
+        value = flops_reference(*case)
+        if value > 2**54 and int(float(value)) != value:
+            cases.append(case)
     return cases
 
 
 def flops_reference(params, layers, hidden, seq, tokens):
-    return step_flops(params, layers, hidden, seq, tokens)
+    """Written apart from :func:`step_flops`: the FLOPs of one token, forward (2 per parameter, 4·h·s
+    per layer for QKᵀ and PV) times three for forward and backward, times the tokens."""
+    forward_per_token = 2 * params + 2 * 2 * layers * hidden * seq
+    return 3 * forward_per_token * tokens
+
+
+def explain_flops(case: tuple, got: Any, expected: Any) -> str | None:
+    """The common wrong counts, each recomputed exactly, against the number returned."""
+    n, layers, hidden, seq, tokens = case
+    if isinstance(got, bool) or not isinstance(got, (int, float)):
+        return None
+    if got != expected and math.isfinite(got) and abs(got - expected) <= expected * 2**-50:
+        return (f"the count was computed in floating point: a float64 holds integers exactly only up to 2^53 "
+                f"(about 9.0e15), and this count is {expected:,}; compute it with Python ints, which never round "
+                "(int(...) of a float keeps the float's rounding)")
+    attention = layers * hidden * seq
+    variants = [
+        (2 * n * tokens + 4 * attention * tokens,
+         "the forward pass only: a training step's backward costs twice its forward — 6·N and 12·L·h·s per token"),
+        (6 * n * tokens, "attention's own FLOPs (12·L·h·s per token: QKᵀ and PV, forward and backward) are missing"),
+        (6 * n * tokens + 6 * attention * tokens,
+         "attention halved for the causal mask: MFU's convention counts the whole score matrix, 12·L·h·s"),
+        (6 * n + 12 * attention, "the FLOPs of one token: multiply by the step's tokens"),
+        (6 * n * tokens + 12 * attention, "attention counted once for the step, not per token: 12·L·h·s·tokens"),
+    ]
+    return _named([cause for value, cause in variants if value != expected and math.isclose(got, value, rel_tol=1e-9)])

@@ -21,31 +21,42 @@ def rejected(verdict, diagnosis: str = "") -> bool:
 
 def check_decoder(fn):
     return check("ch12.decoder_layer", given.kernels_only(fn), given.decoder_reference, given.decoder_cases,
-                 **given.DECODER_TOLERANCE)
+                 diagnose=given.explain_decoder, **given.DECODER_TOLERANCE)
 
 
 def test_decoder_solution_solves():
     assert check_decoder(given.decoder_layer).solved
 
 
-def _no_rope(x, layer, cos, sin):
-    return given.decoder_layer(x, layer, torch.ones_like(cos), torch.zeros_like(sin))
+def _layer(rope=True, causal=True, residual1=True, residual2=True, gqa="group", transpose_back=True, scale=None,
+           second_norm="post"):
+    """The solution's layer with one thing changed: each keyword is a common mistake."""
 
+    def layer_fn(x, layer, cos, sin):
+        attn, eps = layer.self_attn, layer.input_layernorm.variance_epsilon
+        b, t, _ = x.shape
+        d = attn.head_dim
+        h = kernel_ladder.rms_norm(x, layer.input_layernorm.weight, eps)
+        q = kernel_ladder.linear(h, attn.q_proj.weight).view(b, t, -1, d).transpose(1, 2)
+        k = kernel_ladder.linear(h, attn.k_proj.weight).view(b, t, -1, d).transpose(1, 2)
+        v = kernel_ladder.linear(h, attn.v_proj.weight).view(b, t, -1, d).transpose(1, 2)
+        if rope:
+            q, k = kernel_ladder.rope(q, k, cos, sin)
+        if gqa == "modulo":  # query head h on kv head h % kv_heads: K/V tiled, not interleaved
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat(1, group, 1, 1).contiguous(), v.repeat(1, group, 1, 1).contiguous()
+        out = kernel_ladder.flash_attention(q, k, v, causal=causal,
+                                            softmax_scale=attn.scaling if scale is None else scale(d))
+        out = out.transpose(1, 2).reshape(b, t, -1) if transpose_back else out.reshape(b, t, -1)
+        o = kernel_ladder.linear(out, attn.o_proj.weight)
+        x = kernel_ladder.add(x, o) if residual1 else o
+        norm = layer.post_attention_layernorm if second_norm == "post" else layer.input_layernorm
+        h = kernel_ladder.rms_norm(x, norm.weight, norm.variance_epsilon)
+        mlp = layer.mlp
+        m = kernel_ladder.gated_mlp(h, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+        return kernel_ladder.add(x, m) if residual2 else m
 
-def _not_causal(x, layer, cos, sin):
-    original = kernel_ladder.flash_attention
-    try:
-        kernel_ladder.flash_attention = lambda q, k, v, causal=False, **kw: original(q, k, v, causal=False, **kw)
-        return given.decoder_layer(x, layer, cos, sin)
-    finally:
-        kernel_ladder.flash_attention = original
-
-
-def _no_second_residual(x, layer, cos, sin):
-    attn_only = given.decoder_layer(x, layer, cos, sin)
-    mlp = layer.mlp
-    h = kernel_ladder.rms_norm(attn_only, layer.post_attention_layernorm.weight, 1e-5)  # a wrong path, on purpose
-    return kernel_ladder.gated_mlp(h, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+    return layer_fn
 
 
 def _calls_the_hf_layer(x, layer, cos, sin):  # right values, no kernels: refused
@@ -54,25 +65,46 @@ def _calls_the_hf_layer(x, layer, cos, sin):  # right values, no kernels: refuse
     return layer(x, attention_mask=mask, position_embeddings=(cos, sin))
 
 
-@pytest.mark.parametrize("fn, diagnosis", [(_no_rope, ""), (_not_causal, ""), (_no_second_residual, ""),
-                                           (_calls_the_hf_layer, "compute it with kernel_ladder ops")],
-                         ids=["no rope", "not causal", "no residual", "the HF layer itself"])
+def test_the_variants_reproduce_the_solution_when_nothing_is_changed():
+    assert check_decoder(_layer()).solved
+
+
+@pytest.mark.parametrize("fn, diagnosis", [
+    (_layer(rope=False), "cause: no rotary embedding"),
+    (_layer(causal=False), "cause: attention is not causal"),
+    (_layer(residual1=False), "cause: the first residual add is missing"),
+    (_layer(residual2=False), "cause: the second residual add is missing"),
+    (_layer(gqa="modulo"), "cause: query head h attends K/V head h % kv_heads"),
+    (_layer(transpose_back=False), "cause: the attention output reshaped to (B, T, H·D) without transposing"),
+    (_layer(scale=lambda d: 1.0 / d), "cause: softmax scale 1/head_dim"),
+    (_layer(second_norm="input"), "cause: the second norm uses input_layernorm's weight"),
+    (_calls_the_hf_layer, "compute it with kernel_ladder ops"),
+], ids=["no rope", "not causal", "no first residual", "no second residual", "GQA modulo", "no transpose",
+        "scale 1/d", "second norm's weight", "the HF layer itself"])
 def test_decoder_wrong_variants_rejected(fn, diagnosis):
-    assert rejected(check_decoder(fn), diagnosis)
+    verdict = check_decoder(fn)
+    assert rejected(verdict, diagnosis), verdict.message
+
+
+def test_the_float64_variants_reproduce_hf_when_nothing_is_changed():
+    # HF's RMSNorm computes in float32 even in a float64 layer: agreement to float32's rounding.
+    for x, layer, cos, sin in given.decoder_cases(torch.Generator().manual_seed(3)):
+        want = given.decoder_reference(x, layer, cos, sin)
+        assert torch.allclose(given.decoder_variant(x, layer, cos, sin), want, rtol=1e-5, atol=1e-5)
 
 
 # -- exercise 2: top-p ------------------------------------------------------------------------
 
 
 def check_top_p(fn):
-    return check("ch12.top_p_filter", fn, given.top_p_reference, given.top_p_cases)
+    return check("ch12.top_p_filter", fn, given.top_p_reference, given.top_p_cases, diagnose=given.explain_top_p)
 
 
 def test_top_p_solution_solves():
     assert check_top_p(given.top_p_filter).solved
 
 
-def _exclusive(probs, top_p):  # drops the token that crosses top_p
+def _exclusive(probs, top_p):  # keeps a token only while the mass including itself is within top_p
     s, order = probs.sort(-1, descending=True)
     kept = s.masked_fill(s.cumsum(-1) > top_p, 0.0)
     kept[..., 0] = s[..., 0]
@@ -81,20 +113,54 @@ def _exclusive(probs, top_p):  # drops the token that crosses top_p
 
 
 def _not_renormalized(probs, top_p):
-    out = given.top_p_filter(probs, top_p)
-    return out * probs.masked_fill(out == 0, 0).sum(-1, keepdim=True)
+    s, order = probs.sort(-1, descending=True)
+    kept = s.masked_fill(s.cumsum(-1) - s >= top_p, 0.0)
+    return torch.zeros_like(probs).scatter_(-1, order, kept)
 
 
-@pytest.mark.parametrize("fn", [_exclusive, _not_renormalized])
-def test_top_p_wrong_variants_rejected(fn):
-    assert rejected(check_top_p(fn))
+def _at_most_top_p_above(probs, top_p):  # keeps a token whose mass above is exactly top_p
+    s, order = probs.sort(-1, descending=True)
+    kept = s.masked_fill(s.cumsum(-1) - s > top_p, 0.0)
+    out = torch.zeros_like(probs).scatter_(-1, order, kept)
+    return out / out.sum(-1, keepdim=True)
+
+
+def _ascending(probs, top_p):  # the least probable tokens first
+    s, order = probs.sort(-1)
+    kept = s.masked_fill(s.cumsum(-1) - s >= top_p, 0.0)
+    out = torch.zeros_like(probs).scatter_(-1, order, kept)
+    return out / out.sum(-1, keepdim=True)
+
+
+def _left_sorted(probs, top_p):  # the kept values in sorted order, never scattered back to their columns
+    s, _ = probs.sort(-1, descending=True)
+    kept = s.masked_fill(s.cumsum(-1) - s >= top_p, 0.0)
+    return kept / kept.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("fn, diagnosis", [
+    (_exclusive, "cause: the token whose probability crosses top_p is dropped"),
+    (_not_renormalized, "cause: not renormalized"),
+    (_at_most_top_p_above, "cause: a token whose mass above is exactly top_p kept"),
+    (_ascending, "cause: sorted ascending"),
+    (_left_sorted, "cause: the kept probabilities are left in sorted order"),
+])
+def test_top_p_wrong_variants_rejected(fn, diagnosis):
+    verdict = check_top_p(fn)
+    assert rejected(verdict, diagnosis), verdict.message
+
+
+def test_the_top_p_check_has_a_nearly_one_hot_row():
+    cases = given.top_p_cases(torch.Generator().manual_seed(0))
+    assert any(float(probs.max()) > 0.999 for probs, _ in cases)
 
 
 # -- exercise 3: speculative acceptance ---------------------------------------------------------
 
 
 def check_accept(fn):
-    return check("ch12.speculative_accept", fn, given.accept_reference, given.accept_cases)
+    return check("ch12.speculative_accept", fn, given.accept_reference, given.accept_cases,
+                 diagnose=given.explain_accept)
 
 
 def test_accept_solution_solves():
@@ -114,10 +180,27 @@ def _unclamped_residual(p, q, drafts, u):
     return n, r / r.sum()
 
 
+def _residual_not_renormalized(p, q, drafts, u):
+    n, _ = given.speculative_accept(p, q, drafts, u)
+    if int(n) == drafts.shape[0]:
+        return n, p[-1]
+    return n, (p[int(n)] - q[int(n)]).clamp_min(0)
+
+
 def _keeps_going_after_a_rejection(p, q, drafts, u):
     k = drafts.shape[0]
     ratio = p[torch.arange(k), drafts] / q[torch.arange(k), drafts]
     n = int((u < ratio.clamp(max=1.0)).sum())
+    if n == k:
+        return torch.tensor(n), p[k]
+    r = (p[n] - q[n]).clamp_min(0)
+    return torch.tensor(n), r / r.sum()
+
+
+def _ratio_inverted(p, q, drafts, u):  # q / p: keeps what the draft likes more than the target
+    k = drafts.shape[0]
+    ratio = q[torch.arange(k), drafts] / p[torch.arange(k), drafts]
+    n = int((u < ratio.clamp(max=1.0)).long().cumprod(0).sum())
     if n == k:
         return torch.tensor(n), p[k]
     r = (p[n] - q[n]).clamp_min(0)
@@ -129,9 +212,23 @@ def _no_bonus(p, q, drafts, u):
     return n, (p[int(n) - 1] if int(n) == drafts.shape[0] else dist)
 
 
-@pytest.mark.parametrize("fn", [_residual_is_p, _unclamped_residual, _keeps_going_after_a_rejection, _no_bonus])
-def test_accept_wrong_variants_rejected(fn):
-    assert rejected(check_accept(fn))
+def _n_as_int32(p, q, drafts, u):
+    n, dist = given.speculative_accept(p, q, drafts, u)
+    return n.to(torch.int32), dist
+
+
+@pytest.mark.parametrize("fn, diagnosis", [
+    (_residual_is_p, "cause: after a rejection the next token is drawn from p[n] itself"),
+    (_unclamped_residual, "cause: p[n] − q[n] not clamped at 0"),
+    (_residual_not_renormalized, "cause: max(0, p[n] − q[n]) not renormalized"),
+    (_keeps_going_after_a_rejection, "cause: n counts every draft accepted"),
+    (_ratio_inverted, "the ratio inverted"),  # some inputs fit "n counts every draft" too: both named
+    (_no_bonus, "cause: all drafts kept, the next token drawn from p[k − 1]"),
+    (_n_as_int32, "wrong dtype: got torch.int32, expected torch.int64"),
+])
+def test_accept_wrong_variants_rejected(fn, diagnosis):
+    verdict = check_accept(fn)
+    assert rejected(verdict, diagnosis), verdict.message
 
 
 def test_the_accept_rule_is_the_engines():
@@ -152,7 +249,7 @@ def test_the_accept_rule_is_the_engines():
 
 
 def check_flops(fn):
-    return check("ch12.step_flops", fn, given.flops_reference, given.flops_cases)
+    return check("ch12.step_flops", fn, given.flops_reference, given.flops_cases, diagnose=given.explain_flops)
 
 
 def test_flops_solution_solves():
@@ -161,10 +258,21 @@ def test_flops_solution_solves():
     assert given.step_flops(6_700_000_000, 32, 4096, 2048, 1) == 6 * 6_700_000_000 + 12 * 32 * 4096 * 2048
 
 
-@pytest.mark.parametrize("fn", [
-    lambda n, l, h, s, t: 2 * n * t + 4 * l * h * s * t,  # the forward only
-    lambda n, l, h, s, t: 6 * n * t,  # attention forgotten
-    lambda n, l, h, s, t: 6 * n * t + 6 * l * h * s * t,  # causal halving applied
+def test_every_flops_case_is_an_int_no_float64_holds():
+    for case in given.flops_cases(torch.Generator().manual_seed(0)):
+        value = given.flops_reference(*case)
+        assert value > 2**53 and int(float(value)) != value, case
+
+
+@pytest.mark.parametrize("fn, diagnosis", [
+    (lambda n, l, h, s, t: 6.0 * n * t + 12.0 * l * h * s * t, "expected an exact int, got float"),
+    (lambda n, l, h, s, t: int(6.0 * n * t + 12.0 * l * h * s * t),
+     "cause: the count was computed in floating point"),
+    (lambda n, l, h, s, t: 2 * n * t + 4 * l * h * s * t, "cause: the forward pass only"),
+    (lambda n, l, h, s, t: 6 * n * t, "cause: attention's own FLOPs (12·L·h·s per token"),
+    (lambda n, l, h, s, t: 6 * n * t + 6 * l * h * s * t, "cause: attention halved for the causal mask"),
+    (lambda n, l, h, s, t: 6 * n + 12 * l * h * s, "cause: the FLOPs of one token"),
 ])
-def test_flops_wrong_variants_rejected(fn):
-    assert rejected(check_flops(fn))
+def test_flops_wrong_variants_rejected(fn, diagnosis):
+    verdict = check_flops(fn)
+    assert rejected(verdict, diagnosis), verdict.message
