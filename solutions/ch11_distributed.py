@@ -89,6 +89,8 @@ class ThreadComm:
         self.world, self.rank, self.size = world, rank, world.size
         self.bytes_sent = 0
         self.messages = 0
+        self.sent_to: list[int] = []  # the destination of every send, in order
+        self.received_from: list[int] = []  # the source of every recv, in order
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         """Send a copy of ``tensor`` to rank ``dst`` (returns at once, like ``isend``)."""
@@ -96,12 +98,14 @@ class ThreadComm:
             raise ValueError(f"rank {self.rank}: send to {dst}: not another rank of a world of {self.size}")
         self.bytes_sent += tensor.numel() * tensor.element_size()
         self.messages += 1
+        self.sent_to.append(dst)
         self.world.mailbox[(self.rank, dst)].put(tensor.detach().clone())
 
     def recv(self, src: int) -> torch.Tensor:
         """The next tensor rank ``src`` sent to this rank (waits for it)."""
         if not 0 <= src < self.size or src == self.rank:
             raise ValueError(f"rank {self.rank}: recv from {src}: not another rank of a world of {self.size}")
+        self.received_from.append(src)
         try:
             return self.world.mailbox[(src, self.rank)].get(timeout=self.world.timeout)
         except queue.Empty:
@@ -196,11 +200,19 @@ def ring_reference(p: int, data: torch.Tensor) -> torch.Tensor:
 
 
 def run_ring(candidate: Callable[..., torch.Tensor]) -> Callable[[int, torch.Tensor], torch.Tensor]:
-    """Run ``candidate(x, comm)`` on a thread world; stack the ranks' chunks. Records the bytes sent."""
+    """Run ``candidate(x, comm)`` on a thread world; stack the ranks' chunks. Records the bytes sent,
+    and holds the spec's rules: every send to the right-hand neighbour, ``(p − 1)/p · n`` elements
+    sent by each rank."""
     def run(p: int, data: torch.Tensor) -> torch.Tensor:
         world = ThreadWorld(p)
         outs = world.run(candidate, [(data[r].clone(),) for r in range(p)])
         run.bytes_sent = [c.bytes_sent for c in world.comms]
+        for comm in world.comms:
+            stray = [dst for dst in comm.sent_to if dst != (comm.rank + 1) % p]
+            if stray:
+                raise ValueError(f"rank {comm.rank} sent to rank {stray[0]}: around the ring a rank sends only to its "
+                                 f"right-hand neighbour, (r + 1) % p = {(comm.rank + 1) % p}, and receives only from "
+                                 f"its left, (r − 1) % p")
         n = data.shape[1]
         ideal = (p - 1) * (n // p) * data.element_size()
         if any(b != ideal for b in run.bytes_sent):
@@ -515,20 +527,35 @@ def diagnose_merge(got, expected) -> str | None:
         return (f"row(s) {rows} saw no key in either block: their lse is -inf in both, and exp(-inf - (-inf)) is "
                 "NaN; such a row must get weight 0 from each block (output 0, lse -inf)")
     finite = torch.isfinite(want_lse)
-    low = bool(finite.any()) and float(want_lse[finite].max()) < -80
-    if torch.isnan(out).any() or torch.isinf(out).any() or torch.isnan(lse).any() or (torch.isinf(lse) & finite).any():
-        if low:
-            return (f"NaN/inf where every score is near {float(want_lse[finite].mean()):.0f}: exp of it underflowed "
-                    "to 0 (0/0, or log 0) — a max started at 0, or no max, shifts by nothing; weight each block by "
-                    "exp(lse_block - lse) with lse from torch.logaddexp")
+    broken = (~torch.isfinite(out)).any(-1) | torch.isnan(lse) | (torch.isinf(lse) & finite)
+    if bool(broken.any()):
+        levels = want_lse[broken & finite]
+        rows = torch.nonzero(broken).flatten().tolist()
+        if levels.numel() and bool((levels < -80).all()):
+            return (f"NaN/inf in row(s) {rows}, whose scores all lie near {float(levels.mean()):.0f}: exp of them "
+                    "underflowed to 0 in float32 (0/0, or log 0) — a max started at 0, or no max, shifts by "
+                    "nothing; weight each block by exp(lse_block - lse) with lse from torch.logaddexp")
         return ("NaN/inf in rows that saw some key: with scores in the hundreds, exp(lse) overflows — weight each "
                 "block by exp(lse_block - lse) with lse from torch.logaddexp, never by exp(lse_block) itself")
     if not torch.allclose(lse, want_lse, rtol=1e-5, atol=1e-5, equal_nan=True):
+        wrong = ~torch.isclose(lse, want_lse, rtol=1e-5, atol=1e-5, equal_nan=True)
+        if bool((want_lse[wrong] < -80).all()):
+            rows = torch.nonzero(wrong).flatten().tolist()
+            return (f"lse is wrong in row(s) {rows}, whose scores all lie below -80: exp of them underflowed to 0 "
+                    "or to a subnormal in float32 — a max started at 0, or no max, shifts by nothing; the merged "
+                    "lse is torch.logaddexp(lse_a, lse_b)")
         return "lse is wrong: the merged lse is log(exp(lse_a) + exp(lse_b)), computed stably (torch.logaddexp)"
     # The blocks' lse come from float32 attention: a weight exp(lse_block - lse) carries their rounding,
     # a few units in the last place of |lse| (1e-5 of the output at |lse| = 250).
     scale = float(want_lse[finite].abs().max()) if bool(finite.any()) else 0.0
-    if not torch.allclose(out, want_out, rtol=1e-5, atol=1e-5 + 8 * 2.0**-24 * scale * float(want_out.abs().max())):
+    atol = 1e-5 + 8 * 2.0**-24 * scale * float(want_out.abs().max())
+    if not torch.allclose(out, want_out, rtol=1e-5, atol=atol):
+        wrong = ~torch.isclose(out, want_out, rtol=1e-5, atol=atol).all(-1)
+        if bool((want_lse[wrong] < -80).all()):
+            rows = torch.nonzero(wrong).flatten().tolist()
+            return (f"out is wrong in row(s) {rows}, whose scores all lie below -80: exp of them underflowed to 0 "
+                    "or to a subnormal in float32 — a max started at 0, or no max, shifts by nothing; weight each "
+                    "block by exp(lse_block - lse) with lse from torch.logaddexp")
         return "out is wrong (lse is right): each block's output is weighted by exp(lse_block - lse), then summed"
     return None
 

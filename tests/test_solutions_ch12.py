@@ -221,7 +221,7 @@ def _n_as_int32(p, q, drafts, u):
     (_residual_is_p, "cause: after a rejection the next token is drawn from p[n] itself"),
     (_unclamped_residual, "cause: p[n] − q[n] not clamped at 0"),
     (_residual_not_renormalized, "cause: max(0, p[n] − q[n]) not renormalized"),
-    (_keeps_going_after_a_rejection, "cause: n counts every draft accepted"),
+    (_keeps_going_after_a_rejection, "n counts every draft accepted"),  # may be named beside the inverted ratio
     (_ratio_inverted, "the ratio inverted"),  # some inputs fit "n counts every draft" too: both named
     (_no_bonus, "cause: all drafts kept, the next token drawn from p[k − 1]"),
     (_n_as_int32, "wrong dtype: got torch.int32, expected torch.int64"),
