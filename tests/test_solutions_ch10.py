@@ -124,6 +124,7 @@ def _contiguous_but_no_device(x, s):
     (_contiguous_but_no_device, "the output: the fake says device cpu, the kernel returns cuda (x's device)"),
     (_always_float32, "the fake says dtype float32, the kernel returns float16"),
     (_one_row_short, "the output: the fake says shape"),
+    (_one_row_short, "one dimension off by one"),
 ])
 def test_scale_rows_fake_wrong_variants_rejected(fake, diagnosis):
     verdict = check_scale_fake(fake)
