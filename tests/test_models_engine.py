@@ -168,3 +168,107 @@ def test_bad_input_is_refused(llama):
         Engine(model, num_blocks=4, draft_model=other)
     with pytest.raises(ValueError, match="draft_model must be"):
         Engine(model, num_blocks=4, draft_model="ngram")
+
+
+# ----------------------------------------------------------------------------------------------
+# Chunked prefill: the model runs on every scheduled token, every step
+# ----------------------------------------------------------------------------------------------
+
+
+class _TokenSpy:
+    """Counts the tokens the model itself processes (rows through layer 0's MLP, a module the packed
+    step calls) and the tokens the scheduler hands out (``Scheduler.step``'s ``total_tokens``)."""
+
+    def __init__(self, model, monkeypatch):
+        from kernel_ladder.serving import scheduler as scheduler_module
+
+        self.processed, self.scheduled, self.steps = [], [], []
+        self._hook = model.model.layers[0].mlp.register_forward_hook(
+            lambda module, args, out: self.processed.append(args[0].shape[0]))
+        step = scheduler_module.Scheduler.step
+
+        def spied_step(scheduler):
+            out = step(scheduler)
+            self.scheduled.append(out.total_tokens)
+            self.steps.append(out)
+            return out
+
+        monkeypatch.setattr(scheduler_module.Scheduler, "step", spied_step)
+
+    def close(self):
+        self._hook.remove()
+
+
+@pytest.fixture
+def spy(llama, monkeypatch):
+    spy = _TokenSpy(llama[1], monkeypatch)
+    yield spy
+    spy.close()
+
+
+def test_a_step_of_partial_prompt_chunks_only_still_runs_the_model(llama, spy):
+    """Budget 2, a 3-token prompt: the first step holds only a chunk that ends mid-prompt (nothing
+    samples); its K/V must still be computed, or the next steps attend to zeros."""
+    hf, model = llama
+    prompt = _prompts((3,), seed=11)[0]
+    engine = Engine(model, num_blocks=8, block_size=8, max_tokens_per_step=2)
+    out = engine.generate([prompt], max_new_tokens=4)
+    assert not spy.steps[0].sample_request_ids, "the first step was meant to sample nothing"
+    assert spy.processed == spy.scheduled == [2, 1, 1, 1, 1]
+    assert out[0] == _hf_greedy(hf, prompt, 4)
+
+
+@pytest.fixture(scope="module")
+def chunk_prompts(llama):
+    """Four prompts of different lengths and HF's greedy continuations (computed once)."""
+    prompts = _prompts((13, 5, 20, 2), seed=12)
+    return prompts, [_hf_greedy(llama[0], p, 5) for p in prompts]
+
+
+@pytest.mark.parametrize("budget", [3, 7, 16])
+def test_prompts_longer_than_the_step_budget_equal_hugging_face(budget, llama, chunk_prompts, spy):
+    """Several requests of different lengths prefilled in chunks under budgets below the longest
+    prompts (3: every prompt but one in chunks; 16: the 20-token one), decoding beside each other."""
+    _, model = llama
+    prompts, expected = chunk_prompts
+    engine = Engine(model, num_blocks=24, block_size=8, max_tokens_per_step=budget)
+    assert engine.generate(prompts, max_new_tokens=5) == expected
+    assert any(not s.sample_request_ids for s in spy.steps) or budget == 16
+    assert engine.stats.max_batch > 1 and engine.stats.preemptions == 0
+    assert sum(spy.processed) == sum(spy.scheduled) == engine.stats.tokens_computed
+    assert spy.processed == spy.scheduled, "a step's tokens were scheduled but not run through the model"
+    assert engine.stats.tokens_computed == sum(len(p) + 5 - 1 for p in prompts)
+
+
+def test_a_later_request_reuses_correct_blocks_of_a_chunked_prefix(llama, spy):
+    """A 16-token shared prefix prefilled 4 tokens a step: its two full blocks go into the prefix
+    cache; a later request (same call, admitted once the first finished its prompt) and one in a
+    later call reuse them, and their outputs still equal Hugging Face's."""
+    hf, model = llama
+    shared = _prompts((16,), seed=13)[0]
+    first, second, third = shared + [7, 8], shared + [9, 10, 11], shared + [12]
+    engine = Engine(model, num_blocks=24, block_size=8, max_tokens_per_step=4)
+    out = engine.generate([first, second], max_new_tokens=3)
+    assert engine.stats.cached_prompt_tokens == 16, "the second request found the first's two full blocks"
+    assert out == [_hf_greedy(hf, first, 3), _hf_greedy(hf, second, 3)]
+    assert engine.generate([third], max_new_tokens=3) == [_hf_greedy(hf, third, 3)]
+    assert engine.stats.cached_prompt_tokens == 16 and engine.stats.tokens_computed == 1 + 2
+    assert spy.processed == spy.scheduled
+
+
+def test_a_prompt_longer_than_the_default_budget_runs_every_token(monkeypatch):
+    """300 prompt tokens at the default budget of 256: two prefill steps, both through the model."""
+    t = transformers
+    torch.manual_seed(3)
+    hf = t.AutoModelForCausalLM.from_config(t.LlamaConfig(
+        **{**SMALL, "max_position_embeddings": 512}, num_hidden_layers=1, num_key_value_heads=2)).float().eval()
+    model = CausalLM.from_hf(hf)
+    spy = _TokenSpy(model, monkeypatch)
+    try:
+        prompt = _prompts((300,), seed=14)[0]
+        engine = Engine(model, num_blocks=24, block_size=16)
+        out = engine.generate([prompt], max_new_tokens=2)
+        assert spy.processed == spy.scheduled == [256, 44, 1]
+        assert out[0] == _hf_greedy(hf, prompt, 2)
+    finally:
+        spy.close()

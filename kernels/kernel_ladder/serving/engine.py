@@ -171,10 +171,10 @@ class Engine:
                 stats.tokens_computed += step.total_tokens
                 stats.max_batch = max(stats.max_batch, step.num_seqs)
                 stats.preemptions += len(step.preempted)
-                if not step.sample_request_ids:
-                    scheduler.update({})
-                    continue
-                tokens = sample(self.forward_step(step), temperature, top_p, generator).tolist()
+                # Every step runs the model, one whose chunks all end mid-prompt too: the scheduler has
+                # counted their tokens as computed and keyed their full blocks in the prefix cache.
+                logits = self.forward_step(step)
+                tokens = sample(logits, temperature, top_p, generator).tolist() if step.sample_request_ids else []
                 outputs = dict(zip(step.sample_request_ids, tokens))
                 scheduler.update(outputs)
                 for request_id, token in outputs.items():
