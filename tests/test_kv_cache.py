@@ -681,3 +681,52 @@ def test_allocator_refuses_a_block_id_that_is_not_an_int(block):
     pool = BlockAllocator(4)
     with pytest.raises(TypeError, match=r"BlockAllocator.refcount: block must be an int in \[0, 4\), got "):
         pool.refcount(block)
+
+
+def test_forgotten_blocks_leave_the_prefix_cache():
+    """A step whose model run failed: its blocks were keyed when scheduled but never written."""
+    cache = _cache(num_blocks=6, block_size=4)
+    prompt = list(range(60, 69))
+    cache.allocate("a", 9, prompt)
+    slots = cache.append_slots("a", 9)
+    keyed = cache.block_table("a")[:2]
+    assert all(cache.allocator.key_of(b) is not None for b in keyed)
+    cache.forget_blocks(slots)
+    assert all(cache.allocator.key_of(b) is None for b in keyed)
+    cache.check_invariants()
+    cache.free("a")
+    assert cache.allocator.num_evictable == 0 and cache.allocate("b", 9, prompt) == 0, "nothing of it is found"
+    _write(cache, cache.append_slots("b", 9), prompt, range(9))
+    cache.free("b")
+    evictable = cache.allocator.num_evictable
+    cache.allocator.forget(cache.allocator.lookup(block_key(None, prompt[:4])))  # an evictable block: freed
+    assert cache.allocator.num_evictable == evictable - 1 and cache.num_free_blocks == cache.num_blocks
+    cache.check_invariants()
+
+
+def test_cache_and_scheduler_refuse_bad_token_ids_and_keys():
+    cache = _cache()
+    with pytest.raises(TypeError, match=r"PagedKVCache.allocate: token_ids must be ints, got float 2.5"):
+        cache.allocate("a", 2, [1, 2.5])
+    with pytest.raises(TypeError, match=r"PagedKVCache.allocate: cache_salt must be a str, bytes or None, got int"):
+        cache.allocate("a", 2, [1, 2], cache_salt=5)
+    assert "a" not in cache
+    assert cache.allocate("a", 2, torch.tensor([1, 2])) == 0, "a tensor's integers are token ids"
+    scheduler = Scheduler(cache, max_num_seqs=2, max_tokens_per_step=8)
+    with pytest.raises(ValueError, match=r"Scheduler.add_request: token ids must be in \[0, 2\*\*31\), got -1 in "
+                                         r"request 'r'"):
+        scheduler.add_request("r", [3, -1], 2)
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 2\*\*31\), got 2147483648"):
+        scheduler.add_request("r", [2**31], 2)
+    assert not scheduler.requests
+    pool = BlockAllocator(2)
+    block = pool.allocate()
+    with pytest.raises(TypeError, match=r"BlockAllocator.register: key must be a 32-byte BlockKey \(what block_key "
+                                        r"returns\), got tuple"):
+        pool.register(block, (None, (1, 2)))
+    with pytest.raises(TypeError, match=r"BlockAllocator.lookup: key must be a 32-byte BlockKey"):
+        pool.lookup(b"short")
+    with pytest.raises(ValueError, match=r"BlockAllocator.allocate_many: n must be an int >= 0, got -1"):
+        pool.allocate_many(-1)
+    with pytest.raises(ValueError, match=r"BlockAllocator.forget: block must be in \[0, 2\), got -1"):
+        pool.forget(-1)
