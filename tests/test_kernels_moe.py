@@ -80,6 +80,35 @@ def test_empty_experts_and_one_token(gen):
     assert_matches(one, loop_reference(*f64(x[:1], logits[:1], wg, wd), 2), torch.float32, slack=2.0)
 
 
+@pytest.mark.parametrize("checks", [None, False], ids=["checks_default", "checks_off"])
+def test_a_nonfinite_router_row_spoils_only_its_own_token(checks, gen):
+    """Router rows of NaN, +inf and -inf logits: every other token's output is what it is alone, the
+    bad tokens still go to valid, distinct experts, and no kernel leaves its tensors (with the value
+    checks off too, a GPU's default). A row with one NaN logit routes around that expert."""
+    from utils.trace import trace
+
+    x, logits, wg, wd = block(gen, 10, 16, 16, 6)
+    logits[1] = float("nan")
+    logits[4, 2] = float("inf")
+    logits[6] = float("-inf")
+    logits[8, 0] = float("nan")
+    _, ids = kernel_ladder.topk_routing(logits, 2)
+    assert bool(((ids >= 0) & (ids < 6)).all()) and bool((ids[:, 0] != ids[:, 1]).all())
+    with kernel_ladder.runtime.check_values(checks), trace(torch_ops=False) as t:
+        out = kernel_ladder.moe(x, logits, wg, wd, 2)
+    assert t.out_of_bounds == 0
+    good = [0, 2, 3, 5, 7, 9]
+    alone = kernel_ladder.moe(x[good], logits[good], wg, wd, 2)
+    torch.testing.assert_close(out[good], alone, rtol=1e-6, atol=1e-6)
+    assert_matches(out[good], loop_reference(*f64(x[good], logits[good], wg, wd), 2), torch.float32, slack=2.0)
+    # One NaN logit reads as -inf: the token's output is the reference's with that logit at -inf.
+    cleaned = logits[8:9].clone()
+    cleaned[0, 0] = float("-inf")
+    assert_matches(out[8:9], loop_reference(*f64(x[8:9], cleaned, wg, wd), 2), torch.float32, slack=2.0)
+    # No softmax for rows 1 (all NaN), 4 (+inf) and 6 (all -inf): NaN weights, as torch's, in their rows only.
+    assert bool(torch.isnan(out[[1, 4, 6]]).all())
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_dtypes_against_torch_own_error(dtype, gen):
     x, logits, wg, wd = block(gen, 19, 32, 24, 4, dtype=dtype)

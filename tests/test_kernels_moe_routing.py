@@ -116,6 +116,135 @@ def test_topk_routing_empty_and_k_equals_e(gen):
     helpers.assert_matches(w, torch.softmax(x.double(), -1).sort(-1, descending=True).values, torch.float32)
 
 
+# --------------------------------------------------------------------------- any logits: ties, NaN, inf
+
+NAN, INF = float("nan"), float("inf")
+
+
+def cleaned(x: torch.Tensor) -> torch.Tensor:
+    """The logits the router ranks: float64, NaN read as -inf."""
+    x = x.double()
+    return torch.where(torch.isnan(x), -INF, x)
+
+
+def torch_scores(x: torch.Tensor, scoring: str) -> torch.Tensor:
+    return torch.softmax(x, -1) if scoring == "softmax" else torch.sigmoid(x)
+
+
+def check_routing(x: torch.Tensor, k: int, renormalize: bool, scoring: str):
+    """Every promise of topk_routing on any logits: ids in [0, E) and distinct per row, in descending
+    order of logit with ties to the lowest index (a stable sort of the logits, NaN as -inf); weights
+    torch's scores (float64, of the cleaned logits) at those ids — NaN exactly where torch's are —
+    and the k largest, as torch.topk gives them."""
+    weights, ids = kernel_ladder.topk_routing(x, k, renormalize, scoring)
+    n_experts = x.shape[1]
+    assert ids.dtype == torch.int64 and weights.dtype == torch.float32 and ids.shape == weights.shape == (len(x), k)
+    ids_cpu = ids.cpu()
+    assert bool(((ids_cpu >= 0) & (ids_cpu < n_experts)).all()), ids_cpu
+    assert bool((ids_cpu.sort(-1).values.diff(dim=-1) > 0).all()), f"repeated ids {ids_cpu}"
+    z = cleaned(x.cpu())
+    assert torch.equal(ids_cpu, torch.sort(z, dim=-1, descending=True, stable=True).indices[:, :k])
+    p = torch_scores(z, scoring)
+    want = p.gather(1, ids_cpu)
+    top = torch.topk(p, k, dim=-1).values
+    if renormalize:
+        want, top = want / want.sum(-1, keepdim=True), top / top.sum(-1, keepdim=True)
+    got = weights.double().cpu()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, equal_nan=True)
+    torch.testing.assert_close(got, top, rtol=1e-5, atol=1e-6, equal_nan=True)
+    return weights, ids
+
+
+def nonfinite_logits(n_experts: int, gen) -> torch.Tensor:
+    """One row of each kind of non-finite logits, between finite rows."""
+    x = torch.randn(12, n_experts, generator=gen)
+    x[1] = NAN  # all NaN: read as all -inf
+    x[2, 3] = NAN  # one NaN: that expert is never preferred
+    x[3, n_experts - 1] = INF  # one +inf
+    x[4, [0, 2]] = INF  # two +inf: they tie
+    x[5] = -INF  # all -inf
+    x[6, :n_experts // 2] = -INF  # half -inf
+    x[7, 0], x[7, 1] = INF, NAN  # +inf and NaN
+    x[8, ::2] = NAN  # NaN and -inf mixed, finite between
+    x[8, 1::4] = -INF
+    x[9, :] = INF  # all +inf
+    return x.to(DEVICE)
+
+
+@pytest.mark.parametrize("scoring, renormalize", [("softmax", True), ("softmax", False), ("sigmoid", True),
+                                                  ("sigmoid", False)])
+@pytest.mark.parametrize("E, k", [(8, 2), (6, 1), (6, 6), (60, 5)], ids=str)
+def test_nonfinite_logits_give_valid_distinct_ids(E, k, scoring, renormalize, gen):
+    """A row of NaN or inf logits still gets k distinct experts in [0, E) (NaN counts as -inf), and its
+    weights are torch's on those logits: finite, or NaN where torch's softmax is NaN."""
+    x = nonfinite_logits(E, gen)
+    weights, _ = check_routing(x, k, renormalize, scoring)
+    finite_rows = [0, 2, 6, 8, 10, 11]  # a finite logit is the largest: every softmax weight finite
+    assert bool(torch.isfinite(weights[finite_rows]).all())
+    if scoring == "sigmoid" and not renormalize:
+        assert bool(torch.isfinite(weights).all())  # sigmoid(-inf) = 0, sigmoid(inf) = 1
+
+
+def test_inf_rows_compared_with_torch_softmax_topk(gen):
+    """The choice for a row whose largest logit is +inf, or whose logits are all -inf (or NaN): torch's
+    softmax is NaN for every expert, so its top-k weights are NaN and its ids arbitrary. The weights
+    here are NaN too (the token's output is NaN, as Hugging Face's block gives, and no other token's),
+    and the ids are the +inf experts first, lowest index first, then the rest by logit."""
+    x = nonfinite_logits(8, gen)
+    weights, ids = kernel_ladder.topk_routing(x, 3)
+    their_w, _ = torch.topk(torch.softmax(x.double(), -1), 3, dim=-1)
+    for row in (1, 3, 4, 5, 7, 9):
+        assert bool(torch.isnan(their_w[row]).all()) and bool(torch.isnan(weights[row]).all()), row
+    assert ids[3].tolist()[0] == 7 and ids[4].tolist()[:2] == [0, 2] and ids[7].tolist()[0] == 0
+    assert ids[9].tolist() == [0, 1, 2] and ids[5].tolist() == [0, 1, 2] and ids[1].tolist() == [0, 1, 2]
+    for row in (0, 2, 6, 8, 10, 11):  # finite where torch's are, and equal to them once NaN is read as -inf
+        assert bool(torch.isfinite(weights[row]).all()), row
+    ok_rows = [0, 6, 10, 11]  # no NaN logit: torch's own weights, unchanged
+    torch.testing.assert_close(weights[ok_rows].double(), their_w[ok_rows] / their_w[ok_rows].sum(-1, keepdim=True),
+                               rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("scoring", tr.SCORINGS)
+def test_nonfinite_rows_keep_the_other_rows_gradients(scoring, gen):
+    """The backward ranks and scores as the forward does: rows whose weights are finite get the float64
+    gradient of the cleaned logits (0 for a NaN logit), whatever the rows beside them hold."""
+    x = nonfinite_logits(8, gen).requires_grad_()
+    dw = torch.randn(12, 3, generator=gen).to(DEVICE)
+    weights, ids = kernel_ladder.topk_routing(x, 3, True, scoring)
+    (grad,) = torch.autograd.grad(weights, [x], dw)
+    leaf = cleaned(x.detach().cpu()).requires_grad_()
+    p = torch_scores(leaf, scoring)
+    chosen = p.gather(1, ids.cpu())
+    (want,) = torch.autograd.grad(chosen / chosen.sum(-1, keepdim=True), [leaf], dw.double().cpu())
+    rows = [r for r in range(12) if bool(torch.isfinite(weights[r]).all())]
+    assert {0, 2, 6, 8, 10, 11} <= set(rows)
+    torch.testing.assert_close(grad[rows].double().cpu(), want[rows], rtol=1e-5, atol=1e-6)
+    assert bool((grad[2, 3] == 0) & (grad[8, ::2] == 0).all())  # NaN logits: no gradient
+
+
+@pytest.mark.parametrize("scoring", tr.SCORINGS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_ties_everywhere_pick_the_lowest_experts(dtype, scoring, gen):
+    """Logits from five values: most of a row ties. The ids are the stable order, the weights torch's."""
+    x = torch.randint(-2, 3, (33, 12), generator=gen).to(dtype).to(DEVICE)
+    for k in (1, 3, 12):
+        for renormalize in (True, False):
+            check_routing(x, k, renormalize, scoring)
+
+
+@pytest.mark.parametrize("scoring", tr.SCORINGS)
+@pytest.mark.parametrize("renormalize", [True, False], ids=lambda r: f"renorm{int(r)}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("T, E, k", [(33, 8, 2), (7, 6, 1), (16, 6, 6), (19, 60, 4), (5, 257, 8), (3, 1, 1)],
+                         ids=str)
+def test_random_logits_like_fused_topk_tests(T, E, k, dtype, renormalize, scoring, gen):
+    """The cases inference engines' routing tests sweep (tokens, experts not a power of two, k = 1 and
+    k = E, renormalize on and off, softmax and sigmoid scoring, low-precision logits with their ties):
+    normal logits, compared with torch's softmax/sigmoid + topk."""
+    x = (2.0 * torch.randn(T, E, generator=gen)).to(dtype).to(DEVICE)
+    check_routing(x, k, renormalize, scoring)
+
+
 # --------------------------------------------------------------------------- load-balancing loss
 
 

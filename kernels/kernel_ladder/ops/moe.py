@@ -187,7 +187,10 @@ def moe(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor, w
             softmax's probabilities (Qwen2-MoE without ``norm_topk_prob``).
 
     Returns:
-        ``(T, H)`` in ``x``'s dtype.
+        ``(T, H)`` in ``x``'s dtype. A token whose router row is NaN or infinite is routed as
+        :func:`kernel_ladder.topk_routing` says (NaN logits count as ``-inf``; a row with no softmax,
+        largest logit ``+inf`` or all ``-inf``, gets NaN weights and a NaN output row); it never
+        changes another token's output, and no kernel reads or writes outside its tensors.
     """
     _check(x, router_logits, w_gate_up, w_down, top_k, renormalize)
     weights, expert_ids = topk_routing(router_logits, top_k, renormalize=renormalize)
