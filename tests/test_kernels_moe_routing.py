@@ -347,6 +347,102 @@ def test_moe_pipeline_round_trip(gen):
         assert (sorted_ids[starts[e]:offsets[e]] == e).all()
 
 
+# --------------------------------------------------------------------------- bad permutations
+
+#: (what, T, k, the permutation): none of them a permutation of [0, T * k).
+BAD_PERMUTATIONS = {
+    "past the end": (4, 2, [0, 1, 2, 8, 4, 5, 6, 7]),
+    "negative": (4, 2, [0, 1, -1, 3, 4, 5, 6, 7]),
+    "far past the end": (4, 2, [2**31 - 1, 1, 2, 3, 4, 5, 6, 0]),
+    "repeated": (4, 2, [0, 5, 2, 3, 4, 5, 6, 7]),  # 1 missing, 5 twice
+    "all the same": (3, 3, [4] * 9),
+}
+BAD_PERMUTATION_MESSAGES = {
+    "past the end": r"permutation\[3\] = 8",
+    "negative": r"permutation\[2\] = -1",
+    "far past the end": r"permutation\[0\] = 2147483647",
+    "repeated": r"entry 5 at positions 1 and 5",
+    "all the same": r"entry 4 at positions 0 and 1",
+}
+
+
+def _bad_permutation_inputs(what, gen):
+    T, k, perm = BAD_PERMUTATIONS[what]
+    x = torch.randn(T, 24, generator=gen).to(DEVICE).requires_grad_()
+    y = torch.randn(T * k, 24, generator=gen).to(DEVICE).requires_grad_()
+    w = torch.rand(T, k, generator=gen).to(DEVICE).requires_grad_()
+    return T, k, torch.tensor(perm, dtype=torch.int32, device=DEVICE), x, y, w
+
+
+def _gather_combine_and_grads(x, y, w, perm, k, gen):
+    gathered = kernel_ladder.moe_gather(x, perm, k)
+    combined = kernel_ladder.moe_combine(y, perm, w)
+    dg = torch.randn(gathered.shape, generator=gen).to(DEVICE)
+    dc = torch.randn(combined.shape, generator=gen).to(DEVICE)
+    grads = torch.autograd.grad([gathered, combined], [x, y, w], [dg, dc])
+    return (gathered, combined, *grads)
+
+
+@pytest.mark.parametrize("what", sorted(BAD_PERMUTATIONS))
+def test_a_bad_permutation_is_refused_when_values_are_checked(what, gen):
+    T, k, perm, x, y, w = _bad_permutation_inputs(what, gen)
+    message = (rf"permutation must be a permutation of \[0, T \* k\) = \[0, {T * k}\) \(each entry once\); got "
+               + BAD_PERMUTATION_MESSAGES[what])
+    for checks in (None, True):  # the CPU's default, and asked for
+        with kernel_ladder.runtime.check_values(checks):
+            if DEVICE.type == "cpu" or checks:
+                with pytest.raises(ValueError, match=r"^kernel_ladder\.moe_gather: " + message):
+                    kernel_ladder.moe_gather(x, perm, k)
+                with pytest.raises(ValueError, match=r"^kernel_ladder\.moe_combine: " + message):
+                    kernel_ladder.moe_combine(y, perm, w)
+
+
+@pytest.mark.parametrize("what", sorted(BAD_PERMUTATIONS))
+def test_a_bad_permutation_unchecked_stays_in_bounds_and_is_deterministic(what, gen):
+    """Value checks off (a GPU's default): no kernel of the gather, the combine or their backwards
+    touches memory outside its tensors, nothing uninitialized is read (buffers are poisoned), and
+    the results are the documented ones: an entry outside [0, T * k) gathers a zero row; the combine
+    takes each entry from the first position holding it, and nothing for an entry no position holds."""
+    from utils.trace import trace
+
+    T, k, perm, x, y, w = _bad_permutation_inputs(what, gen)
+    with kernel_ladder.runtime.check_values(False), trace(block_out_of_bounds=True, torch_ops=False) as t:
+        first = _gather_combine_and_grads(x, y, w, perm, k, torch.Generator().manual_seed(1))
+        second = _gather_combine_and_grads(x, y, w, perm, k, torch.Generator().manual_seed(1))
+    assert t.out_of_bounds == 0, [(launch.kernel, launch.out_of_bounds) for launch in t.launches]
+    for a, b in zip(first, second):
+        assert bool(torch.isfinite(a).all()), "an unwritten or uninitialized value"
+        assert torch.equal(a, b)
+    n = T * k
+    entries = perm.long().cpu()
+    valid = (entries >= 0) & (entries < n)
+    want_gathered = torch.where(valid[:, None], x.detach().cpu()[entries.clamp(0, n - 1) // k], 0.0)
+    assert torch.equal(first[0].cpu(), want_gathered)
+    position = {}
+    for i, e in enumerate(entries.tolist()):
+        position.setdefault(e, i)
+    want_combined = torch.zeros(T, 24, dtype=torch.float64)
+    for t_ in range(T):
+        for j in range(k):
+            if t_ * k + j in position:
+                want_combined[t_] += w.detach().double().cpu()[t_, j] * y.detach().double().cpu()[position[t_ * k + j]]
+    helpers.assert_matches(first[1], want_combined, torch.float32)
+
+
+def test_moe_permute_unchecked_clamps_ids_outside_the_experts(gen):
+    """With the value checks off, an id outside [0, E) counts as the nearest expert (0 or E - 1): the
+    permutation is still a whole permutation, the offsets end at T * k, and nothing is left unwritten."""
+    from utils.trace import trace
+
+    ids = torch.tensor([[0, 5], [-3, 2], [9, 1], [4, 2**40]], dtype=torch.int64, device=DEVICE)
+    with kernel_ladder.runtime.check_values(False), trace(block_out_of_bounds=True, torch_ops=False) as t:
+        perm, offsets = kernel_ladder.moe_permute(ids, 5)
+    assert t.out_of_bounds == 0
+    clamped = ids.clamp(0, 4)
+    assert torch.equal(perm.long(), torch.argsort(clamped.flatten(), stable=True))
+    assert torch.equal(offsets.long(), torch.bincount(clamped.flatten(), minlength=5).cumsum(0))
+
+
 # --------------------------------------------------------------------------- launches
 
 
