@@ -119,6 +119,19 @@ def test_dtypes_against_torch_own_error(dtype, gen):
     assert_matches(out, ref, dtype, lowp=lowp, slack=2.0)
 
 
+def test_float64_router_logits_are_routed_in_float32(gen):
+    """The router's logits may be float64 (as the docstring says: any float dtype, routed in fp32): the
+    same output as the logits rounded to float32 first, and their gradient in float64."""
+    x, logits, wg, wd = block(gen, 11, 16, 16, 5)
+    logits64 = logits.double().requires_grad_()
+    logits32 = logits.clone().requires_grad_()
+    out64, out32 = kernel_ladder.moe(x, logits64, wg, wd, 2), kernel_ladder.moe(x, logits32, wg, wd, 2)
+    assert torch.equal(out64, out32)
+    g = rand(gen, *out64.shape)
+    (d64,), (d32,) = torch.autograd.grad(out64, [logits64], g), torch.autograd.grad(out32, [logits32], g)
+    assert d64.dtype == torch.float64 and torch.equal(d64, d32.double())
+
+
 def test_strided_inputs_are_read_in_place(gen):
     x, logits, wg, wd = block(gen, 13, 16, 12, 4)
     x_t = x.t().contiguous().t()  # column-major x

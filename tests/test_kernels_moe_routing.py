@@ -332,6 +332,38 @@ def test_moe_gather_and_combine_match_loops(T, k, E, H, dtype, gen):
     helpers.assert_matches(grad_x, ref_x, dtype)
 
 
+def test_moe_combine_takes_float64_weights(gen):
+    """Float64 routing weights are accepted and used in float32: the same output as the weights rounded
+    to float32 first; their gradient comes back in float64."""
+    T, k, E, H = 9, 3, 8, 20
+    _, perm, _ = routed(T, k, E, H, torch.float32, gen)
+    y = torch.randn(T * k, H, generator=gen).to(DEVICE).requires_grad_()
+    w64 = torch.rand(T, k, generator=gen, dtype=torch.float64).to(DEVICE).requires_grad_()
+    w32 = w64.detach().float().requires_grad_()
+    out64, out32 = kernel_ladder.moe_combine(y, perm, w64), kernel_ladder.moe_combine(y, perm, w32)
+    assert out64.dtype == torch.float32 and torch.equal(out64, out32)
+    dout = torch.randn(T, H, generator=gen).to(DEVICE)
+    grad_y64, grad_w64 = torch.autograd.grad(out64, [y, w64], dout)
+    grad_y32, grad_w32 = torch.autograd.grad(out32, [y, w32], dout)
+    assert grad_w64.dtype == torch.float64 and torch.equal(grad_w64, grad_w32.double())
+    assert torch.equal(grad_y64, grad_y32)
+
+
+@pytest.mark.parametrize("scoring", tr.SCORINGS)
+def test_topk_routing_takes_float64_logits(scoring, gen):
+    """Float64 logits are accepted and routed in float32 (the kernel reads them so): the weights and ids
+    of the logits rounded to float32 first; the gradient comes back in float64."""
+    x64 = distinct_logits(11, 12, torch.float64, gen).requires_grad_()
+    x32 = x64.detach().float().requires_grad_()
+    w64, ids64 = kernel_ladder.topk_routing(x64, 3, True, scoring)
+    w32, ids32 = kernel_ladder.topk_routing(x32, 3, True, scoring)
+    assert w64.dtype == torch.float32 and torch.equal(w64, w32) and torch.equal(ids64, ids32)
+    dw = torch.randn(11, 3, generator=gen).to(DEVICE)
+    (g64,) = torch.autograd.grad(w64, [x64], dw)
+    (g32,) = torch.autograd.grad(w32, [x32], dw)
+    assert g64.dtype == torch.float64 and torch.equal(g64, g32.double())
+
+
 def test_moe_pipeline_round_trip(gen):
     """gather -> identity experts -> combine with weights summing to 1 gives x back."""
     T, E, k, H = 23, 8, 2, 16
@@ -533,7 +565,8 @@ _P = torch.zeros(8, dtype=torch.int32)
         (lambda: kernel_ladder.topk_routing(torch.zeros(2, 4, 8), 2), ValueError,
          r"^kernel_ladder\.topk_routing: router_logits must be 2-D"),
         (lambda: kernel_ladder.topk_routing(torch.zeros(4, 8, dtype=torch.int64), 2), TypeError,
-         r"^kernel_ladder\.topk_routing: router_logits must be float32, float16 or bfloat16, got torch\.int64"),
+         r"^kernel_ladder\.topk_routing: router_logits must be float32, float16, bfloat16 or float64, "
+         r"got torch\.int64"),
         (lambda: kernel_ladder.topk_routing(_L, 2, scoring="softplus"), ValueError,
          r"^kernel_ladder\.topk_routing: scoring must be 'softmax' or 'sigmoid', got 'softplus'"),
         (lambda: kernel_ladder.topk_routing(_L, 2, renormalize=1), TypeError,
@@ -559,6 +592,13 @@ _P = torch.zeros(8, dtype=torch.int32)
          r"^kernel_ladder\.moe_combine: y_sorted must be float32"),
         (lambda: kernel_ladder.moe_combine(torch.zeros(8, 8), _P, torch.zeros(8)), ValueError,
          r"^kernel_ladder\.moe_combine: weights must be 2-D"),
+        (lambda: kernel_ladder.moe_combine(torch.zeros(8, 8), _P, torch.zeros(4, 2, dtype=torch.int64)), TypeError,
+         r"^kernel_ladder\.moe_combine: weights must be float32, float16, bfloat16 or float64, got torch\.int64"),
+        (lambda: kernel_ladder.moe_combine(torch.zeros(8, 8, dtype=torch.float64), _P, torch.zeros(4, 2)), TypeError,
+         r"^kernel_ladder\.moe_combine: y_sorted must be float32, float16 or bfloat16, got torch\.float64"),
+        (lambda: kernel_ladder.topk_routing(torch.zeros(4, 8, dtype=torch.complex64), 2), TypeError,
+         r"^kernel_ladder\.topk_routing: router_logits must be float32, float16, bfloat16 or float64, "
+         r"got torch\.complex64"),
         (lambda: kernel_ladder.moe_load_balancing_loss(_L, torch.zeros(4, 2, dtype=torch.int64), 6), ValueError,
          r"^kernel_ladder\.moe_load_balancing_loss: num_experts must equal router_logits\.shape\[1\] = 8"),
         (lambda: kernel_ladder.moe_load_balancing_loss(_L, torch.zeros(4, 2), 8), TypeError,

@@ -30,11 +30,12 @@ when a segment holds many more entries than there are experts). Three launches w
 **Gather and combine.** ``moe_gather(x, permutation, k)`` writes row ``i`` = ``x[permutation[i] //
 k]`` (:func:`moe_gather_kernel`). ``moe_combine(y_sorted, permutation, weights)`` computes, per
 token, ``out[t] = sum_j weights[t, j] * y_sorted[inverse[t * k + j]]`` — one program per block of
-tokens gathers its own ``k`` rows, so no atomics and a deterministic sum (:func:`moe_combine_kernel`).
-The inverse permutation is computed by :func:`moe_invert_kernel` (one more launch, into a buffer
-filled first: ``16 * N`` bytes with the fill) inside the ops that need it. The backward of the gather is a combine without weights; the
-backward of the combine is a gather with the weights fused (``d y_sorted``) and, for the weights,
-a per-token dot product (:func:`moe_combine_weights_grad_kernel`, ``kernel_ladder::moe_combine_backward``).
+tokens gathers its own ``k`` rows, so no atomic adds and a deterministic sum
+(:func:`moe_combine_kernel`). The inverse permutation is computed by :func:`moe_invert_kernel`
+(one more launch, into a buffer filled first: ``16 * N`` bytes with the fill) inside the ops that
+need it. The backward of the gather is a combine without weights; the backward of the combine is a
+gather with the weights fused (``d y_sorted``) and, for the weights, a per-token dot product
+(:func:`moe_combine_weights_grad_kernel`, ``kernel_ladder::moe_combine_backward``).
 Rows are computed in float32 and stored in the rows' dtype.
 
 **Bad values.** ``expert_ids`` in range and ``permutation`` a permutation of ``[0, N)`` are value
@@ -80,6 +81,8 @@ ONE_HOT_TILE: int = 4096
 MAX_EXPERTS: int = 4096
 #: Elements of a (rows, hidden) tile of the gather and combine kernels.
 ROW_TILE: int = 4096
+#: The routing weights' dtypes: the kernels read them in float32 (float64 weights are rounded to it once).
+WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -358,7 +361,8 @@ def _check_rows(op: str, name: str, t: object) -> None:
 
 def _check_weights(op: str, weights: torch.Tensor, n_tokens: int, top_k: int) -> None:
     check_tensor(op, "weights", weights)
-    check_float_dtype(op, "weights", weights)
+    if weights.dtype not in WEIGHT_DTYPES:
+        raise TypeError(f"{op}: weights must be float32, float16, bfloat16 or float64, got {weights.dtype}")
     if tuple(weights.shape) != (n_tokens, top_k):
         raise ValueError(f"{op}: weights must be (T, k) = ({n_tokens}, {top_k}), got {tuple(weights.shape)}")
 
@@ -528,8 +532,8 @@ def _check_weights_grad_args(op, token_rows, sorted_rows, permutation, top_k, we
     if sorted_rows.shape != (permutation.shape[0], token_rows.shape[1]):
         raise ValueError(f"{op}: sorted_rows must be ({permutation.shape[0]}, {token_rows.shape[1]}), "
                          f"got {tuple(sorted_rows.shape)}")
-    if weights_dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise TypeError(f"{op}: weights_dtype must be float32, float16 or bfloat16, got {weights_dtype}")
+    if weights_dtype not in WEIGHT_DTYPES:
+        raise TypeError(f"{op}: weights_dtype must be float32, float16, bfloat16 or float64, got {weights_dtype}")
 
 
 @torch.library.custom_op("kernel_ladder::moe_combine_backward", mutates_args=())
@@ -653,7 +657,8 @@ def moe_combine(y_sorted: torch.Tensor, permutation: torch.Tensor, weights: torc
         permutation: ``(T * k,)`` int32 from :func:`moe_permute`: each of ``0 .. T * k - 1`` once (a
             value check, see :mod:`kernel_ladder.runtime`; unchecked, an entry held at several
             positions is taken from the first, and one held nowhere adds nothing).
-        weights: ``(T, k)`` float routing weights (any float dtype; used in float32).
+        weights: ``(T, k)`` routing weights, float32, float16, bfloat16 or float64 (read in float32;
+            their gradient in their dtype).
 
     Returns:
         ``(T, H)`` contiguous, ``y_sorted``'s dtype, summed in float32 in slot order (deterministic:

@@ -57,6 +57,7 @@ from .._validate import check_bool, check_choice, check_float_dtype, check_tenso
 from .softmax import softmax
 
 __all__ = [
+    "LOGIT_DTYPES",
     "MAX_EXPERTS",
     "MAX_K",
     "SCORINGS",
@@ -73,6 +74,14 @@ MAX_K: int = 32
 #: Elements of logits a program aims to hold (short rows are packed, ``BLOCK_T`` rows a program).
 ROUTING_TILE: int = 4096
 SCORINGS = ("softmax", "sigmoid")
+#: The logits' dtypes: the kernels read them in float32 (float64 logits are rounded to it once).
+LOGIT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def check_logits_dtype(op: str, name: str, t: torch.Tensor) -> None:
+    """``t`` must be one of :data:`LOGIT_DTYPES`."""
+    if t.dtype not in LOGIT_DTYPES:
+        raise TypeError(f"{op}: {name} must be float32, float16, bfloat16 or float64, got {t.dtype}")
 
 _NEG_INF = tl.constexpr(float("-inf"))
 
@@ -200,7 +209,7 @@ def _config(n_tokens: int, n_experts: int, k: int) -> tuple[int, int, int, int]:
 
 def _check_args(op: str, router_logits: object, k: object, renormalize: object, scoring: object) -> None:
     check_tensor(op, "router_logits", router_logits)
-    check_float_dtype(op, "router_logits", router_logits)
+    check_logits_dtype(op, "router_logits", router_logits)
     if router_logits.dim() != 2:
         raise ValueError(f"{op}: router_logits must be 2-D (tokens, experts), got shape {tuple(router_logits.shape)}"
                          " (flatten the leading dims with .reshape(-1, num_experts))")
@@ -220,7 +229,7 @@ def _check_backward_args(op: str, grad_weights, router_logits, expert_ids, renor
     for name, t in (("grad_weights", grad_weights), ("router_logits", router_logits), ("expert_ids", expert_ids)):
         check_tensor(op, name, t)
     check_float_dtype(op, "grad_weights", grad_weights)
-    check_float_dtype(op, "router_logits", router_logits)
+    check_logits_dtype(op, "router_logits", router_logits)
     if router_logits.dim() != 2:
         raise ValueError(f"{op}: router_logits must be 2-D, got shape {tuple(router_logits.shape)}")
     if expert_ids.dtype not in (torch.int32, torch.int64):
@@ -322,7 +331,8 @@ def topk_routing(router_logits: torch.Tensor, k: int, renormalize: bool = True,
     """Each token's top-``k`` experts and their routing weights.
 
     Args:
-        router_logits: ``(T, E)`` float32, float16 or bfloat16 (any strides), ``1 <= E <= MAX_EXPERTS``.
+        router_logits: ``(T, E)`` float32, float16, bfloat16 or float64 (read in float32; any strides),
+            ``1 <= E <= MAX_EXPERTS``.
         k: experts per token, ``1 <= k <= min(E, MAX_K)``.
         renormalize: divide the ``k`` chosen scores by their sum (Mixtral; Qwen's ``norm_topk_prob``).
         scoring: ``"softmax"`` (softmax over the experts in float32, as Mixtral's
@@ -336,7 +346,8 @@ def topk_routing(router_logits: torch.Tensor, k: int, renormalize: bool = True,
         **int64** like ``torch.topk``'s indices, always ``k`` distinct experts in ``[0, E)``. Ties pick
         the lowest expert index. A NaN logit counts as ``-inf``; a row whose largest logit is ``+inf``
         or whose logits are all ``-inf`` gets NaN softmax weights, as torch's softmax does (see the
-        module docstring). Differentiable with respect to ``router_logits`` through ``weights``.
+        module docstring). Differentiable with respect to ``router_logits`` through ``weights`` (the
+        gradient in ``router_logits``' dtype).
     """
     if not schema_types(tensors=(router_logits,), ints=(k,), flags=(renormalize,), strings=(scoring,)):
         _check_args(_OP, router_logits, k, renormalize, scoring)  # the op checks values
