@@ -461,6 +461,31 @@ def test_a_bad_permutation_unchecked_stays_in_bounds_and_is_deterministic(what, 
     helpers.assert_matches(first[1], want_combined, torch.float32)
 
 
+@pytest.mark.parametrize("what", sorted(BAD_PERMUTATIONS) + ["a permutation"])
+def test_the_tensor_form_of_the_permutation_check_agrees(what, monkeypatch, gen):
+    """The check CUDA runs when asked (tensor ops, then one read of the flag) finds what the host form
+    finds, with the same message: run here on the CPU by withholding the host form."""
+    from kernel_ladder import _validate
+
+    T, k, perm = BAD_PERMUTATIONS.get(what, (3, 2, [5, 0, 3, 1, 4, 2]))
+    perm = torch.tensor(perm, dtype=torch.int32, device=DEVICE)
+    calls = []
+
+    def tensor_form_only(tensors, ok, message, error=None, *, host_ok=None, device_assert=True):
+        calls.append(message)
+        return _validate.check_values(tensors, ok, message, error, device_assert=device_assert)
+
+    monkeypatch.setattr(mp, "check_values", tensor_form_only)
+    x = torch.randn(T, 8, generator=gen).to(DEVICE)
+    if what == "a permutation":
+        kernel_ladder.moe_gather(x, perm, k)
+    else:
+        with pytest.raises(ValueError, match=r"^kernel_ladder\.moe_gather: permutation must be a permutation .*; got "
+                                             + BAD_PERMUTATION_MESSAGES[what]):
+            kernel_ladder.moe_gather(x, perm, k)
+    assert len(calls) == 1
+
+
 def test_moe_permute_unchecked_clamps_ids_outside_the_experts(gen):
     """With the value checks off, an id outside [0, E) counts as the nearest expert (0 or E - 1): the
     permutation is still a whole permutation, the offsets end at T * k, and nothing is left unwritten."""
