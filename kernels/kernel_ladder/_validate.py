@@ -179,7 +179,8 @@ def schema_types(tensors: tuple = (), optional_tensors: tuple = (), reals: tuple
     the wrapper too would validate every call twice. What the wrapper must catch first is what the
     schema itself would refuse with torch's own message, which names neither the op nor the
     argument: a list where a tensor goes, a string for a float. ``reals`` are Python floats or
-    ints (not bools); ``ints`` Python ints (not bools); ``flags`` bools.
+    ints (not bools); ``ints`` Python ints or ``torch.SymInt`` (not bools: the schema's ``int`` takes a
+    symbolic int under ``torch.compile``); ``flags`` bools.
     """
     for t in tensors:
         if not isinstance(t, torch.Tensor):
@@ -194,10 +195,10 @@ def schema_types(tensors: tuple = (), optional_tensors: tuple = (), reals: tuple
         if v is not None and type(v) is not float and type(v) is not int:
             return False
     for v in ints:
-        if type(v) is not int:
+        if type(v) is not int and type(v) is not torch.SymInt:
             return False
     for v in optional_ints:
-        if v is not None and type(v) is not int:
+        if v is not None and type(v) is not int and type(v) is not torch.SymInt:
             return False
     for v in flags:
         if type(v) is not bool:
@@ -209,8 +210,9 @@ def schema_types(tensors: tuple = (), optional_tensors: tuple = (), reals: tuple
 
 
 def is_int(value: object) -> bool:
-    """An integer, and not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    """An integer, and not a bool: a Python int, or a ``torch.SymInt`` — what an int argument becomes
+    under ``torch.compile`` once it is dynamic (a size, ``max_seqlen``, a count worked out from shapes)."""
+    return isinstance(value, (numbers.Integral, torch.SymInt)) and not isinstance(value, bool)
 
 
 def check_attention_options(op: str, softmax_scale: object, window: object, softcap: object) -> None:
