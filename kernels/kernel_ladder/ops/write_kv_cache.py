@@ -29,7 +29,10 @@ float32, float16 or bfloat16 and are cast to the cache's dtype (round to nearest
 
 **Strides.** Every operand is read and written through its own strides: ``k``/``v`` may be slices
 of a fused QKV projection's output and the caches one layer of a ``(layers, num_blocks, ...)``
-tensor. Offsets are int32 while every reachable offset fits, else int64 (``INDEX_64``).
+tensor, or the two halves ``kv[:, 0]``, ``kv[:, 1]`` of one ``(num_blocks, 2, block_size, Hkv, D)``
+tensor (FlashInfer's layout). The caches must share no element (``_validate.share_elements``: exact
+from the strides, not the byte ranges the views span). Offsets are int32 while every reachable offset
+fits, else int64 (``INDEX_64``).
 
 **The launch.** A program writes ``BLOCK_T`` tokens x all ``Hkv * D`` elements of each (the head
 and head-dim indices flattened into one ``BLOCK_HD`` range). In the interpreter few big programs
@@ -43,7 +46,15 @@ import triton
 import triton.language as tl
 
 from .. import _launch, runtime
-from .._validate import FLOAT_DTYPES, check_paged_caches, check_same_device, check_tensor, check_values, schema_types
+from .._validate import (
+    FLOAT_DTYPES,
+    check_paged_caches,
+    check_same_device,
+    check_tensor,
+    check_values,
+    schema_types,
+    share_elements,
+)
 
 __all__ = ["CACHE_DTYPES", "write_kv_cache", "write_kv_cache_kernel"]
 
@@ -193,17 +204,12 @@ def _check_args(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> None:
 
 
 def _check_no_overlap(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    """k_cache and v_cache must not share elements (real tensors only: fake ones have no storage)."""
-    if k_cache.untyped_storage().data_ptr() == v_cache.untyped_storage().data_ptr() and _overlap(k_cache, v_cache):
-        raise ValueError(f"{_OP}: k_cache and v_cache must not overlap in memory")
-
-
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two views of one storage may share elements (by the byte ranges they span)."""
-    size = a.element_size()
-    a0, b0 = a.storage_offset() * size, b.storage_offset() * size
-    a1, b1 = a0 + (_max_offset(a) + 1) * size, b0 + (_max_offset(b) + 1) * size
-    return a0 < b1 and b0 < a1
+    """k_cache and v_cache must share no element (real tensors only: fake ones have no storage). Views of
+    one tensor that interleave without sharing, as ``kv[:, 0]`` and ``kv[:, 1]``, are fine."""
+    if share_elements(k_cache, v_cache):
+        raise ValueError(f"{_OP}: k_cache and v_cache must not overlap in memory (they share elements: a write "
+                         f"to one would land in the other); got strides {k_cache.stride()} at offset "
+                         f"{k_cache.storage_offset()} and {v_cache.stride()} at offset {v_cache.storage_offset()}")
 
 
 def _check_slot_values(slot_mapping: torch.Tensor, num_slots: int) -> None:
