@@ -192,6 +192,50 @@ def test_bad_fp8_scales(k_scale, v_scale, error, message):
         kernel_ladder.write_kv_cache(**args)
 
 
+@pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")  # the interpreter's numpy, as a GPU: inf
+@pytest.mark.parametrize("which", ["k_scale", "v_scale"])
+@pytest.mark.parametrize("bad", [0.0, -0.5, float("nan"), float("inf")], ids=["zero", "negative", "nan", "inf"])
+def test_fp8_scales_must_be_positive_and_finite(which, bad, gen):
+    """A scale the cache cannot be decoded with is an error when values are checked (the CPU's default;
+    nothing is written); unchecked (CUDA's default) the kernel divides by it as documented: zero saturates
+    to +-448 with k's sign, a negative scale stores -k / |scale|, NaN stores NaN, infinity stores 0."""
+    k, v = _inputs(gen, 5, 2, 8)
+    slots = torch.tensor([3, 0, 7, 1, 4], dtype=torch.int32, device=DEVICE)
+    scales = {"k_scale": torch.tensor(0.25, device=DEVICE), "v_scale": torch.tensor(0.5, device=DEVICE)}
+    scales[which] = torch.tensor(bad, device=DEVICE)
+    caches = [_sentinel_cache((2, 4, 2, 8), torch.float8_e4m3fn) for _ in range(2)]
+    with kernel_ladder.runtime.check_values(True), pytest.raises(
+            ValueError, match=rf"kernel_ladder\.write_kv_cache: {which} must be a positive finite number "
+                              rf"\(the cache stores k / k_scale, v / v_scale\); got {which} = {bad}"):
+        kernel_ladder.write_kv_cache(k, v, *caches, slots, **scales)
+    assert all(bool((c.view(torch.uint8) == 0x7F).all()) for c in caches), "nothing may be written"
+    with kernel_ladder.runtime.check_values(False):
+        kernel_ladder.write_kv_cache(k, v, *caches, slots, **scales)
+    x = k if which == "k_scale" else v
+    stored = (caches[0] if which == "k_scale" else caches[1]).view(-1, 2, 8)[slots.long()].float()
+    if bad == 0.0:
+        want = torch.where(x > 0, 448.0, -448.0)
+    elif bad < 0:
+        want = _stored(-x / -bad, torch.float8_e4m3fn, None).float()
+    elif bad != bad:
+        want = torch.full_like(x, float("nan"))
+    else:
+        want = torch.zeros_like(x)
+    torch.testing.assert_close(stored, want, rtol=0, atol=0, equal_nan=True)
+
+
+def test_fp8_cache_keeps_a_nan_input_nan(gen):
+    """Saturation to +-448 clamps infinities but keeps NaN (torch's clamp-then-cast), never a finite code."""
+    k, v = _inputs(gen, 3, 1, 8)
+    k[1, 0, 2], v[2, 0, 5] = float("nan"), float("-inf")
+    caches = [_sentinel_cache((1, 4, 1, 8), torch.float8_e4m3fn) for _ in range(2)]
+    slots = torch.tensor([0, 1, 2], dtype=torch.int64, device=DEVICE)
+    kernel_ladder.write_kv_cache(k, v, *caches, slots)
+    _assert_bits_equal(caches[0], _reference(_sentinel_cache((1, 4, 1, 8), torch.float8_e4m3fn), k, slots), "k")
+    _assert_bits_equal(caches[1], _reference(_sentinel_cache((1, 4, 1, 8), torch.float8_e4m3fn), v, slots), "v")
+    assert caches[0].float().view(-1, 8)[1, 2].isnan() and caches[1].float().view(-1, 8)[2, 5] == -448
+
+
 def test_overlapping_caches_rejected():
     args = _good()
     args["v_cache"] = args["k_cache"]
