@@ -9,6 +9,7 @@ import torch
 
 import kernel_ladder
 from tests.helpers import DEVICE
+from utils.trace import trace
 
 _BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16,
          torch.float8_e4m3fn: torch.uint8}
@@ -89,6 +90,22 @@ def test_negative_and_out_of_range_slots_are_never_written(gen):
     assert written == [0, 5]
     assert torch.equal(flat[5], k[2].cpu()) and torch.equal(flat[0], k[5].cpu())
     assert torch.isnan(flat).all(-1).all(-1).sum() == 10
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+def test_bad_slots_unchecked_touch_nothing_outside_the_tensors(slot_dtype, gen):
+    """Slots far past the cache, at its end, and very negative, unchecked: the trace (which blocks and counts
+    any access outside the tensors) sees none, in int32 and int64 (2**40 must not wrap into the cache)."""
+    k, v = _inputs(gen, 6, 2, 8)
+    extremes = [2**31 - 1, 24, -(2**31), 5, -1, 2**40 if slot_dtype == torch.int64 else 25]
+    slots = torch.tensor(extremes, dtype=slot_dtype, device=DEVICE)
+    caches = [_sentinel_cache((3, 8, 2, 8), torch.float16) for _ in range(2)]
+    with kernel_ladder.runtime.check_values(False), trace(block_out_of_bounds=True) as tr:
+        kernel_ladder.write_kv_cache(k, v, *caches, slots)
+    assert tr.out_of_bounds == 0, tr.table()
+    written = (~caches[0].view(-1, 2, 8).isnan()).all(-1).all(-1).nonzero().flatten().tolist()
+    assert written == [5]
 
 
 def test_all_padding_and_empty_batch_write_nothing(gen):
