@@ -85,7 +85,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import _launch, runtime
+from .. import _autocast, _launch, runtime
 from .._launch import next_power_of_2
 from .._validate import FLOAT_DTYPES, check_attention_options, check_paged_caches, check_tensor, check_values
 from .._validate import is_int as _is_int
@@ -516,7 +516,8 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, window, s
         raise ValueError(f"{op}: q must be 3-D {layout}, got shape {tuple(q.shape)}")
     check_paged_caches(op, k_cache, v_cache)
     fp8 = k_cache.dtype == torch.float8_e4m3fn
-    if not fp8 and k_cache.dtype != q.dtype:
+    # Under autocast a float q and cache both go to the autocast dtype first (as SDPA's inputs): no mismatch.
+    if not fp8 and k_cache.dtype != q.dtype and not _autocast.unifies(op, ("q", q), ("k_cache", k_cache)):
         raise TypeError(f"{op}: k_cache and v_cache must have q's dtype ({q.dtype}) or be torch.float8_e4m3fn "
                         f"(with k_scale and v_scale), got {k_cache.dtype}")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables),
@@ -711,6 +712,8 @@ def paged_attention(
         k_cache, v_cache: ``(num_blocks, block_size, Hkv, D)``, any strides (e.g. one layer's slice of
             a ``(layers, num_blocks, ...)`` tensor); ``block_size`` a power of two from 8 to 128; ``Hq``
             a multiple of ``Hkv`` (GQA/MQA); q's dtype, or ``torch.float8_e4m3fn`` with ``k_scale``/``v_scale``.
+            Under ``torch.autocast`` q and a float cache go to the autocast dtype first (as SDPA's inputs):
+            an fp32 q over a bf16 cache runs in bf16, the cache uncopied.
             ``D`` any value up to 256.
         block_tables: int32 ``(B, max_blocks)``: sequence ``b``'s token ``j`` is in physical block
             ``block_tables[b, j // block_size]``, slot ``j % block_size``. Entries past
