@@ -309,7 +309,7 @@ def _tensors(out) -> list[torch.Tensor]:
     return [t for o in out for t in _tensors(o)] if isinstance(out, (tuple, list)) else []
 
 
-def _run(case: Case, args: tuple, fn, seed: int):
+def _run(args: tuple, fn, seed: int):
     """The outputs of ``fn(*args)`` and the gradients of the differentiable inputs under random cotangents."""
     outs = _tensors(fn(*args))
     leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
@@ -332,8 +332,8 @@ def test_op_compiles_fullgraph_at_three_sizes(name, dynamic, gen):
     compiled = torch.compile(case.call, fullgraph=True, dynamic=dynamic, backend=backend)
     for size in SIZES:
         args = case.make(size, gen)
-        got = _run(case, _fresh(args), compiled, seed=size)
-        want = _run(case, _fresh(args), case.call, seed=size)
+        got = _run(_fresh(args), compiled, seed=size)
+        want = _run(_fresh(args), case.call, seed=size)
         for kind, g, w in (("output", *[x[0] for x in (got, want)]), ("gradient", got[1], want[1])):
             assert len(g) == len(w), f"{name} at size {size}: {len(g)} {kind}s compiled, {len(w)} eager"
             for i, (a, b) in enumerate(zip(g, w)):
