@@ -143,22 +143,23 @@ def _padding_plan(mask: torch.Tensor, batch: int, tq: int, tk: int, causal: bool
                          f"the keys, got shape {tuple(mask.shape)} (a static cache's mask, of another length than "
                          "its keys, is not supported)")
 
-    def make():
+    def make():  # (the plan, whether every row's real tokens are one run)
         keep = mask.to(torch.bool)
         if bool(keep.all()):
-            return None
-        if window is not None:  # a window counts positions: compacting keeps their distances only within one run
-            runs = keep[:, 0].to(torch.int32) + (keep[:, 1:] & ~keep[:, :-1]).sum(1, dtype=torch.int32)
-            if bool((runs > 1).any()):
-                raise ValueError(f"{_ATTENTION}: a sliding window ({window}) over a padded batch needs each row's "
-                                 "real tokens in one run (left or right padding); this attention_mask has padding "
-                                 "between tokens")
+            return None, True
+        runs = keep[:, 0].to(torch.int32) + (keep[:, 1:] & ~keep[:, :-1]).sum(1, dtype=torch.int32)
+        one_run = not bool((runs > 1).any())
         if causal:
             keep_q = keep[:, tk - tq:]
-            return _plan(keep_q.reshape(-1), keep.reshape(-1), keep_q.sum(1), keep.sum(1))
-        return _plan(None, keep.reshape(-1), torch.full((batch,), tq, device=keep.device), keep.sum(1))
+            return _plan(keep_q.reshape(-1), keep.reshape(-1), keep_q.sum(1), keep.sum(1)), one_run
+        return _plan(None, keep.reshape(-1), torch.full((batch,), tq, device=keep.device), keep.sum(1)), one_run
 
-    return _cached_plan(mask, ("padding", batch, tq, tk, causal, window), make)
+    # not keyed by the window: layers with and without one (Qwen2's) share the plan
+    plan, one_run = _cached_plan(mask, ("padding", batch, tq, tk, causal), make)
+    if window is not None and not one_run:  # a window counts positions: compacting keeps distances within a run
+        raise ValueError(f"{_ATTENTION}: a sliding window ({window}) over a padded batch needs each row's real "
+                         "tokens in one run (left or right padding); this attention_mask has padding between tokens")
+    return plan
 
 
 def _packed_plan(batch: int, tq: int, tk: int, kwargs: dict):
