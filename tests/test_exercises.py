@@ -1398,3 +1398,33 @@ def test_progress_lines_are_deterministic_and_say_the_expected_time(capsys):
     assert list(progress(iter([1, 2]), "generator", expected="soon")) == [1, 2]  # no len: a line per step
     assert capsys.readouterr().out.splitlines() == ["⏳ generator: steps — expected: soon", "   generator: 1 done",
                                                     "   generator: 2 done", "✓ generator: done"]
+
+
+def test_no_python_loops_of_the_exercise_function_a_given_driver_calls():
+    def driver(update):
+        def run(x, y):
+            out = x.clone()
+            for _ in range(1):  # the given driver may loop: the rule reads the exercise's function
+                out = update(out, y)
+            return out
+
+        return run
+
+    looping = exercises.rules.no_python_loops(why=TENSOR_OPS, function=add_with_loop)
+    assert_not_solved(check("add", driver(add_with_loop), torch.add, small_add_cases, rules=[looping]),
+                      "a Python for loop at line")
+    clean = exercises.rules.no_python_loops(why=TENSOR_OPS, function=torch.add)
+    assert check("add", driver(torch.add), torch.add, small_add_cases, rules=[clean]).solved
+
+
+@interpreter_only
+def test_traced_rule_sees_the_bytes_each_argument_was_read():
+    def y_read_once(args, launches):
+        x, y = args  # the case's arguments (out=True outputs are not among them)
+        read = exercises.rules.bytes_read(launches, y)
+        return None if read <= y.nbytes else f"y read {read // y.nbytes}× its size"
+
+    rule = exercises.rules.traced(y_read_once, name="y read once")
+    assert check_add(add_kernel, rules=[rule]).solved
+    assert_not_solved(check_add(add_reading_y_twice_kernel, rules=[rule]),
+                      "broke a stated rule — y read once: y read 2× its size")

@@ -177,7 +177,8 @@ def _check_case(
     if not problems and options.rules:
         # The values are right: now the rules the spec states, each named in the verdict.
         context = RunContext(candidate=candidate, case=case, got=got, expected=expected,
-                             calls=tuple(recorder.calls) if recorder is not None else ())
+                             calls=tuple(recorder.calls) if recorder is not None else (), args=args,
+                             launches=tuple(run.launches))
         for rule in options.rules:
             line = rule.verdict_line(context)
             if line is not None:

@@ -82,10 +82,6 @@ class TrafficReport:
         return text
 
 
-def _overlap(span: tuple[int, int], start: int, end: int) -> bool:
-    return span[0] < end and start < span[1]
-
-
 def measure(
     spec: Traffic,
     case: tuple,
@@ -97,6 +93,8 @@ def measure(
     """The report for one traced run of ``case``: ``inputs`` are the (name, tensor) the candidate got."""
     from utils.trace import tensor_bytes
 
+    from .rules import bytes_read
+
     ideal = int(spec.ideal(*case))
     top = None if spec.top is None else int(spec.top(*case))
     if not interpreted:
@@ -107,13 +105,7 @@ def measure(
         size = tensor_bytes(tensor)
         if not size or not launches:
             continue
-        start = tensor.data_ptr()
-        end = start + (1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride()))) * tensor.element_size()
-        read = 0
-        for launch in launches:
-            for arg, span in (getattr(launch, "spans", None) or {}).items():
-                if _overlap(span, start, end):
-                    read += int(launch.per_tensor[arg].bytes_read)
+        read = bytes_read(launches, tensor)
         reread[name] = read / size
     cause = spec.explain(dict(reread)) if spec.explain is not None else None
     return TrafficReport(moved=moved, ideal=ideal, top=top, reread=reread, cause=cause)
