@@ -26,6 +26,7 @@ __all__ = [
     "slot_mapping",
     "slot_mapping_reference",
     "slot_mapping_cases",
+    "slot_mapping_rules",
     "slot_mapping_mistakes",
     "diagnose_slot_mapping",
     "paged_inputs",
@@ -35,7 +36,9 @@ __all__ = [
     "decode_cases",
     "FarCache",
     "cache_tensor",
-    "table_walk_checked",
+    "with_table_reads",
+    "decode_rules",
+    "decode_traffic",
     "decode_mistakes",
     "diagnose_decode",
     "decode_ideal_bytes",
@@ -50,9 +53,13 @@ __all__ = [
     "prepare_append_reference",
     "prepare_append_cases",
     "diagnose_append",
+    "APPEND_MISTAKES",
+    "diagnose_append_cause",
     "admit",
     "admit_cases",
     "diagnose_admit",
+    "ADMIT_MISTAKES",
+    "diagnose_admit_cause",
     "admit_reference",
     "unmodified",
     "static_batching",
@@ -132,6 +139,13 @@ def slot_mapping_cases(gen: torch.Generator) -> list[tuple]:
     positions[0] = -1
     cases.append((table, positions, 16))
     return cases
+
+
+def slot_mapping_rules() -> list:
+    """Exercise 1's stated rule: vectorised torch, no Python loop (a loop over the tokens is a host sync each)."""
+    from utils.exercises import rules
+
+    return [rules.no_python_loops(why="the spec asks for vectorised torch, no Python loop")]
 
 
 def slot_mapping_mistakes(block_table: torch.Tensor, positions: torch.Tensor,
@@ -372,7 +386,8 @@ def _extreme_scores_case(gen: torch.Generator, device: torch.device | str) -> tu
     started at 0 underflows every exp to 0, and 0 / 0 is NaN), sequence 1's near +200 in its first
     block and near +10 after it (the maximum falls between blocks: rescaling by the tile's own
     maximum multiplies by exp(190) = inf; no maximum at all overflows exp(200)); sequence 2's
-    ordinary.
+    ordinary. Whole blocks, no spare ones: the traffic verdict is measured on this case, and each
+    cached token is then read once per program that needs it, nothing else.
 
     A score of 250 computed in fp32 is off by about 250 · 2^-24 — more than the check's tolerance
     once exponentiated — so these scores are exact instead: ``D = 16`` (``scale = 1/4``), the
@@ -381,9 +396,9 @@ def _extreme_scores_case(gen: torch.Generator, device: torch.device | str) -> tu
     in base 2 (``exp2(s · log2 e)``, as the library's does) still rounds ``s · log2 e``: its weights
     are off by about 1e-5, so these sequences' values are ``1 ± 0.05``, where that is far inside the
     tolerance (a NaN is not)."""
-    lens, hq, hkv, head_dim, block_size = [40, 35, 20], 4, 2, 16, 16
+    lens, hq, hkv, head_dim, block_size = [48, 32, 16], 4, 2, 16, 16
     seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
-    q, k_cache, v_cache, tables, _ = paged_inputs(lens, hq, hkv, head_dim, block_size, seed=seed)
+    q, k_cache, v_cache, tables, _ = paged_inputs(lens, hq, hkv, head_dim, block_size, seed=seed, spare_blocks=0)
     noise = torch.Generator().manual_seed(seed + 1)
     q[:2] = 0.0
     q[:2, :, 0] = math.sqrt(head_dim)
@@ -423,7 +438,7 @@ def decode_cases(gen: torch.Generator) -> list[tuple]:
     without that case); last, scores near −250 and +200 with a maximum that falls between blocks
     (:func:`_extreme_scores_case`), the case the traffic is measured on. Every block table has one
     more column of ``-1`` than its longest sequence needs, so a walk one block too far stays
-    inside the table (:func:`table_walk_checked` names it).
+    inside the table (the rule of :func:`decode_rules` names it).
 
     ``seq_lens`` comes as a list (so that a NOT SOLVED verdict prints the lengths); the candidate
     turns it into the int32 tensor the kernel takes."""
@@ -444,12 +459,11 @@ def decode_cases(gen: torch.Generator) -> list[tuple]:
     return cases
 
 
-def table_walk_checked(paged_decode):
-    """Exercise 2's candidate wrapper: ``paged_decode(q, k_cache, v_cache, block_tables, seq_lens,
-    out)``, failing if the kernel read a block-table entry past a sequence's
-    ``ceil(seq_len / BLOCK_SIZE)`` blocks (those entries are -1, and past the table's end lies
-    memory that is not the table's: a walk one block too far reads it). In the interpreter only: the
-    tracer's access maps say which entries each launch read."""
+def with_table_reads(paged_decode):
+    """Exercise 2's candidate wrapper: ``paged_decode(q, k_cache, v_cache, block_tables, seq_lens, out)``
+    run under a trace that records which elements each launch read (the tracer's access maps), so
+    that the rule of :func:`decode_rules` can say which block-table entries the walk visited. The
+    launches it records are the check's own (traces nest), so nothing runs twice."""
     import functools
 
     @functools.wraps(paged_decode)
@@ -458,31 +472,68 @@ def table_walk_checked(paged_decode):
             return paged_decode(q, k_cache, v_cache, block_tables, seq_lens, out)
         from utils.trace import trace  # the course's tracer: its access maps
 
-        with trace(record_access=True, torch_ops=False, block_out_of_bounds=True) as recorded:
-            result = paged_decode(q, k_cache, v_cache, block_tables, seq_lens, out)
-        block_size = cache_tensor(k_cache).shape[1]
-        lens = [int(n) for n in (seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens)]
-        for launch in recorded.launches:
-            read = launch.access.get("block_tables_ptr")
-            if read is None or tuple(read.shape) != tuple(block_tables.shape):
-                read = next((a for a in launch.access.values() if tuple(a.shape) == tuple(block_tables.shape)), None)
-            if read is None:
-                continue
-            for b, n in enumerate(lens):
-                used = -(-n // block_size)
-                past = (read[b, used:] >= 0).nonzero()[0]
-                if past.size:
-                    j = used + int(past[0])
-                    tokens, blocks = f"{n} token{'s' * (n != 1)}", f"{used} block{'s' * (used != 1)}"
-                    raise AssertionError(
-                        f"the block-table walk goes past the sequence's blocks: sequence {b} ({tokens}: "
-                        f"ceil({n} / {block_size}) = {blocks}) read block_tables[{b}, {j}]. Visit j in "
-                        "range(0, tl.cdiv(seq_len, BLOCK_SIZE)) only — one block too many reads an entry that "
-                        "is -1, or past the table's end"
-                    )
-        return result
+        with trace(record_access=True, torch_ops=False, block_out_of_bounds=True):
+            return paged_decode(q, k_cache, v_cache, block_tables, seq_lens, out)
 
     return run
+
+
+def _table_reads(launch, block_tables: torch.Tensor):
+    """The access map of ``block_tables`` in one traced launch (the kernel's ``block_tables_ptr``), or None."""
+    read = launch.access.get("block_tables_ptr")
+    if read is not None and tuple(read.shape) == tuple(block_tables.shape):
+        return read
+    spans = getattr(launch, "spans", {}) or {}
+    for name, (low, _) in spans.items():
+        if low == block_tables.data_ptr() and name in launch.access:
+            return launch.access[name]
+    return None
+
+
+def _walks_its_blocks(args: tuple, launches) -> str | None:
+    """The spec's "visit the blocks 0 .. ceil(seq_len / BLOCK_SIZE) − 1 only", from the access maps."""
+    q, k_cache, _, block_tables, seq_lens = args
+    block_size = cache_tensor(k_cache).shape[1]
+    lens = [int(n) for n in (seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens)]
+    maps = [read for read in (_table_reads(launch, block_tables) for launch in launches) if read is not None]
+    if not maps:
+        return ("the block-table reads were not recorded: run the candidate as given.with_table_reads(paged_decode) "
+                "so that the tracer keeps its access maps")
+    for read in maps:
+        for b, n in enumerate(lens):
+            used = -(-n // block_size)
+            past = (read[b, used:] >= 0).nonzero()[0]
+            if past.size:
+                j = used + int(past[0])
+                tokens, blocks = f"{n} token{'s' * (n != 1)}", f"{used} block{'s' * (used != 1)}"
+                return (f"sequence {b} ({tokens}: ceil({n} / {block_size}) = {blocks}) read block_tables[{b}, {j}] "
+                        "— the walk goes one block too far: loop j over range(0, tl.cdiv(seq_len, BLOCK_SIZE)); the "
+                        "entries past a sequence's blocks are -1, and past the table's end lies other memory")
+    return None
+
+
+def decode_rules() -> list:
+    """Exercise 2's stated rule beyond the values: the walk reads only the sequence's table entries
+    (a walk one block too far computes the right values — its extra block is all masked — but reads
+    an entry that is -1, or past the table's end)."""
+    from utils.exercises import rules
+
+    return [rules.traced(_walks_its_blocks, name="visit the blocks 0 .. ceil(seq_len / BLOCK_SIZE) − 1 only")]
+
+
+def _decode_explain(reread: dict[str, float]) -> str | None:
+    factor = max(reread.get("k_cache", 0.0), reread.get("v_cache", 0.0))
+    if factor > 1.05:
+        return (f"each query head's program streams its kv head's blocks, so K and V are read once per query head "
+                f"of a group ({factor:.0f}× here); section 4's kernel loads each block once for the whole group")
+    return None
+
+
+def decode_traffic():
+    """Exercise 2's traffic verdict: :func:`decode_ideal_bytes` against ``kernel_ladder.paged_attention``'s."""
+    from utils.exercises import Traffic
+
+    return Traffic(ideal=decode_ideal_bytes, top=decode_top_bytes, explain=_decode_explain)
 
 
 def decode_mistakes(q: torch.Tensor, k_cache, v_cache, block_tables: torch.Tensor,
@@ -865,6 +916,50 @@ def diagnose_append(got, expected) -> str | None:
     return f"got {got}, expected {expected}"
 
 
+def _append_with(table, length, block_size, refcounts, free, *, take=0, grow=True, copy_first="old", new_count=1,
+                 old_count=lambda count: count - 1, swap_in=True):
+    """Exercise 4's rule with one thing done differently (the keywords): what a wrong answer returns."""
+    table, counts, pool = list(table), list(refcounts), list(free)
+    if length % block_size == 0:
+        if not grow:
+            return table, counts, pool, None
+        block = pool.pop(take)
+        counts[block] = new_count
+        return table + [block], counts, pool, None
+    last = table[length // block_size]
+    if counts[last] <= 1:
+        return table, counts, pool, None
+    block = pool.pop(take)
+    counts[block] = new_count
+    counts[last] = old_count(counts[last])
+    if swap_in:
+        table[length // block_size] = block
+    return table, counts, pool, (last, block) if copy_first == "old" else (block, last)
+
+
+#: Exercise 4's common mistakes that its comparison (:func:`diagnose_append`) does not already name.
+APPEND_MISTAKES = (
+    ("the new block came from the end of the free list (free.pop()): take the first free block, free[0] "
+     "(free.pop(0))", dict(take=-1)),
+    ("the last block is full (length % block_size == 0, or the sequence is empty), but no block was added: the "
+     "new token needs a block of its own — take free[0] and append it to the table", dict(grow=False)),
+    ("copy is (new, old): it says what to copy where — (old, new), the shared block first", dict(copy_first="new")),
+    ("the new block's reference count was not set to 1 (this sequence is its only user)", dict(new_count=0)),
+    ("the shared block's count was set to 0, but the other sequences still hold it: drop one reference "
+     "(count - 1)", dict(old_count=lambda count: 0)),
+    ("the copy is returned but the table still points at the shared block: put the new block in its place",
+     dict(swap_in=False)),
+)
+
+
+def diagnose_append_cause(case: tuple, got, expected) -> str | None:
+    """Exercise 4's cause beyond what :func:`diagnose_append` says: which known mistake returns ``got``."""
+    for cause, twist in APPEND_MISTAKES:
+        if _append_with(*case, **twist) == tuple(got) and tuple(got) != tuple(expected):
+            return cause
+    return None
+
+
 def unmodified(fn):
     """Exercise 4's candidate wrapper: ``fn(*args)``, failing if it changed its (list) arguments."""
     import copy
@@ -922,12 +1017,14 @@ def admit(waiting: list[int], num_running: int, free_blocks: int, block_size: in
 
 
 def admit_cases(gen: torch.Generator) -> list[tuple]:
-    """Budget-bound, block-bound, seat-bound and head-of-line cases."""
+    """Budget-bound, block-bound (an exact fit too), seat-bound and head-of-line cases."""
     cases = [
         ([100, 50, 20], 10, 100, 16, 128, 64),  # the budget chunks the second prompt; the third waits
         ([64, 300, 8], 2, 12, 16, 512, 64),     # blocks run out at the long prompt: the short one waits
         ([500, 8], 0, 40, 16, 64, 64),          # a chunk of 64 tokens, but all 32 blocks reserved
         ([500, 8], 0, 10, 16, 64, 64),          # the chunk would fit in 4 blocks, the prompt needs 32: wait
+        ([64, 8], 0, 4, 16, 512, 64),           # the first prompt needs exactly the 4 free blocks: it fits
+        ([5, 5, 5, 5], 0, 100, 16, 512, 2),     # two seats in all
         ([10, 10, 10], 62, 100, 16, 512, 64),   # two seats left
         ([40], 128, 100, 16, 128, 256),         # decodes take the whole budget
     ]
@@ -961,6 +1058,58 @@ def diagnose_admit(got, expected) -> str | None:
     return (f"admitted {got}, expected {expected}. In order, for each waiting request: a seat left "
             "(num_running + admitted < max_num_seqs)? budget left after the decodes? blocks free for its "
             "whole prompt? The first request that fails one stops admission (no later request overtakes it)")
+
+
+def _admit_with(waiting, num_running, free_blocks, block_size, token_budget, max_num_seqs, *, stop=True,
+                blocks_for="prompt", decodes_first=True, seats_count_running=True, seat_limit=True, exact_fit=True,
+                chunked=True, budget_spent=True):
+    """Exercise 5's rule with one thing done differently (the keywords): what a wrong answer returns."""
+    budget = token_budget - (num_running if decodes_first else 0)
+    seats = (max_num_seqs - (num_running if seats_count_running else 0)) if seat_limit else 10**9
+    admitted: list[int] = []
+    for prompt in waiting:
+        chunk = min(prompt, budget)
+        need = -(-(prompt if blocks_for == "prompt" else chunk) // block_size)
+        fits = need <= free_blocks if exact_fit else need < free_blocks
+        if seats <= 0 or budget <= 0 or not fits or (not chunked and prompt > budget):
+            if stop:
+                break
+            continue
+        admitted.append(chunk)
+        budget -= chunk if budget_spent else 0
+        free_blocks -= need
+        seats -= 1
+    return admitted
+
+
+#: Exercise 5's common mistakes: a cause each, and the keywords of :func:`_admit_with` that make it.
+ADMIT_MISTAKES = (
+    ("a request that could not be admitted was skipped and a later one admitted (continue instead of break): "
+     "the first request that fails a condition stops admission, or small requests overtake a long prompt forever",
+     dict(stop=False)),
+    ("blocks were reserved for the chunk only: reserve ceil(prompt / block_size) blocks for the whole prompt at "
+     "admission, so that its later chunks never wait for memory", dict(blocks_for="chunk")),
+    ("the running sequences' decode tokens were not taken from the budget first: budget = token_budget - "
+     "num_running", dict(decodes_first=False)),
+    ("the seats ignore the running sequences: at most max_num_seqs sequences run at once, so the seats left are "
+     "max_num_seqs - num_running", dict(seats_count_running=False)),
+    ("no seat limit: at most max_num_seqs sequences run at once (the running ones included)",
+     dict(seat_limit=False)),
+    ("a request needing exactly the free blocks was refused: it fits when its blocks ≤ free_blocks",
+     dict(exact_fit=False)),
+    ("a prompt longer than the budget left was not chunked: admit min(prompt, budget left) of its tokens now "
+     "(chunked prefill), the rest in later steps", dict(chunked=False)),
+    ("the budget was not reduced by each admitted chunk: the step's tokens are the decodes plus every chunk",
+     dict(budget_spent=False)),
+)
+
+
+def diagnose_admit_cause(case: tuple, got, expected) -> str | None:
+    """Exercise 5's cause: which known mistake (:data:`ADMIT_MISTAKES`) returns ``got``."""
+    for cause, twist in ADMIT_MISTAKES:
+        if _admit_with(*case, **twist) == got != expected:
+            return cause
+    return None
 
 
 # ----------------------------------------------------------------------------------------------
