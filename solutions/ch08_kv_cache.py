@@ -512,13 +512,45 @@ def _walks_its_blocks(args: tuple, launches) -> str | None:
     return None
 
 
+def _step(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One step (ulp) of ``dtype`` at each float64 ``value``'s magnitude (its subnormals' step near 0)."""
+    digits = round(-math.log2(torch.finfo(dtype).eps))  # explicit mantissa bits: 7 for bf16, 10 for fp16
+    lowest = math.frexp(torch.finfo(dtype).smallest_normal)[1] - 1 - digits  # the subnormals' step, as a power of 2
+    _, exponent = torch.frexp(value.abs().clamp_min(torch.finfo(dtype).smallest_normal))
+    return torch.ldexp(torch.ones_like(value), (exponent - 1 - digits).clamp_min(lowest))
+
+
+def _computed_in_fp32(case: tuple, got) -> str | None:
+    """The spec's "compute in fp32 whatever the cache dtype": in a 16-bit case every output element is
+    within one step of its dtype of the exact attention. fp32 arithmetic rounded once at the store
+    is (half a step); scores summed in bf16 or fp16 are several steps off."""
+    q = case[0]
+    if q.dtype not in (torch.float16, torch.bfloat16) or not isinstance(got, torch.Tensor):
+        return None
+    exact = paged_reference(*case).cpu().double()
+    allowed = _step(exact, q.dtype) + 1e-6 * (1.0 + exact.abs())  # one step, and fp32's own rounding
+    error = (got.detach().cpu().double() - exact).abs()
+    far = error > allowed
+    if not bool(far.any()):
+        return None
+    worst = int((error / allowed).flatten().argmax())
+    name = str(q.dtype).removeprefix("torch.")
+    return (f"{int(far.sum())} of {far.numel()} outputs of this {name} case are more than one {name} step from the "
+            f"exact attention (worst: {float(got.flatten()[worst]):.6g}, exact {float(exact.flatten()[worst]):.6g}, "
+            f"{float((error / _step(exact, q.dtype)).flatten()[worst]):.0f} steps): the arithmetic ran in {name} — "
+            ".to(tl.float32) after each load, round once at the store")
+
+
 def decode_rules() -> list:
-    """Exercise 2's stated rule beyond the values: the walk reads only the sequence's table entries
+    """Exercise 2's stated rules beyond the values: the walk reads only the sequence's table entries
     (a walk one block too far computes the right values — its extra block is all masked — but reads
-    an entry that is -1, or past the table's end)."""
+    an entry that is -1, or past the table's end), and the arithmetic is fp32 whatever the cache's
+    dtype (scores summed in bf16 stay inside bf16's tolerance, but not within one step of the exact
+    answer)."""
     from utils.exercises import rules
 
-    return [rules.traced(_walks_its_blocks, name="visit the blocks 0 .. ceil(seq_len / BLOCK_SIZE) − 1 only")]
+    return [rules.traced(_walks_its_blocks, name="visit the blocks 0 .. ceil(seq_len / BLOCK_SIZE) − 1 only"),
+            rules.holds(_computed_in_fp32, name="compute in fp32 whatever the cache dtype")]
 
 
 def _decode_explain(reread: dict[str, float]) -> str | None:

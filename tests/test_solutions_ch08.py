@@ -126,7 +126,10 @@ def buggy_decode_kernel(
         kv_head = h // (n_q_heads // n_kv_heads)
     d = tl.arange(0, HEAD_DIM)
     tokens = tl.arange(0, BLOCK_SIZE)
-    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + d).to(tl.float32)
+    if BUG == "16-bit arithmetic":
+        q = tl.load(q_ptr + b * stride_qb + h * stride_qh + d)  # left in the cache's dtype
+    else:
+        q = tl.load(q_ptr + b * stride_qb + h * stride_qh + d).to(tl.float32)
     seq_len = tl.load(seq_lens_ptr + b)
     if BUG == "max starts at 0":
         m = tl.sum(tl.zeros([BLOCK_SIZE], tl.float32), axis=0)
@@ -152,8 +155,10 @@ def buggy_decode_kernel(
         else:
             valid = j * BLOCK_SIZE + tokens < seq_len
         rows = block * stride_kb + tokens[:, None] * stride_kt + kv_head * stride_kh + d[None, :]
-        k = tl.load(k_cache_ptr + rows, mask=valid[:, None], other=0.0).to(tl.float32)
-        v = tl.load(v_cache_ptr + rows, mask=valid[:, None], other=0.0).to(tl.float32)
+        k = tl.load(k_cache_ptr + rows, mask=valid[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + rows, mask=valid[:, None], other=0.0)
+        if BUG != "16-bit arithmetic":
+            k, v = k.to(tl.float32), v.to(tl.float32)
         if BUG == "unscaled":
             s = tl.sum(k * q[None, :], axis=1)
         else:
@@ -212,7 +217,8 @@ def test_paged_decode_solution_solves():
     verdict = check_decode(decode_with(given.paged_decode_kernel))
     message = " ".join(verdict.message.split())
     assert verdict.solved, verdict.message
-    assert "rules kept: visit the blocks 0 .. ceil(seq_len / BLOCK_SIZE) − 1 only" in message
+    assert ("rules kept: visit the blocks 0 .. ceil(seq_len / BLOCK_SIZE) − 1 only; compute in fp32 whatever the "
+            "cache dtype") in message
     # G = 2 on the traced case: K and V streamed once per query head, the top of the ladder reads them once
     assert "k_cache read 2.00× its size" in message and "K and V are read once per query head" in message
     assert verdict.traffic.top / verdict.traffic.ideal < 1.05 < 1.8 < verdict.traffic.ratio
@@ -232,6 +238,7 @@ DECODE_BUGS = {
     "no max subtracted": "cause: exp is taken of the raw scores",
     "int32 offsets": "whose blocks lie past 2^31 elements (block 2048 starts at element 2^31 here): block * stride_kb "
                      "wrapped around in int32",
+    "16-bit arithmetic": "broke a stated rule — compute in fp32 whatever the cache dtype: ",
     "one block too many": "broke a stated rule — visit the blocks 0 .. ceil(seq_len / BLOCK_SIZE) − 1 only: sequence 0 "
                           "(1 token: ceil(1 / 16) = 1 block) read block_tables[0, 1] — the walk goes one block too far",
 }
