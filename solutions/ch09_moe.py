@@ -363,8 +363,9 @@ def _counting_sort_top(expert_ids: torch.Tensor, num_experts: int) -> int:
 
 
 def _counting_sort_explain(reread: dict[str, float]) -> str:
-    return ("each torch op writes its result and the next reads it back — a one-hot (T·k, E) matrix and its "
-            "cumulative sum are E times the entries; kernel_ladder.moe_permute's three kernels read the ids twice")
+    return ("each torch op writes its result and the next reads it back (ranks taken from a one-hot (T·k, E) "
+            "matrix and its cumulative sum move E times the entries, twice); kernel_ladder.moe_permute's three "
+            "kernels read the ids twice and write each result once")
 
 
 def counting_sort_traffic():
@@ -650,8 +651,8 @@ def _combine_top(y_sorted: torch.Tensor, permutation: torch.Tensor, weights: tor
 
 
 def _combine_explain(reread: dict[str, float]) -> str:
-    return ("y_sorted[inverse] writes a (T·k, H) copy of the rows and the weighting another before the sum reads "
-            "them back; kernel_ladder.moe_combine reads each row once and writes each token once")
+    return ("the gather (y_sorted[inverse]) writes a (T·k, H) copy of the rows and the weighting another before "
+            "the sum reads them back; kernel_ladder.moe_combine reads each row once and writes each token once")
 
 
 def combine_traffic():

@@ -121,7 +121,7 @@ def test_routing_solution_solves():
     (3, "the same expert twice"),
     (4, "out of bounds"),
     (5, "exp overflows float32 for a logit above 88.7"),
-    (6, "cause: the lanes past the 8 experts (up to BLOCK_E = 16) take part in the softmax as logits of 0"),
+    (6, "take part in the softmax as logits of 0: load them with other=float('-inf')"),
 ], ids=["no-renormalization", "ties-to-highest", "always-renormalized", "winner-not-masked", "no-store-mask",
         "no-max-subtracted", "padding-lanes-counted"])
 def test_routing_negative_controls(bug, diagnosis):
@@ -383,7 +383,7 @@ def check_combine(candidate):
 def test_combine_solution_solves():
     verdict = check_combine(given.combine)
     message = " ".join(verdict.message.split())
-    assert verdict.solved and "y_sorted[inverse] writes a (T·k, H) copy" in message, message
+    assert verdict.solved and "the gather (y_sorted[inverse]) writes a (T·k, H) copy" in message, message
     assert verdict.traffic.ratio > 2 > 1.2 > verdict.traffic.top / verdict.traffic.ideal
 
 
