@@ -3,9 +3,11 @@ the split-KV merge, copy-on-write, the scheduler's admission rule.
 
 One solution per exercise of ``chapters/08_kv_cache/08_kv_cache.ipynb``, written for reading, and
 what the chapter gives (the request mix, the memory accounting, the launcher of the paged decode
-kernel, the float64 reference, each exercise's cases and the static-batching simulation). The
-tests import the same givens, so the notebook and its tests check the same things. In solution
-mode the notebook's stubs are replaced by these.
+kernel, the float64 reference, the static-batching simulation) and, for each exercise's check, its
+cases (adversarial ones included: slots and offsets past 2^31, scores near ±250 and ±800), the
+rules its spec states, the diagnosis that names its common mistakes (each recomputed and compared)
+and, for the decode kernel, its traffic verdict. The tests import the same givens, so the notebook
+and its tests check the same things. In solution mode the notebook's stubs are replaced by these.
 """
 
 from __future__ import annotations

@@ -2,8 +2,10 @@
 the grouped GEMM's tile map, the weighted combine, block skipping.
 
 One solution per exercise of ``chapters/09_moe/09_moe.ipynb``, written for reading, and what the
-chapter gives: each exercise's cases, its reference (written apart from the solution) and its
-diagnosis, which the notebook's checks and ``tests/test_solutions_ch09.py`` both import.
+chapter gives: each exercise's cases, its reference (written apart from the solution), the rules
+its spec states, its diagnosis (the common mistakes named) and, where the chapter teaches bytes,
+its traffic verdict against the library's op, which the notebook's checks and
+``tests/test_solutions_ch09.py`` both import.
 """
 
 from __future__ import annotations
