@@ -1428,3 +1428,19 @@ def test_traced_rule_sees_the_bytes_each_argument_was_read():
     assert check_add(add_kernel, rules=[rule]).solved
     assert_not_solved(check_add(add_reading_y_twice_kernel, rules=[rule]),
                       "broke a stated rule — y read once: y read 2× its size")
+
+
+def test_tolerance_per_case_and_dtype():
+    def noisy(x):
+        return x * (1 + 1e-4)
+
+    def cases(gen):
+        return [(torch.ones(8),), (torch.full((8,), 200.0),)]
+
+    def tolerance(case, dtype):
+        (x,) = case
+        return (2e-4, 0.0) if float(x.abs().max()) > 100 and dtype == torch.float32 else None
+
+    verdict = check("tol", noisy, lambda x: x, cases, tolerance=tolerance)
+    assert_not_solved(verdict, "case 1 of 2", "(rtol=1e-05, atol=1e-06)")  # the default where none is chosen
+    assert check("tol", noisy, lambda x: x, [cases(None)[1]], tolerance=tolerance).solved
