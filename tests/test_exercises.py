@@ -1444,3 +1444,14 @@ def test_tolerance_per_case_and_dtype():
     verdict = check("tol", noisy, lambda x: x, cases, tolerance=tolerance)
     assert_not_solved(verdict, "case 1 of 2", "(rtol=1e-05, atol=1e-06)")  # the default where none is chosen
     assert check("tol", noisy, lambda x: x, [cases(None)[1]], tolerance=tolerance).solved
+
+
+def test_traffic_is_not_measured_where_kernels_are_compiled(monkeypatch):
+    from utils.exercises import checker
+
+    monkeypatch.setattr(checker, "_interpreted", lambda: False)
+    calls = []
+    traffic = exercises.Traffic(ideal=lambda x, y: 3 * x.nbytes, top=lambda x, y: calls.append(1) or 0)
+    verdict = check("add", torch.add, torch.add, small_add_cases, traffic=traffic)
+    assert verdict.solved and not verdict.traffic.measured and calls == []  # no ladder run for nothing
+    assert "traffic: not measured — the tracer counts the bytes of interpreted kernels only" in flat(verdict.message)
