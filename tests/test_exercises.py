@@ -1455,3 +1455,9 @@ def test_traffic_is_not_measured_where_kernels_are_compiled(monkeypatch):
     verdict = check("add", torch.add, torch.add, small_add_cases, traffic=traffic)
     assert verdict.solved and not verdict.traffic.measured and calls == []  # no ladder run for nothing
     assert "traffic: not measured — the tracer counts the bytes of interpreted kernels only" in flat(verdict.message)
+
+
+def test_exact_int_leaves_a_missing_return_to_the_value_line():
+    verdict = check("flops", lambda t, p: None, step_flops, [(3, 5)])
+    assert_not_solved(verdict, "wrong value: got None, expected 90")
+    assert_not_in(verdict, "exact")

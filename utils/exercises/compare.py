@@ -233,8 +233,9 @@ def _value_mismatch(
     prefix = f"{where}: " if where else ""
     if isinstance(expected, torch.Tensor):
         return _tensor_problems(got, expected, rtol, atol, poisoned, where, stores)
-    if type(expected) in (int, bool) and type(got) is not type(expected):
-        return [prefix + _inexact(got, expected)]
+    if (type(expected) in (int, bool) and type(got) is not type(expected)
+            and isinstance(got, (numbers.Number, np.generic, torch.Tensor))):
+        return [prefix + _inexact(got, expected)]  # a number of another type: said so (None, a str: below)
     if isinstance(got, torch.Tensor) and got.numel() == 1 and not isinstance(expected, (tuple, list, dict)):
         got = got.item()
     if isinstance(expected, (tuple, list)):
