@@ -189,12 +189,14 @@ def chunk_size_for_budget(budget_bytes: int, bytes_per_row: int, n_rows: int) ->
 
 
 def _close(got: object, want: torch.Tensor, dtype: torch.dtype) -> bool:
-    """``got`` equals the float64 ``want`` rounded to ``dtype``, within the checker's tolerance for it."""
+    """``got`` equals the float64 ``want`` rounded to ``dtype``, within a diagnosis's tolerance for it."""
     from utils.exercises import default_tolerance
 
     if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(want.shape):
         return False
-    rtol, atol = default_tolerance(dtype)
+    # Looser than the check's own: a diagnosis tells mistakes apart (they differ by far more) and a variant
+    # recomputed in float64 differs from the kernel's rounding.
+    rtol, atol = (max(2 * t, floor) for t, floor in zip(default_tolerance(dtype), (1e-4, 1e-5)))
     got64, want64 = got.detach().cpu().double(), want.detach().cpu().to(dtype).double()
     return bool(torch.isfinite(got64).all()) and bool(torch.allclose(got64, want64, rtol=rtol, atol=atol))
 

@@ -95,6 +95,19 @@ class _Options:
     rules: Sequence[Rule] = ()
     diagnose: Callable[[tuple, Any, Any], str | None] | None = None
     traffic: Traffic | None = None
+    tolerance: Callable[[tuple, torch.dtype | None], tuple[float, float] | None] | None = None
+
+    def for_case(self, case: tuple) -> tuple[Any, Any]:
+        """``(rtol, atol)`` for one case: with ``tolerance=``, a function of the output dtype."""
+        if self.tolerance is None:
+            return self.rtol, self.atol
+        chosen = self.tolerance
+
+        def per_dtype(dtype: torch.dtype | None) -> tuple[float | None, float | None]:
+            picked = chosen(case, dtype)
+            return (self.rtol, self.atol) if picked is None else picked
+
+        return per_dtype, None
 
 
 def _diagnosis(diagnose: Callable[[tuple, Any, Any], str | None], case: tuple, got: Any, expected: Any) -> list[str]:
@@ -117,7 +130,8 @@ def _check_case(
 ) -> tuple[list[str], list[_Guarded], TrafficReport | None]:
     """Problems found in one case (empty when it passes), the outputs given to the candidate, and,
     with ``measure_traffic``, what the tracer saw of its traffic."""
-    out, rtol, atol, compare = options.out, options.rtol, options.atol, options.compare
+    out, compare = options.out, options.compare
+    rtol, atol = options.for_case(case)
     expected = _reference_result(reference, case)
     args, input_guards = _guard_case(case, names)
     recorder = _CallRecorder() if any(rule.records_calls for rule in options.rules) else None
@@ -273,6 +287,7 @@ def check(
     rules: Sequence[Rule] = (),
     diagnose: Callable[[tuple, Any, Any], str | None] | None = None,
     traffic: Traffic | None = None,
+    tolerance: Callable[[tuple, torch.dtype | None], tuple[float, float] | None] | None = None,
 ) -> Verdict:
     """Run ``candidate`` against ``reference`` on every case, print one verdict block, return it.
 
@@ -300,6 +315,10 @@ def check(
             a wrong result (after the comparison's lines, as ``cause: ...``).
         traffic: a :class:`~utils.exercises.traffic.Traffic`: once every case matches, the last case's
             traced bytes against the ideal and the ladder's top, one more line of the SOLVED verdict.
+        tolerance: ``tolerance(case, dtype) -> (rtol, atol) or None``, per case and output dtype (None
+            for a Python float): an adversarial case (scores near 200, whose fp32 rounding moves an
+            exponential by 200 · 2⁻²⁴) may need more room than the dtype's default; None keeps
+            ``rtol``/``atol`` (or the dtype's default).
 
     Every wrong answer — an exception (``NotImplementedError`` from a stub included), a wrong
     shape, NaNs, unwritten elements, out-of-bounds accesses, a broken rule, a float where the
@@ -325,7 +344,7 @@ def check(
     names = _parameter_names(candidate, reference)
 
     options = _Options(out=out, rtol=rtol, atol=atol, compare=compare, rules=tuple(rules), diagnose=diagnose,
-                       traffic=traffic)
+                       traffic=traffic, tolerance=tolerance)
     with _global_random_state_kept():
         failure, report = _first_failure(name, candidate, reference, case_list, names, options)
     if failure is not None:

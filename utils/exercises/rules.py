@@ -280,9 +280,9 @@ def traced(check: Callable[[tuple, Sequence[Any]], Any], name: str) -> Rule:
     """A rule on what the tracer saw of the candidate's Triton launches: ``check(args, launches)``.
 
     ``args`` are the case's arguments as the candidate got them (each tensor the checker's copy, so
-    that :func:`bytes_read` finds its traffic; ``out=True`` outputs are not among them), ``launches`` the tracer's ``utils.trace.Launch`` records.
-    It returns None (or True) when the rule holds, else what broke it: "read the table row once per
-    token" is ``bytes_read(launches, cos) <= tokens * row_bytes``.
+    that :func:`bytes_read` finds its traffic; ``out=True`` outputs are not among them), ``launches``
+    the tracer's ``utils.trace.Launch`` records. It returns None (or True) when the rule holds, else
+    what broke it: "read the table row once per token" is ``bytes_read(launches, cos) <= tokens * row``.
     """
 
     def problem(context: RunContext) -> str | None:

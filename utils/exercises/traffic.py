@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from .rules import bytes_read
+
 __all__ = ["Traffic", "TrafficReport"]
 
 #: An input read up to this many times its size counts as read once (a tile's halo, a mask's row).
@@ -93,12 +95,10 @@ def measure(
     """The report for one traced run of ``case``: ``inputs`` are the (name, tensor) the candidate got."""
     from utils.trace import tensor_bytes
 
-    from .rules import bytes_read
-
     ideal = int(spec.ideal(*case))
-    top = None if spec.top is None else int(spec.top(*case))
     if not interpreted:
-        return TrafficReport(moved=0, ideal=ideal, top=top, reread={}, measured=False)
+        return TrafficReport(moved=0, ideal=ideal, top=None, reread={}, measured=False)
+    top = None if spec.top is None else int(spec.top(*case))
     moved = sum(int(launch.bytes) for launch in launches) + sum(int(op.bytes) for op in torch_ops)
     reread: dict[str, float] = {}
     for name, tensor in inputs:
