@@ -998,3 +998,466 @@ def test_a_check_leaves_the_global_random_generators_as_it_found_them():
         after[label] = draws()
     reseed()
     assert after["solved"] == after["not solved"] == draws()
+
+
+# ----------------------------------------------------------------------------------------------
+# Two stores per program (RoPE): the grid's reach counts every store
+
+
+@triton.jit
+def rope_like_kernel(x_ptr, out_ptr, n_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BUG: tl.constexpr):
+    # One program per token: an (H, 2 * HALF) tile stored as two halves, as chapter 06's RoPE kernel.
+    token = tl.program_id(0)
+    heads = tl.arange(0, BLOCK_H)
+    j = tl.arange(0, HALF)
+    mask = (heads < n_heads)[:, None]
+    rows = (token * n_heads + heads) * (2 * HALF)
+    x1 = tl.load(x_ptr + rows[:, None] + j[None, :], mask=mask)
+    x2 = tl.load(x_ptr + rows[:, None] + HALF + j[None, :], mask=mask)
+    tl.store(out_ptr + rows[:, None] + j[None, :], 2 * x1, mask=mask)
+    if BUG == 1:
+        second = rows[:, None] + j[None, :]  # the second half's offset forgets + HALF
+    elif BUG == 2:
+        second = rows[:, None] + HALF + 1 + j[None, :]  # one past: runs into the next row's first half
+    else:
+        second = rows[:, None] + HALF + j[None, :]
+    tl.store(out_ptr + second, 3 * x2, mask=mask)
+
+
+def check_rope_like(bug: int, tokens: int = 10, programs: int | None = None) -> Verdict:
+    def launch(x: torch.Tensor, out: torch.Tensor) -> None:
+        n_tokens, n_heads, head_dim = x.shape
+        rope_like_kernel[(programs or n_tokens,)](x, out, n_heads, HALF=head_dim // 2, BLOCK_H=4, BUG=bug)
+
+    def reference(x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return torch.cat((2 * x[..., :half], 3 * x[..., half:]), dim=-1)
+
+    def cases(gen: torch.Generator) -> list[tuple[torch.Tensor]]:
+        return [(torch.randn(tokens, 3, 32, generator=gen).to(DEVICE),)]  # 960 elements; 64 lanes per store
+
+    return check("ch99_test.rope_like", launch, reference, cases, out=True)
+
+
+def rope_line(bug: int, which: str) -> int:
+    """The source line of the kernel's first or second ``tl.store`` (the verdict names them by line)."""
+    import inspect
+
+    lines, start = inspect.getsourcelines(rope_like_kernel.fn)
+    stores = [start + i for i, line in enumerate(lines) if "tl.store(" in line]
+    return stores[0] if which == "first" else stores[1]
+
+
+def test_a_kernel_storing_twice_per_program_is_solved():
+    assert check_rope_like(0).solved
+
+
+@interpreter_only
+def test_a_wrong_second_store_offset_names_that_store_not_the_grid():
+    verdict = check_rope_like(1)
+    first, second = rope_line(1, "first"), rope_line(1, "second")
+    assert_not_solved(
+        verdict,
+        "480 of 960 elements never written",
+        f"the store at line {second} of rope_like_kernel wrote over what the store at line {first} of "
+        "rope_like_kernel of the same program had stored (480 elements; first at index (0, 0, 0), program 0): "
+        f"check the offsets of the store at line {second} of rope_like_kernel",
+        "no program stored to columns 16..31 (every row)",
+    )
+    assert_not_in(verdict, "grid", "mask")
+
+
+@interpreter_only
+def test_a_second_store_one_past_names_both_stores_that_met():
+    verdict = check_rope_like(2)
+    first, second = rope_line(2, "first"), rope_line(2, "second")
+    assert_not_solved(
+        verdict,
+        f"programs 0 and 1 both stored to index (1, 0, 0) (9 elements stored by more than one program) — program 0's "
+        f"store at line {second} of rope_like_kernel and program 1's store at line {first} of rope_like_kernel",
+        f"the store at line {second} of rope_like_kernel wrote over what the store at line {first}",
+        "no program stored to",
+    )
+    assert_not_in(verdict, "grid is too small")
+
+
+@interpreter_only
+def test_a_grid_too_small_for_two_stores_per_program_is_still_the_grid():
+    verdict = check_rope_like(0, programs=7)  # 7 programs × 2 stores × 64 lanes reach 896 < 960
+    assert_not_solved(
+        verdict,
+        "the grid is too small: 7 programs with all their stores' lanes reach at most 896 of the 960 elements",
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Stated rules: forbids, no_python_loops, holds
+
+
+def sort_cases(gen: torch.Generator) -> list[tuple[torch.Tensor]]:
+    return [(torch.randint(0, 5, (40,), generator=gen),), (torch.randint(0, 3, (100,), generator=gen),)]
+
+
+def stable_order(keys: torch.Tensor) -> torch.Tensor:
+    return torch.argsort(keys, stable=True)
+
+
+def counting_sort(keys: torch.Tensor) -> torch.Tensor:
+    """Stable order by counts: tensor ops, no sort."""
+    n_keys = int(keys.max()) + 1
+    one_hot = torch.nn.functional.one_hot(keys, n_keys)
+    rank_within = (one_hot.cumsum(0) - one_hot)[torch.arange(len(keys)), keys]
+    starts = torch.cumsum(torch.bincount(keys, minlength=n_keys), 0) - torch.bincount(keys, minlength=n_keys)
+    order = torch.empty_like(keys)
+    order[starts[keys] + rank_within] = torch.arange(len(keys))
+    return order
+
+
+NO_SORT = "the spec asks for a counting sort"
+
+
+def no_sort_rule():
+    return exercises.rules.forbids("torch.argsort", "torch.sort", "Tensor.index_add_", why=NO_SORT)
+
+
+def test_forbids_passes_code_that_keeps_the_rule():
+    verdict = check("sorting", counting_sort, stable_order, sort_cases, rules=[no_sort_rule()])
+    assert verdict.solved, verdict.message
+    assert "rules kept: forbids torch.argsort, torch.sort, Tensor.index_add_" in flat(verdict.message)
+
+
+def test_forbids_names_the_forbidden_call():
+    verdict = check("sorting", stable_order, stable_order, sort_cases, rules=[no_sort_rule()])
+    assert_not_solved(verdict, f"broke a stated rule — {NO_SORT}: the code called torch.argsort", "case 1 of 2")
+
+
+def test_forbids_sees_the_method_form_and_calls_from_helpers():
+    def helper(keys):
+        return keys.sort(stable=True).indices
+
+    verdict = check("sorting", lambda keys: helper(keys), stable_order, sort_cases, rules=[no_sort_rule()])
+    assert_not_solved(verdict, f"broke a stated rule — {NO_SORT}: the code called Tensor.sort")
+
+    def with_index_add(keys):
+        counts = torch.zeros(int(keys.max()) + 1, dtype=torch.long).index_add_(0, keys, torch.ones_like(keys))
+        assert int(counts.sum()) == len(keys)
+        return counting_sort(keys)
+
+    verdict = check("sorting", with_index_add, stable_order, sort_cases, rules=[no_sort_rule()])
+    assert_not_solved(verdict, "the code called Tensor.index_add_")
+
+
+def test_forbids_rejects_a_name_that_is_not_torch():
+    with pytest.raises(ValueError, match="must name a torch function"):
+        exercises.rules.forbids("numpy.argsort", why="x")
+    with pytest.raises(ValueError, match="torch has no"):
+        exercises.rules.forbids("torch.not_a_function", why="x")
+
+
+def add_with_loop(x, y):
+    out = torch.empty_like(x)
+    for i in range(len(x)):
+        out[i] = x[i] + y[i]
+    return out
+
+
+def add_by_comprehension(x, y):
+    return torch.stack([a + b for a, b in zip(x, y)])
+
+
+def loop_helper(x, y):
+    total = x.clone()
+    while False:
+        total += y
+    return total + y
+
+
+def add_through_a_helper(x, y):
+    return loop_helper(x, y)
+
+
+def add_over_a_literal_tuple(x, y):
+    result = x.clone()
+    for term in (y,):  # structure, not data
+        result = result + term
+    return result
+
+
+TENSOR_OPS = "tensor ops only"
+
+
+def small_add_cases(gen: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(torch.randn(12, generator=gen), torch.randn(12, generator=gen))]
+
+
+def test_no_python_loops_names_the_loop_and_its_line():
+    import inspect
+
+    rule = exercises.rules.no_python_loops(why=TENSOR_OPS)
+    line = inspect.getsourcelines(add_with_loop)[1] + 2
+    assert_not_solved(check("add", add_with_loop, torch.add, small_add_cases, rules=[rule]),
+                      f"broke a stated rule — {TENSOR_OPS}: a Python for loop at line {line} of add_with_loop")
+    assert_not_solved(check("add", add_by_comprehension, torch.add, small_add_cases, rules=[rule]),
+                      "a list comprehension at line")
+    line = inspect.getsourcelines(loop_helper)[1] + 2
+    assert_not_solved(check("add", add_through_a_helper, torch.add, small_add_cases, rules=[rule]),
+                      f"a Python while loop at line {line} of loop_helper")
+
+
+def test_no_python_loops_passes_tensor_code_and_loops_over_literals():
+    rule = exercises.rules.no_python_loops(why=TENSOR_OPS)
+    for candidate in (torch.add, lambda x, y: x + y, add_over_a_literal_tuple):
+        verdict = check("add", candidate, torch.add, small_add_cases, rules=[rule])
+        assert verdict.solved, verdict.message
+
+
+def sorted_by(keys: torch.Tensor, order: torch.Tensor) -> str | None:
+    ordered = keys[order]
+    if bool((ordered[1:] < ordered[:-1]).any()):
+        return "the keys are not in order"
+    return None
+
+
+def stable(case, got) -> str | None:
+    (keys,) = case
+    ties = (keys[got][1:] == keys[got][:-1]) & (got[1:] < got[:-1])
+    if bool(ties.any()):
+        i = int(ties.nonzero()[0, 0])
+        return f"equal keys out of their input order at positions {i} and {i + 1}"
+    return None
+
+
+def test_holds_names_the_property_broken():
+    def any_order(got, expected):
+        return None  # any permutation that sorts is right; the rule decides stability
+
+    rule = exercises.rules.holds(stable, name="stable: equal keys keep their order")
+    reversed_ties = lambda keys: torch.argsort(keys * len(keys) - torch.arange(len(keys)))
+    verdict = check("order", reversed_ties, stable_order, sort_cases, compare=any_order, rules=[rule])
+    assert_not_solved(verdict, "broke a stated rule — stable: equal keys keep their order: equal keys out of their "
+                               "input order at positions 0 and 1")
+    assert check("order", stable_order, stable_order, sort_cases, compare=any_order, rules=[rule]).solved
+
+
+def test_holds_with_the_expected_result_and_a_raising_property():
+    within = exercises.rules.holds(lambda case, got, expected: None if got.shape == expected.shape else "shape",
+                                   name="same shape")
+    assert check("add", torch.add, torch.add, small_add_cases, rules=[within]).solved
+    raising = exercises.rules.holds(lambda case, got: got.no_such_attribute, name="a property")
+    assert_not_solved(check("add", torch.add, torch.add, small_add_cases, rules=[raising]),
+                      "broke a stated rule — a property: checking it raised AttributeError")
+
+
+# ----------------------------------------------------------------------------------------------
+# Exact types: a Python int (or bool) reference wants exactly that
+
+
+def step_flops(tokens: int, params: int) -> int:
+    return 6 * tokens * params
+
+
+def test_exact_int_wants_an_int_not_an_equal_float():
+    cases = [(5, 1_823_331_638_651_427)]  # 6 * 5 * params = 54699949159542810, past 2**53
+    assert check("flops", step_flops, step_flops, cases).solved
+    as_float = lambda tokens, params: 6.0 * tokens * params
+    assert_not_solved(
+        check("flops", as_float, step_flops, cases),
+        f"expected an exact int, got float {as_float(*cases[0])!r}; the exact answer is 54699949159542810",
+    )
+    rounded = lambda tokens, params: int(6.0 * tokens * params)  # an int, off by the float's rounding
+    verdict = check("flops", rounded, step_flops, cases)
+    assert_not_solved(verdict, f"wrong value: got {rounded(*cases[0])}, expected 54699949159542810")
+    assert_not_in(verdict, "exact")
+    representable = [(4096 * 8, 278_229_000_000)]  # a float that is exactly right is still not an int
+    assert_not_solved(check("flops", as_float, step_flops, representable),
+                      "expected an exact int, got float 5.4702047232e+16; the value is right, the type is not")
+
+
+def test_exact_int_names_numpy_and_tensor_results():
+    cases = [(3, 5)]
+    verdict = check("flops", lambda t, p: np.int64(6 * t * p), step_flops, cases)
+    assert_not_solved(verdict, "expected an exact int, got numpy.int64", "the value is right, the type is not")
+    verdict = check("flops", lambda t, p: torch.tensor(6 * t * p), step_flops, cases)
+    assert_not_solved(verdict, "expected an exact int, got a tensor () int64; the value is right, the type is not")
+
+
+def test_exact_bool_wants_a_bool():
+    assert check("fits", lambda n: n < 10, lambda n: n < 10, [(3,), (30,)]).solved
+    assert_not_solved(check("fits", lambda n: int(n < 10), lambda n: n < 10, [(3,)]),
+                      "expected an exact bool, got int 1")
+
+
+def test_python_floats_still_compare_with_a_tolerance():
+    assert check("ratio", lambda n: n / 3 * (1 + 1e-9), lambda n: n / 3, [(4,)]).solved
+
+
+# ----------------------------------------------------------------------------------------------
+# diagnose: the exercise's own cause for a wrong result
+
+
+def test_diagnose_adds_the_cause_when_the_values_are_wrong():
+    seen = []
+
+    def diagnose(case, got, expected):
+        seen.append(len(case))
+        if torch.allclose(got, 2 * expected):
+            return "every value doubled: the sum is counted twice"
+        return None
+
+    verdict = check("add", lambda x, y: 2 * (x + y), torch.add, small_add_cases, diagnose=diagnose)
+    assert_not_solved(verdict, "wrong values in", "cause: every value doubled: the sum is counted twice")
+    assert check("add", torch.add, torch.add, small_add_cases, diagnose=diagnose).solved
+    assert seen == [2]  # called on the failing case only
+    raising = check("add", lambda x, y: x, torch.add, small_add_cases, diagnose=lambda c, g, e: 1 / 0)
+    assert_not_solved(raising, "wrong values in")
+    assert_not_in(raising, "cause:")
+
+
+# ----------------------------------------------------------------------------------------------
+# Traffic: the performance verdict of a solved kernel
+
+
+@triton.jit
+def add_reading_y_twice_kernel(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(axis=0) * BLOCK + tl.arange(0, BLOCK)
+    in_bounds = offsets < n
+    x = tl.load(x_ptr + offsets, mask=in_bounds)
+    y = tl.load(y_ptr + offsets, mask=in_bounds)
+    y_again = tl.load(y_ptr + offsets, mask=in_bounds)
+    tl.store(out_ptr + offsets, x + (y + y_again) * 0.5, mask=in_bounds)
+
+
+def add_traffic(explain=None):
+    from utils.trace import ideal_bytes
+
+    return exercises.Traffic(ideal=lambda x, y: ideal_bytes(x, y, x), top=lambda x, y: ideal_bytes(x, y, x),
+                             explain=explain)
+
+
+@interpreter_only
+def test_traffic_of_a_solved_kernel_at_the_ideal():
+    verdict = check_add(add_kernel, traffic=add_traffic())
+    assert verdict.solved
+    report = verdict.traffic
+    assert report.moved == report.ideal == 3 * 2500 * 4 and report.ratio == 1.0
+    assert report.reread == {"x": 1.0, "y": 1.0}
+    assert ("traffic: 1.00× the ideal bytes (30 kB moved, 30 kB ideal; the ladder's top moves 1.00×) — every input "
+            "read once, every output written once") in flat(verdict.message)
+
+
+@interpreter_only
+def test_traffic_names_the_input_read_twice_and_the_cause():
+    def explain(reread):
+        return "y is loaded twice per element: load it once" if reread["y"] > 1.5 else None
+
+    verdict = check_add(add_reading_y_twice_kernel, traffic=add_traffic(explain))
+    assert verdict.solved  # solved stays solved: traffic is a separate, honest line
+    assert verdict.traffic.reread["y"] == 2.0 and verdict.traffic.moved == 4 * 2500 * 4
+    assert ("traffic: 1.33× the ideal bytes (40 kB moved, 30 kB ideal; the ladder's top moves 1.00×) — y read 2.00× "
+            "its size: y is loaded twice per element: load it once") in flat(verdict.message)
+
+
+@interpreter_only
+def test_traffic_counts_torch_ops_and_is_absent_from_a_failed_verdict():
+    from utils.trace import ideal_bytes
+
+    traffic = exercises.Traffic(ideal=lambda x, y: ideal_bytes(x, y, x))
+    unfused = check("add", lambda x, y: (x * 1) + y, torch.add, small_add_cases, traffic=traffic)
+    assert unfused.solved and unfused.traffic.moved == 5 * 12 * 4  # x*1 reads 1 writes 1; + reads 2 writes 1
+    assert "traffic: 1.67× the ideal bytes" in flat(unfused.message)
+    assert "the ladder's top" not in unfused.message
+    wrong = check_add(add_ignores_y_kernel, traffic=add_traffic())
+    assert not wrong.solved and wrong.traffic is None and "traffic" not in wrong.message
+
+
+# ----------------------------------------------------------------------------------------------
+# Progress lines for slow cells
+
+
+def test_progress_lines_are_deterministic_and_say_the_expected_time(capsys):
+    from utils.progress import announce, progress
+
+    assert list(progress(range(25), "tracing", expected="about 8 s on a 2-core laptop CPU")) == list(range(25))
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "⏳ tracing: 25 steps — expected: about 8 s on a 2-core laptop CPU"
+    assert lines[-1] == "✓ tracing: done"
+    bars = lines[1:-1]
+    assert len(bars) == 10 and bars[-1] == "   [####################] 25/25 tracing"
+    assert bars[0] == "   [##..................] 3/25 tracing"
+    list(progress(range(3), "three", expected="a second"))
+    assert capsys.readouterr().out.splitlines()[1:] == [
+        "   [######..............] 1/3 three",
+        "   [#############.......] 2/3 three",
+        "   [####################] 3/3 three",
+        "✓ three: done",
+    ]
+    with announce("one torch.compile", expected="about 50 s on a cold cache"):
+        pass
+    assert capsys.readouterr().out.splitlines() == [
+        "⏳ one torch.compile — expected: about 50 s on a cold cache …", "✓ one torch.compile: done"]
+    assert list(progress(iter([1, 2]), "generator", expected="soon")) == [1, 2]  # no len: a line per step
+    assert capsys.readouterr().out.splitlines() == ["⏳ generator: steps — expected: soon", "   generator: 1 done",
+                                                    "   generator: 2 done", "✓ generator: done"]
+
+
+def test_no_python_loops_of_the_exercise_function_a_given_driver_calls():
+    def driver(update):
+        def run(x, y):
+            out = x.clone()
+            for _ in range(1):  # the given driver may loop: the rule reads the exercise's function
+                out = update(out, y)
+            return out
+
+        return run
+
+    looping = exercises.rules.no_python_loops(why=TENSOR_OPS, function=add_with_loop)
+    assert_not_solved(check("add", driver(add_with_loop), torch.add, small_add_cases, rules=[looping]),
+                      "a Python for loop at line")
+    clean = exercises.rules.no_python_loops(why=TENSOR_OPS, function=torch.add)
+    assert check("add", driver(torch.add), torch.add, small_add_cases, rules=[clean]).solved
+
+
+@interpreter_only
+def test_traced_rule_sees_the_bytes_each_argument_was_read():
+    def y_read_once(args, launches):
+        x, y = args  # the case's arguments (out=True outputs are not among them)
+        read = exercises.rules.bytes_read(launches, y)
+        return None if read <= y.nbytes else f"y read {read // y.nbytes}× its size"
+
+    rule = exercises.rules.traced(y_read_once, name="y read once")
+    assert check_add(add_kernel, rules=[rule]).solved
+    assert_not_solved(check_add(add_reading_y_twice_kernel, rules=[rule]),
+                      "broke a stated rule — y read once: y read 2× its size")
+
+
+def test_tolerance_per_case_and_dtype():
+    def noisy(x):
+        return x * (1 + 1e-4)
+
+    def cases(gen):
+        return [(torch.ones(8),), (torch.full((8,), 200.0),)]
+
+    def tolerance(case, dtype):
+        (x,) = case
+        return (2e-4, 0.0) if float(x.abs().max()) > 100 and dtype == torch.float32 else None
+
+    verdict = check("tol", noisy, lambda x: x, cases, tolerance=tolerance)
+    assert_not_solved(verdict, "case 1 of 2", "(rtol=1e-05, atol=1e-06)")  # the default where none is chosen
+    assert check("tol", noisy, lambda x: x, [cases(None)[1]], tolerance=tolerance).solved
+
+
+def test_traffic_is_not_measured_where_kernels_are_compiled(monkeypatch):
+    from utils.exercises import checker
+
+    monkeypatch.setattr(checker, "_interpreted", lambda: False)
+    calls = []
+    traffic = exercises.Traffic(ideal=lambda x, y: 3 * x.nbytes, top=lambda x, y: calls.append(1) or 0)
+    verdict = check("add", torch.add, torch.add, small_add_cases, traffic=traffic)
+    assert verdict.solved and not verdict.traffic.measured and calls == []  # no ladder run for nothing
+    assert "traffic: not measured — the tracer counts the bytes of interpreted kernels only" in flat(verdict.message)
+
+
+def test_exact_int_leaves_a_missing_return_to_the_value_line():
+    verdict = check("flops", lambda t, p: None, step_flops, [(3, 5)])
+    assert_not_solved(verdict, "wrong value: got None, expected 90")
+    assert_not_in(verdict, "exact")

@@ -296,3 +296,22 @@ def test_a_cell_tagged_nbval_skip_is_not_run(tmp_path: Path) -> None:
     path = _write(tmp_path, "06_skip", ("print('runs')", []), ("1 / 0", ["nbval-skip"]), ("print('after')", []))
     notebook = run_notebook(path, solutions=False)
     assert [cell.get("outputs", []) == [] for cell in notebook.cells] == [False, True, False]
+
+
+def test_cell_times_and_the_slow_cells_without_a_progress_line() -> None:
+    from utils.notebooks import SLOW_CELL_S, _slow_cells_without_progress, cell_times
+
+    loop = "for s in progress(steps, 'tracing', expected='8 s'): pass"
+    notebook = _notebook(("x = 1", []), ("train()", []), (loop, []))
+    stamps = [("10:00:00.000", "10:00:00.500"), ("10:00:01.000", "10:00:09.250"), ("10:00:10.000", "10:00:30.000")]
+    for cell, (start, end) in zip(notebook.cells, stamps):
+        cell.metadata["execution"] = {"iopub.execute_input": f"2025-01-01T{start}Z",
+                                      "shell.execute_reply": f"2025-01-01T{end}Z"}
+    notebook.cells[2].outputs = [nbformat.v4.new_output("stream", name="stdout",
+                                                        text="⏳ tracing: 4 steps — expected: 8 s\n")]
+    times = [(index, round(seconds, 2)) for index, seconds, _ in cell_times(notebook)]
+    assert times == [(3, 20.0), (2, 8.25), (1, 0.5)]
+    assert cell_times(notebook)[1][2] == "train()"
+    assert 0.5 < SLOW_CELL_S < 8.25
+    assert _slow_cells_without_progress(notebook, "learner") == [
+        "cell 2 took 8.2 s in learner mode without a progress line (utils.progress): train()"]

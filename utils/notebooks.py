@@ -30,6 +30,11 @@ on every run. A learner's own runs leave it unset and get fresh inputs.
 
 :func:`run_notebook` runs one notebook in either mode and returns it, for tests;
 :func:`verdict_lines` and :func:`error_outputs` read what a run printed.
+
+A cell that takes more than :data:`SLOW_CELL_S` must say so while it runs (``utils.progress``: a
+progress line and its expected time). ``execute`` names the slow cells of each run that print no
+such line, and ``python -m utils.notebooks slowest PATH`` runs a notebook and lists its slowest
+cells (:func:`cell_times`, from the timings nbclient records).
 """
 
 from __future__ import annotations
@@ -50,6 +55,8 @@ from nbclient.exceptions import CellExecutionError
 from nbformat import NotebookNode
 
 __all__ = [
+    "SLOW_CELL_S",
+    "cell_times",
     "KERNEL_DISPLAY_NAME",
     "KERNEL_NAME",
     "LEARNER_CHECK_SEED",
@@ -74,6 +81,10 @@ KERNEL_NAME = "kernel-ladder"
 KERNEL_DISPLAY_NAME = "Python 3 (kernel-ladder)"
 #: Seconds one cell may take before the run is abandoned (notebooks are meant to take < 60 s in all).
 CELL_TIMEOUT_S = 600
+#: A cell that runs longer than this (seconds, on a 2-core CPU) prints a progress line and its expected time.
+SLOW_CELL_S = 5.0
+#: What utils.progress prints before a slow step (``progress`` and ``announce`` both).
+_PROGRESS_MARK = "— expected: "
 #: ``KERNEL_LADDER_CHECK_SEED`` in learner-mode runs (``make notebooks``, ``make test``):
 #: the NOT SOLVED verdicts committed are then the ones every such run prints.
 LEARNER_CHECK_SEED = "0"
@@ -440,6 +451,44 @@ def notebook_problems(path: str | os.PathLike, timeout: int = CELL_TIMEOUT_S) ->
     return problems
 
 
+def _seconds(stamp: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+
+def cell_times(notebook: NotebookNode) -> list[tuple[int, float, str]]:
+    """``(cell number, seconds, first source line)`` of every code cell a run executed, slowest first.
+
+    The times are nbclient's own records (``cell.metadata.execution``: from the input's arrival to
+    the kernel's reply), so they are those of the run that produced ``notebook``; cell numbers count
+    every cell from 1, as :func:`output_differences` names them.
+    """
+    times = []
+    for index, cell in enumerate(notebook.cells, start=1):
+        stamps = cell.get("metadata", {}).get("execution", {})
+        start, end = stamps.get("iopub.execute_input"), stamps.get("shell.execute_reply")
+        if cell.cell_type != "code" or not start or not end:
+            continue
+        first = next((line.strip() for line in cell.source.splitlines() if line.strip()), "")
+        times.append((index, _seconds(end) - _seconds(start), first[:70]))
+    return sorted(times, key=lambda item: -item[1])
+
+
+def _prints_progress(cell: NotebookNode) -> bool:
+    return any(_PROGRESS_MARK in text for text in _cell_outputs_text(cell))
+
+
+def _slow_cells_without_progress(notebook: NotebookNode, mode: str) -> list[str]:
+    """A line per cell slower than :data:`SLOW_CELL_S` that printed no progress line (utils.progress)."""
+    lines = []
+    for index, seconds, first in cell_times(notebook):
+        if seconds > SLOW_CELL_S and not _prints_progress(notebook.cells[index - 1]):
+            lines.append(f"cell {index} took {seconds:.1f} s in {mode} mode without a progress line "
+                         f"(utils.progress): {first}")
+    return lines
+
+
 def _learner_mode_notebook(path: Path, timeout: int) -> tuple[NotebookNode | None, list[str], str]:
     """Run ``path`` in both modes (at once); return the learner-mode run if it may be saved, the problems, time."""
     started = time.perf_counter()
@@ -459,7 +508,9 @@ def _learner_mode_notebook(path: Path, timeout: int) -> tuple[NotebookNode | Non
         "(use kernels or the solutions there)"
         for difference in output_differences(solved, learner)
     ]
-    return learner, problems, f"{time.perf_counter() - started:.1f} s for both"
+    notes = _slow_cells_without_progress(solved, "solution") + _slow_cells_without_progress(learner, "learner")
+    seconds = f"{time.perf_counter() - started:.1f} s for both"
+    return learner, problems, seconds + "".join(f"\n    slow: {note}" for note in notes)
 
 
 def execute_notebooks(paths: Sequence[Path], timeout: int = CELL_TIMEOUT_S, stream=None) -> int:
@@ -540,6 +591,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "paths", nargs="*", default=["chapters"], help="folders holding NN_topic/*.ipynb, or notebooks"
     )
     execute.add_argument("--timeout", type=int, default=CELL_TIMEOUT_S, help="seconds per cell")
+    slowest = commands.add_parser("slowest", help="run notebooks once and list their slowest cells")
+    slowest.add_argument("paths", nargs="*", default=["chapters"], help="folders or notebooks, as for execute")
+    slowest.add_argument("--solutions", action="store_true", help="run in solution mode (default: learner mode)")
+    slowest.add_argument("--top", type=int, default=5, help="how many cells to list per notebook")
+    slowest.add_argument("--timeout", type=int, default=CELL_TIMEOUT_S, help="seconds per cell")
     args = parser.parse_args(argv)
 
     notebooks = [notebook for root in args.paths for notebook in chapter_notebooks(root)]
@@ -548,9 +604,28 @@ def main(argv: Sequence[str] | None = None) -> int:
               "e.g. chapters, or the notebooks themselves, e.g. chapters/07_flash_attention/*.ipynb)",
               file=sys.stderr)
         return 1
+    if args.command == "slowest":
+        return _list_slowest(notebooks, args.solutions, args.top, args.timeout)
     failures = execute_notebooks(notebooks, timeout=args.timeout)
     print(f"{len(notebooks) - failures} of {len(notebooks)} notebooks executed and saved cleanly")
     return 1 if failures else 0
+
+
+def _list_slowest(paths: Sequence[Path], solutions: bool, top: int, timeout: int, stream=None) -> int:
+    """Run each notebook once and print its ``top`` slowest cells, marking slow ones without progress."""
+    stream = stream or sys.stdout
+    mode = "solution" if solutions else "learner"
+    for path in paths:
+        notebook = run_notebook(path, solutions=solutions, timeout=timeout)
+        times = cell_times(notebook)
+        total = sum(seconds for _, seconds, _ in times)
+        print(f"{path} ({mode} mode, {total:.1f} s in its cells):", file=stream)
+        for index, seconds, first in times[:top]:
+            flag = ""
+            if seconds > SLOW_CELL_S:
+                flag = "  [progress line]" if _prints_progress(notebook.cells[index - 1]) else "  [NO progress line]"
+            print(f"  cell {index:3d}  {seconds:6.1f} s  {first}{flag}", file=stream)
+    return 0
 
 
 if __name__ == "__main__":

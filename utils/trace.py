@@ -29,6 +29,8 @@ seen, and only the torch side is counted.
 from __future__ import annotations
 
 import functools
+import os
+import sys
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
@@ -126,6 +128,17 @@ class StoreMap:
     #: program -> (lowest, highest element index it stored to, elements stored); (-1, -1, 0) for a
     #: program whose stores here were all masked off.
     programs: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+    #: program -> the lanes (masked or not) of all its store instructions that addressed this tensor:
+    #: the most elements its stores could cover (a kernel storing twice per program reaches twice BLOCK).
+    reach: dict[int, int] = field(default_factory=dict)
+    #: The store instructions' places in the source, ``(function, line)``: a kernel with several
+    #: ``tl.store`` calls has several; ``first_site`` / ``last_site`` index this list (-1 if none).
+    sites: list[tuple[str, int]] = field(default_factory=list)
+    first_site: np.ndarray | None = None
+    last_site: np.ndarray | None = None
+    #: ``(earlier site, later site)`` -> (elements, first such element, its program): elements one
+    #: program stored to twice, the later store overwriting its own earlier one.
+    self_overwrites: dict[tuple[int, int], tuple[int, int, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -161,6 +174,9 @@ class Launch:
     sector_log: list[SectorAccess] = field(default_factory=list)
     #: With ``trace(record_writes=True)``: arg name -> which program stored to each of its elements.
     store_maps: dict[str, StoreMap] = field(default_factory=dict)
+    #: arg name -> ``(first byte, end byte)`` of the memory the tensor argument spans, so that its
+    #: ``per_tensor`` traffic can be matched with the caller's tensors.
+    spans: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def program_sectors(self) -> dict[int, list[SectorAccess]]:
         """``sector_log`` grouped by program (linear id, ascending), each program's instructions in order."""
@@ -272,6 +288,25 @@ def _unique_sectors(addresses: np.ndarray, itemsize: int) -> np.ndarray:
     return sectors[keep]
 
 
+_TRITON_DIR = os.path.dirname(os.path.dirname(os.path.abspath(tl.__file__))) + os.sep
+# The wrappers around the interpreter's builder (this tracer, kernel_ladder's bf16 numerics) are not the kernel.
+_WRAPPER_FILES = frozenset(
+    os.path.join(os.path.dirname(os.path.abspath(_runtime.__file__)), name)
+    for name in ("runtime.py", "_interpreter_numerics.py")
+) | {os.path.abspath(__file__)}
+
+
+def _store_site() -> tuple[str, int]:
+    """``(function, line)`` of the kernel source line whose ``tl.store`` is executing now."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
+        if not path.startswith(_TRITON_DIR) and path not in _WRAPPER_FILES:
+            return frame.f_code.co_name, frame.f_lineno
+        frame = frame.f_back
+    return "?", 0
+
+
 # ----------------------------------------------------------------------------------------------
 # Triton side: one launch being recorded
 # ----------------------------------------------------------------------------------------------
@@ -299,6 +334,7 @@ class _Span:
                 data_ptr=self.lo, shape=self.shape, strides=self.strides,
                 first=np.full(extent, -1, dtype=np.int32), last=np.full(extent, -1, dtype=np.int32),
                 masked=np.full(extent, -1, dtype=np.int32),
+                first_site=np.full(extent, -1, dtype=np.int32), last_site=np.full(extent, -1, dtype=np.int32),
             )
 
 
@@ -339,6 +375,7 @@ class _LaunchState:
         for name, value in kwargs_hst.items():
             add(name, value)
         self.launch.per_tensor = {span.name: span.traffic for span in self.spans}
+        self.launch.spans = {span.name: (span.lo, span.hi) for span in self.spans}
 
     def program_id(self, builder: Any) -> int:
         x, y, z = builder.grid_idx
@@ -421,6 +458,7 @@ class _LaunchState:
         flat = pointers.reshape(-1).astype(np.uint64, copy=False)
         on = np.ones(flat.size, dtype=bool) if lanes is None else lanes.reshape(-1)
         program = self.program_id(builder)
+        site_key: tuple[str, int] | None = None
         for span in self.spans:
             stores = span.stores
             if stores is None:
@@ -428,7 +466,13 @@ class _LaunchState:
             inside = (flat >= np.uint64(span.lo)) & (flat < np.uint64(span.hi))
             if not inside.any():
                 continue
+            if site_key is None:
+                site_key = _store_site()
+            if site_key not in stores.sites:
+                stores.sites.append(site_key)
+            site = stores.sites.index(site_key)
             stores.lanes = max(stores.lanes, int(flat.size))
+            stores.reach[program] = stores.reach.get(program, 0) + int(flat.size)
             elements = ((flat - np.uint64(span.lo)) // np.uint64(span.itemsize)).astype(np.int64)
             stored = elements[inside & on]
             switched_off = elements[inside & ~on]
@@ -436,9 +480,20 @@ class _LaunchState:
                 stores.masked[switched_off] = program
             low, high, count = stores.programs.get(program, (-1, -1, 0))
             if stored.size:
+                again = stored[(stores.last[stored] == program) & (stores.last_site[stored] != site)]
+                if again.size:
+                    for earlier in np.unique(stores.last_site[again]).tolist():
+                        mine = again[stores.last_site[again] == earlier]
+                        known = stores.self_overwrites.get((earlier, site))
+                        first = int(mine.min()) if known is None else known[1]
+                        owner = program if known is None else known[2]
+                        total = int(mine.size) + (0 if known is None else known[0])
+                        stores.self_overwrites[(earlier, site)] = (total, first, owner)
                 fresh = stored[stores.first[stored] < 0]
                 stores.first[fresh] = program
+                stores.first_site[fresh] = site
                 stores.last[stored] = program
+                stores.last_site[stored] = site
                 lowest, highest = int(stored.min()), int(stored.max())
                 low = lowest if low < 0 else min(low, lowest)
                 high = max(high, highest)

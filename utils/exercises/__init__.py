@@ -57,7 +57,15 @@ reaches everything a notebook uses):
 * :mod:`~utils.exercises.running` — the candidate run under the tracer, its errors in words;
 * :mod:`~utils.exercises.compare` — the float64 reference and what is wrong against it;
 * :mod:`~utils.exercises.diagnosis` — where the wrong elements are, and why, from the store maps;
+* :mod:`~utils.exercises.rules` — the spec's stated rules, checked: ``rules.forbids``,
+  ``rules.no_python_loops``, ``rules.holds`` (``check(..., rules=[...])``);
+* :mod:`~utils.exercises.traffic` — :class:`Traffic`, the performance verdict of a solved kernel:
+  its traced bytes against the ideal and the ladder's top (``check(..., traffic=...)``);
 * :mod:`~utils.exercises.checker` — :func:`check`, the runner.
+
+Beyond the values: where the reference returns an exact Python ``int`` (or ``bool``), the answer
+must be one too (a float that happens to be equal is "expected an exact int, got float ..."); an
+exercise's own diagnosis (``check(..., diagnose=)``) names the likely cause of a wrong result.
 
 The package's mutable state — the stub registry (``_STUBS``), each check's last verdict
 (``_LAST_VERDICTS``) and the tracer hook (``_trace_context``) — is kept here and read through the
@@ -70,9 +78,11 @@ from typing import Any
 
 import kernel_ladder  # noqa: F401  (fixes interpreter vs compiled mode before any solution kernel is defined)
 
+from . import rules
 from .checker import CHECK_SEED_ENV, check
 from .marker import SOLUTIONS_ENV, MissingSolutionError, exercise, solution, solution_mode
 from .running import _trace_context  # noqa: F401  (the hook check() calls, replaceable here)
+from .traffic import Traffic, TrafficReport
 from .verdict import LINE_WIDTH, NOT_SOLVED_MARK, SOLVED_MARK, Verdict, default_tolerance  # noqa: F401
 
 # Learner-mode stubs by exercise name, and each check's last verdict: a check whose code runs
@@ -84,10 +94,13 @@ __all__ = [
     "CHECK_SEED_ENV",
     "SOLUTIONS_ENV",
     "MissingSolutionError",
+    "Traffic",
+    "TrafficReport",
     "Verdict",
     "check",
     "default_tolerance",
     "exercise",
+    "rules",
     "solution",
     "solution_mode",
 ]

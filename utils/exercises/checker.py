@@ -9,6 +9,7 @@ which case failed (its arguments), what is wrong and where (:mod:`utils.exercise
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import os
 import random
@@ -25,7 +26,9 @@ from .compare import _custom_problems, _reference_result, _value_mismatch
 from .diagnosis import _store_resolver
 from .guards import _guard_case, _Guarded, _guarded_output, _has_unwritten
 from .marker import _unsolved_helpers
+from .rules import Rule, RunContext, _CallRecorder
 from .running import _describe_error, _run_traced
+from .traffic import Traffic, TrafficReport, measure
 from .verdict import NOT_SOLVED_MARK, SOLVED_MARK, Verdict, _wrapped
 
 #: When set, :func:`check` draws random cases from a seed derived from its value and the check's
@@ -81,20 +84,69 @@ def _describe_case(index: int, count: int, names: list[str], case: tuple, output
 # --------------------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass
+class _Options:
+    """How :func:`check` judges each case (its keyword arguments, passed along together)."""
+
+    out: bool
+    rtol: float | None
+    atol: float | None
+    compare: Callable[[Any, Any], Any] | None
+    rules: Sequence[Rule] = ()
+    diagnose: Callable[[tuple, Any, Any], str | None] | None = None
+    traffic: Traffic | None = None
+    tolerance: Callable[[tuple, torch.dtype | None], tuple[float, float] | None] | None = None
+
+    def for_case(self, case: tuple) -> tuple[Any, Any]:
+        """``(rtol, atol)`` for one case: with ``tolerance=``, a function of the output dtype."""
+        if self.tolerance is None:
+            return self.rtol, self.atol
+        chosen = self.tolerance
+
+        def per_dtype(dtype: torch.dtype | None) -> tuple[float | None, float | None]:
+            picked = chosen(case, dtype)
+            return (self.rtol, self.atol) if picked is None else picked
+
+        return per_dtype, None
+
+
+def _diagnosis(diagnose: Callable[[tuple, Any, Any], str | None], case: tuple, got: Any, expected: Any) -> list[str]:
+    """The exercise's own diagnosis of a wrong result, as a ``cause:`` line (nothing if it has none)."""
+    try:
+        cause = diagnose(case, got, expected)
+    except Exception:  # a result too wrong to diagnose (a wrong shape, say): the other lines say what
+        return []
+    return [f"cause: {cause}"] if cause else []
+
+
 def _check_case(
     name: str,
     candidate: Callable[..., Any],
     reference: Callable[..., Any],
     case: tuple,
     names: list[str],
-    out: bool,
-    rtol: float | None,
-    atol: float | None,
-    compare: Callable[[Any, Any], Any] | None,
-) -> tuple[list[str], list[_Guarded]]:
-    """Problems found in one case (empty when it passes) and the outputs given to the candidate."""
+    options: _Options,
+    measure_traffic: bool = False,
+) -> tuple[list[str], list[_Guarded], TrafficReport | None]:
+    """Problems found in one case (empty when it passes), the outputs given to the candidate, and,
+    with ``measure_traffic``, what the tracer saw of its traffic."""
+    out, compare = options.out, options.compare
+    rtol, atol = options.for_case(case)
     expected = _reference_result(reference, case)
     args, input_guards = _guard_case(case, names)
+    recorder = _CallRecorder() if any(rule.records_calls for rule in options.rules) else None
+    counted: list[Any] = []
+
+    def under_rules(call: Callable[[], Any]) -> Callable[[], Any]:
+        def run() -> Any:
+            with contextlib.ExitStack() as stack:
+                if measure_traffic:
+                    counted.append(stack.enter_context(_traffic_trace()))
+                if recorder is not None:
+                    stack.enter_context(recorder)
+                return call()
+
+        return run
 
     outputs: list[_Guarded] = []
     if out:
@@ -105,12 +157,12 @@ def _check_case(
         for i, e in enumerate(expected_outputs):
             label = out_names[i] if i < len(out_names) else ("out" if len(expected_outputs) == 1 else f"out{i}")
             outputs.append(_guarded_output(label, e))
-        run = _run_traced(lambda: candidate(*args, *(o.tensor for o in outputs)))
+        run = _run_traced(under_rules(lambda: candidate(*args, *(o.tensor for o in outputs))))
         got: Any = tuple(o.tensor for o in outputs) if isinstance(expected, (tuple, list)) else outputs[0].tensor
         if isinstance(expected, list):
             got = list(got)
     else:
-        run = _run_traced(lambda: candidate(*args))
+        run = _run_traced(under_rules(lambda: candidate(*args)))
         got = run.value
 
     problems: list[str] = []
@@ -124,7 +176,7 @@ def _check_case(
     if run.error is not None:
         if not problems[0].startswith("not implemented yet: this check runs"):
             problems = _unsolved_helpers(name, candidate, run.launches) + problems
-        return problems, outputs
+        return problems, outputs, None
     labels = [o.label for o in outputs] if out and isinstance(expected, (tuple, list)) else None
     stores = _store_resolver(run.launches)
     if compare is not None:
@@ -134,10 +186,45 @@ def _check_case(
             problems += _custom_problems(compare, got, expected)
     else:
         problems += _value_mismatch(got, expected, rtol, atol, poisoned=out, labels=labels, stores=stores)
+    if problems and options.diagnose is not None:
+        problems += _diagnosis(options.diagnose, case, got, expected)
+    if not problems and options.rules:
+        # The values are right: now the rules the spec states, each named in the verdict.
+        context = RunContext(candidate=candidate, case=case, got=got, expected=expected,
+                             calls=tuple(recorder.calls) if recorder is not None else (), args=args,
+                             launches=tuple(run.launches))
+        for rule in options.rules:
+            line = rule.verdict_line(context)
+            if line is not None:
+                problems.append(line)
     if problems:
         # An unsolved exercise this one builds on comes first: it is the likelier cause.
         problems = _unsolved_helpers(name, candidate, run.launches) + problems
-    return problems, outputs
+        return problems, outputs, None
+    report = None
+    if measure_traffic and options.traffic is not None:
+        inputs = [(g.label, g.tensor) for g in input_guards]
+        traced = counted[0] if counted else None
+        report = measure(options.traffic, case, inputs, list(getattr(traced, "launches", []) or []),
+                         list(getattr(traced, "torch_ops", []) or []), interpreted=_interpreted())
+    return problems, outputs, report
+
+
+def _interpreted() -> bool:
+    import kernel_ladder
+
+    return bool(kernel_ladder.runtime.INTERPRETER)
+
+
+def _traffic_trace() -> contextlib.AbstractContextManager:
+    """A trace counting the candidate's Triton launches and aten ops (for :class:`Traffic`), if it can."""
+    try:
+        from utils.trace import trace
+    except Exception:
+        return contextlib.nullcontext()
+    if not _interpreted():
+        return contextlib.nullcontext()  # compiled kernels are not seen: the report says so
+    return trace(torch_ops=True)
 
 
 @contextlib.contextmanager
@@ -164,17 +251,18 @@ def _first_failure(
     reference: Callable[..., Any],
     case_list: Sequence[tuple],
     names: list[str],
-    out: bool,
-    rtol: float | None,
-    atol: float | None,
-    compare: Callable[[Any, Any], Any] | None,
-) -> tuple[int, tuple, list[str], list[_Guarded]] | None:
-    """The first case that fails — its index, the case, its problems and outputs — or None."""
+    options: _Options,
+) -> tuple[tuple[int, tuple, list[str], list[_Guarded]] | None, TrafficReport | None]:
+    """The first case that fails — its index, the case, its problems and outputs — or None; and, when
+    every case passes and ``options.traffic`` asks, the traffic of the last case."""
+    report = None
     for index, case in enumerate(case_list):
-        problems, outputs = _check_case(name, candidate, reference, case, names, out, rtol, atol, compare)
+        last = index == len(case_list) - 1
+        problems, outputs, report = _check_case(name, candidate, reference, case, names, options,
+                                                measure_traffic=last and options.traffic is not None)
         if problems:
-            return index, case, problems, outputs
-    return None
+            return (index, case, problems, outputs), None
+    return None, report
 
 
 def _seed_from_environment(name: str) -> int | None:
@@ -196,6 +284,10 @@ def check(
     atol: float | None = None,
     compare: Callable[[Any, Any], Any] | None = None,
     seed: int | None = None,
+    rules: Sequence[Rule] = (),
+    diagnose: Callable[[tuple, Any, Any], str | None] | None = None,
+    traffic: Traffic | None = None,
+    tolerance: Callable[[tuple, torch.dtype | None], tuple[float, float] | None] | None = None,
 ) -> Verdict:
     """Run ``candidate`` against ``reference`` on every case, print one verdict block, return it.
 
@@ -217,10 +309,21 @@ def check(
         compare: optional ``compare(got, expected)`` returning None/True if they match, False
             or a diagnosis string if not; replaces the element-wise comparison.
         seed: reproduce the inputs of an earlier run (printed in its NOT SOLVED verdict).
+        rules: the spec's stated rules (:mod:`utils.exercises.rules`: ``forbids``, ``no_python_loops``,
+            ``holds``), held on every case whose values match; a broken one is NOT SOLVED, named.
+        diagnose: ``diagnose(case, got, expected) -> cause or None``, the exercise's own diagnosis of
+            a wrong result (after the comparison's lines, as ``cause: ...``).
+        traffic: a :class:`~utils.exercises.traffic.Traffic`: once every case matches, the last case's
+            traced bytes against the ideal and the ladder's top, one more line of the SOLVED verdict.
+        tolerance: ``tolerance(case, dtype) -> (rtol, atol) or None``, per case and output dtype (None
+            for a Python float): an adversarial case (scores near 200, whose fp32 rounding moves an
+            exponential by 200 · 2⁻²⁴) may need more room than the dtype's default; None keeps
+            ``rtol``/``atol`` (or the dtype's default).
 
     Every wrong answer — an exception (``NotImplementedError`` from a stub included), a wrong
-    shape, NaNs, unwritten elements, out-of-bounds accesses — becomes a NOT SOLVED verdict; the
-    checker raises only for mistakes in how it is called (or in the reference).
+    shape, NaNs, unwritten elements, out-of-bounds accesses, a broken rule, a float where the
+    reference returns an exact int — becomes a NOT SOLVED verdict; the checker raises only for
+    mistakes in how it is called (or in the reference).
     """
     drawn = callable(cases)
     fresh = False
@@ -240,8 +343,10 @@ def check(
     case_list = [c if isinstance(c, tuple) else (c,) for c in case_list]
     names = _parameter_names(candidate, reference)
 
+    options = _Options(out=out, rtol=rtol, atol=atol, compare=compare, rules=tuple(rules), diagnose=diagnose,
+                       traffic=traffic, tolerance=tolerance)
     with _global_random_state_kept():
-        failure = _first_failure(name, candidate, reference, case_list, names, out, rtol, atol, compare)
+        failure, report = _first_failure(name, candidate, reference, case_list, names, options)
     if failure is not None:
         index, case, problems, outputs = failure
         lines = [f"{NOT_SOLVED_MARK} — {name}", "   " + _describe_case(index, len(case_list), names, case, outputs)]
@@ -256,8 +361,13 @@ def check(
 
     count = len(case_list)
     matched = "the case matches" if count == 1 else f"all {count} cases match"
-    message = "\n".join(_wrapped([f"{SOLVED_MARK} — {name}: {matched} the reference"]))
-    verdict = Verdict(name=name, solved=True, message=message)
+    lines = [f"{SOLVED_MARK} — {name}: {matched} the reference"]
+    if rules:
+        lines.append("   rules kept: " + "; ".join(rule.name for rule in rules))
+    if report is not None:
+        lines.append("   " + report.line())
+    message = "\n".join(_wrapped(lines))
+    verdict = Verdict(name=name, solved=True, message=message, traffic=report)
     _package._LAST_VERDICTS[name] = True
     print(verdict.message)
     return verdict

@@ -100,6 +100,8 @@ def _value_problems(
     problems: list[str] = []
     wrong = torch.zeros(total, dtype=torch.bool)
     if expected.dtype.is_floating_point:
+        if callable(rtol):  # check(tolerance=...): chosen per case and per output dtype
+            rtol, atol = rtol(expected.dtype)
         default_rtol, default_atol = default_tolerance(expected.dtype)
         rtol = default_rtol if rtol is None else rtol
         atol = default_atol if atol is None else atol
@@ -231,6 +233,9 @@ def _value_mismatch(
     prefix = f"{where}: " if where else ""
     if isinstance(expected, torch.Tensor):
         return _tensor_problems(got, expected, rtol, atol, poisoned, where, stores)
+    if (type(expected) in (int, bool) and type(got) is not type(expected)
+            and isinstance(got, (numbers.Number, np.generic, torch.Tensor))):
+        return [prefix + _inexact(got, expected)]  # a number of another type: said so (None, a str: below)
     if isinstance(got, torch.Tensor) and got.numel() == 1 and not isinstance(expected, (tuple, list, dict)):
         got = got.item()
     if isinstance(expected, (tuple, list)):
@@ -259,6 +264,8 @@ def _value_mismatch(
         return [f"{prefix}wrong value: got {got!r}, expected {expected!r}"]
     if isinstance(expected, numbers.Real):
         if isinstance(got, numbers.Real):
+            if callable(rtol):
+                rtol, atol = rtol(None)
             default_rtol, default_atol = _PYTHON_FLOAT_TOLERANCE
             r = default_rtol if rtol is None else rtol
             a = default_atol if atol is None else atol
@@ -270,6 +277,24 @@ def _value_mismatch(
     if got != expected:
         return [f"{prefix}wrong value: got {got!r}, expected {expected!r}"]
     return []
+
+
+def _inexact(got: Any, expected: int | bool) -> str:
+    """Where the reference returns an exact Python int (or bool), the answer must be one: say what came."""
+    kind = type(expected).__name__
+    if isinstance(got, torch.Tensor):
+        what = f"a tensor {tuple(got.shape)} {str(got.dtype).removeprefix('torch.')}"
+        value = got.item() if got.numel() == 1 else None
+    else:
+        what = f"{type(got).__module__ + '.' if type(got).__module__ not in ('builtins',) else ''}" \
+               f"{type(got).__name__} {got!r}"
+        value = got
+    try:
+        same = value is not None and value == expected
+    except Exception:
+        same = False
+    text = f"expected an exact {kind}, got {what}"
+    return text + ("; the value is right, the type is not" if same else f"; the exact answer is {expected!r}")
 
 
 def _custom_problems(compare: Callable[[Any, Any], Any], got: Any, expected: Any) -> list[str]:

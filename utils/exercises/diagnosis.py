@@ -34,6 +34,22 @@ class _Stores:
     masked: np.ndarray  # the last program whose store addressed the element with a masked-off lane
     lanes: int  # the most lanes of one store instruction (BLOCK for a 1-D kernel)
     ranges: dict[int, tuple[int, int, int]]  # program -> (lowest, highest element it stored, count)
+    # program -> the lanes of all its store instructions here (two stores per program reach 2 * lanes)
+    reach: dict[int, int] = dataclasses.field(default_factory=dict)
+    sites: list[tuple[str, int]] = dataclasses.field(default_factory=list)  # (function, line) of each store
+    first_site: np.ndarray | None = None  # site of the first / last store to each element, -1 where none
+    last_site: np.ndarray | None = None
+    # (earlier site, later site) -> (elements, first element, program): one program storing an element twice
+    self_overwrites: dict[tuple[int, int], tuple[int, int, int]] = dataclasses.field(default_factory=dict)
+
+    def site_text(self, site: int) -> str:
+        """``'store at line 27 of rope_kernel'`` for a site index."""
+        function, line = self.sites[site] if 0 <= site < len(self.sites) else ("?", 0)
+        return f"store at line {line} of {function}" if line else "store (its line unknown)"
+
+    def reach_total(self) -> int:
+        """The most elements the launch's stores could cover: every program's store lanes, all its stores."""
+        return max(self.programs * self.lanes, sum(self.reach.values()))
 
 
 def _store_resolver(launches: Sequence[Any]) -> Callable[[torch.Tensor], _Stores | None]:
@@ -56,7 +72,10 @@ def _store_resolver(launches: Sequence[Any]) -> Callable[[torch.Tensor], _Stores
         return _Stores(
             kernel=str(launch.kernel), grid=tuple(launch.grid), programs=int(launch.programs),
             first=stored.first, last=stored.last, masked=stored.masked, lanes=int(stored.lanes),
-            ranges=dict(stored.programs),
+            ranges=dict(stored.programs), reach=dict(getattr(stored, "reach", None) or {}),
+            sites=list(getattr(stored, "sites", None) or []), first_site=getattr(stored, "first_site", None),
+            last_site=getattr(stored, "last_site", None),
+            self_overwrites=dict(getattr(stored, "self_overwrites", None) or {}),
         )
 
     return resolve
@@ -151,10 +170,24 @@ def _store_causes(unwritten: np.ndarray, stores: _Stores, shape: Sequence[int], 
         shared = (stores.first >= 0) & (stores.first != stores.last)
         if shared.any():
             i = int(np.argmax(shared))
+            which = ""
+            if len(stores.sites) > 1 and stores.first_site is not None and stores.last_site is not None:
+                # Several stores per program: say which two met, so the wrong one's offsets are named.
+                which = (f" — program {int(stores.first[i])}'s {stores.site_text(int(stores.first_site[i]))} "
+                         f"and program {int(stores.last[i])}'s {stores.site_text(int(stores.last_site[i]))}")
             causes.append(
                 f"programs {int(stores.first[i])} and {int(stores.last[i])} both stored to index "
                 f"{_fmt_flat(i, shape)} ({_plural(int(shared.sum()), 'element')} stored by more than one "
-                "program): the pid → offset mapping sends two programs to the same elements"
+                f"program){which}: the pid → offset mapping sends two programs to the same elements"
+            )
+            mapping = True
+        if stores.self_overwrites and (unwritten.any() or not mapping):
+            (earlier, later), (count, element, program) = max(stores.self_overwrites.items(),
+                                                               key=lambda item: item[1][0])
+            causes.append(
+                f"the {stores.site_text(later)} wrote over what the {stores.site_text(earlier)} of the same "
+                f"program had stored ({_plural(count, 'element')}; first at index {_fmt_flat(element, shape)}, "
+                f"program {program}): check the offsets of the {stores.site_text(later)}"
             )
             mapping = True
         if block:
@@ -184,10 +217,13 @@ def _store_causes(unwritten: np.ndarray, stores: _Stores, shape: Sequence[int], 
             causes.append(f"no program stored to {_region_text(never_stored, shape)}")
         return causes
     if unaddressed.any():
-        reach = stores.programs * stores.lanes
+        # Every store of every program counts: a kernel storing twice per program reaches twice its lanes.
+        reach = stores.reach_total()
         if reach < total:
+            lanes = (f"× {stores.lanes} lanes" if reach == stores.programs * stores.lanes
+                     else "with all their stores' lanes")
             causes.append(
-                f"the grid is too small: {_plural(stores.programs, 'program')} × {stores.lanes} lanes reach at "
+                f"the grid is too small: {_plural(stores.programs, 'program')} {lanes} reach at "
                 f"most {reach} of the {total} elements; no store reached {_region_text(unaddressed, shape)}"
             )
         else:

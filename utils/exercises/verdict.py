@@ -7,6 +7,7 @@ import dataclasses
 import math
 import textwrap
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,6 +26,8 @@ class Verdict:
     name: str
     solved: bool
     message: str
+    #: A solved check's traffic (``check(..., traffic=...)``): a :class:`~utils.exercises.traffic.TrafficReport`.
+    traffic: Any = None
 
     def __bool__(self) -> bool:
         return self.solved

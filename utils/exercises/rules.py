@@ -1,0 +1,338 @@
+"""Stated rules, checked: what an exercise's spec forbids or requires beyond the right values.
+
+A spec says more than "return these numbers": "a counting sort, no ``argsort``", "tensor ops only",
+"stable: equal keys keep their order". :func:`~utils.exercises.check` takes such rules
+(``rules=[...]``) and, once a case's values match the reference, holds the candidate's run to each;
+a broken rule is a NOT SOLVED verdict whose line names the rule::
+
+    broke a stated rule — the spec asks for a counting sort: the code called torch.argsort
+
+* :func:`forbids` — torch functions or ``Tensor`` methods the candidate must not call, seen as it
+  runs (a ``TorchFunctionMode`` around the candidate's call: a call from a helper counts too);
+* :func:`no_python_loops` — no ``for``/``while``/comprehension in the candidate's source or in the
+  functions of its own module that it calls (``inspect`` + ``ast``); the line is named;
+* :func:`holds` — any property of one case's result, ``holds(lambda case, got: None or "what is wrong")``.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import inspect
+import textwrap
+import types
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["Rule", "bytes_read", "forbids", "holds", "no_python_loops", "traced"]
+
+#: What every broken rule's line starts with (a test or a notebook can look for it).
+BROKE_A_RULE = "broke a stated rule"
+
+
+@dataclasses.dataclass(frozen=True)
+class RunContext:
+    """What a rule sees of one case: its arguments, the candidate's result, the reference's, the calls made."""
+
+    candidate: Any
+    case: tuple
+    got: Any
+    expected: Any
+    calls: tuple[str, ...]  # torch functions / Tensor methods the candidate called, in first-call order
+    args: tuple = ()  # what the candidate got: the case with each tensor a guarded copy (its memory)
+    launches: tuple = ()  # the tracer's record of the candidate's Triton launches (utils.trace.Launch)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """A stated rule: ``name`` names it in the verdict, ``why`` says where it comes from.
+
+    ``problem(context)`` returns None when the run keeps the rule, else what broke it (one sentence).
+    ``records_calls`` asks the checker to record the torch calls the candidate makes.
+    """
+
+    name: str
+    why: str
+    problem: Callable[[RunContext], str | None]
+    records_calls: bool = False
+
+    def verdict_line(self, context: RunContext) -> str | None:
+        """``'broke a stated rule — <why>: <what broke it>'``, or None if the run keeps the rule."""
+        found = self.problem(context)
+        if found is None:
+            return None
+        return f"{BROKE_A_RULE} — {self.why}: {found}"
+
+
+# --------------------------------------------------------------------------------------------
+# forbids: torch calls recorded while the candidate runs
+# --------------------------------------------------------------------------------------------
+
+
+def _call_name(func: Any) -> str:
+    """``torch.argsort``, ``Tensor.index_add_``, ``torch.nn.functional.softmax`` for a recorded callable."""
+    name = getattr(func, "__name__", None) or repr(func)
+    qualname = getattr(func, "__qualname__", "") or ""
+    if qualname.startswith(("Tensor.", "TensorBase.", "_TensorBase.")):
+        return f"Tensor.{name}"
+    if getattr(torch.Tensor, name, None) is func:
+        return f"Tensor.{name}"
+    module = getattr(func, "__module__", None) or "torch"
+    if module.startswith("torch._C") or module == "torch._tensor":
+        module = "torch"
+    return f"{module}.{name}"
+
+
+def _resolve(name: str) -> set[str]:
+    """The call names a forbidden ``name`` stands for: ``torch.sort`` is also the method ``Tensor.sort``."""
+    if name.startswith("Tensor."):
+        tail = name.removeprefix("Tensor.")
+        names = {name}
+        if callable(getattr(torch, tail, None)):
+            names.add(f"torch.{tail}")
+        return names
+    if not name.startswith("torch."):
+        raise ValueError(f"rules.forbids: {name!r} must name a torch function ('torch.argsort', "
+                         "'torch.nn.functional.softmax') or a Tensor method ('Tensor.index_add_')")
+    target: Any = torch
+    for part in name.split(".")[1:]:
+        target = getattr(target, part, None)
+        if target is None:
+            raise ValueError(f"rules.forbids: torch has no {name!r}")
+    names = {name, _call_name(target)}
+    tail = name.rsplit(".", 1)[1]
+    if name.count(".") == 1 and callable(getattr(torch.Tensor, tail, None)):
+        names.add(f"Tensor.{tail}")  # the method form of the same op
+    return names
+
+
+class _CallRecorder(TorchFunctionMode):
+    """Records the name of every torch function and Tensor method called while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: dict[str, None] = {}  # ordered set
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls.setdefault(_call_name(func), None)
+        return func(*args, **(kwargs or {}))
+
+
+def forbids(*names: str, why: str) -> Rule:
+    """A rule that the candidate calls none of ``names`` (torch functions or Tensor methods).
+
+    ``"torch.sort"`` also forbids the method ``x.sort()`` and ``"Tensor.argsort"`` the function
+    ``torch.argsort`` (the same op); ``"torch.nn.functional.softmax"`` is that function alone. The
+    calls are recorded while the candidate runs, from any code it calls.
+    """
+    if not names:
+        raise ValueError("rules.forbids: name at least one torch function or Tensor method")
+    forbidden: dict[str, str] = {}
+    for name in names:
+        for alias in _resolve(name):
+            forbidden.setdefault(alias, name)
+
+    def problem(context: RunContext) -> str | None:
+        called = [c for c in context.calls if c in forbidden]
+        if not called:
+            return None
+        return "the code called " + ", ".join(called)
+
+    return Rule(name="forbids " + ", ".join(names), why=why, problem=problem, records_calls=True)
+
+
+# --------------------------------------------------------------------------------------------
+# no_python_loops: the candidate's source
+# --------------------------------------------------------------------------------------------
+
+_LOOPS: dict[type, str] = {
+    ast.For: "a Python for loop",
+    ast.AsyncFor: "a Python for loop",
+    ast.While: "a Python while loop",
+    ast.ListComp: "a list comprehension",
+    ast.SetComp: "a set comprehension",
+    ast.DictComp: "a dict comprehension",
+    ast.GeneratorExp: "a generator expression",
+}
+
+
+def _plain_function(candidate: Any) -> types.FunctionType | None:
+    """The Python function behind a candidate: a partial's, a bound method's, a ``@triton.jit`` kernel's."""
+    seen = 0
+    while seen < 8:
+        seen += 1
+        if isinstance(candidate, functools.partial):
+            candidate = candidate.func
+        elif isinstance(candidate, types.MethodType):
+            candidate = candidate.__func__
+        elif hasattr(candidate, "fn") and not isinstance(candidate, types.FunctionType):
+            candidate = candidate.fn
+        elif isinstance(candidate, types.FunctionType):
+            return inspect.unwrap(candidate)
+        else:
+            return None
+    return None
+
+
+def _over_constants(node: ast.AST) -> bool:
+    """A loop over a literal tuple/list or ``range(<literal>)``: structure, not data."""
+    iterables: Iterable[ast.AST]
+    if isinstance(node, (ast.For, ast.AsyncFor)):
+        iterables = [node.iter]
+    elif isinstance(node, (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+        iterables = [g.iter for g in node.generators]
+    else:
+        return False
+    for iterable in iterables:
+        if isinstance(iterable, (ast.Tuple, ast.List)):
+            continue
+        if (isinstance(iterable, ast.Call) and isinstance(iterable.func, ast.Name) and iterable.func.id == "range"
+                and all(isinstance(a, ast.Constant) for a in iterable.args)):
+            continue
+        return False
+    return True
+
+
+def _loops_in(function: types.FunctionType, depth: int, seen: set[int]) -> str | None:
+    """The first loop in ``function`` or a same-module function it calls: ``'a Python for loop at line N of f'``."""
+    if id(function) in seen:
+        return None
+    seen.add(id(function))
+    try:
+        lines, start = inspect.getsourcelines(function)
+    except (OSError, TypeError):
+        return None  # no source to read (a builtin, a function made by exec): nothing to hold it to
+    try:
+        tree = ast.parse(textwrap.dedent("".join(lines)))
+    except SyntaxError:
+        return None
+    body = tree.body[0] if tree.body else tree
+    called: list[str] = []
+    for node in ast.walk(body):
+        kind = _LOOPS.get(type(node))
+        if kind is not None and not _over_constants(node):
+            return f"{kind} at line {start + node.lineno - 1} of {function.__name__}"
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            called.append(node.func.id)
+    if depth <= 0:
+        return None
+    namespace = dict(function.__globals__)
+    for name, cell in zip(function.__code__.co_freevars, function.__closure__ or ()):
+        try:
+            namespace[name] = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+    for name in called:
+        helper = namespace.get(name)
+        if isinstance(helper, types.FunctionType) and helper.__module__ == function.__module__:
+            found = _loops_in(inspect.unwrap(helper), depth - 1, seen)
+            if found is not None:
+                return found
+    return None
+
+
+def no_python_loops(why: str, function: Any = None) -> Rule:
+    """A rule that the candidate's source has no ``for``/``while`` loop or comprehension over data.
+
+    The candidate's own source is read (``inspect``, ``ast``) — or that of ``function``, where the
+    check's candidate is a given driver around the exercise's function (a fold over tiles, say) —
+    and so is that of every function of its own module it calls by name (three calls deep). A loop
+    over a literal tuple or list, or over ``range(<literal>)``, is structure and allowed. Code
+    without readable source keeps the rule.
+    """
+    cache: dict[int, str | None] = {}
+
+    def problem(context: RunContext) -> str | None:
+        target = context.candidate if function is None else function
+        key = id(target)
+        if key not in cache:
+            plain = _plain_function(target)
+            cache[key] = None if plain is None else _loops_in(plain, depth=3, seen=set())
+        return cache[key]
+
+    return Rule(name="no Python loops", why=why, problem=problem)
+
+
+# --------------------------------------------------------------------------------------------
+# traced: a property of what the tracer saw
+# --------------------------------------------------------------------------------------------
+
+
+def bytes_read(launches: Iterable[Any], tensor: Any) -> int:
+    """Bytes the traced ``launches`` read from ``tensor``'s memory (any kernel argument inside it)."""
+    if not isinstance(tensor, torch.Tensor) or tensor.numel() == 0:
+        return 0
+    start = tensor.data_ptr()
+    end = start + (1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride()))) * tensor.element_size()
+    total = 0
+    for launch in launches:
+        for name, (low, high) in (getattr(launch, "spans", None) or {}).items():
+            if low < end and start < high:
+                total += int(launch.per_tensor[name].bytes_read)
+    return total
+
+
+def traced(check: Callable[[tuple, Sequence[Any]], Any], name: str) -> Rule:
+    """A rule on what the tracer saw of the candidate's Triton launches: ``check(args, launches)``.
+
+    ``args`` are the case's arguments as the candidate got them (each tensor the checker's copy, so
+    that :func:`bytes_read` finds its traffic; ``out=True`` outputs are not among them), ``launches``
+    the tracer's ``utils.trace.Launch`` records. It returns None (or True) when the rule holds, else
+    what broke it: "read the table row once per token" is ``bytes_read(launches, cos) <= tokens * row``.
+    """
+
+    def problem(context: RunContext) -> str | None:
+        if not context.launches:
+            return None  # compiled kernels (or no tracer): nothing seen, nothing to hold them to
+        try:
+            answer = check(context.args, context.launches)
+        except Exception as error:
+            return f"checking it raised {type(error).__name__}: {error}"
+        if answer is None or answer is True:
+            return None
+        return "it does not hold" if answer is False else str(answer)
+
+    return Rule(name=name, why=name, problem=problem)
+
+
+# --------------------------------------------------------------------------------------------
+# holds: any property of a case's result
+# --------------------------------------------------------------------------------------------
+
+
+def _positional_count(function: Callable[..., Any]) -> int:
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return 2
+    if any(p.kind == p.VAR_POSITIONAL for p in parameters):
+        return 3
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in parameters)
+
+
+def holds(check: Callable[..., Any], name: str) -> Rule:
+    """A rule that ``check(case, got)`` (or ``check(case, got, expected)``) finds nothing wrong.
+
+    ``check`` returns None (or True) when the property holds, else a sentence saying what is wrong
+    (False: "it does not"). ``name`` states the property, as the verdict names it:
+    ``holds(stable_ties, name="stable: equal keys keep their order")``.
+    """
+    takes_expected = _positional_count(check) >= 3
+
+    def problem(context: RunContext) -> str | None:
+        try:
+            answer = check(context.case, context.got, context.expected) if takes_expected \
+                else check(context.case, context.got)
+        except Exception as error:  # a result the property cannot even be computed on breaks it
+            return f"checking it raised {type(error).__name__}: {error}"
+        if answer is None or answer is True:
+            return None
+        if answer is False:
+            return "it does not hold"
+        return str(answer)
+
+    return Rule(name=name, why=name, problem=problem)
