@@ -308,7 +308,7 @@ def test_rope_backward_matches_the_kernels_backward(gen):
 
 def check_chunk(candidate) -> Verdict:
     return check("ch06_fused_ops.fused_linear_ce_chunk", candidate, given.chunk_reference, given.chunk_cases,
-                 rtol=1e-5, atol=1e-6, diagnose=given.diagnose_chunk)
+                 rtol=1e-5, atol=1e-6, tolerance=given.chunk_tolerance, diagnose=given.diagnose_chunk)
 
 
 def chunk_over_its_own_rows(x, weight, target, n_valid, ignore_index=-100):
@@ -340,8 +340,9 @@ def chunk_with_a_naive_softmax(x, weight, target, n_valid, ignore_index=-100):
 
 
 def test_fused_chunk_solution_is_solved():
-    verdict = check_chunk(solutions.fused_linear_ce_chunk)
-    assert verdict.solved, verdict.message
+    for _ in range(10):  # fresh draws: the case with logits in the hundreds rounds differently on each
+        verdict = check_chunk(solutions.fused_linear_ce_chunk)
+        assert verdict.solved, verdict.message
 
 
 @pytest.mark.parametrize(("wrong", "cause"), [
