@@ -187,7 +187,9 @@ def _check_case(
     else:
         problems += _value_mismatch(got, expected, rtol, atol, poisoned=out, labels=labels, stores=stores)
     if problems and options.diagnose is not None:
-        problems += _diagnosis(options.diagnose, case, got, expected)
+        # The exercise's own cause is the most specific line: it goes first, before the generic ones
+        # (an out-of-bounds access is the symptom of an int32 offset that wrapped, say).
+        problems = _diagnosis(options.diagnose, case, got, expected) + problems
     if not problems and options.rules:
         # The values are right: now the rules the spec states, each named in the verdict.
         context = RunContext(candidate=candidate, case=case, got=got, expected=expected,
@@ -312,7 +314,7 @@ def check(
         rules: the spec's stated rules (:mod:`utils.exercises.rules`: ``forbids``, ``no_python_loops``,
             ``holds``), held on every case whose values match; a broken one is NOT SOLVED, named.
         diagnose: ``diagnose(case, got, expected) -> cause or None``, the exercise's own diagnosis of
-            a wrong result (after the comparison's lines, as ``cause: ...``).
+            a wrong result (as ``cause: ...``, before the comparison's lines).
         traffic: a :class:`~utils.exercises.traffic.Traffic`: once every case matches, the last case's
             traced bytes against the ideal and the ladder's top, one more line of the SOLVED verdict.
         tolerance: ``tolerance(case, dtype) -> (rtol, atol) or None``, per case and output dtype (None
