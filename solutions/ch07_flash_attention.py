@@ -3,7 +3,11 @@ the backward, varlen packing.
 
 One solution per exercise of ``chapters/07_flash_attention/07_flash_attention.ipynb``, written for
 reading, and the given kernels the chapter's ladder runs (``attention_row_kernel`` and the
-launchers). In solution mode the notebook's stubs are replaced by these.
+launchers). In solution mode the notebook's stubs are replaced by these. Below them, what the
+chapter gives each exercise's check — its reference (written apart from the solution), its cases
+(adversarial ones included: a maximum that falls by 190 between tiles, scores near ±200 and −250, a
+masked first tile), the rules its spec states, the diagnosis naming the common mistakes, and the
+traffic verdict — which the notebook's checks and ``tests/test_solutions_ch07.py`` both use.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-import kernel_ladder  # noqa: F401  (fixes interpreter/compiled mode before any @triton.jit below)
+import kernel_ladder  # fixes interpreter/compiled mode before any @triton.jit below
 
 __all__ = [
     "attention_row_kernel",
@@ -26,6 +30,32 @@ __all__ = [
     "kv_head_index",
     "attention_backward_tile",
     "varlen_tiles",
+    # what the chapter gives its checks
+    "fold_tiles_with",
+    "fold_reference",
+    "fold_cases",
+    "online_softmax_rules",
+    "diagnose_fold",
+    "flash_forward_with",
+    "forward_reference",
+    "forward_cases",
+    "forward_tolerance",
+    "flash_forward_rules",
+    "flash_forward_traffic",
+    "diagnose_flash_forward",
+    "blocks_by_scan",
+    "BLOCK_CASES",
+    "diagnose_key_blocks",
+    "repeat_kv_reference",
+    "gqa_cases",
+    "gather_traffic",
+    "diagnose_kv_head_index",
+    "backward_reference",
+    "backward_cases",
+    "diagnose_backward_tile",
+    "tiles_by_rows",
+    "VARLEN_CASES",
+    "diagnose_varlen_tiles",
 ]
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * log2(e))
@@ -246,3 +276,629 @@ def varlen_tiles(cu_seqlens: list[int], BLOCK_M: int) -> list[tuple[int, int, in
         for row in range(start, end, BLOCK_M):
             tiles.append((b, row, min(row + BLOCK_M, end)))
     return tiles
+
+
+# ----------------------------------------------------------------------------------------------
+# What the chapter gives: each exercise's reference (written apart from the solution), its cases,
+# the rules its spec states, its diagnosis and, where the chapter teaches bytes, its traffic
+# verdict — the notebook's checks and tests/test_solutions_ch07.py both use these.
+# ----------------------------------------------------------------------------------------------
+
+
+def _tolerance(dtype: torch.dtype) -> tuple[float, float]:
+    """Looser than the check's own: a diagnosis tells mistakes apart (they differ by far more), it does
+    not judge precision, and a variant recomputed in float64 differs from the kernel's rounding."""
+    from utils.exercises import default_tolerance
+
+    rtol, atol = default_tolerance(dtype)
+    return max(2 * rtol, 1e-4), max(2 * atol, 1e-5)
+
+
+def _close(got: object, want: torch.Tensor, dtype: torch.dtype) -> bool:
+    """``got`` equals the float64 ``want`` rounded to ``dtype``, within a diagnosis's tolerance for it."""
+    if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(want.shape):
+        return False
+    rtol, atol = _tolerance(dtype)
+    got64, want64 = got.detach().cpu().double(), want.detach().cpu().to(dtype).double()
+    finite = torch.isfinite(want64)
+    if not bool((torch.isfinite(got64) == finite).all()):
+        return False
+    return bool(torch.allclose(got64[finite], want64[finite], rtol=rtol, atol=atol))
+
+
+def _all_close(got: object, want: tuple, dtypes: tuple) -> bool:
+    if not isinstance(got, (tuple, list)) or len(got) != len(want):
+        return False
+    return all(_close(g, w, d) for g, w, d in zip(got, want, dtypes))
+
+
+# Exercise 1: the update ------------------------------------------------------------------------
+
+
+def fold_tiles_with(update):
+    """The exercise's candidate: attention of each row of ``scores`` ``(M, Tk)`` over ``v`` ``(Tk, D)``,
+    folded tile by tile (``widths``) with ``update``, then ``acc / l`` and ``m + log l`` once at the end."""
+
+    def fold_tiles(scores: torch.Tensor, v: torch.Tensor, widths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = scores.shape[0]
+        m = torch.full((rows,), float("-inf"), dtype=scores.dtype)
+        l = torch.zeros(rows, dtype=scores.dtype)
+        acc = torch.zeros(rows, v.shape[1], dtype=scores.dtype)
+        start = 0
+        for width in widths:
+            m, l, acc = update(m, l, acc, scores[:, start:start + width], v[start:start + width])
+            start += width
+        return acc / l[:, None], m + torch.log(l)
+
+    return fold_tiles
+
+
+def fold_reference(scores: torch.Tensor, v: torch.Tensor, widths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole row at once: ``softmax(S) V`` and the log-sum-exp."""
+    return torch.softmax(scores, dim=1) @ v, torch.logsumexp(scores, dim=1)
+
+
+def fold_cases(gen: torch.Generator) -> list[tuple]:
+    """Tiles whose maximum rises and falls, masked keys, a row that sees nothing in its first tile; then
+    the adversarial case: a maximum that falls from about 200 to about 10 between tiles, a row whose
+    scores are all near −250, a masked first tile before scores near +200, a rise from −200 to +200."""
+    cases = []
+    for rows, widths, dims in ((4, [8, 8], 8), (6, [5, 16, 3], 16), (3, [1, 7, 32, 2], 4)):
+        total = sum(widths)
+        scores = torch.randn(rows, total, generator=gen) * 3
+        scores[:, :widths[0]] += 8.0             # a large first tile: the maximum falls later
+        scores[0, -widths[-1]:] += 12.0          # row 0: a larger maximum in the last tile
+        scores[1, 1::3] = float("-inf")          # masked keys
+        scores[2, :widths[0]] = float("-inf")    # row 2 sees no key of the first tile
+        cases.append((scores, torch.randn(total, dims, generator=gen), widths))
+    widths = [8, 8, 8]
+    scores = torch.randn(4, 24, generator=gen)
+    scores[0, :8] += 200.0                       # the maximum falls from ~200 to ~10
+    scores[0, 8:] += 10.0
+    scores[1] -= 250.0                           # every score near -250: exp(s) alone underflows
+    scores[2, :8] = float("-inf")                # a masked first tile, then scores near +200
+    scores[2, 8:] += 200.0
+    scores[3, :8] -= 200.0                       # the maximum rises from ~-200 to ~+200
+    scores[3, 8:] += 200.0
+    cases.append((scores, torch.randn(24, 8, generator=gen), widths))
+    return cases
+
+
+def online_softmax_rules(update) -> list:
+    """The spec's "torch, no loops", held to the learner's ``update`` (the given fold loops over tiles)."""
+    from utils.exercises import rules
+
+    return [rules.no_python_loops(why="torch, no loops (one tile's update is tensor ops)", function=update)]
+
+
+def _update_variants() -> dict[str, object]:
+    def no_rescaled_acc(m, l, acc, s, v):
+        m_new = torch.maximum(m, s.amax(dim=1))
+        safe = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
+        alpha, p = torch.exp(m - safe), torch.exp(s - safe[:, None])
+        return m_new, l * alpha + p.sum(1), acc + p @ v
+
+    def no_rescaled_l(m, l, acc, s, v):
+        m_new = torch.maximum(m, s.amax(dim=1))
+        safe = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
+        alpha, p = torch.exp(m - safe), torch.exp(s - safe[:, None])
+        return m_new, l + p.sum(1), acc * alpha[:, None] + p @ v
+
+    def tile_maximum(m, l, acc, s, v):
+        tile = s.amax(dim=1)
+        safe = torch.where(tile == float("-inf"), torch.zeros_like(tile), tile)
+        p = torch.exp(s - safe[:, None])
+        return torch.maximum(m, tile), l + p.sum(1), acc + p @ v
+
+    def maximum_not_kept(m, l, acc, s, v):
+        m_new = torch.maximum(m, s.amax(dim=1))
+        safe = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
+        alpha, p = torch.exp(m - safe), torch.exp(s - safe[:, None])
+        return m, l * alpha + p.sum(1), acc * alpha[:, None] + p @ v
+
+    def alpha_inverted(m, l, acc, s, v):
+        m_new = torch.maximum(m, s.amax(dim=1))
+        safe = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
+        old = torch.where(m == float("-inf"), torch.zeros_like(m), m)
+        alpha, p = torch.exp(safe - old), torch.exp(s - safe[:, None])
+        return m_new, l * alpha + p.sum(1), acc * alpha[:, None] + p @ v
+
+    return {
+        "acc is not rescaled: when the maximum moves, multiply acc by alpha = exp(m − m_new), as l is":
+            no_rescaled_acc,
+        "l is not rescaled: when the maximum moves, multiply l by alpha = exp(m − m_new), as acc is": no_rescaled_l,
+        "each tile's terms are taken against the tile's own maximum and summed unrescaled: every term must be "
+        "relative to the running maximum m_new = max(m, rowmax(scores)), the old sums rescaled by exp(m − m_new)":
+            tile_maximum,
+        "the returned m is the old maximum: return m_new, the next tile's terms are relative to it":
+            maximum_not_kept,
+        "alpha is inverted: the old sums are relative to m, so they are multiplied by exp(m − m_new) ≤ 1":
+            alpha_inverted,
+    }
+
+
+def _explains(got: tuple, want: tuple, expected: tuple, dtypes: tuple) -> bool:
+    """``want`` (a wrong variant, float64) accounts for every finite element where ``got`` is wrong, in
+    every output, and is right where ``got`` is right; at least one element is wrong."""
+    if not isinstance(got, (tuple, list)) or len(got) != len(want):
+        return False
+    wrong_somewhere = False
+    for g, w, e, dtype in zip(got, want, expected, dtypes):
+        if not isinstance(g, torch.Tensor) or tuple(g.shape) != tuple(w.shape):
+            return False
+        rtol, atol = _tolerance(dtype)
+        g, w, e = (t.detach().cpu().double() for t in (g, w.to(dtype), e))
+        finite = torch.isfinite(g)
+        wrong = finite & ~torch.isclose(g, e, rtol=rtol, atol=atol, equal_nan=True)
+        right = finite & ~wrong
+        if not bool(torch.isclose(g[wrong], w[wrong], rtol=rtol, atol=atol).all()):
+            return False
+        if not bool(torch.isclose(w[right], e[right], rtol=rtol, atol=atol, equal_nan=True).all()):
+            return False
+        wrong_somewhere |= bool(wrong.any())
+    return wrong_somewhere
+
+
+def diagnose_fold(case: tuple, got: tuple, expected: tuple) -> str | None:
+    """The common mistakes of exercise 1: which rows came out NaN and why, and which update the finite
+    wrong rows are."""
+    scores, v, widths = case
+    if not isinstance(got, (tuple, list)) or len(got) != 2 or not all(isinstance(t, torch.Tensor) for t in got):
+        return None
+    causes = []
+    out = got[0].detach()
+    if out.shape[0] == scores.shape[0]:
+        starts = [sum(widths[:i]) for i in range(len(widths))]
+        for row in (~torch.isfinite(out).all(dim=1)).nonzero().flatten().tolist():
+            maxima = [float(scores[row, a:a + w].max()) for a, w in zip(starts, widths)]
+            falls = [a - b for a, b in zip(maxima, maxima[1:])]
+            if maxima[0] == float("-inf"):
+                causes.append(f"row {row} sees no key in the first tile (all −inf), and exp(−inf − (−inf)) is NaN: "
+                              "where m_new is still −inf, take the exponentials against 0")
+            elif max(maxima) < -80:
+                causes.append(f"row {row}'s scores are all near {max(maxima):.0f}: exp(s) alone underflows to 0 "
+                              "and l = 0 gives 0/0 — take every exponential relative to the running maximum")
+            elif falls and max(falls) > 80:
+                causes.append(f"row {row}'s maximum falls by {max(falls):.0f} between tiles, and exp of that "
+                              "overflows float32: keep the running maximum m_new = max(m, rowmax(scores)) and "
+                              "rescale the old sums by exp(m − m_new) ≤ 1, never towards a tile's own maximum")
+            if causes:
+                break
+    for cause, update in _update_variants().items():
+        want = fold_tiles_with(update)(scores.double(), v.double(), widths)
+        if _explains(got, want, expected, (scores.dtype, scores.dtype)):
+            causes.append(cause if not causes else "and besides, " + cause)
+            break
+    return "; ".join(causes) or None
+
+
+# Exercise 2: the forward kernel ----------------------------------------------------------------
+
+#: The launcher's blocks (``launch_flash_forward``'s defaults): the check's rule and diagnosis use them.
+FORWARD_BLOCK_M = FORWARD_BLOCK_N = 16
+
+
+def flash_forward_with(kernel):
+    """The exercise's candidate: ``launch_flash_forward`` with the learner's kernel, writing ``out`` and ``lse``."""
+
+    def flash_forward(q, k, v, out, lse):
+        launch_flash_forward(kernel, q, k, v, out, lse, BLOCK_M=FORWARD_BLOCK_M, BLOCK_N=FORWARD_BLOCK_N)
+        return out, lse
+
+    return flash_forward
+
+
+def _dense_attention(q, k, v, scale):
+    scores = (q.double() @ k.double().transpose(-1, -2)) * scale
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.exp(scores - lse[..., None]) @ v.double(), lse
+
+
+def forward_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 attention over ``(BH, T, D)`` tensors, and the natural-log log-sum-exp (fp32, as written)."""
+    out, lse = _dense_attention(q, k, v, 1 / math.sqrt(q.shape[-1]))
+    return out, lse.float()
+
+
+def forward_cases(gen: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """fp32 and bf16, lengths that are not multiples of the blocks, a single key tile; then scores that
+    fall from ~200 to ~10 after the first key tile, that rise from ~−200 to ~+200, and last three query
+    blocks (the traffic verdict is the last case's)."""
+    from kernel_ladder.runtime import DEVICE
+
+    cases = []
+    for heads, seq_q, seq_k, dims, dtype in ((1, 16, 16, 16, torch.float32), (3, 37, 45, 32, torch.float32),
+                                             (2, 20, 7, 64, torch.bfloat16), (2, 5, 50, 16, torch.bfloat16)):
+        q = torch.randn(heads, seq_q, dims, generator=gen)
+        k = torch.randn(heads, seq_k, dims, generator=gen) * 2
+        v = torch.randn(heads, seq_k, dims, generator=gen)
+        cases.append(tuple(t.to(DEVICE, dtype) for t in (q, k, v)))
+    for levels in (((0, 200.0), (16, 10.0)), ((0, -200.0), (16, 200.0))):
+        direction = torch.randn(16, generator=gen)
+        direction /= direction.norm()
+        level = torch.zeros(40)
+        for start, value in levels:
+            level[start:] = value
+        q = 4.0 * direction + 0.02 * torch.randn(2, 20, 16, generator=gen)  # scale · q · k = level for k = level · u
+        k = level[:, None] * direction + 0.02 * torch.randn(2, 40, 16, generator=gen)
+        v = torch.randn(2, 40, 16, generator=gen)
+        cases.append(tuple(t.to(DEVICE) for t in (q, k, v)))
+    q, k, v = (torch.randn(2, n, 32, generator=gen) for n in (40, 37, 37))
+    cases.append(tuple(t.to(DEVICE) for t in (q, k, v)))
+    return cases
+
+
+def forward_tolerance(case: tuple, dtype: torch.dtype | None) -> tuple[float, float] | None:
+    """fp32's rounding of a score of magnitude |s| moves its exponential by about |s| · 2⁻²³: the cases
+    with scores near 200 get that much room (the dtype's default elsewhere)."""
+    q, k, _ = case
+    if dtype != torch.float32:
+        return None
+    largest = float(((q.double() @ k.double().transpose(-1, -2)) / math.sqrt(q.shape[-1])).abs().max())
+    rtol = max(1e-5, 8 * largest * 2.0**-24)
+    return rtol, rtol  # the output averages values of order 1: its error is absolute, not relative to it
+
+
+def _keys_once_per_query_block(args: tuple, launches) -> str | None:
+    from utils.exercises.rules import bytes_read
+
+    q, k, v = args
+    blocks = triton.cdiv(q.shape[1], FORWARD_BLOCK_M)
+    read = bytes_read(launches, k) + bytes_read(launches, v)
+    once = blocks * (k.nbytes + v.nbytes)
+    if read <= once:
+        return None
+    return (f"the kernel read {read:,} bytes of k and v, {read / once:.1f}× once per query block: one pass over "
+            "the keys, the softmax rescaled as it goes")
+
+
+def flash_forward_rules() -> list:
+    from utils.exercises import rules
+
+    return [rules.traced(_keys_once_per_query_block, name="one pass over the keys (k and v read once per query "
+                                                           "block)")]
+
+
+def _forward_ideal(q, k, v) -> int:
+    lse = q.shape[0] * q.shape[1] * 4
+    return q.nbytes + k.nbytes + v.nbytes + q.nbytes + lse
+
+
+def _forward_top(q, k, v) -> int:
+    """What the ladder's top moves on the case: ``kernel_ladder.flash_attention``, traced."""
+    from utils.trace import trace
+
+    with trace(torch_ops=False) as traced:
+        kernel_ladder.flash_attention(q[None], k[None], v[None])
+    return traced.bytes
+
+
+def _forward_explain(reread: dict[str, float]) -> str | None:
+    factor = reread.get("k", 0)
+    if factor > 1.05:
+        return (f"K and V are read once per query block of {FORWARD_BLOCK_M} ({factor:.0f} blocks): the larger "
+                "BLOCK_M of kernel_ladder.flash_attention feeds more queries from each byte of K and V")
+    return None
+
+
+def flash_forward_traffic():
+    from utils.exercises import Traffic
+
+    return Traffic(ideal=_forward_ideal, top=_forward_top, explain=_forward_explain)
+
+
+def _tiled_forward(q, k, v, scale, rescale_acc=True, rescale_l=True, divide=True, lse_kind="natural",
+                   extra_key=False):
+    """The forward as the kernel computes it, key tile by key tile, in float64, with a mistake planted."""
+    q, k, v = q.double(), k.double(), v.double()
+    heads, seq_q, _ = q.shape
+    outs, lses = [], []
+    for h in range(heads):
+        keys, values = k[h], v[h]
+        if extra_key:  # the mask's bound one too far: key seq_k is the next head's key 0
+            keys = torch.cat((keys, k[h + 1, :1]))
+            values = torch.cat((values, v[h + 1, :1]))
+        m = torch.full((seq_q,), float("-inf"), dtype=torch.float64)
+        l = torch.zeros(seq_q, dtype=torch.float64)
+        acc = torch.zeros(seq_q, q.shape[2], dtype=torch.float64)
+        for start in range(0, keys.shape[0], FORWARD_BLOCK_N):
+            s = (q[h] @ keys[start:start + FORWARD_BLOCK_N].T) * scale
+            m_new = torch.maximum(m, s.amax(dim=1))
+            alpha, p = torch.exp(m - m_new), torch.exp(s - m_new[:, None])
+            l = (l * alpha if rescale_l else l) + p.sum(1)
+            acc = (acc * alpha[:, None] if rescale_acc else acc) + p @ values[start:start + FORWARD_BLOCK_N]
+            m = m_new
+        outs.append(acc / l[:, None] if divide else acc)
+        lse = {"natural": m + torch.log(l), "max only": m, "sum only": torch.log(l),
+               "base 2": (m + torch.log(l)) * LOG2E}[lse_kind]
+        lses.append(lse)
+    return torch.stack(outs), torch.stack(lses)
+
+
+def diagnose_flash_forward(case: tuple, got: tuple, expected: tuple) -> str | None:
+    """The common mistakes of exercise 2, each recomputed tile by tile in float64 and compared."""
+    q, k, v = case
+    dims = q.shape[-1]
+    scale = 1 / math.sqrt(dims)
+    dtypes = (q.dtype, torch.float32)
+    out = got[0] if isinstance(got, (tuple, list)) else None
+    if isinstance(out, torch.Tensor) and not bool(torch.isfinite(out.detach()).all()):
+        scores = (q.double() @ k.double().transpose(-1, -2)) * scale
+        tiles = scores.split(FORWARD_BLOCK_N, dim=-1)
+        maxima = torch.stack([t.amax(dim=-1) for t in tiles], dim=-1)
+        if maxima.shape[-1] > 1 and float((maxima[..., :-1] - maxima[..., 1:]).max()) > 80:
+            return ("NaN/inf where a row's maximum falls by more than 80 after the first key tile: rescale by "
+                    "alpha = exp(m − m_new) with m_new = max(m, rowmax(s)), so that no exponent is positive")
+    variants = {
+        f"the scores miss the scale 1/√D = {scale:.4g} (scale = 1 / sqrt(HEAD_DIM), given as `scale`)":
+            _dense_attention(q, k, v, 1.0),
+        f"the scores are multiplied by √D instead of 1/√D (= {scale:.4g})": _dense_attention(q, k, v, math.sqrt(dims)),
+        "acc is not rescaled when the maximum moves: acc * alpha[:, None] before adding the tile's p @ v":
+            _tiled_forward(q, k, v, scale, rescale_acc=False),
+        "l is not rescaled when the maximum moves: l * alpha before adding the tile's sum":
+            _tiled_forward(q, k, v, scale, rescale_l=False),
+        "the output is not divided by l: out = acc / l[:, None] after the last tile":
+            _tiled_forward(q, k, v, scale, divide=False),
+        "lse is the running maximum alone: lse = m + log(l)": _tiled_forward(q, k, v, scale, lse_kind="max only"),
+        "lse misses the running maximum: lse = m + log(l), not log(l)":
+            _tiled_forward(q, k, v, scale, lse_kind="sum only"),
+        "lse is in base 2 (scores scaled by log2(e) for exp2): divide m + log2(l) by log2(e) for the natural log":
+            _tiled_forward(q, k, v, scale, lse_kind="base 2"),
+    }
+    if k.shape[1] == FORWARD_BLOCK_N == dims:
+        # tl.dot(q, k) instead of tl.dot(q, tl.trans(k)): with a square tile it runs, on K's transpose
+        variants["K is not transposed: the scores are q · kᵀ, tl.dot(q, tl.trans(k))"] = _dense_attention(
+            q, k.transpose(-1, -2), v, scale)
+    for cause, want in variants.items():
+        if _all_close(got, want, dtypes):
+            return cause
+    if q.shape[0] > 1 and isinstance(out, torch.Tensor) and out.shape == q.shape:
+        extra = _tiled_forward(q[:-1], k, v, scale, extra_key=True)  # heads but the last: theirs is a guard's
+        if _close(out[:-1], extra[0], q.dtype):
+            return ("the key mask lets key seq_k in (its bound is one too far: keys < seq_k, not <=): each head "
+                    "attends to the next head's first key too")
+    return None
+
+
+# Exercise 3: the causal key range --------------------------------------------------------------
+
+
+def blocks_by_scan(start_m: int, BLOCK_M: int, BLOCK_N: int, seq_q: int, seq_k: int,
+                   window: int | None = None) -> tuple[int, int]:
+    """The reference: every (query, key) pair of the block scanned."""
+    offset = seq_k - seq_q
+    keys = [j for i in range(start_m, min(start_m + BLOCK_M, seq_q)) for j in range(seq_k)
+            if j <= i + offset and (window is None or j > i + offset - window)]
+    return (0, 0) if not keys else (min(keys) // BLOCK_N * BLOCK_N, max(keys) + 1)
+
+
+_SHAPES = [(16, 16, 64, 64, None), (16, 32, 40, 100, None), (32, 16, 1, 77, None), (16, 16, 50, 20, None),
+           (16, 16, 64, 64, 24), (8, 16, 30, 90, 5), (16, 8, 33, 33, 1), (64, 64, 10, 300, 128)]
+#: Every query block of each shape ``(BLOCK_M, BLOCK_N, seq_q, seq_k, window)``: square, a cache longer than
+#: the chunk, one query, more queries than keys, windows of 24, 5 and 1, a window past the cache.
+BLOCK_CASES = [(start_m, *shape) for shape in _SHAPES for start_m in range(0, shape[2], shape[0])]
+
+
+def _key_range(start_m, BLOCK_M, BLOCK_N, seq_q, seq_k, window, *, offset=None, last_rows_clipped=True,
+               lo_rounded=True, hi_exact=True, hi_one_past=True, window_exact=True, empty_checked=True,
+               window_used=True, to_the_end=False):
+    offset = seq_k - seq_q if offset is None else offset
+    last_row = min(start_m + BLOCK_M, seq_q) - 1 if last_rows_clipped else start_m + BLOCK_M - 1
+    last_key = min(last_row + offset, seq_k - 1) if last_rows_clipped else last_row + offset
+    if window is None or not window_used:
+        first_key = 0
+    else:
+        first_key = max(0, start_m + offset - window + (1 if window_exact else 0))
+    if empty_checked and last_key < first_key:
+        return 0, 0
+    lo = first_key // BLOCK_N * BLOCK_N if lo_rounded else first_key
+    hi = last_key + 1 if hi_one_past else last_key
+    if not hi_exact:
+        hi = triton.cdiv(hi, BLOCK_N) * BLOCK_N
+    return lo, seq_k if to_the_end else hi
+
+
+def diagnose_key_blocks(case: tuple, got: object, expected: tuple[int, int]) -> str | None:
+    """The common mistakes of exercise 3, each computed and compared with the answer."""
+    start_m, block_m, block_n, seq_q, seq_k, *rest = case
+    window = rest[0] if rest else None
+    args = (start_m, block_m, block_n, seq_q, seq_k, window)
+    variants = {
+        "aligned to the top left (j <= i): causal here is aligned to the bottom right, j <= i + seq_k − seq_q":
+            _key_range(*args, offset=0),
+        "the window is ignored: with a window W the first visible key is start_m + seq_k − seq_q − W + 1":
+            _key_range(*args, window_used=False),
+        "the window's first key is one too early (j > i + offset − W, so + 1)": _key_range(*args, window_exact=False),
+        "hi is one short: one past the last visible key, last_row + seq_k − seq_q + 1": _key_range(*args,
+                                                                                                 hi_one_past=False),
+        "hi is rounded up to a block: it is exact, one past the last visible key (the kernel masks against it)":
+            _key_range(*args, hi_exact=False),
+        "lo is not rounded down to a key block: key blocks start at multiples of BLOCK_N":
+            _key_range(*args, lo_rounded=False),
+        "the block's last row is not clipped to seq_q − 1: a partial last query block sees fewer keys":
+            _key_range(*args, last_rows_clipped=False),
+        "every block up to seq_k is visited: the keys past the block's last visible one are skipped, not masked":
+            _key_range(*args, to_the_end=True),
+        "a block that sees no key must give (0, 0)": _key_range(*args, empty_checked=False),
+    }
+    return next((cause for cause, want in variants.items() if want != expected and got == want), None)
+
+
+# Exercise 4: the GQA index map -----------------------------------------------------------------
+
+
+def repeat_kv_reference(k: torch.Tensor, n_q_heads: int) -> torch.Tensor:
+    """Hugging Face's ``repeat_kv``: each key/value head repeated in place, ``n_q_heads // n_kv_heads`` times."""
+    return torch.repeat_interleave(k, n_q_heads // k.shape[1], dim=1)
+
+
+def gqa_cases(gen: torch.Generator) -> list[tuple[torch.Tensor, int]]:
+    """``(k, n_q_heads)``: MHA, MQA, groups of two and of four (last: the traffic verdict's case)."""
+    from kernel_ladder.runtime import DEVICE
+
+    return [(torch.randn(batch, kv_heads, 8, 16, generator=gen).to(DEVICE), q_heads)
+            for batch, q_heads, kv_heads in ((1, 4, 4), (2, 4, 1), (1, 6, 3), (1, 8, 2))]
+
+
+def _gather_ideal(k: torch.Tensor, n_q_heads: int) -> int:
+    return k.nbytes + k.nbytes * (n_q_heads // k.shape[1])  # each kv head read once, the repeated copy written
+
+
+def _gather_explain(reread: dict[str, float]) -> str | None:
+    factor = reread.get("k", 0)
+    if factor > 1.05:
+        return (f"each key/value head is read once per query head of its group ({factor:.0f}×) — what repeat_kv's "
+                "copy costs; a grouped attention kernel reads K where it lies, the group's query heads sharing one "
+                "head's bytes (section 5)")
+    return None
+
+
+def gather_traffic():
+    from utils.exercises import Traffic
+
+    return Traffic(ideal=_gather_ideal, explain=_gather_explain)
+
+
+def diagnose_kv_head_index(case: tuple, got: torch.Tensor, expected: torch.Tensor) -> str | None:
+    """Which key/value head each query head copied, against ``repeat_kv``'s grouping."""
+    k, n_q_heads = case
+    n_kv_heads = k.shape[1]
+    group = n_q_heads // n_kv_heads
+    if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
+        return None
+    read = []
+    for h in range(n_q_heads):
+        matches = [kv for kv in range(n_kv_heads) if torch.equal(got[0, h].cpu(), k[0, kv].cpu())]
+        read.append(matches[0] if matches else None)
+    if read == [h % n_kv_heads for h in range(n_q_heads)]:
+        return (f"query head h read kv head h % n_kv_heads, the interleaved grouping: repeat_kv gives each kv head "
+                f"G = n_q_heads // n_kv_heads = {group} consecutive query heads, h // G")
+    if read == [min(h // n_kv_heads, n_kv_heads) for h in range(n_q_heads)]:
+        return (f"h // n_kv_heads divides by the number of kv heads ({n_kv_heads}), not by the group size "
+                f"G = n_q_heads // n_kv_heads = {group}")
+    wrong = [h for h in range(n_q_heads) if read[h] != h // group]
+    if wrong:
+        h = wrong[0]
+        what = f"kv head {read[h]}" if read[h] is not None else "no kv head of its batch"
+        return (f"query head {h} read {what}; repeat_kv gives it kv head {h // group} (groups of G = {group} "
+                "consecutive query heads)")
+    return None
+
+
+# Exercise 5: the backward of one tile ----------------------------------------------------------
+
+
+def backward_reference(q, k, v, do, lse, delta, scale):
+    """Autograd through ``softmax(scale · q kᵀ) v`` (never the solution's formulas)."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = torch.softmax(scale * (q @ k.T), dim=-1) @ v
+    return torch.autograd.grad(out, (q, k, v), do)
+
+
+def backward_cases(gen: torch.Generator) -> list[tuple]:
+    """float64 tiles: square (where a transpose still runs), more keys, more queries; then scores in the
+    thousands, where exp(s) alone overflows even float64."""
+    cases = []
+    for rows, keys, dims, spread in ((8, 8, 16, 1.0), (5, 13, 32, 1.0), (16, 3, 8, 1.0), (6, 9, 16, 1000.0)):
+        q, k, v = (torch.randn(n, dims, generator=gen, dtype=torch.float64) for n in (rows, keys, keys))
+        scale = 1 / math.sqrt(dims)
+        if spread > 1:  # a query along key 0, its score exactly `spread`: exp of it overflows float64
+            q[0] = k[0] * (spread / (scale * float(k[0] @ k[0])))
+        do = torch.randn(rows, dims, generator=gen, dtype=torch.float64)
+        scores = scale * (q @ k.T)
+        out = torch.softmax(scores, dim=-1) @ v
+        cases.append((q, k, v, do, torch.logsumexp(scores, dim=-1), (do * out).sum(-1), scale))
+    return cases
+
+
+def diagnose_backward_tile(case: tuple, got: tuple, expected: tuple) -> str | None:
+    """The common mistakes of exercise 5, each computed and compared (dq, dk, dv together)."""
+    q, k, v, do, lse, delta, scale = case
+    if isinstance(got, (tuple, list)) and any(isinstance(t, torch.Tensor) and not bool(torch.isfinite(t).all())
+                                              for t in got):
+        return (f"NaN/inf: the scores reach {float((scale * (q @ k.T)).abs().max()):.0f} here — exp(s) / exp(lse) "
+                "overflows; recompute P as exp(scale · q kᵀ − lse), one exponent")
+    s = scale * (q @ k.T)
+    p = torch.exp(s - lse[:, None])
+    dp = do @ v.T
+    ds = p * (dp - delta[:, None])
+    right = (scale * ds @ k, scale * ds.T @ q, p.T @ do)
+    no_delta = p * dp
+    unscaled_p = torch.exp(q @ k.T - lse[:, None])
+    ds_unscaled_p = unscaled_p * (do @ v.T - delta[:, None])
+    variants = {
+        "dS misses delta: the softmax's Jacobian gives dS = P ∘ (dP − delta[:, None])":
+            (scale * no_delta @ k, scale * no_delta.T @ q, right[2]),
+        "dq and dk miss the scale: S = scale · q kᵀ, so dQ = scale · dS K and dK = scale · dSᵀ Q":
+            (ds @ k, ds.T @ q, right[2]),
+        "P is recomputed without the scale: P = exp(scale · q kᵀ − lse)":
+            (scale * ds_unscaled_p @ k, scale * ds_unscaled_p.T @ q, unscaled_p.T @ do),
+    }
+    if q.shape[0] == k.shape[0]:  # a square tile: the transposes run and give wrong numbers
+        variants["dV is P dO, not Pᵀ dO: dV sums over the queries, dV = P.T @ dO"] = (*right[:2], p @ do)
+        variants["dK is dS Q, not dSᵀ Q: dK sums over the queries, dK = scale · dS.T @ Q"] = (
+            right[0], scale * ds @ q, right[2])
+        variants["dQ is dSᵀ K, not dS K: dQ sums over the keys, dQ = scale · dS @ K"] = (
+            scale * ds.T @ k, *right[1:])
+    dtypes = (q.dtype, k.dtype, v.dtype)
+    return next((cause for cause, want in variants.items() if _all_close(got, want, dtypes)), None)
+
+
+# Exercise 6: varlen's work list ----------------------------------------------------------------
+
+
+def tiles_by_rows(cu_seqlens: list[int], BLOCK_M: int) -> list[tuple[int, int, int]]:
+    """The reference: each packed row assigned to its sequence, a new tile every ``BLOCK_M`` rows of it."""
+    owner = [b for b in range(len(cu_seqlens) - 1) for _ in range(cu_seqlens[b + 1] - cu_seqlens[b])]
+    tiles: list[list[int]] = []
+    for row, b in enumerate(owner):
+        if row == cu_seqlens[b] or (row - cu_seqlens[b]) % BLOCK_M == 0:
+            tiles.append([b, row, row + 1])
+        else:
+            tiles[-1][2] = row + 1
+    return [tuple(t) for t in tiles]
+
+
+#: ``(cu_seqlens, BLOCK_M)``: an empty sequence in the middle, whole blocks, only empty sequences, one-row
+#: sequences beside a long one.
+VARLEN_CASES = [([0, 5, 5, 21, 22], 8), ([0, 16, 32], 16), ([0, 0, 0], 4), ([0, 1, 40, 41, 100], 32)]
+
+
+def diagnose_varlen_tiles(case: tuple, got: object, expected: list) -> str | None:
+    """What is wrong with the work list: blocks on one grid over the packed rows, an empty sequence's tile,
+    rows counted from a sequence's own start, a last block running past its sequence's end."""
+    cu, block = case
+    if not isinstance(got, (list, tuple)):
+        return None
+    tiles = []
+    for tile in got:
+        if not (isinstance(tile, (tuple, list)) and len(tile) == 3):
+            return f"each tile is a tuple (sequence, first_row, end_row); got {tile!r}"
+        b, first, end = tile
+        if not (isinstance(b, int) and 0 <= b < len(cu) - 1):
+            return f"tile {tuple(tile)} names sequence {b!r}, not one of 0..{len(cu) - 2}"
+        tiles.append((b, first, end))
+    if [(b, first + cu[b], end + cu[b]) for b, first, end in tiles] == [tuple(t) for t in expected]:
+        b, first, end = next(t for t in tiles if cu[t[0]])
+        return (f"the rows are counted from each sequence's start (tile {(b, first, end)} of sequence {b}); rows "
+                f"are packed indices: add cu_seqlens[{b}] = {cu[b]}")
+    longest = max(cu[b + 1] - cu[b] for b in range(len(cu) - 1))
+    per_sequence = [sum(t[0] == b for t in tiles) for b in range(len(cu) - 1)]
+    if longest and len(set(per_sequence)) == 1 and per_sequence[0] == -(-longest // block) and tiles != expected:
+        return (f"every sequence gets the {per_sequence[0]} tiles of the longest ({longest} rows): that is padding "
+                "— each sequence's tiles stop at its own end, and an empty one has none")
+    for b, first, end in tiles:
+        start = cu[b]
+        if start <= first < cu[b + 1] and (first - start) % block:
+            return (f"tile {(b, first, end)} starts {first - start} rows into sequence {b}: blocks on one grid over "
+                    "the packed rows straddle sequences — start each sequence's blocks at its own first row")
+    for b, first, end in tiles:
+        if cu[b] == cu[b + 1]:
+            return f"sequence {b} is empty and gets tile {(b, first, end)}: an empty sequence has no tile"
+    for b, first, end in tiles:
+        if end > cu[b + 1]:
+            return (f"tile {(b, first, end)} runs past sequence {b}'s end ({cu[b + 1]}): the last block is short, "
+                    "min(row + BLOCK_M, end) — no tile covers padding")
+        if end - first > block:
+            return f"tile {(b, first, end)} holds {end - first} rows, more than BLOCK_M = {block}"
+    return None

@@ -2,8 +2,10 @@
 the grouped GEMM's tile map, the weighted combine, block skipping.
 
 One solution per exercise of ``chapters/09_moe/09_moe.ipynb``, written for reading, and what the
-chapter gives: each exercise's cases, its reference (written apart from the solution) and its
-diagnosis, which the notebook's checks and ``tests/test_solutions_ch09.py`` both import.
+chapter gives: each exercise's cases, its reference (written apart from the solution), the rules
+its spec states, its diagnosis (the common mistakes named) and, where the chapter teaches bytes,
+its traffic verdict against the library's op, which the notebook's checks and
+``tests/test_solutions_ch09.py`` both import.
 """
 
 from __future__ import annotations
@@ -21,10 +23,14 @@ __all__ = [
     "routing_reference",
     "routing_cases",
     "diagnose_routing",
+    "diagnose_routing_cause",
+    "routing_traffic",
     "counting_sort",
     "counting_sort_reference",
     "counting_sort_cases",
     "diagnose_counting_sort",
+    "counting_sort_rules",
+    "counting_sort_traffic",
     "grouped_tile_map",
     "grouped_tile_map_reference",
     "tile_map_cases",
@@ -32,10 +38,16 @@ __all__ = [
     "combine",
     "combine_reference",
     "combine_cases",
+    "combine_rules",
+    "combine_mistakes",
+    "diagnose_combine",
+    "combine_traffic",
     "visited_key_blocks",
     "visited_key_blocks_reference",
     "block_mask_cases",
     "diagnose_visited_blocks",
+    "visited_rules",
+    "diagnose_visited_cause",
     "experts_loop",
     "moe_unfused",
 ]
@@ -129,14 +141,67 @@ def routing_reference(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[
 
 def routing_cases(gen: torch.Generator) -> list[tuple]:
     """Token counts off the block, 8 to 60 experts, top 1, 2, 3 and 6, both renormalisations, and
-    logits on a coarse grid: many exact ties, and a token whose experts all tie."""
+    logits on a coarse grid: many exact ties, and a token whose experts all tie; last, logits far
+    from 0 — tokens near +100 (``exp`` overflows float32 above 88.7) and near −200 (it underflows
+    to 0, and 0 / 0 is NaN) — which only a softmax that subtracts each token's maximum survives.
+    Their spread is ±2, so that the k largest probabilities stay well apart from each other and
+    from underflow: the same experts win in fp32 as in float64."""
     cases = []
     for tokens, experts, k, renormalize in ((37, 8, 2, True), (5, 60, 6, False), (20, 16, 1, True), (16, 8, 2, False)):
         cases.append((torch.randn(tokens, experts, generator=gen).to(kernel_ladder.runtime.DEVICE) * 2, k, renormalize))
     ties = torch.randint(-3, 4, (24, 8), generator=gen).float() / 2
     ties[0] = 0.0
     cases.append((ties.to(kernel_ladder.runtime.DEVICE), 3, True))
+    far = torch.randn(21, 8, generator=gen) * 2
+    far[::2] += 100.0
+    far[1::2] -= 200.0
+    cases.append((far.to(kernel_ladder.runtime.DEVICE), 2, False))
     return cases
+
+
+def _routing_ideal(logits: torch.Tensor, k: int, renormalize: bool) -> int:
+    """The routing's floor: the logits read once, the (T, k) fp32 weights and int32 ids written once."""
+    return logits.numel() * logits.element_size() + 2 * logits.shape[0] * k * 4
+
+
+def _routing_top(logits: torch.Tensor, k: int, renormalize: bool) -> int:
+    """The bytes ``kernel_ladder.topk_routing`` moves on the same logits (traced)."""
+    from utils.trace import trace
+
+    with trace(torch_ops=False) as traced:
+        kernel_ladder.topk_routing(logits, k, renormalize=renormalize)
+    return traced.bytes
+
+
+def routing_traffic():
+    """Exercise 1's traffic verdict: the logits read once, the k winners written once (the library's kernel)."""
+    from utils.exercises import Traffic
+
+    return Traffic(ideal=_routing_ideal, top=_routing_top)
+
+
+def diagnose_routing_cause(case: tuple, got, expected) -> str | None:
+    """Exercise 1's causes that need the logits: the padding lanes past ``E`` taking part in the
+    softmax (loaded as 0, not ``-inf``), or the k largest logits' raw values as the weights."""
+    logits, k, renormalize = case
+    weights = got[0].detach().cpu().double()
+    logits = logits.detach().cpu().double()
+    lanes = max(16, triton.next_power_of_2(logits.shape[1]))
+    padded = torch.cat([logits, torch.zeros(logits.shape[0], lanes - logits.shape[1], dtype=torch.float64)], dim=1)
+    variants = (
+        (f"the lanes past the {logits.shape[1]} experts (up to BLOCK_E = {lanes}) take part in the softmax as logits "
+         "of 0: load them with other=float('-inf') (or mask them out of the sum), so they get probability 0",
+         torch.softmax(padded, dim=-1), renormalize),
+        ("the weights are the logits themselves: a weight is the expert's softmax probability (renormalised if "
+         "asked)", logits, False),
+    )
+    for cause, scores, renormalized in variants:
+        top = torch.sort(scores, dim=-1, descending=True, stable=True).values[:, :k]
+        if renormalized:
+            top = top / top.sum(dim=-1, keepdim=True)
+        if weights.shape == top.shape and torch.allclose(weights, top, rtol=1e-4, atol=1e-6, equal_nan=True):
+            return cause
+    return None
 
 
 def _differences(label: str, got: object, expected: torch.Tensor, rtol: float = 0.0, atol: float = 0.0) -> str | None:
@@ -179,6 +244,19 @@ def diagnose_routing(got, expected) -> str | None:
     if (ids == poison).any():
         return (f"ids: {int((ids == poison).sum())} of {ids.numel()} never written (still the poison {poison}), "
                 f"first at token {int((ids == poison).nonzero()[0, 0])}")
+    overflow = ("exp overflows float32 for a logit above 88.7 and underflows to 0 below -103 (0 / 0 is NaN), and "
+                "this check has logits near +100 and -200: subtract each token's largest logit before exp, as "
+                "chapter 02's softmax does")
+    nonfinite = ~torch.isfinite(weights).all(dim=1)
+    if nonfinite.any():
+        t = int(nonfinite.nonzero()[0, 0])
+        return f"token {t}'s weights are {weights[t].tolist()}: NaN/inf — {overflow}"
+    negative = (weights < 0).any(dim=1)
+    if negative.any():
+        t = int(negative.nonzero()[0, 0])
+        return (f"token {t}'s weights are {weights[t].tolist()} (ids {ids[t].tolist()}): no probability is below 0, "
+                "so the winners were masked lanes (-1): none of the token's probabilities won a comparison, as NaNs "
+                f"do not (tl.max skips them) — {overflow}")
     repeated = ((ids[:, :, None] == ids[:, None, :]).sum(dim=-1) > 1).any(dim=1)
     if repeated.any():
         t = int(repeated.nonzero()[0, 0])
@@ -247,7 +325,9 @@ def counting_sort_reference(expert_ids: torch.Tensor, num_experts: int) -> tuple
 
 
 def counting_sort_cases(gen: torch.Generator) -> list[tuple]:
-    """Random routes, an expert nobody chose, every token on one expert, one token."""
+    """Random routes, an expert nobody chose, every token on one expert, one token; last, 1,024
+    entries on 4 experts (hundreds of equal keys each: an order that is not stable shows), the case
+    the traffic is measured on."""
     cases = []
     for tokens, k, experts in ((50, 2, 8), (9, 1, 6), (31, 3, 16)):
         ids = torch.randint(0, experts, (tokens, k), generator=gen)
@@ -255,7 +335,46 @@ def counting_sort_cases(gen: torch.Generator) -> list[tuple]:
         cases.append((ids.to(torch.int32), experts))
     cases.append((torch.full((12, 2), 5, dtype=torch.int32), 8))
     cases.append((torch.tensor([[7, 0]], dtype=torch.int32), 8))
+    cases.append((torch.randint(0, 4, (512, 2), generator=gen).to(torch.int32), 4))
     return cases
+
+
+def counting_sort_rules() -> list:
+    """Exercise 2's stated rules: no comparison sort (torch.unique and torch.topk sort too), tensor ops only."""
+    from utils.exercises import rules
+
+    return [rules.forbids("torch.sort", "torch.argsort", "torch.msort", "torch.topk", "torch.unique",
+                          why="the spec asks for a counting sort (a histogram, a prefix sum and ranks), no "
+                              "comparison sort"),
+            rules.no_python_loops(why="the spec asks for tensor ops only (a loop over the entries syncs the host "
+                                      "for each)")]
+
+
+def _counting_sort_ideal(expert_ids: torch.Tensor, num_experts: int) -> int:
+    """The ids read once, the permutation and the offsets written once (int32)."""
+    return expert_ids.numel() * expert_ids.element_size() + expert_ids.numel() * 4 + num_experts * 4
+
+
+def _counting_sort_top(expert_ids: torch.Tensor, num_experts: int) -> int:
+    """The bytes ``kernel_ladder.moe_permute`` (histogram, scan, scatter kernels) moves on the same ids."""
+    from utils.trace import trace
+
+    with trace(torch_ops=False) as traced:
+        kernel_ladder.moe_permute(expert_ids, num_experts)
+    return traced.bytes
+
+
+def _counting_sort_explain(reread: dict[str, float]) -> str:
+    return ("each torch op writes its result and the next reads it back (ranks taken from a one-hot (T·k, E) "
+            "matrix and its cumulative sum move E times the entries, twice); kernel_ladder.moe_permute's three "
+            "kernels read the ids twice and write each result once")
+
+
+def counting_sort_traffic():
+    """Exercise 2's traffic verdict against ``kernel_ladder.moe_permute``."""
+    from utils.exercises import Traffic
+
+    return Traffic(ideal=_counting_sort_ideal, top=_counting_sort_top, explain=_counting_sort_explain)
 
 
 def _few(values: torch.Tensor, limit: int = 8) -> str:
@@ -384,6 +503,18 @@ def diagnose_tile_map(got, expected) -> str | None:
         return f"returned {str(got)[:60]}: expected a list of (group, first row, end row) tuples"
     if got == expected:
         return None
+    if got and len(got) == len(expected) and [(g, a) for g, a, _ in got] == [(g, a) for g, a, _ in expected]:
+        if all(b == e - 1 for (_, _, b), (_, _, e) in zip(got, expected)):
+            return ("every tile ends one row early: the third number is one past the tile's last row (a Python "
+                    "range's end), min(row + block_m, end)")
+    if got and len(got) == len(expected) and [g for g, _, _ in got] == [g for g, _, _ in expected]:
+        starts: dict[int, int] = {}
+        for g, a, _ in expected:
+            starts.setdefault(g, a)  # each group's first row
+        local = [(g, a + starts[g], b + starts[g]) for g, a, b in got]
+        if local == list(expected):
+            return ("the rows are numbered within each group (from 0): the tiles index the sorted batch, so group "
+                    "g's rows run from offsets[g - 1] (0 for group 0) to offsets[g]")
     bounds: dict[int, tuple[int, int]] = {}
     for g, a, b in expected:
         low, high = bounds.get(g, (a, b))
@@ -453,12 +584,84 @@ def combine_reference(y_sorted: torch.Tensor, permutation: torch.Tensor, weights
 
 
 def combine_cases(gen: torch.Generator) -> list[tuple]:
+    """Top 2, 1 and 3; last, 96 tokens of top 2 over 64 features (the case the traffic is measured on)."""
     cases = []
-    for tokens, k, hidden in ((7, 2, 16), (12, 1, 8), (5, 3, 24)):
+    for tokens, k, hidden in ((7, 2, 16), (12, 1, 8), (5, 3, 24), (96, 2, 64)):
         permutation = torch.randperm(tokens * k, generator=gen).to(torch.int32)
         weights = torch.rand(tokens, k, generator=gen)
         cases.append((torch.randn(tokens * k, hidden, generator=gen), permutation, weights))
     return cases
+
+
+def combine_rules() -> list:
+    """Exercise 4's stated rules: a gather, no scatter-add; no Python loop."""
+    from utils.exercises import rules
+
+    return [rules.forbids("Tensor.index_add_", "Tensor.index_add", "Tensor.scatter_add_", "Tensor.scatter_add",
+                          "Tensor.scatter_reduce_", "Tensor.scatter_reduce",
+                          why="the spec asks for a gather, no scatter-add (its order of additions is the "
+                              "hardware's, so its sums are not deterministic)"),
+            rules.no_python_loops(why="the spec asks for torch with no Python loop")]
+
+
+def combine_mistakes(y_sorted: torch.Tensor, permutation: torch.Tensor,
+                     weights: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """Common wrong combines, each ``(cause, what it returns)``, in float64."""
+    tokens, k = weights.shape
+    y, w = y_sorted.double().cpu(), weights.double().cpu()
+    perm = permutation.long().cpu()
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.numel())
+    rows = y[inverse].reshape(tokens, k, -1)
+    sorted_rows = y[perm].reshape(tokens, k, -1)
+    return [
+        ("the weights are not applied: out[t] = Σ_j weights[t, j] · y(t, j)", rows.sum(dim=1)),
+        ("the k rows are averaged, not summed with the router's weights: the weights already say each expert's "
+         "share", (w[..., None] * rows).mean(dim=1)),
+        ("y_sorted was gathered through the permutation itself: permutation[p] is the entry at sorted position p, "
+         "so entry t·k + j's row is y_sorted[inverse[t·k + j]] with inverse[permutation] = arange(T·k)",
+         (w[..., None] * sorted_rows).sum(dim=1)),
+        ("the weights were taken in sorted order: row p belongs to entry permutation[p], whose weight is "
+         "weights.reshape(-1)[permutation[p]], not weights.reshape(-1)[p]",
+         torch.zeros(tokens, y.shape[1], dtype=torch.float64).index_add_(0, perm // k, y * w.reshape(-1, 1))),
+    ]
+
+
+def diagnose_combine(case: tuple, got, expected) -> str | None:
+    """Exercise 4's cause: which known wrong combine (:func:`combine_mistakes`) returns ``got``."""
+    if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
+        return None
+    g = got.detach().cpu().double()
+    return next((cause for cause, wrong in combine_mistakes(*case)
+                 if torch.allclose(g, wrong, rtol=1e-4, atol=1e-5)), None)
+
+
+def _combine_ideal(y_sorted: torch.Tensor, permutation: torch.Tensor, weights: torch.Tensor) -> int:
+    """Every row, index and weight read once, each token's output written once."""
+    out = weights.shape[0] * y_sorted.shape[1] * y_sorted.element_size()
+    return (y_sorted.numel() * y_sorted.element_size() + permutation.numel() * permutation.element_size()
+            + weights.numel() * weights.element_size() + out)
+
+
+def _combine_top(y_sorted: torch.Tensor, permutation: torch.Tensor, weights: torch.Tensor) -> int:
+    """The bytes ``kernel_ladder.moe_combine`` moves on the same inputs (its invert and combine kernels)."""
+    from utils.trace import trace
+
+    with trace(torch_ops=False) as traced:
+        kernel_ladder.moe_combine(y_sorted, permutation, weights)
+    return traced.bytes
+
+
+def _combine_explain(reread: dict[str, float]) -> str:
+    return ("the gather (y_sorted[inverse]) writes a (T·k, H) copy of the rows and the weighting another before "
+            "the sum reads them back; kernel_ladder.moe_combine reads each row once and writes each token once")
+
+
+def combine_traffic():
+    """Exercise 4's traffic verdict against ``kernel_ladder.moe_combine``."""
+    from utils.exercises import Traffic
+
+    return Traffic(ideal=_combine_ideal, top=_combine_top, explain=_combine_explain)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -497,6 +700,31 @@ def block_mask_cases(gen: torch.Generator) -> list[tuple]:
         mask[-1] = True
         cases.append((mask,))
     return cases
+
+
+def visited_rules() -> list:
+    """Exercise 5's stated rules: tensor ops only, no ``.item()`` (nor ``.tolist()``): no host sync."""
+    from utils.exercises import rules
+
+    return [rules.no_python_loops(why="the spec asks for tensor ops only (no Python loop over rows)"),
+            rules.forbids("Tensor.item", "Tensor.tolist",
+                          why="the spec asks for no .item(): the lists stay on the device, no host sync")]
+
+
+def diagnose_visited_cause(case: tuple, got, expected) -> str | None:
+    """Exercise 5's causes that need the mask: the forbidden blocks listed, or the mask read transposed."""
+    (block_mask,) = case
+    if not isinstance(got, (tuple, list)) or len(got) != 2 or not isinstance(got[0], torch.Tensor):
+        return None
+    counts = got[0].detach().cpu().long()
+    mask = block_mask.cpu()
+    if counts.shape == (mask.shape[0],) and torch.equal(counts, (~mask).sum(dim=1)) and bool(mask.any()):
+        return ("the rows list the blocks the mask forbids: True in block_mask means allowed — count and list the "
+                "True entries")
+    if counts.shape == (mask.shape[1],) and torch.equal(counts, mask.sum(dim=0)):
+        return ("the counts are per key block (the mask's columns): block_mask is (Q, K), a row per query block — "
+                "sum over dim=1")
+    return None
 
 
 def diagnose_visited_blocks(got, expected) -> str | None:

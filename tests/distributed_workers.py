@@ -115,6 +115,22 @@ def broken_ring_all_reduce(seed: int, n: int) -> torch.Tensor:
     return x
 
 
+def empty_collective(name: str, shape: tuple[int, ...]) -> dict:
+    """One collective of the module on an empty tensor of ``shape``: what it returned, or the tensors
+    ``ring_shift`` received. A rank that posts a message the others skip hangs here (the caller's deadline)."""
+    x = torch.empty(shape)
+    with C.count_bytes() as stats:
+        if name == "ring_shift":
+            out = C.ring_shift([x, x.clone()]).wait()
+        elif name == "tree_broadcast":
+            out = C.tree_broadcast(x, src=dist.get_world_size() - 1)
+        else:
+            out = getattr(C, name)(x)
+    same = out is x
+    out = list(out) if isinstance(out, list) else [out]
+    return {"shapes": [tuple(t.shape) for t in out], "same_object": same, "bytes": stats.bytes_sent}
+
+
 def refuses(what: str) -> str:
     """The error message of a bad call (the tests check it names the op and the argument)."""
     try:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 import kernel_ladder
 from kernel_ladder import _autocast
 from tests.helpers import paged_attention_reference, tolerance
+from utils.trace import trace
 
 F32 = torch.float32
 
@@ -354,6 +355,35 @@ def test_table_lists_and_registrations_match():
     for name, dev in expected:
         key = "AutocastCPU" if dev == "cpu" else "AutocastCUDA"
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"kernel_ladder::{name}", key), (name, key)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16_cache", "fp8_cache"])
+@pytest.mark.parametrize("packed", [False, True], ids=["decode", "packed"])
+def test_paged_attention_takes_an_fp32_query_over_a_low_precision_cache(cache_dtype, packed, gen):
+    """A model running in fp32 under autocast(bf16) queries a bf16 (or fp8) cache: like SDPA and flash_attention,
+    paged_attention casts q to the autocast dtype instead of rejecting the mix, returns bf16, and equals the
+    call on the cast query; the cache is used as it is (no copy of it). Without autocast the mix is an error."""
+    q = _randn(gen, 5 if packed else 2, 4, 16)
+    k_cache, v_cache = (_randn(gen, 4, 8, 2, 16, scale=0.5).to(cache_dtype) for _ in range(2))
+    scales = (torch.tensor(1.5), torch.tensor(0.75)) if cache_dtype == torch.float8_e4m3fn else (None, None)
+    tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    lens = torch.tensor([5, 12], dtype=torch.int32)
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32) if packed else None
+
+    def call(query):
+        return kernel_ladder.paged_attention(query, k_cache, v_cache, tables, lens, cu_seqlens_q=cu,
+                                             k_scale=scales[0], v_scale=scales[1])
+
+    with torch.autocast("cpu", dtype=torch.bfloat16), trace() as tr:
+        got = call(q)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        sdpa = F.scaled_dot_product_attention(q[None], q[None], q[None])
+    assert got.dtype == sdpa.dtype == torch.bfloat16
+    assert [op.name for op in tr.torch_ops if "copy" in op.name] == ["aten._to_copy.default"]  # q's cast only
+    assert torch.equal(got, call(q.to(torch.bfloat16)))
+    if cache_dtype == torch.bfloat16:
+        with pytest.raises(TypeError, match=r"kernel_ladder\.paged_attention: k_cache and v_cache must have q's dtype"):
+            call(q)
 
 
 def test_written_and_encoded_inputs_are_never_cast():

@@ -236,3 +236,32 @@ def test_a_world_started_from_a_piped_script_does_not_rerun_it(tmp_path):
                                                  "PYTHONPATH": str(__import__("pathlib").Path(__file__).parents[1])})
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("ranks") == 1 and "[(0, 2), (1, 2)]" in out.stdout
+
+
+# ----------------------------------------------------------------------------------------------
+# Empty tensors: every rank takes the same path (no message one side posts and the other skips)
+# ----------------------------------------------------------------------------------------------
+
+EMPTY_COLLECTIVES = ("star_all_reduce", "tree_all_reduce", "ring_all_reduce", "ring_reduce_scatter",
+                     "ring_all_gather", "tree_broadcast", "ring_shift")
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda p: f"p{p}")
+def short_world(request):
+    """A world whose collectives give up after 10 s: a hang fails the test quickly."""
+    with World(request.param, timeout=10) as w:
+        yield w
+
+
+@pytest.mark.parametrize("shape", [(0,), (0, 3)], ids=str)
+@pytest.mark.parametrize("name", EMPTY_COLLECTIVES)
+def test_collectives_of_an_empty_tensor_return_at_once(short_world, name, shape):
+    p = short_world.size
+    results = short_world.run(W.empty_collective, name, shape, timeout=15)
+    expected = {"ring_all_gather": [(0, *shape[1:])], "ring_reduce_scatter": [(0,)],
+                "ring_shift": [shape, shape]}.get(name, [shape])
+    for res in results:
+        assert res["shapes"] == expected, (name, p, res["shapes"])
+        assert res["bytes"] == 0  # nothing to send: no message at all
+        if name in ("star_all_reduce", "tree_all_reduce", "ring_all_reduce", "tree_broadcast"):
+            assert res["same_object"], f"{name} must work in place and return its tensor"

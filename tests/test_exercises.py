@@ -1398,3 +1398,66 @@ def test_progress_lines_are_deterministic_and_say_the_expected_time(capsys):
     assert list(progress(iter([1, 2]), "generator", expected="soon")) == [1, 2]  # no len: a line per step
     assert capsys.readouterr().out.splitlines() == ["⏳ generator: steps — expected: soon", "   generator: 1 done",
                                                     "   generator: 2 done", "✓ generator: done"]
+
+
+def test_no_python_loops_of_the_exercise_function_a_given_driver_calls():
+    def driver(update):
+        def run(x, y):
+            out = x.clone()
+            for _ in range(1):  # the given driver may loop: the rule reads the exercise's function
+                out = update(out, y)
+            return out
+
+        return run
+
+    looping = exercises.rules.no_python_loops(why=TENSOR_OPS, function=add_with_loop)
+    assert_not_solved(check("add", driver(add_with_loop), torch.add, small_add_cases, rules=[looping]),
+                      "a Python for loop at line")
+    clean = exercises.rules.no_python_loops(why=TENSOR_OPS, function=torch.add)
+    assert check("add", driver(torch.add), torch.add, small_add_cases, rules=[clean]).solved
+
+
+@interpreter_only
+def test_traced_rule_sees_the_bytes_each_argument_was_read():
+    def y_read_once(args, launches):
+        x, y = args  # the case's arguments (out=True outputs are not among them)
+        read = exercises.rules.bytes_read(launches, y)
+        return None if read <= y.nbytes else f"y read {read // y.nbytes}× its size"
+
+    rule = exercises.rules.traced(y_read_once, name="y read once")
+    assert check_add(add_kernel, rules=[rule]).solved
+    assert_not_solved(check_add(add_reading_y_twice_kernel, rules=[rule]),
+                      "broke a stated rule — y read once: y read 2× its size")
+
+
+def test_tolerance_per_case_and_dtype():
+    def noisy(x):
+        return x * (1 + 1e-4)
+
+    def cases(gen):
+        return [(torch.ones(8),), (torch.full((8,), 200.0),)]
+
+    def tolerance(case, dtype):
+        (x,) = case
+        return (2e-4, 0.0) if float(x.abs().max()) > 100 and dtype == torch.float32 else None
+
+    verdict = check("tol", noisy, lambda x: x, cases, tolerance=tolerance)
+    assert_not_solved(verdict, "case 1 of 2", "(rtol=1e-05, atol=1e-06)")  # the default where none is chosen
+    assert check("tol", noisy, lambda x: x, [cases(None)[1]], tolerance=tolerance).solved
+
+
+def test_traffic_is_not_measured_where_kernels_are_compiled(monkeypatch):
+    from utils.exercises import checker
+
+    monkeypatch.setattr(checker, "_interpreted", lambda: False)
+    calls = []
+    traffic = exercises.Traffic(ideal=lambda x, y: 3 * x.nbytes, top=lambda x, y: calls.append(1) or 0)
+    verdict = check("add", torch.add, torch.add, small_add_cases, traffic=traffic)
+    assert verdict.solved and not verdict.traffic.measured and calls == []  # no ladder run for nothing
+    assert "traffic: not measured — the tracer counts the bytes of interpreted kernels only" in flat(verdict.message)
+
+
+def test_exact_int_leaves_a_missing_return_to_the_value_line():
+    verdict = check("flops", lambda t, p: None, step_flops, [(3, 5)])
+    assert_not_solved(verdict, "wrong value: got None, expected 90")
+    assert_not_in(verdict, "exact")

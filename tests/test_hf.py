@@ -155,20 +155,92 @@ def test_the_adapter_follows_the_mask_it_is_given():
     torch.testing.assert_close(out.double(), _reference(q1, k1, v1, last_two, scale), rtol=1e-4, atol=1e-5)
 
 
+def _padded_reference(q, k, v, keep, causal, window, scale):
+    """What the adapter computes for a padded batch, written out: each query sees its row's real keys (causal and
+    windowed by absolute position, as transformers' masks); a padded query of causal attention gives 0."""
+    tq, tk = q.shape[2], k.shape[2]
+    visible = keep[:, None, None, :] & hf._pattern(tq, tk, causal, window, DEVICE)
+    query_real = keep[:, tk - tq:] if causal else torch.ones(keep.shape[0], tq, dtype=torch.bool, device=DEVICE)
+    out = _reference(q, k, v, visible & query_real[:, None, :, None], scale)
+    return torch.where(query_real[:, :, None, None], out, 0.0)
+
+
+def test_the_adapter_unpads_a_padded_batch():
+    """A (B, Tk) padding mask, left or right, causal or not, with a window, and decoding one query against a
+    left-padded cache: the real queries against attention written out with the padding, padded ones 0."""
+    q, k, v = _qkv()
+    keep = torch.ones(2, 6, dtype=torch.bool, device=DEVICE)
+    keep[0, :2] = False  # left padding
+    keep[1, 4:] = False  # right padding
+    scale = 16**-0.5
+    for causal, window in ((True, None), (False, None), (True, 3)):
+        out, _ = hf.attention(_module(causal), q, k, v, keep.long(), sliding_window=window)
+        want = _padded_reference(q, k, v, keep, causal, window, scale)
+        torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-5, msg=lambda m, c=causal: f"{c}: {m}")
+        # the control: the padding changes the real queries' outputs
+        assert (out.double() - _reference(q, k, v, hf._pattern(6, 6, causal, window, DEVICE), scale)).abs().max() > 1e-2
+    q1, k1, v1 = _qkv(tq=1, tk=5, seed=1)
+    cache_keep = torch.tensor([[False, False, True, True, True], [True] * 5], device=DEVICE)
+    out, _ = hf.attention(_module(), q1, k1, v1, cache_keep)
+    torch.testing.assert_close(out.double(), _padded_reference(q1, k1, v1, cache_keep, True, None, scale), rtol=1e-4,
+                               atol=1e-5)
+    # the plan read from a mask is reused by the next layer, but not once the mask has changed in place
+    mask = keep.long()
+    hf.attention(_module(), q, k, v, mask)
+    mask[1, 3] = 0
+    changed = mask.bool()
+    out, _ = hf.attention(_module(), q, k, v, mask)
+    torch.testing.assert_close(out.double(), _padded_reference(q, k, v, changed, True, None, scale), rtol=1e-4,
+                               atol=1e-5)
+    # gradients flow to the real tokens only
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    hf.attention(_module(), qg, kg, vg, keep)[0].sum().backward()
+    assert not kg.grad[0, :, :2].any() and not qg.grad[1, :, 4:].any() and kg.grad[0, :, 2:].abs().sum() > 0
+
+
+def test_the_adapter_attends_packed_sequences_apart():
+    """Sequences packed into a row without padding, told by position_ids restarting or by flash-attention's
+    cu_seq_lens_q / cu_seq_lens_k: each against attention written out within its own sequence."""
+    q, k, v = _qkv()
+    i, j = torch.arange(6, device=DEVICE)[:, None], torch.arange(6, device=DEVICE)[None, :]
+    position_ids = torch.tensor([[0, 1, 2, 0, 1, 2], [0, 1, 2, 3, 0, 1]], device=DEVICE)
+    segment = torch.tensor([[0, 0, 0, 1, 1, 1], [0, 0, 0, 0, 1, 1]], device=DEVICE)
+    same = segment[:, :, None] == segment[:, None, :]
+    out, _ = hf.attention(_module(), q, k, v, None, position_ids=position_ids)
+    torch.testing.assert_close(out.double(), _reference(q, k, v, (same & (j <= i))[:, None], 16**-0.5), rtol=1e-4,
+                               atol=1e-5)
+    cu = torch.tensor([0, 4, 6], dtype=torch.int32, device=DEVICE)
+    out, _ = hf.attention(_module(), q[:1], k[:1], v[:1], None, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=4,
+                          max_length_k=4)
+    torch.testing.assert_close(out.double(), _reference(q[:1], k[:1], v[:1], (same[1:] & (j <= i))[:, None],
+                                                        16**-0.5), rtol=1e-4, atol=1e-5)
+    # one sequence (positions counting up from any start) is not packing
+    out, _ = hf.attention(_module(), q, k, v, None, position_ids=position_ids[:1, :1] + 3 + j)
+    torch.testing.assert_close(out.double(), _reference(q, k, v, j <= i, 16**-0.5), rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match=r"cu_seq_lens_q and cu_seq_lens_k describe one packed row"):
+        hf.attention(_module(), q, k, v, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+
+
 def test_the_adapter_refuses_what_it_cannot_compute():
     q, k, v = _qkv()
     i, j = torch.arange(6, device=DEVICE)[:, None], torch.arange(6, device=DEVICE)[None, :]
     causal = (j <= i)[None, None].expand(2, 1, 6, 6).clone()
     padded = causal.clone()
-    padded[0, :, :, 0] = False  # sequence 0 starts with a padding token
-    padding_2d = torch.ones(2, 6, dtype=torch.long, device=DEVICE)
-    padding_2d[1, :2] = 0
-    for mask in (padded, padding_2d, torch.ones(2, 4, dtype=torch.bool, device=DEVICE)):  # the last: a static cache
-        with pytest.raises(ValueError, match=r"kernel_ladder\.hf\.attention: padded batches are not supported"):
-            hf.attention(_module(), q, k, v, mask)
-    # the control: the same masks without the padding pass
+    padded[0, :, :, 0] = False  # sequence 0 starts with a padding token, in a 4-D mask
+    with pytest.raises(ValueError, match=r"kernel_ladder\.hf\.attention: a 4-D attention_mask of shape \(2, 1, 6, 6\) "
+                                         r"hides keys .* For padding pass the \(B, Tk\) padding mask"):
+        hf.attention(_module(), q, k, v, padded)
+    with pytest.raises(ValueError, match=r"a 2-D attention_mask must be the \(B, Tk\) = \(2, 6\) padding mask"):
+        hf.attention(_module(), q, k, v, torch.ones(2, 4, dtype=torch.bool, device=DEVICE))  # a static cache's
+    holes = torch.ones(2, 6, dtype=torch.bool, device=DEVICE)
+    holes[0, 2] = False
+    with pytest.raises(ValueError, match=r"a sliding window \(3\) over a padded batch needs each row's real tokens "
+                                         r"in one run"):
+        hf.attention(_module(), q, k, v, holes, sliding_window=3)
+    # the controls: the same masks without the padding, the hole without a window
     hf.attention(_module(), q, k, v, causal)
     hf.attention(_module(), q, k, v, torch.ones(2, 6, dtype=torch.long, device=DEVICE))
+    hf.attention(_module(), q, k, v, holes)
     with pytest.raises(ValueError, match="attention dropout 0.1 is not supported"):
         hf.attention(_module(), q, k, v, None, dropout=0.1)
     with pytest.raises(ValueError, match="a sliding window .3. on a non-causal layer is not supported"):
@@ -210,9 +282,39 @@ def test_from_pretrained_with_attn_implementation_kernel_ladder_matches_eager(tm
     kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert torch.equal(loaded.generate(prompt, **kw), eager.generate(prompt, **kw))
     padded = torch.ones_like(ids)
-    padded[1, :3] = 0
-    with pytest.raises(ValueError, match="padded batches are not supported"):
-        loaded(ids, attention_mask=padded)
+    padded[1, :3] = 0  # left padding: the real tokens' logits are eager's
+    with torch.no_grad():
+        assert _rel(loaded(ids, attention_mask=padded).logits[padded.bool()],
+                    eager(ids, attention_mask=padded).logits[padded.bool()]) < 1e-4
+    # batched generation from left-padded prompts gives eager's tokens
+    prompts = _ids((2, 5), 3)
+    prompt_mask = torch.ones_like(prompts)
+    prompt_mask[0, :2] = 0
+    assert torch.equal(loaded.generate(prompts, attention_mask=prompt_mask, **kw),
+                       eager.generate(prompts, attention_mask=prompt_mask, **kw))
+
+
+def test_attn_implementation_kernel_ladder_compiles_in_one_graph():
+    """Without padding the adapter reads no tensor value (position_ids, always passed, are not looked at for
+    packing under torch.compile): the model traces into one graph that calls kernel_ladder.flash_attention."""
+    hf.register()
+    model = _llama("kernel_ladder")
+    ids = _ids((2, 9), 12)
+    with torch.no_grad():
+        want = model(ids, use_cache=False).logits
+    seen: set[str] = set()
+
+    def record(gm, example_inputs):
+        seen.update(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=record, fullgraph=True)
+    with torch.no_grad():
+        got = compiled(ids, use_cache=False).logits
+    torch._dynamo.reset()
+    assert _rel(got, want) < 1e-5
+    assert any("kernel_ladder.flash_attention" in target for target in seen), sorted(seen)
 
 
 def _mixtral_config():
@@ -457,10 +559,23 @@ def test_the_patched_loss_is_normalized_by_num_items_in_batch_like_transformers(
 
 
 def test_trainer_trains_a_patched_llama_like_the_original(tmp_path):
+    """Gradient accumulation (2 micro-batches of 2) over right-padded rows of 12, 7, 10 and 4 tokens, labels -100
+    at the padding as transformers' collators make them: the micro-batches hold unequal numbers of targets, so
+    only a loss normalized by Trainer's num_items_in_batch, over a correctly unpadded batch, logs the same losses
+    and ends at the same weights as the unpatched model."""
     from transformers import Trainer, TrainingArguments
 
     ids = _ids((4, 12), 10).cpu()
-    data = [{"input_ids": row, "labels": row} for row in ids]
+    data = [{"input_ids": row[:n]} for row, n in zip(ids, (12, 7, 10, 4))]
+
+    def collate(rows):
+        width = max(len(r["input_ids"]) for r in rows)
+        input_ids = torch.zeros(len(rows), width, dtype=torch.long)
+        mask = torch.zeros(len(rows), width, dtype=torch.long)
+        for i, row in enumerate(rows):
+            input_ids[i, : len(row["input_ids"])] = row["input_ids"]
+            mask[i, : len(row["input_ids"])] = 1
+        return {"input_ids": input_ids, "attention_mask": mask, "labels": input_ids.masked_fill(mask == 0, -100)}
 
     def run(model, out):
         args = TrainingArguments(output_dir=str(tmp_path / out), per_device_train_batch_size=2,
@@ -468,7 +583,7 @@ def test_trainer_trains_a_patched_llama_like_the_original(tmp_path):
                                  lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[],
                                  use_cpu=DEVICE.type == "cpu", disable_tqdm=True, seed=0, dataloader_num_workers=0,
                                  remove_unused_columns=False)
-        trainer = Trainer(model=model, args=args, train_dataset=data)
+        trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=collate)
         trainer.train()
         return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
@@ -480,4 +595,6 @@ def test_trainer_trains_a_patched_llama_like_the_original(tmp_path):
     assert ours[-1] < ours[0]  # it learns (the same four rows every step)
     for a, b in zip(ours, theirs):
         assert abs(a - b) <= 1e-3 * b, (ours, theirs)
+    for (name, p), q in zip(ref.named_parameters(), model.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-3, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
     assert getattr(model, kp._STATE) is not None  # still patched after Trainer's train()/eval() switches

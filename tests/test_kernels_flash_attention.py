@@ -319,6 +319,31 @@ def test_cu_seqlens_values_are_checked(gen):
     assert [op.name for op in tr.torch_ops if op.launches] == ["aten._assert_async.msg"]
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("bad_q, bad_k", [
+    ([0, 5, 40], [0, 3, 7]),     # q's last sequence past q
+    ([-4, 5, 7], [0, 3, 7]),     # q's first sequence before q
+    ([0, 6, 2], [0, 3, 7]),      # decreasing
+    ([0, 3, 7], [0, 300, 7]),    # k's first sequence past k
+    ([0, 3, 7], [5, -9, 12]),    # k before and past k
+], ids=["q_past_end", "q_before_start", "q_decreasing", "k_past_end", "k_both"])
+def test_bad_cu_seqlens_unchecked_never_access_outside_the_tensors(bad_q, bad_k, gen):
+    """cu_seqlens a check rejects, with value checks off (a GPU's default): the forward and the backward read
+    and write only inside q, k, v, out, lse and the gradients (the trace blocks and counts every access
+    outside the tensors); the kernels clamp each sequence into its packed tensor."""
+    q, _ = pack([3, 4], 2, 16, gen)
+    k, v = rand(*q.shape, gen=gen), rand(*q.shape, gen=gen)
+    cu_q, cu_k = (torch.tensor(c, dtype=torch.int32, device=DEVICE) for c in (bad_q, bad_k))
+    with pytest.raises(ValueError, match=r"kernel_ladder\.flash_attention_varlen: cu_seqlens_[qk] must"):
+        kernel_ladder.flash_attention_varlen(q, k, v, cu_q, cu_k, 8, 8)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    with kernel_ladder.runtime.check_values(False), trace(block_out_of_bounds=True) as tr:
+        out, lse = kernel_ladder.flash_attention_varlen(*leaves, cu_q, cu_k, 8, 8, causal=True, return_lse=True)
+        torch.autograd.grad((out * out).sum() + lse.nan_to_num(0.0, 0.0, 0.0).sum(), leaves)
+    assert len(tr.launches) == 4  # the forward, the backward's preprocess, dK/dV and dQ
+    assert tr.out_of_bounds == 0, tr.table()
+
+
 # ----------------------------------------------------------------------------- properties
 
 

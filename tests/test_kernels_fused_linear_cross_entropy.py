@@ -34,18 +34,24 @@ def targets(shape, vocab, gen, ignore_fraction=0.2):
     return random_targets(shape, vocab, gen, ignore_fraction)
 
 
-def reference(x, weight, target, bias=None, reduction="mean", label_smoothing=0.0, softcap=None, z_loss=0.0):
-    """torch in float64: the logits, soft-capped, cross-entropy, plus z_loss * lse**2 reduced like it."""
+def reference(x, weight, target, bias=None, reduction="mean", label_smoothing=0.0, softcap=None, z_loss=0.0,
+              ce_weight=None, return_z_loss=False):
+    """torch in float64: the logits, soft-capped, cross-entropy (class-weighted as torch's ``weight``), plus
+    z_loss * lse**2 of the non-ignored rows reduced like it, unweighted ("mean": over their count, as
+    Liger-Kernel's z-loss); with return_z_loss also that term alone."""
     z = F.linear(x, weight, bias).flatten(0, -2)
     t = target.reshape(-1)
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
-    loss = F.cross_entropy(z, t, reduction=reduction, label_smoothing=label_smoothing)
-    if z_loss:
-        valid = t != -100
-        term = z_loss * torch.logsumexp(z, -1) ** 2 * valid
-        loss = loss + {"mean": term.sum() / valid.sum(), "sum": term.sum(), "none": term}[reduction]
-    return loss.reshape(target.shape) if reduction == "none" else loss
+    loss = F.cross_entropy(z, t, reduction=reduction, label_smoothing=label_smoothing,
+                           weight=None if ce_weight is None else ce_weight.to(z.dtype))
+    valid = t != -100
+    term = z_loss * torch.logsumexp(z, -1) ** 2 * valid
+    z_term = {"mean": term.sum() / valid.sum(), "sum": term.sum(), "none": term}[reduction]
+    loss = loss + z_term
+    if reduction == "none":
+        loss, z_term = loss.reshape(target.shape), z_term.reshape(target.shape)
+    return (loss, z_term) if return_z_loss else loss
 
 
 def grads_of(fn, inputs, grad_out):
@@ -118,6 +124,101 @@ def test_int32_targets_and_a_row_sliced_x(gen):
                    reference(x.double(), weight.double(), target.long()), torch.float32, slack=2.0)
 
 
+# ----------------------------------------------------------------------------- class weights, the z-loss term
+
+
+WEIGHTED = {
+    "weights": {"z_loss": 2e-2},
+    "weights + smoothing": {"label_smoothing": 0.1, "z_loss": 2e-2},
+    "all": OPTIONS["all"],
+}
+
+
+@pytest.mark.parametrize("options", list(WEIGHTED))
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_class_weights_and_the_z_loss_term_match_float64(reduction, options, gen):
+    """ce_weight is torch's cross_entropy weight (the weighted mean divides by the non-ignored targets' weights);
+    return_z_loss returns z_loss * lse**2 reduced like the loss, its mean over the non-ignored rows (Liger-Kernel's
+    definition). Loss, term and the three gradients against float64."""
+    x, weight, bias = rand(29, 40, gen=gen), rand(203, 40, gen=gen, scale=0.2), rand(203, gen=gen)
+    target = targets((29,), 203, gen)
+    kwargs = WEIGHTED[options]
+    ce_weight = rand(203, gen=gen).abs() + 0.1
+    # the class of the row with the largest loss weighs 10x more: a weighted mean far from the plain one
+    rows = reference(x.double(), weight.double(), target, bias.double(), "none", **kwargs)
+    ce_weight[target[rows.argmax()]] *= 10
+    g = rand(29, gen=gen) if reduction == "none" else rand(gen=gen)
+    terms = {}
+
+    def ours(a, w, b):
+        loss, terms["ours"] = kernel_ladder.fused_linear_cross_entropy(
+            a, w, target, b, reduction=reduction, chunk_size=8, ce_weight=ce_weight, return_z_loss=True, **kwargs)
+        return loss
+
+    def theirs(a, w, b):
+        loss, terms["theirs"] = reference(a, w, target, b, reduction, ce_weight=ce_weight, return_z_loss=True,
+                                          **kwargs)
+        return loss
+
+    loss, grads = grads_of(ours, [x, weight, bias], g)
+    want, want_grads = grads_of(theirs, [x.double(), weight.double(), bias.double()], g.double())
+    assert_matches(loss, want, torch.float32, slack=2.0, what="loss")
+    assert_matches(terms["ours"], terms["theirs"].detach(), torch.float32, slack=2.0, what="z-loss term")
+    assert terms["ours"].dtype == torch.float32 and not terms["ours"].requires_grad  # for logging
+    for name, got, expected in zip(("grad_x", "grad_weight", "grad_bias"), grads, want_grads):
+        assert_matches(got, expected, torch.float32, slack=4.0, what=name)
+    # the control: the weights change this loss (a kernel that ignored them would fail above)
+    unweighted = reference(x.double(), weight.double(), target, bias.double(), reduction, **kwargs)
+    assert (unweighted - want).abs().max() > 1e-3 * want.abs().max(), (unweighted, want)
+
+
+def test_all_ignored_with_class_weights_gives_no_nan_gradient(gen):
+    """Nothing to average: "mean" is NaN as torch's (0 / 0, and transformers' loss likewise), the z-loss term
+    too; "sum" and "none" are 0; the gradients are zeros, never NaN."""
+    x, weight = rand(6, 16, gen=gen), rand(20, 16, gen=gen)
+    ce_weight = rand(20, gen=gen).abs()
+    target = torch.full((6,), -100, device=DEVICE)
+    want = F.cross_entropy(F.linear(x, weight), target, weight=ce_weight)
+    assert want.isnan()
+    for reduction in ("mean", "sum", "none"):
+        xg, wg = x.clone().requires_grad_(), weight.clone().requires_grad_()
+        loss, term = kernel_ladder.fused_linear_cross_entropy(xg, wg, target, reduction=reduction, ce_weight=ce_weight,
+                                                              z_loss=1e-2, return_z_loss=True)
+        if reduction == "mean":
+            assert loss.isnan() and term.isnan()
+        else:
+            assert torch.equal(loss, torch.zeros_like(loss)) and torch.equal(term, torch.zeros_like(term))
+        loss.sum().backward() if reduction == "none" else loss.backward()
+        for grad in (xg.grad, wg.grad):
+            assert torch.equal(grad, torch.zeros_like(grad)), reduction
+
+
+def test_huge_logits_stay_finite_and_accurate(gen):
+    """Logits of order 1e4 (a diverging model): the online log-sum-exp never overflows; the loss, the z-loss term
+    (lse**2 ~ 1e8) and the gradients within twice torch's own float32 error of float64."""
+    x, weight = rand(12, 32, gen=gen, scale=100.0), rand(70, 32, gen=gen, scale=30.0)
+    ce_weight = rand(70, gen=gen).abs() + 0.1
+    target = targets((12,), 70, gen)
+    kw = dict(ce_weight=ce_weight, z_loss=1e-4)
+    xg, wg = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss, term = kernel_ladder.fused_linear_cross_entropy(xg, wg, target, chunk_size=4, return_z_loss=True, **kw)
+    loss.backward()
+    assert F.linear(x, weight).abs().max() > 5e3
+    want, want_term = reference(x.double(), weight.double(), target, return_z_loss=True, **kw)
+    x64, w64 = x.double().requires_grad_(), weight.double().requires_grad_()
+    reference(x64, w64, target, **kw).backward()
+    x32, w32 = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    theirs = reference(x32, w32, target, **kw)  # torch in float32: the error to stay within twice of
+    theirs.backward()
+    assert torch.isfinite(loss) and torch.isfinite(term)
+    assert_matches(loss, want, torch.float32, lowp=theirs.detach(), slack=2.0, what="loss")
+    assert_matches(term, want_term, torch.float32, slack=2.0, what="z-loss term")
+    for name, got, expected, lowp in (("grad_x", xg.grad, x64.grad, x32.grad), ("grad_weight", wg.grad, w64.grad,
+                                                                                w32.grad)):
+        assert torch.isfinite(got).all(), name
+        assert_matches(got, expected, torch.float32, lowp=lowp, slack=2.0, what=name)
+
+
 # ----------------------------------------------------------------------------- memory
 
 
@@ -164,8 +265,10 @@ def test_opcheck_and_torch_compile(gen):
     x, weight, bias = rand(6, 16, gen=gen), rand(30, 16, gen=gen), rand(30, gen=gen)
     target = targets((6,), 30, gen)
     for reduction, compute_grad in (("mean", True), ("none", False), ("sum", True)):
-        torch.library.opcheck(torch.ops.kernel_ladder.fused_linear_cross_entropy.default,
-                              (x, weight, target, bias, -100, reduction, 0.1, 4.0, 1e-3, 4, compute_grad))
+        for ce_weight, return_z in ((None, False), (rand(30, gen=gen).abs(), True)):
+            torch.library.opcheck(torch.ops.kernel_ladder.fused_linear_cross_entropy.default,
+                                  (x, weight, target, bias, ce_weight, -100, reduction, 0.1, 4.0, 1e-3, return_z, 4,
+                                   compute_grad))
     torch._dynamo.reset()
     compiled = torch.compile(lambda a, w: kernel_ladder.fused_linear_cross_entropy(a, w, target, chunk_size=4),
                              fullgraph=True)
@@ -206,7 +309,41 @@ def test_bad_input_errors(gen):
         (lambda: op(x, weight, torch.full((5,), 30, device=DEVICE)), ValueError, r"class indices in \[0, 30\)"),
         (lambda: op(rand(4, 3, 16, gen=gen).transpose(0, 1), weight, targets((3, 4), 30, gen)), ValueError,
          r"cannot be walked as one run of rows without a copy"),
+        (lambda: op(x, weight, target, ce_weight=rand(29, gen=gen)), ValueError,
+         r"ce_weight must hold one weight per class, shape \(vocab,\) = \(30,\), got \(29,\)"),
+        (lambda: op(x, weight, target, ce_weight=rand(30, 1, gen=gen)), ValueError,
+         r"ce_weight must hold one weight per class, shape \(vocab,\) = \(30,\), got \(30, 1\)"),
+        (lambda: op(x, weight, target, ce_weight=torch.ones(30, dtype=torch.int64, device=DEVICE)), TypeError,
+         r"ce_weight must be float32, float16 or bfloat16, got torch.int64"),
+        (lambda: op(x, weight, target, ce_weight=[1.0] * 30), TypeError, r"ce_weight must be a torch.Tensor"),
+        (lambda: op(x, weight, target, ce_weight=rand(30, gen=gen).requires_grad_()), ValueError,
+         r"ce_weight is not differentiable"),
+        (lambda: op(x, weight, target, return_z_loss=1), TypeError, r"return_z_loss must be a bool"),
     ]
     for call, error, message in cases:
         with pytest.raises(error, match=message):
             call()
+
+
+@pytest.mark.parametrize("chunk", ["default", "from the shape"])
+@pytest.mark.parametrize("dynamic", [None, True], ids=["automatic-dynamic", "dynamic"])
+def test_torch_compile_fullgraph_over_three_sizes_equals_eager(dynamic, chunk, gen):
+    """The default chunk_size depends on the shapes: under dynamic shapes (automatic ones from the second size
+    on) it must not become a symbolic argument the check rejects; a chunk_size the caller computes from a shape
+    is a SymInt there, and is taken."""
+    torch._dynamo.reset()
+    hidden, vocab = 16, 40
+    weight = rand(vocab, hidden, gen=gen, scale=0.3)
+
+    def step(a, w, t):
+        chunk_size = None if chunk == "default" else a.shape[0] // 2
+        return kernel_ladder.fused_linear_cross_entropy(a, w, t, chunk_size=chunk_size)
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=dynamic)
+    for rows in (6, 9, 13):
+        x, target = rand(rows, hidden, gen=gen), targets((rows,), vocab, gen)
+        loss, (grad_x, grad_w) = grads_of(lambda a, w, t=target: compiled(a, w, t), [x, weight], None)
+        want, (want_x, want_w) = grads_of(lambda a, w, t=target: step(a, w, t), [x, weight], None)
+        torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6, msg=f"loss, {rows} rows")
+        torch.testing.assert_close(grad_x, want_x, rtol=1e-6, atol=1e-6, msg=f"grad_x, {rows} rows")
+        torch.testing.assert_close(grad_w, want_w, rtol=1e-6, atol=1e-6, msg=f"grad_weight, {rows} rows")

@@ -80,6 +80,35 @@ def test_empty_experts_and_one_token(gen):
     assert_matches(one, loop_reference(*f64(x[:1], logits[:1], wg, wd), 2), torch.float32, slack=2.0)
 
 
+@pytest.mark.parametrize("checks", [None, False], ids=["checks_default", "checks_off"])
+def test_a_nonfinite_router_row_spoils_only_its_own_token(checks, gen):
+    """Router rows of NaN, +inf and -inf logits: every other token's output is what it is alone, the
+    bad tokens still go to valid, distinct experts, and no kernel leaves its tensors (with the value
+    checks off too, a GPU's default). A row with one NaN logit routes around that expert."""
+    from utils.trace import trace
+
+    x, logits, wg, wd = block(gen, 10, 16, 16, 6)
+    logits[1] = float("nan")
+    logits[4, 2] = float("inf")
+    logits[6] = float("-inf")
+    logits[8, 0] = float("nan")
+    _, ids = kernel_ladder.topk_routing(logits, 2)
+    assert bool(((ids >= 0) & (ids < 6)).all()) and bool((ids[:, 0] != ids[:, 1]).all())
+    with kernel_ladder.runtime.check_values(checks), trace(torch_ops=False) as t:
+        out = kernel_ladder.moe(x, logits, wg, wd, 2)
+    assert t.out_of_bounds == 0
+    good = [0, 2, 3, 5, 7, 9]
+    alone = kernel_ladder.moe(x[good], logits[good], wg, wd, 2)
+    torch.testing.assert_close(out[good], alone, rtol=1e-6, atol=1e-6)
+    assert_matches(out[good], loop_reference(*f64(x[good], logits[good], wg, wd), 2), torch.float32, slack=2.0)
+    # One NaN logit reads as -inf: the token's output is the reference's with that logit at -inf.
+    cleaned = logits[8:9].clone()
+    cleaned[0, 0] = float("-inf")
+    assert_matches(out[8:9], loop_reference(*f64(x[8:9], cleaned, wg, wd), 2), torch.float32, slack=2.0)
+    # No softmax for rows 1 (all NaN), 4 (+inf) and 6 (all -inf): NaN weights, as torch's, in their rows only.
+    assert bool(torch.isnan(out[[1, 4, 6]]).all())
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_dtypes_against_torch_own_error(dtype, gen):
     x, logits, wg, wd = block(gen, 19, 32, 24, 4, dtype=dtype)
@@ -88,6 +117,19 @@ def test_dtypes_against_torch_own_error(dtype, gen):
     ref = loop_reference(*f64(x, logits, wg, wd), 2)
     lowp = loop_reference(x, logits, wg, wd, 2)  # torch in the low precision (CPU fp16/bf16 matmuls)
     assert_matches(out, ref, dtype, lowp=lowp, slack=2.0)
+
+
+def test_float64_router_logits_are_routed_in_float32(gen):
+    """The router's logits may be float64 (as the docstring says: any float dtype, routed in fp32): the
+    same output as the logits rounded to float32 first, and their gradient in float64."""
+    x, logits, wg, wd = block(gen, 11, 16, 16, 5)
+    logits64 = logits.double().requires_grad_()
+    logits32 = logits.clone().requires_grad_()
+    out64, out32 = kernel_ladder.moe(x, logits64, wg, wd, 2), kernel_ladder.moe(x, logits32, wg, wd, 2)
+    assert torch.equal(out64, out32)
+    g = rand(gen, *out64.shape)
+    (d64,), (d32,) = torch.autograd.grad(out64, [logits64], g), torch.autograd.grad(out32, [logits32], g)
+    assert d64.dtype == torch.float64 and torch.equal(d64, d32.double())
 
 
 def test_strided_inputs_are_read_in_place(gen):

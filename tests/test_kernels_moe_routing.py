@@ -116,6 +116,135 @@ def test_topk_routing_empty_and_k_equals_e(gen):
     helpers.assert_matches(w, torch.softmax(x.double(), -1).sort(-1, descending=True).values, torch.float32)
 
 
+# --------------------------------------------------------------------------- any logits: ties, NaN, inf
+
+NAN, INF = float("nan"), float("inf")
+
+
+def cleaned(x: torch.Tensor) -> torch.Tensor:
+    """The logits the router ranks: float64, NaN read as -inf."""
+    x = x.double()
+    return torch.where(torch.isnan(x), -INF, x)
+
+
+def torch_scores(x: torch.Tensor, scoring: str) -> torch.Tensor:
+    return torch.softmax(x, -1) if scoring == "softmax" else torch.sigmoid(x)
+
+
+def check_routing(x: torch.Tensor, k: int, renormalize: bool, scoring: str):
+    """Every promise of topk_routing on any logits: ids in [0, E) and distinct per row, in descending
+    order of logit with ties to the lowest index (a stable sort of the logits, NaN as -inf); weights
+    torch's scores (float64, of the cleaned logits) at those ids — NaN exactly where torch's are —
+    and the k largest, as torch.topk gives them."""
+    weights, ids = kernel_ladder.topk_routing(x, k, renormalize, scoring)
+    n_experts = x.shape[1]
+    assert ids.dtype == torch.int64 and weights.dtype == torch.float32 and ids.shape == weights.shape == (len(x), k)
+    ids_cpu = ids.cpu()
+    assert bool(((ids_cpu >= 0) & (ids_cpu < n_experts)).all()), ids_cpu
+    assert bool((ids_cpu.sort(-1).values.diff(dim=-1) > 0).all()), f"repeated ids {ids_cpu}"
+    z = cleaned(x.cpu())
+    assert torch.equal(ids_cpu, torch.sort(z, dim=-1, descending=True, stable=True).indices[:, :k])
+    p = torch_scores(z, scoring)
+    want = p.gather(1, ids_cpu)
+    top = torch.topk(p, k, dim=-1).values
+    if renormalize:
+        want, top = want / want.sum(-1, keepdim=True), top / top.sum(-1, keepdim=True)
+    got = weights.double().cpu()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, equal_nan=True)
+    torch.testing.assert_close(got, top, rtol=1e-5, atol=1e-6, equal_nan=True)
+    return weights, ids
+
+
+def nonfinite_logits(n_experts: int, gen) -> torch.Tensor:
+    """One row of each kind of non-finite logits, between finite rows."""
+    x = torch.randn(12, n_experts, generator=gen)
+    x[1] = NAN  # all NaN: read as all -inf
+    x[2, 3] = NAN  # one NaN: that expert is never preferred
+    x[3, n_experts - 1] = INF  # one +inf
+    x[4, [0, 2]] = INF  # two +inf: they tie
+    x[5] = -INF  # all -inf
+    x[6, :n_experts // 2] = -INF  # half -inf
+    x[7, 0], x[7, 1] = INF, NAN  # +inf and NaN
+    x[8, ::2] = NAN  # NaN and -inf mixed, finite between
+    x[8, 1::4] = -INF
+    x[9, :] = INF  # all +inf
+    return x.to(DEVICE)
+
+
+@pytest.mark.parametrize("scoring, renormalize", [("softmax", True), ("softmax", False), ("sigmoid", True),
+                                                  ("sigmoid", False)])
+@pytest.mark.parametrize("E, k", [(8, 2), (6, 1), (6, 6), (60, 5)], ids=str)
+def test_nonfinite_logits_give_valid_distinct_ids(E, k, scoring, renormalize, gen):
+    """A row of NaN or inf logits still gets k distinct experts in [0, E) (NaN counts as -inf), and its
+    weights are torch's on those logits: finite, or NaN where torch's softmax is NaN."""
+    x = nonfinite_logits(E, gen)
+    weights, _ = check_routing(x, k, renormalize, scoring)
+    finite_rows = [0, 2, 6, 8, 10, 11]  # a finite logit is the largest: every softmax weight finite
+    assert bool(torch.isfinite(weights[finite_rows]).all())
+    if scoring == "sigmoid" and not renormalize:
+        assert bool(torch.isfinite(weights).all())  # sigmoid(-inf) = 0, sigmoid(inf) = 1
+
+
+def test_inf_rows_compared_with_torch_softmax_topk(gen):
+    """The choice for a row whose largest logit is +inf, or whose logits are all -inf (or NaN): torch's
+    softmax is NaN for every expert, so its top-k weights are NaN and its ids arbitrary. The weights
+    here are NaN too (the token's output is NaN, as Hugging Face's block gives, and no other token's),
+    and the ids are the +inf experts first, lowest index first, then the rest by logit."""
+    x = nonfinite_logits(8, gen)
+    weights, ids = kernel_ladder.topk_routing(x, 3)
+    their_w, _ = torch.topk(torch.softmax(x.double(), -1), 3, dim=-1)
+    for row in (1, 3, 4, 5, 7, 9):
+        assert bool(torch.isnan(their_w[row]).all()) and bool(torch.isnan(weights[row]).all()), row
+    assert ids[3].tolist()[0] == 7 and ids[4].tolist()[:2] == [0, 2] and ids[7].tolist()[0] == 0
+    assert ids[9].tolist() == [0, 1, 2] and ids[5].tolist() == [0, 1, 2] and ids[1].tolist() == [0, 1, 2]
+    for row in (0, 2, 6, 8, 10, 11):  # finite where torch's are, and equal to them once NaN is read as -inf
+        assert bool(torch.isfinite(weights[row]).all()), row
+    ok_rows = [0, 6, 10, 11]  # no NaN logit: torch's own weights, unchanged
+    torch.testing.assert_close(weights[ok_rows].double(), their_w[ok_rows] / their_w[ok_rows].sum(-1, keepdim=True),
+                               rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("scoring", tr.SCORINGS)
+def test_nonfinite_rows_keep_the_other_rows_gradients(scoring, gen):
+    """The backward ranks and scores as the forward does: rows whose weights are finite get the float64
+    gradient of the cleaned logits (0 for a NaN logit), whatever the rows beside them hold."""
+    x = nonfinite_logits(8, gen).requires_grad_()
+    dw = torch.randn(12, 3, generator=gen).to(DEVICE)
+    weights, ids = kernel_ladder.topk_routing(x, 3, True, scoring)
+    (grad,) = torch.autograd.grad(weights, [x], dw)
+    leaf = cleaned(x.detach().cpu()).requires_grad_()
+    p = torch_scores(leaf, scoring)
+    chosen = p.gather(1, ids.cpu())
+    (want,) = torch.autograd.grad(chosen / chosen.sum(-1, keepdim=True), [leaf], dw.double().cpu())
+    rows = [r for r in range(12) if bool(torch.isfinite(weights[r]).all())]
+    assert {0, 2, 6, 8, 10, 11} <= set(rows)
+    torch.testing.assert_close(grad[rows].double().cpu(), want[rows], rtol=1e-5, atol=1e-6)
+    assert bool((grad[2, 3] == 0) & (grad[8, ::2] == 0).all())  # NaN logits: no gradient
+
+
+@pytest.mark.parametrize("scoring", tr.SCORINGS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_ties_everywhere_pick_the_lowest_experts(dtype, scoring, gen):
+    """Logits from five values: most of a row ties. The ids are the stable order, the weights torch's."""
+    x = torch.randint(-2, 3, (33, 12), generator=gen).to(dtype).to(DEVICE)
+    for k in (1, 3, 12):
+        for renormalize in (True, False):
+            check_routing(x, k, renormalize, scoring)
+
+
+@pytest.mark.parametrize("scoring", tr.SCORINGS)
+@pytest.mark.parametrize("renormalize", [True, False], ids=lambda r: f"renorm{int(r)}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("T, E, k", [(33, 8, 2), (7, 6, 1), (16, 6, 6), (19, 60, 4), (5, 257, 8), (3, 1, 1)],
+                         ids=str)
+def test_random_logits_like_fused_topk_tests(T, E, k, dtype, renormalize, scoring, gen):
+    """The cases inference engines' routing tests sweep (tokens, experts not a power of two, k = 1 and
+    k = E, renormalize on and off, softmax and sigmoid scoring, low-precision logits with their ties):
+    normal logits, compared with torch's softmax/sigmoid + topk."""
+    x = (2.0 * torch.randn(T, E, generator=gen)).to(dtype).to(DEVICE)
+    check_routing(x, k, renormalize, scoring)
+
+
 # --------------------------------------------------------------------------- load-balancing loss
 
 
@@ -203,6 +332,38 @@ def test_moe_gather_and_combine_match_loops(T, k, E, H, dtype, gen):
     helpers.assert_matches(grad_x, ref_x, dtype)
 
 
+def test_moe_combine_takes_float64_weights(gen):
+    """Float64 routing weights are accepted and used in float32: the same output as the weights rounded
+    to float32 first; their gradient comes back in float64."""
+    T, k, E, H = 9, 3, 8, 20
+    _, perm, _ = routed(T, k, E, H, torch.float32, gen)
+    y = torch.randn(T * k, H, generator=gen).to(DEVICE).requires_grad_()
+    w64 = torch.rand(T, k, generator=gen, dtype=torch.float64).to(DEVICE).requires_grad_()
+    w32 = w64.detach().float().requires_grad_()
+    out64, out32 = kernel_ladder.moe_combine(y, perm, w64), kernel_ladder.moe_combine(y, perm, w32)
+    assert out64.dtype == torch.float32 and torch.equal(out64, out32)
+    dout = torch.randn(T, H, generator=gen).to(DEVICE)
+    grad_y64, grad_w64 = torch.autograd.grad(out64, [y, w64], dout)
+    grad_y32, grad_w32 = torch.autograd.grad(out32, [y, w32], dout)
+    assert grad_w64.dtype == torch.float64 and torch.equal(grad_w64, grad_w32.double())
+    assert torch.equal(grad_y64, grad_y32)
+
+
+@pytest.mark.parametrize("scoring", tr.SCORINGS)
+def test_topk_routing_takes_float64_logits(scoring, gen):
+    """Float64 logits are accepted and routed in float32 (the kernel reads them so): the weights and ids
+    of the logits rounded to float32 first; the gradient comes back in float64."""
+    x64 = distinct_logits(11, 12, torch.float64, gen).requires_grad_()
+    x32 = x64.detach().float().requires_grad_()
+    w64, ids64 = kernel_ladder.topk_routing(x64, 3, True, scoring)
+    w32, ids32 = kernel_ladder.topk_routing(x32, 3, True, scoring)
+    assert w64.dtype == torch.float32 and torch.equal(w64, w32) and torch.equal(ids64, ids32)
+    dw = torch.randn(11, 3, generator=gen).to(DEVICE)
+    (g64,) = torch.autograd.grad(w64, [x64], dw)
+    (g32,) = torch.autograd.grad(w32, [x32], dw)
+    assert g64.dtype == torch.float64 and torch.equal(g64, g32.double())
+
+
 def test_moe_pipeline_round_trip(gen):
     """gather -> identity experts -> combine with weights summing to 1 gives x back."""
     T, E, k, H = 23, 8, 2, 16
@@ -216,6 +377,127 @@ def test_moe_pipeline_round_trip(gen):
     starts = torch.cat([offsets.new_zeros(1), offsets[:-1]])
     for e in range(E):
         assert (sorted_ids[starts[e]:offsets[e]] == e).all()
+
+
+# --------------------------------------------------------------------------- bad permutations
+
+#: (what, T, k, the permutation): none of them a permutation of [0, T * k).
+BAD_PERMUTATIONS = {
+    "past the end": (4, 2, [0, 1, 2, 8, 4, 5, 6, 7]),
+    "negative": (4, 2, [0, 1, -1, 3, 4, 5, 6, 7]),
+    "far past the end": (4, 2, [2**31 - 1, 1, 2, 3, 4, 5, 6, 0]),
+    "repeated": (4, 2, [0, 5, 2, 3, 4, 5, 6, 7]),  # 1 missing, 5 twice
+    "all the same": (3, 3, [4] * 9),
+}
+BAD_PERMUTATION_MESSAGES = {
+    "past the end": r"permutation\[3\] = 8",
+    "negative": r"permutation\[2\] = -1",
+    "far past the end": r"permutation\[0\] = 2147483647",
+    "repeated": r"entry 5 at positions 1 and 5",
+    "all the same": r"entry 4 at positions 0 and 1",
+}
+
+
+def _bad_permutation_inputs(what, gen):
+    T, k, perm = BAD_PERMUTATIONS[what]
+    x = torch.randn(T, 24, generator=gen).to(DEVICE).requires_grad_()
+    y = torch.randn(T * k, 24, generator=gen).to(DEVICE).requires_grad_()
+    w = torch.rand(T, k, generator=gen).to(DEVICE).requires_grad_()
+    return T, k, torch.tensor(perm, dtype=torch.int32, device=DEVICE), x, y, w
+
+
+def _gather_combine_and_grads(x, y, w, perm, k, gen):
+    gathered = kernel_ladder.moe_gather(x, perm, k)
+    combined = kernel_ladder.moe_combine(y, perm, w)
+    dg = torch.randn(gathered.shape, generator=gen).to(DEVICE)
+    dc = torch.randn(combined.shape, generator=gen).to(DEVICE)
+    grads = torch.autograd.grad([gathered, combined], [x, y, w], [dg, dc])
+    return (gathered, combined, *grads)
+
+
+@pytest.mark.parametrize("what", sorted(BAD_PERMUTATIONS))
+def test_a_bad_permutation_is_refused_when_values_are_checked(what, gen):
+    T, k, perm, x, y, w = _bad_permutation_inputs(what, gen)
+    message = (rf"permutation must be a permutation of \[0, T \* k\) = \[0, {T * k}\) \(each entry once\); got "
+               + BAD_PERMUTATION_MESSAGES[what])
+    for checks in (None, True):  # the CPU's default, and asked for
+        with kernel_ladder.runtime.check_values(checks):
+            if DEVICE.type == "cpu" or checks:
+                with pytest.raises(ValueError, match=r"^kernel_ladder\.moe_gather: " + message):
+                    kernel_ladder.moe_gather(x, perm, k)
+                with pytest.raises(ValueError, match=r"^kernel_ladder\.moe_combine: " + message):
+                    kernel_ladder.moe_combine(y, perm, w)
+
+
+@pytest.mark.parametrize("what", sorted(BAD_PERMUTATIONS))
+def test_a_bad_permutation_unchecked_stays_in_bounds_and_is_deterministic(what, gen):
+    """Value checks off (a GPU's default): no kernel of the gather, the combine or their backwards
+    touches memory outside its tensors, nothing uninitialized is read (buffers are poisoned), and
+    the results are the documented ones: an entry outside [0, T * k) gathers a zero row; the combine
+    takes each entry from the first position holding it, and nothing for an entry no position holds."""
+    from utils.trace import trace
+
+    T, k, perm, x, y, w = _bad_permutation_inputs(what, gen)
+    with kernel_ladder.runtime.check_values(False), trace(block_out_of_bounds=True, torch_ops=False) as t:
+        first = _gather_combine_and_grads(x, y, w, perm, k, torch.Generator().manual_seed(1))
+        second = _gather_combine_and_grads(x, y, w, perm, k, torch.Generator().manual_seed(1))
+    assert t.out_of_bounds == 0, [(launch.kernel, launch.out_of_bounds) for launch in t.launches]
+    for a, b in zip(first, second):
+        assert bool(torch.isfinite(a).all()), "an unwritten or uninitialized value"
+        assert torch.equal(a, b)
+    n = T * k
+    entries = perm.long().cpu()
+    valid = (entries >= 0) & (entries < n)
+    want_gathered = torch.where(valid[:, None], x.detach().cpu()[entries.clamp(0, n - 1) // k], 0.0)
+    assert torch.equal(first[0].cpu(), want_gathered)
+    position = {}
+    for i, e in enumerate(entries.tolist()):
+        position.setdefault(e, i)
+    want_combined = torch.zeros(T, 24, dtype=torch.float64)
+    for t_ in range(T):
+        for j in range(k):
+            if t_ * k + j in position:
+                want_combined[t_] += w.detach().double().cpu()[t_, j] * y.detach().double().cpu()[position[t_ * k + j]]
+    helpers.assert_matches(first[1], want_combined, torch.float32)
+
+
+@pytest.mark.parametrize("what", sorted(BAD_PERMUTATIONS) + ["a permutation"])
+def test_the_tensor_form_of_the_permutation_check_agrees(what, monkeypatch, gen):
+    """The check CUDA runs when asked (tensor ops, then one read of the flag) finds what the host form
+    finds, with the same message: run here on the CPU by withholding the host form."""
+    from kernel_ladder import _validate
+
+    T, k, perm = BAD_PERMUTATIONS.get(what, (3, 2, [5, 0, 3, 1, 4, 2]))
+    perm = torch.tensor(perm, dtype=torch.int32, device=DEVICE)
+    calls = []
+
+    def tensor_form_only(tensors, ok, message, error=None, *, host_ok=None, device_assert=True):
+        calls.append(message)
+        return _validate.check_values(tensors, ok, message, error, device_assert=device_assert)
+
+    monkeypatch.setattr(mp, "check_values", tensor_form_only)
+    x = torch.randn(T, 8, generator=gen).to(DEVICE)
+    if what == "a permutation":
+        kernel_ladder.moe_gather(x, perm, k)
+    else:
+        with pytest.raises(ValueError, match=r"^kernel_ladder\.moe_gather: permutation must be a permutation .*; got "
+                                             + BAD_PERMUTATION_MESSAGES[what]):
+            kernel_ladder.moe_gather(x, perm, k)
+    assert len(calls) == 1
+
+
+def test_moe_permute_unchecked_clamps_ids_outside_the_experts(gen):
+    """With the value checks off, an id outside [0, E) counts as the nearest expert (0 or E - 1): the
+    permutation is still a whole permutation, the offsets end at T * k, and nothing is left unwritten."""
+    from utils.trace import trace
+
+    ids = torch.tensor([[0, 5], [-3, 2], [9, 1], [4, 2**40]], dtype=torch.int64, device=DEVICE)
+    with kernel_ladder.runtime.check_values(False), trace(block_out_of_bounds=True, torch_ops=False) as t:
+        perm, offsets = kernel_ladder.moe_permute(ids, 5)
+    assert t.out_of_bounds == 0
+    clamped = ids.clamp(0, 4)
+    assert torch.equal(perm.long(), torch.argsort(clamped.flatten(), stable=True))
+    assert torch.equal(offsets.long(), torch.bincount(clamped.flatten(), minlength=5).cumsum(0))
 
 
 # --------------------------------------------------------------------------- launches
@@ -308,7 +590,8 @@ _P = torch.zeros(8, dtype=torch.int32)
         (lambda: kernel_ladder.topk_routing(torch.zeros(2, 4, 8), 2), ValueError,
          r"^kernel_ladder\.topk_routing: router_logits must be 2-D"),
         (lambda: kernel_ladder.topk_routing(torch.zeros(4, 8, dtype=torch.int64), 2), TypeError,
-         r"^kernel_ladder\.topk_routing: router_logits must be float32, float16 or bfloat16, got torch\.int64"),
+         r"^kernel_ladder\.topk_routing: router_logits must be float32, float16, bfloat16 or float64, "
+         r"got torch\.int64"),
         (lambda: kernel_ladder.topk_routing(_L, 2, scoring="softplus"), ValueError,
          r"^kernel_ladder\.topk_routing: scoring must be 'softmax' or 'sigmoid', got 'softplus'"),
         (lambda: kernel_ladder.topk_routing(_L, 2, renormalize=1), TypeError,
@@ -334,6 +617,13 @@ _P = torch.zeros(8, dtype=torch.int32)
          r"^kernel_ladder\.moe_combine: y_sorted must be float32"),
         (lambda: kernel_ladder.moe_combine(torch.zeros(8, 8), _P, torch.zeros(8)), ValueError,
          r"^kernel_ladder\.moe_combine: weights must be 2-D"),
+        (lambda: kernel_ladder.moe_combine(torch.zeros(8, 8), _P, torch.zeros(4, 2, dtype=torch.int64)), TypeError,
+         r"^kernel_ladder\.moe_combine: weights must be float32, float16, bfloat16 or float64, got torch\.int64"),
+        (lambda: kernel_ladder.moe_combine(torch.zeros(8, 8, dtype=torch.float64), _P, torch.zeros(4, 2)), TypeError,
+         r"^kernel_ladder\.moe_combine: y_sorted must be float32, float16 or bfloat16, got torch\.float64"),
+        (lambda: kernel_ladder.topk_routing(torch.zeros(4, 8, dtype=torch.complex64), 2), TypeError,
+         r"^kernel_ladder\.topk_routing: router_logits must be float32, float16, bfloat16 or float64, "
+         r"got torch\.complex64"),
         (lambda: kernel_ladder.moe_load_balancing_loss(_L, torch.zeros(4, 2, dtype=torch.int64), 6), ValueError,
          r"^kernel_ladder\.moe_load_balancing_loss: num_experts must equal router_logits\.shape\[1\] = 8"),
         (lambda: kernel_ladder.moe_load_balancing_loss(_L, torch.zeros(4, 2), 8), TypeError,

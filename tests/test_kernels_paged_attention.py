@@ -382,3 +382,72 @@ def test_errors_name_the_op_and_the_argument(gen):
         kernel_ladder.paged_attention(None, k, v, table, lens)
     torch.testing.assert_close(kernel_ladder.paged_attention(**base),
                                kernel_ladder.paged_attention(**base))  # base is valid
+
+
+# ----------------------------------------------------------------------------- bad values, unchecked
+
+
+@pytest.mark.parametrize("entry", [10**6, -5, 7], ids=["huge", "negative", "num_blocks"])
+def test_a_block_table_entry_outside_the_cache_is_clamped(entry, gen):
+    """With value checks on, an entry outside [0, num_blocks) is an error; off (a GPU's default), the kernel
+    clamps it into the cache (the first or the last block) and reads nothing outside it: the trace blocks and
+    counts any access outside the tensors."""
+    cache = make_cache([20, 9], 1, 16, 8, gen, spare_blocks=2)  # sequence 0: 3 blocks, sequence 1: 2
+    k, v, table, lens, _ = cache
+    k, v = torch.nan_to_num(k), torch.nan_to_num(v)  # any block may be read now
+    num_blocks = k.shape[0]
+    q = rand(2, 4, 16, gen=gen)
+    bad = table.clone()
+    bad[0, 1] = entry  # sequence 0's middle block
+    with kernel_ladder.runtime.check_values(True), pytest.raises(
+            ValueError, match=rf"kernel_ladder\.paged_attention: every block_tables entry a sequence uses .* got "
+                              rf"block_tables\[0, 1\] = {entry}"):
+        kernel_ladder.paged_attention(q, k, v, bad, lens)
+    clamped = bad.clamp(0, num_blocks - 1)
+    for splits in (1, 2):
+        with kernel_ladder.runtime.check_values(False), trace(block_out_of_bounds=True) as tr:
+            out = kernel_ladder.paged_attention(q, k, v, bad, lens, num_splits=splits)
+        assert tr.out_of_bounds == 0, tr.table()
+        assert_matches(out, paged_attention_reference(q, k, v, clamped, lens), torch.float32)
+
+
+@pytest.mark.interpreter
+@pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning")  # the merge of rows no program owns (poisoned)
+@pytest.mark.parametrize("case", ["seq_len_past_table", "seq_len_negative", "cu_past_q", "cu_before_q",
+                                  "cu_decreasing"])
+def test_bad_lengths_unchecked_never_access_outside_the_tensors(case, gen):
+    """seq_lens and cu_seqlens_q that a check would reject (value checks off: a GPU's default) read and write
+    only inside q, the caches, the tables and out: the trace blocks and counts every access outside them."""
+    k, v, table, lens, _ = make_cache([20, 9], 2, 16, 8, gen)
+    cu = None
+    q = rand(2, 4, 16, gen=gen)
+    if case == "seq_len_past_table":
+        lens = torch.tensor([20, 10**6], dtype=torch.int32, device=DEVICE)
+    elif case == "seq_len_negative":
+        lens = torch.tensor([-40, 9], dtype=torch.int32, device=DEVICE)
+    else:
+        q = rand(6, 4, 16, gen=gen)
+        cu = {"cu_past_q": [0, 2, 1000], "cu_before_q": [100, 102, 104],
+              "cu_decreasing": [0, 5, -3]}[case]
+        cu = torch.tensor(cu, dtype=torch.int32, device=DEVICE)
+    with kernel_ladder.runtime.check_values(True), pytest.raises(ValueError, match=r"kernel_ladder\.paged_attention"):
+        kernel_ladder.paged_attention(q, k, v, table, lens, cu_seqlens_q=cu)
+    for splits in (1, 2):
+        with kernel_ladder.runtime.check_values(False), trace(block_out_of_bounds=True) as tr:
+            kernel_ladder.paged_attention(q, k, v, table, lens, cu_seqlens_q=cu, num_splits=splits)
+        assert tr.out_of_bounds == 0, tr.table()
+
+
+@pytest.mark.interpreter
+def test_an_empty_cache_unchecked_reads_nothing(gen):
+    """No block to clamp into: every sequence is read as empty (output 0), nothing outside the tensors."""
+    k = v = torch.empty((0, 8, 1, 16), device=DEVICE)
+    q = rand(2, 2, 16, gen=gen)
+    table = torch.zeros((2, 2), dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([5, 16], dtype=torch.int32, device=DEVICE)
+    with kernel_ladder.runtime.check_values(True), pytest.raises(ValueError, match="every block_tables entry"):
+        kernel_ladder.paged_attention(q, k, v, table, lens)
+    with kernel_ladder.runtime.check_values(False), trace(block_out_of_bounds=True) as tr:
+        out = kernel_ladder.paged_attention(q, k, v, table, lens)
+    assert tr.out_of_bounds == 0, tr.table()
+    assert torch.equal(out, torch.zeros_like(q))

@@ -105,6 +105,30 @@ def test_dtypes(dtype, table_dtype, gen):
     assert_matches(k_embed, want_k, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_float64_tables_are_read_in_float32(dtype, gen):
+    """float64 cos/sin (a float64 rotary embedding's) are accepted and read in float32, as the kernel
+    computes: the same bits as tables rounded to float32 first, forward and backward."""
+    _, q, k = fused_qkv(2, 6, 4, 2, 32, gen, dtype=dtype)
+    positions = torch.randint(0, 4096, (2, 6), generator=gen, dtype=torch.float64)
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, 32, 2, dtype=torch.float64) / 32)
+    angles = torch.cat([positions[..., None] * inv_freq] * 2, dim=-1)  # HF's emb = cat(freqs, freqs), in float64
+    cos, sin = angles.cos().to(DEVICE), angles.sin().to(DEVICE)
+    assert not torch.equal(cos.float().double(), cos)  # values float32 cannot hold: the rounding is exercised
+    q, k = q.detach().requires_grad_(), k.detach().requires_grad_()
+    q_embed, k_embed = kernel_ladder.rope(q, k, cos, sin)
+    want_q, want_k = reference(q.detach(), k.detach(), cos, sin)
+    assert q_embed.dtype == dtype
+    assert_matches(q_embed, want_q, dtype)
+    assert_matches(k_embed, want_k, dtype)
+    q32_embed, k32_embed = kernel_ladder.rope(q, k, cos.float(), sin.float())
+    assert torch.equal(q_embed, q32_embed) and torch.equal(k_embed, k32_embed)
+    g_q, g_k = rand(*q.shape, gen=gen, dtype=dtype), rand(*k.shape, gen=gen, dtype=dtype)
+    grads = torch.autograd.grad((q_embed, k_embed), (q, k), (g_q, g_k))
+    grads32 = torch.autograd.grad((q32_embed, k32_embed), (q, k), (g_q, g_k))
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads32))
+
+
 @pytest.mark.parametrize("shape", ["(B, T, R)", "(1, T, R)", "(T, R)"])
 def test_table_shapes_broadcast_over_the_batch(shape, gen):
     _, q, k = fused_qkv(3, 5, 2, 1, 16, gen)
@@ -284,6 +308,12 @@ def test_bad_input_errors(gen):
         (lambda: kernel_ladder.rope(q, k, cos, sin, unsqueeze_dim=0), ValueError, r"unsqueeze_dim must be 1"),
         (lambda: kernel_ladder.rope(q, k.half(), cos, sin), TypeError, r"q and k must have the same dtype"),
         (lambda: kernel_ladder.rope(q, k.long(), cos, sin), TypeError, r"k must be float32, float16 or bfloat16"),
+        (lambda: kernel_ladder.rope(q.double(), k.double(), cos, sin), TypeError,
+         r"q must be float32, float16 or bfloat16, got torch\.float64"),
+        (lambda: kernel_ladder.rope(q, k, cos.long(), sin), TypeError,
+         r"^kernel_ladder\.rope: cos must be float32, float16, bfloat16 or float64, got torch\.int64"),
+        (lambda: kernel_ladder.rope(q, k, cos, sin.to(torch.complex64)), TypeError,
+         r"^kernel_ladder\.rope: sin must be float32, float16, bfloat16 or float64, got torch\.complex64"),
         (lambda: kernel_ladder.rope(q, k, cos, sin, interleaved=1), TypeError, r"interleaved must be a bool"),
         (lambda: kernel_ladder.rope_cos_sin(torch.arange(4.0), 16), TypeError, r"positions must be an integer tensor"),
         (lambda: kernel_ladder.rope_cos_sin(torch.arange(4), 15), ValueError, r"head_dim must be a positive even int"),

@@ -9,6 +9,7 @@ import torch
 
 import kernel_ladder
 from tests.helpers import DEVICE
+from utils.trace import trace
 
 _BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16,
          torch.float8_e4m3fn: torch.uint8}
@@ -89,6 +90,22 @@ def test_negative_and_out_of_range_slots_are_never_written(gen):
     assert written == [0, 5]
     assert torch.equal(flat[5], k[2].cpu()) and torch.equal(flat[0], k[5].cpu())
     assert torch.isnan(flat).all(-1).all(-1).sum() == 10
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+def test_bad_slots_unchecked_touch_nothing_outside_the_tensors(slot_dtype, gen):
+    """Slots far past the cache, at its end, and very negative, unchecked: the trace (which blocks and counts
+    any access outside the tensors) sees none, in int32 and int64 (2**40 must not wrap into the cache)."""
+    k, v = _inputs(gen, 6, 2, 8)
+    extremes = [2**31 - 1, 24, -(2**31), 5, -1, 2**40 if slot_dtype == torch.int64 else 25]
+    slots = torch.tensor(extremes, dtype=slot_dtype, device=DEVICE)
+    caches = [_sentinel_cache((3, 8, 2, 8), torch.float16) for _ in range(2)]
+    with kernel_ladder.runtime.check_values(False), trace(block_out_of_bounds=True) as tr:
+        kernel_ladder.write_kv_cache(k, v, *caches, slots)
+    assert tr.out_of_bounds == 0, tr.table()
+    written = (~caches[0].view(-1, 2, 8).isnan()).all(-1).all(-1).nonzero().flatten().tolist()
+    assert written == [5]
 
 
 def test_all_padding_and_empty_batch_write_nothing(gen):
@@ -192,8 +209,159 @@ def test_bad_fp8_scales(k_scale, v_scale, error, message):
         kernel_ladder.write_kv_cache(**args)
 
 
+@pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")  # the interpreter's numpy, as a GPU: inf
+@pytest.mark.parametrize("which", ["k_scale", "v_scale"])
+@pytest.mark.parametrize("bad", [0.0, -0.5, float("nan"), float("inf")], ids=["zero", "negative", "nan", "inf"])
+def test_fp8_scales_must_be_positive_and_finite(which, bad, gen):
+    """A scale the cache cannot be decoded with is an error when values are checked (the CPU's default;
+    nothing is written); unchecked (CUDA's default) the kernel divides by it as documented: zero saturates
+    to +-448 with k's sign, a negative scale stores -k / |scale|, NaN stores NaN, infinity stores 0."""
+    k, v = _inputs(gen, 5, 2, 8)
+    slots = torch.tensor([3, 0, 7, 1, 4], dtype=torch.int32, device=DEVICE)
+    scales = {"k_scale": torch.tensor(0.25, device=DEVICE), "v_scale": torch.tensor(0.5, device=DEVICE)}
+    scales[which] = torch.tensor(bad, device=DEVICE)
+    caches = [_sentinel_cache((2, 4, 2, 8), torch.float8_e4m3fn) for _ in range(2)]
+    with kernel_ladder.runtime.check_values(True), pytest.raises(
+            ValueError, match=rf"kernel_ladder\.write_kv_cache: {which} must be a positive finite number "
+                              rf"\(the cache stores k / k_scale, v / v_scale\); got {which} = {bad}"):
+        kernel_ladder.write_kv_cache(k, v, *caches, slots, **scales)
+    assert all(bool((c.view(torch.uint8) == 0x7F).all()) for c in caches), "nothing may be written"
+    with kernel_ladder.runtime.check_values(False):
+        kernel_ladder.write_kv_cache(k, v, *caches, slots, **scales)
+    x = k if which == "k_scale" else v
+    stored = (caches[0] if which == "k_scale" else caches[1]).view(-1, 2, 8)[slots.long()].float()
+    if bad == 0.0:
+        want = torch.where(x > 0, 448.0, -448.0)
+    elif bad < 0:
+        want = _stored(-x / -bad, torch.float8_e4m3fn, None).float()
+    elif bad != bad:
+        want = torch.full_like(x, float("nan"))
+    else:
+        want = torch.zeros_like(x)
+    torch.testing.assert_close(stored, want, rtol=0, atol=0, equal_nan=True)
+
+
+def test_fp8_cache_keeps_a_nan_input_nan(gen):
+    """Saturation to +-448 clamps infinities but keeps NaN (torch's clamp-then-cast), never a finite code."""
+    k, v = _inputs(gen, 3, 1, 8)
+    k[1, 0, 2], v[2, 0, 5] = float("nan"), float("-inf")
+    caches = [_sentinel_cache((1, 4, 1, 8), torch.float8_e4m3fn) for _ in range(2)]
+    slots = torch.tensor([0, 1, 2], dtype=torch.int64, device=DEVICE)
+    kernel_ladder.write_kv_cache(k, v, *caches, slots)
+    _assert_bits_equal(caches[0], _reference(_sentinel_cache((1, 4, 1, 8), torch.float8_e4m3fn), k, slots), "k")
+    _assert_bits_equal(caches[1], _reference(_sentinel_cache((1, 4, 1, 8), torch.float8_e4m3fn), v, slots), "v")
+    assert caches[0].float().view(-1, 8)[1, 2].isnan() and caches[1].float().view(-1, 8)[2, 5] == -448
+
+
 def test_overlapping_caches_rejected():
     args = _good()
     args["v_cache"] = args["k_cache"]
     with pytest.raises(ValueError, match="must not overlap"):
         kernel_ladder.write_kv_cache(**args)
+
+
+@pytest.mark.parametrize("overlap", [
+    lambda kv: (kv[:, 0], kv[:, 0]),                          # the same view twice
+    lambda kv: (kv[:, 0], kv.flatten(1, 2)[:, 3:7]),           # v shifted 3 slots: k's last slot in each block
+    lambda kv: (kv.flatten(1, 2)[:, ::2], kv[:, 1]),           # k every other slot of both halves: v's 0 and 2
+    lambda kv: (kv[:, 0], kv.as_strided(kv[:, 0].shape, kv[:, 0].stride(), 3)),  # k's layout, 3 elements on
+], ids=["same", "shifted", "every_other_slot", "three_elements_on"])
+def test_genuinely_overlapping_views_of_one_tensor_rejected(overlap, gen):
+    kv = _sentinel_cache((3, 2, 4, 2, 4), torch.float32)
+    k_cache, v_cache = overlap(kv)
+    args = {**_good(), "k_cache": k_cache, "v_cache": v_cache}
+    before = kv.clone()
+    with pytest.raises(ValueError, match=r"kernel_ladder\.write_kv_cache: k_cache and v_cache must not overlap"):
+        kernel_ladder.write_kv_cache(**args)
+    assert torch.equal(kv.isnan(), before.isnan()), "nothing may be written before the error"
+
+
+def test_k_and_v_caches_interleaved_in_one_tensor(gen):
+    """``kv[:, 0]`` and ``kv[:, 1]`` of one ``(num_blocks, 2, block_size, Hkv, D)`` tensor (FlashInfer's and
+    FlagGems' layout): disjoint, though each spans the other's bytes. Written exactly, and read back by
+    paged_attention."""
+    num_blocks, block_size, heads, dim, t = 4, 8, 2, 16, 13
+    kv = _sentinel_cache((num_blocks, 2, block_size, heads, dim), torch.float32)
+    k_cache, v_cache = kv[:, 0], kv[:, 1]
+    k, v = _inputs(gen, t, heads, dim)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:t].to(torch.int64)
+    k_ref, v_ref = _reference(k_cache, k, slots), _reference(v_cache, v, slots)
+    kernel_ladder.write_kv_cache(k, v, k_cache, v_cache, slots.to(DEVICE))
+    _assert_bits_equal(k_cache, k_ref, "k_cache = kv[:, 0]")
+    _assert_bits_equal(v_cache, v_ref, "v_cache = kv[:, 1]")
+
+    # Two sequences written into blocks 1 (5 tokens) and 3 (8 tokens); paged_attention reads them back.
+    kv.copy_(torch.randn(kv.shape, generator=gen).to(DEVICE))  # no NaN left in the slots it will not read
+    slots = torch.cat([block_size * 1 + torch.arange(5), block_size * 3 + torch.arange(8)])
+    k_new, v_new = _inputs(gen, 13, heads, dim)
+    kernel_ladder.write_kv_cache(k_new, v_new, k_cache, v_cache, slots.to(DEVICE))
+    table = torch.tensor([[1], [3]], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(2, 4, dim, generator=gen).to(DEVICE)
+    out = kernel_ladder.paged_attention(q, k_cache, v_cache, table, torch.tensor([5, 8], dtype=torch.int32,
+                                                                                    device=DEVICE))
+    for b, (start, n) in enumerate(((0, 5), (5, 8))):
+        kb, vb = k_new[start:start + n].double(), v_new[start:start + n].double()  # (n, Hkv, D)
+        qb = q[b].double().view(heads, 2, dim)  # query heads grouped by kv head
+        scores = torch.einsum("hgd,nhd->hgn", qb, kb) / dim**0.5
+        want = torch.einsum("hgn,nhd->hgd", scores.softmax(-1), vb).reshape(4, dim)
+        torch.testing.assert_close(out[b].double(), want, rtol=1e-5, atol=1e-5)
+
+
+def _element_offsets(t: torch.Tensor) -> set[int]:
+    """Every storage offset a view reaches, by enumeration (the brute-force reference)."""
+    index = torch.arange(t.untyped_storage().nbytes() // t.element_size())
+    return set(index.as_strided(t.shape, t.stride(), t.storage_offset()).flatten().tolist())
+
+
+def test_share_elements_is_exact_against_enumeration(gen):
+    """Random views of one storage (any sizes, strides, zero strides, offsets, self-overlapping too): shared
+    elements exactly when the sets of element offsets intersect, whatever the byte ranges say."""
+    from kernel_ladder._validate import share_elements
+
+    base = torch.zeros(4096)
+    rng = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    agree = {True: 0, False: 0}
+    interleaved = 0
+    for _ in range(3000):
+        views = []
+        for _ in range(2):
+            dims = int(torch.randint(1, 4, (1,), generator=rng))
+            sizes = [int(torch.randint(1, 6, (1,), generator=rng)) for _ in range(dims)]
+            strides = [int(torch.randint(0, 40, (1,), generator=rng)) for _ in range(dims)]
+            extent = sum((n - 1) * s for n, s in zip(sizes, strides))
+            offset = int(torch.randint(0, 4096 - extent, (1,), generator=rng)) if extent < 4096 else 0
+            offset = offset % 200  # near each other: most pairs' byte ranges intersect
+            views.append(base.as_strided(sizes, strides, offset))
+        a, b = views
+        want = bool(_element_offsets(a) & _element_offsets(b))
+        assert share_elements(a, b) == want == share_elements(b, a), (a.shape, a.stride(), a.storage_offset(),
+                                                                      b.shape, b.stride(), b.storage_offset())
+        agree[want] += 1
+        lo_a, hi_a = min(_element_offsets(a)), max(_element_offsets(a))
+        lo_b, hi_b = min(_element_offsets(b)), max(_element_offsets(b))
+        interleaved += (not want) and lo_a <= hi_b and lo_b <= hi_a
+    assert agree[True] > 300 and interleaved > 300, (agree, interleaved)  # both answers, often despite the ranges
+
+
+def test_share_elements_is_cheap_for_large_caches():
+    """Decided from the strides, never by enumerating: the halves of a (65536, 2, 16, 8, 128) cache (2**31
+    elements, on the meta device: no memory), in well under a millisecond each; views of another dtype over
+    the same bytes; another storage."""
+    import time
+
+    from kernel_ladder._validate import share_elements
+
+    kv = torch.empty((65536, 2, 16, 8, 128), device="meta")
+    k, v = kv[:, 0], kv[:, 1]
+    pairs = [(k, v, False), (k, kv[:, :, 3], True), (kv[:-1, 1], kv.flatten(1, 2)[:-1, 16:32], True),
+             (k, kv.flatten(1, 2)[:, 8:24], True), (kv[::2, 1], kv[1::2, 0], False),
+             (k.permute(0, 2, 1, 3), v.transpose(1, 2), False)]
+    start = time.perf_counter()
+    for a, b, want in pairs:
+        assert share_elements(a, b) == want, (a.shape, a.stride(), b.shape, b.stride())
+    assert (time.perf_counter() - start) / len(pairs) < 0.01
+    small = torch.zeros(2, 2, 4, 4)
+    as_bytes = small.view(torch.uint8)  # (2, 2, 4, 16): four bytes per float
+    assert share_elements(small[:, 0], as_bytes[:, 0, :, 3:4])
+    assert not share_elements(small[:, 0], as_bytes[:, 1])
+    assert not share_elements(small[:, 0], torch.zeros(2, 4, 4))  # another storage

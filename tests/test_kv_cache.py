@@ -11,7 +11,14 @@ import pytest
 import torch
 
 import kernel_ladder
-from kernel_ladder.serving import BlockAllocator, KVCacheOutOfBlocks, PagedKVCache, Scheduler, SchedulerOutput
+from kernel_ladder.serving import (
+    BlockAllocator,
+    KVCacheOutOfBlocks,
+    PagedKVCache,
+    Scheduler,
+    SchedulerOutput,
+    block_key,
+)
 from tests.helpers import DEVICE
 
 # ----------------------------------------------------------------------------------------------
@@ -51,13 +58,14 @@ def test_allocator_evicts_cached_blocks_last_and_lru():
     pool = BlockAllocator(4)
     blocks = pool.allocate_many(4)
     for i, block in enumerate(blocks[:2]):
-        assert pool.register(block, (None, (i,)))
+        assert pool.register(block, block_key(None, [i]))
     for block in blocks:
         pool.decref(block)  # blocks 0, 1 evictable (0 freed first), 2, 3 free
     assert pool.num_free == 4 and pool.num_evictable == 2
     assert {pool.allocate(), pool.allocate()} == {2, 3}, "uncached free blocks go first"
-    assert pool.lookup((None, (0,))) == 0
-    assert pool.allocate() == 0 and pool.lookup((None, (0,))) is None, "then the least recently freed, forgotten"
+    assert pool.lookup(block_key(None, [0])) == 0
+    assert pool.allocate() == 0, "then the least recently freed"
+    assert pool.lookup(block_key(None, [0])) is None, "whose key is forgotten"
     pool.incref(1)  # a prefix hit revives the evictable block
     assert pool.num_free == 0 and pool.refcount(1) == 1
     pool.check_invariants({0: 1, 1: 1, 2: 1, 3: 1})
@@ -75,7 +83,7 @@ def test_allocator_randomized_never_hands_out_a_referenced_block(seed):
             assert refs.get(block, 0) == 0, f"step {step}: handed out block {block}, still referenced"
             refs[block] = 1
             if rng.random() < 0.5:
-                pool.register(block, (None, (rng.randrange(6),)))
+                pool.register(block, block_key(None, [rng.randrange(6)]))
         elif op < 0.6 and refs:
             block = rng.choice(list(refs))
             pool.incref(block)
@@ -526,3 +534,199 @@ def test_kv_cache_module_re_exports_serving_and_models_the_engine():
         assert getattr(kv_cache, name) is getattr(serving, name), name
     assert kv_cache.BlockKey is serving.BlockKey
     assert models.Engine is serving.Engine and models.EngineStats is serving.EngineStats
+
+
+# ----------------------------------------------------------------------------------------------
+# Prefix-cache keys: a cryptographic chain, never Python's hash
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("first, other", [(-1, -2), (0, 2**61 - 1)], ids=["hash(-1)==hash(-2)", "hash(0)==hash(M61)"])
+def test_a_python_hash_collision_between_prefixes_shares_no_block(first, other):
+    """Two first blocks that differ in one token whose Python hashes are equal (CPython hashes -1 as -2,
+    and ints modulo 2**61 - 1), followed by the same tokens: a prompt with the second prefix must find
+    the second sequence's blocks, never a block computed after the first prefix."""
+    assert hash(first) == hash(other) and hash((None, (first, 5))) == hash((None, (other, 5)))
+    cache = _cache(block_size=2)
+    tail = [7, 8, 9]
+    a, b = [first, 5] + tail, [other, 5] + tail
+    for seq, prompt in (("a", a), ("b", b)):
+        assert cache.allocate(seq, len(prompt), prompt) == 0, f"{seq}: nothing of it is cached yet"
+        _write(cache, cache.append_slots(seq, len(prompt)), prompt, range(len(prompt)))
+    assert cache.allocate("c", len(b), b) == 4, "c is b: both of b's full blocks are found"
+    assert cache.block_table("c")[:2] == cache.block_table("b")[:2]
+    assert cache.block_table("c")[1] != cache.block_table("a")[1], "c got a block computed after a's prefix"
+    cache.check_invariants()
+
+
+def test_block_keys_are_sha256_of_an_unambiguous_encoding():
+    root = block_key(None, [1, 2, 3])
+    assert isinstance(root, bytes) and len(root) == 32
+    assert block_key(None, [1, 2, 3]) == root, "deterministic (no per-process seed)"
+    child = block_key(root, [4, 5, 6])
+    distinct = {
+        root, child, block_key(None, [1, 2]), block_key(None, [1, 2, 3, 0]), block_key(None, [3, 2, 1]),
+        block_key(None, [-1]), block_key(None, [-2]), block_key(None, [0]), block_key(None, [2**61 - 1]),
+        block_key(None, [256]), block_key(None, [1, 0]),  # the same bytes as 256 if tokens were packed loosely
+        block_key(child, [4, 5, 6]), block_key(root, [4, 5]),
+        block_key(None, [1, 2, 3], cache_salt="a"), block_key(None, [1, 2, 3], cache_salt="b"),
+        block_key(None, [1, 2, 3], cache_salt=""), block_key(root, [4, 5, 6], cache_salt="a"),
+    }
+    assert len(distinct) == 17, "two different (parent, tokens, salt) gave one key"
+    assert block_key(None, [1], cache_salt="x") == block_key(None, [1], cache_salt=b"x"), "a str salt is its UTF-8"
+    with pytest.raises(ValueError, match=r"block_key: token ids must fit int64, got 9223372036854775808"):
+        block_key(None, [2**63])
+    with pytest.raises(TypeError, match="block_key: parent must be a 32-byte BlockKey or None"):
+        block_key((None, (1,)), [1])
+    with pytest.raises(TypeError, match="block_key: cache_salt must be a str, bytes or None, got int"):
+        block_key(None, [1], cache_salt=3)
+
+
+def test_requests_with_different_cache_salts_never_share_blocks():
+    cache = _cache(block_size=4)
+    prompt = list(range(20, 30))
+    assert cache.allocate("a", 10, prompt, cache_salt="tenant-1") == 0
+    _write(cache, cache.append_slots("a", 10), prompt, range(10))
+    assert cache.allocate("b", 10, prompt, cache_salt="tenant-2") == 0, "another salt: no hit"
+    _write(cache, cache.append_slots("b", 10), prompt, range(10))
+    assert cache.allocate("c", 10, prompt) == 0, "no salt is a salt of its own"
+    _write(cache, cache.append_slots("c", 10), prompt, range(10))
+    assert cache.allocate("d", 10, prompt, cache_salt="tenant-1") == 8, "the same salt shares"
+    assert cache.block_table("d")[:2] == cache.block_table("a")[:2]
+    assert not set(cache.block_table("b")) & set(cache.block_table("a"))
+    assert not set(cache.block_table("c")) & (set(cache.block_table("a")) | set(cache.block_table("b")))
+    cache.fork("d", "e")  # a fork keeps the salt: the block it fills is keyed under tenant-1
+    grown = prompt + [0, 1]
+    _write(cache, cache.append_slots("e", 4, grown[8:]), grown[8:], range(8, 12))
+    assert cache.allocate("f", 13, grown + [5], cache_salt="tenant-1") == 12
+    assert cache.block_table("f")[2] == cache.block_table("e")[2]
+    assert cache.allocate("g", 13, grown + [5]) == 8, "unsalted: only c's blocks"
+    assert cache.block_table("g")[:2] == cache.block_table("c")[:2]
+    cache.check_invariants()
+    scheduler = Scheduler(_cache(block_size=4), max_num_seqs=4, max_tokens_per_step=64)
+    scheduler.add_request("x", prompt, 2, cache_salt="s1")
+    scheduler.add_request("y", prompt, 2, cache_salt="s2")
+    scheduler.add_request("z", prompt, 2, cache_salt="s1")
+    scheduler.step()
+    assert [scheduler.requests[r].num_cached_prompt_tokens for r in "xyz"] == [0, 0, 8]
+    with pytest.raises(TypeError, match="Scheduler.add_request: cache_salt must be a str, bytes or None, got list"):
+        scheduler.add_request("w", prompt, 2, cache_salt=[1])
+
+
+def test_prefix_cache_hits_full_blocks_only_and_never_keys_a_partial_one():
+    cache = _cache(num_blocks=8, block_size=4)
+    prompt = list(range(40, 50))  # blocks [40..43] [44..47] and a partial [48, 49]
+    cache.allocate("a", 10, prompt)
+    _write(cache, cache.append_slots("a", 10), prompt, range(10))
+    table = cache.block_table("a")
+    assert cache.allocator.key_of(table[0]) is not None and cache.allocator.key_of(table[1]) is not None
+    assert cache.allocator.key_of(table[2]) is None, "the partial last block is not in the prefix cache"
+    assert cache.allocate("b", 11, prompt[:6] + [0] * 5) == 4, "the first full block matches, the second does not"
+    cache.free("a")
+    cache.free("b")
+    assert cache.allocator.num_evictable == 2, "a's two full blocks (b's own were never filled, so never keyed)"
+    assert cache.num_free_blocks == cache.num_blocks and cache.allocator.refcount(table[0]) == 0
+    assert cache.allocate("c", 10, prompt) == 8, "freed full blocks are still found"
+    assert cache.block_table("c")[:2] == table[:2] and cache.allocator.refcount(table[0]) == 1
+    cache.free("c")
+    cache.check_invariants()
+
+
+def test_prefix_cache_evicts_the_least_recently_freed_block_first():
+    cache = _cache(num_blocks=7, block_size=2)
+    prompts = {"a": [1, 2, 3, 4, 5], "b": [6, 7, 8, 9, 10]}  # two full blocks and a partial one each
+    for seq, prompt in prompts.items():
+        cache.allocate(seq, 5, prompt)
+        _write(cache, cache.append_slots(seq, 5), prompt, range(5))
+    a, b = cache.block_table("a"), cache.block_table("b")
+    cache.free("b")  # b's keyed blocks freed first (its second block before its first), then a's
+    cache.free("a")
+    assert cache.allocator.num_evictable == 4 and cache.num_free_blocks == 7
+    assert cache.allocate("b again", 5, prompts["b"]) == 4  # a hit revives b's blocks...
+    cache.free("b again")  # ...and freeing them again makes them the most recently freed
+    pool = cache.allocator
+    assert set(pool.allocate_many(3)) == {a[2], b[2], *(set(range(7)) - set(a) - set(b))}, (
+        "the free blocks without contents go before any cached one")
+    for expected in (a[1], a[0], b[1], b[0]):  # least recently freed first
+        assert all(pool.key_of(block) is not None for block in (a[0], a[1], b[0], b[1]) if pool.refcount(block) == 0)
+        assert pool.allocate() == expected and pool.key_of(expected) is None, "evicted: its key forgotten"
+    assert pool.num_evictable == 0 and pool.num_free == 0
+    for block in range(7):
+        pool.decref(block)  # the blocks taken above, each held once
+    assert cache.allocate("a again", 5, prompts["a"]) == 0, "nothing cached is left"
+    cache.free("a again")
+    cache.check_invariants()
+    assert cache.num_free_blocks == cache.num_blocks, "every reference went back to zero: nothing leaked"
+
+
+# ----------------------------------------------------------------------------------------------
+# BlockAllocator: block ids checked
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["incref", "decref", "refcount", "key_of", "register"])
+@pytest.mark.parametrize("block", [-1, -4, 4, 100])
+def test_allocator_refuses_a_block_id_outside_the_pool(method, block):
+    pool = BlockAllocator(4)
+    for b in pool.allocate_many(4):
+        pool.incref(b)  # every block in use twice: a wrapped-around id would find a real block
+    args = (block, b"\0" * 32) if method == "register" else (block,)
+    with pytest.raises(ValueError, match=rf"BlockAllocator.{method}: block must be in \[0, 4\), got {block}$"):
+        getattr(pool, method)(*args)
+    pool.check_invariants({b: 2 for b in range(4)})
+
+
+@pytest.mark.parametrize("block", [1.0, "1", True, None])
+def test_allocator_refuses_a_block_id_that_is_not_an_int(block):
+    pool = BlockAllocator(4)
+    with pytest.raises(TypeError, match=r"BlockAllocator.refcount: block must be an int in \[0, 4\), got "):
+        pool.refcount(block)
+
+
+def test_forgotten_blocks_leave_the_prefix_cache():
+    """A step whose model run failed: its blocks were keyed when scheduled but never written."""
+    cache = _cache(num_blocks=6, block_size=4)
+    prompt = list(range(60, 69))
+    cache.allocate("a", 9, prompt)
+    slots = cache.append_slots("a", 9)
+    keyed = cache.block_table("a")[:2]
+    assert all(cache.allocator.key_of(b) is not None for b in keyed)
+    cache.forget_blocks(slots)
+    assert all(cache.allocator.key_of(b) is None for b in keyed)
+    cache.check_invariants()
+    cache.free("a")
+    assert cache.allocator.num_evictable == 0 and cache.allocate("b", 9, prompt) == 0, "nothing of it is found"
+    _write(cache, cache.append_slots("b", 9), prompt, range(9))
+    cache.free("b")
+    evictable = cache.allocator.num_evictable
+    cache.allocator.forget(cache.allocator.lookup(block_key(None, prompt[:4])))  # an evictable block: freed
+    assert cache.allocator.num_evictable == evictable - 1 and cache.num_free_blocks == cache.num_blocks
+    cache.check_invariants()
+
+
+def test_cache_and_scheduler_refuse_bad_token_ids_and_keys():
+    cache = _cache()
+    with pytest.raises(TypeError, match=r"PagedKVCache.allocate: token_ids must be ints, got float 2.5"):
+        cache.allocate("a", 2, [1, 2.5])
+    with pytest.raises(TypeError, match=r"PagedKVCache.allocate: cache_salt must be a str, bytes or None, got int"):
+        cache.allocate("a", 2, [1, 2], cache_salt=5)
+    assert "a" not in cache
+    assert cache.allocate("a", 2, torch.tensor([1, 2])) == 0, "a tensor's integers are token ids"
+    scheduler = Scheduler(cache, max_num_seqs=2, max_tokens_per_step=8)
+    with pytest.raises(ValueError, match=r"Scheduler.add_request: token ids must be in \[0, 2\*\*31\), got -1 in "
+                                         r"request 'r'"):
+        scheduler.add_request("r", [3, -1], 2)
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 2\*\*31\), got 2147483648"):
+        scheduler.add_request("r", [2**31], 2)
+    assert not scheduler.requests
+    pool = BlockAllocator(2)
+    block = pool.allocate()
+    with pytest.raises(TypeError, match=r"BlockAllocator.register: key must be a 32-byte BlockKey \(what block_key "
+                                        r"returns\), got tuple"):
+        pool.register(block, (None, (1, 2)))
+    with pytest.raises(TypeError, match=r"BlockAllocator.lookup: key must be a 32-byte BlockKey"):
+        pool.lookup(b"short")
+    with pytest.raises(ValueError, match=r"BlockAllocator.allocate_many: n must be an int >= 0, got -1"):
+        pool.allocate_many(-1)
+    with pytest.raises(ValueError, match=r"BlockAllocator.forget: block must be in \[0, 2\), got -1"):
+        pool.forget(-1)

@@ -168,3 +168,182 @@ def test_bad_input_is_refused(llama):
         Engine(model, num_blocks=4, draft_model=other)
     with pytest.raises(ValueError, match="draft_model must be"):
         Engine(model, num_blocks=4, draft_model="ngram")
+
+
+# ----------------------------------------------------------------------------------------------
+# Chunked prefill: the model runs on every scheduled token, every step
+# ----------------------------------------------------------------------------------------------
+
+
+class _TokenSpy:
+    """Counts the tokens the model itself processes (rows through layer 0's MLP, a module the packed
+    step calls) and the tokens the scheduler hands out (``Scheduler.step``'s ``total_tokens``)."""
+
+    def __init__(self, model, monkeypatch):
+        from kernel_ladder.serving import scheduler as scheduler_module
+
+        self.processed, self.scheduled, self.steps = [], [], []
+        self._hook = model.model.layers[0].mlp.register_forward_hook(
+            lambda module, args, out: self.processed.append(args[0].shape[0]))
+        step = scheduler_module.Scheduler.step
+
+        def spied_step(scheduler):
+            out = step(scheduler)
+            self.scheduled.append(out.total_tokens)
+            self.steps.append(out)
+            return out
+
+        monkeypatch.setattr(scheduler_module.Scheduler, "step", spied_step)
+
+    def close(self):
+        self._hook.remove()
+
+
+@pytest.fixture
+def spy(llama, monkeypatch):
+    spy = _TokenSpy(llama[1], monkeypatch)
+    yield spy
+    spy.close()
+
+
+def test_a_step_of_partial_prompt_chunks_only_still_runs_the_model(llama, spy):
+    """Budget 2, a 3-token prompt: the first step holds only a chunk that ends mid-prompt (nothing
+    samples); its K/V must still be computed, or the next steps attend to zeros."""
+    hf, model = llama
+    prompt = _prompts((3,), seed=11)[0]
+    engine = Engine(model, num_blocks=8, block_size=8, max_tokens_per_step=2)
+    out = engine.generate([prompt], max_new_tokens=4)
+    assert not spy.steps[0].sample_request_ids, "the first step was meant to sample nothing"
+    assert spy.processed == spy.scheduled == [2, 1, 1, 1, 1]
+    assert out[0] == _hf_greedy(hf, prompt, 4)
+
+
+@pytest.fixture(scope="module")
+def chunk_prompts(llama):
+    """Four prompts of different lengths and HF's greedy continuations (computed once)."""
+    prompts = _prompts((11, 4, 17, 2), seed=12)
+    return prompts, [_hf_greedy(llama[0], p, 4) for p in prompts]
+
+
+@pytest.mark.parametrize("budget", [3, 8, 16])
+def test_prompts_longer_than_the_step_budget_equal_hugging_face(budget, llama, chunk_prompts, spy):
+    """Several requests of different lengths prefilled in chunks under budgets below the longest
+    prompts (3: every prompt but one in chunks; 16: the 17-token one), decoding beside each other."""
+    _, model = llama
+    prompts, expected = chunk_prompts
+    engine = Engine(model, num_blocks=24, block_size=8, max_tokens_per_step=budget)
+    assert engine.generate(prompts, max_new_tokens=4) == expected
+    assert any(not s.sample_request_ids for s in spy.steps) or budget == 16
+    assert engine.stats.max_batch > 1 and engine.stats.preemptions == 0
+    assert sum(spy.processed) == sum(spy.scheduled) == engine.stats.tokens_computed
+    assert spy.processed == spy.scheduled, "a step's tokens were scheduled but not run through the model"
+    assert engine.stats.tokens_computed == sum(len(p) + 4 - 1 for p in prompts)
+
+
+def test_a_later_request_reuses_correct_blocks_of_a_chunked_prefix(llama, spy):
+    """A 16-token shared prefix prefilled 4 tokens a step: its two full blocks go into the prefix
+    cache; a later request (same call, admitted once the first finished its prompt) and one in a
+    later call reuse them, and their outputs still equal Hugging Face's."""
+    hf, model = llama
+    shared = _prompts((16,), seed=13)[0]
+    first, second, third = shared + [7, 8], shared + [9, 10, 11], shared + [12]
+    engine = Engine(model, num_blocks=24, block_size=8, max_tokens_per_step=4)
+    out = engine.generate([first, second], max_new_tokens=3)
+    assert engine.stats.cached_prompt_tokens == 16, "the second request found the first's two full blocks"
+    assert out == [_hf_greedy(hf, first, 3), _hf_greedy(hf, second, 3)]
+    assert engine.generate([third], max_new_tokens=3) == [_hf_greedy(hf, third, 3)]
+    assert engine.stats.cached_prompt_tokens == 16 and engine.stats.tokens_computed == 1 + 2
+    assert spy.processed == spy.scheduled
+
+
+def test_a_prompt_longer_than_the_default_budget_runs_every_token(monkeypatch):
+    """300 prompt tokens at the default budget of 256: two prefill steps, both through the model."""
+    t = transformers
+    torch.manual_seed(3)
+    hf = t.AutoModelForCausalLM.from_config(t.LlamaConfig(
+        **{**SMALL, "max_position_embeddings": 512}, num_hidden_layers=1, num_key_value_heads=2)).float().eval()
+    model = CausalLM.from_hf(hf)
+    spy = _TokenSpy(model, monkeypatch)
+    try:
+        prompt = _prompts((300,), seed=14)[0]
+        engine = Engine(model, num_blocks=24, block_size=16)
+        out = engine.generate([prompt], max_new_tokens=2)
+        assert spy.processed == spy.scheduled == [256, 44, 1]
+        assert out[0] == _hf_greedy(hf, prompt, 2)
+    finally:
+        spy.close()
+
+
+def test_a_failed_model_step_leaves_no_unwritten_block_in_the_prefix_cache(llama):
+    """Full blocks are keyed when the scheduler hands out their slots; if the model step that was to
+    write them fails, they must not stay findable, or the next request with that prefix reuses them."""
+    hf, model = llama
+    prompt = _prompts((18,), seed=15)[0]
+    engine = Engine(model, num_blocks=16, block_size=8)
+
+    class StepFailed(Exception):
+        pass
+
+    def failing_step(step):
+        raise StepFailed
+
+    engine.forward_step = failing_step
+    with pytest.raises(StepFailed):
+        engine.generate([prompt], max_new_tokens=2)
+    del engine.forward_step
+    assert engine.cache.num_free_blocks == engine.num_blocks and not engine.cache.seq_ids
+    assert engine.cache.allocator.num_evictable == 0, "blocks that were never written stay in the prefix cache"
+    assert engine.generate([prompt], max_new_tokens=3) == [_hf_greedy(hf, prompt, 3)]
+    assert engine.stats.cached_prompt_tokens == 0
+    engine.cache.check_invariants()
+
+
+def test_requests_with_different_cache_salts_share_no_prefix(llama, spy):
+    hf, model = llama
+    shared = _prompts((16,), seed=16)[0]
+    first, second = shared + [5], shared + [6, 7]
+    expected = [_hf_greedy(hf, first, 2), _hf_greedy(hf, second, 2)]
+    engine = Engine(model, num_blocks=24, block_size=8)
+    assert engine.generate([first], max_new_tokens=2, cache_salt="alice") == expected[:1]
+    assert engine.generate([second], max_new_tokens=2, cache_salt="bob") == expected[1:]
+    assert engine.stats.cached_prompt_tokens == 0, "bob found alice's blocks"
+    assert engine.generate([second], max_new_tokens=2) == expected[1:]
+    assert engine.stats.cached_prompt_tokens == 0, "an unsalted request found a salted one's blocks"
+    assert engine.generate([first, second], max_new_tokens=2, cache_salt=[b"alice", "bob"]) == expected
+    assert engine.stats.cached_prompt_tokens == 32, "each found the blocks of its own salt"
+    with pytest.raises(ValueError, match=r"Engine.generate: cache_salt must be one salt or a list of 2 \(one per "
+                                         r"prompt\), got a list of 1"):
+        engine.generate([first, second], max_new_tokens=2, cache_salt=["alice"])
+    with pytest.raises(TypeError, match=r"Engine.generate: cache_salt must be a str, bytes or None, got int"):
+        engine.generate([first], max_new_tokens=2, cache_salt=7)
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(num_blocks=0), ValueError, r"num_blocks must be a positive int, got 0"),
+    (dict(num_blocks=8.0), TypeError, r"num_blocks must be an int, got float 8.0"),
+    (dict(num_blocks=True), TypeError, r"num_blocks must be an int, got bool True"),
+    (dict(block_size=12), ValueError, r"block_size must be one of \(8, 16, 32, 64, 128\) \(the cache block sizes "
+                                      r"kernel_ladder.paged_attention supports\), got 12"),
+    (dict(block_size=4), ValueError, r"block_size must be one of \(8, 16, 32, 64, 128\)"),
+    (dict(block_size="16"), TypeError, r"block_size must be an int, got str '16'"),
+    (dict(num_blocks=2**28, block_size=16), ValueError, r"num_blocks \* block_size = 4294967296 slots do not fit"),
+    (dict(max_batch_size=0), ValueError, r"max_batch_size must be a positive int or None, got 0"),
+    (dict(max_tokens_per_step=0), ValueError, r"max_tokens_per_step must be a positive int, got 0"),
+    (dict(max_tokens_per_step=None), TypeError, r"max_tokens_per_step must be an int, got NoneType None"),
+    (dict(num_speculative_tokens=0), ValueError, r"num_speculative_tokens must be a positive int, got 0"),
+    (dict(lookup_ngram=-1), ValueError, r"lookup_ngram must be a positive int, got -1"),
+    (dict(draft_model="ngram"), ValueError, r"draft_model must be a kernel_ladder.models.CausalLM, 'prompt_lookup' "
+                                           r"or None, got 'ngram'"),
+])
+def test_engine_arguments_are_checked_at_construction(kwargs, error, message, llama):
+    _, model = llama
+    with pytest.raises(error, match=r"^kernel_ladder.models.Engine: " + message):
+        Engine(model, **{"num_blocks": 8, **kwargs})
+
+
+def test_a_draft_model_of_another_dtype_is_refused_at_construction(llama):
+    _, model = llama
+    draft = CausalLM.from_hf(_hf(layers=1, seed=2)).to(torch.float16)
+    with pytest.raises(TypeError, match=r"^kernel_ladder.models.Engine: draft_model's parameters must be the target's "
+                                        r"dtype \(torch.float32\) and device \(cpu\), got torch.float16 on cpu"):
+        Engine(model, num_blocks=8, draft_model=draft)

@@ -1,11 +1,14 @@
 """Chapter 06's solutions pass the checker on fresh inputs; wrong variants of each do not.
 
-Each exercise is checked as the notebook checks it (same launcher, same kind of cases), once with
-the solution (SOLVED) and once per negative control — a plausible wrong answer the checker must
-reject, with the diagnosis it must give.
+Each exercise is checked exactly as the notebook checks it — the chapter's givens in
+``solutions/ch06_fused_ops.py``: its reference, cases, stated rules, diagnosis and traffic verdict —
+once with the solution (SOLVED) and once per negative control: a plausible wrong answer the checker
+must reject, with the verdict naming its cause.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import pytest
 import torch
@@ -14,13 +17,23 @@ import triton
 import triton.language as tl
 
 import kernel_ladder
+from solutions import ch06_fused_ops as given
 from solutions import ch06_fused_ops as solutions
-from utils.exercises import check
-from utils.trace import trace
+from utils.exercises import Verdict, check
 
 pytestmark = pytest.mark.interpreter  # the traffic checks and diagnoses need the interpreter
 
 DEVICE = kernel_ladder.runtime.DEVICE
+
+
+def flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+def assert_not_solved(verdict: Verdict, *fragments: str) -> None:
+    assert not verdict.solved, verdict.message
+    for fragment in fragments:
+        assert flat(fragment) in flat(verdict.message), f"{fragment!r} not in:\n{verdict.message}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -28,36 +41,11 @@ DEVICE = kernel_ladder.runtime.DEVICE
 # ----------------------------------------------------------------------------------------------
 
 
-def rope_tokens_with(kernel):
-    def rope_tokens(x, cos, sin, out):
-        with trace() as traced:
-            solutions.launch_rope_tokens(kernel, x, cos, sin, out)
-        table_reads = sum(launch.per_tensor[name].bytes_read for launch in traced.launches
-                          for name in ("cos_ptr", "sin_ptr") if name in launch.per_tensor)
-        once = x.shape[0] * x.shape[2] * 2 * cos.shape[-1] * cos.element_size()
-        if table_reads > once:
-            raise AssertionError(f"the kernel read {table_reads:,} bytes of cos/sin, {table_reads / once:.0f}x "
-                                 "one row per token: load the row once and use it for every head")
-        return out
-
-    return rope_tokens
-
-
-def rope_reference(x, cos, sin):
-    half = x.shape[-1] // 2
-    c1, c2, s1, s2 = cos[:, :half], cos[:, half:], sin[:, :half], sin[:, half:]
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * c1 - x2 * s1, x2 * c2 + x1 * s2), dim=-1)
-
-
-def rope_cases(gen):
-    cases = []
-    for (b, h, t, d), dtype in [((2, 3, 5, 32), torch.float32), ((1, 5, 7, 16), torch.bfloat16),
-                                ((3, 1, 2, 64), torch.float32)]:
-        x = torch.randn(b, h, t, d, generator=gen).to(dtype)
-        cos, sin = torch.randn(t, d, generator=gen), torch.randn(t, d, generator=gen)
-        cases.append((x.to(DEVICE), cos.to(DEVICE), sin.to(DEVICE)))
-    return cases
+def check_rope_tokens(kernel) -> Verdict:
+    """Exercise 1's check, as the notebook's check cell makes it."""
+    return check("ch06_fused_ops.rope_token_kernel", given.rope_tokens_with(kernel), given.rope_reference,
+                 given.rope_cases, out=True, rules=given.rope_token_rules(), diagnose=given.diagnose_rope_tokens,
+                 traffic=given.rope_token_traffic())
 
 
 @triton.jit
@@ -127,20 +115,109 @@ def rope_unmasked_heads_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_heads, seq_le
     tl.store(out_ptr + rows[:, None] + HALF + j[None, :], (x2 * c2 + x1 * s2).to(out_ptr.dtype.element_ty))
 
 
-def test_rope_token_kernel_solution_is_solved():
-    assert check("ch06.rope_token_kernel", rope_tokens_with(solutions.rope_token_kernel), rope_reference, rope_cases,
-                 out=True).solved
+@triton.jit
+def rope_kernel_with(x_ptr, cos_ptr, sin_ptr, out_ptr, n_heads, seq_len, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                     BUG: tl.constexpr):
+    # The solution's kernel with one planted mistake (BUG): 1 the rotation the other way, 2 the halves
+    # stored swapped, 3 the second store's offset missing + HALF, 4 cos and sin swapped.
+    token = tl.program_id(0)
+    b = token // seq_len
+    t = token % seq_len
+    j = tl.arange(0, HALF)
+    table = t.to(tl.int64) * (2 * HALF)
+    c1 = tl.load(cos_ptr + table + j).to(tl.float32)[None, :]
+    c2 = tl.load(cos_ptr + table + HALF + j).to(tl.float32)[None, :]
+    s1 = tl.load(sin_ptr + table + j).to(tl.float32)[None, :]
+    s2 = tl.load(sin_ptr + table + HALF + j).to(tl.float32)[None, :]
+    if BUG == 4:
+        c1, c2, s1, s2 = s1, s2, c1, c2
+    heads = tl.arange(0, BLOCK_H)
+    mask = (heads < n_heads)[:, None]
+    rows = ((b * n_heads + heads).to(tl.int64) * seq_len + t) * (2 * HALF)
+    x1 = tl.load(x_ptr + rows[:, None] + j[None, :], mask=mask).to(tl.float32)
+    x2 = tl.load(x_ptr + rows[:, None] + HALF + j[None, :], mask=mask).to(tl.float32)
+    y1 = x1 * c1 - x2 * s1
+    y2 = x2 * c2 + x1 * s2
+    if BUG == 1:
+        y1 = x1 * c1 + x2 * s1
+        y2 = x2 * c2 - x1 * s2
+    if BUG == 2:
+        y1, y2 = y2, y1
+    second = rows[:, None] + HALF + j[None, :]
+    if BUG == 3:
+        second = rows[:, None] + j[None, :]
+    tl.store(out_ptr + rows[:, None] + j[None, :], y1.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + second, y2.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def planted(bug: int):
+    """``rope_kernel_with`` with ``BUG`` fixed, indexable by a grid as the launcher indexes a kernel."""
+
+    class Planted:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: rope_kernel_with[grid](*args, **kw, BUG=bug)
+
+    return Planted()
+
+
+@triton.jit
+def rope_in_bf16_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_heads, seq_len, HALF: tl.constexpr,
+                        BLOCK_H: tl.constexpr):
+    # Computes in x's dtype: the table and x never upcast (bf16 arithmetic for the bf16 case).
+    token = tl.program_id(0)
+    b = token // seq_len
+    t = token % seq_len
+    j = tl.arange(0, HALF)
+    table = t.to(tl.int64) * (2 * HALF)
+    c1 = tl.load(cos_ptr + table + j).to(x_ptr.dtype.element_ty)[None, :]
+    c2 = tl.load(cos_ptr + table + HALF + j).to(x_ptr.dtype.element_ty)[None, :]
+    s1 = tl.load(sin_ptr + table + j).to(x_ptr.dtype.element_ty)[None, :]
+    s2 = tl.load(sin_ptr + table + HALF + j).to(x_ptr.dtype.element_ty)[None, :]
+    heads = tl.arange(0, BLOCK_H)
+    mask = (heads < n_heads)[:, None]
+    rows = ((b * n_heads + heads).to(tl.int64) * seq_len + t) * (2 * HALF)
+    x1 = tl.load(x_ptr + rows[:, None] + j[None, :], mask=mask)
+    x2 = tl.load(x_ptr + rows[:, None] + HALF + j[None, :], mask=mask)
+    tl.store(out_ptr + rows[:, None] + j[None, :], x1 * c1 - x2 * s1, mask=mask)
+    tl.store(out_ptr + rows[:, None] + HALF + j[None, :], x2 * c2 + x1 * s2, mask=mask)
+
+
+def test_rope_token_kernel_solution_is_solved_with_its_rule_and_traffic():
+    verdict = check_rope_tokens(solutions.rope_token_kernel)
+    assert verdict.solved, verdict.message
+    assert "rules kept: the token's table row read once for all its heads" in flat(verdict.message)
+    # The last case: 3 sequences share one (2, 64) table, read once per sequence: 1.5x the ideal.
+    assert verdict.traffic.reread["cos"] == 3.0 and verdict.traffic.reread["x"] == 1.0
+    assert ("traffic: 1.50× the ideal bytes (6.14 kB moved, 4.1 kB ideal; the ladder's top moves 1.00×) — cos read "
+            "3.00× its size, sin 3.00×: the (T, D) tables are read once per sequence of the batch (3×)") in flat(
+        verdict.message)
 
 
 @pytest.mark.parametrize(("kernel", "diagnosis"), [
-    (rope_stub_kernel, "never written"),
-    (rope_per_head_kernel, "bytes of cos/sin"),
-    (rope_one_half_table_kernel, "wrong values"),
-    (rope_unmasked_heads_kernel, "out of bounds"),
-], ids=["stub", "table per head", "one half of the table", "unmasked heads"])
+    (rope_stub_kernel, ["never written"]),
+    (rope_per_head_kernel, ["broke a stated rule — the token's table row read once for all its heads: the kernel read",
+                            "one row of each per token: load the token's row once and use it for every head"]),
+    (rope_one_half_table_kernel, ["cause: the second half used the first half of the tables (c1, s1)"]),
+    (rope_unmasked_heads_kernel, ["out of bounds"]),
+    (planted(1), ["cause: the rotation runs the other way (the sin terms' signs flipped)"]),
+    (planted(2), ["cause: the two halves are stored swapped"]),
+    (planted(4), ["cause: cos and sin are swapped"]),
+    (rope_in_bf16_kernel, ["case 2 of 3", "cause: this is the bf16 case (the fp32 case before it passed)",
+                           "compute in fp32 and round once at the store"]),
+], ids=["stub", "table per head", "one half of the table", "unmasked heads", "opposite rotation", "halves swapped",
+        "cos and sin swapped", "bf16 arithmetic"])
 def test_rope_token_kernel_negative_controls(kernel, diagnosis):
-    verdict = check("ch06.rope_token_kernel", rope_tokens_with(kernel), rope_reference, rope_cases, out=True)
-    assert not verdict.solved and diagnosis in verdict.message, verdict.message
+    assert_not_solved(check_rope_tokens(kernel), *diagnosis)
+
+
+def test_rope_token_kernel_second_store_offset_is_named_not_the_grid():
+    verdict = check_rope_tokens(planted(3))
+    lines, start = inspect.getsourcelines(rope_kernel_with.fn)
+    second = [start + i for i, line in enumerate(lines) if "tl.store(" in line][1]
+    assert_not_solved(verdict, f"the store at line {second} of rope_kernel_with wrote over what the store at line",
+                      f"check the offsets of the store at line {second} of rope_kernel_with",
+                      "no program stored to columns 16..31 (every row)")
+    assert "grid" not in verdict.message, verdict.message
 
 
 # ----------------------------------------------------------------------------------------------
@@ -148,39 +225,70 @@ def test_rope_token_kernel_negative_controls(kernel, diagnosis):
 # ----------------------------------------------------------------------------------------------
 
 
-def rope_backward_by_autograd(grad, cos, sin):
-    x = torch.zeros(grad.shape, dtype=torch.float64, device=grad.device, requires_grad=True)
-    (dx,) = torch.autograd.grad(rope_reference(x, cos.double(), sin.double()), x, grad.double())
-    return dx
+def check_rope_backward(candidate) -> Verdict:
+    return check("ch06_fused_ops.rope_backward", candidate, given.rope_backward_reference, given.rope_backward_cases,
+                 rules=given.rope_backward_rules(), diagnose=given.diagnose_rope_backward,
+                 traffic=given.rope_backward_traffic())
 
 
-def rope_backward_cases(gen):
-    cases = []
-    for shape, dtype in [((2, 3, 5, 16), torch.float32), ((1, 4, 6, 32), torch.bfloat16)]:
-        t, d = shape[2], shape[3]
-        grad = torch.randn(shape, generator=gen).to(dtype)
-        cases.append((grad.to(DEVICE), torch.randn(t, d, generator=gen).to(DEVICE, dtype),
-                      torch.randn(t, d, generator=gen).to(DEVICE, dtype)))
-    return cases
+def halves(t):
+    return t[..., : t.shape[-1] // 2], t[..., t.shape[-1] // 2 :]
 
 
 def backward_with_the_forward_rotation(grad, cos, sin):
-    return rope_reference(grad.float(), cos.float(), sin.float()).to(grad.dtype)
+    return given.rope_reference(grad.float(), cos.float(), sin.float()).to(grad.dtype)
 
 
 def backward_rotating_by_minus_sin(grad, cos, sin):
     # the inverse rotation: right for HF's tables (c1 = c2, s1 = s2), wrong for general ones
-    half = grad.shape[-1] // 2
-    g1, g2 = grad.float()[..., :half], grad.float()[..., half:]
-    c, s = cos.float()[:, :half], sin.float()[:, :half]
+    (g1, g2), c, s = halves(grad.float()), cos.float()[:, : grad.shape[-1] // 2], sin.float()[:, : grad.shape[-1] // 2]
     return torch.cat((g1 * c + g2 * s, g2 * c - g1 * s), -1).to(grad.dtype)
 
 
-def test_rope_backward_solution_and_negative_controls():
-    assert check("ch06.rope_backward", solutions.rope_backward, rope_backward_by_autograd, rope_backward_cases).solved
-    for wrong in (backward_with_the_forward_rotation, backward_rotating_by_minus_sin):
-        verdict = check("ch06.rope_backward", wrong, rope_backward_by_autograd, rope_backward_cases)
-        assert not verdict.solved and "wrong values" in verdict.message, verdict.message
+def backward_with_the_sines_swapped(grad, cos, sin):
+    (g1, g2), (c1, c2), (s1, s2) = halves(grad.float()), halves(cos.float()), halves(sin.float())
+    return torch.cat((g1 * c1 + g2 * s1, g2 * c2 - g1 * s2), -1).to(grad.dtype)
+
+
+def backward_in_bf16(grad, cos, sin):
+    # The right formula, never upcast: every product and sum rounded to bf16.
+    (g1, g2), (c1, c2), (s1, s2) = halves(grad), halves(cos), halves(sin)
+    return torch.cat((g1 * c1 + g2 * s2, g2 * c2 - g1 * s1), -1)
+
+
+def test_rope_backward_solution_is_solved_with_its_rule_and_traffic():
+    verdict = check_rope_backward(solutions.rope_backward)
+    assert verdict.solved, verdict.message
+    assert "rules kept: compute in fp32, return grad's dtype" in flat(verdict.message)
+    assert verdict.traffic.ratio > 3  # torch's ops each write and re-read: the lesson of the fused kernel
+    assert "each torch op writes its result and the next reads it back" in flat(verdict.message)
+
+
+@pytest.mark.parametrize(("wrong", "cause"), [
+    (backward_with_the_forward_rotation, "cause: that is the forward rotation again"),
+    (backward_rotating_by_minus_sin, "cause: the rotation by the opposite angle with the tables' first halves is right "
+                                     "only for HF's tables"),
+    (backward_with_the_sines_swapped, "cause: the sines are swapped"),
+], ids=["forward rotation", "HF's inverse", "sines swapped"])
+def test_rope_backward_negative_controls(wrong, cause):
+    assert_not_solved(check_rope_backward(wrong), cause)
+
+
+def test_rope_backward_in_bf16_breaks_the_fp32_rule():
+    # bf16 arithmetic passes bf16's value tolerance often; the rule (each element within one bf16 step of
+    # the exact gradient) catches it on every draw, and the verdict says the arithmetic ran in bf16.
+    for _ in range(3):
+        verdict = check_rope_backward(backward_in_bf16)
+        assert not verdict.solved and "case 2 of 2" in verdict.message, verdict.message
+        assert ("broke a stated rule — compute in fp32, return grad's dtype" in flat(verdict.message)
+                or "cause: the arithmetic ran in bfloat16" in flat(verdict.message)), verdict.message
+        assert "the low precision" in flat(verdict.message) or "ran in bfloat16" in flat(verdict.message)
+
+
+def test_the_fp32_rule_holds_for_the_solution_on_many_draws(gen):
+    for _ in range(20):
+        for case in given.rope_backward_cases(gen):
+            assert given._fp32_then_rounded(case, solutions.rope_backward(*case)) is None
 
 
 def test_rope_backward_matches_the_kernels_backward(gen):
@@ -198,23 +306,9 @@ def test_rope_backward_matches_the_kernels_backward(gen):
 # ----------------------------------------------------------------------------------------------
 
 
-def chunk_by_autograd(x, weight, target, n_valid, ignore_index=-100):
-    x64, w64 = x.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
-    losses = F.cross_entropy(x64 @ w64.T, target, ignore_index=ignore_index, reduction="none")
-    share = losses.sum() / n_valid
-    grad_x, grad_w = torch.autograd.grad(share, (x64, w64))
-    return share.detach(), grad_x, grad_w
-
-
-def chunk_cases(gen):
-    cases = []
-    for rows, hidden, vocab, n_valid in [(8, 16, 50, 20), (5, 24, 97, 5), (6, 8, 33, 31)]:
-        x = torch.randn(rows, hidden, generator=gen)
-        weight = torch.randn(vocab, hidden, generator=gen) * 0.3
-        target = torch.randint(0, vocab, (rows,), generator=gen)
-        target[1] = -100
-        cases.append((x.to(DEVICE), weight.to(DEVICE), target.to(DEVICE), n_valid))
-    return cases
+def check_chunk(candidate) -> Verdict:
+    return check("ch06_fused_ops.fused_linear_ce_chunk", candidate, given.chunk_reference, given.chunk_cases,
+                 rtol=1e-5, atol=1e-6, tolerance=given.chunk_tolerance, diagnose=given.diagnose_chunk)
 
 
 def chunk_over_its_own_rows(x, weight, target, n_valid, ignore_index=-100):
@@ -227,13 +321,38 @@ def chunk_counting_ignored_rows(x, weight, target, n_valid, ignore_index=-100):
     return solutions.fused_linear_ce_chunk(x, weight, safe, n_valid, ignore_index)
 
 
-def test_fused_chunk_solution_and_negative_controls():
-    kwargs = dict(rtol=1e-5, atol=1e-6)
-    assert check("ch06.fused_linear_ce_chunk", solutions.fused_linear_ce_chunk, chunk_by_autograd, chunk_cases,
-                 **kwargs).solved
-    for wrong in (chunk_over_its_own_rows, chunk_counting_ignored_rows):
-        verdict = check("ch06.fused_linear_ce_chunk", wrong, chunk_by_autograd, chunk_cases, **kwargs)
-        assert not verdict.solved and "wrong value" in verdict.message, verdict.message
+def chunk_without_scaled_gradients(x, weight, target, n_valid, ignore_index=-100):
+    share, grad_x, grad_w = solutions.fused_linear_ce_chunk(x, weight, target, n_valid, ignore_index)
+    return share, grad_x * n_valid, grad_w * n_valid
+
+
+def chunk_with_a_naive_softmax(x, weight, target, n_valid, ignore_index=-100):
+    z = x.float() @ weight.float().T
+    p = torch.exp(z) / torch.exp(z).sum(dim=-1, keepdim=True)  # overflows at logits above ~88
+    valid = target != ignore_index
+    safe = torch.where(valid, target, torch.zeros_like(target))
+    nll = -torch.log(p.gather(1, safe[:, None]).squeeze(1))
+    share = torch.where(valid, nll, torch.zeros_like(nll)).sum() / n_valid
+    g = p.clone()
+    g[torch.arange(len(safe)), safe] -= 1.0
+    g = torch.where(valid[:, None], g, torch.zeros_like(g)) / n_valid
+    return share, g @ weight.float(), g.T @ x.float()
+
+
+def test_fused_chunk_solution_is_solved():
+    for _ in range(10):  # fresh draws: the case with logits in the hundreds rounds differently on each
+        verdict = check_chunk(solutions.fused_linear_ce_chunk)
+        assert verdict.solved, verdict.message
+
+
+@pytest.mark.parametrize(("wrong", "cause"), [
+    (chunk_over_its_own_rows, "cause: divided by the chunk's own"),
+    (chunk_counting_ignored_rows, "cause: the ignored rows (target = ignore_index) are counted"),
+    (chunk_without_scaled_gradients, "cause: the gradients miss the 1 / n_valid the loss share has"),
+    (chunk_with_a_naive_softmax, "cause: NaN/inf: the logits reach"),
+], ids=["own rows", "ignored rows counted", "unscaled gradients", "naive softmax"])
+def test_fused_chunk_negative_controls(wrong, cause):
+    assert_not_solved(check_chunk(wrong), cause)
 
 
 def test_chunks_add_up_to_the_batch_loss(gen):
@@ -255,21 +374,13 @@ def test_chunks_add_up_to_the_batch_loss(gen):
 # ----------------------------------------------------------------------------------------------
 
 
-def chunk_by_search(budget_bytes, bytes_per_row, n_rows):
-    best, c = 1, 1
-    while c <= triton.next_power_of_2(max(1, n_rows)):
-        if c * bytes_per_row <= budget_bytes:
-            best = c
-        c *= 2
-    return best
-
-
-BUDGET_CASES = [(1 << 20, 4096, 10_000), (4095, 4096, 10), (10**9, 512, 100), (3 * 4096, 4096, 64),
-                (0, 100, 5), (1 << 16, 256, 1)]
+def check_chunk_size(candidate) -> Verdict:
+    return check("ch06_fused_ops.chunk_size_for_budget", candidate, given.chunk_by_search, given.BUDGET_CASES,
+                 diagnose=given.diagnose_chunk_size)
 
 
 def rounds_up(budget_bytes, bytes_per_row, n_rows):
-    return triton.next_power_of_2(max(1, budget_bytes // bytes_per_row))
+    return min(triton.next_power_of_2(max(1, budget_bytes // bytes_per_row)), triton.next_power_of_2(n_rows))
 
 
 def no_floor(budget_bytes, bytes_per_row, n_rows):
@@ -282,8 +393,31 @@ def no_cap(budget_bytes, bytes_per_row, n_rows):
     return 1 << (fit.bit_length() - 1)
 
 
-def test_chunk_size_for_budget_solution_and_negative_controls():
-    assert check("ch06.chunk_size_for_budget", solutions.chunk_size_for_budget, chunk_by_search, BUDGET_CASES).solved
-    for wrong in (rounds_up, no_floor, no_cap):
-        verdict = check("ch06.chunk_size_for_budget", wrong, chunk_by_search, BUDGET_CASES)
-        assert not verdict.solved and "wrong value" in verdict.message, (wrong.__name__, verdict.message)
+def by_float_log2(budget_bytes, bytes_per_row, n_rows):
+    import math
+
+    fit = max(1, budget_bytes // bytes_per_row)
+    return min(1 << int(math.log2(fit)), triton.next_power_of_2(n_rows))
+
+
+def as_a_float(budget_bytes, bytes_per_row, n_rows):
+    import math
+
+    fit = max(1, budget_bytes // bytes_per_row)
+    return min(2.0 ** math.floor(math.log2(fit)), triton.next_power_of_2(n_rows))
+
+
+def test_chunk_size_for_budget_solution_is_solved():
+    verdict = check_chunk_size(solutions.chunk_size_for_budget)
+    assert verdict.solved, verdict.message
+
+
+@pytest.mark.parametrize(("wrong", "cause"), [
+    (rounds_up, "cause: rounded up to a power of two"),
+    (no_floor, "cause: 0 rows when the budget holds less than one"),
+    (no_cap, "cause: not capped at the next power of two of n_rows"),
+    (by_float_log2, "cause: the float log2 rounded up a power of two past 2**53"),
+    (as_a_float, "expected an exact int, got float"),
+], ids=["rounds up", "no floor", "no cap", "float log2", "a float"])
+def test_chunk_size_for_budget_negative_controls(wrong, cause):
+    assert_not_solved(check_chunk_size(wrong), cause)

@@ -1,8 +1,9 @@
 """Chapter 07's solutions pass the checker on fresh inputs; wrong variants of each do not.
 
-Each exercise is checked as the notebook checks it (same launcher, same kind of cases), once with
-the solution (SOLVED) and once per negative control — a plausible wrong answer the checker must
-reject, with the diagnosis it must give.
+Each exercise is checked exactly as the notebook checks it — the chapter's givens in
+``solutions/ch07_flash_attention.py``: its reference, cases (adversarial ones included), stated
+rules, diagnosis and traffic verdict — once with the solution (SOLVED) and once per negative
+control: a plausible wrong answer the checker must reject, with the verdict naming its cause.
 """
 
 from __future__ import annotations
@@ -15,14 +16,24 @@ import triton
 import triton.language as tl
 
 import kernel_ladder
+from solutions import ch07_flash_attention as given
 from solutions import ch07_flash_attention as solutions
 from solutions.ch07_flash_attention import kv_head_index as solution_kv_head_index
-from utils.exercises import check
-from utils.trace import trace
+from utils.exercises import Verdict, check
 
 pytestmark = pytest.mark.interpreter  # the traffic checks and diagnoses need the interpreter
 
 DEVICE = kernel_ladder.runtime.DEVICE
+
+
+def flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+def assert_not_solved(verdict: Verdict, *fragments: str) -> None:
+    assert not verdict.solved, verdict.message
+    for fragment in fragments:
+        assert flat(fragment) in flat(verdict.message), f"{fragment!r} not in:\n{verdict.message}"
 
 
 def attention_reference(q, k, v):
@@ -36,42 +47,17 @@ def attention_reference(q, k, v):
 # ----------------------------------------------------------------------------------------------
 
 
-def fold_with(update):
-    def fold_tiles(scores, v, widths):
-        rows = scores.shape[0]
-        m = torch.full((rows,), float("-inf"), dtype=scores.dtype)
-        l = torch.zeros(rows, dtype=scores.dtype)
-        acc = torch.zeros(rows, v.shape[1], dtype=scores.dtype)
-        start = 0
-        for width in widths:
-            m, l, acc = update(m, l, acc, scores[:, start:start + width], v[start:start + width])
-            start += width
-        return acc / l[:, None], m + torch.log(l)
-
-    return fold_tiles
-
-
-def fold_reference(scores, v, widths):
-    return torch.softmax(scores, dim=1) @ v, torch.logsumexp(scores, dim=1)
-
-
-def fold_cases(gen):
-    cases = []
-    for rows, widths, dims in ((4, [8, 8], 8), (6, [5, 16, 3], 16), (3, [1, 7, 32, 2], 4)):
-        total = sum(widths)
-        scores = torch.randn(rows, total, generator=gen) * 3
-        scores[:, :widths[0]] += 8.0
-        scores[0, -widths[-1]:] += 12.0
-        scores[1, 1::3] = float("-inf")
-        scores[2, :widths[0]] = float("-inf")  # row 2 sees no key of the first tile
-        cases.append((scores, torch.randn(total, dims, generator=gen), widths))
-    return cases
+def check_fold(update) -> Verdict:
+    """Exercise 1's check, as the notebook's check cell makes it."""
+    return check("ch07_flash_attention.online_softmax_update", given.fold_tiles_with(update), given.fold_reference,
+                 given.fold_cases, rules=given.online_softmax_rules(update), diagnose=given.diagnose_fold)
 
 
 def update_without_rescaling_acc(m, l, acc, scores, v):
     m_new = torch.maximum(m, scores.amax(dim=1))
-    alpha = torch.exp(m - m_new)
-    p = torch.exp(scores - m_new[:, None])
+    safe = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
+    alpha = torch.exp(m - safe)
+    p = torch.exp(scores - safe[:, None])
     return m_new, l * alpha + p.sum(dim=1), acc + p @ v  # acc still relative to the old maximum
 
 
@@ -84,21 +70,69 @@ def update_without_the_infinity_guard(m, l, acc, scores, v):
 
 def update_with_the_tile_maximum(m, l, acc, scores, v):
     tile_max = scores.amax(dim=1)  # each tile's terms relative to its own maximum: not one scale
-    p = torch.exp(scores - tile_max[:, None])
+    safe = torch.where(tile_max == float("-inf"), torch.zeros_like(tile_max), tile_max)
+    p = torch.exp(scores - safe[:, None])
     return torch.maximum(m, tile_max), l + p.sum(dim=1), acc + p @ v
 
 
+def update_with_the_tile_overflowing(m, l, acc, scores, v):
+    # Rescales towards each tile's own maximum: exp(m - tile_max) overflows when the maximum falls by 190.
+    tile = scores.amax(dim=1)
+    safe = torch.where(tile == float("-inf"), torch.zeros_like(tile), tile)
+    old = torch.where(m == float("-inf"), torch.zeros_like(m), m)
+    alpha = torch.where(m == float("-inf"), torch.zeros_like(m), torch.exp(old - safe))
+    p = torch.exp(scores - safe[:, None])
+    m_new = torch.maximum(m, tile)
+    beta = torch.exp(safe - torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new))
+    return m_new, (l * alpha + p.sum(1)) * beta, (acc * alpha[:, None] + p @ v) * beta[:, None]
+
+
+def update_clamping_the_maximum_at_zero(m, l, acc, scores, v):
+    # The -inf guard as a clamp: a row whose scores are all near -250 underflows to l = 0.
+    m_new = torch.clamp(torch.maximum(m, scores.amax(dim=1)), min=0.0)
+    old = torch.clamp(m, min=0.0)
+    alpha = torch.exp(old - m_new)
+    p = torch.exp(scores - m_new[:, None])
+    return m_new, l * alpha + p.sum(1), acc * alpha[:, None] + p @ v
+
+
+def update_without_rescaling_l(m, l, acc, scores, v):
+    m_new = torch.maximum(m, scores.amax(dim=1))
+    safe = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
+    alpha = torch.exp(m - safe)
+    p = torch.exp(scores - safe[:, None])
+    return m_new, l + p.sum(dim=1), acc * alpha[:, None] + p @ v
+
+
+def update_in_a_loop(m, l, acc, scores, v):
+    m_new, l_new, acc_new = m.clone(), l.clone(), acc.clone()
+    for row in range(scores.shape[0]):  # right values, row by row: the spec says no loops
+        outs = solutions.online_softmax_update(m[row:row + 1], l[row:row + 1], acc[row:row + 1],
+                                               scores[row:row + 1], v)
+        m_new[row], l_new[row], acc_new[row] = outs[0][0], outs[1][0], outs[2][0]
+    return m_new, l_new, acc_new
+
+
 def test_online_softmax_update_solution_solves():
-    assert check("ch07.online_softmax_update", fold_with(solutions.online_softmax_update), fold_reference,
-                 fold_cases).solved
+    verdict = check_fold(solutions.online_softmax_update)
+    assert verdict.solved, verdict.message
+    assert "rules kept: no Python loops" in flat(verdict.message)
 
 
-@pytest.mark.parametrize(("wrong", "diagnosis"), [(update_without_rescaling_acc, "wrong"),
-                                                  (update_with_the_tile_maximum, "wrong"),
-                                                  (update_without_the_infinity_guard, "NaN")])
-def test_online_softmax_update_negative_controls(wrong, diagnosis):
-    verdict = check("ch07.online_softmax_update", fold_with(wrong), fold_reference, fold_cases)
-    assert not verdict.solved and diagnosis in verdict.message, verdict.message
+@pytest.mark.parametrize(("wrong", "cause"), [
+    (update_without_rescaling_acc, "cause: acc is not rescaled"),
+    (update_without_rescaling_l, "cause: l is not rescaled"),
+    (update_with_the_tile_maximum, "cause: each tile's terms are taken against the tile's own maximum"),
+    (update_without_the_infinity_guard, "cause: row 2 sees no key in the first tile (all −inf), and "
+                                        "exp(−inf − (−inf)) is NaN"),
+    (update_with_the_tile_overflowing, "cause: row 0's maximum falls by"),
+    (update_clamping_the_maximum_at_zero, "cause: row 1's scores are all near -2"),
+    (update_in_a_loop, "broke a stated rule — torch, no loops (one tile's update is tensor ops): a Python for "
+                       "loop at line"),
+], ids=["acc unrescaled", "l unrescaled", "tile maximum", "no -inf guard", "overflow when the max falls",
+        "max clamped at 0", "a loop"])
+def test_online_softmax_update_negative_controls(wrong, cause):
+    assert_not_solved(check_fold(wrong), cause)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -106,30 +140,75 @@ def test_online_softmax_update_negative_controls(wrong, diagnosis):
 # ----------------------------------------------------------------------------------------------
 
 
-def forward_with(kernel):
-    def flash_forward(q, k, v, out, lse):
-        with trace() as traced:
-            solutions.launch_flash_forward(kernel, q, k, v, out, lse)
-        kv_read = sum(launch.per_tensor[name].bytes_read for launch in traced.launches
-                      for name in ("k_ptr", "v_ptr") if name in launch.per_tensor)
-        once = triton.cdiv(q.shape[1], 16) * (k.numel() + v.numel()) * k.element_size()
-        if kv_read > once:
-            raise AssertionError(f"the kernel read {kv_read:,} bytes of k and v, {kv_read / once:.1f}x once per "
-                                 "query block: one pass over the keys, the softmax rescaled as it goes")
-        return out, lse
-
-    return flash_forward
+def check_forward(kernel) -> Verdict:
+    """Exercise 2's check, as the notebook's check cell makes it."""
+    return check("ch07_flash_attention.flash_forward_kernel", given.flash_forward_with(kernel),
+                 given.forward_reference, given.forward_cases, out=True, tolerance=given.forward_tolerance,
+                 rules=given.flash_forward_rules(), diagnose=given.diagnose_flash_forward,
+                 traffic=given.flash_forward_traffic())
 
 
-def forward_cases(gen):
-    cases = []
-    for heads, seq_q, seq_k, dims, dtype in ((1, 16, 16, 16, torch.float32), (3, 37, 45, 32, torch.float32),
-                                             (2, 20, 7, 64, torch.bfloat16), (2, 5, 50, 16, torch.bfloat16)):
-        q = torch.randn(heads, seq_q, dims, generator=gen)
-        k = torch.randn(heads, seq_k, dims, generator=gen) * 2
-        v = torch.randn(heads, seq_k, dims, generator=gen)
-        cases.append(tuple(t.to(DEVICE, dtype) for t in (q, k, v)))
-    return cases
+@triton.jit
+def forward_kernel_with(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, seq_q, seq_k, scale,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BUG: tl.constexpr):
+    # The online-softmax forward with one planted mistake (BUG): 1 no scale, 2 acc not rescaled, 3 the key
+    # mask one too far, 4 lse in base 2, 5 K not transposed, 6 rescaled towards the tile's own maximum.
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + bh * seq_q * HEAD_DIM + rows[:, None] * HEAD_DIM + d[None, :], mask=rows[:, None] < seq_q,
+                other=0.0)
+    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    bound = seq_k + 1 if BUG == 3 else seq_k
+    for start_n in range(0, seq_k, BLOCK_N):
+        keys = start_n + tl.arange(0, BLOCK_N)
+        k = tl.load(k_ptr + bh * seq_k * HEAD_DIM + keys[:, None] * HEAD_DIM + d[None, :],
+                    mask=keys[:, None] < bound, other=0.0)
+        v = tl.load(v_ptr + bh * seq_k * HEAD_DIM + keys[:, None] * HEAD_DIM + d[None, :],
+                    mask=keys[:, None] < bound, other=0.0)
+        if BUG == 5:
+            s = tl.dot(q, k)
+        else:
+            s = tl.dot(q, tl.trans(k))
+        if BUG != 1:
+            s = s * scale
+        s = tl.where(keys[None, :] < bound, s, float("-inf"))
+        tile_max = tl.max(s, axis=1)
+        m_new = tl.maximum(m, tile_max)
+        if BUG == 6:
+            alpha = tl.exp(m - tile_max)  # towards the tile's own maximum: overflows when the maximum falls
+            p = tl.exp(s - tile_max[:, None])
+            l = l * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            beta = tl.exp(tile_max - m_new)
+            l = l * beta
+            acc = acc * beta[:, None]
+        else:
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l = l * alpha + tl.sum(p, axis=1)
+            if BUG == 2:
+                acc = acc + tl.dot(p.to(v.dtype), v)
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    tl.store(out_ptr + bh * seq_q * HEAD_DIM + rows[:, None] * HEAD_DIM + d[None, :],
+             (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=rows[:, None] < seq_q)
+    lse = m + tl.log(l)
+    if BUG == 4:
+        lse = lse * 1.4426950408889634
+    tl.store(lse_ptr + bh * seq_q + rows, lse, mask=rows < seq_q)
+
+
+def planted_forward(bug: int):
+    class Planted:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: forward_kernel_with[grid](*args, **kw, BUG=bug)
+
+    return Planted()
 
 
 @triton.jit
@@ -199,20 +278,40 @@ def unmasked_keys_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, seq_q, seq_k, sc
     tl.store(lse_ptr + bh * seq_q + rows, m + tl.log(l), mask=rows < seq_q)
 
 
-def test_flash_forward_solution_solves():
-    assert check("ch07.flash_forward_kernel", forward_with(solutions.flash_forward_kernel), attention_reference,
-                 forward_cases, out=True).solved
+def test_flash_forward_solution_solves_with_its_rule_and_traffic():
+    verdict = check_forward(solutions.flash_forward_kernel)
+    assert verdict.solved, verdict.message
+    assert "rules kept: one pass over the keys" in flat(verdict.message)
+    # The last case: 40 queries, 3 query blocks of 16: K and V read 3 times.
+    assert verdict.traffic.reread["k"] == 3.0 and verdict.traffic.reread["v"] == 3.0
+    assert verdict.traffic.top is not None and verdict.traffic.top > verdict.traffic.ideal
+    assert ("k read 3.00× its size, v 3.00×: K and V are read once per query block of 16 (3 blocks)"
+            in flat(verdict.message))
 
 
-def test_flash_forward_two_passes_are_refused_for_their_traffic():
-    verdict = check("ch07.flash_forward_kernel", forward_with(two_pass_kernel), attention_reference, forward_cases,
-                    out=True)
-    assert not verdict.solved and "one pass over the keys" in verdict.message, verdict.message
+def test_the_planted_kernel_without_a_bug_is_the_solution():
+    assert check_forward(planted_forward(0)).solved
+
+
+@pytest.mark.parametrize(("bug", "cause"), [
+    (1, "cause: the scores miss the scale 1/√D"),
+    (2, "cause: acc is not rescaled when the maximum moves"),
+    (3, "cause: the key mask lets key seq_k in"),
+    (4, "cause: lse is in base 2"),
+    (5, "cause: K is not transposed"),
+    (6, "cause: NaN/inf where a row's maximum falls by more than 80 after the first key tile"),
+], ids=["no scale", "acc unrescaled", "mask one too far", "lse base 2", "K not transposed", "tile maximum"])
+def test_flash_forward_negative_controls(bug, cause):
+    assert_not_solved(check_forward(planted_forward(bug)), cause)
+
+
+def test_flash_forward_two_passes_break_the_one_pass_rule():
+    assert_not_solved(check_forward(two_pass_kernel), "broke a stated rule — one pass over the keys (k and v read "
+                                                      "once per query block): the kernel read")
 
 
 def test_flash_forward_unmasked_keys_are_wrong_values():
-    verdict = check("ch07.flash_forward_kernel", forward_with(unmasked_keys_kernel), attention_reference,
-                    forward_cases, out=True)
+    verdict = check_forward(unmasked_keys_kernel)
     assert not verdict.solved and "wrong" in verdict.message, verdict.message
 
 
@@ -221,16 +320,9 @@ def test_flash_forward_unmasked_keys_are_wrong_values():
 # ----------------------------------------------------------------------------------------------
 
 
-def blocks_by_scan(start_m, BLOCK_M, BLOCK_N, seq_q, seq_k, window=None):
-    offset = seq_k - seq_q
-    keys = [j for i in range(start_m, min(start_m + BLOCK_M, seq_q)) for j in range(seq_k)
-            if j <= i + offset and (window is None or j > i + offset - window)]
-    return (0, 0) if not keys else (min(keys) // BLOCK_N * BLOCK_N, max(keys) + 1)
-
-
-SHAPES = [(16, 16, 64, 64, None), (16, 32, 40, 100, None), (32, 16, 1, 77, None), (16, 16, 50, 20, None),
-          (16, 16, 64, 64, 24), (8, 16, 30, 90, 5), (16, 8, 33, 33, 1), (64, 64, 10, 300, 128)]
-BLOCK_CASES = [(start_m, *shape) for shape in SHAPES for start_m in range(0, shape[2], shape[0])]
+def check_key_blocks(candidate) -> Verdict:
+    return check("ch07_flash_attention.causal_key_blocks", candidate, given.blocks_by_scan, given.BLOCK_CASES,
+                 diagnose=given.diagnose_key_blocks)
 
 
 def top_left_blocks(start_m, BLOCK_M, BLOCK_N, seq_q, seq_k, window=None):
@@ -248,17 +340,45 @@ def blocks_to_the_end(start_m, BLOCK_M, BLOCK_N, seq_q, seq_k, window=None):
     return lo, seq_k  # right answers, every block visited: what skipping is for
 
 
+def blocks_rounded_up(start_m, BLOCK_M, BLOCK_N, seq_q, seq_k, window=None):
+    lo, hi = solutions.causal_key_blocks(start_m, BLOCK_M, BLOCK_N, seq_q, seq_k, window)
+    return lo, -(-hi // BLOCK_N) * BLOCK_N  # a whole last block: the spec wants hi exact
+
+
+def blocks_one_short(start_m, BLOCK_M, BLOCK_N, seq_q, seq_k, window=None):
+    lo, hi = solutions.causal_key_blocks(start_m, BLOCK_M, BLOCK_N, seq_q, seq_k, window)
+    return (lo, hi - 1) if hi else (lo, hi)
+
+
+def blocks_with_the_last_row_unclipped(start_m, BLOCK_M, BLOCK_N, seq_q, seq_k, window=None):
+    last_key = start_m + BLOCK_M - 1 + seq_k - seq_q  # the block's rows past seq_q counted
+    first_key = 0 if window is None else max(0, start_m + seq_k - seq_q - window + 1)
+    return (0, 0) if last_key < first_key else (first_key // BLOCK_N * BLOCK_N, last_key + 1)
+
+
+def blocks_as_floats(start_m, BLOCK_M, BLOCK_N, seq_q, seq_k, window=None):
+    lo, hi = solutions.causal_key_blocks(start_m, BLOCK_M, BLOCK_N, seq_q, seq_k, window)
+    return float(lo), float(hi)
+
+
 def test_causal_key_blocks_solution_solves_and_matches_the_scan_widely():
-    assert check("ch07.causal_key_blocks", solutions.causal_key_blocks, blocks_by_scan, BLOCK_CASES).solved
+    assert check_key_blocks(solutions.causal_key_blocks).solved
     wide = [(m0, bm, bn, tq, tk, w) for bm in (4, 16) for bn in (4, 8) for tq in (1, 5, 33) for tk in (1, 7, 40)
             for w in (None, 1, 3, 50) for m0 in range(0, tq, bm)]
-    assert [solutions.causal_key_blocks(*c) for c in wide] == [blocks_by_scan(*c) for c in wide]
+    assert [solutions.causal_key_blocks(*c) for c in wide] == [given.blocks_by_scan(*c) for c in wide]
 
 
-@pytest.mark.parametrize("wrong", [top_left_blocks, blocks_without_the_window, blocks_to_the_end])
-def test_causal_key_blocks_negative_controls(wrong):
-    verdict = check("ch07.causal_key_blocks", wrong, blocks_by_scan, BLOCK_CASES)
-    assert not verdict.solved and "start_m=" in verdict.message, verdict.message
+@pytest.mark.parametrize(("wrong", "cause"), [
+    (top_left_blocks, "cause: aligned to the top left (j <= i)"),
+    (blocks_without_the_window, "cause: the window is ignored"),
+    (blocks_to_the_end, "cause: every block up to seq_k is visited"),
+    (blocks_rounded_up, "cause: hi is rounded up to a block"),
+    (blocks_one_short, "cause: hi is one short"),
+    (blocks_with_the_last_row_unclipped, "cause: the block's last row is not clipped to seq_q − 1"),
+    (blocks_as_floats, "expected an exact int, got float"),
+], ids=["top left", "no window", "to the end", "hi rounded up", "hi one short", "last row unclipped", "floats"])
+def test_causal_key_blocks_negative_controls(wrong, cause):
+    assert_not_solved(check_key_blocks(wrong), "start_m=", cause)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -291,6 +411,20 @@ def gather_modulo_kernel(k_ptr, out_ptr, n_q_heads, n_kv_heads, SEQ: tl.constexp
     tl.store(out_ptr + (b * n_q_heads + h) * SEQ * HEAD_DIM + tile, keys)
 
 
+@triton.jit
+def kv_head_by_kv_count(q_head, n_q_heads, n_kv_heads):
+    return q_head // n_kv_heads  # divides by the number of kv heads, not the group size
+
+
+@triton.jit
+def gather_by_kv_count_kernel(k_ptr, out_ptr, n_q_heads, n_kv_heads, SEQ: tl.constexpr, HEAD_DIM: tl.constexpr):
+    b, h = tl.program_id(0), tl.program_id(1)
+    kv = kv_head_by_kv_count(h, n_q_heads, n_kv_heads)
+    tile = tl.arange(0, SEQ)[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+    keys = tl.load(k_ptr + (b * n_kv_heads + kv) * SEQ * HEAD_DIM + tile)
+    tl.store(out_ptr + (b * n_q_heads + h) * SEQ * HEAD_DIM + tile, keys)
+
+
 def gather_with(kernel):
     def gather_kv(k, n_q_heads, out):
         batch, n_kv_heads, seq, head_dim = k.shape
@@ -300,20 +434,26 @@ def gather_with(kernel):
     return gather_kv
 
 
-def repeat_kv_reference(k, n_q_heads):
-    return torch.repeat_interleave(k, n_q_heads // k.shape[1], dim=1)
+def check_gather(kernel) -> Verdict:
+    return check("ch07_flash_attention.kv_head_index", gather_with(kernel), given.repeat_kv_reference,
+                 given.gqa_cases, out=True, diagnose=given.diagnose_kv_head_index, traffic=given.gather_traffic())
 
 
-def gqa_cases(gen):
-    return [(torch.randn(batch, kv_heads, 8, 16, generator=gen).to(DEVICE), q_heads)
-            for batch, q_heads, kv_heads in ((1, 8, 2), (2, 4, 1), (1, 6, 3), (1, 4, 4))]
+def test_kv_head_index_solution_solves_with_the_copy_traffic_named():
+    verdict = check_gather(gather_solution_kernel)
+    assert verdict.solved, verdict.message
+    assert verdict.traffic.reread["k"] == 4.0  # the last case: 8 query heads on 2 kv heads
+    assert ("k read 4.00× its size: each key/value head is read once per query head of its group (4×) — what "
+            "repeat_kv's copy costs") in flat(verdict.message)
 
 
-def test_kv_head_index_solution_solves_and_the_modulo_grouping_does_not():
-    assert check("ch07.kv_head_index", gather_with(gather_solution_kernel), repeat_kv_reference, gqa_cases,
-                 out=True).solved
-    verdict = check("ch07.kv_head_index", gather_with(gather_modulo_kernel), repeat_kv_reference, gqa_cases, out=True)
-    assert not verdict.solved and "wrong" in verdict.message, verdict.message
+@pytest.mark.parametrize(("kernel", "cause"), [
+    (gather_modulo_kernel, "cause: query head h read kv head h % n_kv_heads, the interleaved grouping"),
+    (gather_by_kv_count_kernel, "cause: h // n_kv_heads divides by the number of kv heads (4), not by the group "
+                                "size G = n_q_heads // n_kv_heads = 1"),
+], ids=["h % kv_heads", "h // kv_heads"])
+def test_kv_head_index_negative_controls(kernel, cause):
+    assert_not_solved(check_gather(kernel), cause)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -321,22 +461,9 @@ def test_kv_head_index_solution_solves_and_the_modulo_grouping_does_not():
 # ----------------------------------------------------------------------------------------------
 
 
-def backward_by_autograd(q, k, v, do, lse, delta, scale):
-    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    out = torch.softmax(scale * (q @ k.T), dim=-1) @ v
-    return torch.autograd.grad(out, (q, k, v), do)
-
-
-def backward_cases(gen):
-    cases = []
-    for rows, keys, dims in ((8, 8, 16), (5, 13, 32), (16, 3, 8)):
-        q, k, v = (torch.randn(n, dims, generator=gen, dtype=torch.float64) for n in (rows, keys, keys))
-        do = torch.randn(rows, dims, generator=gen, dtype=torch.float64)
-        scale = 1 / math.sqrt(dims)
-        scores = scale * (q @ k.T)
-        out = torch.softmax(scores, dim=-1) @ v
-        cases.append((q, k, v, do, torch.logsumexp(scores, dim=-1), (do * out).sum(-1), scale))
-    return cases
+def check_backward_tile(candidate) -> Verdict:
+    return check("ch07_flash_attention.attention_backward_tile", candidate, given.backward_reference,
+                 given.backward_cases, diagnose=given.diagnose_backward_tile)
 
 
 def backward_without_delta(q, k, v, do, lse, delta, scale):
@@ -350,15 +477,31 @@ def backward_without_the_scale(q, k, v, do, lse, delta, scale):
     return dq / scale, dk / scale, dv
 
 
+def backward_with_p_dO(q, k, v, do, lse, delta, scale):
+    dq, dk, dv = solutions.attention_backward_tile(q, k, v, do, lse, delta, scale)
+    p = torch.exp(scale * (q @ k.T) - lse[:, None])
+    return dq, dk, p @ do  # not transposed: runs on a square tile
+
+
+def backward_dividing_exponentials(q, k, v, do, lse, delta, scale):
+    p = torch.exp(scale * (q @ k.T)) / torch.exp(lse)[:, None]  # overflows at scores near 1000
+    dp = do @ v.T
+    ds = p * (dp - delta[:, None])
+    return scale * ds @ k, scale * ds.T @ q, p.T @ do
+
+
 def test_attention_backward_tile_solution_solves():
-    assert check("ch07.attention_backward_tile", solutions.attention_backward_tile, backward_by_autograd,
-                 backward_cases).solved
+    assert check_backward_tile(solutions.attention_backward_tile).solved
 
 
-@pytest.mark.parametrize("wrong", [backward_without_delta, backward_without_the_scale])
-def test_attention_backward_tile_negative_controls(wrong):
-    verdict = check("ch07.attention_backward_tile", wrong, backward_by_autograd, backward_cases)
-    assert not verdict.solved and "wrong" in verdict.message, verdict.message
+@pytest.mark.parametrize(("wrong", "cause"), [
+    (backward_without_delta, "cause: dS misses delta"),
+    (backward_without_the_scale, "cause: dq and dk miss the scale"),
+    (backward_with_p_dO, "cause: dV is P dO, not Pᵀ dO"),
+    (backward_dividing_exponentials, "cause: NaN/inf: the scores reach"),
+], ids=["no delta", "no scale", "dv transposed", "exp overflow"])
+def test_attention_backward_tile_negative_controls(wrong, cause):
+    assert_not_solved(check_backward_tile(wrong), cause)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -366,18 +509,9 @@ def test_attention_backward_tile_negative_controls(wrong):
 # ----------------------------------------------------------------------------------------------
 
 
-def tiles_by_rows(cu_seqlens, BLOCK_M):
-    owner = [b for b in range(len(cu_seqlens) - 1) for _ in range(cu_seqlens[b + 1] - cu_seqlens[b])]
-    tiles = []
-    for row, b in enumerate(owner):
-        if row == cu_seqlens[b] or (row - cu_seqlens[b]) % BLOCK_M == 0:
-            tiles.append([b, row, row + 1])
-        else:
-            tiles[-1][2] = row + 1
-    return [tuple(t) for t in tiles]
-
-
-VARLEN_CASES = [([0, 5, 5, 21, 22], 8), ([0, 16, 32], 16), ([0, 0, 0], 4), ([0, 1, 40, 41, 100], 32)]
+def check_varlen(candidate) -> Verdict:
+    return check("ch07_flash_attention.varlen_tiles", candidate, given.tiles_by_rows, given.VARLEN_CASES,
+                 diagnose=given.diagnose_varlen_tiles)
 
 
 def tiles_on_a_global_grid(cu_seqlens, BLOCK_M):
@@ -395,13 +529,38 @@ def tiles_padded_to_the_longest(cu_seqlens, BLOCK_M):
             for b in range(len(cu_seqlens) - 1) for r in range(0, longest, BLOCK_M)]
 
 
+def tiles_with_local_rows(cu_seqlens, BLOCK_M):
+    return [(b, first - cu_seqlens[b], end - cu_seqlens[b]) for b, first, end in solutions.varlen_tiles(cu_seqlens,
+                                                                                                      BLOCK_M)]
+
+
+def tiles_past_the_end(cu_seqlens, BLOCK_M):
+    return [(b, first, first + BLOCK_M) for b, first, _ in solutions.varlen_tiles(cu_seqlens, BLOCK_M)]
+
+
+def tiles_for_empty_sequences_too(cu_seqlens, BLOCK_M):
+    tiles = []
+    for b in range(len(cu_seqlens) - 1):
+        start, end = cu_seqlens[b], cu_seqlens[b + 1]
+        tiles += [(b, row, min(row + BLOCK_M, end)) for row in range(start, max(end, start + 1), BLOCK_M)]
+    return tiles
+
+
 def test_varlen_tiles_solution_solves():
-    assert check("ch07.varlen_tiles", solutions.varlen_tiles, tiles_by_rows, VARLEN_CASES).solved
+    assert check_varlen(solutions.varlen_tiles).solved
 
 
-@pytest.mark.parametrize("wrong", [tiles_on_a_global_grid, tiles_padded_to_the_longest])
-def test_varlen_tiles_negative_controls(wrong):
-    assert not check("ch07.varlen_tiles", wrong, tiles_by_rows, VARLEN_CASES).solved
+@pytest.mark.parametrize(("wrong", "cause"), [
+    (tiles_on_a_global_grid, "cause: tile (2, 8, 16) starts 3 rows into sequence 2: blocks on one grid over the "
+                             "packed rows straddle sequences"),
+    (tiles_padded_to_the_longest, "cause: every sequence gets the 2 tiles of the longest (16 rows): that is padding"),
+    (tiles_with_local_rows, "cause: the rows are counted from each sequence's start (tile (2, 0, 8) of sequence 2); "
+                            "rows are packed indices: add cu_seqlens[2] = 5"),
+    (tiles_for_empty_sequences_too, "cause: sequence 1 is empty and gets tile (1, 5, 5)"),
+    (tiles_past_the_end, "cause: tile (0, 0, 8) runs past sequence 0's end (5): the last block is short"),
+], ids=["global grid", "padded", "local rows", "empty sequences", "last block not clipped"])
+def test_varlen_tiles_negative_controls(wrong, cause):
+    assert_not_solved(check_varlen(wrong), cause)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -40,23 +40,35 @@ def buggy_routing_kernel(
 ):
     # The solution with one mistake: BUG 0 never renormalises, 1 breaks ties to the highest id,
     # 2 always renormalises (a softmax over the k chosen logits), 3 never masks a winner out,
-    # 4 stores without the token mask (the rows past the last token).
+    # 4 stores without the token mask (the rows past the last token), 5 exponentiates the raw logits,
+    # 6 loads the lanes past E as 0 and keeps them in the softmax.
     pid = tl.program_id(0)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     experts = tl.arange(0, BLOCK_E)
     valid = (rows[:, None] < num_tokens) & (experts[None, :] < num_experts)
-    logits = tl.load(logits_ptr + rows[:, None] * stride_lt + experts[None, :], mask=valid,
-                     other=float("-inf")).to(tl.float32)
+    if BUG == 6:
+        logits = tl.load(logits_ptr + rows[:, None] * stride_lt + experts[None, :], mask=valid,
+                         other=0.0).to(tl.float32)
+    else:
+        logits = tl.load(logits_ptr + rows[:, None] * stride_lt + experts[None, :], mask=valid,
+                         other=float("-inf")).to(tl.float32)
     m = tl.max(logits, axis=1)
-    p = tl.exp(logits - m[:, None])
-    p = tl.where(valid, p, 0.0)
+    if BUG == 5:
+        p = tl.exp(logits)
+    else:
+        p = tl.exp(logits - m[:, None])
+    if BUG != 6:
+        p = tl.where(valid, p, 0.0)
     p = p / tl.sum(p, axis=1)[:, None]
     if BUG == 4:
         store_ok = rows >= 0
     else:
         store_ok = rows < num_tokens
     total = tl.zeros([BLOCK_T], tl.float32)
-    remaining = tl.where(valid, p, -1.0)
+    if BUG == 6:
+        remaining = tl.where(rows[:, None] < num_tokens, p, -1.0)
+    else:
+        remaining = tl.where(valid, p, -1.0)
     for j in tl.static_range(K):
         best = tl.max(remaining, axis=1)
         if BUG == 1:
@@ -93,11 +105,13 @@ def routing_with(kernel):
 
 def check_routing(candidate):
     return check("ch09_moe.topk_routing_kernel", candidate, given.routing_reference, given.routing_cases, out=True,
-                 compare=given.diagnose_routing)
+                 compare=given.diagnose_routing, diagnose=given.diagnose_routing_cause,
+                 traffic=given.routing_traffic())
 
 
 def test_routing_solution_solves():
-    assert check_routing(routing_with(given.topk_routing_kernel)).solved
+    verdict = check_routing(routing_with(given.topk_routing_kernel))
+    assert verdict.solved and verdict.traffic.ratio < 1.05, verdict.message
 
 
 @pytest.mark.parametrize(("bug", "diagnosis"), [
@@ -106,7 +120,10 @@ def test_routing_solution_solves():
     (2, "but this case has renormalize=False"),
     (3, "the same expert twice"),
     (4, "out of bounds"),
-], ids=["no-renormalization", "ties-to-highest", "always-renormalized", "winner-not-masked", "no-store-mask"])
+    (5, "exp overflows float32 for a logit above 88.7"),
+    (6, "take part in the softmax as logits of 0: load them with other=float('-inf')"),
+], ids=["no-renormalization", "ties-to-highest", "always-renormalized", "winner-not-masked", "no-store-mask",
+        "no-max-subtracted", "padding-lanes-counted"])
 def test_routing_negative_controls(bug, diagnosis):
     verdict = check_routing(routing_with(_WithBug(bug)))
     assert rejected(verdict, diagnosis), verdict.message
@@ -173,13 +190,40 @@ def sort_without_minlength(expert_ids, num_experts):
     return permutation, torch.cumsum(torch.bincount(expert_ids.reshape(-1).long()), 0).to(torch.int32)
 
 
+def sort_by_comparison(expert_ids, num_experts):
+    flat = expert_ids.reshape(-1).long()
+    permutation = torch.sort(flat, stable=True).indices  # right, but the comparison sort the spec rules out
+    return permutation.to(torch.int32), torch.cumsum(torch.bincount(flat, minlength=num_experts), 0).to(torch.int32)
+
+
+def sort_by_argsort(expert_ids, num_experts):
+    flat = expert_ids.reshape(-1)
+    return flat.argsort(stable=True).to(torch.int32), given.counting_sort(expert_ids, num_experts)[1]
+
+
+def sort_entry_by_entry(expert_ids, num_experts):
+    # right, and linear, but a Python loop over the entries (a host sync each)
+    flat = expert_ids.reshape(-1).long()
+    offsets = torch.cumsum(torch.bincount(flat, minlength=num_experts), 0)
+    nxt = (offsets - torch.bincount(flat, minlength=num_experts)).tolist()
+    permutation = torch.empty_like(flat)
+    for i, e in enumerate(flat.tolist()):
+        permutation[nxt[e]] = i
+        nxt[e] += 1
+    return permutation.to(torch.int32), offsets.to(torch.int32)
+
+
 def check_counting_sort(candidate):
     return check("ch09_moe.counting_sort", candidate, given.counting_sort_reference, given.counting_sort_cases,
-                 compare=given.diagnose_counting_sort)
+                 compare=given.diagnose_counting_sort, rules=given.counting_sort_rules(),
+                 traffic=given.counting_sort_traffic())
 
 
 def test_counting_sort_solution_solves():
-    assert check_counting_sort(given.counting_sort).solved
+    verdict = check_counting_sort(given.counting_sort)
+    message = " ".join(verdict.message.split())
+    assert verdict.solved and "rules kept: forbids torch.sort" in message and "no Python loops" in message, message
+    assert verdict.traffic.ratio > 5 * verdict.traffic.top / verdict.traffic.ideal  # the one-hot round trips
 
 
 @pytest.mark.parametrize(("wrong", "diagnosis"), [
@@ -189,6 +233,11 @@ def test_counting_sort_solution_solves():
     (sort_returning_the_positions, "permutation is inverted"),
     (sort_by_token, "is not a permutation of the"),
     (sort_without_minlength, "the empty ones too"),
+    (sort_by_comparison, "broke a stated rule — the spec asks for a counting sort (a histogram, a prefix sum and "
+                         "ranks), no comparison sort: the code called torch.sort"),
+    (sort_by_argsort, "no comparison sort: the code called Tensor.argsort"),
+    (sort_entry_by_entry, "broke a stated rule — the spec asks for tensor ops only (a loop over the entries syncs "
+                          "the host for each): a Python for loop at line"),
 ])
 def test_counting_sort_negative_controls(wrong, diagnosis):
     verdict = check_counting_sort(wrong)
@@ -196,7 +245,9 @@ def test_counting_sort_negative_controls(wrong, diagnosis):
 
 
 def test_the_production_permute_passes_the_same_check():
-    assert check_counting_sort(kernel_ladder.moe_permute).solved
+    verdict = check_counting_sort(kernel_ladder.moe_permute)
+    assert verdict.solved and verdict.traffic.ratio < 1.5 * verdict.traffic.top / verdict.traffic.ideal, \
+        verdict.message
 
 
 # ----------------------------------------------------------------------------------------------
@@ -235,6 +286,18 @@ def tiles_across_groups(offsets, block_m):
     return tiles
 
 
+def tiles_ending_on_their_last_row(offsets, block_m):
+    return [(g, a, b - 1) for g, a, b in given.grouped_tile_map(offsets, block_m)]  # an inclusive end
+
+
+def tiles_numbered_within_groups(offsets, block_m):
+    starts = dict.fromkeys(range(len(offsets)))
+    tiles = given.grouped_tile_map(offsets, block_m)
+    for g, a, _ in tiles:
+        starts[g] = a if starts[g] is None else starts[g]
+    return [(g, a - starts[g], b - starts[g]) for g, a, b in tiles]  # rows from 0 in every group
+
+
 def check_tile_map(candidate):
     return check("ch09_moe.grouped_tile_map", candidate, given.grouped_tile_map_reference, given.tile_map_cases,
                  compare=given.diagnose_tile_map)
@@ -249,6 +312,8 @@ def test_tile_map_solution_solves():
     (tiles_for_every_group, "an empty group has no tiles"),
     (tiles_one_per_group, "a tile holds at most block_m rows"),
     (tiles_across_groups, "a tile holds rows of one group only"),
+    (tiles_ending_on_their_last_row, "every tile ends one row early: the third number is one past the tile's last row"),
+    (tiles_numbered_within_groups, "the rows are numbered within each group (from 0)"),
 ])
 def test_tile_map_negative_controls(wrong, diagnosis):
     verdict = check_tile_map(wrong)
@@ -290,32 +355,56 @@ def combine_with_the_weights_in_sorted_order(y_sorted, permutation, weights):
 
 
 def combine_by_scatter_add(y_sorted, permutation, weights):
-    """A right answer another way: scatter-add each sorted row, weighted, into its token."""
+    """The right values another way — a scatter-add of each sorted row, weighted, into its token — which the
+    spec rules out: index_add_ sums in the order the hardware picks, so its sums are not deterministic."""
     tokens, k = weights.shape
     out = torch.zeros(tokens, y_sorted.shape[1], dtype=y_sorted.dtype)
     w = weights.reshape(-1)[permutation.long()].to(y_sorted.dtype)
     return out.index_add_(0, permutation.long() // k, y_sorted * w[:, None])
 
 
+def combine_token_by_token(y_sorted, permutation, weights):
+    """The right values with a Python loop over the tokens, which the spec rules out."""
+    tokens, k = weights.shape
+    inverse = torch.empty_like(permutation, dtype=torch.long)
+    inverse[permutation.long()] = torch.arange(permutation.numel())
+    return torch.stack([(weights[t, :, None] * y_sorted[inverse[t * k:(t + 1) * k]]).sum(dim=0) for t in range(tokens)])
+
+
+def combine_averaging(y_sorted, permutation, weights):
+    return given.combine(y_sorted, permutation, weights) / weights.shape[1]
+
+
 def check_combine(candidate):
-    return check("ch09_moe.combine", candidate, given.combine_reference, given.combine_cases)
+    return check("ch09_moe.combine", candidate, given.combine_reference, given.combine_cases,
+                 rules=given.combine_rules(), diagnose=given.diagnose_combine, traffic=given.combine_traffic())
 
 
 def test_combine_solution_solves():
-    assert check_combine(given.combine).solved
+    verdict = check_combine(given.combine)
+    message = " ".join(verdict.message.split())
+    assert verdict.solved and "the gather (y_sorted[inverse]) writes a (T·k, H) copy" in message, message
+    assert verdict.traffic.ratio > 2 > 1.2 > verdict.traffic.top / verdict.traffic.ideal
 
 
-@pytest.mark.parametrize("candidate", [combine_by_scatter_add, kernel_ladder.moe_combine],
-                         ids=["scatter-add", "production"])
-def test_other_right_combines_pass_the_same_check(candidate):
-    assert check_combine(candidate).solved
+def test_the_production_combine_passes_the_same_check():
+    verdict = check_combine(kernel_ladder.moe_combine)
+    assert verdict.solved and verdict.traffic.ratio < 1.2, verdict.message
 
 
-@pytest.mark.parametrize("wrong", [combine_without_the_weights, combine_through_the_permutation,
-                                   combine_with_the_weights_in_sorted_order])
-def test_combine_negative_controls(wrong):
+@pytest.mark.parametrize(("wrong", "diagnosis"), [
+    (combine_without_the_weights, "cause: the weights are not applied"),
+    (combine_through_the_permutation, "cause: y_sorted was gathered through the permutation itself"),
+    (combine_with_the_weights_in_sorted_order, "cause: the weights were taken in sorted order"),
+    (combine_averaging, "cause: the k rows are averaged"),
+    (combine_by_scatter_add, "broke a stated rule — the spec asks for a gather, no scatter-add (its order of "
+                             "additions is the hardware's, so its sums are not deterministic): the code called "
+                             "Tensor.index_add_"),
+    (combine_token_by_token, "broke a stated rule — the spec asks for torch with no Python loop: a list comprehension"),
+])
+def test_combine_negative_controls(wrong, diagnosis):
     verdict = check_combine(wrong)
-    assert rejected(verdict, "wrong values"), verdict.message
+    assert rejected(verdict, diagnosis), verdict.message
 
 
 # ----------------------------------------------------------------------------------------------
@@ -344,9 +433,33 @@ def visited_as_int64(block_mask):
     return counts.long(), indices.long()
 
 
+def visited_row_by_row(block_mask):
+    counts = block_mask.sum(dim=1).to(torch.int32)
+    indices = torch.full(block_mask.shape, -1, dtype=torch.int32)
+    for q in range(block_mask.shape[0]):  # a Python loop over the rows
+        allowed = block_mask[q].nonzero()[:, 0]
+        indices[q, : allowed.numel()] = allowed.to(torch.int32)
+    return counts, indices
+
+
+def visited_with_item(block_mask):
+    counts, indices = given.visited_key_blocks(block_mask)
+    widest = int(counts.max().item())  # a host sync: the kernel would wait for it
+    return counts, torch.where(torch.arange(indices.shape[1]) < widest, indices, indices)
+
+
+def visited_forbidden_blocks(block_mask):
+    return given.visited_key_blocks(~block_mask)
+
+
+def visited_columns(block_mask):
+    return given.visited_key_blocks(block_mask.T.contiguous())
+
+
 def check_visited(candidate):
     return check("ch09_moe.visited_key_blocks", candidate, given.visited_key_blocks_reference, given.block_mask_cases,
-                 compare=given.diagnose_visited_blocks)
+                 compare=given.diagnose_visited_blocks, rules=given.visited_rules(),
+                 diagnose=given.diagnose_visited_cause)
 
 
 def test_visited_blocks_solution_solves():
@@ -369,6 +482,12 @@ def test_the_production_block_lists_pass_the_same_check():
     (visited_at_least_one_block, "a row with nothing allowed visits nothing"),
     (visited_in_decreasing_order, "the right blocks in the wrong order"),
     (visited_as_int64, "wrong dtype"),
+    (visited_row_by_row, "broke a stated rule — the spec asks for tensor ops only (no Python loop over rows): a Python "
+                         "for loop at line"),
+    (visited_with_item, "broke a stated rule — the spec asks for no .item(): the lists stay on the device, no host "
+                        "sync: the code called Tensor.item"),
+    (visited_forbidden_blocks, "cause: the rows list the blocks the mask forbids"),
+    (visited_columns, "cause: the counts are per key block (the mask's columns)"),
 ])
 def test_visited_blocks_negative_controls(wrong, diagnosis):
     verdict = check_visited(wrong)

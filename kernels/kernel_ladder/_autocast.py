@@ -89,7 +89,9 @@ TABLE: dict[str, Policy] = {
     "fused_linear_cross_entropy": Policy(
         LOWER, LOWER, "F.cross_entropy(F.linear(x, weight))",
         "the LM head's GEMM runs in the autocast dtype (as F.linear's); the loss is float32, as torch's "
-        "cross_entropy's is under autocast (the op returns it in float32 always)", fp32_results=(0,)),
+        "cross_entropy's is under autocast (the op returns it in float32 always); the class weights stay as "
+        "given (a loss's inputs, which torch's float32 cross_entropy would not round)", keep=("ce_weight",),
+        fp32_results=(0, 1)),
     "quantized_linear": Policy(
         LOWER, LOWER, "F.linear(x, dequantized weight)",
         "x and bias in the autocast dtype, as F.linear's; the int8/int4/fp8 data is not float compute and "

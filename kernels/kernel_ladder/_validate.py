@@ -14,6 +14,7 @@ device-side assertion on CUDA; nothing while traced or captured), so no op synch
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Callable, Sequence
 
@@ -38,6 +39,7 @@ __all__ = [
     "check_attention_options",
     "check_paged_caches",
     "check_values",
+    "share_elements",
 ]
 
 #: The floating dtypes the elementwise kernels accept (they compute in float32 internally).
@@ -179,7 +181,8 @@ def schema_types(tensors: tuple = (), optional_tensors: tuple = (), reals: tuple
     the wrapper too would validate every call twice. What the wrapper must catch first is what the
     schema itself would refuse with torch's own message, which names neither the op nor the
     argument: a list where a tensor goes, a string for a float. ``reals`` are Python floats or
-    ints (not bools); ``ints`` Python ints (not bools); ``flags`` bools.
+    ints (not bools); ``ints`` Python ints or ``torch.SymInt`` (not bools: the schema's ``int`` takes a
+    symbolic int under ``torch.compile``); ``flags`` bools.
     """
     for t in tensors:
         if not isinstance(t, torch.Tensor):
@@ -194,10 +197,10 @@ def schema_types(tensors: tuple = (), optional_tensors: tuple = (), reals: tuple
         if v is not None and type(v) is not float and type(v) is not int:
             return False
     for v in ints:
-        if type(v) is not int:
+        if type(v) is not int and type(v) is not torch.SymInt:
             return False
     for v in optional_ints:
-        if v is not None and type(v) is not int:
+        if v is not None and type(v) is not int and type(v) is not torch.SymInt:
             return False
     for v in flags:
         if type(v) is not bool:
@@ -209,8 +212,9 @@ def schema_types(tensors: tuple = (), optional_tensors: tuple = (), reals: tuple
 
 
 def is_int(value: object) -> bool:
-    """An integer, and not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    """An integer, and not a bool: a Python int, or a ``torch.SymInt`` — what an int argument becomes
+    under ``torch.compile`` once it is dynamic (a size, ``max_seqlen``, a count worked out from shapes)."""
+    return isinstance(value, (numbers.Integral, torch.SymInt)) and not isinstance(value, bool)
 
 
 def check_attention_options(op: str, softmax_scale: object, window: object, softcap: object) -> None:
@@ -249,6 +253,110 @@ def check_paged_caches(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor) ->
                          f"and {tuple(v_cache.shape)}")
     if k_cache.dtype != v_cache.dtype:
         raise TypeError(f"{op}: k_cache and v_cache must have the same dtype, got {k_cache.dtype} and {v_cache.dtype}")
+
+
+def share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors share any byte of memory: exact for any sizes, strides (0 included) and offsets.
+
+    Not by their byte ranges: ``kv[:, 0]`` and ``kv[:, 1]`` of one ``(blocks, 2, ...)`` tensor each span the
+    other's bytes and share none. Decided from the strides alone, without enumerating an element (see
+    :func:`_strided_intersect`), so a cache of billions of elements costs microseconds; cached by shape.
+    Tensors on different devices share nothing. (Meta tensors all start at address 0: views of one
+    meta tensor are answered exactly; two separate meta tensors as if one storage held both.)
+    """
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+    return _strided_intersect(a.data_ptr(), tuple(a.shape), tuple(a.stride()), a.element_size(),
+                              b.data_ptr(), tuple(b.shape), tuple(b.stride()), b.element_size())
+
+
+@_launch.shape_cache
+def _strided_intersect(start_a: int, sizes_a: tuple[int, ...], strides_a: tuple[int, ...], item_a: int,
+                       start_b: int, sizes_b: tuple[int, ...], strides_b: tuple[int, ...], item_b: int) -> bool:
+    """Whether ``{start_a + item_a * sum(i_k * strides_a[k]) + r}`` (``0 <= i_k < sizes_a[k]``,
+    ``0 <= r < item_a``: every byte of every element) meets the same set of ``b``.
+
+    A shared byte is a solution of ``sum(i_k g_k) = T`` over both views' dims, each index in its range:
+    with ``b``'s indices counted from their top (``j' = m - 1 - j``) every coefficient is positive, and
+    ``T = start_b - start_a + (b's largest offset) + item_b - 1``. Equal coefficients merge (a range of
+    ``u1 + u2``), which is what makes the interleaved halves of a cache cheap: they share every stride.
+    :func:`_representable` then decides it exactly."""
+    if 0 in sizes_a or 0 in sizes_b:
+        return False
+    gens: dict[int, int] = {}
+    target = start_b - start_a + item_b - 1
+    for sizes, strides, item, sign in ((sizes_a, strides_a, item_a, 1), (sizes_b, strides_b, item_b, -1)):
+        for size, stride in zip(sizes, strides):
+            step = abs(stride) * item
+            if size <= 1 or step == 0:
+                continue
+            if stride < 0:  # index from the other end: the same set, a positive step
+                target += sign * (size - 1) * step
+            if sign < 0:
+                target += (size - 1) * step
+            gens[step] = gens.get(step, 0) + size - 1
+        if item > 1:
+            gens[1] = gens.get(1, 0) + item - 1
+    return _representable(target, sorted(gens.items(), reverse=True))
+
+
+def _representable(target: int, gens: list[tuple[int, int]]) -> bool:
+    """Whether ``target = sum(c_t g_t)`` with ``0 <= c_t <= u_t`` for ``gens = [(g_t, u_t)]``, ``g_t`` > 0 descending.
+
+    A depth-first search from the largest coefficient: ``c_t`` ranges only over values that leave a rest
+    the smaller coefficients can reach (at most their maximum, and a multiple of their gcd), so when each
+    coefficient exceeds what the smaller ones add up to (a tensor's own dims) at most one or two values
+    are tried per level; the last two coefficients are solved in closed form (extended Euclid)."""
+    n = len(gens)
+    rest_max, rest_gcd = [0] * (n + 1), [0] * (n + 1)
+    for t in range(n - 1, -1, -1):
+        rest_max[t] = rest_max[t + 1] + gens[t][0] * gens[t][1]
+        rest_gcd[t] = math.gcd(rest_gcd[t + 1], gens[t][0])
+
+    def search(t: int, rest: int) -> bool:
+        if rest < 0 or rest > rest_max[t] or (rest % rest_gcd[t] if rest_gcd[t] else rest):
+            return False
+        if n - t <= 2:
+            return _two_terms(rest, gens[t:])
+        g, u = gens[t]
+        g_rest = rest_gcd[t + 1]
+        h = math.gcd(g, g_rest)
+        period = g_rest // h  # c_t is fixed modulo this by the gcd of the rest
+        first = (rest // h) * pow(g // h, -1, period) % period if period > 1 else 0
+        lo = max(0, -((rest_max[t + 1] - rest) // g))  # ceil((rest - rest_max[t + 1]) / g)
+        hi = min(u, rest // g)
+        start = lo + (first - lo) % period
+        return any(search(t + 1, rest - c * g) for c in range(start, hi + 1, period))
+
+    return search(0, target)
+
+
+def _two_terms(rest: int, gens: list[tuple[int, int]]) -> bool:
+    """``rest = x g0 + y g1`` with ``0 <= x <= u0``, ``0 <= y <= u1`` (or fewer terms), in closed form."""
+    if not gens:
+        return rest == 0
+    if len(gens) == 1:
+        (g, u), = gens
+        return rest % g == 0 and rest // g <= u
+    (a, ua), (b, ub) = gens
+    g, x0, y0 = _extended_gcd(a, b)
+    if rest % g:
+        return False
+    a, b, rest = a // g, b // g, rest // g
+    x, y = x0 * rest, y0 * rest  # one solution; all are (x + k b, y - k a)
+    k_lo = max(-(x // b), -((ub - y) // a))  # x + k b >= 0, y - k a <= ub
+    k_hi = min((ua - x) // b, y // a)  # x + k b <= ua, y - k a >= 0
+    return k_lo <= k_hi
+
+
+def _extended_gcd(a: int, b: int) -> tuple[int, int, int]:
+    """``(g, x, y)`` with ``a x + b y = g = gcd(a, b)``."""
+    x0, x1, y0, y1 = 1, 0, 0, 1
+    while b:
+        q, a, b = a // b, b, a % b
+        x0, x1 = x1, x0 - q * x1
+        y0, y1 = y1, y0 - q * y1
+    return a, x0, y0
 
 
 def check_values(tensors: Sequence[torch.Tensor], ok: Callable[[], torch.Tensor], message: str,

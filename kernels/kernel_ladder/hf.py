@@ -28,10 +28,13 @@ Two libraries, two kinds of extension point:
 Everything here imports ``transformers`` / ``kernels`` inside its functions: ``import kernel_ladder``
 never does.
 
-Limits of :func:`attention`, refused with a ``ValueError`` rather than computed wrongly: padded
-batches (an attention mask that hides some keys beyond the causal triangle and the layer's sliding
-window), attention dropout, and a sliding window on a non-causal layer. It reads a given mask's
-values on the host (one synchronization per layer) to tell a causal mask from a padded one.
+Padded batches are unpadded into packed sequences (as flash-attention's integration in transformers
+does) and run through :func:`kernel_ladder.flash_attention_varlen`, and so are packed rows (``position_ids``
+that restart, or flash-attention's ``cu_seq_lens_*``). Limits of :func:`attention`, refused with a
+``ValueError`` rather than computed wrongly: a 4-D mask other than a causal, windowed or all-visible one,
+attention dropout, a sliding window on a non-causal layer, and a sliding window over padding between
+tokens. It reads a given mask's values (and, without one, ``position_ids``) on the host: a few
+synchronizations per forward, the plan they give reused by every layer that gets the same tensor.
 """
 
 from __future__ import annotations
@@ -85,14 +88,7 @@ def _pattern(tq: int, tk: int, causal: bool, window: int | None, device) -> torc
 
 
 def _read_mask(mask: torch.Tensor, tq: int, tk: int, causal: bool, window: int | None) -> tuple[bool, int | None]:
-    """The ``(causal, window)`` that computes what ``mask`` asks for; raises for anything else (padding)."""
-    padded = (f"{_ATTENTION}: padded batches are not supported (an attention_mask of shape {tuple(mask.shape)} "
-              "hides keys that causal attention and the layer's sliding window do not); pass unpadded sequences "
-              "of one length, or pack them and call kernel_ladder.flash_attention_varlen")
-    if mask.dim() == 2:  # (B, Tk) padding mask, what the registered mask function hands over (None when unpadded)
-        if mask.shape[-1] != tk or not bool(mask.all()):
-            raise ValueError(padded)
-        return causal, window
+    """The ``(causal, window)`` that computes what a 4-D ``mask`` asks for; raises for anything else."""
     if mask.dim() != 4:
         raise ValueError(f"{_ATTENTION}: attention_mask must be None, (B, Tk) or (B, 1 or H, Tq, Tk), "
                          f"got shape {tuple(mask.shape)}")
@@ -104,7 +100,123 @@ def _read_mask(mask: torch.Tensor, tq: int, tk: int, causal: bool, window: int |
     for c, w in candidates:
         if bool((visible == _pattern(tq, tk, c, w, mask.device)).all()):
             return c, w
-    raise ValueError(padded)
+    raise ValueError(f"{_ATTENTION}: a 4-D attention_mask of shape {tuple(mask.shape)} hides keys that causal "
+                     "attention and the layer's sliding window do not; only a causal, windowed or all-visible 4-D "
+                     "mask is taken. For padding pass the (B, Tk) padding mask (what the mask function "
+                     "kernel_ladder.hf.register registers hands over)")
+
+
+#: The last plan made, ``(tensor it was read from, its version, the arguments, the plan)``: every layer of a
+#: forward gets the same mask (or position_ids), so it is read on the host once per forward, not per layer.
+_LAST_PLAN: list = [None]
+
+
+def _cached_plan(tensor: torch.Tensor, args: tuple, make):
+    last = _LAST_PLAN[0]
+    if last is not None and last[0] is tensor and last[1] == tensor._version and last[2] == args:
+        return last[3]
+    plan = make()
+    _LAST_PLAN[0] = (tensor, tensor._version, args, plan)  # holds the tensor: its id cannot be reused meanwhile
+    return plan
+
+
+def _plan(rows_q, rows_k, lengths_q, lengths_k):
+    """What :func:`_varlen_attention` needs: the kept query and key rows as indices (None: all), the cumulative
+    lengths (int32) and the longest sequences (host ints)."""
+
+    def cumulative(lengths):
+        return torch.nn.functional.pad(lengths.to(torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
+
+    index = [None if rows is None else rows.nonzero().squeeze(1) for rows in (rows_q, rows_k)]
+    return (*index, cumulative(lengths_q), cumulative(lengths_k), int(lengths_q.max()), int(lengths_k.max()))
+
+
+def _padding_plan(mask: torch.Tensor, batch: int, tq: int, tk: int, causal: bool, window: int | None):
+    """The plan of a padded batch (None when nothing is padded) from its ``(B, Tk)`` mask (nonzero: a real token).
+
+    The queries are the last ``Tq`` keys. With causal attention a padded query attends to nothing (its output
+    is 0, as in transformers' flash-attention integration); without it every query sees its row's real keys
+    (as transformers' bidirectional mask lets it).
+    """
+    if tuple(mask.shape) != (batch, tk):
+        raise ValueError(f"{_ATTENTION}: a 2-D attention_mask must be the (B, Tk) = {(batch, tk)} padding mask of "
+                         f"the keys, got shape {tuple(mask.shape)} (a static cache's mask, of another length than "
+                         "its keys, is not supported)")
+
+    def make():  # (the plan, whether every row's real tokens are one run)
+        keep = mask.to(torch.bool)
+        if bool(keep.all()):
+            return None, True
+        runs = keep[:, 0].to(torch.int32) + (keep[:, 1:] & ~keep[:, :-1]).sum(1, dtype=torch.int32)
+        one_run = not bool((runs > 1).any())
+        if causal:
+            keep_q = keep[:, tk - tq:]
+            return _plan(keep_q.reshape(-1), keep.reshape(-1), keep_q.sum(1), keep.sum(1)), one_run
+        return _plan(None, keep.reshape(-1), torch.full((batch,), tq, device=keep.device), keep.sum(1)), one_run
+
+    # not keyed by the window: layers with and without one (Qwen2's) share the plan
+    plan, one_run = _cached_plan(mask, ("padding", batch, tq, tk, causal), make)
+    if window is not None and not one_run:  # a window counts positions: compacting keeps distances within a run
+        raise ValueError(f"{_ATTENTION}: a sliding window ({window}) over a padded batch needs each row's real "
+                         "tokens in one run (left or right padding); this attention_mask has padding between tokens")
+    return plan
+
+
+def _packed_plan(batch: int, tq: int, tk: int, kwargs: dict):
+    """The plan of sequences packed into rows without padding, or None.
+
+    Told by flash-attention's varlen keywords (``cu_seq_lens_q`` / ``cu_seq_lens_k``, one packed row), or by
+    ``position_ids`` that restart within a row (a step other than +1 starts a sequence: transformers' rule for
+    packed rows), without a cache (``Tq == Tk``: a cached step continues one sequence). ``position_ids`` are
+    not read under ``torch.compile`` (a host read of values would break the graph): there pass the
+    ``cu_seq_lens_*`` keywords for packed rows.
+    """
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is not None or cu_k is not None:
+        if cu_q is None or cu_k is None or batch != 1:
+            raise ValueError(f"{_ATTENTION}: cu_seq_lens_q and cu_seq_lens_k describe one packed row: pass both, "
+                             f"with a batch of 1 (got a batch of {batch}, cu_seq_lens_q "
+                             f"{'given' if cu_q is not None else 'None'}, cu_seq_lens_k "
+                             f"{'given' if cu_k is not None else 'None'})")
+        return _cached_plan(cu_q, ("cu_seq_lens", cu_k), lambda: _plan(None, None, cu_q.diff(), cu_k.diff()))
+    position_ids = kwargs.get("position_ids")
+    if (position_ids is None or tq != tk or tq < 2 or position_ids.dim() != 2 or position_ids.shape[-1] != tq
+            or position_ids.shape[0] not in (1, batch) or torch.compiler.is_compiling()):
+        return None
+
+    def make():
+        positions = position_ids.expand(batch, tq)
+        starts = torch.ones(batch, tq, dtype=torch.bool, device=positions.device)
+        starts[:, 1:] = positions[:, 1:] - positions[:, :-1] != 1
+        if not bool(starts[:, 1:].any()):
+            return None
+        first = starts.reshape(-1).nonzero().squeeze(1)  # each sequence's first token, in order
+        lengths = torch.diff(first, append=first.new_full((1,), batch * tq))
+        return _plan(None, None, lengths, lengths)
+
+    return _cached_plan(position_ids, ("packed", batch, tq), make)
+
+
+def _varlen_attention(query, key, value, plan, causal: bool, scaling, window, softcap) -> torch.Tensor:
+    """The planned sequences' tokens packed (flash-attention's unpadding), :func:`kernel_ladder.flash_attention_varlen`,
+    and put back: ``(B, Tq, H, D)``, 0 at the queries no sequence holds."""
+    index_q, index_k, cu_q, cu_k, max_q, max_k = plan
+    batch, hq, tq, dim = query.shape
+    hkv, tk = key.shape[1], key.shape[2]
+    q = query.transpose(1, 2).reshape(batch * tq, hq, dim)
+    k = key.transpose(1, 2).reshape(batch * tk, hkv, dim)
+    v = value.transpose(1, 2).reshape(batch * tk, hkv, dim)
+    if index_q is not None:
+        q = q.index_select(0, index_q)
+    if index_k is not None:
+        k, v = k.index_select(0, index_k), v.index_select(0, index_k)
+    if max_q == 0:
+        return query.new_zeros(batch, tq, hq, dim)
+    out = kernel_ladder.flash_attention_varlen(q, k, v, cu_q, cu_k, max_q, max(max_k, 1), causal=causal,
+                                               softmax_scale=scaling, window=window, softcap=softcap)
+    if index_q is None:
+        return out.view(batch, tq, hq, dim)
+    return out.new_zeros(batch * tq, hq, dim).index_copy(0, index_q, out).view(batch, tq, hq, dim)
 
 
 def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -114,37 +226,57 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
 
     Takes what transformers' attention modules pass: ``query`` ``(B, H, Tq, D)``, ``key`` / ``value``
     ``(B, Hkv, Tk, D)`` (a cache's keys included, K/V never repeated for GQA), ``scaling`` (None:
-    ``1/sqrt(D)``), and the keywords ``sliding_window``, ``softcap`` and ``is_causal`` where a model
-    passes them (others are ignored). Returns ``(out (B, Tq, H, D), None)``, like transformers' own
-    functions (no attention weights).
+    ``1/sqrt(D)``), and the keywords ``sliding_window``, ``softcap``, ``is_causal``, ``position_ids`` and
+    flash-attention's ``cu_seq_lens_q`` / ``cu_seq_lens_k`` where a model passes them (others are ignored).
+    Returns ``(out (B, Tq, H, D), None)``, like transformers' own functions (no attention weights).
 
-    Causal unless ``is_causal=False`` or the module says ``is_causal = False``. ``attention_mask``: None;
-    a ``(B, Tk)`` padding mask with nothing padded; or a 4-D bool or additive mask that is exactly
-    causal, causal within the sliding window, or all visible (the computation then follows the mask).
-    Anything else (padding) and attention dropout raise ``ValueError``.
+    Causal unless ``is_causal=False`` or the module says ``is_causal = False``. ``attention_mask``:
+
+    * None — every row one sequence, unless packed: ``cu_seq_lens_q`` / ``cu_seq_lens_k`` given, or
+      ``position_ids`` that restart within a row (without a cache; not read under ``torch.compile``); each
+      packed sequence then attends only to itself (:func:`kernel_ladder.flash_attention_varlen`), as
+      transformers' flash-attention integration computes it;
+    * a ``(B, Tk)`` padding mask (what the registered mask function hands over when something is padded):
+      the real tokens are packed, attended with :func:`kernel_ladder.flash_attention_varlen` and put back
+      (flash-attention's unpadding). Real queries get exactly what transformers computes; with causal
+      attention a padded query gets 0 (transformers' flash-attention integration does the same; its SDPA and
+      eager give a right-padded query the real keys before it, which only a label predicted from a padded
+      position can see). A sliding window needs each row's tokens in one run (left or right padding);
+    * a 4-D bool or additive mask that is exactly causal, causal within the sliding window, or all visible
+      (the computation then follows the mask).
+
+    Anything else, attention dropout and a window on a non-causal layer raise ``ValueError``.
     """
     if dropout:
         raise ValueError(f"{_ATTENTION}: attention dropout {dropout} is not supported by kernel_ladder."
                          "flash_attention; set the config's attention dropout to 0 (or call model.eval())")
     is_causal = kwargs.get("is_causal")
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
-    tq, tk = query.shape[2], key.shape[2]
+    batch, tq, tk = query.shape[0], query.shape[2], key.shape[2]
     window = kwargs.get("sliding_window")
     if window is not None and window >= tk:
         window = None  # a window at least as wide as the keys hides nothing
     if window is not None and not causal:
         raise ValueError(f"{_ATTENTION}: a sliding window ({window}) on a non-causal layer is not supported")
-    if attention_mask is not None:
+    softcap = kwargs.get("softcap")
+    plan = None
+    if attention_mask is not None and attention_mask.dim() == 2:
+        plan = _padding_plan(attention_mask, batch, tq, tk, causal, window)
+    elif attention_mask is not None:
         causal, window = _read_mask(attention_mask, tq, tk, causal, window)
+    else:
+        plan = _packed_plan(batch, tq, tk, kwargs)
+    if plan is not None:
+        return _varlen_attention(query, key, value, plan, causal, scaling, window, softcap), None
     out = kernel_ladder.flash_attention(query, key, value, causal=causal, softmax_scale=scaling, window=window,
-                                        softcap=kwargs.get("softcap"))
+                                        softcap=softcap)
     return out.transpose(1, 2), None
 
 
 def _mask_function() -> Callable:
     from transformers.masking_utils import flash_attention_mask
 
-    # None when nothing is padded, else the (B, Tk) padding mask: attention() takes the first and refuses the second.
+    # None when nothing is padded, else the (B, Tk) padding mask: attention() unpads the batch with it.
     return flash_attention_mask
 
 

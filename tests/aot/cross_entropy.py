@@ -1,5 +1,5 @@
-"""Compile the cross-entropy kernels for sm_90 (every switch, bf16 and fp32): logits loads and gradient
-stores vectorized on contiguous rows.
+"""Compile the cross-entropy kernels for sm_90 (every switch, bf16 and fp32, and the launches of the fused linear
+cross-entropy): logits loads and gradient stores vectorized on contiguous rows.
 
 Run by tests/test_kernels_compile_cross_entropy.py in a compiled-mode child process.
 """
@@ -53,5 +53,19 @@ for has_weight, mean in ((False, True), (True, True), (True, False)):
     compile_ptx(ce.cross_entropy_reduce_kernel, {"loss_rows_ptr": "fp32", "z_rows_ptr": "fp32", "scale_ptr": "fp32",
                                                  "loss_ptr": "bf16", "z_ptr": "bf16"},
                 {"RETURN_Z": has_weight, "MEAN": mean, "BLOCK": 1024}, (), 4)
+# kernel_ladder.fused_linear_cross_entropy's launches: a chunk of bf16 logits with its gradient written over it,
+# class weights of another dtype (ce_weight), the z term returned; its reduce writes a float32 loss and z term.
+config = ce.cross_entropy_launch_config(256, 128256)
+ptx = compile_ptx(ce.cross_entropy_forward_kernel,
+                  {"logits_ptr": "bf16", "target_ptr": "i64", "loss_ptr": "fp32", "z_ptr": "fp32", "grad_ptr": "bf16",
+                   "weight_ptr": "fp32", "scale_ptr": "fp32"},
+                  {"COMPUTE_GRAD": True, "SMOOTHING": True, "HAS_WEIGHT": True, "SOFTCAP": False, "Z_LOSS": True,
+                   "RETURN_Z": True, "CHUNKED": config.chunked, "INDEX_64": False, "BLOCK_ROWS": config.block_rows,
+                   "BLOCK_COLS": config.block_cols}, ("stride_xcol", "stride_gcol"), config.num_warps)
+if not vectorized(ptx, stores=False) or not ("st.global.v4" in ptx or "st.global.v2" in ptx):
+    failures.append(f"fused linear cross-entropy forward {config}: logits loads or gradient stores not vectorized")
+compile_ptx(ce.cross_entropy_reduce_kernel, {"loss_rows_ptr": "fp32", "z_rows_ptr": "fp32", "scale_ptr": "fp32",
+                                             "loss_ptr": "fp32", "z_ptr": "fp32"},
+            {"RETURN_Z": True, "MEAN": True, "BLOCK": 1024}, (), 4)
 print("\n".join(failures) or "ok")
 sys.exit(1 if failures else 0)

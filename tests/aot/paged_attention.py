@@ -20,7 +20,7 @@ INT_POINTERS = {"block_tables_ptr", "seq_lens_ptr", "cu_seqlens_q_ptr"}
 # 16; lengths, counts and the window are runtime values.
 UNIT = {"stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_pod", "stride_btp", "stride_sl", "stride_plh"}
 RUNTIME = {"num_seqs", "head_dim", "group_size", "heads_per_program", "num_splits", "window", "num_heads",
-           "stride_btb", "stride_pls", "stride_plt"}
+           "num_rows", "num_blocks", "max_blocks", "stride_btb", "stride_pls", "stride_plt"}
 
 quick = "--quick" in sys.argv
 failures, rows = [], []

@@ -95,6 +95,19 @@ class _Options:
     rules: Sequence[Rule] = ()
     diagnose: Callable[[tuple, Any, Any], str | None] | None = None
     traffic: Traffic | None = None
+    tolerance: Callable[[tuple, torch.dtype | None], tuple[float, float] | None] | None = None
+
+    def for_case(self, case: tuple) -> tuple[Any, Any]:
+        """``(rtol, atol)`` for one case: with ``tolerance=``, a function of the output dtype."""
+        if self.tolerance is None:
+            return self.rtol, self.atol
+        chosen = self.tolerance
+
+        def per_dtype(dtype: torch.dtype | None) -> tuple[float | None, float | None]:
+            picked = chosen(case, dtype)
+            return (self.rtol, self.atol) if picked is None else picked
+
+        return per_dtype, None
 
 
 def _diagnosis(diagnose: Callable[[tuple, Any, Any], str | None], case: tuple, got: Any, expected: Any) -> list[str]:
@@ -117,7 +130,8 @@ def _check_case(
 ) -> tuple[list[str], list[_Guarded], TrafficReport | None]:
     """Problems found in one case (empty when it passes), the outputs given to the candidate, and,
     with ``measure_traffic``, what the tracer saw of its traffic."""
-    out, rtol, atol, compare = options.out, options.rtol, options.atol, options.compare
+    out, compare = options.out, options.compare
+    rtol, atol = options.for_case(case)
     expected = _reference_result(reference, case)
     args, input_guards = _guard_case(case, names)
     recorder = _CallRecorder() if any(rule.records_calls for rule in options.rules) else None
@@ -173,11 +187,14 @@ def _check_case(
     else:
         problems += _value_mismatch(got, expected, rtol, atol, poisoned=out, labels=labels, stores=stores)
     if problems and options.diagnose is not None:
-        problems += _diagnosis(options.diagnose, case, got, expected)
+        # The exercise's own cause is the most specific line: it goes first, before the generic ones
+        # (an out-of-bounds access is the symptom of an int32 offset that wrapped, say).
+        problems = _diagnosis(options.diagnose, case, got, expected) + problems
     if not problems and options.rules:
         # The values are right: now the rules the spec states, each named in the verdict.
         context = RunContext(candidate=candidate, case=case, got=got, expected=expected,
-                             calls=tuple(recorder.calls) if recorder is not None else ())
+                             calls=tuple(recorder.calls) if recorder is not None else (), args=args,
+                             launches=tuple(run.launches))
         for rule in options.rules:
             line = rule.verdict_line(context)
             if line is not None:
@@ -272,6 +289,7 @@ def check(
     rules: Sequence[Rule] = (),
     diagnose: Callable[[tuple, Any, Any], str | None] | None = None,
     traffic: Traffic | None = None,
+    tolerance: Callable[[tuple, torch.dtype | None], tuple[float, float] | None] | None = None,
 ) -> Verdict:
     """Run ``candidate`` against ``reference`` on every case, print one verdict block, return it.
 
@@ -296,9 +314,13 @@ def check(
         rules: the spec's stated rules (:mod:`utils.exercises.rules`: ``forbids``, ``no_python_loops``,
             ``holds``), held on every case whose values match; a broken one is NOT SOLVED, named.
         diagnose: ``diagnose(case, got, expected) -> cause or None``, the exercise's own diagnosis of
-            a wrong result (after the comparison's lines, as ``cause: ...``).
+            a wrong result (as ``cause: ...``, before the comparison's lines).
         traffic: a :class:`~utils.exercises.traffic.Traffic`: once every case matches, the last case's
             traced bytes against the ideal and the ladder's top, one more line of the SOLVED verdict.
+        tolerance: ``tolerance(case, dtype) -> (rtol, atol) or None``, per case and output dtype (None
+            for a Python float): an adversarial case (scores near 200, whose fp32 rounding moves an
+            exponential by 200 · 2⁻²⁴) may need more room than the dtype's default; None keeps
+            ``rtol``/``atol`` (or the dtype's default).
 
     Every wrong answer — an exception (``NotImplementedError`` from a stub included), a wrong
     shape, NaNs, unwritten elements, out-of-bounds accesses, a broken rule, a float where the
@@ -324,7 +346,7 @@ def check(
     names = _parameter_names(candidate, reference)
 
     options = _Options(out=out, rtol=rtol, atol=atol, compare=compare, rules=tuple(rules), diagnose=diagnose,
-                       traffic=traffic)
+                       traffic=traffic, tolerance=tolerance)
     with _global_random_state_kept():
         failure, report = _first_failure(name, candidate, reference, case_list, names, options)
     if failure is not None:

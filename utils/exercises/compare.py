@@ -100,6 +100,8 @@ def _value_problems(
     problems: list[str] = []
     wrong = torch.zeros(total, dtype=torch.bool)
     if expected.dtype.is_floating_point:
+        if callable(rtol):  # check(tolerance=...): chosen per case and per output dtype
+            rtol, atol = rtol(expected.dtype)
         default_rtol, default_atol = default_tolerance(expected.dtype)
         rtol = default_rtol if rtol is None else rtol
         atol = default_atol if atol is None else atol
@@ -231,8 +233,9 @@ def _value_mismatch(
     prefix = f"{where}: " if where else ""
     if isinstance(expected, torch.Tensor):
         return _tensor_problems(got, expected, rtol, atol, poisoned, where, stores)
-    if type(expected) in (int, bool) and type(got) is not type(expected):
-        return [prefix + _inexact(got, expected)]
+    if (type(expected) in (int, bool) and type(got) is not type(expected)
+            and isinstance(got, (numbers.Number, np.generic, torch.Tensor))):
+        return [prefix + _inexact(got, expected)]  # a number of another type: said so (None, a str: below)
     if isinstance(got, torch.Tensor) and got.numel() == 1 and not isinstance(expected, (tuple, list, dict)):
         got = got.item()
     if isinstance(expected, (tuple, list)):
@@ -261,6 +264,8 @@ def _value_mismatch(
         return [f"{prefix}wrong value: got {got!r}, expected {expected!r}"]
     if isinstance(expected, numbers.Real):
         if isinstance(got, numbers.Real):
+            if callable(rtol):
+                rtol, atol = rtol(None)
             default_rtol, default_atol = _PYTHON_FLOAT_TOLERANCE
             r = default_rtol if rtol is None else rtol
             a = default_atol if atol is None else atol

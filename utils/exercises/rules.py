@@ -22,13 +22,13 @@ import functools
 import inspect
 import textwrap
 import types
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["Rule", "forbids", "holds", "no_python_loops"]
+__all__ = ["Rule", "bytes_read", "forbids", "holds", "no_python_loops", "traced"]
 
 #: What every broken rule's line starts with (a test or a notebook can look for it).
 BROKE_A_RULE = "broke a stated rule"
@@ -43,6 +43,8 @@ class RunContext:
     got: Any
     expected: Any
     calls: tuple[str, ...]  # torch functions / Tensor methods the candidate called, in first-call order
+    args: tuple = ()  # what the candidate got: the case with each tensor a guarded copy (its memory)
+    launches: tuple = ()  # the tracer's record of the candidate's Triton launches (utils.trace.Launch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,23 +235,68 @@ def _loops_in(function: types.FunctionType, depth: int, seen: set[int]) -> str |
     return None
 
 
-def no_python_loops(why: str) -> Rule:
+def no_python_loops(why: str, function: Any = None) -> Rule:
     """A rule that the candidate's source has no ``for``/``while`` loop or comprehension over data.
 
-    The candidate's own source is read (``inspect``, ``ast``) and so is that of every function of
-    its own module it calls by name (three calls deep). A loop over a literal tuple or list, or over
-    ``range(<literal>)``, is structure and allowed. A candidate without readable source keeps the rule.
+    The candidate's own source is read (``inspect``, ``ast``) — or that of ``function``, where the
+    check's candidate is a given driver around the exercise's function (a fold over tiles, say) —
+    and so is that of every function of its own module it calls by name (three calls deep). A loop
+    over a literal tuple or list, or over ``range(<literal>)``, is structure and allowed. Code
+    without readable source keeps the rule.
     """
     cache: dict[int, str | None] = {}
 
     def problem(context: RunContext) -> str | None:
-        key = id(context.candidate)
+        target = context.candidate if function is None else function
+        key = id(target)
         if key not in cache:
-            function = _plain_function(context.candidate)
-            cache[key] = None if function is None else _loops_in(function, depth=3, seen=set())
+            plain = _plain_function(target)
+            cache[key] = None if plain is None else _loops_in(plain, depth=3, seen=set())
         return cache[key]
 
     return Rule(name="no Python loops", why=why, problem=problem)
+
+
+# --------------------------------------------------------------------------------------------
+# traced: a property of what the tracer saw
+# --------------------------------------------------------------------------------------------
+
+
+def bytes_read(launches: Iterable[Any], tensor: Any) -> int:
+    """Bytes the traced ``launches`` read from ``tensor``'s memory (any kernel argument inside it)."""
+    if not isinstance(tensor, torch.Tensor) or tensor.numel() == 0:
+        return 0
+    start = tensor.data_ptr()
+    end = start + (1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride()))) * tensor.element_size()
+    total = 0
+    for launch in launches:
+        for name, (low, high) in (getattr(launch, "spans", None) or {}).items():
+            if low < end and start < high:
+                total += int(launch.per_tensor[name].bytes_read)
+    return total
+
+
+def traced(check: Callable[[tuple, Sequence[Any]], Any], name: str) -> Rule:
+    """A rule on what the tracer saw of the candidate's Triton launches: ``check(args, launches)``.
+
+    ``args`` are the case's arguments as the candidate got them (each tensor the checker's copy, so
+    that :func:`bytes_read` finds its traffic; ``out=True`` outputs are not among them), ``launches``
+    the tracer's ``utils.trace.Launch`` records. It returns None (or True) when the rule holds, else
+    what broke it: "read the table row once per token" is ``bytes_read(launches, cos) <= tokens * row``.
+    """
+
+    def problem(context: RunContext) -> str | None:
+        if not context.launches:
+            return None  # compiled kernels (or no tracer): nothing seen, nothing to hold them to
+        try:
+            answer = check(context.args, context.launches)
+        except Exception as error:
+            return f"checking it raised {type(error).__name__}: {error}"
+        if answer is None or answer is True:
+            return None
+        return "it does not hold" if answer is False else str(answer)
+
+    return Rule(name=name, why=name, problem=problem)
 
 
 # --------------------------------------------------------------------------------------------

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from .rules import bytes_read
+
 __all__ = ["Traffic", "TrafficReport"]
 
 #: An input read up to this many times its size counts as read once (a tile's halo, a mask's row).
@@ -82,10 +84,6 @@ class TrafficReport:
         return text
 
 
-def _overlap(span: tuple[int, int], start: int, end: int) -> bool:
-    return span[0] < end and start < span[1]
-
-
 def measure(
     spec: Traffic,
     case: tuple,
@@ -98,22 +96,16 @@ def measure(
     from utils.trace import tensor_bytes
 
     ideal = int(spec.ideal(*case))
-    top = None if spec.top is None else int(spec.top(*case))
     if not interpreted:
-        return TrafficReport(moved=0, ideal=ideal, top=top, reread={}, measured=False)
+        return TrafficReport(moved=0, ideal=ideal, top=None, reread={}, measured=False)
+    top = None if spec.top is None else int(spec.top(*case))
     moved = sum(int(launch.bytes) for launch in launches) + sum(int(op.bytes) for op in torch_ops)
     reread: dict[str, float] = {}
     for name, tensor in inputs:
         size = tensor_bytes(tensor)
         if not size or not launches:
             continue
-        start = tensor.data_ptr()
-        end = start + (1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride()))) * tensor.element_size()
-        read = 0
-        for launch in launches:
-            for arg, span in (getattr(launch, "spans", None) or {}).items():
-                if _overlap(span, start, end):
-                    read += int(launch.per_tensor[arg].bytes_read)
+        read = bytes_read(launches, tensor)
         reread[name] = read / size
     cause = spec.explain(dict(reread)) if spec.explain is not None else None
     return TrafficReport(moved=moved, ideal=ideal, top=top, reread=reread, cause=cause)

@@ -346,12 +346,13 @@ def star_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
 
     Every other rank sends its tensor to rank 0, which adds them in rank order and sends the sum
     back to each. Rank 0 sends ``(p − 1) · n`` elements and receives as many — the busiest link
-    carries ``p − 1`` times what a ring's does, however fast the others are.
+    carries ``p − 1`` times what a ring's does, however fast the others are. An empty tensor (the
+    same shape on every rank) sends nothing: every rank returns at once.
     """
     op = "kernel_ladder.distributed.star_all_reduce"
     group, r, p = _group(op, tensor, group)
     flat = tensor.view(-1)
-    if p == 1:
+    if p == 1 or flat.numel() == 0:  # every rank decides alike: no message one side posts and the other skips
         return tensor
     if r == 0:
         incoming = [torch.empty_like(flat) for _ in range(p - 1)]

@@ -42,7 +42,7 @@ from .. import _launch, runtime
 from .._validate import check_float_dtype, check_tensor, is_int
 from .grouped_matmul import grouped_matmul, launch_grouped_dw, launch_grouped_matmul
 from .moe_permute import _moe_combine_op, moe_combine, moe_permute
-from .topk_routing import topk_routing
+from .topk_routing import check_logits_dtype, topk_routing
 
 __all__ = ["moe"]
 
@@ -52,7 +52,10 @@ _OP = "kernel_ladder.moe"
 def _check(x, router_logits, w_gate_up, w_down, top_k, renormalize) -> None:
     for name, t in (("x", x), ("router_logits", router_logits), ("w_gate_up", w_gate_up), ("w_down", w_down)):
         check_tensor(_OP, name, t)
-        check_float_dtype(_OP, name, t)
+        if name == "router_logits":
+            check_logits_dtype(_OP, name, t)  # routed in float32: float64 logits too
+        else:
+            check_float_dtype(_OP, name, t)
     if x.dim() != 2:
         raise ValueError(f"{_OP}: x must be 2-D (tokens, hidden), got shape {tuple(x.shape)} "
                          "(flatten the batch and sequence dims first: x.reshape(-1, hidden))")
@@ -179,7 +182,8 @@ def moe(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor, w
 
     Args:
         x: ``(T, H)`` token states (fp32, fp16 or bf16).
-        router_logits: ``(T, E)`` the router's logits (any float dtype; routed in fp32).
+        router_logits: ``(T, E)`` the router's logits: float32, float16, bfloat16 or float64 (routed in
+            fp32).
         w_gate_up: ``(E, 2F, H)``, each expert's gate rows then up rows (``MixtralExperts.gate_up_proj``).
         w_down: ``(E, H, F)`` (``MixtralExperts.down_proj``).
         top_k: experts per token.
@@ -187,7 +191,10 @@ def moe(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor, w
             softmax's probabilities (Qwen2-MoE without ``norm_topk_prob``).
 
     Returns:
-        ``(T, H)`` in ``x``'s dtype.
+        ``(T, H)`` in ``x``'s dtype. A token whose router row is NaN or infinite is routed as
+        :func:`kernel_ladder.topk_routing` says (NaN logits count as ``-inf``; a row with no softmax,
+        largest logit ``+inf`` or all ``-inf``, gets NaN weights and a NaN output row); it never
+        changes another token's output, and no kernel reads or writes outside its tensors.
     """
     _check(x, router_logits, w_gate_up, w_down, top_k, renormalize)
     weights, expert_ids = topk_routing(router_logits, top_k, renormalize=renormalize)

@@ -30,16 +30,27 @@ when a segment holds many more entries than there are experts). Three launches w
 **Gather and combine.** ``moe_gather(x, permutation, k)`` writes row ``i`` = ``x[permutation[i] //
 k]`` (:func:`moe_gather_kernel`). ``moe_combine(y_sorted, permutation, weights)`` computes, per
 token, ``out[t] = sum_j weights[t, j] * y_sorted[inverse[t * k + j]]`` — one program per block of
-tokens gathers its own ``k`` rows, so no atomics and a deterministic sum (:func:`moe_combine_kernel`).
-The inverse permutation is computed by :func:`moe_invert_kernel` (one more launch, ``8 * N``
-bytes) inside the ops that need it. The backward of the gather is a combine without weights; the
-backward of the combine is a gather with the weights fused (``d y_sorted``) and, for the weights,
-a per-token dot product (:func:`moe_combine_weights_grad_kernel`, ``kernel_ladder::moe_combine_backward``).
+tokens gathers its own ``k`` rows, so no atomic adds and a deterministic sum
+(:func:`moe_combine_kernel`). The inverse permutation is computed by :func:`moe_invert_kernel`
+(one more launch, into a buffer filled first: ``16 * N`` bytes with the fill) inside the ops that
+need it. The backward of the gather is a combine without weights; the backward of the combine is a
+gather with the weights fused (``d y_sorted``) and, for the weights, a per-token dot product
+(:func:`moe_combine_weights_grad_kernel`, ``kernel_ladder::moe_combine_backward``).
 Rows are computed in float32 and stored in the rows' dtype.
+
+**Bad values.** ``expert_ids`` in range and ``permutation`` a permutation of ``[0, N)`` are value
+checks (:mod:`kernel_ladder.runtime`: on the host for CPU tensors, on CUDA when asked), raising a
+``ValueError`` that names the bad value. Unchecked (a GPU's default), no kernel reads or writes
+outside its tensors whatever the values, and the results are deterministic: an id outside
+``[0, E)`` is clamped into it; a ``permutation`` entry outside ``[0, N)`` gathers a zero row; the
+combine takes an entry held at several positions from the first of them (an atomic minimum in
+:func:`moe_invert_kernel`, whatever order the programs run in) and adds nothing for an entry no
+position holds.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -70,6 +81,8 @@ ONE_HOT_TILE: int = 4096
 MAX_EXPERTS: int = 4096
 #: Elements of a (rows, hidden) tile of the gather and combine kernels.
 ROW_TILE: int = 4096
+#: The routing weights' dtypes: the kernels read them in float32 (float64 weights are rounded to it once).
+WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -78,12 +91,14 @@ ROW_TILE: int = 4096
 
 
 @triton.jit
-def _load_chunk(ids_ptr, entries, n_entries, seg_end, top_k, stride_it, stride_ik):
-    """Expert ids of flat ``entries`` (int32) and which of them exist in this segment."""
+def _load_chunk(ids_ptr, entries, n_entries, n_experts, seg_end, top_k, stride_it, stride_ik):
+    """Expert ids of flat ``entries`` (int32) and which of them exist in this segment. An id outside
+    ``[0, n_experts)`` (unchecked values) is clamped into it, so every entry lands in some expert."""
     ok = (entries < n_entries) & (entries < seg_end)
     token = entries // top_k
     slot = entries - token * top_k
-    ids = tl.load(ids_ptr + token.to(tl.int64) * stride_it + slot.to(tl.int64) * stride_ik, mask=ok, other=-1)
+    ids = tl.load(ids_ptr + token.to(tl.int64) * stride_it + slot.to(tl.int64) * stride_ik, mask=ok, other=0)
+    ids = tl.minimum(tl.maximum(ids, 0), n_experts - 1)  # in the ids' own dtype: an int64 id never wraps
     return ids.to(tl.int32), ok
 
 
@@ -96,8 +111,8 @@ def moe_histogram_kernel(ids_ptr, counts_ptr, n_entries, n_experts, top_k, strid
     seg_start = seg * SEGMENT
     counts = tl.zeros((BLOCK_E,), tl.int32)
     for c in range(0, SEGMENT, CHUNK):
-        ids, ok = _load_chunk(ids_ptr, seg_start + c + tl.arange(0, CHUNK), n_entries, seg_start + SEGMENT,
-                              top_k, stride_it, stride_ik)
+        ids, ok = _load_chunk(ids_ptr, seg_start + c + tl.arange(0, CHUNK), n_entries, n_experts,
+                              seg_start + SEGMENT, top_k, stride_it, stride_ik)
         one_hot = (ids[:, None] == experts[None, :]) & ok[:, None]
         counts += tl.sum(one_hot.to(tl.int32), axis=0)
     tl.store(counts_ptr + seg.to(tl.int64) * n_experts + experts, counts, mask=experts < n_experts)
@@ -137,7 +152,8 @@ def moe_scatter_kernel(ids_ptr, starts_ptr, perm_ptr, n_entries, n_experts, top_
     base = tl.load(starts_ptr + seg.to(tl.int64) * n_experts + experts, mask=experts < n_experts, other=0)
     for c in range(0, SEGMENT, CHUNK):
         entries = seg_start + c + tl.arange(0, CHUNK)
-        ids, ok = _load_chunk(ids_ptr, entries, n_entries, seg_start + SEGMENT, top_k, stride_it, stride_ik)
+        ids, ok = _load_chunk(ids_ptr, entries, n_entries, n_experts, seg_start + SEGMENT, top_k, stride_it,
+                              stride_ik)
         one_hot = ((ids[:, None] == experts[None, :]) & ok[:, None]).to(tl.int32)
         rank = tl.cumsum(one_hot, axis=0)  # inclusive: 1 for an expert's first entry in the chunk
         position = tl.sum(one_hot * (rank + base[None, :]), axis=1) - 1
@@ -147,28 +163,37 @@ def moe_scatter_kernel(ids_ptr, starts_ptr, perm_ptr, n_entries, n_experts, top_
 
 @triton.jit
 def moe_invert_kernel(perm_ptr, inv_ptr, n_entries, BLOCK: tl.constexpr):
-    """inverse[permutation[i]] = i."""
+    """inverse[permutation[i]] = i, into an inverse filled with ``n_entries`` ("no position").
+
+    An atomic minimum, not a store: should ``permutation`` not be one (values unchecked), an entry
+    held at several positions gets the first of them whatever the order programs run in, an entry
+    held nowhere keeps ``n_entries``, and an entry outside ``[0, n_entries)`` is skipped. For a true
+    permutation each address is written once, as a store would."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < n_entries
     entry = tl.load(perm_ptr + i, mask=ok, other=0)
-    tl.store(inv_ptr + entry.to(tl.int64), i, mask=ok)
+    ok = ok & (entry >= 0) & (entry < n_entries)
+    tl.atomic_min(inv_ptr + entry.to(tl.int64), i, mask=ok, sem="relaxed")
 
 
 @triton.jit
 def moe_gather_kernel(x_ptr, perm_ptr, w_ptr, out_ptr, n_entries, hidden, top_k,
                       stride_xt, stride_xh, stride_wt, stride_wk,
                       WEIGHTED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
-    """out[i] = x[permutation[i] // k] (``WEIGHTED``: times weights[t, j] of that entry)."""
+    """out[i] = x[permutation[i] // k] (``WEIGHTED``: times weights[t, j] of that entry); a zero row
+    for an entry outside ``[0, T * k)`` (unchecked values), which is never read."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     r_ok = rows < n_entries
     mask = r_ok[:, None] & (cols < hidden)[None, :]
     entry = tl.load(perm_ptr + rows, mask=r_ok, other=0)
+    e_ok = r_ok & (entry >= 0) & (entry < n_entries)
     token = entry // top_k
-    v = tl.load(x_ptr + token.to(tl.int64)[:, None] * stride_xt + cols.to(tl.int64)[None, :] * stride_xh, mask=mask)
+    v = tl.load(x_ptr + token.to(tl.int64)[:, None] * stride_xt + cols.to(tl.int64)[None, :] * stride_xh,
+                mask=mask & e_ok[:, None], other=0.0)
     if WEIGHTED:
         slot = entry - token * top_k
-        w = tl.load(w_ptr + token.to(tl.int64) * stride_wt + slot.to(tl.int64) * stride_wk, mask=r_ok, other=0.0)
+        w = tl.load(w_ptr + token.to(tl.int64) * stride_wt + slot.to(tl.int64) * stride_wk, mask=e_ok, other=0.0)
         v = v.to(tl.float32) * w.to(tl.float32)[:, None]
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * hidden + cols[None, :], v.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -177,17 +202,20 @@ def moe_gather_kernel(x_ptr, perm_ptr, w_ptr, out_ptr, n_entries, hidden, top_k,
 def moe_combine_kernel(y_ptr, inv_ptr, w_ptr, out_ptr, n_tokens, hidden, top_k,
                        stride_yr, stride_yh, stride_wt, stride_wk,
                        WEIGHTED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
-    """out[t] = sum_j weights[t, j] * y[inverse[t * k + j]], the k rows gathered in slot order."""
+    """out[t] = sum_j weights[t, j] * y[inverse[t * k + j]], the k rows gathered in slot order; an
+    entry with no position (``inverse`` = T * k) adds nothing."""
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     t_ok = tokens < n_tokens
     mask = t_ok[:, None] & (cols < hidden)[None, :]
     tokens64 = tokens.to(tl.int64)
+    n_rows = n_tokens * top_k
     acc = tl.zeros((BLOCK_T, BLOCK_H), tl.float32)
     for j in range(0, top_k):
         pos = tl.load(inv_ptr + tokens64 * top_k + j, mask=t_ok, other=0)
+        p_ok = t_ok & (pos >= 0) & (pos < n_rows)
         y = tl.load(y_ptr + pos.to(tl.int64)[:, None] * stride_yr + cols.to(tl.int64)[None, :] * stride_yh,
-                    mask=mask, other=0.0).to(tl.float32)
+                    mask=mask & p_ok[:, None], other=0.0).to(tl.float32)
         if WEIGHTED:
             w = tl.load(w_ptr + tokens64 * stride_wt + j * stride_wk, mask=t_ok, other=0.0).to(tl.float32)
             y = y * w[:, None]
@@ -200,13 +228,15 @@ def moe_combine_weights_grad_kernel(a_ptr, b_ptr, inv_ptr, dw_ptr, n_tokens, hid
                                     stride_at, stride_ah, stride_br, stride_bh,
                                     K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
                                     BLOCK_H: tl.constexpr):
-    """dw[t, j] = sum_h a[t, h] * b[inverse[t * K + j], h]: each token row of ``a`` read once."""
+    """dw[t, j] = sum_h a[t, h] * b[inverse[t * K + j], h]: each token row of ``a`` read once; 0 for an
+    entry with no position (``inverse`` = T * K)."""
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = tokens < n_tokens
     tokens64 = tokens.to(tl.int64)
     slots = tl.arange(0, BLOCK_K)
     k_mask = t_ok[:, None] & (slots < K)[None, :]
     pos = tl.load(inv_ptr + tokens64[:, None] * K + slots[None, :], mask=k_mask, other=0).to(tl.int64)
+    pos = tl.where((pos >= 0) & (pos < n_tokens * K), pos, -1)  # -1: no position, nothing read
     acc = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
     for h0 in range(0, hidden, BLOCK_H):
         cols = h0 + tl.arange(0, BLOCK_H)
@@ -215,8 +245,8 @@ def moe_combine_weights_grad_kernel(a_ptr, b_ptr, inv_ptr, dw_ptr, n_tokens, hid
                     other=0.0).to(tl.float32)
         for j in tl.static_range(K):
             pos_j = tl.sum(tl.where(slots[None, :] == j, pos, 0), axis=1)
-            b = tl.load(b_ptr + pos_j[:, None] * stride_br + cols.to(tl.int64)[None, :] * stride_bh, mask=mask,
-                        other=0.0).to(tl.float32)
+            b = tl.load(b_ptr + pos_j[:, None] * stride_br + cols.to(tl.int64)[None, :] * stride_bh,
+                        mask=mask & (pos_j >= 0)[:, None], other=0.0).to(tl.float32)
             acc = tl.where(slots[None, :] == j, acc + tl.sum(a * b, axis=1)[:, None], acc)
     tl.store(dw_ptr + tokens64[:, None] * K + slots[None, :], acc.to(dw_ptr.dtype.element_ty), mask=k_mask)
 
@@ -274,6 +304,54 @@ def _check_permutation(op: str, permutation: object, n_entries: int | None = Non
         raise ValueError(f"{op}: permutation must have T * k = {n_entries} entries, got {permutation.shape[0]}")
 
 
+def _permutation_fault(perm: np.ndarray, n_entries: int) -> str | None:
+    """What makes ``perm`` not a permutation of ``[0, n_entries)`` (its length is): the first entry out
+    of range, else the first position repeating an earlier entry; None if it is one."""
+    perm = perm.astype(np.int64, copy=False)
+    outside = np.flatnonzero((perm < 0) | (perm >= n_entries))
+    if outside.size:
+        i = int(outside[0])
+        return f"permutation[{i}] = {int(perm[i])}"
+    counts = np.bincount(perm, minlength=n_entries)
+    if int(counts.max(initial=0)) <= 1:
+        return None
+    seen = np.zeros(n_entries, dtype=bool)
+    for i, entry in enumerate(perm.tolist()):  # only on failure: the first repeat, by position
+        if seen[entry]:
+            first = int(np.flatnonzero(perm == entry)[0])
+            return f"entry {entry} at positions {first} and {i}"
+        seen[entry] = True
+    return None
+
+
+def _check_permutation_values(op: str, permutation: torch.Tensor, n_entries: int) -> None:
+    """``permutation`` holds each entry of ``[0, n_entries)`` once, by the value-check policy (no host
+    synchronization on CUDA unless asked, and no device assertion: the kernels mask what is out of
+    range and take an entry held twice from its first position, see :func:`moe_invert_kernel`)."""
+    if n_entries == 0:
+        return
+    message = f"{op}: permutation must be a permutation of [0, T * k) = [0, {n_entries}) (each entry once)"
+    fault: list[str | None] = [None]
+
+    def ok() -> torch.Tensor:  # tensor ops: every entry in range, and each counted once
+        p = permutation.long()
+        inside = (p >= 0) & (p < n_entries)
+        counts = torch.zeros(n_entries, dtype=torch.int32, device=p.device).index_add_(
+            0, p.clamp(0, n_entries - 1), inside.to(torch.int32))
+        return inside.all() & (counts == 1).all()
+
+    def host_ok() -> bool:
+        fault[0] = _permutation_fault(permutation.numpy(), n_entries)
+        return fault[0] is None
+
+    def error() -> str:
+        if fault[0] is None:  # found by the tensor check (CUDA, asked for): read the values once more
+            fault[0] = _permutation_fault(permutation.cpu().numpy(), n_entries)
+        return f"{message}; got {fault[0]}"
+
+    check_values((permutation,), ok, message, error, host_ok=host_ok, device_assert=False)
+
+
 def _check_rows(op: str, name: str, t: object) -> None:
     check_tensor(op, name, t)
     check_float_dtype(op, name, t)
@@ -283,7 +361,8 @@ def _check_rows(op: str, name: str, t: object) -> None:
 
 def _check_weights(op: str, weights: torch.Tensor, n_tokens: int, top_k: int) -> None:
     check_tensor(op, "weights", weights)
-    check_float_dtype(op, "weights", weights)
+    if weights.dtype not in WEIGHT_DTYPES:
+        raise TypeError(f"{op}: weights must be float32, float16, bfloat16 or float64, got {weights.dtype}")
     if tuple(weights.shape) != (n_tokens, top_k):
         raise ValueError(f"{op}: weights must be (T, k) = ({n_tokens}, {top_k}), got {tuple(weights.shape)}")
 
@@ -329,8 +408,9 @@ def _one_hot_config(n_experts: int) -> tuple[int, int, int]:
 
 
 def _invert(permutation: torch.Tensor) -> torch.Tensor:
+    """The inverse permutation; ``n`` (no position) for an entry no position holds (values unchecked)."""
     n = permutation.shape[0]
-    inv = _launch.empty((n,), torch.int32, permutation.device)
+    inv = _launch.empty((n,), torch.int32, permutation.device).fill_(n)
     if n:
         block = 1024
         moe_invert_kernel[(triton.cdiv(n, block),)](permutation, inv, n, BLOCK=block)
@@ -416,6 +496,7 @@ def _moe_gather_op(x: torch.Tensor, permutation: torch.Tensor, top_k: int,
     op = "kernel_ladder.moe_gather"
     _check_gather_args(op, x, permutation, top_k, weights)
     runtime.require_launchable(op, x, permutation)
+    _check_permutation_values(op, permutation, permutation.shape[0])
     return _gather(x, permutation, top_k, weights)
 
 
@@ -431,6 +512,7 @@ def _moe_combine_op(y_sorted: torch.Tensor, permutation: torch.Tensor, top_k: in
     op = "kernel_ladder.moe_combine"
     _check_combine_args(op, y_sorted, permutation, top_k, weights)
     runtime.require_launchable(op, y_sorted, permutation)
+    _check_permutation_values(op, permutation, permutation.shape[0])
     return _combine(y_sorted, permutation, top_k, weights)
 
 
@@ -450,8 +532,8 @@ def _check_weights_grad_args(op, token_rows, sorted_rows, permutation, top_k, we
     if sorted_rows.shape != (permutation.shape[0], token_rows.shape[1]):
         raise ValueError(f"{op}: sorted_rows must be ({permutation.shape[0]}, {token_rows.shape[1]}), "
                          f"got {tuple(sorted_rows.shape)}")
-    if weights_dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise TypeError(f"{op}: weights_dtype must be float32, float16 or bfloat16, got {weights_dtype}")
+    if weights_dtype not in WEIGHT_DTYPES:
+        raise TypeError(f"{op}: weights_dtype must be float32, float16, bfloat16 or float64, got {weights_dtype}")
 
 
 @torch.library.custom_op("kernel_ladder::moe_combine_backward", mutates_args=())
@@ -531,8 +613,8 @@ def moe_permute(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tenso
     Args:
         expert_ids: ``(T, k)`` int32 or int64 (any strides), values in ``[0, num_experts)`` (a value
             check, see :mod:`kernel_ladder.runtime`: a ``ValueError`` on the CPU, and on CUDA when asked;
-            unchecked, an out-of-range id is counted nowhere and leaves its ``permutation`` slot
-            unwritten).
+            unchecked, an out-of-range id is clamped into ``[0, num_experts)``, so that ``permutation``
+            is still a permutation and ``offsets[-1] = T * k``).
         num_experts: ``E``, ``1 <= E <= MAX_EXPERTS``.
 
     Returns:
@@ -552,7 +634,9 @@ def moe_gather(x: torch.Tensor, permutation: torch.Tensor, top_k: int) -> torch.
 
     Args:
         x: ``(T, H)`` float32, float16 or bfloat16 (any strides).
-        permutation: ``(T * top_k,)`` int32 from :func:`moe_permute`.
+        permutation: ``(T * top_k,)`` int32 from :func:`moe_permute`: each of ``0 .. T * top_k - 1``
+            once (a value check, see :mod:`kernel_ladder.runtime`; unchecked, an entry outside that
+            range gathers a zero row).
         top_k: ``k``, experts per token.
 
     Returns:
@@ -570,12 +654,15 @@ def moe_combine(y_sorted: torch.Tensor, permutation: torch.Tensor, weights: torc
 
     Args:
         y_sorted: ``(T * k, H)`` float32, float16 or bfloat16, rows in :func:`moe_permute`'s order.
-        permutation: ``(T * k,)`` int32 from :func:`moe_permute`.
-        weights: ``(T, k)`` float routing weights (any float dtype; used in float32).
+        permutation: ``(T * k,)`` int32 from :func:`moe_permute`: each of ``0 .. T * k - 1`` once (a
+            value check, see :mod:`kernel_ladder.runtime`; unchecked, an entry held at several
+            positions is taken from the first, and one held nowhere adds nothing).
+        weights: ``(T, k)`` routing weights, float32, float16, bfloat16 or float64 (read in float32;
+            their gradient in their dtype).
 
     Returns:
         ``(T, H)`` contiguous, ``y_sorted``'s dtype, summed in float32 in slot order (deterministic:
-        one program per block of tokens, no atomics). Differentiable in ``y_sorted`` and ``weights``.
+        one program per block of tokens, no atomic adds). Differentiable in ``y_sorted`` and ``weights``.
     """
     _check_rows("kernel_ladder.moe_combine", "y_sorted", y_sorted)
     check_tensor("kernel_ladder.moe_combine", "weights", weights)

@@ -60,6 +60,17 @@ block table entries each sequence uses (in ``[0, num_blocks)``) follow the value
 ``cu_seqlens_q`` are asserted on the device with ``torch._assert_async`` (no host synchronization)
 and the block tables are not checked, unless ``check_values(True)`` asks for the host checks.
 
+**Unchecked values never reach outside a tensor.** Whatever the checks, the kernel keeps what they would
+reject inside the tensors: a block table entry outside ``[0, num_blocks)`` (negative, or past the cache)
+is clamped into it (``min(max(entry, 0), num_blocks - 1)``: the sequence reads the first or the last
+block of the cache instead); ``seq_lens`` are clamped to ``[0, max_blocks * block_size]``; query rows
+that ``cu_seqlens_q`` puts outside ``q`` are neither read nor written. The output for such values is
+meaningless, but no access leaves q, the caches, the tables or the output (traced in the tests). A read
+clamps where :mod:`kernel_ladder.ops.write_kv_cache` masks a bad slot: a write that landed on another
+block would corrupt it, a read of another block only returns garbage for garbage; and masking each key of
+a bad block costs the prefill tile registers (sm_90: 250 -> 255 and a spill at head dim 128), clamping
+the table's entries nothing.
+
 :func:`gather_kv` turns the paged cache back into dense per-sequence tensors (the reference and
 the gather + SDPA baseline).
 """
@@ -74,7 +85,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import _launch, runtime
+from .. import _autocast, _launch, runtime
 from .._launch import next_power_of_2
 from .._validate import FLOAT_DTYPES, check_attention_options, check_paged_caches, check_tensor, check_values
 from .._validate import is_int as _is_int
@@ -131,7 +142,8 @@ def _find_sequence(cu_seqlens_q_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
     return left - 1
 
 
-@triton.jit(do_not_specialize=["num_seqs", "group_size", "heads_per_program", "num_splits", "window"])
+@triton.jit(do_not_specialize=["num_seqs", "group_size", "heads_per_program", "num_splits", "window", "num_rows",
+                               "num_blocks", "max_blocks"])
 def paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,          # q, out (rows, Hq, D); caches (blocks, block_size, Hkv, D)
     partial_out_ptr, partial_lse_ptr,                  # SPLIT: fp32 (splits, rows, Hq, D) and (splits, rows, Hq)
@@ -146,6 +158,7 @@ def paged_attention_kernel(
     stride_btb, stride_btp, stride_sl,                 # block_tables as (B, max_blocks); seq_lens
     num_seqs, head_dim, group_size, heads_per_program, num_splits,  # Hq // Hkv; query heads per program
     sm_scale, softcap, window,                         # sm_scale: of q k^T (before soft-capping)
+    num_rows, num_blocks, max_blocks,                  # q's rows; the cache's blocks; block_tables' columns
     VARLEN: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, FP8: tl.constexpr,
     SPLIT: tl.constexpr, USE_DOT: tl.constexpr, INDEX_64: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, PAGES: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_P: tl.constexpr,
@@ -160,15 +173,20 @@ def paged_attention_kernel(
     split = tl.program_id(2)
     if VARLEN:
         seq = _find_sequence(cu_seqlens_q_ptr, pid_q, num_seqs, BLOCK_Q)
+        found = seq >= 0  # -1 only when cu_seqlens_q[0] > 0: values a check would reject
+        seq = tl.maximum(seq, 0)
         q_start = tl.load(cu_seqlens_q_ptr + seq)
-        q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+        q_len = tl.where(found, tl.load(cu_seqlens_q_ptr + seq + 1) - q_start, 0)
         tile = pid_q - (q_start // BLOCK_Q + seq)
     else:
         seq = pid_q
         q_start = pid_q
         q_len = 1
         tile = 0
-    seq_len = tl.load(seq_lens_ptr + seq * stride_sl)
+    # Values a check would reject never reach outside a tensor (with value checks off, a GPU's default):
+    # seq_len is clamped to the table's capacity, rows outside q are masked, and a block table entry is
+    # clamped into [0, num_blocks) (see the module docstring).
+    seq_len = tl.minimum(tl.maximum(tl.load(seq_lens_ptr + seq * stride_sl), 0), max_blocks * BLOCK_SIZE)
     m0 = tile * BLOCK_Q
     if m0 < q_len:  # a packed program past its sequence's tiles does nothing
         rows = tl.arange(0, BLOCK_R)
@@ -177,11 +195,13 @@ def paged_attention_kernel(
         first_head = pid_h * heads_per_program
         head = first_head + g
         kv_head = first_head // group_size
+        q_row = q_start + tok
         row_mask = (tok < q_len) & (g < heads_per_program)
+        if VARLEN:  # decode rows are the program ids: always inside q
+            row_mask = row_mask & (q_row >= 0) & (q_row < num_rows)
         position = seq_len - q_len + tok  # each query row's position in its sequence
         offs_d = tl.arange(0, BLOCK_D)
         d_mask = offs_d < head_dim
-        q_row = q_start + tok
         seq_row = seq
         if INDEX_64:
             q_row = q_row.to(tl.int64)
@@ -225,6 +245,7 @@ def paged_attention_kernel(
         for page0 in range(start_page, end_page, PAGES):
             pages = page0 + offs_p
             physical = tl.load(table_row + pages * stride_btp, mask=pages < end_page, other=0)
+            physical = tl.minimum(tl.maximum(physical, 0), num_blocks - 1)  # into the cache, whatever the table
             if INDEX_64:
                 physical = physical.to(tl.int64)
             # each key's physical block: the PAGES entries broadcast over their block_size slots
@@ -459,6 +480,7 @@ def _forward(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, k_scale,
         block_tables.stride(0), block_tables.stride(1), seq_lens.stride(0),
         num_seqs, head_dim, heads_q // heads_kv, plan.heads_per_program, num_splits,
         float(softmax_scale), float(softcap or 1.0), int(window or 0),
+        rows, num_blocks, block_tables.shape[1] if num_blocks else 0,  # an empty cache: every seq_len clamps to 0
         VARLEN=varlen, HAS_WINDOW=window is not None, SOFTCAP=softcap is not None, FP8=fp8, SPLIT=split,
         USE_DOT=plan.use_dot, INDEX_64=index_64, INPUT_PRECISION=_launch.dot_input_precision(q.dtype),
         BLOCK_SIZE=block_size, PAGES=config.pages(block_size, head_dim), BLOCK_R=plan.block_rows,
@@ -494,7 +516,8 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, window, s
         raise ValueError(f"{op}: q must be 3-D {layout}, got shape {tuple(q.shape)}")
     check_paged_caches(op, k_cache, v_cache)
     fp8 = k_cache.dtype == torch.float8_e4m3fn
-    if not fp8 and k_cache.dtype != q.dtype:
+    # Under autocast a float q and cache both go to the autocast dtype first (as SDPA's inputs): no mismatch.
+    if not fp8 and k_cache.dtype != q.dtype and not _autocast.unifies(op, ("q", q), ("k_cache", k_cache)):
         raise TypeError(f"{op}: k_cache and v_cache must have q's dtype ({q.dtype}) or be torch.float8_e4m3fn "
                         f"(with k_scale and v_scale), got {k_cache.dtype}")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables),
@@ -689,11 +712,14 @@ def paged_attention(
         k_cache, v_cache: ``(num_blocks, block_size, Hkv, D)``, any strides (e.g. one layer's slice of
             a ``(layers, num_blocks, ...)`` tensor); ``block_size`` a power of two from 8 to 128; ``Hq``
             a multiple of ``Hkv`` (GQA/MQA); q's dtype, or ``torch.float8_e4m3fn`` with ``k_scale``/``v_scale``.
+            Under ``torch.autocast`` q and a float cache go to the autocast dtype first (as SDPA's inputs):
+            an fp32 q over a bf16 cache runs in bf16, the cache uncopied.
             ``D`` any value up to 256.
         block_tables: int32 ``(B, max_blocks)``: sequence ``b``'s token ``j`` is in physical block
             ``block_tables[b, j // block_size]``, slot ``j % block_size``. Entries past
             ``cdiv(seq_lens[b], block_size)`` are never read; the others must be in ``[0, num_blocks)``
-            (a value check: see :mod:`kernel_ladder.runtime`).
+            (a value check: see :mod:`kernel_ladder.runtime`); unchecked, an entry outside the cache is
+            clamped into ``[0, num_blocks)``: never read past the cache, the output meaningless.
         seq_lens: int32 ``(B,)``: cached tokens of each sequence, the new ones included; each in
             ``[0, max_blocks * block_size]``. A sequence of length 0 gives output 0.
         softmax_scale: the scale of ``q k^T``; ``None`` for ``1 / sqrt(D)``.

@@ -305,6 +305,11 @@ def _check_finite(op: str, w: torch.Tensor) -> None:
     row's (or group's) scale non-finite; rejecting them is clearer than a silently wrong layer.
     """
     finite = torch.isfinite(w)
+    if torch.compiler.is_compiling():
+        # A traced graph cannot read the flag on the host: it asserts it instead (a RuntimeError when it runs).
+        torch._assert_async(finite.all(), f"{op}: w holds a non-finite value (NaN or +-inf), which no quantized "
+                                          "format can represent")
+        return
     if w.numel() and not bool(finite.all()):
         bad = (~finite).nonzero()
         first = tuple(int(i) for i in bad[0])

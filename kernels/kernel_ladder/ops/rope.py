@@ -55,6 +55,8 @@ __all__ = ["ROPE_SCALINGS", "rope", "rope_cos_sin", "rope_kernel"]
 ROPE_SCALINGS: tuple[str, ...] = ("default", "linear", "llama3")
 
 _OP = "kernel_ladder.rope"
+#: The cos/sin tables' dtypes: the kernel reads them in float32 (float64 tables are rounded to it once).
+TABLE_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 @triton.jit
@@ -205,8 +207,11 @@ def _check_args(q: object, k: object, cos: object, sin: object, unsqueeze_dim: o
     check_tensor(_OP, "k", k)
     check_tensor(_OP, "cos", cos)
     check_tensor(_OP, "sin", sin)
-    for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
+    for name, t in (("q", q), ("k", k)):
         check_float_dtype(_OP, name, t)
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.dtype not in TABLE_DTYPES:
+            raise TypeError(f"{_OP}: {name} must be float32, float16, bfloat16 or float64, got {t.dtype}")
     check_same_dtype(_OP, "q", q, "k", k)
     for name, t in (("k", k), ("cos", cos), ("sin", sin)):
         check_same_device(_OP, "q", q, name, t)
@@ -325,7 +330,8 @@ def rope(
             projection is read in place).
         k: keys of the same dtype and layout, ``Hkv`` heads (``Hq != Hkv`` allowed: GQA, MQA).
         cos, sin: the tables, ``(B, T, R)`` as HF's rotary embedding returns them (``B`` may be 1),
-            or ``(T, R)`` for every sequence of the batch; any float dtype (computed in float32).
+            or ``(T, R)`` for every sequence of the batch; float32, float16, bfloat16 or float64
+            (read in float32: float64 tables give the results of tables rounded to float32).
             ``R`` (even) is the rotary width: ``R < D`` rotates the first ``R`` features only and
             passes the rest through (GPT-NeoX / Phi partial rotary). :func:`rope_cos_sin` makes them.
         unsqueeze_dim: 1 or 2, the layout of q and k, as in HF.

@@ -13,12 +13,27 @@ Switch/Mixtral auxiliary load-balancing loss.
 One kernel, :func:`topk_routing_kernel`: a program takes ``BLOCK_T`` whole rows (all ``E`` experts
 in one block of registers, ``E <= MAX_EXPERTS``), computes the scores, and picks the top ``k`` by
 ``k`` rounds of "argmax, then mask the winner out" in registers — no sort, no second pass over
-memory. It reads the logits once and writes ``T * k`` weights and ids: the ideal traffic.
+memory. It reads the logits once and writes ``T * k`` weights and ids: the ideal traffic. The
+rounds rank the experts by their logits, which order them as the scores do (softmax and sigmoid
+both rise with the logit) and stay ordered where the scores are NaN.
 
 **Ties** pick the lowest expert index (each round's argmax is the smallest index holding the
-maximum). ``torch.topk`` leaves the order of equal values unspecified (on the CPU it does not pick
-the lowest indices), so the ids can differ from torch's where scores tie exactly; the weights
-cannot.
+maximum logit): the ids are the first ``k`` of a stable descending sort of the row. ``torch.topk``
+leaves the order of equal values unspecified (on the CPU it does not pick the lowest indices), so
+the ids can differ from torch's where scores tie exactly; the weights cannot.
+
+**NaN and infinite logits** never leave a token without valid experts: the ids are always ``k``
+distinct experts in ``[0, E)``, and one token's logits never change another token's routing.
+
+* A NaN logit is read as ``-inf``: that expert scores 0 and is chosen only when ``k`` exceeds the
+  experts with a larger logit. (Torch's softmax of such a row is NaN everywhere; here the other
+  experts keep their probabilities.)
+* A row whose largest logit is ``+inf``, or whose logits are all ``-inf`` (or NaN), has no softmax:
+  torch's ``softmax`` gives NaN for every expert, and so does this kernel, so such a token's
+  weights are NaN (its MoE output too, as in Hugging Face's block), and only its own. Its ids are
+  the ``+inf`` experts first (lowest index first), then the rest by logit; for an all ``-inf`` row,
+  experts ``0 .. k-1``. Sigmoid scores stay finite (``sigmoid(±inf)`` is 1 or 0); renormalizing
+  ``k`` zero scores gives NaN, as torch's division does.
 
 The backward (:func:`topk_routing_backward_kernel`, ``kernel_ladder::topk_routing_backward``) recomputes
 the scores from the logits (one more read of ``T * E``, instead of saving a ``T * E`` float32 buffer)
@@ -42,6 +57,7 @@ from .._validate import check_bool, check_choice, check_float_dtype, check_tenso
 from .softmax import softmax
 
 __all__ = [
+    "LOGIT_DTYPES",
     "MAX_EXPERTS",
     "MAX_K",
     "SCORINGS",
@@ -58,6 +74,14 @@ MAX_K: int = 32
 #: Elements of logits a program aims to hold (short rows are packed, ``BLOCK_T`` rows a program).
 ROUTING_TILE: int = 4096
 SCORINGS = ("softmax", "sigmoid")
+#: The logits' dtypes: the kernels read them in float32 (float64 logits are rounded to it once).
+LOGIT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def check_logits_dtype(op: str, name: str, t: torch.Tensor) -> None:
+    """``t`` must be one of :data:`LOGIT_DTYPES`."""
+    if t.dtype not in LOGIT_DTYPES:
+        raise TypeError(f"{op}: {name} must be float32, float16, bfloat16 or float64, got {t.dtype}")
 
 _NEG_INF = tl.constexpr(float("-inf"))
 
@@ -68,21 +92,25 @@ _NEG_INF = tl.constexpr(float("-inf"))
 
 
 @triton.jit
-def _scores(x_ptr, rows, row_ok, cols, n_experts, stride_xt, stride_xe, SIGMOID: tl.constexpr):
-    """float32 scores of a (BLOCK_T, BLOCK_E) tile of logits; padding columns (and rows) get -1,
-    below every real score (softmax and sigmoid scores are >= 0), so they are never chosen."""
-    col_ok = cols < n_experts
-    mask = row_ok[:, None] & col_ok[None, :]
+def _logits(x_ptr, rows, row_ok, cols, n_experts, stride_xt, stride_xe):
+    """float32 logits of a (BLOCK_T, BLOCK_E) tile, NaN read as -inf; padding columns (and rows) -inf."""
+    mask = row_ok[:, None] & (cols < n_experts)[None, :]
     offs = rows.to(tl.int64)[:, None] * stride_xt + cols.to(tl.int64)[None, :] * stride_xe
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return tl.where(mask & (x == x), x, _NEG_INF)  # x != x: NaN
+
+
+@triton.jit
+def _scores(x, SIGMOID: tl.constexpr):
+    """float32 scores of cleaned logits: a padding column scores 0 in a row that has a finite maximum;
+    a row whose maximum is +inf or -inf has no softmax (NaN everywhere, as torch's)."""
     if SIGMOID:
         p = tl.sigmoid(x)
     else:
-        x = tl.where(col_ok[None, :], x, _NEG_INF)
         m = tl.max(x, axis=1)
         e = tl.exp(x - m[:, None])
         p = e * (1.0 / tl.sum(e, axis=1))[:, None]
-    return tl.where(mask, p, -1.0)
+    return p
 
 
 @triton.jit
@@ -91,21 +119,28 @@ def topk_routing_kernel(
     K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
     SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr,
 ):
-    """weights, ids (T, K) of BLOCK_T rows: scores, then K rounds of argmax-and-mask."""
+    """weights, ids (T, K) of BLOCK_T rows: scores, then K rounds of argmax-and-mask over the logits."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < n_tokens
     cols = tl.arange(0, BLOCK_E)
-    p = _scores(x_ptr, rows, row_ok, cols, n_experts, stride_xt, stride_xe, SIGMOID)
+    x = _logits(x_ptr, rows, row_ok, cols, n_experts, stride_xt, stride_xe)
+    p = _scores(x, SIGMOID)
+    # The experts still to choose from: real columns, not chosen yet. Ranking by the logits (never
+    # NaN here) rather than the scores: the same order (both scores rise with the logit), and defined
+    # where the scores are NaN, so that every round picks a real, new expert whatever the row holds.
+    free = (cols < n_experts)[None, :] & (rows >= 0)[:, None]
     slots = tl.arange(0, BLOCK_K)
     weights = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
     ids = tl.zeros((BLOCK_T, BLOCK_K), tl.int32)
     for j in tl.static_range(K):
-        best = tl.max(p, axis=1)
-        # The lowest index holding the maximum (ties: lowest expert).
-        winner = tl.min(tl.where(p == best[:, None], cols[None, :], BLOCK_E), axis=1)
-        weights = tl.where(slots[None, :] == j, best[:, None], weights)
+        best = tl.max(tl.where(free, x, _NEG_INF), axis=1)
+        # The lowest free index holding the maximum (ties: lowest expert; all -inf: the lowest free).
+        winner = tl.min(tl.where(free & (x == best[:, None]), cols[None, :], BLOCK_E), axis=1)
+        chosen = cols[None, :] == winner[:, None]
+        weight = tl.sum(tl.where(chosen, p, 0.0), axis=1)
+        weights = tl.where(slots[None, :] == j, weight[:, None], weights)
         ids = tl.where(slots[None, :] == j, winner[:, None], ids)
-        p = tl.where(cols[None, :] == winner[:, None], -2.0, p)
+        free = free & (cols[None, :] != winner[:, None])
     if RENORMALIZE:
         weights = weights / tl.sum(weights, axis=1)[:, None]
     out = rows.to(tl.int64)[:, None] * K + slots[None, :]
@@ -125,8 +160,8 @@ def topk_routing_backward_kernel(
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < n_tokens
     cols = tl.arange(0, BLOCK_E)
-    p = _scores(x_ptr, rows, row_ok, cols, n_experts, stride_xt, stride_xe, SIGMOID)
-    p = tl.where(p < 0.0, 0.0, p)  # padding contributes nothing
+    p = _scores(_logits(x_ptr, rows, row_ok, cols, n_experts, stride_xt, stride_xe), SIGMOID)
+    p = tl.where((cols < n_experts)[None, :], p, 0.0)  # padding contributes nothing
     slots = tl.arange(0, BLOCK_K)
     kmask = row_ok[:, None] & (slots < K)[None, :]
     rows64 = rows.to(tl.int64)[:, None]
@@ -174,7 +209,7 @@ def _config(n_tokens: int, n_experts: int, k: int) -> tuple[int, int, int, int]:
 
 def _check_args(op: str, router_logits: object, k: object, renormalize: object, scoring: object) -> None:
     check_tensor(op, "router_logits", router_logits)
-    check_float_dtype(op, "router_logits", router_logits)
+    check_logits_dtype(op, "router_logits", router_logits)
     if router_logits.dim() != 2:
         raise ValueError(f"{op}: router_logits must be 2-D (tokens, experts), got shape {tuple(router_logits.shape)}"
                          " (flatten the leading dims with .reshape(-1, num_experts))")
@@ -194,7 +229,7 @@ def _check_backward_args(op: str, grad_weights, router_logits, expert_ids, renor
     for name, t in (("grad_weights", grad_weights), ("router_logits", router_logits), ("expert_ids", expert_ids)):
         check_tensor(op, name, t)
     check_float_dtype(op, "grad_weights", grad_weights)
-    check_float_dtype(op, "router_logits", router_logits)
+    check_logits_dtype(op, "router_logits", router_logits)
     if router_logits.dim() != 2:
         raise ValueError(f"{op}: router_logits must be 2-D, got shape {tuple(router_logits.shape)}")
     if expert_ids.dtype not in (torch.int32, torch.int64):
@@ -296,7 +331,8 @@ def topk_routing(router_logits: torch.Tensor, k: int, renormalize: bool = True,
     """Each token's top-``k`` experts and their routing weights.
 
     Args:
-        router_logits: ``(T, E)`` float32, float16 or bfloat16 (any strides), ``1 <= E <= MAX_EXPERTS``.
+        router_logits: ``(T, E)`` float32, float16, bfloat16 or float64 (read in float32; any strides),
+            ``1 <= E <= MAX_EXPERTS``.
         k: experts per token, ``1 <= k <= min(E, MAX_K)``.
         renormalize: divide the ``k`` chosen scores by their sum (Mixtral; Qwen's ``norm_topk_prob``).
         scoring: ``"softmax"`` (softmax over the experts in float32, as Mixtral's
@@ -307,8 +343,11 @@ def topk_routing(router_logits: torch.Tensor, k: int, renormalize: bool = True,
         ``(weights, expert_ids)``, both ``(T, k)`` and contiguous, in descending order of score:
         ``weights`` **float32** whatever the logits' dtype (Mixtral casts them to the hidden dtype
         only after the renormalization: ``weights.to(hidden.dtype)`` does the same), ``expert_ids``
-        **int64** like ``torch.topk``'s indices. Ties pick the lowest expert index.
-        Differentiable with respect to ``router_logits`` through ``weights``.
+        **int64** like ``torch.topk``'s indices, always ``k`` distinct experts in ``[0, E)``. Ties pick
+        the lowest expert index. A NaN logit counts as ``-inf``; a row whose largest logit is ``+inf``
+        or whose logits are all ``-inf`` gets NaN softmax weights, as torch's softmax does (see the
+        module docstring). Differentiable with respect to ``router_logits`` through ``weights`` (the
+        gradient in ``router_logits``' dtype).
     """
     if not schema_types(tensors=(router_logits,), ints=(k,), flags=(renormalize,), strings=(scoring,)):
         _check_args(_OP, router_logits, k, renormalize, scoring)  # the op checks values

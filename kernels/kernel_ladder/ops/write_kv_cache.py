@@ -25,11 +25,18 @@ written** (like a negative one), so no check setting lets it write past the cach
 float32, float16 or bfloat16 and are cast to the cache's dtype (round to nearest even, as torch's
 ``.to()``). An fp8 cache stores ``k / k_scale`` (``v / v_scale``) with per-tensor float32 scales
 (0-d or one-element tensors, read on the device: no sync), computed in float32, saturated to
-+-448 and rounded to e4m3 as :mod:`kernel_ladder.ops.quantize`'s fp8 path does; no scale means 1.
++-448 (NaN stays NaN) and rounded to e4m3 as :mod:`kernel_ladder.ops.quantize`'s fp8 path does; no
+scale means 1. A scale must be positive and finite: a value check (the policy of
+:mod:`kernel_ladder.runtime`: a ``ValueError`` for CPU tensors or when checks are on, nothing on CUDA by
+default). Unchecked, the kernel divides by it all the same: a zero scale stores +-448 (k's sign; NaN
+for k = 0), a negative one ``-k / |scale|``, NaN stores NaN, an infinite one stores 0.
 
 **Strides.** Every operand is read and written through its own strides: ``k``/``v`` may be slices
 of a fused QKV projection's output and the caches one layer of a ``(layers, num_blocks, ...)``
-tensor. Offsets are int32 while every reachable offset fits, else int64 (``INDEX_64``).
+tensor, or the two halves ``kv[:, 0]``, ``kv[:, 1]`` of one ``(num_blocks, 2, block_size, Hkv, D)``
+tensor (FlashInfer's layout). The caches must share no element (``_validate.share_elements``: exact
+from the strides, not the byte ranges the views span). Offsets are int32 while every reachable offset
+fits, else int64 (``INDEX_64``).
 
 **The launch.** A program writes ``BLOCK_T`` tokens x all ``Hkv * D`` elements of each (the head
 and head-dim indices flattened into one ``BLOCK_HD`` range). In the interpreter few big programs
@@ -38,12 +45,22 @@ and head-dim indices flattened into one ``BLOCK_HD`` range). In the interpreter 
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
 from .. import _launch, runtime
-from .._validate import FLOAT_DTYPES, check_paged_caches, check_same_device, check_tensor, check_values, schema_types
+from .._validate import (
+    FLOAT_DTYPES,
+    check_paged_caches,
+    check_same_device,
+    check_tensor,
+    check_values,
+    schema_types,
+    share_elements,
+)
 
 __all__ = ["CACHE_DTYPES", "write_kv_cache", "write_kv_cache_kernel"]
 
@@ -101,9 +118,11 @@ def write_kv_cache_kernel(
         if HAS_SCALE:
             k = tl.math.div_rn(k, tl.load(k_scale_ptr).to(tl.float32))
             v = tl.math.div_rn(v, tl.load(v_scale_ptr).to(tl.float32))
-        # Saturate to e4m3's largest finite value (the GPU's cvt.rn.satfinite, torch's clamp-then-cast).
-        k = tl.minimum(tl.maximum(k, -448.0), 448.0)
-        v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+        # Saturate to e4m3's largest finite value (torch's clamp-then-cast); NaN stays NaN (not fmax's -448).
+        k = tl.minimum(tl.maximum(k, -448.0, propagate_nan=tl.PropagateNan.ALL), 448.0,
+                       propagate_nan=tl.PropagateNan.ALL)
+        v = tl.minimum(tl.maximum(v, -448.0, propagate_nan=tl.PropagateNan.ALL), 448.0,
+                       propagate_nan=tl.PropagateNan.ALL)
     tl.store(k_cache_ptr + k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -193,17 +212,37 @@ def _check_args(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> None:
 
 
 def _check_no_overlap(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    """k_cache and v_cache must not share elements (real tensors only: fake ones have no storage)."""
-    if k_cache.untyped_storage().data_ptr() == v_cache.untyped_storage().data_ptr() and _overlap(k_cache, v_cache):
-        raise ValueError(f"{_OP}: k_cache and v_cache must not overlap in memory")
+    """k_cache and v_cache must share no element (real tensors only: fake ones have no storage). Views of
+    one tensor that interleave without sharing, as ``kv[:, 0]`` and ``kv[:, 1]``, are fine."""
+    if share_elements(k_cache, v_cache):
+        raise ValueError(f"{_OP}: k_cache and v_cache must not overlap in memory (they share elements: a write "
+                         f"to one would land in the other); got strides {k_cache.stride()} at offset "
+                         f"{k_cache.storage_offset()} and {v_cache.stride()} at offset {v_cache.storage_offset()}")
 
 
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two views of one storage may share elements (by the byte ranges they span)."""
-    size = a.element_size()
-    a0, b0 = a.storage_offset() * size, b.storage_offset() * size
-    a1, b1 = a0 + (_max_offset(a) + 1) * size, b0 + (_max_offset(b) + 1) * size
-    return a0 < b1 and b0 < a1
+def _check_scale_values(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
+    """Both fp8 scales positive and finite, by the value-check policy (unchecked on CUDA by default)."""
+    if k_scale is None:
+        return
+    message = (f"{_OP}: k_scale and v_scale must be positive finite numbers (the cache stores k / k_scale, "
+               "v / v_scale)")
+
+    def valid(scale: torch.Tensor) -> torch.Tensor:
+        return (torch.isfinite(scale) & (scale > 0)).all()
+
+    def error() -> str:
+        name, scale = ("k_scale", k_scale) if not bool(valid(k_scale)) else ("v_scale", v_scale)
+        return (f"{_OP}: {name} must be a positive finite number (the cache stores k / k_scale, v / v_scale); "
+                f"got {name} = {float(scale.reshape(()))}")
+
+    def host_ok() -> bool:
+        values = [float(s.reshape(())) for s in (k_scale, v_scale)]
+        return all(math.isfinite(x) and x > 0 for x in values)
+
+    # No device assertion (a decode step's write would pay its launches): unchecked, the kernel divides by
+    # the scale as the module docstring says.
+    check_values((k_scale, v_scale), lambda: valid(k_scale) & valid(v_scale), message, error, host_ok=host_ok,
+                 device_assert=False)
 
 
 def _check_slot_values(slot_mapping: torch.Tensor, num_slots: int) -> None:
@@ -234,6 +273,7 @@ def _write_kv_cache_op(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, 
     _check_no_overlap(k_cache, v_cache)
     runtime.require_launchable(_OP, k, v, k_cache, v_cache, slot_mapping)
     _check_slot_values(slot_mapping, k_cache.shape[0] * k_cache.shape[1])
+    _check_scale_values(k_scale, v_scale)
     _launch_write(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
@@ -264,7 +304,8 @@ def write_kv_cache(
             and is skipped; a slot ``>= num_blocks * block_size`` is an error (a value check: see
             :mod:`kernel_ladder.runtime`), and is masked on the device, never written, when unchecked.
         k_scale, v_scale: for a float8_e4m3fn cache only: float32 per-tensor scales (0-d or one
-            element); the cache stores ``k / k_scale`` saturated to +-448. None means 1.
+            element), positive and finite (a value check); the cache stores ``k / k_scale`` saturated
+            to +-448. None means 1.
 
     Not differentiable (a cache write is not part of a training graph).
     """

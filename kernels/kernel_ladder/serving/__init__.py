@@ -5,7 +5,7 @@ From the bottom up, each layer usable alone:
 * :mod:`~kernel_ladder.serving.block_pool` — :class:`BlockAllocator`, the pool of cache blocks:
   which of ``num_blocks`` blocks are free, how many sequences reference each used block
   (reference counts make sharing safe), and the *prefix cache*'s index (full blocks keyed by
-  their token contents).
+  the SHA-256 of their parent's key and their token ids).
 * :mod:`~kernel_ladder.serving.paged_cache` — :class:`PagedKVCache`, the cache tensors of every
   layer and, per sequence, its **block table** (the blocks that hold its tokens, in order) and its
   length. It hands out **slots** (``block * block_size + offset``) for a sequence's next tokens —
@@ -26,19 +26,25 @@ From the bottom up, each layer usable alone:
   ``generate`` and ``stream`` (also ``kernel_ladder.models.Engine``).
 
 **Prefix caching.** A *full* block's contents depend on every token before it, so a block is
-identified by ``hash((parent block's hash, this block's token ids))``: two sequences whose first
-``n`` blocks hold the same tokens get the same ``n`` keys. When a block fills, its key is
-registered; a new sequence whose prompt starts with the same tokens reuses those blocks (a
-reference each) and only prefills the rest. A block whose last reference goes keeps its contents
-and its key in an *evictable* pool (least recently freed first): a later prompt can still reuse
-it, and it is only overwritten (its key forgotten) when a free block is needed and no block
-without a key is left. The cache index compares the block's tokens exactly (the key is the pair,
-not only its hash), so two different blocks are never confused; parents are identified by hash.
+identified by a chain: its key is the SHA-256 of its parent block's key, the request's cache salt
+and its own token ids (:func:`~kernel_ladder.serving.block_pool.block_key`; an encoding with fixed
+widths and length prefixes, so that different chains never hash the same bytes). Two sequences
+whose first ``n`` blocks hold the same tokens, under the same salt, get the same ``n`` keys; no
+two different prefixes can be made to (Python's 64-bit ``hash`` could be: see the block pool). When
+a block fills, its key is registered; a new sequence whose prompt starts with the same tokens
+reuses those blocks (a reference each) and only prefills the rest. A block whose last reference
+goes keeps its contents and its key in an *evictable* pool (least recently freed first): a later
+prompt can still reuse it, and it is only overwritten (its key forgotten) when a free block is
+needed and no block without a key is left. Requests with different ``cache_salt`` values (tenants,
+adapters) never share a block.
 
 A block's key is registered when its slots are handed out, before the model step writes it. That
-is safe because a model step writes every token's K/V (:func:`kernel_ladder.write_kv_cache`) in each
-layer before that layer's attention reads the cache, so a sequence admitted in the same step that
-reuses the block reads it after it was written.
+is safe because every scheduled step is run — a step whose prefill chunks all end mid-prompt too
+(it samples nothing, but its K/V are what later steps and later prompts read) — and a model step
+writes every token's K/V (:func:`kernel_ladder.write_kv_cache`) in each layer before that layer's
+attention reads the cache, so a sequence admitted in the same step that reuses the block reads it
+after it was written. A step that fails takes its blocks out of the prefix cache
+(:meth:`PagedKVCache.forget_blocks <kernel_ladder.serving.paged_cache.PagedKVCache.forget_blocks>`).
 
 **Host state by design.** The cache and the scheduler are host-side bookkeeping: block tables,
 lengths and free lists live in Python, and the step's ``block_tables``, ``seq_lens`` and
@@ -49,7 +55,7 @@ synchronization (their value checks follow :mod:`kernel_ladder.runtime`'s policy
 over them can be captured in a CUDA graph with its inputs copied into static buffers.
 """
 
-from .block_pool import BlockAllocator, BlockKey, KVCacheOutOfBlocks
+from .block_pool import BlockAllocator, BlockKey, KVCacheOutOfBlocks, block_key
 from .engine import Engine, EngineStats
 from .paged_cache import PagedKVCache
 from .scheduler import Request, Scheduler, SchedulerOutput
@@ -64,4 +70,5 @@ __all__ = [
     "Request",
     "Scheduler",
     "SchedulerOutput",
+    "block_key",
 ]

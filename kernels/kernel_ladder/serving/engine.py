@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..ops.paged_attention import BLOCK_SIZES, MAX_HEAD_DIM
+from .block_pool import check_cache_salt
 from .forward import packed_forward
 from .paged_cache import PagedKVCache
 from .sampling import distribution, sample
@@ -38,6 +40,9 @@ if TYPE_CHECKING:
 __all__ = ["Engine", "EngineStats"]
 
 _OP = "kernel_ladder.models.Engine"
+
+#: A request's prefix-cache salt: requests share cached blocks only with those of the same salt.
+CacheSalt = str | bytes | None
 
 
 @dataclass
@@ -66,6 +71,29 @@ class EngineStats:
         return self.generated_tokens / self.target_steps if self.target_steps else 0.0
 
 
+def _check_int(name: str, value: object, also: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{_OP}: {name} must be an int{also}, got {type(value).__name__} {value!r}")
+
+
+def _check_positive_int(name: str, value: object, also: str = "") -> None:
+    _check_int(name, value, also)
+    if value < 1:
+        raise ValueError(f"{_OP}: {name} must be a positive int{also}, got {value}")
+
+
+def _check_model(model: CausalLM, name: str) -> torch.nn.Parameter:
+    """One of the model's parameters (its dtype and device are the cache's), once the paged step can run it."""
+    param = next(model.parameters())
+    if param.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"{_OP}: {name}'s parameters must be float32, float16 or bfloat16 (the paged attention's "
+                        f"dtypes), got {param.dtype}")
+    if not 1 <= model.config.head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"{_OP}: {name}'s head dim must be in [1, {MAX_HEAD_DIM}] (what "
+                         f"kernel_ladder.paged_attention supports), got {model.config.head_dim}")
+    return param
+
+
 class Engine:
     """Serve ``model`` from a paged cache of ``num_blocks`` blocks of ``block_size`` tokens.
 
@@ -89,39 +117,50 @@ class Engine:
                  num_speculative_tokens: int = 4, lookup_ngram: int = 3) -> None:
         from ..models.causal_lm import CausalLM  # here: kernel_ladder.models imports this module
 
+        # Every argument is checked here, before the caches are allocated: not at the first generate.
         if not isinstance(model, CausalLM):
             raise TypeError(f"{_OP}: model must be a kernel_ladder.models.CausalLM (CausalLM.from_hf converts a "
                             f"transformers model), got {type(model).__name__}")
+        param = _check_model(model, "model")
+        _check_positive_int("num_blocks", num_blocks)
+        _check_int("block_size", block_size)
+        if block_size not in BLOCK_SIZES:
+            raise ValueError(f"{_OP}: block_size must be one of {BLOCK_SIZES} (the cache block sizes "
+                             f"kernel_ladder.paged_attention supports), got {block_size}")
+        if num_blocks * block_size > 2**31 - 1:
+            raise ValueError(f"{_OP}: num_blocks * block_size = {num_blocks * block_size} slots do not fit the int32 "
+                             "slot mapping; use fewer blocks")
+        if max_batch_size is not None:
+            _check_positive_int("max_batch_size", max_batch_size, " or None")
+        _check_positive_int("max_tokens_per_step", max_tokens_per_step)
+        if draft_model is not None and not isinstance(draft_model, CausalLM) and draft_model != "prompt_lookup":
+            raise ValueError(f"{_OP}: draft_model must be a kernel_ladder.models.CausalLM, 'prompt_lookup' or None, "
+                             f"got {draft_model!r}")
+        if isinstance(draft_model, CausalLM):
+            if draft_model.config.vocab_size != model.config.vocab_size:
+                raise ValueError(f"{_OP}: the draft model's vocabulary ({draft_model.config.vocab_size}) must be "
+                                 f"the target's ({model.config.vocab_size})")
+            draft_param = _check_model(draft_model, "draft_model")
+            if (draft_param.dtype, draft_param.device) != (param.dtype, param.device):
+                raise TypeError(f"{_OP}: draft_model's parameters must be the target's dtype ({param.dtype}) and "
+                                f"device ({param.device}), got {draft_param.dtype} on {draft_param.device}")
+        _check_positive_int("num_speculative_tokens", num_speculative_tokens)
+        _check_positive_int("lookup_ngram", lookup_ngram)
+
         c = model.config
-        param = next(model.parameters())
         self.model, self.config = model, c
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.cache = PagedKVCache(c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim,
                                   dtype=param.dtype, device=param.device)
-        if max_batch_size is None:
-            max_batch_size = num_blocks
-        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
-            raise ValueError(f"{_OP}: max_batch_size must be a positive int, got {max_batch_size!r}")
-        self.max_batch_size = max_batch_size
+        self.max_batch_size = num_blocks if max_batch_size is None else max_batch_size
         self.max_tokens_per_step = max_tokens_per_step
         self.stats = EngineStats()
-        self.draft_model, self.draft_cache = None, None
-        if draft_model is not None:
-            if isinstance(draft_model, CausalLM):
-                if draft_model.config.vocab_size != c.vocab_size:
-                    raise ValueError(f"{_OP}: the draft model's vocabulary ({draft_model.config.vocab_size}) must be "
-                                     f"the target's ({c.vocab_size})")
-                d = draft_model.config
-                self.draft_cache = PagedKVCache(d.num_hidden_layers, num_blocks, block_size, d.num_key_value_heads,
-                                                d.head_dim, dtype=param.dtype, device=param.device)
-            elif draft_model != "prompt_lookup":
-                raise ValueError(f"{_OP}: draft_model must be a kernel_ladder.models.CausalLM or 'prompt_lookup', got "
-                                 f"{draft_model!r}")
-            self.draft_model = draft_model
-        for name, value in (("num_speculative_tokens", num_speculative_tokens), ("lookup_ngram", lookup_ngram)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{_OP}: {name} must be a positive int, got {value!r}")
+        self.draft_model, self.draft_cache = draft_model, None
+        if isinstance(draft_model, CausalLM):
+            d = draft_model.config
+            self.draft_cache = PagedKVCache(d.num_hidden_layers, num_blocks, block_size, d.num_key_value_heads,
+                                            d.head_dim, dtype=param.dtype, device=param.device)
         self.num_speculative_tokens, self.lookup_ngram = num_speculative_tokens, lookup_ngram
         self._speculator = None if draft_model is None else Speculator(
             model, self.cache, draft_model, self.draft_cache, num_speculative_tokens, lookup_ngram)
@@ -141,11 +180,12 @@ class Engine:
     # -- generation ----------------------------------------------------------------------------
 
     def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
-               top_p: float = 1.0, stop_token_ids: Sequence[int] | None = None, seed: int | None = None
-               ) -> Iterator[tuple[int, int]]:
+               top_p: float = 1.0, stop_token_ids: Sequence[int] | None = None, seed: int | None = None,
+               cache_salt: CacheSalt | Sequence[CacheSalt] = None) -> Iterator[tuple[int, int]]:
         """Yield ``(prompt index, token)`` as each token is generated (continuous batching: the
         prompts' tokens interleave). Arguments as :meth:`generate`."""
         prompts = self._check(prompts, max_new_tokens, temperature, top_p)
+        salts = self._check_salts(cache_salt, len(prompts))
         stops = set(int(s) for s in stop_token_ids) if stop_token_ids else set()
         if self.draft_model is not None:
             yield from self._speculative_stream(prompts, max_new_tokens, temperature, top_p, stops, seed)
@@ -154,8 +194,8 @@ class Engine:
                               max_tokens_per_step=self.max_tokens_per_step)
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
         self.stats = stats = EngineStats(prompt_tokens=sum(len(p) for p in prompts))
-        for index, prompt in enumerate(prompts):
-            scheduler.add_request(index, prompt, max_new_tokens)
+        for index, (prompt, salt) in enumerate(zip(prompts, salts)):
+            scheduler.add_request(index, prompt, max_new_tokens, cache_salt=salt)
         cached_seen: dict[int, int] = {}
         try:
             while scheduler.has_unfinished:
@@ -171,10 +211,14 @@ class Engine:
                 stats.tokens_computed += step.total_tokens
                 stats.max_batch = max(stats.max_batch, step.num_seqs)
                 stats.preemptions += len(step.preempted)
-                if not step.sample_request_ids:
-                    scheduler.update({})
-                    continue
-                tokens = sample(self.forward_step(step), temperature, top_p, generator).tolist()
+                # Every step runs the model, one whose chunks all end mid-prompt too: the scheduler has
+                # counted their tokens as computed and keyed their full blocks in the prefix cache.
+                try:
+                    logits = self.forward_step(step)
+                except BaseException:
+                    self.cache.forget_blocks(step.slot_mapping)  # keyed when scheduled, maybe never written
+                    raise
+                tokens = sample(logits, temperature, top_p, generator).tolist() if step.sample_request_ids else []
                 outputs = dict(zip(step.sample_request_ids, tokens))
                 scheduler.update(outputs)
                 for request_id, token in outputs.items():
@@ -202,18 +246,33 @@ class Engine:
                 yield index, token
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
-                 top_p: float = 1.0, stop_token_ids: Sequence[int] | None = None, seed: int | None = None
-                 ) -> list[list[int]]:
+                 top_p: float = 1.0, stop_token_ids: Sequence[int] | None = None, seed: int | None = None,
+                 cache_salt: CacheSalt | Sequence[CacheSalt] = None) -> list[list[int]]:
         """The new tokens of each prompt (a list of token ids), in prompt order.
 
         Each prompt gets at most ``max_new_tokens`` tokens and stops after a token in
         ``stop_token_ids`` (which is kept). ``temperature=0`` is greedy; otherwise sampling with
         ``top_p`` nucleus filtering, reproducible with ``seed``.
+
+        ``cache_salt`` (a str or bytes, or a list of them, one per prompt) keeps prompts apart in
+        the prefix cache, which outlives the call: a prompt reuses only blocks computed under the
+        same salt (None: the unsalted ones). Give each tenant its own, so that one cannot learn from
+        how fast it is served which prefixes another sent. Speculative generation does not prefix-cache.
         """
         out: list[list[int]] = [[] for _ in prompts]
-        for index, token in self.stream(prompts, max_new_tokens, temperature, top_p, stop_token_ids, seed):
+        for index, token in self.stream(prompts, max_new_tokens, temperature, top_p, stop_token_ids, seed,
+                                        cache_salt):
             out[index].append(token)
         return out
+
+    @staticmethod
+    def _check_salts(cache_salt, num_prompts: int) -> list[bytes | None]:
+        if isinstance(cache_salt, (list, tuple)):
+            if len(cache_salt) != num_prompts:
+                raise ValueError(f"{_OP}.generate: cache_salt must be one salt or a list of {num_prompts} (one per "
+                                 f"prompt), got a list of {len(cache_salt)}")
+            return [check_cache_salt(salt, f"{_OP}.generate") for salt in cache_salt]
+        return [check_cache_salt(cache_salt, f"{_OP}.generate")] * num_prompts
 
     def _check(self, prompts, max_new_tokens, temperature, top_p) -> list[list[int]]:
         if isinstance(prompts, torch.Tensor):

@@ -50,6 +50,8 @@ def packed_forward(model: CausalLM, cache: PagedKVCache, step: SchedulerOutput) 
         x = kernel_ladder.add(x, kernel_ladder.linear(out.reshape(t, -1), attn.o_proj.weight, attn.o_proj.bias))
         x = kernel_ladder.add(x, layer.mlp(kernel_ladder.rms_norm(x, layer.post_attention_layernorm.weight,
                                                                   c.rms_norm_eps)))
+    if step.sample_indices.numel() == 0:  # every chunk ends mid-prompt: the K/V were the work, no logits
+        return x.new_empty((0, c.vocab_size))
     last = x.index_select(0, step.sample_indices.long())
     return kernel_ladder.linear(kernel_ladder.rms_norm(last, model.model.norm.weight, c.rms_norm_eps),
                                 model.lm_head.weight)

@@ -15,9 +15,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .block_pool import BlockAllocator, KVCacheOutOfBlocks
+from .block_pool import BlockAllocator, BlockKey, KVCacheOutOfBlocks, block_key, check_cache_salt, check_token_ids
 
 __all__ = ["PagedKVCache"]
+
+_OP = "kernel_ladder.serving.PagedKVCache"
 
 
 @dataclass
@@ -27,7 +29,8 @@ class _Sequence:
     block_table: list[int]
     length: int  # tokens whose slots were handed out (cached or being written this step)
     token_ids: list[int] | None  # known tokens (prompt, then appended), None if not prefix-caching
-    block_hashes: list[int] = field(default_factory=list)  # hash of each registered-full block, in order
+    block_keys: list[BlockKey] = field(default_factory=list)  # the key of each full block, in order
+    cache_salt: bytes | None = None  # part of every key: sequences of different salts share no block
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -52,9 +55,9 @@ class PagedKVCache:
         for name, value in (("num_layers", num_layers), ("num_blocks", num_blocks), ("block_size", block_size),
                             ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"PagedKVCache: {name} must be a positive int, got {value!r}")
+                raise ValueError(f"{_OP}: {name} must be a positive int, got {value!r}")
         if num_blocks * block_size > 2**31 - 1:
-            raise ValueError(f"PagedKVCache: num_blocks * block_size = {num_blocks * block_size} slots do not fit "
+            raise ValueError(f"{_OP}: num_blocks * block_size = {num_blocks * block_size} slots do not fit "
                              "the int32 slot mapping")
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
@@ -110,72 +113,75 @@ class PagedKVCache:
         try:
             return self._seqs[seq_id]
         except KeyError:
-            raise KeyError(f"PagedKVCache: no sequence {seq_id!r} (allocate() it first)") from None
+            raise KeyError(f"{_OP}: no sequence {seq_id!r} (allocate() it first)") from None
 
     # --- allocation
 
-    def allocate(self, seq_id: Hashable, num_tokens: int, token_ids: Sequence[int] | None = None) -> int:
+    def allocate(self, seq_id: Hashable, num_tokens: int, token_ids: Sequence[int] | None = None,
+                 cache_salt: str | bytes | None = None) -> int:
         """Start sequence ``seq_id`` and reserve blocks for its first ``num_tokens`` tokens.
 
         With ``token_ids`` (the prompt, ``num_tokens`` of them) the prefix cache is consulted: the
         longest run of leading full blocks already cached is reused (shared, not copied), and the
         sequence's full blocks are registered as they fill. At least one token is always left to
         compute (the model needs the last prompt token's output to sample), so a prompt that is
-        entirely cached reuses all but its last block.
+        entirely cached reuses all but its last block. ``cache_salt`` (a str or bytes) goes into
+        every key of the sequence's blocks: only sequences with the same salt (or none) share blocks
+        (:func:`~kernel_ladder.serving.block_pool.block_key`).
 
         Returns the number of tokens already in the cache: the sequence's length starts there, and
         the caller prefills only the rest (with :meth:`append_slots`). Raises
         :class:`KVCacheOutOfBlocks` (and changes nothing) if the blocks do not fit.
         """
-        result = self.try_allocate(seq_id, num_tokens, token_ids)
+        salt = check_cache_salt(cache_salt, f"{_OP}.allocate")
+        result = self.try_allocate(seq_id, num_tokens, token_ids, salt)
         if result is None:
-            hits = len(self._prefix_hits(token_ids, num_tokens)) if token_ids is not None else 0
-            needed = self.blocks_for(num_tokens) - hits
-            raise KVCacheOutOfBlocks(needed, self.num_free_blocks - self._evictable_hits(token_ids, num_tokens),
+            hits = self._prefix_hits(token_ids, num_tokens, salt) if token_ids is not None else []
+            needed = self.blocks_for(num_tokens) - len(hits)
+            evictable_hits = sum(1 for block, _ in hits if self.allocator.refcount(block) == 0)
+            raise KVCacheOutOfBlocks(needed, self.num_free_blocks - evictable_hits,
                                      f"sequence {seq_id!r} ({num_tokens} tokens)")
         return result
 
-    def try_allocate(self, seq_id: Hashable, num_tokens: int, token_ids: Sequence[int] | None = None) -> int | None:
+    def try_allocate(self, seq_id: Hashable, num_tokens: int, token_ids: Sequence[int] | None = None,
+                     cache_salt: str | bytes | None = None) -> int | None:
         """:meth:`allocate`, but returns None (and changes nothing) when the blocks do not fit."""
+        op = f"{_OP}.allocate"
         if seq_id in self._seqs:
-            raise ValueError(f"PagedKVCache.allocate: sequence {seq_id!r} already exists")
+            raise ValueError(f"{op}: sequence {seq_id!r} already exists")
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
-            raise ValueError(f"PagedKVCache.allocate: num_tokens must be an int >= 0, got {num_tokens!r}")
+            raise ValueError(f"{op}: num_tokens must be an int >= 0, got {num_tokens!r}")
+        salt = check_cache_salt(cache_salt, op)
         if token_ids is not None:
-            token_ids = [int(t) for t in token_ids]
+            token_ids = check_token_ids(token_ids, op)
             if len(token_ids) != num_tokens:
-                raise ValueError(f"PagedKVCache.allocate: token_ids has {len(token_ids)} ids, "
-                                 f"num_tokens is {num_tokens}")
-        hits = self._prefix_hits(token_ids, num_tokens) if token_ids is not None else []
+                raise ValueError(f"{op}: token_ids has {len(token_ids)} ids, num_tokens is {num_tokens}")
+        hits = self._prefix_hits(token_ids, num_tokens, salt) if token_ids is not None else []
         new = self.blocks_for(num_tokens) - len(hits)
         # Reviving an evictable hit takes it out of the pool new blocks come from.
-        if new > self.num_free_blocks - self._evictable_hits(token_ids, num_tokens):
+        if new > self.num_free_blocks - sum(1 for block, _ in hits if self.allocator.refcount(block) == 0):
             return None
         for block, _ in hits:
             self.allocator.incref(block)
         table = [block for block, _ in hits] + self.allocator.allocate_many(new)
         cached = len(hits) * self.block_size
-        self._seqs[seq_id] = _Sequence(table, cached, token_ids, [h for _, h in hits])
+        self._seqs[seq_id] = _Sequence(table, cached, token_ids, [key for _, key in hits], salt)
         return cached
 
-    def _prefix_hits(self, token_ids: Sequence[int], num_tokens: int) -> list[tuple[int, int]]:
-        """(block, hash) of the leading full blocks of ``token_ids`` found in the prefix cache,
+    def _prefix_hits(self, token_ids: Sequence[int], num_tokens: int,
+                     salt: bytes | None) -> list[tuple[int, BlockKey]]:
+        """(block, key) of the leading full blocks of ``token_ids`` found in the prefix cache,
         leaving at least the last token uncached."""
-        hits: list[tuple[int, int]] = []
-        parent: int | None = None
-        for i in range(max(0, num_tokens - 1) // self.block_size):
-            key = (parent, tuple(token_ids[i * self.block_size:(i + 1) * self.block_size]))
-            block = self.allocator.lookup(key)
+        hits: list[tuple[int, BlockKey]] = []
+        parent: BlockKey | None = None
+        bs = self.block_size
+        for i in range(max(0, num_tokens - 1) // bs):
+            parent = block_key(parent, token_ids[i * bs:(i + 1) * bs], salt)
+            block = self.allocator.lookup(parent)
             if block is None:
                 break
-            parent = hash(key)
             hits.append((block, parent))
         return hits
-
-    def _evictable_hits(self, token_ids: Sequence[int] | None, num_tokens: int) -> int:
-        if token_ids is None:
-            return 0
-        return sum(1 for block, _ in self._prefix_hits(token_ids, num_tokens) if self.allocator.refcount(block) == 0)
 
     def append_slots(self, seq_id: Hashable, n: int, token_ids: Sequence[int] | None = None) -> torch.Tensor:
         """Slots for ``seq_id``'s next ``n`` tokens, as an int32 tensor ``(n,)`` on the cache's device.
@@ -197,11 +203,14 @@ class PagedKVCache:
     def try_append_slots(self, seq_id: Hashable, n: int, token_ids: Sequence[int] | None = None) -> torch.Tensor | None:
         """:meth:`append_slots`, but returns None (and changes nothing) when the blocks do not fit:
         the scheduler's signal to preempt a sequence."""
+        op = f"{_OP}.append_slots"
         seq = self._seq(seq_id)
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"PagedKVCache.append_slots: n must be an int >= 0, got {n!r}")
-        if token_ids is not None and len(token_ids) != n:
-            raise ValueError(f"PagedKVCache.append_slots: token_ids has {len(token_ids)} ids, n is {n}")
+            raise ValueError(f"{op}: n must be an int >= 0, got {n!r}")
+        if token_ids is not None:
+            token_ids = check_token_ids(token_ids, op)
+            if len(token_ids) != n:
+                raise ValueError(f"{op}: token_ids has {len(token_ids)} ids, n is {n}")
         if self._blocks_to_append(seq, n) > self.num_free_blocks:
             return None
         bs = self.block_size
@@ -243,20 +252,21 @@ class PagedKVCache:
             for offset, token in enumerate(token_ids):
                 position = start + offset
                 if position < len(seq.token_ids):
-                    if seq.token_ids[position] != int(token):
-                        raise ValueError(f"PagedKVCache.append_slots: token {int(token)} at position {position} "
-                                         f"differs from the prompt's {seq.token_ids[position]}")
+                    if seq.token_ids[position] != token:
+                        raise ValueError(f"{_OP}.append_slots: token {token} at "
+                                         f"position {position} differs from the prompt's {seq.token_ids[position]}")
                 else:
-                    seq.token_ids.append(int(token))
+                    seq.token_ids.append(token)
         if len(seq.token_ids) < seq.length:  # tokens of unknown ids were appended: stop prefix caching it
             seq.token_ids = None
             return
         bs = self.block_size
-        while (len(seq.block_hashes) + 1) * bs <= seq.length:
-            i = len(seq.block_hashes)
-            key = (seq.block_hashes[-1] if seq.block_hashes else None, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
-            self.allocator.register(seq.block_table[i], key)
-            seq.block_hashes.append(hash(key))
+        while (len(seq.block_keys) + 1) * bs <= seq.length:
+            i = len(seq.block_keys)
+            key = block_key(seq.block_keys[-1] if seq.block_keys else None, seq.token_ids[i * bs:(i + 1) * bs],
+                            seq.cache_salt)
+            self.allocator.register(seq.block_table[i], key)  # False: another block holds it (stays unkeyed)
+            seq.block_keys.append(key)
 
     # --- sharing and freeing
 
@@ -266,12 +276,12 @@ class PagedKVCache:
         writes into a shared block first copies it (:meth:`append_slots`)."""
         parent = self._seq(parent_id)
         if child_id in self._seqs:
-            raise ValueError(f"PagedKVCache.fork: sequence {child_id!r} already exists")
+            raise ValueError(f"{_OP}.fork: sequence {child_id!r} already exists")
         for block in parent.block_table:
             self.allocator.incref(block)
         self._seqs[child_id] = _Sequence(list(parent.block_table), parent.length,
                                          None if parent.token_ids is None else list(parent.token_ids),
-                                         list(parent.block_hashes))
+                                         list(parent.block_keys), parent.cache_salt)
 
     def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
         """Shorten ``seq_id`` to its first ``num_tokens`` tokens (speculative decoding's rollback of
@@ -279,10 +289,10 @@ class PagedKVCache:
         in the prefix cache cannot be cut into (its contents are shared by its key)."""
         seq = self._seq(seq_id)
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or not 0 <= num_tokens <= seq.length:
-            raise ValueError(f"PagedKVCache.truncate: num_tokens must be an int in [0, {seq.length}], "
+            raise ValueError(f"{_OP}.truncate: num_tokens must be an int in [0, {seq.length}], "
                              f"got {num_tokens!r}")
-        if len(seq.block_hashes) * self.block_size > num_tokens:
-            raise ValueError(f"PagedKVCache.truncate: sequence {seq_id!r} has {len(seq.block_hashes)} blocks "
+        if len(seq.block_keys) * self.block_size > num_tokens:
+            raise ValueError(f"{_OP}.truncate: sequence {seq_id!r} has {len(seq.block_keys)} blocks "
                              f"registered in the prefix cache; it cannot be cut to {num_tokens} tokens")
         keep = self.blocks_for(num_tokens)
         for block in reversed(seq.block_table[keep:]):
@@ -296,10 +306,18 @@ class PagedKVCache:
         """Drop ``seq_id``: each of its blocks loses a reference (prefix-cached ones stay evictable)."""
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
-            raise KeyError(f"PagedKVCache.free: no sequence {seq_id!r}")
+            raise KeyError(f"{_OP}.free: no sequence {seq_id!r}")
         # Last block first, so a prompt's leading blocks (the most reusable) are evicted last.
         for block in reversed(seq.block_table):
             self.allocator.decref(block)
+
+    def forget_blocks(self, slots: torch.Tensor) -> None:
+        """Take the blocks holding ``slots`` (a step's ``slot_mapping``) out of the prefix cache: a
+        model step that was to write them failed, so their contents are not what their keys say.
+        Full blocks are keyed when their slots are handed out, before the step writes them; without
+        this a later prompt with the same prefix would reuse blocks that were never written."""
+        for block in sorted(set((slots[slots >= 0].long() // self.block_size).tolist())):
+            self.allocator.forget(block)
 
     # --- the model step's tensors
 
@@ -344,11 +362,14 @@ class PagedKVCache:
             for block in seq.block_table:
                 references[block] = references.get(block, 0) + 1
             if seq.token_ids is not None:
-                assert len(seq.block_hashes) == seq.length // self.block_size, (
-                    f"sequence {seq_id!r}: {len(seq.block_hashes)} full blocks hashed, length {seq.length}")
+                assert len(seq.block_keys) == seq.length // self.block_size, (
+                    f"sequence {seq_id!r}: {len(seq.block_keys)} full blocks keyed, length {seq.length}")
                 parent = None
-                for i, h in enumerate(seq.block_hashes):
-                    key = (parent, tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size]))
-                    assert hash(key) == h, f"sequence {seq_id!r}: block {i}'s hash does not match its tokens"
-                    parent = h
+                for i, key in enumerate(seq.block_keys):
+                    parent = block_key(parent, seq.token_ids[i * self.block_size:(i + 1) * self.block_size],
+                                       seq.cache_salt)
+                    assert key == parent, f"sequence {seq_id!r}: block {i}'s key does not match its tokens"
+                    registered = self.allocator.key_of(seq.block_table[i])
+                    assert registered in (None, key), (
+                        f"sequence {seq_id!r}: block {i} is in the prefix cache under another key than its tokens'")
         self.allocator.check_invariants(references)

@@ -15,9 +15,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .block_pool import check_cache_salt, check_token_ids
 from .paged_cache import PagedKVCache
 
 __all__ = ["Request", "Scheduler", "SchedulerOutput"]
+
+_OP = "kernel_ladder.serving.Scheduler"
 
 
 @dataclass
@@ -37,6 +40,7 @@ class Request:
     status: str = "waiting"
     num_preemptions: int = 0
     num_cached_prompt_tokens: int = 0  # prefix-cache hits at the last admission
+    cache_salt: bytes | None = None  # in every prefix-cache key of its blocks (a str given as its UTF-8)
 
     @property
     def token_ids(self) -> list[int]:
@@ -130,7 +134,7 @@ class Scheduler:
         ``max_tokens_per_step`` tokens per step."""
         for name, value in (("max_num_seqs", max_num_seqs), ("max_tokens_per_step", max_tokens_per_step)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"Scheduler: {name} must be a positive int, got {value!r}")
+                raise ValueError(f"{_OP}: {name} must be a positive int, got {value!r}")
         self.cache = cache
         self.max_num_seqs = max_num_seqs
         self.max_tokens_per_step = max_tokens_per_step
@@ -143,23 +147,32 @@ class Scheduler:
 
     # --- requests
 
-    def add_request(self, request_id: Hashable, prompt_token_ids: Sequence[int], max_new_tokens: int) -> Request:
+    def add_request(self, request_id: Hashable, prompt_token_ids: Sequence[int], max_new_tokens: int,
+                    cache_salt: str | bytes | None = None) -> Request:
         """Queue a request. Raises ValueError if it could never fit the cache (its prompt and
-        ``max_new_tokens`` tokens need more blocks than the cache has) or its id is taken."""
+        ``max_new_tokens`` tokens need more blocks than the cache has) or its id is taken.
+
+        ``cache_salt`` (a str or bytes) separates its prefix-cache entries: it reuses only blocks
+        computed for requests with the same salt, and only they reuse its blocks. Give each tenant
+        (or each adapter whose K/V differ) its own."""
+        salt = check_cache_salt(cache_salt, f"{_OP}.add_request")
         if request_id in self.requests:
-            raise ValueError(f"Scheduler.add_request: request {request_id!r} already exists")
-        prompt = [int(t) for t in prompt_token_ids]
+            raise ValueError(f"{_OP}.add_request: request {request_id!r} already exists")
+        prompt = check_token_ids(prompt_token_ids, f"{_OP}.add_request")
+        if any(not 0 <= t < 2**31 for t in prompt):  # the step's token_ids are int32
+            bad = next(t for t in prompt if not 0 <= t < 2**31)
+            raise ValueError(f"{_OP}.add_request: token ids must be in [0, 2**31), got {bad} in request {request_id!r}")
         if not prompt:
-            raise ValueError(f"Scheduler.add_request: request {request_id!r} has an empty prompt")
+            raise ValueError(f"{_OP}.add_request: request {request_id!r} has an empty prompt")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"Scheduler.add_request: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+            raise ValueError(f"{_OP}.add_request: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         # The last generated token is never fed back, so len(prompt) + max_new_tokens - 1 slots at most.
         needed = self.cache.blocks_for(len(prompt) + max_new_tokens - 1)
         if needed > self.cache.num_blocks:
-            raise ValueError(f"Scheduler.add_request: request {request_id!r} needs up to {needed} blocks "
+            raise ValueError(f"{_OP}.add_request: request {request_id!r} needs up to {needed} blocks "
                              f"({len(prompt)} prompt + {max_new_tokens} new tokens), "
                              f"the cache has {self.cache.num_blocks}")
-        request = Request(request_id, prompt, max_new_tokens)
+        request = Request(request_id, prompt, max_new_tokens, cache_salt=salt)
         self.requests[request_id] = request
         self.waiting.append(request)
         return request
@@ -174,7 +187,7 @@ class Scheduler:
     def step(self) -> SchedulerOutput:
         """Choose this step's sequences and tokens, reserve their slots, and return the model's inputs."""
         if self._awaiting:
-            raise RuntimeError("Scheduler.step: call update() with the last step's sampled tokens first")
+            raise RuntimeError(f"{_OP}.step: call update() with the last step's sampled tokens first")
         budget = self.max_tokens_per_step
         scheduled: list[tuple[Request, int, torch.Tensor]] = []  # (request, tokens, slots)
         done: set[Hashable] = set()
@@ -212,7 +225,8 @@ class Scheduler:
         # 2b. Admit waiting requests, first come first served, while there is room.
         while budget > 0 and self.waiting and not preempted and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            cached = self.cache.try_allocate(request.request_id, request.num_tokens, request.token_ids)
+            cached = self.cache.try_allocate(request.request_id, request.num_tokens, request.token_ids,
+                                             request.cache_salt)
             if cached is None:
                 break  # not enough blocks: wait for sequences to finish
             self.waiting.popleft()
@@ -283,7 +297,7 @@ class Scheduler:
         ``eos_token_id`` and free their blocks. Returns the requests finished now."""
         expected = self._awaiting
         if set(outputs) != expected:
-            raise ValueError(f"Scheduler.update: expected tokens for {sorted(map(str, expected))}, "
+            raise ValueError(f"{_OP}.update: expected tokens for {sorted(map(str, expected))}, "
                              f"got {sorted(map(str, outputs))}")
         finished = []
         for request_id, token in outputs.items():
@@ -302,7 +316,7 @@ class Scheduler:
         """End a request now (a stop token its caller recognized, or an abort): it leaves the queue or
         the running set and its blocks are freed. Returns it; finishing a finished request does nothing."""
         if request_id not in self.requests:
-            raise ValueError(f"Scheduler.finish: no request {request_id!r}")
+            raise ValueError(f"{_OP}.finish: no request {request_id!r}")
         request = self.requests[request_id]
         if request.status == "finished":
             return request

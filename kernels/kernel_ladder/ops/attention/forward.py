@@ -126,7 +126,7 @@ def flash_attention_forward_kernel(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,     # out as (B, Hq, Tq, D)
     stride_lb, stride_lh, stride_lm,                # lse as (B, Hq, Tq) (VARLEN: (Hq, total_q), stride_lb 0)
-    seqlen_q, seqlen_k, head_dim, group_size,       # lengths (VARLEN: read from cu_seqlens), Hq // Hkv
+    seqlen_q, seqlen_k, head_dim, group_size,       # lengths (VARLEN: the packed totals), Hq // Hkv
     sm_scale, qk_scale, softcap, window,            # qk_scale = sm_scale * log2(e)
     BUCKET_Q, BUCKET_K,                             # the autotuner's key only (powers of two of the lengths)
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,

@@ -61,6 +61,8 @@ class _Problem:
     window: int | None
     softcap: float | None
     varlen: bool
+    total_q: int = 0  # varlen: the packed lengths (q.shape[0], k.shape[0]), which every sequence stays inside
+    total_k: int = 0
 
     def strides4(self, t: torch.Tensor) -> tuple[int, ...]:
         """A (B, H, T, D) tensor's strides; a packed (total, H, D) one's as (0, H, T, D)."""
@@ -75,10 +77,14 @@ class _Problem:
         return tuple(t.stride())
 
     def scalars(self) -> tuple:
-        """seqlen_q, seqlen_k, head_dim, group_size, sm_scale, qk_scale, softcap, window, the two buckets."""
+        """seqlen_q, seqlen_k, head_dim, group_size, sm_scale, qk_scale, softcap, window, the two buckets.
+
+        Varlen: the kernels read each sequence's lengths from cu_seqlens, and get the packed lengths as
+        ``seqlen_q``/``seqlen_k`` to clamp them into (values a check would reject stay inside q, k, v)."""
         # A window wider than every sequence changes nothing; capping it keeps the bounds in int32.
         window = min(self.window, self.seqlen_q + self.seqlen_k + 1) if self.window is not None else 0
-        return (self.seqlen_q, self.seqlen_k, self.head_dim, self.heads_q // self.heads_kv, float(self.sm_scale),
+        lengths = (self.total_q, self.total_k) if self.varlen else (self.seqlen_q, self.seqlen_k)
+        return (*lengths, self.head_dim, self.heads_q // self.heads_kv, float(self.sm_scale),
                 float(self.sm_scale) * math.log2(math.e), float(self.softcap or 1.0), window,
                 size_bucket(self.seqlen_q), size_bucket(self.seqlen_k))
 
@@ -98,7 +104,7 @@ def _dense_problem(q, k, causal, softmax_scale, window, softcap) -> _Problem:
 def _varlen_problem(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window,
                     softcap) -> _Problem:
     return _Problem(cu_seqlens_q.shape[0] - 1, q.shape[1], k.shape[1], max_seqlen_q, max_seqlen_k, q.shape[2],
-                    causal, softmax_scale, window, softcap, varlen=True)
+                    causal, softmax_scale, window, softcap, varlen=True, total_q=q.shape[0], total_k=k.shape[0])
 
 
 def _scale(softmax_scale: float | None, head_dim: int) -> float:

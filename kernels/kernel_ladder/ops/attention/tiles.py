@@ -28,12 +28,16 @@ def _diagonal(seqlen_q, seqlen_k):
 
 @triton.jit
 def _sequence(cu_seqlens_q_ptr, cu_seqlens_k_ptr, batch, seqlen_q, seqlen_k, VARLEN: tl.constexpr):
-    """``(q_start, seqlen_q, k_start, seqlen_k)`` of sequence ``batch``: from cu_seqlens (VARLEN) or fixed."""
+    """``(q_start, seqlen_q, k_start, seqlen_k)`` of sequence ``batch``: from cu_seqlens (VARLEN) or fixed.
+
+    VARLEN: ``seqlen_q``/``seqlen_k`` are the packed lengths, and each sequence is clamped into them, so
+    that cu_seqlens a check would reject (value checks off: a GPU's default) never reach outside q, k, v
+    (a start outside ``[0, total]`` moves to its edge, an end before its start makes the sequence empty)."""
     if VARLEN:
-        q_start = tl.load(cu_seqlens_q_ptr + batch)
-        q_len = tl.load(cu_seqlens_q_ptr + batch + 1) - q_start
-        k_start = tl.load(cu_seqlens_k_ptr + batch)
-        k_len = tl.load(cu_seqlens_k_ptr + batch + 1) - k_start
+        q_start = tl.minimum(tl.maximum(tl.load(cu_seqlens_q_ptr + batch), 0), seqlen_q)
+        q_len = tl.minimum(tl.maximum(tl.load(cu_seqlens_q_ptr + batch + 1), q_start), seqlen_q) - q_start
+        k_start = tl.minimum(tl.maximum(tl.load(cu_seqlens_k_ptr + batch), 0), seqlen_k)
+        k_len = tl.minimum(tl.maximum(tl.load(cu_seqlens_k_ptr + batch + 1), k_start), seqlen_k) - k_start
     else:
         q_start = 0
         q_len = seqlen_q
