@@ -344,10 +344,11 @@ def counting_sort_rules() -> list:
     from utils.exercises import rules
 
     return [rules.forbids("torch.sort", "torch.argsort", "torch.msort", "torch.topk", "torch.unique",
+                          "torch.kthvalue",
                           why="the spec asks for a counting sort (a histogram, a prefix sum and ranks), no "
                               "comparison sort"),
-            rules.no_python_loops(why="the spec asks for tensor ops only (a loop over the entries syncs the host "
-                                      "for each)")]
+            rules.tensor_ops_only(why="the spec asks for tensor ops only (a Python loop or a round trip through "
+                                      "the host runs on the CPU while a GPU waits)")]
 
 
 def _counting_sort_ideal(expert_ids: torch.Tensor, num_experts: int) -> int:
@@ -594,14 +595,18 @@ def combine_cases(gen: torch.Generator) -> list[tuple]:
 
 
 def combine_rules() -> list:
-    """Exercise 4's stated rules: a gather, no scatter-add; no Python loop."""
+    """Exercise 4's stated rules: a gather, no scatter-add (under any name: ``index_put_`` with
+    ``accumulate=True`` is one); tensor ops only."""
     from utils.exercises import rules
 
     return [rules.forbids("Tensor.index_add_", "Tensor.index_add", "Tensor.scatter_add_", "Tensor.scatter_add",
-                          "Tensor.scatter_reduce_", "Tensor.scatter_reduce",
+                          "Tensor.scatter_reduce_", "Tensor.scatter_reduce", "Tensor.index_reduce_",
+                          "Tensor.index_reduce", "Tensor.index_put_(accumulate=True)",
+                          "Tensor.index_put(accumulate=True)", "Tensor.put_(accumulate=True)",
+                          "Tensor.put(accumulate=True)",
                           why="the spec asks for a gather, no scatter-add (its order of additions is the "
                               "hardware's, so its sums are not deterministic)"),
-            rules.no_python_loops(why="the spec asks for torch with no Python loop")]
+            rules.tensor_ops_only(why="the spec asks for torch with no Python loop")]
 
 
 def combine_mistakes(y_sorted: torch.Tensor, permutation: torch.Tensor,
@@ -703,12 +708,13 @@ def block_mask_cases(gen: torch.Generator) -> list[tuple]:
 
 
 def visited_rules() -> list:
-    """Exercise 5's stated rules: tensor ops only, no ``.item()`` (nor ``.tolist()``): no host sync."""
+    """Exercise 5's stated rules: tensor ops only, no ``.item()`` (nor ``.tolist()``): no host sync; any sort stable."""
     from utils.exercises import rules
 
-    return [rules.no_python_loops(why="the spec asks for tensor ops only (no Python loop over rows)"),
-            rules.forbids("Tensor.item", "Tensor.tolist",
-                          why="the spec asks for no .item(): the lists stay on the device, no host sync")]
+    return [rules.tensor_ops_only(why="the spec asks for tensor ops only, no .item(): the lists stay on the device, "
+                                      "no host sync"),
+            rules.stable_sorts(why="the spec asks for a stable sort (equal keys keep their order: the allowed blocks "
+                                   "in increasing order)")]
 
 
 def diagnose_visited_cause(case: tuple, got, expected) -> str | None:

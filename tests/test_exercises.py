@@ -1154,6 +1154,97 @@ def test_forbids_rejects_a_name_that_is_not_torch():
         exercises.rules.forbids("torch.not_a_function", why="x")
 
 
+def test_forbids_sees_the_aten_op_under_any_spelling():
+    """A forbidden op is caught by the aten op that runs, whatever called it: ``torch.ops.aten.sort.stable``
+    is ``torch.sort``, and so is ``argsort`` (it runs a sort) when only ``torch.sort`` is named."""
+    only_sort = exercises.rules.forbids("torch.sort", why=NO_SORT)
+    by_aten = lambda keys: torch.ops.aten.sort.stable(keys, stable=True)[1]
+    verdict = check("sorting", by_aten, stable_order, sort_cases, rules=[only_sort])
+    assert_not_solved(verdict, f"broke a stated rule — {NO_SORT}: the code ran aten.sort.stable, the op behind "
+                               "torch.sort (under another spelling)")
+    verdict = check("sorting", stable_order, stable_order, sort_cases, rules=[only_sort])
+    assert_not_solved(verdict, "the code ran aten.sort.stable, the op behind torch.sort")
+    assert check("sorting", counting_sort, stable_order, sort_cases, rules=[only_sort]).solved
+
+
+def histogram_cases(gen: torch.Generator) -> list[tuple[torch.Tensor]]:
+    return [(torch.randint(0, 6, (50,), generator=gen),)]
+
+
+def test_forbids_with_a_condition_on_an_argument():
+    """``"Tensor.index_put_(accumulate=True)"`` forbids the scatter-add, not the plain indexed write."""
+    rule = exercises.rules.forbids("Tensor.index_put_(accumulate=True)", why="no scatter-add")
+    reference = lambda keys: torch.bincount(keys, minlength=6)
+
+    def by_index_put(keys):
+        return torch.zeros(6, dtype=torch.long).index_put_((keys,), torch.ones_like(keys), accumulate=True)
+
+    def by_plain_index_put(keys):
+        counts = torch.bincount(keys, minlength=6)
+        out = torch.zeros(6, dtype=torch.long)
+        out[torch.arange(6)] = counts  # an index_put_ without accumulate: a gather's inverse, no sum
+        return out
+
+    verdict = check("histogram", by_index_put, reference, histogram_cases, rules=[rule])
+    assert_not_solved(verdict, "broke a stated rule — no scatter-add: the code ran aten.index_put_.default with "
+                               "accumulate=True")
+    assert check("histogram", by_plain_index_put, reference, histogram_cases, rules=[rule]).solved
+    with pytest.raises(ValueError, match="must be a Python literal"):
+        exercises.rules.forbids("Tensor.index_put_(accumulate=yes)", why="x")
+
+
+def distinct_key_cases(gen: torch.Generator) -> list[tuple[torch.Tensor]]:
+    return [(torch.randperm(20, generator=gen),)]
+
+
+def test_stable_sorts_wants_stable_true_on_every_sort():
+    """Keys without ties: an unstable sort returns the right values, and still breaks the rule it was given."""
+    rule = exercises.rules.stable_sorts(why="equal keys keep their order")
+    unstable = lambda keys: torch.sort(keys).indices
+    verdict = check("sorting", unstable, stable_order, distinct_key_cases, rules=[rule])
+    assert_not_solved(verdict, "broke a stated rule — equal keys keep their order: a sort ran without stable=True "
+                               "(aten.sort.default")
+    descending = lambda keys: torch.argsort(-keys, descending=True)
+    assert_not_solved(check("sorting", descending, stable_order, distinct_key_cases, rules=[rule]),
+                      "(aten.sort.default(dim=-1, descending=True))")
+    assert check("sorting", stable_order, stable_order, sort_cases, rules=[rule]).solved
+
+
+def order_in_numpy(keys):
+    return torch.from_numpy(np.argsort(keys.cpu().numpy(), kind="stable"))
+
+
+def order_by_builtin_sorted(keys):
+    return torch.tensor(sorted(range(len(keys)), key=keys.tolist().__getitem__))
+
+
+def order_by_counting_with_item(keys):
+    if keys.numel() == 0 or keys.min().item() < 0:  # a host sync for a check
+        raise ValueError("keys")
+    return counting_sort(keys)
+
+
+def test_tensor_ops_only_rules_out_python_data_and_host_round_trips():
+    import inspect
+
+    rule = exercises.rules.tensor_ops_only(why=TENSOR_OPS)
+    verdict = check("sorting", order_in_numpy, stable_order, sort_cases, rules=[rule])
+    assert_not_solved(verdict, f"broke a stated rule — {TENSOR_OPS}: the code took values to the host: .cpu(), "
+                               ".numpy()")
+    line = inspect.getsourcelines(order_by_builtin_sorted)[1] + 1
+    verdict = check("sorting", order_by_builtin_sorted, stable_order, sort_cases, rules=[rule])
+    assert_not_solved(verdict, f"a call of the builtin sorted (Python data, not tensor ops) at line {line} of "
+                               "order_by_builtin_sorted")
+    verdict = check("sorting", order_by_counting_with_item, stable_order, sort_cases, rules=[rule])
+    assert_not_solved(verdict, "the code took values to the host: .item()")
+    verdict = check("add", add_with_loop, torch.add, small_add_cases, rules=[rule])
+    assert_not_solved(verdict, "a Python for loop at line", "of add_with_loop (over range(len(x)))")
+    for candidate in (torch.add, lambda x, y: x + y, add_over_a_literal_tuple):
+        verdict = check("add", candidate, torch.add, small_add_cases, rules=[rule])
+        assert verdict.solved, verdict.message
+        assert "rules kept: tensor ops only" in flat(verdict.message)
+
+
 def add_with_loop(x, y):
     out = torch.empty_like(x)
     for i in range(len(x)):

@@ -213,6 +213,34 @@ def sort_entry_by_entry(expert_ids, num_experts):
     return permutation.to(torch.int32), offsets.to(torch.int32)
 
 
+def sort_by_the_aten_op(expert_ids, num_experts):
+    flat = expert_ids.reshape(-1).long()
+    permutation = torch.ops.aten.sort.stable(flat, stable=True)[1]  # torch.sort under another spelling
+    return permutation.to(torch.int32), torch.cumsum(torch.bincount(flat, minlength=num_experts), 0).to(torch.int32)
+
+
+def sort_in_numpy(expert_ids, num_experts):
+    import numpy as np
+
+    flat = expert_ids.reshape(-1).long()
+    permutation = torch.from_numpy(np.argsort(flat.cpu().numpy(), kind="stable"))  # a comparison sort on the host
+    return permutation.to(torch.int32), torch.cumsum(torch.bincount(flat, minlength=num_experts), 0).to(torch.int32)
+
+
+def sort_by_builtin_sorted(expert_ids, num_experts):
+    flat = expert_ids.reshape(-1).long()
+    order = sorted(range(flat.numel()), key=flat.tolist().__getitem__)  # Python's sort over a list
+    offsets = torch.cumsum(torch.bincount(flat, minlength=num_experts), 0)
+    return torch.tensor(order, dtype=torch.int32), offsets.to(torch.int32)
+
+
+def sort_expert_by_expert(expert_ids, num_experts):
+    # right, but a Python loop over the experts (one nonzero, a host sync, each)
+    flat = expert_ids.reshape(-1).long()
+    permutation = torch.cat([(flat == e).nonzero()[:, 0] for e in range(num_experts)])
+    return permutation.to(torch.int32), torch.cumsum(torch.bincount(flat, minlength=num_experts), 0).to(torch.int32)
+
+
 def check_counting_sort(candidate):
     return check("ch09_moe.counting_sort", candidate, given.counting_sort_reference, given.counting_sort_cases,
                  compare=given.diagnose_counting_sort, rules=given.counting_sort_rules(),
@@ -222,7 +250,7 @@ def check_counting_sort(candidate):
 def test_counting_sort_solution_solves():
     verdict = check_counting_sort(given.counting_sort)
     message = " ".join(verdict.message.split())
-    assert verdict.solved and "rules kept: forbids torch.sort" in message and "no Python loops" in message, message
+    assert verdict.solved and "rules kept: forbids torch.sort" in message and "tensor ops only" in message, message
     assert verdict.traffic.ratio > 5 * verdict.traffic.top / verdict.traffic.ideal  # the one-hot round trips
 
 
@@ -236,8 +264,14 @@ def test_counting_sort_solution_solves():
     (sort_by_comparison, "broke a stated rule — the spec asks for a counting sort (a histogram, a prefix sum and "
                          "ranks), no comparison sort: the code called torch.sort"),
     (sort_by_argsort, "no comparison sort: the code called Tensor.argsort"),
-    (sort_entry_by_entry, "broke a stated rule — the spec asks for tensor ops only (a loop over the entries syncs "
-                          "the host for each): a Python for loop at line"),
+    (sort_entry_by_entry, "broke a stated rule — the spec asks for tensor ops only (a Python loop or a round trip "
+                          "through the host runs on the CPU while a GPU waits): a Python for loop at line"),
+    (sort_by_the_aten_op, "no comparison sort: the code ran aten.sort.stable, the op behind torch.sort"),
+    (sort_in_numpy, "tensor ops only (a Python loop or a round trip through the host runs on the CPU while a GPU "
+                    "waits): the code took values to the host: .cpu(), .numpy()"),
+    (sort_by_builtin_sorted, "a call of the builtin sorted (Python data, not tensor ops) at line"),
+    (sort_expert_by_expert, "a list comprehension at line"),
+    (sort_expert_by_expert, "of sort_expert_by_expert (over range(num_experts))"),
 ])
 def test_counting_sort_negative_controls(wrong, diagnosis):
     verdict = check_counting_sort(wrong)
@@ -375,6 +409,14 @@ def combine_averaging(y_sorted, permutation, weights):
     return given.combine(y_sorted, permutation, weights) / weights.shape[1]
 
 
+def combine_by_index_put_accumulating(y_sorted, permutation, weights):
+    """The right values by a scatter-add under another name: index_put_ with accumulate=True."""
+    tokens, k = weights.shape
+    out = torch.zeros(tokens, y_sorted.shape[1], dtype=y_sorted.dtype)
+    w = weights.reshape(-1)[permutation.long()].to(y_sorted.dtype)
+    return out.index_put_((permutation.long() // k,), y_sorted * w[:, None], accumulate=True)
+
+
 def check_combine(candidate):
     return check("ch09_moe.combine", candidate, given.combine_reference, given.combine_cases,
                  rules=given.combine_rules(), diagnose=given.diagnose_combine, traffic=given.combine_traffic())
@@ -401,6 +443,9 @@ def test_the_production_combine_passes_the_same_check():
                              "additions is the hardware's, so its sums are not deterministic): the code called "
                              "Tensor.index_add_"),
     (combine_token_by_token, "broke a stated rule — the spec asks for torch with no Python loop: a list comprehension"),
+    (combine_by_index_put_accumulating, "no scatter-add (its order of additions is the hardware's, so its sums "
+                                        "are not deterministic): the code ran aten.index_put_.default with "
+                                        "accumulate=True"),
 ])
 def test_combine_negative_controls(wrong, diagnosis):
     verdict = check_combine(wrong)
@@ -448,6 +493,25 @@ def visited_with_item(block_mask):
     return counts, torch.where(torch.arange(indices.shape[1]) < widest, indices, indices)
 
 
+def visited_by_an_unstable_sort(block_mask):
+    counts = block_mask.sum(dim=1).to(torch.int32)
+    order = torch.sort((~block_mask).to(torch.int8), dim=1).indices  # no stable=True: a CPU's sort happens to be
+    keep = torch.arange(block_mask.shape[1])[None, :] < counts[:, None]
+    return counts, torch.where(keep, order, -1).to(torch.int32)
+
+
+def visited_by_an_unstable_descending_argsort(block_mask):
+    counts = block_mask.sum(dim=1).to(torch.int32)
+    order = torch.argsort(block_mask.to(torch.int8), dim=1, descending=True)
+    keep = torch.arange(block_mask.shape[1])[None, :] < counts[:, None]
+    return counts, torch.where(keep, order, -1).to(torch.int32)
+
+
+def visited_through_tolist(block_mask):
+    counts, indices = given.visited_key_blocks(block_mask)
+    return torch.tensor(counts.tolist(), dtype=torch.int32), indices
+
+
 def visited_forbidden_blocks(block_mask):
     return given.visited_key_blocks(~block_mask)
 
@@ -482,10 +546,16 @@ def test_the_production_block_lists_pass_the_same_check():
     (visited_at_least_one_block, "a row with nothing allowed visits nothing"),
     (visited_in_decreasing_order, "the right blocks in the wrong order"),
     (visited_as_int64, "wrong dtype"),
-    (visited_row_by_row, "broke a stated rule — the spec asks for tensor ops only (no Python loop over rows): a Python "
-                         "for loop at line"),
-    (visited_with_item, "broke a stated rule — the spec asks for no .item(): the lists stay on the device, no host "
-                        "sync: the code called Tensor.item"),
+    (visited_row_by_row, "broke a stated rule — the spec asks for tensor ops only, no .item(): the lists stay on the "
+                         "device, no host sync: a Python for loop at line"),
+    (visited_with_item, "broke a stated rule — the spec asks for tensor ops only, no .item(): the lists stay on the "
+                        "device, no host sync: the code took values to the host: .item()"),
+    (visited_through_tolist, "the code took values to the host: .tolist()"),
+    (visited_by_an_unstable_sort, "broke a stated rule — the spec asks for a stable sort (equal keys keep their "
+                                  "order: the allowed blocks in increasing order): a sort ran without stable=True "
+                                  "(aten.sort.default(dim=1))"),
+    (visited_by_an_unstable_descending_argsort, "a sort ran without stable=True (aten.sort.default(dim=1, "
+                                                "descending=True))"),
     (visited_forbidden_blocks, "cause: the rows list the blocks the mask forbids"),
     (visited_columns, "cause: the counts are per key block (the mask's columns)"),
 ])

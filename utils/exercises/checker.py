@@ -194,6 +194,7 @@ def _check_case(
         # The values are right: now the rules the spec states, each named in the verdict.
         context = RunContext(candidate=candidate, case=case, got=got, expected=expected,
                              calls=tuple(recorder.calls) if recorder is not None else (), args=args,
+                             aten_calls=recorder.aten_calls if recorder is not None else (),
                              launches=tuple(run.launches))
         for rule in options.rules:
             line = rule.verdict_line(context)

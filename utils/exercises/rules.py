@@ -8,18 +8,26 @@ a broken rule is a NOT SOLVED verdict whose line names the rule::
     broke a stated rule — the spec asks for a counting sort: the code called torch.argsort
 
 * :func:`forbids` — torch functions or ``Tensor`` methods the candidate must not call, seen as it
-  runs (a ``TorchFunctionMode`` around the candidate's call: a call from a helper counts too);
+  runs twice over: by name (a ``TorchFunctionMode`` around the candidate's call: a call from a
+  helper counts too) and by the aten op that runs (a ``TorchDispatchMode``), so that ``torch.sort``
+  is caught as ``x.sort()``, ``torch.argsort``, ``torch.msort`` or ``torch.ops.aten.sort.stable``
+  alike; a name may carry a condition on the op's arguments, ``"Tensor.index_put_(accumulate=True)"``;
 * :func:`no_python_loops` — no ``for``/``while``/comprehension in the candidate's source or in the
   functions of its own module that it calls (``inspect`` + ``ast``); the line is named;
+* :func:`tensor_ops_only` — no Python loop, no builtin ``sorted``/``map``/``filter``/``reduce``, and
+  no round trip through the host (``.item()``, ``.tolist()``, ``.numpy()``, ``.cpu()``, ``int(t)``);
+* :func:`stable_sorts` — every sort the candidate runs is asked to be stable (``stable=True``);
 * :func:`holds` — any property of one case's result, ``holds(lambda case, got: None or "what is wrong")``.
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import functools
 import inspect
+import re
 import textwrap
 import types
 from collections.abc import Callable, Iterable, Sequence
@@ -27,11 +35,25 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["Rule", "bytes_read", "forbids", "holds", "no_python_loops", "traced"]
+__all__ = ["Rule", "bytes_read", "forbids", "holds", "no_python_loops", "stable_sorts", "tensor_ops_only", "traced"]
 
 #: What every broken rule's line starts with (a test or a notebook can look for it).
 BROKE_A_RULE = "broke a stated rule"
+
+
+@dataclasses.dataclass(frozen=True)
+class AtenCall:
+    """One aten op the candidate ran: ``aten.sort.stable``, its packet ``sort``, and the non-tensor
+    arguments it was given, by their schema names (``{"stable": True}``)."""
+
+    name: str
+    packet: str
+    arguments: tuple[tuple[str, Any], ...] = ()
+
+    def argument(self, name: str, default: Any = None) -> Any:
+        return dict(self.arguments).get(name, default)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +67,7 @@ class RunContext:
     calls: tuple[str, ...]  # torch functions / Tensor methods the candidate called, in first-call order
     args: tuple = ()  # what the candidate got: the case with each tensor a guarded copy (its memory)
     launches: tuple = ()  # the tracer's record of the candidate's Triton launches (utils.trace.Launch)
+    aten_calls: tuple[AtenCall, ...] = ()  # the aten ops that ran (each distinct call once, in first-run order)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +75,7 @@ class Rule:
     """A stated rule: ``name`` names it in the verdict, ``why`` says where it comes from.
 
     ``problem(context)`` returns None when the run keeps the rule, else what broke it (one sentence).
-    ``records_calls`` asks the checker to record the torch calls the candidate makes.
+    ``records_calls`` asks the checker to record the torch calls (and the aten ops) the candidate makes.
     """
 
     name: str
@@ -110,16 +133,86 @@ def _resolve(name: str) -> set[str]:
     return names
 
 
-class _CallRecorder(TorchFunctionMode):
+class _FunctionRecorder(TorchFunctionMode):
     """Records the name of every torch function and Tensor method called while it is active."""
 
-    def __init__(self) -> None:
+    def __init__(self, calls: dict[str, None]) -> None:
         super().__init__()
-        self.calls: dict[str, None] = {}  # ordered set
+        self.calls = calls
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         self.calls.setdefault(_call_name(func), None)
         return func(*args, **(kwargs or {}))
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+class _DispatchRecorder(TorchDispatchMode):
+    """Records every aten op that runs while it is active, with its plain (non-tensor) arguments."""
+
+    def __init__(self, calls: dict[AtenCall, None]) -> None:
+        super().__init__()
+        self.calls = calls
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        try:
+            bound = []
+            for i, argument in enumerate(func._schema.arguments):
+                value = args[i] if i < len(args) else kwargs.get(argument.name, ...)
+                if value is not ... and isinstance(value, _PLAIN):
+                    bound.append((argument.name, value))
+            self.calls.setdefault(AtenCall(str(func), func.overloadpacket.__name__, tuple(bound)), None)
+        except Exception:  # an op without a schema to read: recorded by name alone
+            self.calls.setdefault(AtenCall(str(func), str(func).split(".")[1] if "." in str(func) else str(func)), None)
+        return func(*args, **kwargs)
+
+
+class _CallRecorder:
+    """Records, while the candidate runs, the torch functions and Tensor methods it calls (by name)
+    and the aten ops that run (whatever spelling called them: ``torch.ops.aten.sort.stable`` too)."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, None] = {}  # ordered sets
+        self.aten: dict[AtenCall, None] = {}
+        self._stack: contextlib.ExitStack | None = None
+
+    @property
+    def aten_calls(self) -> tuple[AtenCall, ...]:
+        return tuple(self.aten)
+
+    def __enter__(self) -> _CallRecorder:
+        stack = contextlib.ExitStack()
+        stack.enter_context(_FunctionRecorder(self.calls))
+        stack.enter_context(_DispatchRecorder(self.aten))
+        self._stack = stack
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            stack.__exit__(*exc)
+
+
+# The aten ops a torch function runs as, where the name differs: argsort and msort are sorts, unique
+# has several kernels, an index_put with accumulate=True may run as its implementation.
+_ATEN_FORMS: dict[str, tuple[str, ...]] = {
+    "argsort": ("sort",),
+    "msort": ("sort",),
+    "unique": ("_unique", "_unique2", "unique_dim", "unique_consecutive", "unique_dim_consecutive"),
+    "unique_consecutive": ("unique_consecutive", "unique_dim_consecutive"),
+    "index_put": ("index_put", "index_put_", "_index_put_impl_", "_unsafe_index_put"),
+}
+
+_CONDITIONED = re.compile(r"(?P<name>[\w.]+)(?:\((?P<argument>\w+)=(?P<value>[^)]*)\))?")
+
+
+def _aten_packets(name: str) -> tuple[str, ...]:
+    """The aten overload packets ``torch.sort`` / ``Tensor.index_add_`` run as."""
+    tail = name.rsplit(".", 1)[1]
+    base = tail.rstrip("_")
+    return _ATEN_FORMS.get(base, (base, base + "_"))
 
 
 def forbids(*names: str, why: str) -> Rule:
@@ -127,22 +220,69 @@ def forbids(*names: str, why: str) -> Rule:
 
     ``"torch.sort"`` also forbids the method ``x.sort()`` and ``"Tensor.argsort"`` the function
     ``torch.argsort`` (the same op); ``"torch.nn.functional.softmax"`` is that function alone. The
-    calls are recorded while the candidate runs, from any code it calls.
+    calls are recorded while the candidate runs, from any code it calls, by name and by the aten op
+    that runs: ``torch.ops.aten.sort.stable(...)`` is ``torch.sort`` under another spelling.
+
+    A name may carry a condition on one argument, ``"Tensor.index_put_(accumulate=True)"``: then only
+    the aten op run with that argument breaks the rule (``x[i] = v`` is an ``index_put_`` too).
     """
     if not names:
         raise ValueError("rules.forbids: name at least one torch function or Tensor method")
     forbidden: dict[str, str] = {}
-    for name in names:
-        for alias in _resolve(name):
-            forbidden.setdefault(alias, name)
+    conditioned: list[tuple[str, tuple[str, ...], str | None, Any]] = []  # (name, packets, argument, value)
+    for spelled in names:
+        match = _CONDITIONED.fullmatch(spelled.replace(" ", ""))
+        if match is None:
+            raise ValueError(f"rules.forbids: {spelled!r} must be a name ('torch.sort') or a name with one "
+                             "argument's value ('Tensor.index_put_(accumulate=True)')")
+        name, argument = match["name"], match["argument"]
+        aliases = _resolve(name)
+        value: Any = None
+        if argument is not None:
+            try:
+                value = ast.literal_eval(match["value"])
+            except (ValueError, SyntaxError):
+                raise ValueError(f"rules.forbids: {spelled!r}: the value must be a Python literal") from None
+        else:
+            for alias in aliases:
+                forbidden.setdefault(alias, name)
+        packets = tuple(dict.fromkeys(p for alias in aliases for p in _aten_packets(alias)))
+        conditioned.append((spelled, packets, argument, value))
 
     def problem(context: RunContext) -> str | None:
         called = [c for c in context.calls if c in forbidden]
-        if not called:
-            return None
-        return "the code called " + ", ".join(called)
+        if called:
+            return "the code called " + ", ".join(called)
+        for call in context.aten_calls:
+            for spelled, packets, argument, value in conditioned:
+                if call.packet not in packets:
+                    continue
+                if argument is None:
+                    return f"the code ran {call.name}, the op behind {spelled} (under another spelling)"
+                if call.argument(argument) == value:
+                    return f"the code ran {call.name} with {argument}={value!r}"
+        return None
 
     return Rule(name="forbids " + ", ".join(names), why=why, problem=problem, records_calls=True)
+
+
+def stable_sorts(why: str) -> Rule:
+    """A rule that every sort the candidate runs is asked to be stable (``stable=True``).
+
+    Seen at the aten level: ``torch.sort``, ``Tensor.sort``, ``torch.argsort`` without
+    ``stable=True`` run ``aten.sort.default``, whose order among equal keys is unspecified (a CPU's
+    happens to keep it, a GPU's need not), so the values can match on the CPU and still be wrong.
+    """
+
+    def problem(context: RunContext) -> str | None:
+        for call in context.aten_calls:
+            if call.packet == "sort" and not call.argument("stable", False):
+                said = ", ".join(f"{k}={v!r}" for k, v in call.arguments if k in ("dim", "descending"))
+                return (f"a sort ran without stable=True ({call.name}{'(' + said + ')' if said else ''}): equal "
+                        "keys may come out in any order on a GPU — pass stable=True to torch.sort / torch.argsort")
+        return None
+
+    return Rule(name="stable sorts", why=why, problem=problem, records_calls=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -197,8 +337,25 @@ def _over_constants(node: ast.AST) -> bool:
     return True
 
 
-def _loops_in(function: types.FunctionType, depth: int, seen: set[int]) -> str | None:
-    """The first loop in ``function`` or a same-module function it calls: ``'a Python for loop at line N of f'``."""
+# Builtins that run over Python data (a list made from a tensor): what "tensor ops only" rules out.
+_PYTHON_DATA_CALLS = {"sorted": "the builtin sorted", "map": "the builtin map", "filter": "the builtin filter",
+                      "reduce": "functools.reduce"}
+
+
+def _loop_target(node: ast.AST) -> str:
+    """``' (over range(num_experts))'``: what a loop runs over, as its source says it ("" if unreadable)."""
+    iterable = getattr(node, "iter", None)
+    if iterable is None and getattr(node, "generators", None):
+        iterable = node.generators[0].iter
+    if iterable is None:
+        return ""  # a while loop
+    text = ast.unparse(iterable)
+    return f" (over {text if len(text) <= 40 else text[:37] + '...'})"
+
+
+def _loops_in(function: types.FunctionType, depth: int, seen: set[int], python_data: bool = False) -> str | None:
+    """The first loop in ``function`` or a same-module function it calls: ``'a Python for loop at line
+    N of f (over range(n))'``; with ``python_data``, a call of ``sorted``/``map``/``filter``/``reduce`` too."""
     if id(function) in seen:
         return None
     seen.add(id(function))
@@ -215,9 +372,15 @@ def _loops_in(function: types.FunctionType, depth: int, seen: set[int]) -> str |
     for node in ast.walk(body):
         kind = _LOOPS.get(type(node))
         if kind is not None and not _over_constants(node):
-            return f"{kind} at line {start + node.lineno - 1} of {function.__name__}"
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
-            called.append(node.func.id)
+            return f"{kind} at line {start + node.lineno - 1} of {function.__name__}{_loop_target(node)}"
+        if isinstance(node, ast.Call):
+            callee = node.func.id if isinstance(node.func, ast.Name) else (
+                node.func.attr if isinstance(node.func, ast.Attribute) and node.func.attr == "reduce" else None)
+            if python_data and callee in _PYTHON_DATA_CALLS:
+                return (f"a call of {_PYTHON_DATA_CALLS[callee]} (Python data, not tensor ops) at line "
+                        f"{start + node.lineno - 1} of {function.__name__}")
+            if isinstance(node.func, ast.Name):
+                called.append(node.func.id)
     if depth <= 0:
         return None
     namespace = dict(function.__globals__)
@@ -229,10 +392,28 @@ def _loops_in(function: types.FunctionType, depth: int, seen: set[int]) -> str |
     for name in called:
         helper = namespace.get(name)
         if isinstance(helper, types.FunctionType) and helper.__module__ == function.__module__:
-            found = _loops_in(inspect.unwrap(helper), depth - 1, seen)
+            found = _loops_in(inspect.unwrap(helper), depth - 1, seen, python_data)
             if found is not None:
                 return found
     return None
+
+
+def _source_rule(name: str, why: str, function: Any, python_data: bool, records_calls: bool = False,
+                 extra: Callable[[RunContext], str | None] | None = None) -> Rule:
+    """A rule on the candidate's source (its loops; with ``python_data`` its builtins), then ``extra``."""
+    cache: dict[int, str | None] = {}
+
+    def problem(context: RunContext) -> str | None:
+        target = context.candidate if function is None else function
+        key = id(target)
+        if key not in cache:
+            plain = _plain_function(target)
+            cache[key] = None if plain is None else _loops_in(plain, depth=3, seen=set(), python_data=python_data)
+        if cache[key] is not None:
+            return cache[key]
+        return extra(context) if extra is not None else None
+
+    return Rule(name=name, why=why, problem=problem, records_calls=records_calls)
 
 
 def no_python_loops(why: str, function: Any = None) -> Rule:
@@ -242,19 +423,35 @@ def no_python_loops(why: str, function: Any = None) -> Rule:
     check's candidate is a given driver around the exercise's function (a fold over tiles, say) —
     and so is that of every function of its own module it calls by name (three calls deep). A loop
     over a literal tuple or list, or over ``range(<literal>)``, is structure and allowed. Code
-    without readable source keeps the rule.
+    without readable source keeps the rule. The verdict names the loop, what it runs over and its line.
     """
-    cache: dict[int, str | None] = {}
+    return _source_rule("no Python loops", why, function, python_data=False)
 
-    def problem(context: RunContext) -> str | None:
-        target = context.candidate if function is None else function
-        key = id(target)
-        if key not in cache:
-            plain = _plain_function(target)
-            cache[key] = None if plain is None else _loops_in(plain, depth=3, seen=set())
-        return cache[key]
 
-    return Rule(name="no Python loops", why=why, problem=problem)
+#: Calls that bring a tensor's values to the host, as Python data or numpy: a GPU waits for each.
+HOST_ROUND_TRIPS: dict[str, str] = {
+    "Tensor.item": ".item()", "Tensor.tolist": ".tolist()", "Tensor.numpy": ".numpy()", "Tensor.cpu": ".cpu()",
+    "Tensor.__array__": "numpy.asarray(tensor)", "Tensor.__int__": "int(tensor)", "Tensor.__float__": "float(tensor)",
+    "Tensor.__index__": "a tensor used as a Python int", "Tensor.__bool__": "a tensor's truth value (if tensor:)",
+}
+
+
+def tensor_ops_only(why: str, function: Any = None) -> Rule:
+    """A rule that the candidate is tensor ops only: what :func:`no_python_loops` holds it to, no
+    call of the builtins ``sorted``/``map``/``filter``/``reduce`` (they run over Python data), and no
+    round trip through the host — ``.item()``, ``.tolist()``, ``.numpy()``, ``.cpu()``, ``int(t)``,
+    ``float(t)``, ``if t:`` — seen as the candidate runs (a helper's call counts too). A sort done in
+    numpy, or by ``sorted`` over ``t.tolist()``, breaks it.
+    """
+
+    def host(context: RunContext) -> str | None:
+        trips = list(dict.fromkeys(HOST_ROUND_TRIPS[c] for c in context.calls if c in HOST_ROUND_TRIPS))
+        if not trips:
+            return None
+        return ("the code took values to the host: " + ", ".join(trips)
+                + " (on a GPU each waits for the device; tensor ops keep the data where it is)")
+
+    return _source_rule("tensor ops only", why, function, python_data=True, records_calls=True, extra=host)
 
 
 # --------------------------------------------------------------------------------------------
