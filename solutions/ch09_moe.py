@@ -25,6 +25,7 @@ __all__ = [
     "diagnose_routing",
     "diagnose_routing_cause",
     "routing_traffic",
+    "routing_rules",
     "counting_sort",
     "counting_sort_reference",
     "counting_sort_cases",
@@ -155,6 +156,9 @@ def routing_cases(gen: torch.Generator) -> list[tuple]:
     far = torch.randn(21, 8, generator=gen) * 2
     far[::2] += 100.0
     far[1::2] -= 200.0
+    # One token mixes both: its other seven probabilities underflow to 0 in fp32 (exactly equal logits,
+    # so float64's tiny equal values tie the same way), and a winner masked out with 0 wins again.
+    far[-1] = torch.tensor([100.0] + [-200.0] * 7)
     cases.append((far.to(kernel_ladder.runtime.DEVICE), 2, False))
     return cases
 
@@ -178,6 +182,15 @@ def routing_traffic():
     from utils.exercises import Traffic
 
     return Traffic(ideal=_routing_ideal, top=_routing_top)
+
+
+def routing_rules() -> list:
+    """Exercise 1's stated rule (Hint 1): the weights are stored once, from registers — a kernel that
+    stores them, loads them back to renormalise and stores again has no guarantee on a GPU."""
+    from utils.exercises import rules
+
+    return [rules.stores_each_output_once(why="the spec stores each weight once (Hint 1: a program's read-back of "
+                                              "its own stores is not guaranteed on a GPU)")]
 
 
 def diagnose_routing_cause(case: tuple, got, expected) -> str | None:
@@ -260,8 +273,14 @@ def diagnose_routing(got, expected) -> str | None:
     repeated = ((ids[:, :, None] == ids[:, None, :]).sum(dim=-1) > 1).any(dim=1)
     if repeated.any():
         t = int(repeated.nonzero()[0, 0])
-        return (f"token {t} got the same expert twice (ids {ids[t].tolist()}, expected {want_ids[t].tolist()}): "
-                "mask each round's winner out before the next round, so that a token's k experts are distinct")
+        row = ids[t].tolist()
+        e = next(i for i in row if row.count(i) > 1)
+        text = (f"token {t} got expert {e} twice (ids {row}, expected {want_ids[t].tolist()}): mask each round's "
+                "winner out before the next round, so that a token's k experts are distinct")
+        if (want_weights[t] == 0).any():
+            text += (f" — token {t}'s other probabilities underflow to 0 (its logits lie far below its largest), so a "
+                     "winner masked out with 0 ties with them and wins again: mask it with -1, below any probability")
+        return text
     if torch.isfinite(weights).all() and not ids_bad.any():
         sums, ones = weights.sum(dim=1), torch.ones(len(weights), dtype=torch.float64)
         asked = torch.allclose(want_weights.sum(dim=1), ones, atol=1e-5)  # renormalize=True (with k < E)

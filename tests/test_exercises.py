@@ -1245,6 +1245,40 @@ def test_tensor_ops_only_rules_out_python_data_and_host_round_trips():
         assert "rules kept: tensor ops only" in flat(verdict.message)
 
 
+@triton.jit
+def double_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, TWICE: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    x = tl.load(x_ptr + offsets, mask=mask)
+    if TWICE:  # store x, read it back, store the double: right in the interpreter, unguaranteed on a GPU
+        tl.store(out_ptr + offsets, x, mask=mask)
+        again = tl.load(out_ptr + offsets, mask=mask)
+        tl.store(out_ptr + offsets, again * 2, mask=mask)
+    else:
+        tl.store(out_ptr + offsets, x * 2, mask=mask)
+
+
+def test_stores_each_output_once_names_the_kernel_and_its_two_stores():
+    import inspect
+
+    rule = exercises.rules.stores_each_output_once(why="each output stored once")
+
+    def doubled(twice):
+        def run(x, out):
+            double_kernel[(triton.cdiv(x.numel(), 64),)](x, out, x.numel(), BLOCK=64, TWICE=twice)
+            return out
+
+        return run
+
+    cases = lambda gen: [(torch.randn(100, generator=gen),)]
+    verdict = check("double", doubled(True), lambda x: 2 * x, cases, out=True, rules=[rule])
+    first = inspect.getsourcelines(double_kernel.fn)[1] + 6
+    assert_not_solved(verdict, "broke a stated rule — each output stored once: double_kernel stored 100 elements of "
+                               f"out_ptr twice in one launch (program 0: the store at line {first} of double_kernel, "
+                               f"then the store at line {first + 2} of double_kernel; first at element 0)")
+    assert check("double", doubled(False), lambda x: 2 * x, cases, out=True, rules=[rule]).solved
+
+
 def add_with_loop(x, y):
     out = torch.empty_like(x)
     for i in range(len(x)):

@@ -41,7 +41,8 @@ def buggy_routing_kernel(
     # The solution with one mistake: BUG 0 never renormalises, 1 breaks ties to the highest id,
     # 2 always renormalises (a softmax over the k chosen logits), 3 never masks a winner out,
     # 4 stores without the token mask (the rows past the last token), 5 exponentiates the raw logits,
-    # 6 loads the lanes past E as 0 and keeps them in the softmax.
+    # 6 loads the lanes past E as 0 and keeps them in the softmax, 7 stores the weights, loads them
+    # back to renormalise and stores them again, 8 masks a winner out with 0 instead of -1.
     pid = tl.program_id(0)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     experts = tl.arange(0, BLOCK_E)
@@ -60,30 +61,36 @@ def buggy_routing_kernel(
     if BUG != 6:
         p = tl.where(valid, p, 0.0)
     p = p / tl.sum(p, axis=1)[:, None]
-    if BUG == 4:
-        store_ok = rows >= 0
-    else:
-        store_ok = rows < num_tokens
-    total = tl.zeros([BLOCK_T], tl.float32)
     if BUG == 6:
         remaining = tl.where(rows[:, None] < num_tokens, p, -1.0)
     else:
         remaining = tl.where(valid, p, -1.0)
+    top_w = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
+    top_id = tl.zeros([BLOCK_T, BLOCK_E], tl.int32)
     for j in tl.static_range(K):
         best = tl.max(remaining, axis=1)
         if BUG == 1:
             idx = tl.max(tl.where(remaining == best[:, None], experts[None, :], -1), axis=1)
         else:
             idx = tl.min(tl.where(remaining == best[:, None], experts[None, :], BLOCK_E), axis=1)
-        tl.store(weights_ptr + rows * stride_wt + j, best, mask=store_ok)
-        tl.store(ids_ptr + rows * stride_it + j, idx, mask=store_ok)
-        total += best
-        if BUG != 3:
+        top_w = tl.where(experts[None, :] == j, best[:, None], top_w)
+        top_id = tl.where(experts[None, :] == j, idx[:, None], top_id)
+        if BUG == 8:
+            remaining = tl.where(experts[None, :] == idx[:, None], 0.0, remaining)
+        elif BUG != 3:
             remaining = tl.where(experts[None, :] == idx[:, None], -1.0, remaining)
-    if (RENORMALIZE and BUG != 0) or BUG == 2:
-        for j in tl.static_range(K):
-            w = tl.load(weights_ptr + rows * stride_wt + j, mask=store_ok, other=1.0)
-            tl.store(weights_ptr + rows * stride_wt + j, w / total, mask=store_ok)
+    if ((RENORMALIZE and BUG != 0) or BUG == 2) and BUG != 7:
+        top_w = top_w / tl.sum(tl.where(experts[None, :] < K, top_w, 0.0), axis=1)[:, None]
+    if BUG == 4:
+        slots = (rows[:, None] >= 0) & (experts[None, :] < K)
+    else:
+        slots = (rows[:, None] < num_tokens) & (experts[None, :] < K)
+    tl.store(weights_ptr + rows[:, None] * stride_wt + experts[None, :], top_w, mask=slots)
+    tl.store(ids_ptr + rows[:, None] * stride_it + experts[None, :], top_id, mask=slots)
+    if BUG == 7 and RENORMALIZE:
+        back = tl.load(weights_ptr + rows[:, None] * stride_wt + experts[None, :], mask=slots, other=0.0)
+        tl.store(weights_ptr + rows[:, None] * stride_wt + experts[None, :], back / tl.sum(back, axis=1)[:, None],
+                 mask=slots)
 
 
 class _WithBug:
@@ -105,7 +112,7 @@ def routing_with(kernel):
 
 def check_routing(candidate):
     return check("ch09_moe.topk_routing_kernel", candidate, given.routing_reference, given.routing_cases, out=True,
-                 compare=given.diagnose_routing, diagnose=given.diagnose_routing_cause,
+                 compare=given.diagnose_routing, diagnose=given.diagnose_routing_cause, rules=given.routing_rules(),
                  traffic=given.routing_traffic())
 
 
@@ -118,12 +125,17 @@ def test_routing_solution_solves():
     (0, "not renormalised"),
     (1, "a tie (experts of equal probability) goes to the lowest expert id"),
     (2, "but this case has renormalize=False"),
-    (3, "the same expert twice"),
+    (3, "got expert"),
     (4, "out of bounds"),
     (5, "exp overflows float32 for a logit above 88.7"),
     (6, "take part in the softmax as logits of 0: load them with other=float('-inf')"),
+    (7, "broke a stated rule — the spec stores each weight once (Hint 1: a program's read-back of its own stores is "
+        "not guaranteed on a GPU): buggy_routing_kernel stored 74 elements of weights_ptr twice in one launch"),
+    (8, "token 20 got expert 0 twice (ids [0, 0], expected [0, 1])"),
+    (8, "a winner masked out with 0 ties with them and wins again: mask it with -1"),
 ], ids=["no-renormalization", "ties-to-highest", "always-renormalized", "winner-not-masked", "no-store-mask",
-        "no-max-subtracted", "padding-lanes-counted"])
+        "no-max-subtracted", "padding-lanes-counted", "stored-then-reloaded", "winner-masked-with-0",
+        "winner-masked-with-0-cause"])
 def test_routing_negative_controls(bug, diagnosis):
     verdict = check_routing(routing_with(_WithBug(bug)))
     assert rejected(verdict, diagnosis), verdict.message

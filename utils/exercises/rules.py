@@ -17,6 +17,8 @@ a broken rule is a NOT SOLVED verdict whose line names the rule::
 * :func:`tensor_ops_only` — no Python loop, no builtin ``sorted``/``map``/``filter``/``reduce``, and
   no round trip through the host (``.item()``, ``.tolist()``, ``.numpy()``, ``.cpu()``, ``int(t)``);
 * :func:`stable_sorts` — every sort the candidate runs is asked to be stable (``stable=True``);
+* :func:`stores_each_output_once` — no Triton launch stores to one output element twice (a
+  program that stores, reloads and stores again; two programs on one element), from the tracer;
 * :func:`holds` — any property of one case's result, ``holds(lambda case, got: None or "what is wrong")``.
 """
 
@@ -37,7 +39,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["Rule", "bytes_read", "forbids", "holds", "no_python_loops", "stable_sorts", "tensor_ops_only", "traced"]
+__all__ = ["Rule", "bytes_read", "forbids", "holds", "no_python_loops", "stable_sorts", "stores_each_output_once",
+           "tensor_ops_only", "traced"]
 
 #: What every broken rule's line starts with (a test or a notebook can look for it).
 BROKE_A_RULE = "broke a stated rule"
@@ -494,6 +497,45 @@ def traced(check: Callable[[tuple, Sequence[Any]], Any], name: str) -> Rule:
         return "it does not hold" if answer is False else str(answer)
 
     return Rule(name=name, why=name, problem=problem)
+
+
+def _site(stores: Any, index: int) -> str:
+    sites = list(getattr(stores, "sites", None) or [])
+    function, line = sites[index] if 0 <= index < len(sites) else ("?", 0)
+    return f"the store at line {line} of {function}" if line else "a store"
+
+
+def stores_each_output_once(why: str) -> Rule:
+    """A rule that no launch stores to one element of an output twice (one program's two stores, or
+    two programs'), seen in the tracer's store maps.
+
+    A kernel that stores a value, then loads it back to finish it (renormalising, say) and stores
+    again, gets the right values in the interpreter, which runs one program at a time; on a GPU a
+    load need not see the same program's earlier store to global memory without a barrier, and two
+    programs' stores to one element race. Keep the values in registers and store each element once.
+    """
+
+    def problem(context: RunContext) -> str | None:
+        for launch in context.launches:
+            for name, stores in (getattr(launch, "store_maps", None) or {}).items():
+                overwrites = getattr(stores, "self_overwrites", None) or {}
+                if overwrites:
+                    (earlier, later), (count, element, program) = max(overwrites.items(), key=lambda i: i[1][0])
+                    return (f"{launch.kernel} stored {count} element{'s' if count != 1 else ''} of {name} twice in one "
+                            f"launch (program {program}: {_site(stores, earlier)}, then {_site(stores, later)}; first "
+                            f"at element {element}) — what a program stored to global memory and reads back or "
+                            "stores again has no guarantee on a GPU: keep the values in registers, store each once")
+                first, last = getattr(stores, "first", None), getattr(stores, "last", None)
+                if first is not None and last is not None:
+                    shared = (first >= 0) & (first != last)
+                    if shared.any():
+                        element = int(shared.nonzero()[0][0])
+                        return (f"{launch.kernel}'s programs {int(first[element])} and {int(last[element])} both "
+                                f"stored element {element} of {name}: two programs' stores to one element race on "
+                                "a GPU — each element belongs to one program")
+        return None
+
+    return Rule(name="each output stored once", why=why, problem=problem)
 
 
 # --------------------------------------------------------------------------------------------
