@@ -512,6 +512,25 @@ def _row_runs(rows: list[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}..{b}" for a, b in runs)
 
 
+def _tile_map_mistake(got: list[tuple[int, int, int]], expected: list[tuple[int, int, int]]) -> str | None:
+    """The common wrong tile maps that the expected tiles alone reveal: offsets read as starts, group 0
+    skipped, every group id off by one."""
+    expected = [tuple(t) for t in expected]
+    if got and got == [(g - 1, a, b) for g, a, b in expected if g >= 1]:
+        return ("offsets were read as each group's start: offsets[g] is group g's end (the cumulative count), its "
+                "start is offsets[g - 1] (0 for group 0) — here each group got the next group's rows, and group 0's "
+                "own rows (from 0) are in no tile")
+    for shift, word in ((1, "high"), (-1, "low")):
+        if got and got == [(g + shift, a, b) for g, a, b in expected]:
+            return (f"every tile's group is one too {word} (got {got[0]}, expected {expected[0]}): groups are "
+                    "numbered from 0, as enumerate(offsets) numbers them")
+    group0 = [t for t in expected if t[0] == 0]
+    if group0 and got == [t for t in expected if t[0] != 0]:
+        return (f"group 0 (rows 0..{group0[-1][2] - 1}) has no tiles: the loop over the groups skips it — group 0's "
+                "rows start at 0, before offsets[0], its end")
+    return None
+
+
 def diagnose_tile_map(got, expected) -> str | None:
     """The check's comparison for exercise 3: None if the tiles match, else what is wrong — a tile
     for an empty group, one mixing groups, one longer than ``block_m``, rows in no tile, the order."""
@@ -527,6 +546,9 @@ def diagnose_tile_map(got, expected) -> str | None:
         if all(b == e - 1 for (_, _, b), (_, _, e) in zip(got, expected)):
             return ("every tile ends one row early: the third number is one past the tile's last row (a Python "
                     "range's end), min(row + block_m, end)")
+    named = _tile_map_mistake(got, list(expected))
+    if named is not None:
+        return named
     if got and len(got) == len(expected) and [g for g, _, _ in got] == [g for g, _, _ in expected]:
         starts: dict[int, int] = {}
         for g, a, _ in expected:

@@ -344,6 +344,22 @@ def tiles_numbered_within_groups(offsets, block_m):
     return [(g, a - starts[g], b - starts[g]) for g, a, b in tiles]  # rows from 0 in every group
 
 
+def tiles_with_offsets_as_starts(offsets, block_m):
+    tiles = []
+    for group, start in enumerate(offsets):
+        end = offsets[group + 1] if group + 1 < len(offsets) else start  # offsets read as starts
+        tiles += [(group, row, min(row + block_m, end)) for row in range(start, end, block_m)]
+    return tiles
+
+
+def tiles_skipping_group_0(offsets, block_m):
+    return [t for t in given.grouped_tile_map(offsets, block_m) if t[0] != 0]  # range(1, E) over the groups
+
+
+def tiles_with_groups_from_1(offsets, block_m):
+    return [(g + 1, a, b) for g, a, b in given.grouped_tile_map(offsets, block_m)]
+
+
 def check_tile_map(candidate):
     return check("ch09_moe.grouped_tile_map", candidate, given.grouped_tile_map_reference, given.tile_map_cases,
                  compare=given.diagnose_tile_map)
@@ -360,6 +376,9 @@ def test_tile_map_solution_solves():
     (tiles_across_groups, "a tile holds rows of one group only"),
     (tiles_ending_on_their_last_row, "every tile ends one row early: the third number is one past the tile's last row"),
     (tiles_numbered_within_groups, "the rows are numbered within each group (from 0)"),
+    (tiles_with_offsets_as_starts, "offsets were read as each group's start: offsets[g] is group g's end"),
+    (tiles_skipping_group_0, "group 0 (rows 0..4) has no tiles: the loop over the groups skips it"),
+    (tiles_with_groups_from_1, "every tile's group is one too high (got (1, 0, 5), expected (0, 0, 5))"),
 ])
 def test_tile_map_negative_controls(wrong, diagnosis):
     verdict = check_tile_map(wrong)
