@@ -866,6 +866,12 @@ def diagnose_merge(case: tuple, got, expected) -> str | None:
         cause = next((c for c, candidate in candidates if _same_as(part, candidate, 1e-4, 1e-5)), None)
         if cause is not None and cause not in causes:
             causes.append(cause)
+    if len(causes) == 2 and all("exp overflows" in c for c in causes):
+        # Both the weights and the log-sum-exp take exp(lses[s]) raw: one cause, said once.
+        return ("the weights and the log-sum-exp both take exp(lses[s]) as it is: exp overflows to inf for a "
+                "log-sum-exp above 88.7 (709 in float64) and underflows to 0 below -103, so the rows with scores "
+                "far from 0 come out NaN — use lse = torch.logsumexp(lses, dim=0) (it subtracts the maximum) and "
+                "weight by exp(lses[s] - lse)")
     return "; ".join(causes) or None
 
 
@@ -1004,16 +1010,24 @@ def diagnose_append_cause(case: tuple, got, expected) -> str | None:
     return None
 
 
+_APPEND_ARGUMENTS = ("table", "length", "block_size", "refcounts", "free")
+
+
 def unmodified(fn):
     """Exercise 4's candidate wrapper: ``fn(*args)``, failing if it changed its (list) arguments."""
     import copy
 
+    from utils.exercises.rules import RuleBroken
+
     def run(*args):
         before = copy.deepcopy(args)
         result = fn(*args)
-        if list(args) != list(before):
-            raise AssertionError("the arguments were modified: copy the lists first (list(table), ...) and "
-                                 "return the new ones")
+        changed = [_APPEND_ARGUMENTS[i] if i < len(_APPEND_ARGUMENTS) else f"argument {i}"
+                   for i, (now, was) in enumerate(zip(args, before)) if now != was]
+        if changed:
+            raise RuleBroken("the spec returns new lists and leaves its arguments as they were",
+                             f"the code modified {', '.join(changed)} in place — copy the lists first "
+                             "(list(table), ...) and return the new ones")
         return result
 
     run.__name__ = getattr(fn, "__name__", "candidate")

@@ -39,11 +39,23 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["Rule", "bytes_read", "forbids", "holds", "no_python_loops", "stable_sorts", "stores_each_output_once",
-           "tensor_ops_only", "traced"]
+__all__ = ["Rule", "RuleBroken", "bytes_read", "forbids", "holds", "no_python_loops", "stable_sorts",
+           "stores_each_output_once", "tensor_ops_only", "traced"]
 
 #: What every broken rule's line starts with (a test or a notebook can look for it).
 BROKE_A_RULE = "broke a stated rule"
+
+
+class RuleBroken(Exception):  # noqa: N818  (a verdict, not an error: the name says what happened)
+    """Raised by a given wrapper around the candidate (a check's driver) when the run breaks a stated
+    rule that only the wrapper can see — "the arguments are left as they were", say. The checker
+    turns it into the verdict line ``broke a stated rule — <why>: <what>``, not into "raised ...".
+    """
+
+    def __init__(self, why: str, what: str) -> None:
+        super().__init__(f"{why}: {what}")
+        self.why = why
+        self.what = what
 
 
 @dataclasses.dataclass(frozen=True)

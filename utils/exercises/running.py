@@ -141,6 +141,11 @@ def _describe_error(error: BaseException, name: str | None = None, candidate: An
     stub_error = next((e for e in _chain(error) if isinstance(e, NotImplementedError)), None)
     if stub_error is not None:
         return _not_implemented(stub_error, name, candidate)
+    from .rules import BROKE_A_RULE, RuleBroken
+
+    broken = next((e for e in _chain(error) if isinstance(e, RuleBroken)), None)
+    if broken is not None:  # a given wrapper saw a stated rule broken: a verdict, not the candidate's error
+        return f"{BROKE_A_RULE} — {broken.why}: {broken.what}"
     root = _root_error(error)
     text = str(root).strip()
     lines = text.splitlines()
