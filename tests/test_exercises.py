@@ -1279,6 +1279,29 @@ def test_stores_each_output_once_names_the_kernel_and_its_two_stores():
     assert check("double", doubled(False), lambda x: 2 * x, cases, out=True, rules=[rule]).solved
 
 
+def test_a_rule_broken_raised_by_a_given_wrapper_is_a_rule_verdict():
+    def unchanged(fn):
+        def run(values):
+            before = list(values)
+            result = fn(values)
+            if values != before:
+                raise exercises.rules.RuleBroken("the arguments stay as they were", "the code modified values")
+            return result
+
+        return run
+
+    def total_popping(values):
+        total = 0
+        while values:
+            total += values.pop()
+        return total
+
+    verdict = check("total", unchanged(total_popping), sum, [([1, 2, 3],)])
+    assert_not_solved(verdict, "broke a stated rule — the arguments stay as they were: the code modified values")
+    assert_not_in(verdict, "raised")
+    assert check("total", unchanged(sum), sum, [([1, 2, 3],)]).solved
+
+
 def add_with_loop(x, y):
     out = torch.empty_like(x)
     for i in range(len(x)):
