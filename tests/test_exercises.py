@@ -1609,3 +1609,54 @@ def test_exact_int_leaves_a_missing_return_to_the_value_line():
     verdict = check("flops", lambda t, p: None, step_flops, [(3, 5)])
     assert_not_solved(verdict, "wrong value: got None, expected 90")
     assert_not_in(verdict, "exact")
+
+
+# ----------------------------------------------------------------------------------------------
+# The exercise's own solution, called through the notebook's `given` module, is not an answer
+
+
+def test_calling_the_exercises_own_solution_is_a_broken_rule(learner_registry, fake_solutions):
+    @exercise("ch99_fake.programs_needed")
+    def programs_needed(n: int, block: int) -> int:
+        return fake_solutions.programs_needed(n, block)  # given.programs_needed, as a learner would reach it
+
+    cases = [(1000, 256), (1, 64), (4097, 128)]
+    verdict = check("ch99_fake.programs_needed", programs_needed, lambda n, b: -(-n // b), cases)
+    assert_not_solved(verdict, "broke a stated rule — write the exercise yourself: the code called the chapter's "
+                      "own solution (programs_needed in solutions/ch99_fake.py, the notebook's given.programs_needed)")
+    # The solution is back in its module afterwards, and a check named by chapter number is guarded the same way.
+    assert not type(fake_solutions.programs_needed).__name__ == "_Watched"
+    assert_not_solved(check("ch99.programs_needed", programs_needed, lambda n, b: -(-n // b), cases),
+                      "the chapter's own solution")
+
+    # Negative control: the learner's own arithmetic is SOLVED with the same check.
+    @exercise("ch99_fake.programs_needed")
+    def programs_needed_own(n: int, block: int) -> int:
+        return (n + block - 1) // block
+
+    assert check("ch99_fake.programs_needed", programs_needed_own, lambda n, b: -(-n // b), cases).solved
+
+
+def test_launching_the_exercises_own_solution_kernel_is_a_broken_rule(learner_registry, fake_solutions):
+    @exercise("ch99_fake.add_kernel")
+    @triton.jit
+    def learner_add_kernel(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        pass  # never launched: the launcher below takes the solution's kernel
+
+    def launch(x, y, out):
+        fake_solutions.add_kernel[(triton.cdiv(x.numel(), 256),)](x, y, out, x.numel(), BLOCK=256)
+
+    verdict = check("ch99_fake.add_kernel", launch, torch.add, add_cases, out=True)
+    assert_not_solved(verdict, "the notebook's given.add_kernel")
+    # Another exercise's solution is a given there: a check of a different exercise may run it.
+    assert check("ch99_fake.other", launch, torch.add, add_cases, out=True).solved
+
+
+def test_solution_mode_watches_nothing(monkeypatch, fake_solutions):
+    monkeypatch.setenv(exercises.SOLUTIONS_ENV, "1")
+    monkeypatch.setattr(exercises, "_STUBS", {"ch99_fake.programs_needed": None})
+
+    def through_module(n: int, block: int) -> int:
+        return fake_solutions.programs_needed(n, block)
+
+    assert check("ch99_fake.programs_needed", through_module, lambda n, b: -(-n // b), [(1000, 256)]).solved

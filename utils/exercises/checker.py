@@ -25,7 +25,7 @@ from .. import exercises as _package  # the verdict registry lives there, read a
 from .compare import _custom_problems, _reference_result, _value_mismatch
 from .diagnosis import _store_resolver
 from .guards import _guard_case, _Guarded, _guarded_output, _has_unwritten
-from .marker import _unsolved_helpers
+from .marker import _solution_used, _solutions_watched, _unsolved_helpers
 from .rules import Rule, RunContext, _CallRecorder
 from .running import _describe_error, _run_traced
 from .traffic import Traffic, TrafficReport, measure
@@ -136,6 +136,7 @@ def _check_case(
     args, input_guards = _guard_case(case, names)
     recorder = _CallRecorder() if any(rule.records_calls for rule in options.rules) else None
     counted: list[Any] = []
+    watched: list[str] = []  # the exercise's own solutions the candidate called (learner mode)
 
     def under_rules(call: Callable[[], Any]) -> Callable[[], Any]:
         def run() -> Any:
@@ -144,7 +145,11 @@ def _check_case(
                     counted.append(stack.enter_context(_traffic_trace()))
                 if recorder is not None:
                     stack.enter_context(recorder)
-                return call()
+                hits = stack.enter_context(_solutions_watched(name))
+                try:
+                    return call()
+                finally:
+                    watched.extend(hits)
 
         return run
 
@@ -200,6 +205,9 @@ def _check_case(
             line = rule.verdict_line(context)
             if line is not None:
                 problems.append(line)
+    own_solution = _solution_used(watched)
+    if own_solution is not None:
+        problems.append(own_solution)
     if problems:
         # An unsolved exercise this one builds on comes first: it is the likelier cause.
         problems = _unsolved_helpers(name, candidate, run.launches) + problems

@@ -13,7 +13,7 @@ import contextlib
 import importlib
 import os
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from .. import exercises as _package  # the registries live there, read at each use
@@ -170,3 +170,72 @@ def _unsolved_helpers(name: str, candidate: Callable[..., Any], launches: Sequen
             found.append(f"this check's code uses {_stub_label(other)}, whose own check is NOT SOLVED yet: "
                          "solve that exercise first")
     return found
+
+
+class _Watched:
+    """Stands in for a solution while a learner's code runs: a call or a ``[grid]`` launch is noted, then
+    passed on, so the verdict can say the exercise was answered by its own solution."""
+
+    def __init__(self, target: Any, label: str, hits: list[str]) -> None:
+        self._target, self._label, self._hits = target, label, hits
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._hits.append(self._label)
+        return self._target(*args, **kwargs)
+
+    def __getitem__(self, key: Any) -> Any:
+        self._hits.append(self._label)
+        return self._target[key]
+
+    def __getattr__(self, attribute: str) -> Any:
+        return getattr(self._target, attribute)
+
+
+def _own_exercises(name: str) -> list[str]:
+    """The learner-mode exercises a check named ``name`` is for: the same name, or the same chapter
+    number and attribute (a check may be named ``ch10.x`` for the exercise ``ch10_integration.x``)."""
+    chapter, _, attribute = name.rpartition(".")
+    number = chapter.split("_")[0]
+    own = []
+    for exercise_name in _package._STUBS:
+        module, _, stub_attribute = exercise_name.rpartition(".")
+        if exercise_name == name or (stub_attribute == attribute and module.split("_")[0] == number):
+            own.append(exercise_name)
+    return own
+
+
+@contextlib.contextmanager
+def _solutions_watched(name: str) -> Iterator[list[str]]:
+    """While learner code runs in learner mode, the solutions of the exercises this check is for are
+    replaced in their ``solutions`` module by watchers; yields the list of those called.
+
+    In solution mode nothing is watched (the candidate *is* the solution there)."""
+    hits: list[str] = []
+    if solution_mode():
+        yield hits
+        return
+    replaced: list[tuple[Any, str, Any]] = []
+    try:
+        for exercise_name in _own_exercises(name):
+            module_name, attribute = _split_name(exercise_name)
+            try:
+                module = importlib.import_module(f"solutions.{module_name}")
+                original = getattr(module, attribute)
+            except (ImportError, AttributeError):
+                continue
+            label = f"{module_name}.{attribute}"
+            setattr(module, attribute, _Watched(original, label, hits))
+            replaced.append((module, attribute, original))
+        yield hits
+    finally:
+        for module, attribute, original in replaced:
+            setattr(module, attribute, original)
+
+
+def _solution_used(hits: Sequence[str]) -> str | None:
+    """A broken-rule line when the learner's code answered with the exercise's own solution."""
+    if not hits:
+        return None
+    module_name, _, attribute = hits[0].rpartition(".")
+    return (f"broke a stated rule — write the exercise yourself: the code called the chapter's own solution "
+            f"({attribute} in solutions/{module_name}.py, the notebook's given.{attribute})")
