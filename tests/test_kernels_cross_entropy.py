@@ -901,3 +901,24 @@ def test_gpu_more_than_2_to_the_31_logits():
     loss = cross_entropy(logits, target, reduction="none")
     tail = slice(n - 8, n)
     assert_close(loss[tail], reference(logits[tail], target[tail], reduction="none")[0], torch.bfloat16)
+
+
+@pytest.mark.parametrize("bad", [5, -3, 10**6])
+def test_an_out_of_range_target_unchecked_reads_nothing_and_gives_nan(bad):
+    """With the value checks off (the CUDA default), a target outside [0, V) must not send the kernel
+    to another row's logits: no access outside any tensor, and that row's loss is NaN, the others exact."""
+    from kernel_ladder import runtime
+    from utils.trace import trace
+
+    logits = torch.randn(3, 5, dtype=torch.float32, requires_grad=True)
+    target = torch.tensor([1, bad, 4])
+    with runtime.check_values(False), trace(block_out_of_bounds=True) as traced:
+        losses = kernel_ladder.cross_entropy(logits, target, reduction="none")
+        losses.nansum().backward()
+    assert sum(launch.out_of_bounds for launch in traced.launches) == 0
+    assert torch.isnan(losses[1]) and torch.isfinite(losses[[0, 2]]).all()
+    expected = torch.nn.functional.cross_entropy(logits.detach().double()[[0, 2]], target[[0, 2]], reduction="none")
+    torch.testing.assert_close(losses.detach()[[0, 2]].double(), expected, rtol=1e-5, atol=1e-6)
+    assert torch.isfinite(logits.grad).all()
+    with runtime.check_values(True), pytest.raises(ValueError, match=r"kernel_ladder\.cross_entropy: target"):
+        kernel_ladder.cross_entropy(logits, target)

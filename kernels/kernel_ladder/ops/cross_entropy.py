@@ -352,12 +352,16 @@ def cross_entropy_forward_kernel(
     target = tl.load(target_ptr + row_start(rows, size1, size2, stride_t0, stride_t1, stride_t2), mask=row_mask,
                      other=ignore_index).to(tl.int64)
     valid = row_mask & (target != ignore_index)  # ignored rows read no logits at all
-    safe_target = tl.where(valid, target, 0)
-    z_target = tl.load(logits_ptr + x_row + safe_target * stride_xcol, mask=valid, other=0.0).to(tl.float32)
+    # A target outside [0, n_cols) (a value check's to catch; unchecked, the CUDA default) reads nothing:
+    # its row's logit is NaN, so the loss says so instead of reading another row's memory.
+    in_range = valid & (target >= 0) & (target < n_cols)
+    safe_target = tl.where(in_range, target, 0)
+    z_target = tl.load(logits_ptr + x_row + safe_target * stride_xcol, mask=in_range, other=0.0).to(tl.float32)
+    z_target = tl.where(valid & ~in_range, float("nan"), z_target)
     if SOFTCAP:
         z_target = softcapped(z_target, softcap)
     if HAS_WEIGHT:
-        w_target = tl.load(weight_ptr + safe_target * stride_w, mask=valid, other=0.0).to(tl.float32)
+        w_target = tl.load(weight_ptr + safe_target * stride_w, mask=in_range, other=0.0).to(tl.float32)
     else:
         w_target = tl.where(valid, 1.0, 0.0)
     ce_scale = tl.load(scale_ptr)
