@@ -42,6 +42,7 @@ __all__ = [
     "scale_rows_backward",
     "installed",
     "FakeReport",
+    "FAKE_ALLOWED_OPS",
     "fake_cases",
     "fake_cases_batched",
     "OTHER_DEVICE",
@@ -287,10 +288,38 @@ OTHER_DEVICE = "cuda" if kernel_ladder.runtime.DEVICE.type == "cpu" else "cpu"
 
 @dataclasses.dataclass(frozen=True)
 class FakeReport:
-    """What an op's outputs look like — ``(shape, dtype, strides, device)`` each — and what opcheck said."""
+    """What an op's outputs look like — ``(shape, dtype, strides, device)`` each — what opcheck said,
+    and the aten ops the fake ran that read tensor values (none for a fake that only allocates)."""
 
     outputs: tuple[tuple[tuple[int, ...], str, tuple[int, ...], str], ...]
     opcheck: str | None = None
+    reads: tuple[str, ...] = ()
+
+
+#: The aten ops a fake may run: they allocate or change metadata, and read no tensor's values.
+FAKE_ALLOWED_OPS = frozenset({
+    "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "zeros", "zeros_like", "new_zeros",
+    "ones", "ones_like", "new_ones", "full", "full_like", "new_full", "view", "_unsafe_view", "reshape",
+    "_reshape_alias", "as_strided", "expand", "t", "transpose", "permute", "unsqueeze", "squeeze", "detach",
+    "alias", "lift_fresh", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "size", "stride", "dim",
+})
+
+
+def _values_read(fake: Callable[..., Any], reads: list[str]) -> Callable[..., Any]:
+    """``fake``, appending to ``reads`` the name of every aten op it runs outside :data:`FAKE_ALLOWED_OPS`."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ not in FAKE_ALLOWED_OPS:
+                reads.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    def recorded(*args: Any) -> Any:
+        with Recorder():
+            return fake(*args)
+
+    return recorded
 
 
 def _inputs(op: str, shape: list[int], dtype: str, layout: str) -> tuple[torch.Tensor, ...]:
@@ -369,13 +398,15 @@ def fake_report(op: str, fake: Callable[..., Any]) -> Callable[[list[int], str, 
         args = _inputs(op, shape, dtype, layout)
         # Outside any dispatch mode the caller runs (a check traces its candidate): fake tensors
         # and opcheck's compile must see the op as a model would.
-        with installed(**{f"{op}_fake": fake}), _disable_current_modes():
+        reads: list[str] = []
+        with _disable_current_modes():
             mode = FakeTensorMode()
             fake_args = tuple(_fake_of(mode, a, device) for a in args)
-            with mode:
+            with installed(**{f"{op}_fake": _values_read(fake, reads)}), mode:
                 outputs = _ops(op)(*fake_args)
-            problem = _opcheck_problem(op, args) if device == kernel_ladder.runtime.DEVICE.type else None
-        return FakeReport(_describe(outputs), problem)
+            with installed(**{f"{op}_fake": fake}):
+                problem = _opcheck_problem(op, args) if device == kernel_ladder.runtime.DEVICE.type else None
+        return FakeReport(_describe(outputs), problem, tuple(dict.fromkeys(reads)))
 
     return report
 
@@ -436,6 +467,10 @@ def diagnose_fake(got: FakeReport, expected: FakeReport) -> str | None:
         if g_stride != e_stride:
             return (f"{which}: the fake says strides {g_stride}, the kernel returns {e_stride} "
                     "(contiguous: the fake must promise the layout the kernel writes)")
+    if got.reads:
+        return (f"the fake ran {', '.join(got.reads)}: a fake must not read x's values — under torch.compile "
+                "it has none (only shapes, dtypes, strides); allocate the outputs with x.new_empty(...) "
+                "and compute their shapes from x.shape")
     return got.opcheck
 
 
