@@ -354,7 +354,7 @@ def _type_error_for_float_ids(table, ids):
 
 
 @pytest.mark.parametrize("function, diagnosis", [
-    (_type_error_for_float_ids, "raised TypeError, the spec asks for a ValueError"),
+    (_type_error_for_float_ids, "the dtype check raised TypeError, the spec asks for a ValueError"),
     (_sync_in_an_if, "_sync_in_an_if ("),
     (_drops_the_flag, "bad is [1], expected [0]"),
     (_torch_gather_with_sync, "HostSyncError"),
