@@ -96,7 +96,7 @@ def kernels_only(candidate):
         with OpLog() as log:
             out = candidate(*args)
         torch_ops = log.matching(*_FORBIDDEN)
-        if torch_ops and all(op.startswith("aten.add") for op in torch_ops):
+        if torch_ops and all(op.split(".")[1] in ("add", "add_") for op in torch_ops):
             raise ValueError(f"the layer ran torch's {', '.join(torch_ops)}: the two residual adds are "
                              "kernel_ladder.add(x, …) too (the spec's list), not torch's + — the whole layer runs on "
                              "kernel_ladder ops")
