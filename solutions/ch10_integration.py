@@ -42,6 +42,7 @@ __all__ = [
     "scale_rows_backward",
     "installed",
     "FakeReport",
+    "FAKE_ALLOWED_OPS",
     "fake_cases",
     "fake_cases_batched",
     "OTHER_DEVICE",
@@ -287,10 +288,38 @@ OTHER_DEVICE = "cuda" if kernel_ladder.runtime.DEVICE.type == "cpu" else "cpu"
 
 @dataclasses.dataclass(frozen=True)
 class FakeReport:
-    """What an op's outputs look like — ``(shape, dtype, strides, device)`` each — and what opcheck said."""
+    """What an op's outputs look like — ``(shape, dtype, strides, device)`` each — what opcheck said,
+    and the aten ops the fake ran that read tensor values (none for a fake that only allocates)."""
 
     outputs: tuple[tuple[tuple[int, ...], str, tuple[int, ...], str], ...]
     opcheck: str | None = None
+    reads: tuple[str, ...] = ()
+
+
+#: The aten ops a fake may run: they allocate or change metadata, and read no tensor's values.
+FAKE_ALLOWED_OPS = frozenset({
+    "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "zeros", "zeros_like", "new_zeros",
+    "ones", "ones_like", "new_ones", "full", "full_like", "new_full", "view", "_unsafe_view", "reshape",
+    "_reshape_alias", "as_strided", "expand", "t", "transpose", "permute", "unsqueeze", "squeeze", "detach",
+    "alias", "lift_fresh", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "size", "stride", "dim",
+})
+
+
+def _values_read(fake: Callable[..., Any], reads: list[str]) -> Callable[..., Any]:
+    """``fake``, appending to ``reads`` the name of every aten op it runs outside :data:`FAKE_ALLOWED_OPS`."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ not in FAKE_ALLOWED_OPS:
+                reads.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    def recorded(*args: Any) -> Any:
+        with Recorder():
+            return fake(*args)
+
+    return recorded
 
 
 def _inputs(op: str, shape: list[int], dtype: str, layout: str) -> tuple[torch.Tensor, ...]:
@@ -369,13 +398,15 @@ def fake_report(op: str, fake: Callable[..., Any]) -> Callable[[list[int], str, 
         args = _inputs(op, shape, dtype, layout)
         # Outside any dispatch mode the caller runs (a check traces its candidate): fake tensors
         # and opcheck's compile must see the op as a model would.
-        with installed(**{f"{op}_fake": fake}), _disable_current_modes():
+        reads: list[str] = []
+        with _disable_current_modes():
             mode = FakeTensorMode()
             fake_args = tuple(_fake_of(mode, a, device) for a in args)
-            with mode:
+            with installed(**{f"{op}_fake": _values_read(fake, reads)}), mode:
                 outputs = _ops(op)(*fake_args)
-            problem = _opcheck_problem(op, args) if device == kernel_ladder.runtime.DEVICE.type else None
-        return FakeReport(_describe(outputs), problem)
+            with installed(**{f"{op}_fake": fake}):
+                problem = _opcheck_problem(op, args) if device == kernel_ladder.runtime.DEVICE.type else None
+        return FakeReport(_describe(outputs), problem, tuple(dict.fromkeys(reads)))
 
     return report
 
@@ -436,6 +467,10 @@ def diagnose_fake(got: FakeReport, expected: FakeReport) -> str | None:
         if g_stride != e_stride:
             return (f"{which}: the fake says strides {g_stride}, the kernel returns {e_stride} "
                     "(contiguous: the fake must promise the layout the kernel writes)")
+    if got.reads:
+        return (f"the fake ran {', '.join(got.reads)}: a fake must not read x's values — under torch.compile "
+                "it has none (only shapes, dtypes, strides); allocate the outputs with x.new_empty(...) "
+                "and compute their shapes from x.shape")
     return got.opcheck
 
 
@@ -445,25 +480,30 @@ def diagnose_fake(got: FakeReport, expected: FakeReport) -> str | None:
 
 
 def gradient_cases(gen: torch.Generator) -> list[tuple]:
-    """``(rows, cols, seed)``: the inputs are drawn from the seed in float64 by both sides."""
+    """``(rows, cols, seed, zero_rows)``: the inputs are drawn from the seed in float64 by both sides;
+    in the last case ``s`` is zero in ``zero_rows`` rows (a scale of zero is a valid input: a backward
+    that recovers ``x`` as ``output / s`` breaks there)."""
     cases = []
-    for rows, cols in ((1, 1), (3, 7), (5, 16)):
-        cases.append((rows, cols, int(torch.randint(0, 2**30, (1,), generator=gen))))
+    for rows, cols, zero_rows in ((1, 1, 0), (3, 7, 0), (5, 16, 2)):
+        cases.append((rows, cols, int(torch.randint(0, 2**30, (1,), generator=gen)), zero_rows))
     return cases
 
 
-def _gradient_inputs(rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _gradient_inputs(rows: int, cols: int, seed: int, zero_rows: int = 0
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, cols, generator=gen, dtype=torch.float64)
     s = torch.rand(rows, generator=gen, dtype=torch.float64) + 0.5
+    s[torch.randperm(rows, generator=gen)[:zero_rows]] = 0.0
     grad = torch.randn(rows, cols, generator=gen, dtype=torch.float64)
     device = kernel_ladder.runtime.DEVICE
     return x.to(device), s.to(device), grad.to(device)
 
 
-def gradients_reference(rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+def gradients_reference(rows: int, cols: int, seed: int, zero_rows: int = 0
+                        ) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """``(grad_x, grad_s, True)`` from torch's own autograd of ``x * s[:, None]`` in float64."""
-    x, s, grad = _gradient_inputs(rows, cols, seed)
+    x, s, grad = _gradient_inputs(rows, cols, seed, zero_rows)
     x.requires_grad_(True)
     s.requires_grad_(True)
     (x * s[:, None]).backward(grad)
@@ -475,6 +515,14 @@ def _checked_setup(setup_context: Callable[..., Any], saved: list[int]) -> Calla
 
     def setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
         setup_context(ctx, inputs, output)
+        held = sorted(name for name, value in vars(ctx).items() if name != "to_save" and (
+            isinstance(value, torch.Tensor)
+            or isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value)))
+        if held:
+            raise ValueError(f"setup_context stored tensors as ctx attributes ({', '.join('ctx.' + n for n in held)}): "
+                             "save tensors with ctx.save_for_backward(...) and read them back from "
+                             "ctx.saved_tensors — autograd then checks that they were not modified in place and "
+                             "frees them after the backward; attributes on ctx are for non-tensors")
         saved.append(len(getattr(ctx, "to_save", None) or ()))
 
     return setup
@@ -486,6 +534,7 @@ def _checked_backward(backward: Callable[..., Any], saved: list[int]) -> Callabl
 
     def checked(ctx: Any, grad_out: torch.Tensor):
         x, s = ctx.saved_tensors if len(ctx.saved_tensors) == 2 else (None, None)
+        rows, cols = grad_out.shape
         try:
             result = backward(ctx, grad_out)
         except ValueError as error:
@@ -493,12 +542,26 @@ def _checked_backward(backward: Callable[..., Any], saved: list[int]) -> Callabl
                 raise ValueError(f"setup_context saved {saved[-1]} tensor{'' if saved[-1] == 1 else 's'}, the "
                                  "backward reads 2: save both x and s (ctx.save_for_backward(x, s))") from error
             raise
+        except RuntimeError as error:
+            if f"size of tensor a ({cols}) must match the size of tensor b ({rows})" in str(error):
+                raise ValueError(f"{str(error).splitlines()[0]}: s of shape ({rows},) broadcasts along the columns "
+                                 f"of grad_out ({rows}, {cols}) — its last dimension; one scale per row is "
+                                 "s[:, None], of shape (M, 1)") from error
+            raise
         if not isinstance(result, (tuple, list)) or len(result) != 2:
             count = len(result) if isinstance(result, (tuple, list)) else 1
             raise ValueError(f"backward returned {count} value{'' if count == 1 else 's'}: return (grad_x, grad_s), "
                              "one gradient per input of the forward, in order (None for an input without one)")
         grad_x, grad_s = result
-        rows, cols = grad_out.shape
+        if (isinstance(grad_x, torch.Tensor) and isinstance(grad_s, torch.Tensor)
+                and tuple(grad_x.shape) == (rows,) and tuple(grad_s.shape) == (rows, cols)):
+            raise ValueError(f"the gradients are in the wrong order: the first has s's shape ({rows},), the second "
+                             f"x's ({rows}, {cols}) — return (grad_x, grad_s), one per input of the forward, in the "
+                             "forward's order")
+        for index, (name, gradient) in enumerate((("x", grad_x), ("s", grad_s))):
+            if gradient is None and ctx.needs_input_grad[index]:
+                raise ValueError(f"backward returned None for {name}'s gradient, though {name} requires one: "
+                                 "None is only for an input that needs no gradient (ctx.needs_input_grad says which)")
         if isinstance(grad_s, torch.Tensor) and tuple(grad_s.shape) != (rows,):
             where = ""
             if tuple(grad_s.shape) == (rows, cols):
@@ -522,8 +585,8 @@ def gradients_with(setup_context: Callable[..., Any], backward: Callable[..., An
     ``ch10::scale_rows`` with the learner's ``setup_context`` and ``backward`` installed (the
     backward's result held to the inputs' count and shapes, a wrong one named)."""
 
-    def gradients(rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        x, s, grad = _gradient_inputs(rows, cols, seed)
+    def gradients(rows: int, cols: int, seed: int, zero_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        x, s, grad = _gradient_inputs(rows, cols, seed, zero_rows)
         x.requires_grad_(True)
         s.requires_grad_(True)
         saved: list[int] = []
@@ -555,10 +618,16 @@ def diagnose_gradients(got: Any, expected: tuple) -> str | None:
 
 def explain_gradients(case: tuple, got: Any, expected: tuple) -> str | None:
     """The common wrong formulas, each recomputed in float64 from the case's inputs, against ``got``."""
-    rows, cols, seed = case
-    x, s, grad = _gradient_inputs(rows, cols, seed)
+    rows, cols, seed, zero_rows = case
+    x, s, grad = _gradient_inputs(rows, cols, seed, zero_rows)
     grad_x, grad_s = got[0].double(), got[1].double()
     right_x, right_s = expected[0].double(), expected[1].double()
+    for name, gradient in (("grad_x", grad_x), ("grad_s", grad_s)):
+        zero = (s == 0).reshape(-1, *[1] * (gradient.dim() - 1)).expand_as(gradient) if gradient.dim() else None
+        nan = gradient.isnan()
+        if zero is not None and zero.any() and nan.any() and bool(zero[nan].all()):
+            return (f"{name} is NaN in the rows where s = 0 (x recovered as output / s?): save the inputs x and s, "
+                    "not the output — dividing by s fails where s is zero, a valid scale")
 
     def same(a: torch.Tensor, b: torch.Tensor) -> bool:
         return a.shape == b.shape and torch.allclose(a, b, rtol=1e-7, atol=1e-9)
@@ -737,10 +806,13 @@ def diagnose_embedding(got: Any, expected: Any) -> str | None:
         what = METADATA_CHECKS[expected.check]
         if not isinstance(got, Refusal):
             return f"the {expected.check} check must refuse {what}, got {type(got).__name__}"
-        if got.raised in ("ValueError", "TypeError"):
+        if got.raised == "ValueError":
             return None
         keep = ("keep the launch path's metadata checks — rank, dtype, strides: they read no tensor values, "
                 "so they cost no sync — and raise a ValueError naming the argument")
+        if got.raised == "TypeError":
+            return (f"the {expected.check} check raised TypeError, the spec asks for a ValueError for {what} "
+                    f"({got.message[:120]}): raise ValueError, as the launch path you were given does")
         if got.raised is None:
             return f"the {expected.check} check is gone: it accepted {what}; {keep}"
         return (f"the {expected.check} check is gone: {what} reached the launch and raised {got.raised} "

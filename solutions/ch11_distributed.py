@@ -52,6 +52,7 @@ __all__ = [
     "merge_reference",
     "attention_by_blocks",
     "diagnose_merge",
+    "explain_merge",
     "one_f_one_b",
     "order_cases",
     "order_reference",
@@ -90,6 +91,7 @@ class ThreadComm:
         self.bytes_sent = 0
         self.messages = 0
         self.sent_to: list[int] = []  # the destination of every send, in order
+        self.reduced: list[tuple[str, int]] = []  # every all-reduce's op and element count, in order
         self.received_from: list[int] = []  # the source of every recv, in order
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
@@ -106,8 +108,17 @@ class ThreadComm:
         if not 0 <= src < self.size or src == self.rank:
             raise ValueError(f"rank {self.rank}: recv from {src}: not another rank of a world of {self.size}")
         self.received_from.append(src)
+        box = self.world.mailbox[(src, self.rank)]
         try:
-            return self.world.mailbox[(src, self.rank)].get(timeout=self.world.timeout)
+            patience = min(1.0, self.world.timeout)
+            try:
+                return box.get(timeout=patience)
+            except queue.Empty:
+                if not self.world.told_waiting.is_set():  # one line per world, not one per waiting rank
+                    self.world.told_waiting.set()
+                    print(f"(rank {self.rank} has waited {patience:g} s for a message from rank {src}; the world "
+                          f"gives up at {self.world.timeout:g} s and reports a deadlock)", flush=True)
+            return box.get(timeout=self.world.timeout - patience)
         except queue.Empty:
             raise DeadlockError(f"rank {self.rank} waited {self.world.timeout:g} s for a message from rank {src} "
                                 "that never came (both waiting to receive? a send missing?)") from None
@@ -119,6 +130,7 @@ class ThreadComm:
         if op not in ("sum", "max"):
             raise ValueError(f"rank {self.rank}: all_reduce op must be 'sum' or 'max', got {op!r}")
         self.bytes_sent += tensor.numel() * tensor.element_size()
+        self.reduced.append((op, tensor.numel()))
         return self.world._collective(self.rank, tensor.detach().clone(), op)
 
 
@@ -130,6 +142,7 @@ class ThreadWorld:
         self.mailbox = {(a, b): queue.Queue() for a in range(size) for b in range(size) if a != b}
         self._barrier = threading.Barrier(size, timeout=timeout)
         self._slots: list[Any] = [None] * size
+        self.told_waiting = threading.Event()
         self.comms = [ThreadComm(self, r) for r in range(size)]
 
     def _collective(self, rank: int, tensor: torch.Tensor, op: str) -> torch.Tensor:
@@ -205,8 +218,14 @@ def run_ring(candidate: Callable[..., torch.Tensor]) -> Callable[[int, torch.Ten
     sent by each rank."""
     def run(p: int, data: torch.Tensor) -> torch.Tensor:
         world = ThreadWorld(p)
-        outs = world.run(candidate, [(data[r].clone(),) for r in range(p)])
+        inputs = [data[r].clone() for r in range(p)]
+        outs = world.run(candidate, [(x,) for x in inputs])
         run.bytes_sent = [c.bytes_sent for c in world.comms]
+        changed = [r for r in range(p) if not torch.equal(inputs[r], data[r])]
+        if changed:
+            raise ValueError(f"rank {changed[0]}'s x was changed by the call (ranks {changed}): the caller's input "
+                             "must be left as it was — x.chunk(p) gives views of x, so add_ or += on a chunk writes "
+                             "into x; add into copies (x.clone().chunk(p)) or make new tensors (chunk + received)")
         for comm in world.comms:
             stray = [dst for dst in comm.sent_to if dst != (comm.rank + 1) % p]
             if stray:
@@ -244,6 +263,38 @@ def diagnose_ring(got: torch.Tensor, expected: torch.Tensor) -> str | None:
     return f"ranks {partial} hold a wrong chunk: a step sent or added the wrong chunk index, or too few steps"
 
 
+def _ring_steps(parts: torch.Tensor, send_offset: int, recv_offset: int) -> torch.Tensor:
+    """Chunk ``r`` on each rank ``r`` after ``p − 1`` ring steps in which rank ``r`` sends chunk
+    ``(r − s − 1 + send_offset) % p`` and adds what arrives into chunk ``(r − s − 2 + recv_offset) % p``."""
+    p = parts.shape[0]
+    chunks = [[parts[r, k].clone() for k in range(p)] for r in range(p)]
+    for step in range(p - 1):
+        sent = [chunks[r][(r - step - 1 + send_offset) % p].clone() for r in range(p)]
+        for r in range(p):
+            k = (r - step - 2 + recv_offset) % p
+            chunks[r][k] = chunks[r][k] + sent[(r - 1) % p]
+    return torch.stack([chunks[r][r] for r in range(p)])
+
+
+def _index(offset: int) -> str:
+    return "(r − s)" if offset == 0 else f"(r − s {'−' if offset < 0 else '+'} {abs(offset)})"
+
+
+def _ring_index_shift(p: int, parts: torch.Tensor, got: torch.Tensor) -> str | None:
+    """The cause when ``got`` is what the ring gives with its send / receive chunk indices shifted."""
+    if p < 3:  # with two ranks most shifts coincide: p = 3 and 4 tell them apart
+        candidates = [(1, 1), (-1, -1)]
+    else:
+        candidates = [(a, b) for a in (-1, 0, 1) for b in (-1, 0, 1) if (a, b) != (0, 0)]
+    for send_offset, recv_offset in candidates:
+        if torch.allclose(got, _ring_steps(parts, send_offset, recv_offset), rtol=1e-5, atol=1e-5):
+            return (f"at step s rank r sends chunk {_index(send_offset - 1)} % p and adds into chunk "
+                    f"{_index(recv_offset - 2)} % p; the ring's indices are (r − s − 1) % p and (r − s − 2) % p, "
+                    "so that chunk k's partial sum starts at rank k + 1 and arrives complete at rank k after "
+                    "p − 1 hops")
+    return None
+
+
 def explain_ring(case: tuple, got: torch.Tensor, expected: torch.Tensor) -> str | None:
     """Which ranks' parts the first wrong rank's chunk sums, when it is a sum of some of them.
 
@@ -253,6 +304,9 @@ def explain_ring(case: tuple, got: torch.Tensor, expected: torch.Tensor) -> str 
     p, data = case
     parts = data.double().reshape(p, p, -1)  # [rank, chunk, element]
     got = got.double()
+    shifted = _ring_index_shift(p, parts, got)
+    if shifted is not None:
+        return shifted
     for r in range(p):
         if torch.allclose(got[r], parts[:, r].sum(0), rtol=1e-5, atol=1e-5):
             continue
@@ -346,8 +400,12 @@ def explain_buckets(case: tuple, got: Any, expected: Any) -> str | None:
 def diagnose_buckets(got, expected) -> str | None:
     if got == expected:
         return None
-    if not isinstance(got, list) or not all(isinstance(b, list) for b in got):
+    if not isinstance(got, list):
         return f"return a list of lists of parameter indices, got {type(got).__name__}"
+    inner = sorted({type(b).__name__ for b in got if not isinstance(b, list)})
+    if inner:
+        return (f"return a list of lists of parameter indices, got a list of {' and '.join(inner)}: make each "
+                "bucket a list")
     if [sorted(b) for b in got] == [sorted(b) for b in expected]:
         return ("the right parameters in the right buckets, but in the wrong order inside a bucket: list each "
                 f"bucket's indices last registered first, as the backward produces them (got {got}, expected "
@@ -413,6 +471,17 @@ def _shard_problem(r: int, wu, bu, wd, w_up, b_up, w_down) -> tuple[str | None, 
                 "its (out, in) weight"), None
     bias = _where_from(bu[:, None], b_up[:, None])
     if bias is None:
+        if bool((bu == 0).all()):
+            return (f"rank {r}'s b_up shard is zeros: every rank adds the bias of the hidden features it computes, "
+                    f"b_up[j] beside row j of w_up — the bias comes before the gelu, so it cannot be added once "
+                    "on one rank"), None
+        for divisor in range(2, 9):
+            scaled = _where_from((bu * divisor)[:, None], b_up[:, None])
+            if scaled is None:
+                scaled = _where_from(bu[:, None], (b_up / divisor)[:, None])
+            if scaled is not None:
+                return (f"rank {r}'s b_up shard is b_up{_span(scaled)} / {divisor}: each hidden feature's bias "
+                        "belongs whole to the one rank that computes it (before the gelu), not shared out"), None
         return f"rank {r}'s b_up shard is not made of entries of b_up", None
     cols = _where_from(wd.T, w_down.T)
     if cols is None:
@@ -560,12 +629,44 @@ def diagnose_merge(got, expected) -> str | None:
     return None
 
 
+def _blocks(q, k, v, split, masked) -> tuple[tuple, tuple]:
+    """The two blocks' ``(out, lse)``, as :func:`attention_by_blocks` hands them to the candidate."""
+    mask = _merge_masks(q.shape[0], k.shape[0], split) if masked else None
+    a = _block_attention(q, k[:split], v[:split], None if mask is None else mask[:, :split])
+    b = _block_attention(q, k[split:], v[split:], None if mask is None else mask[:, split:])
+    return a, b
+
+
+def explain_merge(case: tuple, got: Any, expected: Any) -> str | None:
+    """The common wrong weightings of the two blocks, each recomputed from the case's blocks."""
+    if not (isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], torch.Tensor)):
+        return None
+    (out_a, lse_a), (out_b, lse_b) = _blocks(*case)
+    lse = torch.logaddexp(lse_a, lse_b)
+    top = torch.maximum(lse_a, lse_b)
+
+    def weight(x):
+        return x.nan_to_num(0.0)[..., None]
+
+    variants = [
+        (out_a * weight(torch.exp(lse_b - lse)) + out_b * weight(torch.exp(lse_a - lse)),
+         "the blocks' weights are swapped: block A's output is weighted by exp(lse_a - lse), B's by exp(lse_b - lse)"),
+        (out_a * weight(torch.exp(lse_a - top)) + out_b * weight(torch.exp(lse_b - top)),
+         "each block weighted by exp(lse_block − max(lse_a, lse_b)): shifting by the max keeps exp in range but the "
+         "weights then sum to more than one — divide by their sum, i.e. weight by exp(lse_block - lse) with "
+         "lse = torch.logaddexp(lse_a, lse_b)"),
+    ]
+    out, want = got[0], expected[0]
+    causes = [cause for value, cause in variants
+              if out.shape == value.shape and torch.allclose(out, value, rtol=1e-5, atol=1e-5, equal_nan=True)
+              and not torch.allclose(value, want, rtol=1e-5, atol=1e-5, equal_nan=True)]
+    return _named(causes)
+
+
 def attention_by_blocks(candidate: Callable[..., tuple]) -> Callable[..., tuple]:
     """Attention over two key blocks, merged by ``candidate``."""
     def run(q, k, v, split, masked):
-        mask = _merge_masks(q.shape[0], k.shape[0], split) if masked else None
-        a = _block_attention(q, k[:split], v[:split], None if mask is None else mask[:, :split])
-        b = _block_attention(q, k[split:], v[split:], None if mask is None else mask[:, split:])
+        a, b = _blocks(q, k, v, split, masked)
         # A block a row saw nothing of gives output 0 and lse -inf there (flash-attention's
         # convention, and kernel_ladder.flash_attention's): it must get no weight, and a row that saw
         # nothing in either block must come out 0, not NaN.
@@ -604,6 +705,17 @@ def diagnose_order(got: list, expected: list) -> str | None:
     p = len(expected)
     m = len(expected[0]) // 2
     for r, order in enumerate(got):
+        if not isinstance(order, list):
+            return f"rank {r}'s order is a {type(order).__name__}: return a list of (kind, micro-batch) tuples"
+        kinds = sorted({type(step).__name__ for step in order if not isinstance(step, tuple)})
+        if kinds:
+            first = next(step for step in order if not isinstance(step, tuple))
+            return (f"rank {r}'s steps are {' and '.join(kinds)}s ({first!r}): each step is a tuple (\"F\", i) "
+                    "or (\"B\", i)")
+        wrong = list(dict.fromkeys(str(step[0]) for step in order if step and step[0] not in ("F", "B")))
+        if wrong:
+            return (f"rank {r}'s steps are {' and '.join(f'({k!r}, i)' for k in wrong)}: the kinds are \"F\" and "
+                    "\"B\", upper case")
         if sorted(order) != sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)]):
             return f"rank {r} must run every micro-batch's F and B exactly once, got {order}"
         backwards = [i for kind, i in order if kind == "B"]
@@ -704,7 +816,16 @@ def _vocab_variants(p: int, logits: torch.Tensor, target: torch.Tensor) -> list[
     ignore_start = sum(s.gather(1, target.clamp(0, width - 1)[:, None])[:, 0] * (target < width) for s in shards)
     no_start = (lse - ignore_start).mean()
     unshifted_target = (lse - m - target_logit).mean()
+    clamped = (target[:, None] - torch.arange(p)[None, :] * width).clamp(0, width - 1)  # [row, rank]
+    every_rank_unshifted = sum(s.gather(1, clamped[:, r:r + 1])[:, 0] for r, s in enumerate(shards))
+    by_owner_no_start = sum(s.gather(1, target.clamp(0, width - 1)[:, None])[:, 0] * (owner == r)
+                            for r, s in enumerate(shards))
     return [
+        ((lse - every_rank_unshifted).mean(), "the target's logit summed from every rank: only the rank whose "
+                                              "columns hold the target (0 <= target − vocab_start < V/p) may "
+                                              "contribute it, the others add 0"),
+        ((lse - by_owner_no_start).mean(), "the target's column looked up without subtracting vocab_start: the "
+                                           "target's local column is target − vocab_start"),
         (per_row.sum(), f"the sum of the {n} rows' losses, not their mean: divide the sum by the N = {n} rows "
                         "(or take .mean())"),
         (right / p, f"the mean divided by the world size p = {p}: after the three all-reduces every rank holds "
@@ -745,12 +866,34 @@ def run_vocab_loss(candidate: Callable[..., torch.Tensor]) -> Callable[..., torc
         width = logits.shape[1] // p
         world = ThreadWorld(p)
         args = [(logits[:, r * width:(r + 1) * width].clone(), target.clone(), r * width) for r in range(p)]
-        losses = [torch.as_tensor(x) for x in world.run(candidate, args)]
+        results = world.run(candidate, args)
+        for r, x in enumerate(results):
+            if not isinstance(x, torch.Tensor):
+                raise ValueError(f"return the mean loss as a 0-d tensor, got {type(x).__name__} from rank {r} "
+                                 "(a Python number leaves autograd: the loss must stay a tensor to be backpropagated)")
+        losses = list(results)
         sent = [c.bytes_sent for c in world.comms]
-        budget = 3 * logits.shape[0] * logits.element_size()
-        if any(s > budget for s in sent):
-            raise ValueError(f"the ranks sent {sent} bytes: three all-reduces of N numbers ({budget} bytes) are "
-                             "enough; the (N, V) logits must not travel")
+        n = logits.shape[0]
+        budget = 3 * n * logits.element_size()
+        busiest = max(range(p), key=lambda r: sent[r])
+        if sent[busiest] > budget:
+            comm = world.comms[busiest]
+            sizes = [numel for _, numel in comm.reduced]
+            what = (f"rank {busiest} ran {len(sizes)} all-reduce{'s' if len(sizes) != 1 else ''} of {sizes} numbers"
+                    if len(set(sent)) > 1 else
+                    f"each rank ran {len(sizes)} all-reduce{'s' if len(sizes) != 1 else ''} of {sizes} numbers")
+            if comm.messages:
+                what += f" and {comm.messages} send{'s' if comm.messages != 1 else ''}"
+            line = (f"{what} ({sent[busiest]} bytes): three all-reduces of N = {n} numbers ({budget} bytes) are "
+                    "enough — the row max, the sum of exponentials, the target's logit")
+            if comm.messages or any(size > n for size in sizes):
+                line += "; the (N, V) logits must not travel"
+            raise ValueError(line)
+        disagree = any(not torch.allclose(x, losses[0]) for x in losses)
+        if disagree and not any(op == "max" for comm in world.comms for op, _ in comm.reduced):
+            raise ValueError(f"the ranks disagree on the loss: {[float(x) for x in losses]}: no rank all-reduced the "
+                             "row max (comm.all_reduce(..., 'max')) — each shifted by its own max, so the sums of "
+                             "exponentials have different scales and each rank's loss is its own")
         if any(not torch.allclose(x, losses[0]) for x in losses):
             raise ValueError(f"the ranks disagree on the loss: {[float(x) for x in losses]}: a value some rank used "
                              "is its own, not the all-reduced one — comm.all_reduce returns a new tensor, the "

@@ -13,6 +13,7 @@ Four exercises, each one piece of what ``kernel_ladder.models`` and ``kernel_lad
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -81,7 +82,8 @@ def decoder_layer(x: torch.Tensor, layer, cos: torch.Tensor, sin: torch.Tensor) 
                              kernel_ladder.gated_mlp(h, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight))
 
 
-_FORBIDDEN = ("aten.mm", "aten.bmm", "aten.addmm", "aten.matmul", "aten.linear", "aten._softmax", "aten.softmax",
+_FORBIDDEN = ("aten.add", "aten.add_",  # the residuals: kernel_ladder.add
+              "aten.mm", "aten.bmm", "aten.addmm", "aten.matmul", "aten.linear", "aten._softmax", "aten.softmax",
               "aten.baddbmm", "aten._scaled_dot_product")
 
 
@@ -94,6 +96,10 @@ def kernels_only(candidate):
         with OpLog() as log:
             out = candidate(*args)
         torch_ops = log.matching(*_FORBIDDEN)
+        if torch_ops and all(op.split(".")[1] in ("add", "add_") for op in torch_ops):
+            raise ValueError(f"the layer ran torch's {', '.join(torch_ops)}: the two residual adds are "
+                             "kernel_ladder.add(x, …) too (the spec's list), not torch's + — the whole layer runs on "
+                             "kernel_ladder ops")
         if torch_ops:
             raise ValueError(f"the layer ran torch's {', '.join(torch_ops)}: compute it with kernel_ladder ops "
                              "(kernel_ladder.linear, kernel_ladder.flash_attention, …), not by calling the HF layer "
@@ -268,6 +274,30 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return out / out.sum(dim=-1, keepdim=True)
 
 
+def inputs_unchanged(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function``, raising if it changed any tensor argument in place (the caller's inputs must stay)."""
+    import inspect
+
+    def run(*args: Any) -> Any:
+        before = [a.clone() if isinstance(a, torch.Tensor) else None for a in args]
+        result = function(*args)
+        try:
+            names = list(inspect.signature(function).parameters)
+        except (TypeError, ValueError):
+            names = []
+        for i, (arg, copy) in enumerate(zip(args, before)):
+            if copy is not None and not torch.equal(arg, copy):
+                name = names[i] if i < len(names) else f"argument {i}"
+                raise ValueError(f"{getattr(function, '__name__', 'the function')} changed its argument {name} in "
+                                 "place: the caller's tensor must be left as it was — work on a copy or on new "
+                                 "tensors (in-place ops such as masked_fill_, scatter_, copy_ or /= write into it)")
+        return result
+
+    run.__name__ = getattr(function, "__name__", "run")
+    run.__wrapped__ = function
+    return run
+
+
 def top_p_cases(gen: torch.Generator) -> list[tuple]:
     """Fixed rows (one at the boundary: 0.3's mass above is exactly 0.5), random rows of 50, and
     rows from scores in the tens, nearly one-hot (the first token alone passes top_p)."""
@@ -370,17 +400,20 @@ def accept_cases(gen: torch.Generator) -> list[tuple]:
     q = torch.tensor([[0.5, 0.4, 0.1], [0.2, 0.2, 0.6]])
     cases.append((p, q, torch.tensor([0, 1]), torch.tensor([0.99, 0.99])))  # p/q >= 1: both kept, the bonus p[2]
     cases.append((p, q, torch.tensor([1, 1]), torch.tensor([0.9, 0.0])))  # 0.2/0.4: rejected at 0.9
+    # u equal to p/q exactly: 0.2 / 0.4 is 0.5 in float32 (0.4 is 2 · 0.2 to the bit), and u < 0.5 rejects.
+    cases.append((p, q, torch.tensor([1, 1]), torch.tensor([0.5, 0.3])))
     return cases
 
 
 def _accept(p, q, drafts, u, *, ratio=lambda p, q: p / q, leading: bool = True, residual: str = "p - q",
-            renormalize: bool = True, bonus: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+            renormalize: bool = True, bonus: int = 0, strict: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """The rule step by step, draft after draft; each keyword is one way to get it wrong."""
     k = drafts.shape[0]
     n = 0
     for i in range(k):
         x = int(drafts[i])
-        if float(u[i]) < min(1.0, float(ratio(p[i, x], q[i, x]))):
+        bound = min(1.0, float(ratio(p[i, x], q[i, x])))
+        if float(u[i]) < bound or (not strict and float(u[i]) == bound):
             n += 1
         elif leading:
             break
@@ -399,6 +432,9 @@ def explain_accept(case: tuple, got: Any, expected: Any) -> str | None:
     """The common mistakes, each recomputed, against the ``(n, dist)`` returned."""
     p, q, drafts, u = (t.double() if t.dtype.is_floating_point else t for t in case)
     variants = [
+        (_accept(p, q, drafts, u, strict=False),
+         "a draft kept where u equals p/q exactly: keep draft x only if u < min(1, p[i, x] / q[i, x]) — strictly "
+         "less, so that it is kept with probability min(1, p/q) exactly"),
         (_accept(p, q, drafts, u, residual="p"),
          "after a rejection the next token is drawn from p[n] itself: draw it from max(0, p[n] − q[n]) "
          "renormalized, which removes the mass the draft already had its chance at"),

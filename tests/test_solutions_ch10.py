@@ -65,7 +65,13 @@ def _no_device(x):  # torch.empty without device=: a CPU tensor whatever x's dev
     return torch.empty(x.shape, dtype=torch.int8), torch.empty(x.shape[:-1], dtype=torch.float32)
 
 
+def _reads_x_for_the_scale(x):  # right metadata, but a fake has no values to read
+    return x.new_empty(x.shape, dtype=torch.int8), x.float().abs().amax(-1) / 127
+
+
 @pytest.mark.parametrize("fake, diagnosis", [
+    (_reads_x_for_the_scale, "aten.abs, aten.amax, aten.div: a fake must not read"),
+    (_reads_x_for_the_scale, "the fake ran aten."),
     (_no_device, "output 0: the fake says device cpu, the kernel returns cuda (x's device)"),
     (_scale_keepdim, "a trailing dimension of 1 kept"),
     (_q_in_x_dtype, "output 0: the fake says dtype float"),
@@ -190,7 +196,47 @@ def _one_gradient(ctx, grad_out):
     return grad_out * s[:, None]
 
 
+def _save_output(ctx, inputs, output):
+    ctx.save_for_backward(output, inputs[1])
+
+
+def _x_from_output(ctx, grad_out):
+    out, s = ctx.saved_tensors
+    return grad_out * s[:, None], (grad_out * out / s[:, None]).sum(1)  # x = out / s: NaN where s == 0
+
+
+def _tensors_as_attributes(ctx, inputs, output):
+    ctx.x, ctx.s = inputs
+
+
+def _reads_attributes(ctx, grad_out):
+    return grad_out * ctx.s[:, None], (grad_out * ctx.x).sum(1)
+
+
+def _order_swapped(ctx, grad_out):
+    x, s = ctx.saved_tensors
+    return (grad_out * x).sum(1), grad_out * s[:, None]
+
+
+def _grad_s_none(ctx, grad_out):
+    x, s = ctx.saved_tensors
+    return grad_out * s[:, None], None
+
+
+def _s_on_the_wrong_axis(ctx, grad_out):
+    x, s = ctx.saved_tensors
+    return grad_out * s, (grad_out * x).sum(1)
+
+
 @pytest.mark.parametrize("setup_context, backward, diagnosis", [
+    (_save_output, _x_from_output, "cause: grad_s is NaN in the rows where s = 0"),
+    (_save_output, _x_from_output, "save the inputs x and s, not the output"),
+    (_tensors_as_attributes, _reads_attributes, "setup_context stored tensors as ctx attributes (ctx.s, ctx.x)"),
+    (_tensors_as_attributes, _reads_attributes, "ctx.save_for_backward"),
+    (given.scale_rows_setup_context, _order_swapped, "the gradients are in the wrong order"),
+    (given.scale_rows_setup_context, _grad_s_none, "backward returned None for s's gradient"),
+    (given.scale_rows_setup_context, _s_on_the_wrong_axis, "s[:, None]"),
+    (given.scale_rows_setup_context, _s_on_the_wrong_axis, "broadcasts along the columns"),
     (_save_only_x, given.scale_rows_backward, "setup_context saved 1 tensor, the backward reads 2: save both x and s"),
     (given.scale_rows_setup_context, _no_row_sum,
      "grad_s has shape (1, 1), s has shape (1,): sum grad_out * x over each row (dim=1)"),
@@ -301,7 +347,14 @@ def test_embedding_rows_metadata_checks_are_required(function, diagnosis):
         assert rejected(verdict, diagnosis), verdict.message
 
 
+def _type_error_for_float_ids(table, ids):
+    if ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError("ids must be int32 or int64")
+    return given.embedding_rows_nosync(table, ids)
+
+
 @pytest.mark.parametrize("function, diagnosis", [
+    (_type_error_for_float_ids, "the dtype check raised TypeError, the spec asks for a ValueError"),
     (_sync_in_an_if, "_sync_in_an_if ("),
     (_drops_the_flag, "bad is [1], expected [0]"),
     (_torch_gather_with_sync, "HostSyncError"),

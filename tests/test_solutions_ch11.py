@@ -109,7 +109,27 @@ def _recv_before_send(x, comm):
     return x
 
 
+def _adds_into_views_of_x(x, comm):  # right chunks, but the caller's x is changed under it
+    r, p = comm.rank, comm.size
+    chunks = x.chunk(p)
+    for step in range(p - 1):
+        comm.send(chunks[(r - step - 1) % p], (r + 1) % p)
+        chunks[(r - step - 2) % p].add_(comm.recv((r - 1) % p))
+    return chunks[r]
+
+
+def _indices_one_too_high(x, comm):  # sends r − s, adds into r − s − 1: finishes chunk r + 1, returns chunk r
+    r, p = comm.rank, comm.size
+    chunks = list(x.reshape(-1).clone().chunk(p))
+    for step in range(p - 1):
+        comm.send(chunks[(r - step) % p], (r + 1) % p)
+        chunks[(r - step - 1) % p] = chunks[(r - step - 1) % p] + comm.recv((r - 1) % p)
+    return chunks[r]
+
+
 @pytest.mark.parametrize("fn, diagnosis", [
+    (_adds_into_views_of_x, "rank 0's x was changed by the call"),
+    (_indices_one_too_high, "cause: at step s rank r sends chunk (r − s) % p and adds into chunk (r − s − 1) % p"),
     (_ring_off_by_one, "hold a wrong chunk"),
     (_replaces_instead_of_adding, "cause: rank 0 ends with chunk 0 summed over rank [1] only, 1 of the 2 ranks"),
     (_ring_shifted, "shifted by 1"),
@@ -175,6 +195,7 @@ def _empty_first_bucket(sizes, cap):  # closes even an empty bucket
      "cause: the parameters walked in registration order"),  # forward order: the last gradients wait longest
     (_closes_at_the_cap, "cause: a bucket closed when the next parameter would bring it exactly to the cap"),
     (_empty_first_bucket, "an empty bucket"),
+    (lambda sizes, cap: [tuple(b) for b in given.plan_buckets(sizes, cap)], "got a list of tuple"),
     (lambda sizes, cap: [sorted(b) for b in given.plan_buckets(sizes, cap)], "wrong order inside a bucket"),
 ])
 def test_bucket_wrong_variants_rejected(fn, diagnosis):
@@ -219,7 +240,19 @@ def _interleaved_up_contiguous_down(w_up, b_up, w_down, rank, p):
     return w_up[rank::p], b_up[rank::p], w_down[:, s]
 
 
+def _bias_on_rank_0_only(w_up, b_up, w_down, rank, p):
+    up, bias, down = given.mlp_shards(w_up, b_up, w_down, rank, p)
+    return up, bias if rank == 0 else torch.zeros_like(bias), down
+
+
+def _bias_divided(w_up, b_up, w_down, rank, p):
+    up, bias, down = given.mlp_shards(w_up, b_up, w_down, rank, p)
+    return up, bias / p, down
+
+
 @pytest.mark.parametrize("fn, diagnosis", [
+    (_bias_on_rank_0_only, "rank 1's b_up shard is zeros"),
+    (_bias_divided, "rank 0's b_up shard is b_up[0:4] / 2"),
     (_bias_of_the_next_rank, "rank 0's bias is b_up[4:8] but its rows of w_up are [0:4]"),
     (_interleaved_up_contiguous_down, "rank 0 holds rows [0, 2, 4, 6] of w_up but columns [0:4] of w_down"),
     (_bias_everywhere, "the same slice of up's bias"),
@@ -235,7 +268,7 @@ def test_mlp_wrong_variants_rejected(fn, diagnosis):
 
 def check_merge(fn):
     return check("ch11.merge_partials", given.attention_by_blocks(fn), given.merge_reference, given.merge_cases,
-                 compare=given.diagnose_merge)
+                 compare=given.diagnose_merge, diagnose=given.explain_merge)
 
 
 def test_merge_solution_solves():
@@ -276,7 +309,21 @@ def _max_started_at_zero(oa, la, ob, lb):  # the running max started at 0: exp(s
     return out, m + torch.log(total)
 
 
+def _weights_swapped(oa, la, ob, lb):
+    lse = torch.logaddexp(la, lb)
+    w_a, w_b = torch.exp(lb - lse).nan_to_num(0.0), torch.exp(la - lse).nan_to_num(0.0)
+    return oa * w_a[..., None] + ob * w_b[..., None], lse
+
+
+def _shifted_not_normalized(oa, la, ob, lb):  # weights exp(lse_block − max): they do not sum to one
+    m = torch.maximum(la, lb)
+    w_a, w_b = torch.exp(la - m).nan_to_num(0.0), torch.exp(lb - m).nan_to_num(0.0)
+    return oa * w_a[..., None] + ob * w_b[..., None], torch.logaddexp(la, lb)
+
+
 @pytest.mark.parametrize("fn, case, diagnosis", [
+    (_weights_swapped, "case 1 of 5", "cause: the blocks' weights are swapped"),
+    (_shifted_not_normalized, "case 1 of 5", "cause: each block weighted by exp(lse_block − max(lse_a, lse_b))"),
     (_equal_weights, "case 1 of 5", "weighted by exp(lse_block - lse)"),
     (_max_not_logaddexp, "case 1 of 5", "lse is wrong"),
     (_unguarded_weights, "case 2 of 5", "saw no key in either block"),
@@ -325,6 +372,10 @@ def _newest_backward_first(rank, p, m):
 
 
 @pytest.mark.parametrize("fn, diagnosis", [
+    (lambda r, p, m: [(kind.lower(), i) for kind, i in given.one_f_one_b(r, p, m)],
+     "rank 0's steps are ('f', i) and ('b', i): the kinds are \"F\" and \"B\", upper case"),
+    (lambda r, p, m: [list(step) for step in given.one_f_one_b(r, p, m)],
+     "rank 0's steps are lists (['F', 0]): each step is a tuple"),
     (_warmup_one_too_many, "rank 0 warms up with 4 forwards, one too many: 1F1B's warm-up is min(p − rank − 1, m) = 3"),
     (_newest_backward_first, "the backwards go oldest micro-batch first"),
     (lambda r, p, m: [("F", i) for i in range(m)] + [("B", i) for i in range(m)], "micro-batches in flight"),
@@ -422,7 +473,47 @@ def _no_ownership_mask(logits, target, start, comm):  # every rank adds "its" ta
     return (sum_exp.log() - t).mean()
 
 
+def _python_float(logits, target, start, comm):
+    return float(given.vocab_parallel_loss(logits, target, start, comm))
+
+
+def _own_max_unshifted(logits, target, start, comm):  # no all-reduce of the max at all
+    m = logits.max(1).values
+    sum_exp = comm.all_reduce((logits - m[:, None]).exp().sum(1), "sum")
+    local = target - start
+    mine = (local >= 0) & (local < logits.shape[1])
+    t = comm.all_reduce(logits.gather(1, local.clamp(0, logits.shape[1] - 1)[:, None])[:, 0] * mine, "sum")
+    return (sum_exp.log() + m - t).mean()
+
+
+def _a_fourth_vector(logits, target, start, comm):
+    loss = given.vocab_parallel_loss(logits, target, start, comm)
+    comm.all_reduce(torch.ones(logits.shape[0]), "sum")
+    return loss
+
+
+def _unmasked_unshifted(logits, target, start, comm):  # the target's logit from every rank, clamped
+    m = comm.all_reduce(logits.max(1).values, "max")
+    sum_exp = comm.all_reduce((logits - m[:, None]).exp().sum(1), "sum")
+    local = (target - start).clamp(0, logits.shape[1] - 1)
+    t = comm.all_reduce(logits.gather(1, local[:, None])[:, 0], "sum")
+    return (sum_exp.log() + m - t).mean()
+
+
+def _start_not_subtracted(logits, target, start, comm):  # owner masked, but column target (not target − start)
+    m = comm.all_reduce(logits.max(1).values, "max")
+    sum_exp = comm.all_reduce((logits - m[:, None]).exp().sum(1), "sum")
+    mine = (target >= start) & (target < start + logits.shape[1])
+    t = comm.all_reduce(logits.gather(1, target.clamp(0, logits.shape[1] - 1)[:, None])[:, 0] * mine, "sum")
+    return (sum_exp.log() + m - t).mean()
+
+
 @pytest.mark.parametrize("fn, diagnosis", [
+    (_python_float, "return the mean loss as a 0-d tensor, got float"),
+    (_own_max_unshifted, "no rank all-reduced the row max"),
+    (_a_fourth_vector, "each rank ran 4 all-reduces of [5, 5, 5, 5] numbers"),
+    (_unmasked_unshifted, "cause: the target's logit summed from every rank"),
+    (_start_not_subtracted, "cause: the target's column looked up without subtracting vocab_start"),
     (_sum_not_mean, "cause: the sum of the 5 rows' losses, not their mean"),
     (_divided_by_world_size, "cause: the mean divided by the world size p = 2"),
     (_target_unshifted, "cause: the sum of exponentials shifted by the global max, the target's logit not"),

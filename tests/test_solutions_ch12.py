@@ -65,6 +65,17 @@ def _calls_the_hf_layer(x, layer, cos, sin):  # right values, no kernels: refuse
     return layer(x, attention_mask=mask, position_embeddings=(cos, sin))
 
 
+def _torch_residuals(x, layer, cos, sin):  # everything from kernel_ladder but the two residual adds: torch's +
+    import kernel_ladder
+
+    real_add = kernel_ladder.add
+    kernel_ladder.add = lambda a, b: a + b
+    try:
+        return given.decoder_layer(x, layer, cos, sin)
+    finally:
+        kernel_ladder.add = real_add
+
+
 def test_the_variants_reproduce_the_solution_when_nothing_is_changed():
     assert check_decoder(_layer()).solved
 
@@ -79,8 +90,10 @@ def test_the_variants_reproduce_the_solution_when_nothing_is_changed():
     (_layer(scale=lambda d: 1.0 / d), "cause: softmax scale 1/head_dim"),
     (_layer(second_norm="input"), "cause: the second norm uses input_layernorm's weight"),
     (_calls_the_hf_layer, "compute it with kernel_ladder ops"),
+    (_torch_residuals, "the layer ran torch's aten.add"),
 ], ids=["no rope", "not causal", "no first residual", "no second residual", "GQA modulo", "no transpose",
-        "scale 1/d", "second norm's weight", "the HF layer itself"])
+        "scale 1/d", "second norm's weight", "the HF layer itself",
+        "torch's + for the residuals"])
 def test_decoder_wrong_variants_rejected(fn, diagnosis):
     verdict = check_decoder(fn)
     assert rejected(verdict, diagnosis), verdict.message
@@ -97,7 +110,8 @@ def test_the_float64_variants_reproduce_hf_when_nothing_is_changed():
 
 
 def check_top_p(fn):
-    return check("ch12.top_p_filter", fn, given.top_p_reference, given.top_p_cases, diagnose=given.explain_top_p)
+    return check("ch12.top_p_filter", given.inputs_unchanged(fn), given.top_p_reference, given.top_p_cases,
+                 diagnose=given.explain_top_p)
 
 
 def test_top_p_solution_solves():
@@ -138,7 +152,14 @@ def _left_sorted(probs, top_p):  # the kept values in sorted order, never scatte
     return kept / kept.sum(-1, keepdim=True)
 
 
+def _sorts_in_place(probs, top_p):  # right rows, but the caller's probs is overwritten
+    out = given.top_p_filter(probs, top_p)
+    probs.copy_(out)
+    return out
+
+
 @pytest.mark.parametrize("fn, diagnosis", [
+    (_sorts_in_place, "changed its argument probs in place"),
     (_exclusive, "cause: the token whose probability crosses top_p is dropped"),
     (_not_renormalized, "cause: not renormalized"),
     (_at_most_top_p_above, "cause: a token whose mass above is exactly top_p kept"),
@@ -217,7 +238,18 @@ def _n_as_int32(p, q, drafts, u):
     return n.to(torch.int32), dist
 
 
+def _keeps_at_equality(p, q, drafts, u):  # u <= ratio: a draft kept when u equals p/q exactly
+    k = drafts.shape[0]
+    ratio = p[torch.arange(k), drafts] / q[torch.arange(k), drafts]
+    n = int((u <= ratio.clamp(max=1.0)).long().cumprod(0).sum())
+    if n == k:
+        return torch.tensor(n), p[k]
+    residual = (p[n] - q[n]).clamp_min(0.0)
+    return torch.tensor(n), residual / residual.sum()
+
+
 @pytest.mark.parametrize("fn, diagnosis", [
+    (_keeps_at_equality, "cause: a draft kept where u equals p/q exactly"),
     (_residual_is_p, "cause: after a rejection the next token is drawn from p[n] itself"),
     (_unclamped_residual, "cause: p[n] − q[n] not clamped at 0"),
     (_residual_not_renormalized, "cause: max(0, p[n] − q[n]) not renormalized"),
