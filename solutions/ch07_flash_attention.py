@@ -341,7 +341,8 @@ def fold_reference(scores: torch.Tensor, v: torch.Tensor, widths: list[int]) -> 
 def fold_cases(gen: torch.Generator) -> list[tuple]:
     """Tiles whose maximum rises and falls, masked keys, a row that sees nothing in its first tile; then
     the adversarial case: a maximum that falls from about 200 to about 10 between tiles, a row whose
-    scores are all near −250, a masked first tile before scores near +200, a rise from −200 to +200."""
+    scores are all near −250, a masked first tile before scores near +200, a rise from −200 to +200, a
+    masked first tile before scores near −250."""
     cases = []
     for rows, widths, dims in ((4, [8, 8], 8), (6, [5, 16, 3], 16), (3, [1, 7, 32, 2], 4)):
         total = sum(widths)
@@ -352,7 +353,7 @@ def fold_cases(gen: torch.Generator) -> list[tuple]:
         scores[2, :widths[0]] = float("-inf")    # row 2 sees no key of the first tile
         cases.append((scores, torch.randn(total, dims, generator=gen), widths))
     widths = [8, 8, 8]
-    scores = torch.randn(4, 24, generator=gen)
+    scores = torch.randn(5, 24, generator=gen)
     scores[0, :8] += 200.0                       # the maximum falls from ~200 to ~10
     scores[0, 8:] += 10.0
     scores[1] -= 250.0                           # every score near -250: exp(s) alone underflows
@@ -360,6 +361,8 @@ def fold_cases(gen: torch.Generator) -> list[tuple]:
     scores[2, 8:] += 200.0
     scores[3, :8] -= 200.0                       # the maximum rises from ~-200 to ~+200
     scores[3, 8:] += 200.0
+    scores[4, :8] = float("-inf")                # a masked first tile, then scores near -250: m must stay
+    scores[4, 8:] -= 250.0                       # -inf after the first tile, or exp(s - 0) underflows
     cases.append((scores, torch.randn(24, 8, generator=gen), widths))
     return cases
 
@@ -403,7 +406,16 @@ def _update_variants() -> dict[str, object]:
         alpha, p = torch.exp(safe - old), torch.exp(s - safe[:, None])
         return m_new, l * alpha + p.sum(1), acc * alpha[:, None] + p @ v
 
+    def normalised_every_step(m, l, acc, s, v):
+        m_new = torch.maximum(m, s.amax(dim=1))
+        safe = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
+        alpha, p = torch.exp(m - safe), torch.exp(s - safe[:, None])
+        l_new = l * alpha + p.sum(1)
+        return m_new, l_new, (acc * (l * alpha)[:, None] + p @ v) / torch.where(l_new == 0, 1.0, l_new)[:, None]
+
     return {
+        "acc is divided by l at every step: keep acc = Σ exp(s − m) v unnormalised, as FlashAttention-2 does — the "
+        "fold divides by l once, after the last tile": normalised_every_step,
         "acc is not rescaled: when the maximum moves, multiply acc by alpha = exp(m − m_new), as l is":
             no_rescaled_acc,
         "l is not rescaled: when the maximum moves, multiply l by alpha = exp(m − m_new), as acc is": no_rescaled_l,
@@ -449,10 +461,23 @@ def diagnose_fold(case: tuple, got: tuple, expected: tuple) -> str | None:
     out = got[0].detach()
     if out.shape[0] == scores.shape[0]:
         starts = [sum(widths[:i]) for i in range(len(widths))]
-        for row in (~torch.isfinite(out).all(dim=1)).nonzero().flatten().tolist():
+        bad = set((~torch.isfinite(out).all(dim=1)).nonzero().flatten().tolist())
+        peaks = scores.amax(dim=1)
+        hot = {r for r in range(scores.shape[0]) if float(peaks[r]) > 89}  # exp overflows float32 past ~88.7
+        cold = {r for r in range(scores.shape[0]) if float(peaks[r]) < -104}  # and underflows below ~-103.9
+        if hot and cold and hot | cold <= bad:
+            causes.append(f"no maximum is subtracted: exp(s) overflows float32 for scores near {float(peaks.max()):.0f} "
+                          f"(rows {sorted(hot)}) and underflows to l = 0 near {float(peaks.min()):.0f} (rows "
+                          f"{sorted(cold)}) — take every exponential relative to the running maximum, "
+                          "m_new = max(m, rowmax(scores))")
+        for row in [] if causes else sorted(bad):
             maxima = [float(scores[row, a:a + w].max()) for a, w in zip(starts, widths)]
             falls = [a - b for a, b in zip(maxima, maxima[1:])]
-            if maxima[0] == float("-inf"):
+            if maxima[0] == float("-inf") and max(maxima) < -80:
+                causes.append(f"row {row} sees no key in the first tile, and the m returned after it is 0: m must "
+                              "stay −inf while no key is seen (take the exponentials against 0, but return m_new) "
+                              f"— its next scores, near {max(maxima):.0f}, taken against 0 underflow to l = 0")
+            elif maxima[0] == float("-inf"):
                 causes.append(f"row {row} sees no key in the first tile (all −inf), and exp(−inf − (−inf)) is NaN: "
                               "where m_new is still −inf, take the exponentials against 0")
             elif max(maxima) < -80:

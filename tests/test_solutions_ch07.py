@@ -104,6 +104,35 @@ def update_without_rescaling_l(m, l, acc, scores, v):
     return m_new, l + p.sum(dim=1), acc * alpha[:, None] + p @ v
 
 
+def update_returning_the_safe_maximum(m, l, acc, scores, v):
+    # The -inf guard's 0 returned as m: a row masked through its first tile then holds m = 0, and its next
+    # tile's scores, all near -250, are taken against 0: every exponential underflows, l = 0.
+    m_new = torch.maximum(m, scores.amax(dim=1))
+    m_safe = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
+    alpha = torch.exp(m - m_safe)
+    p = torch.exp(scores - m_safe[:, None])
+    return m_safe, l * alpha + p.sum(1), acc * alpha[:, None] + p @ v
+
+
+def update_without_a_maximum(m, l, acc, scores, v):
+    # No maximum subtracted at all: m stays 0, exp(scores) overflows near +200 and underflows near -250.
+    p = torch.exp(scores)
+    old_l = torch.where(m == float("-inf"), l, l * torch.exp(m))
+    old_acc = torch.where((m == float("-inf"))[:, None], acc, acc * torch.exp(m)[:, None])
+    return torch.zeros_like(m), old_l + p.sum(1), old_acc + p @ v
+
+
+def update_normalising_every_step(m, l, acc, scores, v):
+    # acc kept as the running average (divided by l at every tile): the fold divides by l once more at the end.
+    m_new = torch.maximum(m, scores.amax(dim=1))
+    m_safe = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
+    alpha = torch.exp(m - m_safe)
+    p = torch.exp(scores - m_safe[:, None])
+    l_new = l * alpha + p.sum(1)
+    acc_new = (acc * (l * alpha)[:, None] + p @ v) / torch.where(l_new == 0, 1.0, l_new)[:, None]
+    return m_new, l_new, acc_new
+
+
 def update_in_a_loop(m, l, acc, scores, v):
     m_new, l_new, acc_new = m.clone(), l.clone(), acc.clone()
     for row in range(scores.shape[0]):  # right values, row by row: the spec says no loops
@@ -127,10 +156,15 @@ def test_online_softmax_update_solution_solves():
                                         "exp(−inf − (−inf)) is NaN"),
     (update_with_the_tile_overflowing, "cause: row 0's maximum falls by"),
     (update_clamping_the_maximum_at_zero, "cause: row 1's scores are all near -2"),
+    (update_returning_the_safe_maximum, "cause: row 4 sees no key in the first tile, and the m returned after it "
+                                        "is 0: m must stay −inf while no key is seen"),
+    (update_without_a_maximum, "cause: no maximum is subtracted: exp(s) overflows float32 for scores near 2"),
+    (update_normalising_every_step, "cause: acc is divided by l at every step"),
     (update_in_a_loop, "broke a stated rule — torch, no loops (one tile's update is tensor ops): a Python for "
                        "loop at line"),
 ], ids=["acc unrescaled", "l unrescaled", "tile maximum", "no -inf guard", "overflow when the max falls",
-        "max clamped at 0", "a loop"])
+        "max clamped at 0", "safe maximum returned", "no maximum",
+        "normalised every step", "a loop"])
 def test_online_softmax_update_negative_controls(wrong, cause):
     assert_not_solved(check_fold(wrong), cause)
 
