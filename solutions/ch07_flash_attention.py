@@ -466,8 +466,9 @@ def diagnose_fold(case: tuple, got: tuple, expected: tuple) -> str | None:
         hot = {r for r in range(scores.shape[0]) if float(peaks[r]) > 89}  # exp overflows float32 past ~88.7
         cold = {r for r in range(scores.shape[0]) if float(peaks[r]) < -104}  # and underflows below ~-103.9
         if hot and cold and hot | cold <= bad:
-            causes.append(f"no maximum is subtracted: exp(s) overflows float32 for scores near {float(peaks.max()):.0f} "
-                          f"(rows {sorted(hot)}) and underflows to l = 0 near {float(peaks.min()):.0f} (rows "
+            top, bottom = float(peaks.max()), float(peaks.min())
+            causes.append(f"no maximum is subtracted: exp(s) overflows float32 for scores near {top:.0f} "
+                          f"(rows {sorted(hot)}) and underflows to l = 0 near {bottom:.0f} (rows "
                           f"{sorted(cold)}) — take every exponential relative to the running maximum, "
                           "m_new = max(m, rowmax(scores))")
         for row in [] if causes else sorted(bad):
