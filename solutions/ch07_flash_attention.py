@@ -815,15 +815,33 @@ def diagnose_kv_head_index(case: tuple, got: torch.Tensor, expected: torch.Tenso
 
 
 def backward_reference(q, k, v, do, lse, delta, scale):
-    """Autograd through ``softmax(scale · q kᵀ) v`` (never the solution's formulas)."""
+    """Autograd through a softmax over the tile's keys and the rest of its rows (never the solution's formulas).
+
+    The tile may hold only some of its rows' keys: ``lse`` and ``delta`` are the whole row's. The keys outside
+    the tile are stood for by one key per row, its score and value chosen so that the row's log-sum-exp is
+    ``lse`` and ``Σ_d dO O`` is ``delta`` (none where the tile holds the whole row); autograd through
+    ``softmax([scale · q kᵀ, s_rest]) [v; v_rest]`` then gives the tile's part of ``dq`` and its ``dk``, ``dv``.
+    """
     q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    out = torch.softmax(scale * (q @ k.T), dim=-1) @ v
+    with torch.no_grad():
+        p_tile = torch.exp(scale * (q @ k.T) - lse[:, None])
+        rest = 1 - p_tile.sum(dim=1)  # the probability the row's other keys hold
+        outside = rest > 1e-9  # else the tile holds the whole row (up to rounding)
+        s_rest = torch.where(outside, lse + torch.log(rest.clamp_min(1e-300)), torch.full_like(rest, -torch.inf))
+        # the other keys' part of delta, carried by a value along dO: rest · (dO · v_rest) = delta − tile's part
+        tile_part = (p_tile @ v.detach() * do).sum(dim=1)
+        weight = torch.where(outside, (delta - tile_part) / (rest * (do * do).sum(dim=1)), torch.zeros_like(rest))
+        v_rest = weight[:, None] * do
+    scores = torch.cat((scale * (q @ k.T), s_rest[:, None]), dim=1)
+    probs = torch.softmax(scores, dim=-1)
+    out = probs[:, :-1] @ v + probs[:, -1:] * v_rest
     return torch.autograd.grad(out, (q, k, v), do)
 
 
 def backward_cases(gen: torch.Generator) -> list[tuple]:
     """float64 tiles: square (where a transpose still runs), more keys, more queries; then scores in the
-    thousands, where exp(s) alone overflows even float64."""
+    thousands, where exp(s) alone overflows even float64; last, a tile of keys 6..13 of rows that have 20
+    (``lse`` and ``delta`` the whole row's, as the kernel's key blocks see them)."""
     cases = []
     for rows, keys, dims, spread in ((8, 8, 16, 1.0), (5, 13, 32, 1.0), (16, 3, 8, 1.0), (6, 9, 16, 1000.0)):
         q, k, v = (torch.randn(n, dims, generator=gen, dtype=torch.float64) for n in (rows, keys, keys))
@@ -834,6 +852,11 @@ def backward_cases(gen: torch.Generator) -> list[tuple]:
         scores = scale * (q @ k.T)
         out = torch.softmax(scores, dim=-1) @ v
         cases.append((q, k, v, do, torch.logsumexp(scores, dim=-1), (do * out).sum(-1), scale))
+    q, k, v = (torch.randn(n, 16, generator=gen, dtype=torch.float64) for n in (8, 20, 20))
+    do = torch.randn(8, 16, generator=gen, dtype=torch.float64)
+    scores = 0.25 * (q @ k.T)
+    out = torch.softmax(scores, dim=-1) @ v
+    cases.append((q, k[6:14], v[6:14], do, torch.logsumexp(scores, dim=-1), (do * out).sum(-1), 0.25))
     return cases
 
 
@@ -852,7 +875,23 @@ def diagnose_backward_tile(case: tuple, got: tuple, expected: tuple) -> str | No
     no_delta = p * dp
     unscaled_p = torch.exp(q @ k.T - lse[:, None])
     ds_unscaled_p = unscaled_p * (do @ v.T - delta[:, None])
+    share = float(p.sum(dim=1).mean())
+    own_p = torch.softmax(s, dim=-1)
+    ds_own_p = own_p * (dp - delta[:, None])
+    ds_own_delta = p * (dp - (p * dp).sum(1, keepdim=True))
+    ds_outside = p * dp - delta[:, None]
+    ds_added = p * (dp + delta[:, None])
+    partial = f"the tile holds only part of its rows' keys (their P sums to {share:.2f} of each row here)"
     variants = {
+        f"P is the tile's own softmax: {partial}, so P = exp(scale · q kᵀ − lse) with the whole row's lse":
+            (scale * ds_own_p @ k, scale * ds_own_p.T @ q, own_p.T @ do),
+        f"delta is recomputed from the tile: {partial}, and delta sums over every key of the row — use the "
+        "delta given (Σ_d dO O, from the forward's output)": (scale * ds_own_delta @ k, scale * ds_own_delta.T @ q,
+                                                              right[2]),
+        "dS = P ∘ dP − delta: the parenthesis slipped, dS = P ∘ (dP − delta[:, None])":
+            (scale * ds_outside @ k, scale * ds_outside.T @ q, right[2]),
+        "delta's sign is flipped: dS = P ∘ (dP − delta[:, None])": (scale * ds_added @ k, scale * ds_added.T @ q,
+                                                                     right[2]),
         "dS misses delta: the softmax's Jacobian gives dS = P ∘ (dP − delta[:, None])":
             (scale * no_delta @ k, scale * no_delta.T @ q, right[2]),
         "dq and dk miss the scale: S = scale · q kᵀ, so dQ = scale · dS K and dK = scale · dSᵀ Q":
@@ -861,6 +900,10 @@ def diagnose_backward_tile(case: tuple, got: tuple, expected: tuple) -> str | No
             (scale * ds_unscaled_p @ k, scale * ds_unscaled_p.T @ q, unscaled_p.T @ do),
     }
     if q.shape[0] == k.shape[0]:  # a square tile: the transposes run and give wrong numbers
+        variants["dq and dk are swapped: return (dq, dk, dv), dq = scale · dS K (one row per query), "
+                 "dk = scale · dSᵀ Q (one per key)"] = (right[1], right[0], right[2])
+        variants["dQ is built from Q and dK from K: dQ = scale · dS K, dK = scale · dSᵀ Q"] = (
+            scale * ds @ q, scale * ds.T @ k, right[2])
         variants["dV is P dO, not Pᵀ dO: dV sums over the queries, dV = P.T @ dO"] = (*right[:2], p @ do)
         variants["dK is dS Q, not dSᵀ Q: dK sums over the queries, dK = scale · dS.T @ Q"] = (
             right[0], scale * ds @ q, right[2])

@@ -524,6 +524,37 @@ def backward_dividing_exponentials(q, k, v, do, lse, delta, scale):
     return scale * ds @ k, scale * ds.T @ q, p.T @ do
 
 
+def backward_with_the_tiles_own_softmax(q, k, v, do, lse, delta, scale):
+    p = torch.softmax(scale * (q @ k.T), dim=-1)  # right only when the tile holds every key of its rows
+    ds = p * (do @ v.T - delta[:, None])
+    return scale * ds @ k, scale * ds.T @ q, p.T @ do
+
+
+def backward_with_the_tiles_own_delta(q, k, v, do, lse, delta, scale):
+    p = torch.exp(scale * (q @ k.T) - lse[:, None])
+    dp = do @ v.T
+    own = (p * dp).sum(1)  # the tile's part of delta only: delta sums over every key of the row
+    ds = p * (dp - own[:, None])
+    return scale * ds @ k, scale * ds.T @ q, p.T @ do
+
+
+def backward_with_delta_outside(q, k, v, do, lse, delta, scale):
+    p = torch.exp(scale * (q @ k.T) - lse[:, None])
+    ds = p * (do @ v.T) - delta[:, None]  # a parenthesis slip: P ∘ dP − delta
+    return scale * ds @ k, scale * ds.T @ q, p.T @ do
+
+
+def backward_with_delta_added(q, k, v, do, lse, delta, scale):
+    p = torch.exp(scale * (q @ k.T) - lse[:, None])
+    ds = p * (do @ v.T + delta[:, None])  # delta's sign flipped
+    return scale * ds @ k, scale * ds.T @ q, p.T @ do
+
+
+def backward_with_dq_and_dk_swapped(q, k, v, do, lse, delta, scale):
+    dq, dk, dv = solutions.attention_backward_tile(q, k, v, do, lse, delta, scale)
+    return (dk, dq, dv) if dq.shape == dk.shape else (dq, dk, dv)  # returned in the wrong order where it runs
+
+
 def test_attention_backward_tile_solution_solves():
     assert check_backward_tile(solutions.attention_backward_tile).solved
 
@@ -533,9 +564,17 @@ def test_attention_backward_tile_solution_solves():
     (backward_without_the_scale, "cause: dq and dk miss the scale"),
     (backward_with_p_dO, "cause: dV is P dO, not Pᵀ dO"),
     (backward_dividing_exponentials, "cause: NaN/inf: the scores reach"),
-], ids=["no delta", "no scale", "dv transposed", "exp overflow"])
+    (backward_with_the_tiles_own_softmax, ("cause: P is the tile's own softmax",
+                                           "the tile holds only part of its rows' keys")),
+    (backward_with_the_tiles_own_delta, ("cause: delta is recomputed from the tile",
+                                         "the tile holds only part of its rows' keys")),
+    (backward_with_delta_outside, "cause: dS = P ∘ dP − delta: the parenthesis slipped"),
+    (backward_with_delta_added, "cause: delta's sign is flipped"),
+    (backward_with_dq_and_dk_swapped, "cause: dq and dk are swapped"),
+], ids=["no delta", "no scale", "dv transposed", "exp overflow", "tile softmax", "tile delta", "parenthesis",
+        "delta sign", "dq dk swapped"])
 def test_attention_backward_tile_negative_controls(wrong, cause):
-    assert_not_solved(check_backward_tile(wrong), cause)
+    assert_not_solved(check_backward_tile(wrong), *(cause if isinstance(cause, tuple) else (cause,)))
 
 
 # ----------------------------------------------------------------------------------------------
