@@ -578,11 +578,27 @@ def _keys_once_per_query_block(args: tuple, launches) -> str | None:
             "the keys, the softmax rescaled as it goes")
 
 
+def _dots_in_the_inputs_dtype(args: tuple, launches) -> str | None:
+    """Every ``tl.dot`` the tracer saw took operands of the inputs' dtype (bf16 inputs: bf16 × bf16, what a
+    GPU's tensor cores run at full rate; an fp32 dot of upcast inputs runs at a fraction of it)."""
+    q = args[0]
+    want = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(q.dtype)
+    if want is None:
+        return None
+    for launch in launches:
+        for (a, b), count in getattr(launch, "dot_dtypes", {}).items():
+            if (a, b) != (want, want):
+                return (f"{want} inputs, but a tl.dot took {a} × {b} operands ({count} calls): keep q, k and v in "
+                        f"their dtype and cast p to v.dtype — tl.dot accumulates in fp32 anyway")
+    return None
+
+
 def flash_forward_rules() -> list:
     from utils.exercises import rules
 
     return [rules.traced(_keys_once_per_query_block, name="one pass over the keys (k and v read once per query "
-                                                           "block)")]
+                                                           "block)"),
+            rules.traced(_dots_in_the_inputs_dtype, name="tl.dot in the inputs' dtype (fp32 accumulation)")]
 
 
 def _forward_ideal(q, k, v) -> int:

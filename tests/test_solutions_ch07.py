@@ -186,7 +186,8 @@ def check_forward(kernel) -> Verdict:
 def forward_kernel_with(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, seq_q, seq_k, scale,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BUG: tl.constexpr):
     # The online-softmax forward with one planted mistake (BUG): 1 no scale, 2 acc not rescaled, 3 the key
-    # mask one too far, 4 lse in base 2, 5 K not transposed, 6 rescaled towards the tile's own maximum.
+    # mask one too far, 4 lse in base 2, 5 K not transposed, 6 rescaled towards the tile's own maximum,
+    # 7 q kᵀ as an fp32 dot of upcast inputs, 8 p v as an fp32 dot of upcast v.
     pid_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -205,6 +206,8 @@ def forward_kernel_with(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, seq_q, seq_k, sca
                     mask=keys[:, None] < bound, other=0.0)
         if BUG == 5:
             s = tl.dot(q, k)
+        elif BUG == 7:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))  # right values, but no bf16 tensor cores
         else:
             s = tl.dot(q, tl.trans(k))
         if BUG != 1:
@@ -226,6 +229,8 @@ def forward_kernel_with(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, seq_q, seq_k, sca
             l = l * alpha + tl.sum(p, axis=1)
             if BUG == 2:
                 acc = acc + tl.dot(p.to(v.dtype), v)
+            elif BUG == 8:
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))  # v upcast: an fp32 dot for bf16 inputs
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
@@ -337,6 +342,12 @@ def test_the_planted_kernel_without_a_bug_is_the_solution():
 ], ids=["no scale", "acc unrescaled", "mask one too far", "lse base 2", "K not transposed", "tile maximum"])
 def test_flash_forward_negative_controls(bug, cause):
     assert_not_solved(check_forward(planted_forward(bug)), cause)
+
+
+@pytest.mark.parametrize(("bug", "operands"), [(7, "fp32 × fp32"), (8, "fp32 × fp32")], ids=["q k", "p v"])
+def test_flash_forward_fp32_dots_of_bf16_inputs_break_the_dtype_rule(bug, operands):
+    assert_not_solved(check_forward(planted_forward(bug)), "broke a stated rule — tl.dot in the inputs' dtype",
+                      f"bf16 inputs, but a tl.dot took {operands} operands")
 
 
 def test_flash_forward_two_passes_break_the_one_pass_rule():
