@@ -652,9 +652,34 @@ def _tiled_forward(q, k, v, scale, rescale_acc=True, rescale_l=True, divide=True
             m = m_new
         outs.append(acc / l[:, None] if divide else acc)
         lse = {"natural": m + torch.log(l), "max only": m, "sum only": torch.log(l),
-               "base 2": (m + torch.log(l)) * LOG2E}[lse_kind]
+               "base 2": (m + torch.log(l)) * LOG2E, "sum in base 2": m + torch.log(l) * LOG2E}[lse_kind]
         lses.append(lse)
     return torch.stack(outs), torch.stack(lses)
+
+
+def _spilled_rows(q: torch.Tensor, got: object, expected: tuple) -> str | None:
+    """The stores not masked to ``rows < seq_q``: a head's last query block writes its rows past ``seq_q`` over
+    the next head's first rows (``out`` and ``lse`` are ``(BH, Tq)``, one head's rows after another's)."""
+    heads, seq_q, _ = q.shape
+    pad = -(-seq_q // FORWARD_BLOCK_M) * FORWARD_BLOCK_M - seq_q
+    if heads < 2 or not pad or not isinstance(got, (tuple, list)) or len(got) != 2:
+        return None
+    wrong_rows = []
+    for g, e in zip(got, expected):
+        if not isinstance(g, torch.Tensor) or g.shape != e.shape:
+            return None
+        rtol, atol = _tolerance(q.dtype)
+        close = torch.isclose(g.detach().cpu().double(), e.detach().cpu().to(g.dtype).double(), rtol=rtol, atol=atol)
+        wrong_rows.append(~close.reshape(heads, seq_q, -1).all(dim=-1))
+    wrong = wrong_rows[0] | wrong_rows[1]
+    spill = torch.zeros(heads, seq_q, dtype=torch.bool)
+    spill[1:, :pad] = True
+    if not bool(wrong.any()) or bool((wrong & ~spill).any()):
+        return None
+    head = int(wrong.any(dim=1).nonzero()[0]) - 1
+    return (f"the stores are not masked to the rows < seq_q: head {head}'s last query block spills its "
+            f"{pad} rows past seq_q = {seq_q} into head {head + 1}'s first rows (out and lse hold one head's rows "
+            "after another's) — mask both stores with rows < seq_q")
 
 
 def diagnose_flash_forward(case: tuple, got: tuple, expected: tuple) -> str | None:
@@ -671,7 +696,25 @@ def diagnose_flash_forward(case: tuple, got: tuple, expected: tuple) -> str | No
         if maxima.shape[-1] > 1 and float((maxima[..., :-1] - maxima[..., 1:]).max()) > 80:
             return ("NaN/inf where a row's maximum falls by more than 80 after the first key tile: rescale by "
                     "alpha = exp(m − m_new) with m_new = max(m, rowmax(s)), so that no exponent is positive")
-    variants = {
+    spill = _spilled_rows(q, got, expected)
+    if spill:
+        return spill
+    heads, seq_q, _ = q.shape
+    seq_k = k.shape[1]
+    padded = -(-seq_k // FORWARD_BLOCK_N) * FORWARD_BLOCK_N
+    variants = {}
+    if padded > seq_k:  # the padded keys, loaded as 0, score q · 0 = 0 (masked to 0 or not masked at all)
+        zeros = q.new_zeros(heads, padded - seq_k, dims)
+        variants["the keys past seq_k are not masked to −inf: padded keys (loaded as 0) score 0 and take a share "
+                 f"of every row's softmax ({seq_k} keys, {padded} in the last tile) — s = tl.where(keys < seq_k, s, "
+                 "float('-inf')), never 0"] = _dense_attention(q, torch.cat((k, zeros), 1), torch.cat((v, zeros), 1),
+                                                               scale)
+    if heads > 1 and seq_q < seq_k:  # head bh's keys read from row bh * seq_q of the flattened K: in bounds
+        rows = torch.arange(heads)[:, None] * seq_q + torch.arange(seq_k)[None, :]
+        variants["K and V are offset by bh * seq_q * HEAD_DIM: head bh's keys start at bh * seq_k * HEAD_DIM (K and "
+                 "V have seq_k rows per head, Q and the output seq_q)"] = _dense_attention(
+            q, k.reshape(-1, dims)[rows], v.reshape(-1, dims)[rows], scale)
+    variants.update({
         f"the scores miss the scale 1/√D = {scale:.4g} (scale = 1 / sqrt(HEAD_DIM), given as `scale`)":
             _dense_attention(q, k, v, 1.0),
         f"the scores are multiplied by √D instead of 1/√D (= {scale:.4g})": _dense_attention(q, k, v, math.sqrt(dims)),
@@ -686,7 +729,9 @@ def diagnose_flash_forward(case: tuple, got: tuple, expected: tuple) -> str | No
             _tiled_forward(q, k, v, scale, lse_kind="sum only"),
         "lse is in base 2 (scores scaled by log2(e) for exp2): divide m + log2(l) by log2(e) for the natural log":
             _tiled_forward(q, k, v, scale, lse_kind="base 2"),
-    }
+        "lse is m + log2(l): with natural-log scores (tl.exp) the sum's log is natural too, m + tl.log(l)":
+            _tiled_forward(q, k, v, scale, lse_kind="sum in base 2"),
+    })
     if k.shape[1] == FORWARD_BLOCK_N == dims:
         # tl.dot(q, k) instead of tl.dot(q, tl.trans(k)): with a square tile it runs, on K's transpose
         variants["K is not transposed: the scores are q · kᵀ, tl.dot(q, tl.trans(k))"] = _dense_attention(

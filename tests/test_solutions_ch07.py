@@ -187,7 +187,8 @@ def forward_kernel_with(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, seq_q, seq_k, sca
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BUG: tl.constexpr):
     # The online-softmax forward with one planted mistake (BUG): 1 no scale, 2 acc not rescaled, 3 the key
     # mask one too far, 4 lse in base 2, 5 K not transposed, 6 rescaled towards the tile's own maximum,
-    # 7 q kᵀ as an fp32 dot of upcast inputs, 8 p v as an fp32 dot of upcast v.
+    # 7 q kᵀ as an fp32 dot of upcast inputs, 8 p v as an fp32 dot of upcast v, 9 masked keys scored 0,
+    # 10 K and V offset by seq_q, 11 lse = m + log2(l), 12 no row mask on the stores.
     pid_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -198,11 +199,12 @@ def forward_kernel_with(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, seq_q, seq_k, sca
     l = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     bound = seq_k + 1 if BUG == 3 else seq_k
+    head_rows = seq_q if BUG == 10 else seq_k  # 10: K and V offset by the query length
     for start_n in range(0, seq_k, BLOCK_N):
         keys = start_n + tl.arange(0, BLOCK_N)
-        k = tl.load(k_ptr + bh * seq_k * HEAD_DIM + keys[:, None] * HEAD_DIM + d[None, :],
+        k = tl.load(k_ptr + bh * head_rows * HEAD_DIM + keys[:, None] * HEAD_DIM + d[None, :],
                     mask=keys[:, None] < bound, other=0.0)
-        v = tl.load(v_ptr + bh * seq_k * HEAD_DIM + keys[:, None] * HEAD_DIM + d[None, :],
+        v = tl.load(v_ptr + bh * head_rows * HEAD_DIM + keys[:, None] * HEAD_DIM + d[None, :],
                     mask=keys[:, None] < bound, other=0.0)
         if BUG == 5:
             s = tl.dot(q, k)
@@ -212,7 +214,10 @@ def forward_kernel_with(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, seq_q, seq_k, sca
             s = tl.dot(q, tl.trans(k))
         if BUG != 1:
             s = s * scale
-        s = tl.where(keys[None, :] < bound, s, float("-inf"))
+        if BUG == 9:
+            s = tl.where(keys[None, :] < bound, s, 0.0)  # masked keys set to 0, not -inf: they take a share
+        else:
+            s = tl.where(keys[None, :] < bound, s, float("-inf"))
         tile_max = tl.max(s, axis=1)
         m_new = tl.maximum(m, tile_max)
         if BUG == 6:
@@ -234,12 +239,15 @@ def forward_kernel_with(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, seq_q, seq_k, sca
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
+    row_bound = seq_q + BLOCK_M if BUG == 12 else seq_q  # 12: the rows past seq_q stored too
     tl.store(out_ptr + bh * seq_q * HEAD_DIM + rows[:, None] * HEAD_DIM + d[None, :],
-             (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=rows[:, None] < seq_q)
+             (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=rows[:, None] < row_bound)
     lse = m + tl.log(l)
     if BUG == 4:
         lse = lse * 1.4426950408889634
-    tl.store(lse_ptr + bh * seq_q + rows, lse, mask=rows < seq_q)
+    if BUG == 11:
+        lse = m + tl.log2(l)  # the sum's log in base 2, the maximum's natural
+    tl.store(lse_ptr + bh * seq_q + rows, lse, mask=rows < row_bound)
 
 
 def planted_forward(bug: int):
@@ -339,7 +347,12 @@ def test_the_planted_kernel_without_a_bug_is_the_solution():
     (4, "cause: lse is in base 2"),
     (5, "cause: K is not transposed"),
     (6, "cause: NaN/inf where a row's maximum falls by more than 80 after the first key tile"),
-], ids=["no scale", "acc unrescaled", "mask one too far", "lse base 2", "K not transposed", "tile maximum"])
+    (9, "cause: the keys past seq_k are not masked to −inf"),
+    (10, "cause: K and V are offset by bh * seq_q * HEAD_DIM"),
+    (11, "cause: lse is m + log2(l)"),
+    (12, "cause: the stores are not masked to the rows < seq_q: head 0's last query block spills"),
+], ids=["no scale", "acc unrescaled", "mask one too far", "lse base 2", "K not transposed", "tile maximum",
+        "masked keys 0", "kv offset seq_q", "lse log2 l", "no row mask"])
 def test_flash_forward_negative_controls(bug, cause):
     assert_not_solved(check_forward(planted_forward(bug)), cause)
 
@@ -357,7 +370,8 @@ def test_flash_forward_two_passes_break_the_one_pass_rule():
 
 def test_flash_forward_unmasked_keys_are_wrong_values():
     verdict = check_forward(unmasked_keys_kernel)
-    assert not verdict.solved and "wrong" in verdict.message, verdict.message
+    assert_not_solved(verdict, "wrong", "cause: the keys past seq_k are not masked to −inf: padded keys (loaded as 0) "
+                                        "score 0")
 
 
 # ----------------------------------------------------------------------------------------------
