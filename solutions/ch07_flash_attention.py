@@ -820,11 +820,12 @@ def repeat_kv_reference(k: torch.Tensor, n_q_heads: int) -> torch.Tensor:
 
 
 def gqa_cases(gen: torch.Generator) -> list[tuple[torch.Tensor, int]]:
-    """``(k, n_q_heads)``: MHA, MQA, groups of two and of four (last: the traffic verdict's case)."""
+    """``(k, n_q_heads)``: groups of two on three kv heads first (where a constant map, ``h // n_kv_heads`` and
+    the identity all differ and stay inside K), MHA, MQA, groups of four (last: the traffic verdict's case)."""
     from kernel_ladder.runtime import DEVICE
 
     return [(torch.randn(batch, kv_heads, 8, 16, generator=gen).to(DEVICE), q_heads)
-            for batch, q_heads, kv_heads in ((1, 4, 4), (2, 4, 1), (1, 6, 3), (1, 8, 2))]
+            for batch, q_heads, kv_heads in ((1, 6, 3), (1, 4, 4), (2, 4, 1), (1, 8, 2))]
 
 
 def _gather_ideal(k: torch.Tensor, n_q_heads: int) -> int:
@@ -857,9 +858,16 @@ def diagnose_kv_head_index(case: tuple, got: torch.Tensor, expected: torch.Tenso
     for h in range(n_q_heads):
         matches = [kv for kv in range(n_kv_heads) if torch.equal(got[0, h].cpu(), k[0, kv].cpu())]
         read.append(matches[0] if matches else None)
+    if group > 1 and read == [0] * n_q_heads:
+        return (f"every query head read kv head 0: the map ignores q_head — query head h reads kv head h // G, "
+                f"G = n_q_heads // n_kv_heads = {group}")
     if read == [h % n_kv_heads for h in range(n_q_heads)]:
         return (f"query head h read kv head h % n_kv_heads, the interleaved grouping: repeat_kv gives each kv head "
                 f"G = n_q_heads // n_kv_heads = {group} consecutive query heads, h // G")
+    if group > 1 and read[:n_kv_heads] == list(range(n_kv_heads)) and None in read[n_kv_heads:]:
+        return (f"query head h read kv head h, as if each query head had its own: there are {n_kv_heads} kv heads, "
+                f"one per G = n_q_heads // n_kv_heads = {group} consecutive query heads, h // G (query heads "
+                f"{n_kv_heads}..{n_q_heads - 1} read past K's last head)")
     if read == [min(h // n_kv_heads, n_kv_heads) for h in range(n_q_heads)]:
         return (f"h // n_kv_heads divides by the number of kv heads ({n_kv_heads}), not by the group size "
                 f"G = n_q_heads // n_kv_heads = {group}")

@@ -484,6 +484,34 @@ def gather_by_kv_count_kernel(k_ptr, out_ptr, n_q_heads, n_kv_heads, SEQ: tl.con
     tl.store(out_ptr + (b * n_q_heads + h) * SEQ * HEAD_DIM + tile, keys)
 
 
+@triton.jit
+def kv_head_zero(q_head, n_q_heads, n_kv_heads):
+    return q_head * 0  # every query head on kv head 0
+
+
+@triton.jit
+def gather_zero_kernel(k_ptr, out_ptr, n_q_heads, n_kv_heads, SEQ: tl.constexpr, HEAD_DIM: tl.constexpr):
+    b, h = tl.program_id(0), tl.program_id(1)
+    kv = kv_head_zero(h, n_q_heads, n_kv_heads)
+    tile = tl.arange(0, SEQ)[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+    keys = tl.load(k_ptr + (b * n_kv_heads + kv) * SEQ * HEAD_DIM + tile)
+    tl.store(out_ptr + (b * n_q_heads + h) * SEQ * HEAD_DIM + tile, keys)
+
+
+@triton.jit
+def kv_head_identity(q_head, n_q_heads, n_kv_heads):
+    return q_head  # as if every query head had its own kv head: past the last one, outside K
+
+
+@triton.jit
+def gather_identity_kernel(k_ptr, out_ptr, n_q_heads, n_kv_heads, SEQ: tl.constexpr, HEAD_DIM: tl.constexpr):
+    b, h = tl.program_id(0), tl.program_id(1)
+    kv = kv_head_identity(h, n_q_heads, n_kv_heads)
+    tile = tl.arange(0, SEQ)[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+    keys = tl.load(k_ptr + (b * n_kv_heads + kv) * SEQ * HEAD_DIM + tile)
+    tl.store(out_ptr + (b * n_q_heads + h) * SEQ * HEAD_DIM + tile, keys)
+
+
 def gather_with(kernel):
     def gather_kv(k, n_q_heads, out):
         batch, n_kv_heads, seq, head_dim = k.shape
@@ -508,11 +536,16 @@ def test_kv_head_index_solution_solves_with_the_copy_traffic_named():
 
 @pytest.mark.parametrize(("kernel", "cause"), [
     (gather_modulo_kernel, "cause: query head h read kv head h % n_kv_heads, the interleaved grouping"),
-    (gather_by_kv_count_kernel, "cause: h // n_kv_heads divides by the number of kv heads (4), not by the group "
-                                "size G = n_q_heads // n_kv_heads = 1"),
-], ids=["h % kv_heads", "h // kv_heads"])
+    (gather_by_kv_count_kernel, "cause: h // n_kv_heads divides by the number of kv heads (3), not by the group "
+                                "size G = n_q_heads // n_kv_heads = 2"),
+    (gather_zero_kernel, "cause: every query head read kv head 0: the map ignores q_head"),
+    (gather_identity_kernel, "cause: query head h read kv head h, as if each query head had its own"),
+], ids=["h % kv_heads", "h // kv_heads", "always 0", "identity"])
 def test_kv_head_index_negative_controls(kernel, cause):
-    assert_not_solved(check_gather(kernel), cause)
+    verdict = check_gather(kernel)
+    assert_not_solved(verdict, cause)
+    first = next(line for line in verdict.message.splitlines() if line.strip().startswith("•"))
+    assert "cause:" in first, verdict.message  # the cause leads, before what the given kernel's loads did
 
 
 # ----------------------------------------------------------------------------------------------
