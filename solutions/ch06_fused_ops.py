@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -297,6 +298,14 @@ def diagnose_rope_tokens(case: tuple, got: torch.Tensor, expected: torch.Tensor)
         "first half of the row": torch.cat((x1 * c2 - x2 * s2, x2 * c1 + x1 * s1), dim=-1),
     }
     cause = _first_match(got, expected.dtype, variants)
+    batch = x.shape[0]
+    if cause is None and batch > 1 and isinstance(got, torch.Tensor) and got.shape == expected.shape:
+        later_all_wrong = all(not _close(got[b, :, t], expected[b, :, t], expected.dtype)
+                              for b in range(1, batch) for t in range(x.shape[2]))
+        if _close(got[0], expected[0], expected.dtype) and later_all_wrong:
+            return (f"the table row is indexed by the program id (the token of the whole batch), not by its position "
+                    f"t = pid % seq_len: sequence 0 is right, and sequence b ≥ 1 reads rows b · seq_len + t, past "
+                    f"the table's {x.shape[2]} rows — the tables are (T, D), shared by every sequence")
     if cause is None and case[0].dtype == torch.bfloat16:
         return ("this is the bf16 case (the fp32 case before it passed), its output fp32 (the tables are): "
                 "upcast every load with .to(tl.float32), compute in fp32 and round once at the store")
@@ -315,7 +324,8 @@ def rope_backward_reference(grad: torch.Tensor, cos: torch.Tensor, sin: torch.Te
 
 def rope_backward_cases(gen: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """fp32, then bf16 with tables in bf16 (HF casts them to the activations'): the bf16 case is where
-    fp32 arithmetic and bf16 arithmetic part (the rule below)."""
+    fp32 arithmetic and bf16 arithmetic part (the rule below; with the candidate, the rules also run it on
+    that gradient with fp32 tables)."""
     from kernel_ladder.runtime import DEVICE
 
     cases = []
@@ -334,6 +344,25 @@ def _step(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(value), exponent - 1 - digits)
 
 
+def _with_tables_rounded(case: tuple, got: object) -> str | None:
+    """The cause where fp32 tables were rounded to a low-precision ``grad``'s dtype before the fp32 arithmetic:
+    ``got`` is exactly what that computes (and the tables lose bits in the rounding)."""
+    grad, cos, sin = case
+    if grad.dtype not in (torch.bfloat16, torch.float16) or cos.dtype != torch.float32:
+        return None
+    if not isinstance(got, torch.Tensor) or got.shape != grad.shape or got.dtype != grad.dtype:
+        return None
+    g, c, s = grad.float(), cos.to(grad.dtype).float(), sin.to(grad.dtype).float()
+    if torch.equal(c, cos) and torch.equal(s, sin):
+        return None
+    (g1, g2), (c1, c2), (s1, s2) = _halves(g), _halves(c), _halves(s)
+    if not torch.equal(got.cpu(), torch.cat((g1 * c1 + g2 * s2, g2 * c2 - g1 * s1), dim=-1).to(grad.dtype).cpu()):
+        return None
+    name = str(grad.dtype).removeprefix("torch.")
+    return (f"the fp32 tables were rounded to {name} (grad's dtype) before use: cos.to(grad.dtype) drops their low "
+            "bits — upcast everything to fp32 (cos.float()), whatever the tables' dtype, and round once at the end")
+
+
 def _fp32_then_rounded(case: tuple, got: torch.Tensor) -> str | None:
     """The spec's "compute in fp32, return grad's dtype": every element within one step of grad's dtype
     of the exact gradient. fp32 arithmetic rounded once is; arithmetic in bf16 rounds each product and
@@ -350,6 +379,9 @@ def _fp32_then_rounded(case: tuple, got: torch.Tensor) -> str | None:
     far = error > allowed
     if not bool(far.any()):
         return None
+    rounded = _with_tables_rounded(case, got)
+    if rounded:
+        return rounded
     worst = int((error / allowed).flatten().argmax())
     index = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), exact.shape))
     return (f"{int(far.sum())} of {far.numel()} elements of the {str(grad.dtype).removeprefix('torch.')} case are more "
@@ -358,10 +390,37 @@ def _fp32_then_rounded(case: tuple, got: torch.Tensor) -> str | None:
             "the low precision — upcast with .float() first, round once at the end")
 
 
-def rope_backward_rules() -> list:
+def _fp32_tables_probe(rope_backward):
+    """The candidate on the bf16 case's gradient with fp32 tables (kernel_ladder.rope's own dtype): the output
+    in grad's dtype, every element within one step of the exact gradient — tables rounded to bf16 first are not.
+    The check's comparison rounds its reference to the inputs' promoted dtype, so this case is a rule's probe."""
+
+    def probe(case: tuple, got: object) -> str | None:
+        grad, cos, sin = case
+        if grad.dtype not in (torch.bfloat16, torch.float16) or cos.dtype != grad.dtype:
+            return None
+        # fp32 tables with bits below bf16's: the bf16 case's own, nudged off the bf16 grid
+        cos32, sin32 = (t.float() * (1 + 2.0**-10) + 2.0**-12 for t in (cos, sin))
+        probe_case = (grad.clone(), cos32, sin32)
+        out = rope_backward(*probe_case)
+        if not isinstance(out, torch.Tensor) or out.shape != grad.shape:
+            return f"with fp32 tables it returned {type(out).__name__} {getattr(out, 'shape', '')}, not grad's shape"
+        if out.dtype != grad.dtype:
+            return f"with fp32 tables it returned {out.dtype}: return grad's dtype ({grad.dtype}) whatever the tables'"
+        problem = _fp32_then_rounded(probe_case, out)
+        return None if problem is None else f"with fp32 tables (a bf16 grad): {problem}"
+
+    return probe
+
+
+def rope_backward_rules(rope_backward=None) -> list:
+    """The spec's "compute in fp32, return grad's dtype"; given the candidate, also on fp32 tables."""
     from utils.exercises import rules
 
-    return [rules.holds(_fp32_then_rounded, name="compute in fp32, return grad's dtype")]
+    held = [rules.holds(_fp32_then_rounded, name="compute in fp32, return grad's dtype")]
+    if rope_backward is not None:
+        held.append(rules.holds(_fp32_tables_probe(rope_backward), name="fp32 tables used at their precision"))
+    return held
 
 
 def _rope_backward_ideal(grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> int:
@@ -397,7 +456,12 @@ def diagnose_rope_backward(case: tuple, got: torch.Tensor, expected: torch.Tenso
             torch.cat((g1 * c2 + g2 * s2, g2 * c1 - g1 * s1), dim=-1),
         "the sign of the sine terms is flipped (that is the transpose of the opposite rotation)":
             torch.cat((g1 * c1 - g2 * s2, g2 * c2 + g1 * s1), dim=-1),
+        "the two halves are swapped in the cat: dx1 = g1·c1 + g2·s2 goes first (features < D/2), "
+        "dx2 = g2·c2 − g1·s1 second": torch.cat((g2 * c2 - g1 * s1, g1 * c1 + g2 * s2), dim=-1),
     }
+    rounded = _with_tables_rounded(case, got)
+    if rounded:
+        return rounded
     cause = _first_match(got, grad.dtype, variants)
     if cause is None and grad.dtype in (torch.bfloat16, torch.float16) and isinstance(got, torch.Tensor):
         # the transpose in the low precision, as code that never upcasts computes it
@@ -488,6 +552,8 @@ def diagnose_chunk(case: tuple, got: tuple, expected: tuple) -> str | None:
         "the loss share is not divided by n_valid (its gradients are): the share is the rows' sum / n_valid":
             (variant(1)[0], *variant(n_valid)[1:]),
         "the logits' gradient is p − onehot(target): the one-hot is not subtracted": variant(n_valid, onehot=False),
+        "the ignored rows' gradient is not zeroed: their loss is 0, so their row of G = (p − onehot) / n_valid must "
+        "be 0 too": (variant(n_valid)[0], *variant(n_valid, keep_ignored=True)[1:]),
     }
     for cause, (want_share, want_x, want_w) in variants.items():
         if (_close(share if isinstance(share, torch.Tensor) else torch.tensor(share), want_share.reshape(()),
@@ -510,9 +576,12 @@ def chunk_by_search(budget_bytes: int, bytes_per_row: int, n_rows: int) -> int:
 
 
 #: The budgets checked: ordinary, below one row, larger than the whole batch, an exact fit, zero, one
-#: row in all; and budgets past 2**53 rows, where a float's log2 rounds up to the next power of two.
+#: row in all; a budget past 2**53 bytes whose float quotient rounds 2**40 − 1 rows up to 2**40 (a float
+#: division; the rows' log2 is still exact); budgets past 2**53 rows, where a float's log2 rounds up to the
+#: next power of two.
 BUDGET_CASES = [(1 << 20, 4096, 10_000), (4095, 4096, 10), (10**9, 512, 100), (3 * 4096, 4096, 64),
-                (0, 100, 5), (1 << 16, 256, 1), (1 << 16, 1024, 1 << 20), ((1 << 53) - 1, 1, 1 << 60),
+                (0, 100, 5), (1 << 16, 256, 1), (1 << 16, 1024, 1 << 20),
+                (((1 << 40) - 1) * 16385 + 16384, 16385, 1 << 60), ((1 << 53) - 1, 1, 1 << 60),
                 (((1 << 62) - 1) * 3, 3, 1 << 62)]
 
 
@@ -521,14 +590,23 @@ def diagnose_chunk_size(case: tuple, got: object, expected: int) -> str | None:
     budget, per_row, n_rows = case
     fit = budget // max(1, per_row)
     cap = triton.next_power_of_2(max(1, n_rows))
+    if isinstance(got, np.integer):
+        return (f"{type(got).__module__}.{type(got).__name__} is not an int: return a Python int (int(...) around "
+                "a numpy value; a fixed-width integer also wraps where Python's do not)")
     if isinstance(got, float):
         return ("a float: math.log2 or ** gave it (and past 2**53 a float's log2 rounds up a power of two): keep to "
                 "integers, 1 << (m.bit_length() - 1)")
     # Where two mistakes give the same number, the one whose first wrong case this is comes first: a float
     # log2 is right until 2**53, rounding up is wrong from the first budget that is not a power of two.
+    divided = max(1, int(budget / max(1, per_row)))
     variants = {
         "the float log2 rounded up a power of two past 2**53: keep to integers, 1 << (m.bit_length() - 1)":
             min(1 << int(math.log2(max(1, fit))), cap),
+        f"budget_bytes / bytes_per_row is a float division: past 2**53 its quotient rounds ({budget:,} / {per_row:,} "
+        f"gives {divided:,}, the rows that fit are {fit:,}) — use integer division, budget_bytes // bytes_per_row":
+            min(1 << (divided.bit_length() - 1), cap),
+        f"capped at n_rows ({n_rows}), not at its next power of two ({cap}): the chunk stays a power of two":
+            min(1 << (max(1, fit).bit_length() - 1), n_rows),
         "rounded up to a power of two: the chunk must fit the budget, so round down":
             min(triton.next_power_of_2(max(1, fit)), cap),
         "0 rows when the budget holds less than one: at least 1 (a single row must run whatever the budget)":

@@ -341,7 +341,8 @@ def fold_reference(scores: torch.Tensor, v: torch.Tensor, widths: list[int]) -> 
 def fold_cases(gen: torch.Generator) -> list[tuple]:
     """Tiles whose maximum rises and falls, masked keys, a row that sees nothing in its first tile; then
     the adversarial case: a maximum that falls from about 200 to about 10 between tiles, a row whose
-    scores are all near −250, a masked first tile before scores near +200, a rise from −200 to +200."""
+    scores are all near −250, a masked first tile before scores near +200, a rise from −200 to +200, a
+    masked first tile before scores near −250."""
     cases = []
     for rows, widths, dims in ((4, [8, 8], 8), (6, [5, 16, 3], 16), (3, [1, 7, 32, 2], 4)):
         total = sum(widths)
@@ -352,7 +353,7 @@ def fold_cases(gen: torch.Generator) -> list[tuple]:
         scores[2, :widths[0]] = float("-inf")    # row 2 sees no key of the first tile
         cases.append((scores, torch.randn(total, dims, generator=gen), widths))
     widths = [8, 8, 8]
-    scores = torch.randn(4, 24, generator=gen)
+    scores = torch.randn(5, 24, generator=gen)
     scores[0, :8] += 200.0                       # the maximum falls from ~200 to ~10
     scores[0, 8:] += 10.0
     scores[1] -= 250.0                           # every score near -250: exp(s) alone underflows
@@ -360,6 +361,8 @@ def fold_cases(gen: torch.Generator) -> list[tuple]:
     scores[2, 8:] += 200.0
     scores[3, :8] -= 200.0                       # the maximum rises from ~-200 to ~+200
     scores[3, 8:] += 200.0
+    scores[4, :8] = float("-inf")                # a masked first tile, then scores near -250: m must stay
+    scores[4, 8:] -= 250.0                       # -inf after the first tile, or exp(s - 0) underflows
     cases.append((scores, torch.randn(24, 8, generator=gen), widths))
     return cases
 
@@ -403,7 +406,16 @@ def _update_variants() -> dict[str, object]:
         alpha, p = torch.exp(safe - old), torch.exp(s - safe[:, None])
         return m_new, l * alpha + p.sum(1), acc * alpha[:, None] + p @ v
 
+    def normalised_every_step(m, l, acc, s, v):
+        m_new = torch.maximum(m, s.amax(dim=1))
+        safe = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
+        alpha, p = torch.exp(m - safe), torch.exp(s - safe[:, None])
+        l_new = l * alpha + p.sum(1)
+        return m_new, l_new, (acc * (l * alpha)[:, None] + p @ v) / torch.where(l_new == 0, 1.0, l_new)[:, None]
+
     return {
+        "acc is divided by l at every step: keep acc = Σ exp(s − m) v unnormalised, as FlashAttention-2 does — the "
+        "fold divides by l once, after the last tile": normalised_every_step,
         "acc is not rescaled: when the maximum moves, multiply acc by alpha = exp(m − m_new), as l is":
             no_rescaled_acc,
         "l is not rescaled: when the maximum moves, multiply l by alpha = exp(m − m_new), as acc is": no_rescaled_l,
@@ -449,10 +461,24 @@ def diagnose_fold(case: tuple, got: tuple, expected: tuple) -> str | None:
     out = got[0].detach()
     if out.shape[0] == scores.shape[0]:
         starts = [sum(widths[:i]) for i in range(len(widths))]
-        for row in (~torch.isfinite(out).all(dim=1)).nonzero().flatten().tolist():
+        bad = set((~torch.isfinite(out).all(dim=1)).nonzero().flatten().tolist())
+        peaks = scores.amax(dim=1)
+        hot = {r for r in range(scores.shape[0]) if float(peaks[r]) > 89}  # exp overflows float32 past ~88.7
+        cold = {r for r in range(scores.shape[0]) if float(peaks[r]) < -104}  # and underflows below ~-103.9
+        if hot and cold and hot | cold <= bad:
+            top, bottom = float(peaks.max()), float(peaks.min())
+            causes.append(f"no maximum is subtracted: exp(s) overflows float32 for scores near {top:.0f} "
+                          f"(rows {sorted(hot)}) and underflows to l = 0 near {bottom:.0f} (rows "
+                          f"{sorted(cold)}) — take every exponential relative to the running maximum, "
+                          "m_new = max(m, rowmax(scores))")
+        for row in [] if causes else sorted(bad):
             maxima = [float(scores[row, a:a + w].max()) for a, w in zip(starts, widths)]
             falls = [a - b for a, b in zip(maxima, maxima[1:])]
-            if maxima[0] == float("-inf"):
+            if maxima[0] == float("-inf") and max(maxima) < -80:
+                causes.append(f"row {row} sees no key in the first tile, and the m returned after it is 0: m must "
+                              "stay −inf while no key is seen (take the exponentials against 0, but return m_new) "
+                              f"— its next scores, near {max(maxima):.0f}, taken against 0 underflow to l = 0")
+            elif maxima[0] == float("-inf"):
                 causes.append(f"row {row} sees no key in the first tile (all −inf), and exp(−inf − (−inf)) is NaN: "
                               "where m_new is still −inf, take the exponentials against 0")
             elif max(maxima) < -80:
@@ -552,11 +578,27 @@ def _keys_once_per_query_block(args: tuple, launches) -> str | None:
             "the keys, the softmax rescaled as it goes")
 
 
+def _dots_in_the_inputs_dtype(args: tuple, launches) -> str | None:
+    """Every ``tl.dot`` the tracer saw took operands of the inputs' dtype (bf16 inputs: bf16 × bf16, what a
+    GPU's tensor cores run at full rate; an fp32 dot of upcast inputs runs at a fraction of it)."""
+    q = args[0]
+    want = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(q.dtype)
+    if want is None:
+        return None
+    for launch in launches:
+        for (a, b), count in getattr(launch, "dot_dtypes", {}).items():
+            if (a, b) != (want, want):
+                return (f"{want} inputs, but a tl.dot took {a} × {b} operands ({count} calls): keep q, k and v in "
+                        f"their dtype and cast p to v.dtype — tl.dot accumulates in fp32 anyway")
+    return None
+
+
 def flash_forward_rules() -> list:
     from utils.exercises import rules
 
     return [rules.traced(_keys_once_per_query_block, name="one pass over the keys (k and v read once per query "
-                                                           "block)")]
+                                                           "block)"),
+            rules.traced(_dots_in_the_inputs_dtype, name="tl.dot in the inputs' dtype (fp32 accumulation)")]
 
 
 def _forward_ideal(q, k, v) -> int:
@@ -610,9 +652,34 @@ def _tiled_forward(q, k, v, scale, rescale_acc=True, rescale_l=True, divide=True
             m = m_new
         outs.append(acc / l[:, None] if divide else acc)
         lse = {"natural": m + torch.log(l), "max only": m, "sum only": torch.log(l),
-               "base 2": (m + torch.log(l)) * LOG2E}[lse_kind]
+               "base 2": (m + torch.log(l)) * LOG2E, "sum in base 2": m + torch.log(l) * LOG2E}[lse_kind]
         lses.append(lse)
     return torch.stack(outs), torch.stack(lses)
+
+
+def _spilled_rows(q: torch.Tensor, got: object, expected: tuple) -> str | None:
+    """The stores not masked to ``rows < seq_q``: a head's last query block writes its rows past ``seq_q`` over
+    the next head's first rows (``out`` and ``lse`` are ``(BH, Tq)``, one head's rows after another's)."""
+    heads, seq_q, _ = q.shape
+    pad = -(-seq_q // FORWARD_BLOCK_M) * FORWARD_BLOCK_M - seq_q
+    if heads < 2 or not pad or not isinstance(got, (tuple, list)) or len(got) != 2:
+        return None
+    wrong_rows = []
+    for g, e in zip(got, expected):
+        if not isinstance(g, torch.Tensor) or g.shape != e.shape:
+            return None
+        rtol, atol = _tolerance(q.dtype)
+        close = torch.isclose(g.detach().cpu().double(), e.detach().cpu().to(g.dtype).double(), rtol=rtol, atol=atol)
+        wrong_rows.append(~close.reshape(heads, seq_q, -1).all(dim=-1))
+    wrong = wrong_rows[0] | wrong_rows[1]
+    spill = torch.zeros(heads, seq_q, dtype=torch.bool)
+    spill[1:, :pad] = True
+    if not bool(wrong.any()) or bool((wrong & ~spill).any()):
+        return None
+    head = int(wrong.any(dim=1).nonzero()[0]) - 1
+    return (f"the stores are not masked to the rows < seq_q: head {head}'s last query block spills its "
+            f"{pad} rows past seq_q = {seq_q} into head {head + 1}'s first rows (out and lse hold one head's rows "
+            "after another's) — mask both stores with rows < seq_q")
 
 
 def diagnose_flash_forward(case: tuple, got: tuple, expected: tuple) -> str | None:
@@ -629,7 +696,25 @@ def diagnose_flash_forward(case: tuple, got: tuple, expected: tuple) -> str | No
         if maxima.shape[-1] > 1 and float((maxima[..., :-1] - maxima[..., 1:]).max()) > 80:
             return ("NaN/inf where a row's maximum falls by more than 80 after the first key tile: rescale by "
                     "alpha = exp(m − m_new) with m_new = max(m, rowmax(s)), so that no exponent is positive")
-    variants = {
+    spill = _spilled_rows(q, got, expected)
+    if spill:
+        return spill
+    heads, seq_q, _ = q.shape
+    seq_k = k.shape[1]
+    padded = -(-seq_k // FORWARD_BLOCK_N) * FORWARD_BLOCK_N
+    variants = {}
+    if padded > seq_k:  # the padded keys, loaded as 0, score q · 0 = 0 (masked to 0 or not masked at all)
+        zeros = q.new_zeros(heads, padded - seq_k, dims)
+        variants["the keys past seq_k are not masked to −inf: padded keys (loaded as 0) score 0 and take a share "
+                 f"of every row's softmax ({seq_k} keys, {padded} in the last tile) — s = tl.where(keys < seq_k, s, "
+                 "float('-inf')), never 0"] = _dense_attention(q, torch.cat((k, zeros), 1), torch.cat((v, zeros), 1),
+                                                               scale)
+    if heads > 1 and seq_q < seq_k:  # head bh's keys read from row bh * seq_q of the flattened K: in bounds
+        rows = torch.arange(heads)[:, None] * seq_q + torch.arange(seq_k)[None, :]
+        variants["K and V are offset by bh * seq_q * HEAD_DIM: head bh's keys start at bh * seq_k * HEAD_DIM (K and "
+                 "V have seq_k rows per head, Q and the output seq_q)"] = _dense_attention(
+            q, k.reshape(-1, dims)[rows], v.reshape(-1, dims)[rows], scale)
+    variants.update({
         f"the scores miss the scale 1/√D = {scale:.4g} (scale = 1 / sqrt(HEAD_DIM), given as `scale`)":
             _dense_attention(q, k, v, 1.0),
         f"the scores are multiplied by √D instead of 1/√D (= {scale:.4g})": _dense_attention(q, k, v, math.sqrt(dims)),
@@ -644,7 +729,9 @@ def diagnose_flash_forward(case: tuple, got: tuple, expected: tuple) -> str | No
             _tiled_forward(q, k, v, scale, lse_kind="sum only"),
         "lse is in base 2 (scores scaled by log2(e) for exp2): divide m + log2(l) by log2(e) for the natural log":
             _tiled_forward(q, k, v, scale, lse_kind="base 2"),
-    }
+        "lse is m + log2(l): with natural-log scores (tl.exp) the sum's log is natural too, m + tl.log(l)":
+            _tiled_forward(q, k, v, scale, lse_kind="sum in base 2"),
+    })
     if k.shape[1] == FORWARD_BLOCK_N == dims:
         # tl.dot(q, k) instead of tl.dot(q, tl.trans(k)): with a square tile it runs, on K's transpose
         variants["K is not transposed: the scores are q · kᵀ, tl.dot(q, tl.trans(k))"] = _dense_attention(
@@ -733,11 +820,12 @@ def repeat_kv_reference(k: torch.Tensor, n_q_heads: int) -> torch.Tensor:
 
 
 def gqa_cases(gen: torch.Generator) -> list[tuple[torch.Tensor, int]]:
-    """``(k, n_q_heads)``: MHA, MQA, groups of two and of four (last: the traffic verdict's case)."""
+    """``(k, n_q_heads)``: groups of two on three kv heads first (where a constant map, ``h // n_kv_heads`` and
+    the identity all differ and stay inside K), MHA, MQA, groups of four (last: the traffic verdict's case)."""
     from kernel_ladder.runtime import DEVICE
 
     return [(torch.randn(batch, kv_heads, 8, 16, generator=gen).to(DEVICE), q_heads)
-            for batch, q_heads, kv_heads in ((1, 4, 4), (2, 4, 1), (1, 6, 3), (1, 8, 2))]
+            for batch, q_heads, kv_heads in ((1, 6, 3), (1, 4, 4), (2, 4, 1), (1, 8, 2))]
 
 
 def _gather_ideal(k: torch.Tensor, n_q_heads: int) -> int:
@@ -770,9 +858,16 @@ def diagnose_kv_head_index(case: tuple, got: torch.Tensor, expected: torch.Tenso
     for h in range(n_q_heads):
         matches = [kv for kv in range(n_kv_heads) if torch.equal(got[0, h].cpu(), k[0, kv].cpu())]
         read.append(matches[0] if matches else None)
+    if group > 1 and read == [0] * n_q_heads:
+        return (f"every query head read kv head 0: the map ignores q_head — query head h reads kv head h // G, "
+                f"G = n_q_heads // n_kv_heads = {group}")
     if read == [h % n_kv_heads for h in range(n_q_heads)]:
         return (f"query head h read kv head h % n_kv_heads, the interleaved grouping: repeat_kv gives each kv head "
                 f"G = n_q_heads // n_kv_heads = {group} consecutive query heads, h // G")
+    if group > 1 and read[:n_kv_heads] == list(range(n_kv_heads)) and None in read[n_kv_heads:]:
+        return (f"query head h read kv head h, as if each query head had its own: there are {n_kv_heads} kv heads, "
+                f"one per G = n_q_heads // n_kv_heads = {group} consecutive query heads, h // G (query heads "
+                f"{n_kv_heads}..{n_q_heads - 1} read past K's last head)")
     if read == [min(h // n_kv_heads, n_kv_heads) for h in range(n_q_heads)]:
         return (f"h // n_kv_heads divides by the number of kv heads ({n_kv_heads}), not by the group size "
                 f"G = n_q_heads // n_kv_heads = {group}")
@@ -789,15 +884,33 @@ def diagnose_kv_head_index(case: tuple, got: torch.Tensor, expected: torch.Tenso
 
 
 def backward_reference(q, k, v, do, lse, delta, scale):
-    """Autograd through ``softmax(scale · q kᵀ) v`` (never the solution's formulas)."""
+    """Autograd through a softmax over the tile's keys and the rest of its rows (never the solution's formulas).
+
+    The tile may hold only some of its rows' keys: ``lse`` and ``delta`` are the whole row's. The keys outside
+    the tile are stood for by one key per row, its score and value chosen so that the row's log-sum-exp is
+    ``lse`` and ``Σ_d dO O`` is ``delta`` (none where the tile holds the whole row); autograd through
+    ``softmax([scale · q kᵀ, s_rest]) [v; v_rest]`` then gives the tile's part of ``dq`` and its ``dk``, ``dv``.
+    """
     q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    out = torch.softmax(scale * (q @ k.T), dim=-1) @ v
+    with torch.no_grad():
+        p_tile = torch.exp(scale * (q @ k.T) - lse[:, None])
+        rest = 1 - p_tile.sum(dim=1)  # the probability the row's other keys hold
+        outside = rest > 1e-9  # else the tile holds the whole row (up to rounding)
+        s_rest = torch.where(outside, lse + torch.log(rest.clamp_min(1e-300)), torch.full_like(rest, -torch.inf))
+        # the other keys' part of delta, carried by a value along dO: rest · (dO · v_rest) = delta − tile's part
+        tile_part = (p_tile @ v.detach() * do).sum(dim=1)
+        weight = torch.where(outside, (delta - tile_part) / (rest * (do * do).sum(dim=1)), torch.zeros_like(rest))
+        v_rest = weight[:, None] * do
+    scores = torch.cat((scale * (q @ k.T), s_rest[:, None]), dim=1)
+    probs = torch.softmax(scores, dim=-1)
+    out = probs[:, :-1] @ v + probs[:, -1:] * v_rest
     return torch.autograd.grad(out, (q, k, v), do)
 
 
 def backward_cases(gen: torch.Generator) -> list[tuple]:
     """float64 tiles: square (where a transpose still runs), more keys, more queries; then scores in the
-    thousands, where exp(s) alone overflows even float64."""
+    thousands, where exp(s) alone overflows even float64; last, a tile of keys 6..13 of rows that have 20
+    (``lse`` and ``delta`` the whole row's, as the kernel's key blocks see them)."""
     cases = []
     for rows, keys, dims, spread in ((8, 8, 16, 1.0), (5, 13, 32, 1.0), (16, 3, 8, 1.0), (6, 9, 16, 1000.0)):
         q, k, v = (torch.randn(n, dims, generator=gen, dtype=torch.float64) for n in (rows, keys, keys))
@@ -808,6 +921,11 @@ def backward_cases(gen: torch.Generator) -> list[tuple]:
         scores = scale * (q @ k.T)
         out = torch.softmax(scores, dim=-1) @ v
         cases.append((q, k, v, do, torch.logsumexp(scores, dim=-1), (do * out).sum(-1), scale))
+    q, k, v = (torch.randn(n, 16, generator=gen, dtype=torch.float64) for n in (8, 20, 20))
+    do = torch.randn(8, 16, generator=gen, dtype=torch.float64)
+    scores = 0.25 * (q @ k.T)
+    out = torch.softmax(scores, dim=-1) @ v
+    cases.append((q, k[6:14], v[6:14], do, torch.logsumexp(scores, dim=-1), (do * out).sum(-1), 0.25))
     return cases
 
 
@@ -826,7 +944,23 @@ def diagnose_backward_tile(case: tuple, got: tuple, expected: tuple) -> str | No
     no_delta = p * dp
     unscaled_p = torch.exp(q @ k.T - lse[:, None])
     ds_unscaled_p = unscaled_p * (do @ v.T - delta[:, None])
+    share = float(p.sum(dim=1).mean())
+    own_p = torch.softmax(s, dim=-1)
+    ds_own_p = own_p * (dp - delta[:, None])
+    ds_own_delta = p * (dp - (p * dp).sum(1, keepdim=True))
+    ds_outside = p * dp - delta[:, None]
+    ds_added = p * (dp + delta[:, None])
+    partial = f"the tile holds only part of its rows' keys (their P sums to {share:.2f} of each row here)"
     variants = {
+        f"P is the tile's own softmax: {partial}, so P = exp(scale · q kᵀ − lse) with the whole row's lse":
+            (scale * ds_own_p @ k, scale * ds_own_p.T @ q, own_p.T @ do),
+        f"delta is recomputed from the tile: {partial}, and delta sums over every key of the row — use the "
+        "delta given (Σ_d dO O, from the forward's output)": (scale * ds_own_delta @ k, scale * ds_own_delta.T @ q,
+                                                              right[2]),
+        "dS = P ∘ dP − delta: the parenthesis slipped, dS = P ∘ (dP − delta[:, None])":
+            (scale * ds_outside @ k, scale * ds_outside.T @ q, right[2]),
+        "delta's sign is flipped: dS = P ∘ (dP − delta[:, None])": (scale * ds_added @ k, scale * ds_added.T @ q,
+                                                                     right[2]),
         "dS misses delta: the softmax's Jacobian gives dS = P ∘ (dP − delta[:, None])":
             (scale * no_delta @ k, scale * no_delta.T @ q, right[2]),
         "dq and dk miss the scale: S = scale · q kᵀ, so dQ = scale · dS K and dK = scale · dSᵀ Q":
@@ -835,6 +969,10 @@ def diagnose_backward_tile(case: tuple, got: tuple, expected: tuple) -> str | No
             (scale * ds_unscaled_p @ k, scale * ds_unscaled_p.T @ q, unscaled_p.T @ do),
     }
     if q.shape[0] == k.shape[0]:  # a square tile: the transposes run and give wrong numbers
+        variants["dq and dk are swapped: return (dq, dk, dv), dq = scale · dS K (one row per query), "
+                 "dk = scale · dSᵀ Q (one per key)"] = (right[1], right[0], right[2])
+        variants["dQ is built from Q and dK from K: dQ = scale · dS K, dK = scale · dSᵀ Q"] = (
+            scale * ds @ q, scale * ds.T @ k, right[2])
         variants["dV is P dO, not Pᵀ dO: dV sums over the queries, dV = P.T @ dO"] = (*right[:2], p @ do)
         variants["dK is dS Q, not dSᵀ Q: dK sums over the queries, dK = scale · dS.T @ Q"] = (
             right[0], scale * ds @ q, right[2])

@@ -150,6 +150,29 @@ def rope_kernel_with(x_ptr, cos_ptr, sin_ptr, out_ptr, n_heads, seq_len, HALF: t
     tl.store(out_ptr + second, y2.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def rope_table_by_program_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_heads, seq_len, HALF: tl.constexpr,
+                                 BLOCK_H: tl.constexpr):
+    # The table row indexed by the program (the token of the whole batch), not by its position t: the
+    # second sequence's tokens read rows past the table's end.
+    token = tl.program_id(0)
+    b = token // seq_len
+    t = token % seq_len
+    j = tl.arange(0, HALF)
+    table = token.to(tl.int64) * (2 * HALF)
+    c1 = tl.load(cos_ptr + table + j).to(tl.float32)[None, :]
+    c2 = tl.load(cos_ptr + table + HALF + j).to(tl.float32)[None, :]
+    s1 = tl.load(sin_ptr + table + j).to(tl.float32)[None, :]
+    s2 = tl.load(sin_ptr + table + HALF + j).to(tl.float32)[None, :]
+    heads = tl.arange(0, BLOCK_H)
+    mask = (heads < n_heads)[:, None]
+    rows = ((b * n_heads + heads).to(tl.int64) * seq_len + t) * (2 * HALF)
+    x1 = tl.load(x_ptr + rows[:, None] + j[None, :], mask=mask).to(tl.float32)
+    x2 = tl.load(x_ptr + rows[:, None] + HALF + j[None, :], mask=mask).to(tl.float32)
+    tl.store(out_ptr + rows[:, None] + j[None, :], (x1 * c1 - x2 * s1).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + rows[:, None] + HALF + j[None, :], (x2 * c2 + x1 * s2).to(out_ptr.dtype.element_ty), mask=mask)
+
+
 def planted(bug: int):
     """``rope_kernel_with`` with ``BUG`` fixed, indexable by a grid as the launcher indexes a kernel."""
 
@@ -202,10 +225,12 @@ def test_rope_token_kernel_solution_is_solved_with_its_rule_and_traffic():
     (planted(1), ["cause: the rotation runs the other way (the sin terms' signs flipped)"]),
     (planted(2), ["cause: the two halves are stored swapped"]),
     (planted(4), ["cause: cos and sin are swapped"]),
+    (rope_table_by_program_kernel, ["cause: the table row is indexed by the program id (the token of the whole "
+                                    "batch), not by its position t = pid % seq_len"]),
     (rope_in_bf16_kernel, ["case 2 of 3", "cause: this is the bf16 case (the fp32 case before it passed)",
                            "compute in fp32 and round once at the store"]),
 ], ids=["stub", "table per head", "one half of the table", "unmasked heads", "opposite rotation", "halves swapped",
-        "cos and sin swapped", "bf16 arithmetic"])
+        "cos and sin swapped", "table by program id", "bf16 arithmetic"])
 def test_rope_token_kernel_negative_controls(kernel, diagnosis):
     assert_not_solved(check_rope_tokens(kernel), *diagnosis)
 
@@ -227,7 +252,7 @@ def test_rope_token_kernel_second_store_offset_is_named_not_the_grid():
 
 def check_rope_backward(candidate) -> Verdict:
     return check("ch06_fused_ops.rope_backward", candidate, given.rope_backward_reference, given.rope_backward_cases,
-                 rules=given.rope_backward_rules(), diagnose=given.diagnose_rope_backward,
+                 rules=given.rope_backward_rules(candidate), diagnose=given.diagnose_rope_backward,
                  traffic=given.rope_backward_traffic())
 
 
@@ -256,6 +281,19 @@ def backward_in_bf16(grad, cos, sin):
     return torch.cat((g1 * c1 + g2 * s2, g2 * c2 - g1 * s1), -1)
 
 
+def backward_with_the_tables_rounded(grad, cos, sin):
+    # fp32 tables rounded to grad's bf16 first: the check's bf16 gradient with fp32 tables catches it.
+    g, c, s = grad.float(), cos.to(grad.dtype).float(), sin.to(grad.dtype).float()
+    (g1, g2), (c1, c2), (s1, s2) = halves(g), halves(c), halves(s)
+    return torch.cat((g1 * c1 + g2 * s2, g2 * c2 - g1 * s1), dim=-1).to(grad.dtype)
+
+
+def backward_with_the_halves_swapped(grad, cos, sin):
+    g, c, s = grad.float(), cos.float(), sin.float()
+    (g1, g2), (c1, c2), (s1, s2) = halves(g), halves(c), halves(s)
+    return torch.cat((g2 * c2 - g1 * s1, g1 * c1 + g2 * s2), dim=-1).to(grad.dtype)  # dx2 first
+
+
 def test_rope_backward_solution_is_solved_with_its_rule_and_traffic():
     verdict = check_rope_backward(solutions.rope_backward)
     assert verdict.solved, verdict.message
@@ -269,7 +307,11 @@ def test_rope_backward_solution_is_solved_with_its_rule_and_traffic():
     (backward_rotating_by_minus_sin, "cause: the rotation by the opposite angle with the tables' first halves is right "
                                      "only for HF's tables"),
     (backward_with_the_sines_swapped, "cause: the sines are swapped"),
-], ids=["forward rotation", "HF's inverse", "sines swapped"])
+    (backward_with_the_halves_swapped, "cause: the two halves are swapped in the cat: dx1 = g1·c1 + g2·s2 goes first"),
+    (backward_with_the_tables_rounded, "broke a stated rule — fp32 tables used at their precision: with fp32 tables "
+                                       "(a bf16 grad): the fp32 tables were rounded to bfloat16 (grad's dtype) before "
+                                       "use"),
+], ids=["forward rotation", "HF's inverse", "sines swapped", "halves swapped", "tables rounded"])
 def test_rope_backward_negative_controls(wrong, cause):
     assert_not_solved(check_rope_backward(wrong), cause)
 
@@ -339,6 +381,16 @@ def chunk_with_a_naive_softmax(x, weight, target, n_valid, ignore_index=-100):
     return share, g @ weight.float(), g.T @ x.float()
 
 
+def chunk_with_ignored_gradients(x, weight, target, n_valid, ignore_index=-100):
+    loss, _, _ = solutions.fused_linear_ce_chunk(x, weight, target, n_valid, ignore_index)
+    valid = target != ignore_index
+    safe = torch.where(valid, target, torch.zeros_like(target))
+    g = torch.softmax(x.float() @ weight.float().T, dim=-1)
+    g[torch.arange(len(safe)), safe] -= 1.0
+    g = g / n_valid  # the ignored rows' gradient kept: their loss is 0, so must their gradient be
+    return loss, g @ weight.float(), g.T @ x.float()
+
+
 def test_fused_chunk_solution_is_solved():
     for _ in range(10):  # fresh draws: the case with logits in the hundreds rounds differently on each
         verdict = check_chunk(solutions.fused_linear_ce_chunk)
@@ -350,7 +402,8 @@ def test_fused_chunk_solution_is_solved():
     (chunk_counting_ignored_rows, "cause: the ignored rows (target = ignore_index) are counted"),
     (chunk_without_scaled_gradients, "cause: the gradients miss the 1 / n_valid the loss share has"),
     (chunk_with_a_naive_softmax, "cause: NaN/inf: the logits reach"),
-], ids=["own rows", "ignored rows counted", "unscaled gradients", "naive softmax"])
+    (chunk_with_ignored_gradients, "cause: the ignored rows' gradient is not zeroed"),
+], ids=["own rows", "ignored rows counted", "unscaled gradients", "naive softmax", "ignored gradient kept"])
 def test_fused_chunk_negative_controls(wrong, cause):
     assert_not_solved(check_chunk(wrong), cause)
 
@@ -407,6 +460,22 @@ def as_a_float(budget_bytes, bytes_per_row, n_rows):
     return min(2.0 ** math.floor(math.log2(fit)), triton.next_power_of_2(n_rows))
 
 
+def by_true_division(budget_bytes, bytes_per_row, n_rows):
+    fit = max(1, int(budget_bytes / bytes_per_row))  # a float quotient: rounds past 2**53
+    return min(1 << (fit.bit_length() - 1), triton.next_power_of_2(n_rows))
+
+
+def capped_at_n_rows(budget_bytes, bytes_per_row, n_rows):
+    fit = max(1, budget_bytes // bytes_per_row)
+    return min(1 << (fit.bit_length() - 1), n_rows)  # not a power of two when n_rows is not
+
+
+def as_numpy_int(budget_bytes, bytes_per_row, n_rows):
+    import numpy as np
+
+    return np.int64(solutions.chunk_size_for_budget(budget_bytes, bytes_per_row, n_rows))
+
+
 def test_chunk_size_for_budget_solution_is_solved():
     verdict = check_chunk_size(solutions.chunk_size_for_budget)
     assert verdict.solved, verdict.message
@@ -418,6 +487,9 @@ def test_chunk_size_for_budget_solution_is_solved():
     (no_cap, "cause: not capped at the next power of two of n_rows"),
     (by_float_log2, "cause: the float log2 rounded up a power of two past 2**53"),
     (as_a_float, "expected an exact int, got float"),
-], ids=["rounds up", "no floor", "no cap", "float log2", "a float"])
+    (by_true_division, "cause: budget_bytes / bytes_per_row is a float division: past 2**53 its quotient rounds"),
+    (capped_at_n_rows, "cause: capped at n_rows (100), not at its next power of two (128)"),
+    (as_numpy_int, "cause: numpy.int64 is not an int"),
+], ids=["rounds up", "no floor", "no cap", "float log2", "a float", "true division", "capped at n_rows", "numpy int"])
 def test_chunk_size_for_budget_negative_controls(wrong, cause):
     assert_not_solved(check_chunk_size(wrong), cause)

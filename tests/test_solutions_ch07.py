@@ -104,6 +104,35 @@ def update_without_rescaling_l(m, l, acc, scores, v):
     return m_new, l + p.sum(dim=1), acc * alpha[:, None] + p @ v
 
 
+def update_returning_the_safe_maximum(m, l, acc, scores, v):
+    # The -inf guard's 0 returned as m: a row masked through its first tile then holds m = 0, and its next
+    # tile's scores, all near -250, are taken against 0: every exponential underflows, l = 0.
+    m_new = torch.maximum(m, scores.amax(dim=1))
+    m_safe = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
+    alpha = torch.exp(m - m_safe)
+    p = torch.exp(scores - m_safe[:, None])
+    return m_safe, l * alpha + p.sum(1), acc * alpha[:, None] + p @ v
+
+
+def update_without_a_maximum(m, l, acc, scores, v):
+    # No maximum subtracted at all: m stays 0, exp(scores) overflows near +200 and underflows near -250.
+    p = torch.exp(scores)
+    old_l = torch.where(m == float("-inf"), l, l * torch.exp(m))
+    old_acc = torch.where((m == float("-inf"))[:, None], acc, acc * torch.exp(m)[:, None])
+    return torch.zeros_like(m), old_l + p.sum(1), old_acc + p @ v
+
+
+def update_normalising_every_step(m, l, acc, scores, v):
+    # acc kept as the running average (divided by l at every tile): the fold divides by l once more at the end.
+    m_new = torch.maximum(m, scores.amax(dim=1))
+    m_safe = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
+    alpha = torch.exp(m - m_safe)
+    p = torch.exp(scores - m_safe[:, None])
+    l_new = l * alpha + p.sum(1)
+    acc_new = (acc * (l * alpha)[:, None] + p @ v) / torch.where(l_new == 0, 1.0, l_new)[:, None]
+    return m_new, l_new, acc_new
+
+
 def update_in_a_loop(m, l, acc, scores, v):
     m_new, l_new, acc_new = m.clone(), l.clone(), acc.clone()
     for row in range(scores.shape[0]):  # right values, row by row: the spec says no loops
@@ -127,10 +156,15 @@ def test_online_softmax_update_solution_solves():
                                         "exp(−inf − (−inf)) is NaN"),
     (update_with_the_tile_overflowing, "cause: row 0's maximum falls by"),
     (update_clamping_the_maximum_at_zero, "cause: row 1's scores are all near -2"),
+    (update_returning_the_safe_maximum, "cause: row 4 sees no key in the first tile, and the m returned after it "
+                                        "is 0: m must stay −inf while no key is seen"),
+    (update_without_a_maximum, "cause: no maximum is subtracted: exp(s) overflows float32 for scores near 2"),
+    (update_normalising_every_step, "cause: acc is divided by l at every step"),
     (update_in_a_loop, "broke a stated rule — torch, no loops (one tile's update is tensor ops): a Python for "
                        "loop at line"),
 ], ids=["acc unrescaled", "l unrescaled", "tile maximum", "no -inf guard", "overflow when the max falls",
-        "max clamped at 0", "a loop"])
+        "max clamped at 0", "safe maximum returned", "no maximum",
+        "normalised every step", "a loop"])
 def test_online_softmax_update_negative_controls(wrong, cause):
     assert_not_solved(check_fold(wrong), cause)
 
@@ -152,7 +186,9 @@ def check_forward(kernel) -> Verdict:
 def forward_kernel_with(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, seq_q, seq_k, scale,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BUG: tl.constexpr):
     # The online-softmax forward with one planted mistake (BUG): 1 no scale, 2 acc not rescaled, 3 the key
-    # mask one too far, 4 lse in base 2, 5 K not transposed, 6 rescaled towards the tile's own maximum.
+    # mask one too far, 4 lse in base 2, 5 K not transposed, 6 rescaled towards the tile's own maximum,
+    # 7 q kᵀ as an fp32 dot of upcast inputs, 8 p v as an fp32 dot of upcast v, 9 masked keys scored 0,
+    # 10 K and V offset by seq_q, 11 lse = m + log2(l), 12 no row mask on the stores.
     pid_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -163,19 +199,25 @@ def forward_kernel_with(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, seq_q, seq_k, sca
     l = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     bound = seq_k + 1 if BUG == 3 else seq_k
+    head_rows = seq_q if BUG == 10 else seq_k  # 10: K and V offset by the query length
     for start_n in range(0, seq_k, BLOCK_N):
         keys = start_n + tl.arange(0, BLOCK_N)
-        k = tl.load(k_ptr + bh * seq_k * HEAD_DIM + keys[:, None] * HEAD_DIM + d[None, :],
+        k = tl.load(k_ptr + bh * head_rows * HEAD_DIM + keys[:, None] * HEAD_DIM + d[None, :],
                     mask=keys[:, None] < bound, other=0.0)
-        v = tl.load(v_ptr + bh * seq_k * HEAD_DIM + keys[:, None] * HEAD_DIM + d[None, :],
+        v = tl.load(v_ptr + bh * head_rows * HEAD_DIM + keys[:, None] * HEAD_DIM + d[None, :],
                     mask=keys[:, None] < bound, other=0.0)
         if BUG == 5:
             s = tl.dot(q, k)
+        elif BUG == 7:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))  # right values, but no bf16 tensor cores
         else:
             s = tl.dot(q, tl.trans(k))
         if BUG != 1:
             s = s * scale
-        s = tl.where(keys[None, :] < bound, s, float("-inf"))
+        if BUG == 9:
+            s = tl.where(keys[None, :] < bound, s, 0.0)  # masked keys set to 0, not -inf: they take a share
+        else:
+            s = tl.where(keys[None, :] < bound, s, float("-inf"))
         tile_max = tl.max(s, axis=1)
         m_new = tl.maximum(m, tile_max)
         if BUG == 6:
@@ -192,15 +234,20 @@ def forward_kernel_with(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, seq_q, seq_k, sca
             l = l * alpha + tl.sum(p, axis=1)
             if BUG == 2:
                 acc = acc + tl.dot(p.to(v.dtype), v)
+            elif BUG == 8:
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))  # v upcast: an fp32 dot for bf16 inputs
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
+    row_bound = seq_q + BLOCK_M if BUG == 12 else seq_q  # 12: the rows past seq_q stored too
     tl.store(out_ptr + bh * seq_q * HEAD_DIM + rows[:, None] * HEAD_DIM + d[None, :],
-             (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=rows[:, None] < seq_q)
+             (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=rows[:, None] < row_bound)
     lse = m + tl.log(l)
     if BUG == 4:
         lse = lse * 1.4426950408889634
-    tl.store(lse_ptr + bh * seq_q + rows, lse, mask=rows < seq_q)
+    if BUG == 11:
+        lse = m + tl.log2(l)  # the sum's log in base 2, the maximum's natural
+    tl.store(lse_ptr + bh * seq_q + rows, lse, mask=rows < row_bound)
 
 
 def planted_forward(bug: int):
@@ -300,9 +347,20 @@ def test_the_planted_kernel_without_a_bug_is_the_solution():
     (4, "cause: lse is in base 2"),
     (5, "cause: K is not transposed"),
     (6, "cause: NaN/inf where a row's maximum falls by more than 80 after the first key tile"),
-], ids=["no scale", "acc unrescaled", "mask one too far", "lse base 2", "K not transposed", "tile maximum"])
+    (9, "cause: the keys past seq_k are not masked to −inf"),
+    (10, "cause: K and V are offset by bh * seq_q * HEAD_DIM"),
+    (11, "cause: lse is m + log2(l)"),
+    (12, "cause: the stores are not masked to the rows < seq_q: head 0's last query block spills"),
+], ids=["no scale", "acc unrescaled", "mask one too far", "lse base 2", "K not transposed", "tile maximum",
+        "masked keys 0", "kv offset seq_q", "lse log2 l", "no row mask"])
 def test_flash_forward_negative_controls(bug, cause):
     assert_not_solved(check_forward(planted_forward(bug)), cause)
+
+
+@pytest.mark.parametrize(("bug", "operands"), [(7, "fp32 × fp32"), (8, "fp32 × fp32")], ids=["q k", "p v"])
+def test_flash_forward_fp32_dots_of_bf16_inputs_break_the_dtype_rule(bug, operands):
+    assert_not_solved(check_forward(planted_forward(bug)), "broke a stated rule — tl.dot in the inputs' dtype",
+                      f"bf16 inputs, but a tl.dot took {operands} operands")
 
 
 def test_flash_forward_two_passes_break_the_one_pass_rule():
@@ -312,7 +370,8 @@ def test_flash_forward_two_passes_break_the_one_pass_rule():
 
 def test_flash_forward_unmasked_keys_are_wrong_values():
     verdict = check_forward(unmasked_keys_kernel)
-    assert not verdict.solved and "wrong" in verdict.message, verdict.message
+    assert_not_solved(verdict, "wrong", "cause: the keys past seq_k are not masked to −inf: padded keys (loaded as 0) "
+                                        "score 0")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -425,6 +484,34 @@ def gather_by_kv_count_kernel(k_ptr, out_ptr, n_q_heads, n_kv_heads, SEQ: tl.con
     tl.store(out_ptr + (b * n_q_heads + h) * SEQ * HEAD_DIM + tile, keys)
 
 
+@triton.jit
+def kv_head_zero(q_head, n_q_heads, n_kv_heads):
+    return q_head * 0  # every query head on kv head 0
+
+
+@triton.jit
+def gather_zero_kernel(k_ptr, out_ptr, n_q_heads, n_kv_heads, SEQ: tl.constexpr, HEAD_DIM: tl.constexpr):
+    b, h = tl.program_id(0), tl.program_id(1)
+    kv = kv_head_zero(h, n_q_heads, n_kv_heads)
+    tile = tl.arange(0, SEQ)[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+    keys = tl.load(k_ptr + (b * n_kv_heads + kv) * SEQ * HEAD_DIM + tile)
+    tl.store(out_ptr + (b * n_q_heads + h) * SEQ * HEAD_DIM + tile, keys)
+
+
+@triton.jit
+def kv_head_identity(q_head, n_q_heads, n_kv_heads):
+    return q_head  # as if every query head had its own kv head: past the last one, outside K
+
+
+@triton.jit
+def gather_identity_kernel(k_ptr, out_ptr, n_q_heads, n_kv_heads, SEQ: tl.constexpr, HEAD_DIM: tl.constexpr):
+    b, h = tl.program_id(0), tl.program_id(1)
+    kv = kv_head_identity(h, n_q_heads, n_kv_heads)
+    tile = tl.arange(0, SEQ)[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+    keys = tl.load(k_ptr + (b * n_kv_heads + kv) * SEQ * HEAD_DIM + tile)
+    tl.store(out_ptr + (b * n_q_heads + h) * SEQ * HEAD_DIM + tile, keys)
+
+
 def gather_with(kernel):
     def gather_kv(k, n_q_heads, out):
         batch, n_kv_heads, seq, head_dim = k.shape
@@ -449,11 +536,16 @@ def test_kv_head_index_solution_solves_with_the_copy_traffic_named():
 
 @pytest.mark.parametrize(("kernel", "cause"), [
     (gather_modulo_kernel, "cause: query head h read kv head h % n_kv_heads, the interleaved grouping"),
-    (gather_by_kv_count_kernel, "cause: h // n_kv_heads divides by the number of kv heads (4), not by the group "
-                                "size G = n_q_heads // n_kv_heads = 1"),
-], ids=["h % kv_heads", "h // kv_heads"])
+    (gather_by_kv_count_kernel, "cause: h // n_kv_heads divides by the number of kv heads (3), not by the group "
+                                "size G = n_q_heads // n_kv_heads = 2"),
+    (gather_zero_kernel, "cause: every query head read kv head 0: the map ignores q_head"),
+    (gather_identity_kernel, "cause: query head h read kv head h, as if each query head had its own"),
+], ids=["h % kv_heads", "h // kv_heads", "always 0", "identity"])
 def test_kv_head_index_negative_controls(kernel, cause):
-    assert_not_solved(check_gather(kernel), cause)
+    verdict = check_gather(kernel)
+    assert_not_solved(verdict, cause)
+    first = next(line for line in verdict.message.splitlines() if line.strip().startswith("•"))
+    assert "cause:" in first, verdict.message  # the cause leads, before what the given kernel's loads did
 
 
 # ----------------------------------------------------------------------------------------------
@@ -490,6 +582,37 @@ def backward_dividing_exponentials(q, k, v, do, lse, delta, scale):
     return scale * ds @ k, scale * ds.T @ q, p.T @ do
 
 
+def backward_with_the_tiles_own_softmax(q, k, v, do, lse, delta, scale):
+    p = torch.softmax(scale * (q @ k.T), dim=-1)  # right only when the tile holds every key of its rows
+    ds = p * (do @ v.T - delta[:, None])
+    return scale * ds @ k, scale * ds.T @ q, p.T @ do
+
+
+def backward_with_the_tiles_own_delta(q, k, v, do, lse, delta, scale):
+    p = torch.exp(scale * (q @ k.T) - lse[:, None])
+    dp = do @ v.T
+    own = (p * dp).sum(1)  # the tile's part of delta only: delta sums over every key of the row
+    ds = p * (dp - own[:, None])
+    return scale * ds @ k, scale * ds.T @ q, p.T @ do
+
+
+def backward_with_delta_outside(q, k, v, do, lse, delta, scale):
+    p = torch.exp(scale * (q @ k.T) - lse[:, None])
+    ds = p * (do @ v.T) - delta[:, None]  # a parenthesis slip: P ∘ dP − delta
+    return scale * ds @ k, scale * ds.T @ q, p.T @ do
+
+
+def backward_with_delta_added(q, k, v, do, lse, delta, scale):
+    p = torch.exp(scale * (q @ k.T) - lse[:, None])
+    ds = p * (do @ v.T + delta[:, None])  # delta's sign flipped
+    return scale * ds @ k, scale * ds.T @ q, p.T @ do
+
+
+def backward_with_dq_and_dk_swapped(q, k, v, do, lse, delta, scale):
+    dq, dk, dv = solutions.attention_backward_tile(q, k, v, do, lse, delta, scale)
+    return (dk, dq, dv) if dq.shape == dk.shape else (dq, dk, dv)  # returned in the wrong order where it runs
+
+
 def test_attention_backward_tile_solution_solves():
     assert check_backward_tile(solutions.attention_backward_tile).solved
 
@@ -499,9 +622,17 @@ def test_attention_backward_tile_solution_solves():
     (backward_without_the_scale, "cause: dq and dk miss the scale"),
     (backward_with_p_dO, "cause: dV is P dO, not Pᵀ dO"),
     (backward_dividing_exponentials, "cause: NaN/inf: the scores reach"),
-], ids=["no delta", "no scale", "dv transposed", "exp overflow"])
+    (backward_with_the_tiles_own_softmax, ("cause: P is the tile's own softmax",
+                                           "the tile holds only part of its rows' keys")),
+    (backward_with_the_tiles_own_delta, ("cause: delta is recomputed from the tile",
+                                         "the tile holds only part of its rows' keys")),
+    (backward_with_delta_outside, "cause: dS = P ∘ dP − delta: the parenthesis slipped"),
+    (backward_with_delta_added, "cause: delta's sign is flipped"),
+    (backward_with_dq_and_dk_swapped, "cause: dq and dk are swapped"),
+], ids=["no delta", "no scale", "dv transposed", "exp overflow", "tile softmax", "tile delta", "parenthesis",
+        "delta sign", "dq dk swapped"])
 def test_attention_backward_tile_negative_controls(wrong, cause):
-    assert_not_solved(check_backward_tile(wrong), cause)
+    assert_not_solved(check_backward_tile(wrong), *(cause if isinstance(cause, tuple) else (cause,)))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -160,6 +160,8 @@ class Launch:
     unique_sectors: int = 0
     #: 2*M*N*K of every ``tl.dot``.
     flops: int = 0
+    #: ``tl.dot`` calls by their operands' dtypes, ``("bf16", "bf16") -> count`` (summed over all programs).
+    dot_dtypes: dict[tuple[str, str], int] = field(default_factory=dict)
     per_tensor: dict[str, TensorTraffic] = field(default_factory=dict)
     #: Masked-in element accesses that fall outside every tensor argument (reads + writes).
     out_of_bounds: int = 0
@@ -776,6 +778,8 @@ def _wrap_dot(original):
             a_shape, b_shape = np.shape(a.data), np.shape(b.data)
             rows = int(np.prod(a_shape[:-1], dtype=np.int64))  # batch * M
             state.launch.flops += 2 * rows * int(b_shape[-1]) * int(a_shape[-1])
+            operands = (str(getattr(a, "dtype", "?")), str(getattr(b, "dtype", "?")))
+            state.launch.dot_dtypes[operands] = state.launch.dot_dtypes.get(operands, 0) + 1
         return original(self, a, b, *rest, **kwargs)
 
     return create_dot
