@@ -290,6 +290,30 @@ def test_counting_sort_negative_controls(wrong, diagnosis):
     assert rejected(verdict, diagnosis), verdict.message
 
 
+def sort_ranking_by_an_equality_matrix(expert_ids, num_experts):
+    # right, with no one-hot: an entry's rank is how many earlier entries share its expert, from a (T·k, T·k) matrix
+    flat = expert_ids.reshape(-1).long()
+    counts = torch.bincount(flat, minlength=num_experts)
+    offsets = torch.cumsum(counts, 0)
+    earlier = torch.ones(flat.numel(), flat.numel(), dtype=torch.bool).tril(-1)
+    rank = ((flat[:, None] == flat[None, :]) & earlier).sum(dim=1)
+    permutation = torch.empty_like(flat)
+    permutation[(offsets - counts)[flat] + rank] = torch.arange(flat.numel())
+    return permutation.to(torch.int32), offsets.to(torch.int32)
+
+
+def test_the_counting_sort_traffic_line_says_what_was_measured():
+    """The line names the ops the tracer saw; the one-hot is named only where its ops ran."""
+    one_hot = " ".join(check_counting_sort(given.counting_sort).message.split())
+    assert "torch ops moved" in one_hot and "aten.cumsum.default" in one_hot, one_hot
+    assert "a one-hot (T·k, E) matrix" in one_hot, one_hot
+    verdict = check_counting_sort(sort_ranking_by_an_equality_matrix)
+    message = " ".join(verdict.message.split())
+    assert verdict.solved and "one-hot" not in message and "aten.eq.Tensor" in message, message
+    kernels = " ".join(check_counting_sort(kernel_ladder.moe_permute).message.split())
+    assert "each torch op" not in kernels and "one-hot" not in kernels, kernels
+
+
 def test_the_production_permute_passes_the_same_check():
     verdict = check_counting_sort(kernel_ladder.moe_permute)
     assert verdict.solved and verdict.traffic.ratio < 1.5 * verdict.traffic.top / verdict.traffic.ideal, \
@@ -456,13 +480,32 @@ def check_combine(candidate):
 def test_combine_solution_solves():
     verdict = check_combine(given.combine)
     message = " ".join(verdict.message.split())
-    assert verdict.solved and "the gather (y_sorted[inverse]) writes a (T·k, H) copy" in message, message
+    assert verdict.solved and "the gather of the rows (aten.index.Tensor) writes a (T·k, H) copy" in message, message
     assert verdict.traffic.ratio > 2 > 1.2 > verdict.traffic.top / verdict.traffic.ideal
 
 
 def test_the_production_combine_passes_the_same_check():
     verdict = check_combine(kernel_ladder.moe_combine)
     assert verdict.solved and verdict.traffic.ratio < 1.2, verdict.message
+
+
+def combine_by_a_weight_matrix(y_sorted, permutation, weights):
+    # right, with no gather: a dense (T, T·k) matrix of the weights times the sorted rows
+    tokens, k = weights.shape
+    perm = permutation.long()
+    matrix = torch.zeros(tokens, perm.numel(), dtype=y_sorted.dtype)
+    matrix[perm // k, torch.arange(perm.numel())] = weights.reshape(-1)[perm].to(y_sorted.dtype)
+    return matrix @ y_sorted
+
+
+def test_the_combine_traffic_line_says_what_was_measured():
+    """The gather is named where its op copied the rows; a matrix product is told as one."""
+    verdict = check_combine(combine_by_a_weight_matrix)
+    message = " ".join(verdict.message.split())
+    assert verdict.solved and "aten.mm.default" in message and "y_sorted[inverse]" not in message, message
+    assert "a dense (T, T·k) matrix" in message, message
+    kernels = " ".join(check_combine(kernel_ladder.moe_combine).message.split())
+    assert "each torch op" not in kernels and "gather" not in kernels, kernels
 
 
 @pytest.mark.parametrize(("wrong", "diagnosis"), [
