@@ -455,7 +455,11 @@ def diagnose_counting_sort(got, expected) -> str | None:
         positions = torch.arange(n)
         inverse = torch.empty_like(want_permutation)
         inverse[want_permutation] = positions
-        if not torch.equal(torch.sort(permutation).values, positions):
+        if n > 1 and torch.equal(permutation[1:], want_permutation[:-1]):
+            problems.append("each entry sits one position after its place: an entry's rank counts itself (the "
+                            "cumulative sum includes the entry) — its rank is the number of earlier entries of its "
+                            "expert, cumsum - 1, so that an expert's first entry lands at its start")
+        elif not torch.equal(torch.sort(permutation).values, positions):
             problems.append(f"permutation is not a permutation of the {n} entries (each flat index t·k + j "
                             f"once); {_differences('permutation', permutation, want_permutation)}")
         elif torch.equal(permutation, inverse):
@@ -805,6 +809,16 @@ def diagnose_visited_cause(case: tuple, got, expected) -> str | None:
     if counts.shape == (mask.shape[0],) and torch.equal(counts, (~mask).sum(dim=1)) and bool(mask.any()):
         return ("the rows list the blocks the mask forbids: True in block_mask means allowed — count and list the "
                 "True entries")
+    indices = got[1]
+    if (torch.equal(counts, mask.sum(dim=1)) and isinstance(indices, torch.Tensor) and indices.shape == mask.shape
+            and bool(mask.any()) and not bool(mask.all())):
+        forbidden_first = torch.sort(mask.to(torch.int8), dim=1, stable=True).indices
+        indices = indices.detach().cpu().long()
+        rows = [(indices[q, : int(counts[q])], forbidden_first[q, : int(counts[q])]) for q in range(mask.shape[0])]
+        if all(torch.equal(g, f) for g, f in rows):
+            return ("the sort put the forbidden blocks first: sorting the mask ascending puts its False (0) entries "
+                    "before its True ones — sort ~block_mask (an allowed block is 0), stable, so the allowed blocks "
+                    "come first in increasing order")
     if counts.shape == (mask.shape[1],) and torch.equal(counts, mask.sum(dim=0)):
         return ("the counts are per key block (the mask's columns): block_mask is (Q, K), a row per query block — "
                 "sum over dim=1")

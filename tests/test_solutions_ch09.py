@@ -253,6 +253,16 @@ def sort_expert_by_expert(expert_ids, num_experts):
     return permutation.to(torch.int32), torch.cumsum(torch.bincount(flat, minlength=num_experts), 0).to(torch.int32)
 
 
+def sort_with_ranks_counting_the_entry_itself(expert_ids, num_experts):
+    flat = expert_ids.reshape(-1).long()
+    counts = torch.bincount(flat, minlength=num_experts)
+    ends = torch.cumsum(counts, 0)
+    rank = torch.cumsum(torch.nn.functional.one_hot(flat, num_experts), 0).gather(1, flat[:, None])[:, 0]  # no - 1
+    permutation = torch.zeros(flat.numel() + 1, dtype=torch.long)
+    permutation[(ends - counts)[flat] + rank] = torch.arange(flat.numel())
+    return permutation[:-1].to(torch.int32), ends.to(torch.int32)
+
+
 def check_counting_sort(candidate):
     return check("ch09_moe.counting_sort", candidate, given.counting_sort_reference, given.counting_sort_cases,
                  compare=given.diagnose_counting_sort, rules=given.counting_sort_rules(),
@@ -272,6 +282,8 @@ def test_counting_sort_solution_solves():
     (sort_returning_the_counts, "offsets are the counts (the histogram) themselves"),
     (sort_returning_the_positions, "permutation is inverted"),
     (sort_by_token, "is not a permutation of the"),
+    (sort_with_ranks_counting_the_entry_itself, "each entry sits one position after its place: an entry's rank "
+                                                "counts itself"),
     (sort_without_minlength, "the empty ones too"),
     (sort_by_comparison, "broke a stated rule — the spec asks for a counting sort (a histogram, a prefix sum and "
                          "ranks), no comparison sort: the code called torch.sort"),
@@ -547,6 +559,13 @@ def visited_in_decreasing_order(block_mask):
     return block_mask.sum(dim=1).to(torch.int32), order.to(torch.int32)
 
 
+def visited_forbidden_first(block_mask):
+    counts = block_mask.sum(dim=1).to(torch.int32)
+    order = torch.sort(block_mask.to(torch.int8), dim=1, stable=True).indices  # the False (0) keys sort first
+    keep = torch.arange(block_mask.shape[1])[None, :] < counts[:, None]
+    return counts, torch.where(keep, order, -1).to(torch.int32)
+
+
 def visited_as_int64(block_mask):
     counts, indices = given.visited_key_blocks(block_mask)
     return counts.long(), indices.long()
@@ -620,6 +639,7 @@ def test_the_production_block_lists_pass_the_same_check():
     (visited_at_least_one_block, "a row with nothing allowed visits nothing"),
     (visited_in_decreasing_order, "the right blocks in the wrong order"),
     (visited_as_int64, "wrong dtype"),
+    (visited_forbidden_first, "cause: the sort put the forbidden blocks first"),
     (visited_row_by_row, "broke a stated rule — the spec asks for tensor ops only, no .item(): the lists stay on the "
                          "device, no host sync: a Python for loop at line"),
     (visited_with_item, "broke a stated rule — the spec asks for tensor ops only, no .item(): the lists stay on the "
