@@ -145,10 +145,13 @@ def slot_mapping_cases(gen: torch.Generator) -> list[tuple]:
 
 
 def slot_mapping_rules() -> list:
-    """Exercise 1's stated rule: vectorised torch, no Python loop (a loop over the tokens is a host sync each)."""
+    """Exercise 1's stated rule: tensor ops only — no Python loop and no round trip through the host
+    (``.tolist()``, ``.item()``): the slots feed ``kernel_ladder.write_kv_cache`` on the device, and a
+    value taken to the host is a sync every step."""
     from utils.exercises import rules
 
-    return [rules.no_python_loops(why="the spec asks for vectorised torch, no Python loop")]
+    return [rules.tensor_ops_only(why="the spec asks for tensor ops only (no Python loop, no round trip through the "
+                                      "host: the slots feed a kernel on the device)")]
 
 
 def slot_mapping_mistakes(block_table: torch.Tensor, positions: torch.Tensor,
