@@ -145,10 +145,13 @@ def slot_mapping_cases(gen: torch.Generator) -> list[tuple]:
 
 
 def slot_mapping_rules() -> list:
-    """Exercise 1's stated rule: vectorised torch, no Python loop (a loop over the tokens is a host sync each)."""
+    """Exercise 1's stated rule: tensor ops only — no Python loop and no round trip through the host
+    (``.tolist()``, ``.item()``): the slots feed ``kernel_ladder.write_kv_cache`` on the device, and a
+    value taken to the host is a sync every step."""
     from utils.exercises import rules
 
-    return [rules.no_python_loops(why="the spec asks for vectorised torch, no Python loop")]
+    return [rules.tensor_ops_only(why="the spec asks for tensor ops only (no Python loop, no round trip through the "
+                                      "host: the slots feed a kernel on the device)")]
 
 
 def slot_mapping_mistakes(block_table: torch.Tensor, positions: torch.Tensor,
@@ -171,6 +174,8 @@ def slot_mapping_mistakes(block_table: torch.Tensor, positions: torch.Tensor,
          padded(block + offset)),
         ("the offset in the block (p % block_size) is missing: every token of a block gets its first slot",
          padded(block * block_size)),
+        ("the offset in the block was computed with // (p // block_size, the block's index): the offset is "
+         "p % block_size, the token's place in its block", padded(block * block_size + pos // block_size)),
     ]
 
 
@@ -833,6 +838,9 @@ def merge_mistakes(outs: torch.Tensor, lses: torch.Tensor) -> tuple[list[tuple[s
          "not 1 / S", torch.nan_to_num(outs).mean(dim=0)),
         ("the splits' outputs are added without weights: each is normalised over its own keys only, so weight "
          "it by exp(lses[s] - lse)", masked.sum(dim=0)),
+        ("the splits' outputs are averaged with a plain mean (over the splits that saw a key): a split's weight is "
+         "its share of the softmax's total, exp(lses[s] - lse), so a split whose keys score higher counts more",
+         masked.sum(dim=0) / (~empty).sum(dim=0).clamp(min=1)[..., None].to(outs.dtype)),
         ("a split that saw no key (lse = -inf, its output NaN) is multiplied by its weight 0, and 0 · NaN is "
          "NaN: mask those splits' outputs (torch.where) before the weighted sum", (weights[..., None] * outs).sum(0)),
         ("the weights exp(lses[s] - max_s lses[s]) are not divided by their sum: subtract the log-sum-exp of "
@@ -952,6 +960,13 @@ def diagnose_append(got, expected) -> str | None:
     """The check's comparison for exercise 4: None if equal, else what is wrong."""
     if got == expected:
         return None
+    if isinstance(got, (tuple, list)) and len(got) == 4:
+        kinds = [f"{label}: return a list, got {type(part).__name__}"
+                 for label, part in zip(("table", "refcounts", "free"), got[:3]) if not isinstance(part, list)]
+        if not (got[3] is None or isinstance(got[3], tuple)):
+            kinds.append(f"copy: return a tuple (old, new) or None, got {type(got[3]).__name__}")
+        if kinds:
+            return "; ".join(kinds)
     if isinstance(got, tuple) and len(got) == 4 and got[3] is None and expected[3] is not None:
         return (f"no copy, but block {expected[3][0]} is shared (count > 1): writing the new token into it "
                 "would change the other sequences' cache too")
@@ -967,7 +982,7 @@ def diagnose_append(got, expected) -> str | None:
 
 
 def _append_with(table, length, block_size, refcounts, free, *, take=0, grow=True, copy_first="old", new_count=1,
-                 old_count=lambda count: count - 1, swap_in=True):
+                 old_count=lambda count: count - 1, swap_in=True, append_copy=False, free_old=False):
     """Exercise 4's rule with one thing done differently (the keywords): what a wrong answer returns."""
     table, counts, pool = list(table), list(refcounts), list(free)
     if length % block_size == 0:
@@ -982,8 +997,12 @@ def _append_with(table, length, block_size, refcounts, free, *, take=0, grow=Tru
     block = pool.pop(take)
     counts[block] = new_count
     counts[last] = old_count(counts[last])
-    if swap_in:
+    if append_copy:
+        table.append(block)
+    elif swap_in:
         table[length // block_size] = block
+    if free_old:
+        pool.append(last)
     return table, counts, pool, (last, block) if copy_first == "old" else (block, last)
 
 
@@ -999,6 +1018,10 @@ APPEND_MISTAKES = (
      "(count - 1)", dict(old_count=lambda count: 0)),
     ("the copy is returned but the table still points at the shared block: put the new block in its place",
      dict(swap_in=False)),
+    ("the new block was appended to the table, but it replaces the shared last block: table[length // "
+     "block_size] = new (the table keeps its length; the new token goes into the copy)", dict(append_copy=True)),
+    ("the shared block was put back on the free list, but the other sequences still hold it (its count is still "
+     "1 or more): a block goes back on the free list only when no sequence holds it", dict(free_old=True)),
 )
 
 
@@ -1120,14 +1143,17 @@ def diagnose_admit(got, expected) -> str | None:
 
 def _admit_with(waiting, num_running, free_blocks, block_size, token_budget, max_num_seqs, *, stop=True,
                 blocks_for="prompt", decodes_first=True, seats_count_running=True, seat_limit=True, exact_fit=True,
-                chunked=True, budget_spent=True):
+                chunked=True, budget_spent=True, whole_prompt=False):
     """Exercise 5's rule with one thing done differently (the keywords): what a wrong answer returns."""
     budget = token_budget - (num_running if decodes_first else 0)
     seats = (max_num_seqs - (num_running if seats_count_running else 0)) if seat_limit else 10**9
     admitted: list[int] = []
     for prompt in waiting:
-        chunk = min(prompt, budget)
-        need = -(-(prompt if blocks_for == "prompt" else chunk) // block_size)
+        chunk = prompt if whole_prompt else min(prompt, budget)
+        if blocks_for == "floor":
+            need = prompt // block_size
+        else:
+            need = -(-(prompt if blocks_for == "prompt" else chunk) // block_size)
         fits = need <= free_blocks if exact_fit else need < free_blocks
         if seats <= 0 or budget <= 0 or not fits or (not chunked and prompt > budget):
             if stop:
@@ -1159,6 +1185,10 @@ ADMIT_MISTAKES = (
      "(chunked prefill), the rest in later steps", dict(chunked=False)),
     ("the budget was not reduced by each admitted chunk: the step's tokens are the decodes plus every chunk",
      dict(budget_spent=False)),
+    ("the whole prompt was admitted past the budget left, with no chunking: admit min(prompt, budget left) of its "
+     "tokens now (chunked prefill), the rest in later steps", dict(whole_prompt=True)),
+    ("the blocks were counted by floor division (prompt // block_size), which drops a partial last block: a "
+     "prompt needs ceil(prompt / block_size) = -(-prompt // block_size) blocks", dict(blocks_for="floor")),
 )
 
 

@@ -384,17 +384,35 @@ def _counting_sort_top(expert_ids: torch.Tensor, num_experts: int) -> int:
     return traced.bytes
 
 
-def _counting_sort_explain(reread: dict[str, float]) -> str:
-    return ("each torch op writes its result and the next reads it back (ranks taken from a one-hot (T·k, E) "
-            "matrix and its cumulative sum move E times the entries, twice); kernel_ladder.moe_permute's three "
-            "kernels read the ids twice and write each result once")
+def _counting_sort_explain(case: tuple, reread: dict[str, float], ops) -> str:
+    """What the ops the tracer saw show: a one-hot matrix and its scan, an all-pairs matrix, or torch ops."""
+    expert_ids, num_experts = case
+    entries = expert_ids.numel()
+    one_hot = any(op.name.startswith(("aten.one_hot", "aten.scatter")) and op.bytes_written >= entries * num_experts
+                  for op in ops)
+    scanned = any(op.name.startswith("aten.cumsum") and op.bytes_read >= entries * num_experts for op in ops)
+    pairs = entries > num_experts and any(op.bytes_written >= entries * entries for op in ops)
+    if one_hot and scanned:
+        how = ("each torch op writes its result and the next reads it back (ranks taken from a one-hot (T·k, E) "
+               "matrix and its cumulative sum move E times the entries, twice)")
+    elif one_hot:
+        how = ("each torch op writes its result and the next reads it back (a one-hot (T·k, E) matrix: E times the "
+               "entries)")
+    elif pairs:
+        how = ("each torch op writes its result and the next reads it back (an op wrote a (T·k, T·k) matrix: "
+               "T·k times the entries)")
+    elif len(ops) > 1:
+        how = "each torch op writes its result and the next reads it back"
+    else:
+        return "kernel_ladder.moe_permute's three kernels read the ids twice and write each result once"
+    return how + "; kernel_ladder.moe_permute's three kernels read the ids twice and write each result once"
 
 
 def counting_sort_traffic():
     """Exercise 2's traffic verdict against ``kernel_ladder.moe_permute``."""
     from utils.exercises import Traffic
 
-    return Traffic(ideal=_counting_sort_ideal, top=_counting_sort_top, explain=_counting_sort_explain)
+    return Traffic(ideal=_counting_sort_ideal, top=_counting_sort_top, explain_ops=_counting_sort_explain)
 
 
 def _few(values: torch.Tensor, limit: int = 8) -> str:
@@ -437,7 +455,11 @@ def diagnose_counting_sort(got, expected) -> str | None:
         positions = torch.arange(n)
         inverse = torch.empty_like(want_permutation)
         inverse[want_permutation] = positions
-        if not torch.equal(torch.sort(permutation).values, positions):
+        if n > 1 and torch.equal(permutation[1:], want_permutation[:-1]):
+            problems.append("each entry sits one position after its place: an entry's rank counts itself (the "
+                            "cumulative sum includes the entry) — its rank is the number of earlier entries of its "
+                            "expert, cumsum - 1, so that an expert's first entry lands at its start")
+        elif not torch.equal(torch.sort(permutation).values, positions):
             problems.append(f"permutation is not a permutation of the {n} entries (each flat index t·k + j "
                             f"once); {_differences('permutation', permutation, want_permutation)}")
         elif torch.equal(permutation, inverse):
@@ -698,16 +720,35 @@ def _combine_top(y_sorted: torch.Tensor, permutation: torch.Tensor, weights: tor
     return traced.bytes
 
 
-def _combine_explain(reread: dict[str, float]) -> str:
-    return ("the gather (y_sorted[inverse]) writes a (T·k, H) copy of the rows and the weighting another before "
-            "the sum reads them back; kernel_ladder.moe_combine reads each row once and writes each token once")
+def _combine_explain(case: tuple, reread: dict[str, float], ops) -> str:
+    """What the ops the tracer saw show: a gather of the rows, the weighting, the sum, a dense matrix product."""
+    y_sorted, permutation, weights = case
+    rows = y_sorted.numel() * y_sorted.element_size()  # a (T·k, H) copy of the sorted rows
+    matrix = weights.shape[0] * permutation.numel()  # a (T, T·k) matrix, at a byte an element at least
+    gathered = [op.name for op in ops if op.name.startswith(("aten.index.", "aten.index_select", "aten.gather",
+                                                               "aten.take")) and op.bytes_written >= rows]
+    weighted = any(op.name.startswith("aten.mul") and op.bytes_written >= rows for op in ops)
+    summed = any(op.name.startswith("aten.sum") and op.bytes_read >= rows for op in ops)
+    product = any(op.name.startswith(("aten.mm", "aten.addmm", "aten.bmm")) and op.bytes_read >= matrix for op in ops)
+    parts = []
+    if gathered:
+        parts.append(f"the gather of the rows ({gathered[0]}) writes a (T·k, H) copy of them"
+                     + (" and the weighting another" if weighted else "")
+                     + (" before the sum reads them back" if summed else ""))
+    if product:
+        parts.append("a dense (T, T·k) matrix of the weights (k non-zero entries a row) is written and read by "
+                     "the matrix product: T·k times the bytes of the weights")
+    if not parts and len(ops) > 1:
+        parts.append("each torch op writes its result and the next reads it back")
+    parts.append("kernel_ladder.moe_combine reads each row once and writes each token once")
+    return "; ".join(parts)
 
 
 def combine_traffic():
     """Exercise 4's traffic verdict against ``kernel_ladder.moe_combine``."""
     from utils.exercises import Traffic
 
-    return Traffic(ideal=_combine_ideal, top=_combine_top, explain=_combine_explain)
+    return Traffic(ideal=_combine_ideal, top=_combine_top, explain_ops=_combine_explain)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -768,6 +809,16 @@ def diagnose_visited_cause(case: tuple, got, expected) -> str | None:
     if counts.shape == (mask.shape[0],) and torch.equal(counts, (~mask).sum(dim=1)) and bool(mask.any()):
         return ("the rows list the blocks the mask forbids: True in block_mask means allowed — count and list the "
                 "True entries")
+    indices = got[1]
+    if (torch.equal(counts, mask.sum(dim=1)) and isinstance(indices, torch.Tensor) and indices.shape == mask.shape
+            and bool(mask.any()) and not bool(mask.all())):
+        forbidden_first = torch.sort(mask.to(torch.int8), dim=1, stable=True).indices
+        indices = indices.detach().cpu().long()
+        rows = [(indices[q, : int(counts[q])], forbidden_first[q, : int(counts[q])]) for q in range(mask.shape[0])]
+        if all(torch.equal(g, f) for g, f in rows):
+            return ("the sort put the forbidden blocks first: sorting the mask ascending puts its False (0) entries "
+                    "before its True ones — sort ~block_mask (an allowed block is 0), stable, so the allowed blocks "
+                    "come first in increasing order")
     if counts.shape == (mask.shape[1],) and torch.equal(counts, mask.sum(dim=0)):
         return ("the counts are per key block (the mask's columns): block_mask is (Q, K), a row per query block — "
                 "sum over dim=1")

@@ -1594,6 +1594,30 @@ def test_tolerance_per_case_and_dtype():
     assert check("tol", noisy, lambda x: x, [cases(None)[1]], tolerance=tolerance).solved
 
 
+@interpreter_only
+def test_traffic_of_torch_code_names_the_ops_it_saw_and_gives_them_to_explain_ops():
+    """The line says what was measured: the aten ops that moved data, the heaviest first; an explanation
+    that names a method sees the case and those ops, so it names a method only when the ops show it."""
+    from utils.trace import ideal_bytes
+
+    seen = []
+
+    def explain_ops(case, reread, ops):
+        seen.append((case[0].shape, [op.name for op in ops]))
+        return "a product ran" if any(op.name == "aten.mul.Tensor" for op in ops) else None
+
+    traffic = exercises.Traffic(ideal=lambda x, y: ideal_bytes(x, y, x), explain_ops=explain_ops)
+    unfused = check("add", lambda x, y: (x * 1) + y, torch.add, small_add_cases, traffic=traffic)
+    message = flat(unfused.message)
+    assert unfused.solved and seen == [(small_add_cases(None)[-1][0].shape, ["aten.mul.Tensor", "aten.add.Tensor"])]
+    assert ("(240 B moved, 144 B ideal) — 2 torch ops moved 240 B: aten.add.Tensor 144 B, aten.mul.Tensor 96 B: "
+            "a product ran") in message, message
+    plain = check("add", lambda x, y: x - (-y), torch.add, small_add_cases, traffic=traffic)
+    assert plain.solved and "aten.neg.default" in flat(plain.message) and "a product ran" not in plain.message
+    kernel = check_add(add_kernel, traffic=add_traffic())
+    assert "torch ops moved" not in kernel.message  # a Triton launch alone: no torch ops to name
+
+
 def test_traffic_is_not_measured_where_kernels_are_compiled(monkeypatch):
     from utils.exercises import checker
 

@@ -253,6 +253,16 @@ def sort_expert_by_expert(expert_ids, num_experts):
     return permutation.to(torch.int32), torch.cumsum(torch.bincount(flat, minlength=num_experts), 0).to(torch.int32)
 
 
+def sort_with_ranks_counting_the_entry_itself(expert_ids, num_experts):
+    flat = expert_ids.reshape(-1).long()
+    counts = torch.bincount(flat, minlength=num_experts)
+    ends = torch.cumsum(counts, 0)
+    rank = torch.cumsum(torch.nn.functional.one_hot(flat, num_experts), 0).gather(1, flat[:, None])[:, 0]  # no - 1
+    permutation = torch.zeros(flat.numel() + 1, dtype=torch.long)
+    permutation[(ends - counts)[flat] + rank] = torch.arange(flat.numel())
+    return permutation[:-1].to(torch.int32), ends.to(torch.int32)
+
+
 def check_counting_sort(candidate):
     return check("ch09_moe.counting_sort", candidate, given.counting_sort_reference, given.counting_sort_cases,
                  compare=given.diagnose_counting_sort, rules=given.counting_sort_rules(),
@@ -272,6 +282,8 @@ def test_counting_sort_solution_solves():
     (sort_returning_the_counts, "offsets are the counts (the histogram) themselves"),
     (sort_returning_the_positions, "permutation is inverted"),
     (sort_by_token, "is not a permutation of the"),
+    (sort_with_ranks_counting_the_entry_itself, "each entry sits one position after its place: an entry's rank "
+                                                "counts itself"),
     (sort_without_minlength, "the empty ones too"),
     (sort_by_comparison, "broke a stated rule — the spec asks for a counting sort (a histogram, a prefix sum and "
                          "ranks), no comparison sort: the code called torch.sort"),
@@ -288,6 +300,30 @@ def test_counting_sort_solution_solves():
 def test_counting_sort_negative_controls(wrong, diagnosis):
     verdict = check_counting_sort(wrong)
     assert rejected(verdict, diagnosis), verdict.message
+
+
+def sort_ranking_by_an_equality_matrix(expert_ids, num_experts):
+    # right, with no one-hot: an entry's rank is how many earlier entries share its expert, from a (T·k, T·k) matrix
+    flat = expert_ids.reshape(-1).long()
+    counts = torch.bincount(flat, minlength=num_experts)
+    offsets = torch.cumsum(counts, 0)
+    earlier = torch.ones(flat.numel(), flat.numel(), dtype=torch.bool).tril(-1)
+    rank = ((flat[:, None] == flat[None, :]) & earlier).sum(dim=1)
+    permutation = torch.empty_like(flat)
+    permutation[(offsets - counts)[flat] + rank] = torch.arange(flat.numel())
+    return permutation.to(torch.int32), offsets.to(torch.int32)
+
+
+def test_the_counting_sort_traffic_line_says_what_was_measured():
+    """The line names the ops the tracer saw; the one-hot is named only where its ops ran."""
+    one_hot = " ".join(check_counting_sort(given.counting_sort).message.split())
+    assert "torch ops moved" in one_hot and "aten.cumsum.default" in one_hot, one_hot
+    assert "a one-hot (T·k, E) matrix" in one_hot, one_hot
+    verdict = check_counting_sort(sort_ranking_by_an_equality_matrix)
+    message = " ".join(verdict.message.split())
+    assert verdict.solved and "one-hot" not in message and "aten.eq.Tensor" in message, message
+    kernels = " ".join(check_counting_sort(kernel_ladder.moe_permute).message.split())
+    assert "each torch op" not in kernels and "one-hot" not in kernels, kernels
 
 
 def test_the_production_permute_passes_the_same_check():
@@ -456,13 +492,32 @@ def check_combine(candidate):
 def test_combine_solution_solves():
     verdict = check_combine(given.combine)
     message = " ".join(verdict.message.split())
-    assert verdict.solved and "the gather (y_sorted[inverse]) writes a (T·k, H) copy" in message, message
+    assert verdict.solved and "the gather of the rows (aten.index.Tensor) writes a (T·k, H) copy" in message, message
     assert verdict.traffic.ratio > 2 > 1.2 > verdict.traffic.top / verdict.traffic.ideal
 
 
 def test_the_production_combine_passes_the_same_check():
     verdict = check_combine(kernel_ladder.moe_combine)
     assert verdict.solved and verdict.traffic.ratio < 1.2, verdict.message
+
+
+def combine_by_a_weight_matrix(y_sorted, permutation, weights):
+    # right, with no gather: a dense (T, T·k) matrix of the weights times the sorted rows
+    tokens, k = weights.shape
+    perm = permutation.long()
+    matrix = torch.zeros(tokens, perm.numel(), dtype=y_sorted.dtype)
+    matrix[perm // k, torch.arange(perm.numel())] = weights.reshape(-1)[perm].to(y_sorted.dtype)
+    return matrix @ y_sorted
+
+
+def test_the_combine_traffic_line_says_what_was_measured():
+    """The gather is named where its op copied the rows; a matrix product is told as one."""
+    verdict = check_combine(combine_by_a_weight_matrix)
+    message = " ".join(verdict.message.split())
+    assert verdict.solved and "aten.mm.default" in message and "y_sorted[inverse]" not in message, message
+    assert "a dense (T, T·k) matrix" in message, message
+    kernels = " ".join(check_combine(kernel_ladder.moe_combine).message.split())
+    assert "each torch op" not in kernels and "gather" not in kernels, kernels
 
 
 @pytest.mark.parametrize(("wrong", "diagnosis"), [
@@ -502,6 +557,13 @@ def visited_in_decreasing_order(block_mask):
     columns = torch.arange(1, block_mask.shape[1] + 1)
     order = torch.sort(block_mask * columns, dim=1, descending=True).indices  # allowed blocks, the last first
     return block_mask.sum(dim=1).to(torch.int32), order.to(torch.int32)
+
+
+def visited_forbidden_first(block_mask):
+    counts = block_mask.sum(dim=1).to(torch.int32)
+    order = torch.sort(block_mask.to(torch.int8), dim=1, stable=True).indices  # the False (0) keys sort first
+    keep = torch.arange(block_mask.shape[1])[None, :] < counts[:, None]
+    return counts, torch.where(keep, order, -1).to(torch.int32)
 
 
 def visited_as_int64(block_mask):
@@ -577,6 +639,7 @@ def test_the_production_block_lists_pass_the_same_check():
     (visited_at_least_one_block, "a row with nothing allowed visits nothing"),
     (visited_in_decreasing_order, "the right blocks in the wrong order"),
     (visited_as_int64, "wrong dtype"),
+    (visited_forbidden_first, "cause: the sort put the forbidden blocks first"),
     (visited_row_by_row, "broke a stated rule — the spec asks for tensor ops only, no .item(): the lists stay on the "
                          "device, no host sync: a Python for loop at line"),
     (visited_with_item, "broke a stated rule — the spec asks for tensor ops only, no .item(): the lists stay on the "
