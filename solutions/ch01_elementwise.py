@@ -4,7 +4,8 @@ One solution per exercise of ``chapters/01_elementwise/01_elementwise.ipynb``, w
 Every kernel follows the same shape: one program handles ``BLOCK`` consecutive elements, loads
 them (masked, so the last partial block stays in bounds), upcasts to float32, computes, and casts
 back to the output's dtype only at the store. In solution mode the notebook's stubs are replaced
-by these.
+by these. The traffic verdicts of the forward kernels (``swiglu_traffic``, ``dropout_traffic``)
+are givens too: the notebook's checks and ``tests/test_solutions_ch01.py`` pass the same ones.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ __all__ = [
     "swiglu_kernel",
     "swiglu_backward",
     "dropout_kernel",
+    "swiglu_traffic",
+    "dropout_traffic",
 ]
 
 #: sqrt(2 / pi), the constant of GELU's tanh approximation.
@@ -121,3 +124,69 @@ def dropout_kernel(x_ptr, out_ptr, n_elements, p, seed, BLOCK: tl.constexpr):
     keep = random >= p
     out = tl.where(keep, x / (1.0 - p), 0.0)
     tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Givens: the traffic verdicts (``check(..., traffic=...)``) of the fused forward kernels
+# ----------------------------------------------------------------------------------------------
+
+
+def _traced_bytes(run) -> int:
+    """The bytes the Triton launches of ``run()`` move (the ladder's top, traced on the same case)."""
+    from utils.trace import trace
+
+    with trace(torch_ops=False) as traced:
+        run()
+    return traced.bytes
+
+
+def _elementwise_explain(reread: dict[str, float]) -> str | None:
+    """Why an elementwise kernel moves more than its inputs once and its output once."""
+    # The checker reports read factors of Triton launches only: none at all means no kernel ran.
+    by_torch = [name for name, factor in reread.items() if factor < 0.05]
+    if by_torch or not reread:
+        inputs = " and ".join(by_torch) if by_torch else "the inputs"
+        return (f"{inputs} never reached a Triton load: torch ops read them, and each op writes its result "
+                "to memory for the next to read back; one fused launch reads each input once")
+    loaded_again = sorted((name for name, factor in reread.items() if factor > 1.05), key=lambda n: -reread[n])
+    if loaded_again:
+        name = loaded_again[0]
+        return (f"every element of {name} is loaded {reread[name]:.0f} times: load it once into a register "
+                "and use the register for every term that needs it")
+    return None
+
+
+def _swiglu_ideal(gate: torch.Tensor, up: torch.Tensor) -> int:
+    from utils.trace import ideal_bytes
+
+    return ideal_bytes(gate, up, gate)  # gate and up read once, out (gate's size and dtype) written once
+
+
+def _swiglu_top(gate: torch.Tensor, up: torch.Tensor) -> int:
+    return _traced_bytes(lambda: kernel_ladder.swiglu(gate, up))
+
+
+def swiglu_traffic():
+    """SwiGLU's traffic verdict: the ideal reads gate and up once and writes out once; so does
+    ``kernel_ladder.swiglu``. Three torch ops (or a kernel that loads gate twice) move more."""
+    from utils.exercises import Traffic
+
+    return Traffic(ideal=_swiglu_ideal, top=_swiglu_top, explain=_elementwise_explain)
+
+
+def _dropout_ideal(x: torch.Tensor, p: float, seed: int) -> int:
+    from utils.trace import ideal_bytes
+
+    return ideal_bytes(x, x)  # x read once, out written once: the mask is drawn in registers, never stored
+
+
+def _dropout_top(x: torch.Tensor, p: float, seed: int) -> int:
+    return _traced_bytes(lambda: kernel_ladder.dropout(x, p, seed))
+
+
+def dropout_traffic():
+    """Dropout's traffic verdict: x read once and out written once (``kernel_ladder.dropout``'s bytes);
+    a stored mask, a second pass or torch ops show up as the bytes above that."""
+    from utils.exercises import Traffic
+
+    return Traffic(ideal=_dropout_ideal, top=_dropout_top, explain=_elementwise_explain)

@@ -5,7 +5,8 @@ the launchers the notebook gives (so the report and the tests launch the kernels
 notebook does). Every kernel here works on rows: a row starts at ``row * row_stride`` and its
 elements are contiguous (column stride 1); the production kernels in ``kernel_ladder.softmax`` handle
 any stride and any ``dim``. Loads upcast to float32, every accumulator is float32, and the result
-is rounded once, at the store.
+is rounded once, at the store. The softmax kernels' traffic verdict (``softmax_traffic``) is a given:
+the notebook's checks and ``tests/test_solutions_ch02.py`` pass the same one.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ __all__ = [
     "launch_softmax_online",
     "launch_softmax_backward",
     "stats_by_chunks",
+    "softmax_traffic",
 ]
 
 
@@ -276,3 +278,44 @@ def chunked_cross_entropy(logits: torch.Tensor, target: torch.Tensor, chunk_size
     log_sum_exp = running_max + torch.log(running_sum)
     target_logit = logits.gather(1, target[:, None]).squeeze(1).float()
     return (log_sum_exp - target_logit).mean().to(logits.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Givens: the traffic verdict (``check(..., traffic=...)``) of the softmax kernels
+# ----------------------------------------------------------------------------------------------
+
+
+def _softmax_ideal(x: torch.Tensor) -> int:
+    """Softmax's floor: x read once, the output (x's shape and dtype) written once."""
+    return 2 * x.numel() * x.element_size()
+
+
+def _softmax_top(x: torch.Tensor) -> int:
+    """What ``kernel_ladder.softmax`` moves on the same rows (traced)."""
+    from utils.trace import trace
+
+    with trace(torch_ops=False) as traced:
+        kernel_ladder.softmax(x, dim=-1)
+    return traced.bytes
+
+
+def _softmax_explain(reread: dict[str, float]) -> str | None:
+    """Names the passes over the row from how many times x was read."""
+    passes = reread.get("x", 0.0)
+    if not reread or passes < 0.05:
+        return "torch ops read x: each of softmax's steps writes a row-sized result and the next reads it back"
+    if passes > 2.5:
+        return (f"x is read {passes:.0f} times, a pass each for the max, the sum and the output: the online "
+                "update folds max and sum into one pass, and a row that fits one block is loaded once")
+    if passes > 1.5:
+        return ("x is read twice, a pass for the running max and sum (the online update) and one for the output: "
+                "the price of rows too long for one block; a row that fits one is loaded once")
+    return None
+
+
+def softmax_traffic():
+    """The traffic verdict of the softmax kernels: x read once and the output written once against
+    what ``kernel_ladder.softmax`` moves; the explanation counts the passes over each row."""
+    from utils.exercises import Traffic
+
+    return Traffic(ideal=_softmax_ideal, top=_softmax_top, explain=_softmax_explain)

@@ -19,6 +19,10 @@ backward passes for 2-D inputs with contiguous rows (:func:`rms_norm`, :func:`la
 :func:`rms_norm_backward`, :func:`layer_norm_backward`, :func:`weight_grad_two_stage`,
 :func:`weight_grad_atomic`). The production versions (any shape and strides, autograd, one fused
 backward pass) are ``kernel_ladder.rms_norm``, ``kernel_ladder.layer_norm`` and ``kernel_ladder.add_rms_norm``.
+
+At the end, givens of the checks: the traffic verdicts of the LayerNorm forward and the column sum
+(:func:`layer_norm_traffic`, :func:`column_sum_traffic`), which the notebook's checks and
+``tests/test_solutions_ch03.py`` both pass.
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ __all__ = [
     "column_sum",
     "COLUMN_BLOCK_M",
     "COLUMN_BLOCK_N",
+    "layer_norm_traffic",
+    "column_sum_traffic",
 ]
 
 
@@ -403,3 +409,76 @@ def rms_norm_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Ten
                                   BLOCK=block, num_warps=row_warps(block))
     dw, _, _ = weight_grad_two_stage(grad_out, x, None, rstd, weight.dtype, has_bias=False)
     return dx, dw
+
+
+# ----------------------------------------------------------------------------------------------
+# Givens: the traffic verdicts (``check(..., traffic=...)``)
+# ----------------------------------------------------------------------------------------------
+
+
+def _traced_bytes(run) -> int:
+    """The bytes the Triton launches of ``run()`` move (the ladder's top, traced on the same case)."""
+    from utils.trace import trace
+
+    with trace(torch_ops=False) as traced:
+        run()
+    return traced.bytes
+
+
+def _layer_norm_ideal(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> int:
+    """x, weight and bias read once; out (x's shape and dtype), mean and rstd (fp32 per row) written once."""
+    from utils.trace import ideal_bytes
+
+    return ideal_bytes(x, weight, bias) + x.numel() * x.element_size() + 2 * 4 * x.shape[0]
+
+
+def _layer_norm_top(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> int:
+    return _traced_bytes(lambda: kernel_ladder.layer_norm(x, x.shape[-1], weight, bias, eps))
+
+
+def _layer_norm_explain(reread: dict[str, float]) -> str | None:
+    causes = []
+    if reread.get("x", 0.0) > 1.05:
+        causes.append(f"x is read {reread['x']:.0f} times, a pass per statistic and one for the output: the row "
+                      "fits one block, so load it once and take the mean and the variance from registers")
+    params = max(reread.get("weight", 0.0), reread.get("bias", 0.0))
+    if params > 1.05:
+        causes.append(f"weight and bias are loaded by each of the {params:.0f} row programs (on a GPU, L2 serves "
+                      "all but the first): kernel_ladder.layer_norm gives a program several rows and loads them once")
+    return "; ".join(causes) or None
+
+
+def layer_norm_traffic():
+    """The LayerNorm forward's verdict: every input read once, out, mean and rstd written once, against
+    ``kernel_ladder.layer_norm``; the explanation names a re-read row and the per-row parameter loads."""
+    from utils.exercises import Traffic
+
+    return Traffic(ideal=_layer_norm_ideal, top=_layer_norm_top, explain=_layer_norm_explain)
+
+
+def _column_sum_ideal(partial: torch.Tensor) -> int:
+    from utils.trace import ideal_bytes
+
+    return ideal_bytes(partial) + partial.shape[1] * partial.element_size()  # the buffer read once, a row written
+
+
+def _column_sum_top(partial: torch.Tensor) -> int:
+    from kernel_ladder.ops.norm import column_sum as library_column_sum
+
+    return _traced_bytes(lambda: library_column_sum(partial, (partial.shape[1],), partial.dtype))
+
+
+def _column_sum_explain(reread: dict[str, float]) -> str | None:
+    factor = reread.get("partial", 0.0)
+    if factor > 1.05:
+        return (f"the partial buffer is read {factor:.0f} times: each program should own its columns and walk "
+                "every row once, keeping the running sums in registers")
+    return None
+
+
+def column_sum_traffic():
+    """The column sum's verdict: the partial buffer read once and the sums written once, against the
+    second stage of ``kernel_ladder``'s weight-gradient reduction (``kernel_ladder.ops.norm.column_sum``)."""
+    from utils.exercises import Traffic
+
+    return Traffic(ideal=_column_sum_ideal, top=_column_sum_top, explain=_column_sum_explain)

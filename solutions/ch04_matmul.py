@@ -40,6 +40,7 @@ __all__ = [
     "bias_gelu_matmul",
     "split_k_matmul",
     "split_k_slices",
+    "tiled_traffic",
 ]
 
 _SQRT_HALF = tl.constexpr(0.7071067811865476)
@@ -362,3 +363,49 @@ def split_k_matmul(a: torch.Tensor, b: torch.Tensor, split_k: int, out: torch.Te
                  BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
     c.copy_(partials.sum(dim=0))  # the second stage: a fixed-order sum over the slices, then the cast
     return c
+
+
+# ----------------------------------------------------------------------------------------------
+# Given: the traffic verdict (``check(..., traffic=...)``) of the tiled matmul
+# ----------------------------------------------------------------------------------------------
+
+
+def _tile_size(extent: int, tiles: float) -> str:
+    """The power-of-two tile that cuts ``extent`` into ``tiles`` pieces, as text ("32"), or "?"."""
+    count = round(tiles)
+    sizes = [1 << p for p in range(12) if -(-extent // (1 << p)) == count]
+    return str(sizes[0]) if sizes else "?"
+
+
+def tiled_traffic():
+    """The tiled matmul's verdict: A and B read once and C written once against ``kernel_ladder.matmul``.
+
+    A tiled kernel reads A once per column of output tiles (``ceil(N / BLOCK_N)`` times) and B once
+    per row of tiles (``ceil(M / BLOCK_M)``): the explanation names both factors against the tile
+    sizes that give them. ``explain`` sees only the read factors, so ``ideal`` (which the checker
+    calls first, on the same case) keeps M and N for it.
+    """
+    from utils.exercises import Traffic
+    from utils.trace import ideal_bytes, trace
+
+    shape: dict[str, int] = {}
+
+    def ideal(a: torch.Tensor, b: torch.Tensor) -> int:
+        shape.update(M=a.shape[0], N=b.shape[1])
+        return ideal_bytes(a, b) + a.shape[0] * b.shape[1] * a.element_size()  # C in a's dtype
+
+    def top(a: torch.Tensor, b: torch.Tensor) -> int:
+        with trace(torch_ops=False) as traced:
+            kernel_ladder.matmul(a, b)
+        return traced.bytes
+
+    def explain(reread: dict[str, float]) -> str | None:
+        a_reads, b_reads = reread.get("a", 0.0), reread.get("b", 0.0)
+        if not shape or max(a_reads, b_reads) <= 1.05:
+            return None
+        m, n = shape["M"], shape["N"]
+        return (f"A is read once per column of output tiles ({a_reads:.0f} = ceil(N / BLOCK_N), N = {n}, "
+                f"BLOCK_N = {_tile_size(n, a_reads)}) and B once per row of tiles ({b_reads:.0f} = ceil(M / BLOCK_M), "
+                f"M = {m}, BLOCK_M = {_tile_size(m, b_reads)}): larger tiles divide both")
+
+    return Traffic(ideal=ideal, top=top, explain=explain)

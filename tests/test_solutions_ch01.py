@@ -87,6 +87,8 @@ def swiglu_cases(gen: torch.Generator) -> list:
         cases.append((gate, up))
     gate = torch.tensor(EXTREME_GATES, device=gen.device)
     cases.append((gate, torch.randn(gate.numel(), generator=gen, device=gen.device)))
+    # last: the case the traffic verdict is measured on, three blocks and a partial one
+    cases.append(tuple(torch.randn(2, 3100, generator=gen, device=gen.device)))
     return cases
 
 
@@ -126,6 +128,7 @@ def dropout_cases(gen: torch.Generator) -> list:
         (torch.randn(1500, generator=gen, device=gen.device), 0.1, 7),
         (torch.randn(1030, generator=gen, device=gen.device).to(torch.bfloat16), 0.3, 2**31 + 5),
         (torch.randn(100, generator=gen, device=gen.device), 0.0, 99),
+        (torch.randn(3100, generator=gen, device=gen.device), 0.25, 2024),  # the traffic verdict's case
     ]
 
 
@@ -340,6 +343,28 @@ def predict_bytes_writes_only(n_elements, element_size):
     return 3 * n_elements * element_size, n_elements * element_size
 
 
+@triton.jit
+def swiglu_loads_gate_twice_kernel(gate_ptr, up_ptr, out_ptr, n_elements, BLOCK: tl.constexpr):
+    # right values, but gate loaded once for the sigmoid and again for the product
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n_elements
+    sig = tl.sigmoid(tl.load(gate_ptr + offsets, mask=mask).to(tl.float32))
+    gate = tl.load(gate_ptr + offsets, mask=mask).to(tl.float32)
+    up = tl.load(up_ptr + offsets, mask=mask).to(tl.float32)
+    tl.store(out_ptr + offsets, (gate * sig * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def swiglu_by_torch_ops(gate, up, out):
+    # right values from unfused torch ops (in fp32): every intermediate goes through memory
+    return out.copy_(F.silu(gate.float()) * up.float())
+
+
+def dropout_by_torch_ops(x, p, seed, out):
+    # right values, the mask materialised and applied by torch ops
+    keep = kernel_ladder.dropout_mask(x.shape, p, seed, x.device)
+    return out.copy_(torch.where(keep, x / (1 - p), 0.0))
+
+
 # ----------------------------------------------------------------------------------------------
 # The tests
 # ----------------------------------------------------------------------------------------------
@@ -445,3 +470,62 @@ def test_wrong_byte_prediction_is_not_solved(candidate, diagnosis):
 
 def test_predict_swiglu_bytes_formula():
     assert solutions.predict_swiglu_bytes(10, 2) == (160, 60)
+
+
+# ----------------------------------------------------------------------------------------------
+# The traffic verdicts: the solution at the ideal, wasteful but correct variants above it, named
+# ----------------------------------------------------------------------------------------------
+
+
+def swiglu_check(candidate):
+    return check("ch01_elementwise.swiglu_kernel", candidate, swiglu_reference, swiglu_cases, out=True,
+                 traffic=solutions.swiglu_traffic())
+
+
+def test_swiglu_solution_moves_the_ideal_bytes():
+    verdict = swiglu_check(swiglu_launcher(solutions.swiglu_kernel))
+    assert verdict.solved, verdict.message
+    report = verdict.traffic
+    assert report.reread == {"gate": 1.0, "up": 1.0}
+    assert report.ideal == 3 * 3100 * 4 and report.moved == report.ideal and report.top == report.ideal
+    assert "traffic: 1.00× the ideal bytes" in verdict.message
+    assert "every input read once, every output written once" in verdict.message
+
+
+def test_swiglu_loading_gate_twice_is_solved_with_the_reread_named():
+    verdict = swiglu_check(swiglu_launcher(swiglu_loads_gate_twice_kernel))
+    assert verdict.solved, verdict.message
+    assert verdict.traffic.reread == {"gate": 2.0, "up": 1.0}
+    assert verdict.traffic.ratio == pytest.approx(4 / 3)
+    text = " ".join(verdict.message.split())
+    assert "traffic: 1.33× the ideal bytes" in text and "gate read 2.00× its size" in text
+    assert "every element of gate is loaded 2 times" in text
+
+
+def test_swiglu_by_torch_ops_is_solved_with_the_unfused_cause():
+    verdict = swiglu_check(swiglu_by_torch_ops)
+    assert verdict.solved, verdict.message
+    assert verdict.traffic.ratio > 2  # each op writes its result and the next reads it back
+    assert verdict.traffic.reread == {}  # no Triton launch read anything
+    assert "the inputs never reached a Triton load: torch ops read them" in " ".join(verdict.message.split())
+
+
+def dropout_check(candidate):
+    return check("ch01_elementwise.dropout_kernel", candidate, dropout_reference, dropout_cases, out=True,
+                 traffic=solutions.dropout_traffic())
+
+
+def test_dropout_solution_moves_the_ideal_bytes():
+    verdict = dropout_check(dropout_launcher(solutions.dropout_kernel))
+    assert verdict.solved, verdict.message
+    assert verdict.traffic.reread == {"x": 1.0}
+    assert verdict.traffic.ideal == 2 * 3100 * 4 and verdict.traffic.moved == verdict.traffic.ideal
+    assert verdict.traffic.top == verdict.traffic.ideal
+    assert "traffic: 1.00× the ideal bytes" in verdict.message
+
+
+def test_dropout_with_a_stored_mask_is_solved_with_more_bytes_and_the_cause():
+    verdict = dropout_check(dropout_by_torch_ops)
+    assert verdict.solved, verdict.message
+    assert verdict.traffic.ratio > 1.5  # the mask written and read back, x / (1 - p) through memory
+    assert "never reached a Triton load: torch ops read them" in " ".join(verdict.message.split())

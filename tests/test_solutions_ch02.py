@@ -533,6 +533,20 @@ def ce_forgets_target(logits, target, chunk_size):
     return (stats[0] + torch.log(stats[1])).mean().to(logits.dtype)
 
 
+@triton.jit
+def softmax_three_loads(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK: tl.constexpr):
+    # right values, but the row is loaded again for the max, the sum and the output
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    row_max = tl.max(tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=-float("inf")).to(tl.float32), 0)
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=-float("inf")).to(tl.float32)
+    row_sum = tl.sum(tl.exp(x - row_max), axis=0)
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=-float("inf")).to(tl.float32)
+    tl.store(out_ptr + row * out_row_stride + cols, (tl.exp(x - row_max) / row_sum).to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
 # ----------------------------------------------------------------------------------------------
 # The tests
 # ----------------------------------------------------------------------------------------------
@@ -663,3 +677,39 @@ def test_solution_kernels_compile_for_sm90(tmp_path):
     pytest.importorskip("triton.backends.nvidia.compiler")
     result = run_compiled(COMPILE_SCRIPT, tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# The traffic verdicts: the passes over each row, counted and named
+# ----------------------------------------------------------------------------------------------
+
+
+def test_softmax_solution_reads_each_row_once():
+    verdict = check("ch02_softmax.softmax_kernel", softmax_launcher(solutions.softmax_kernel), softmax_reference,
+                    softmax_cases, out=True, traffic=solutions.softmax_traffic())
+    assert verdict.solved, verdict.message
+    assert verdict.traffic.reread == {"x": 1.0}
+    assert verdict.traffic.ideal == 2 * 4 * 100 * 4 and verdict.traffic.moved == verdict.traffic.ideal
+    assert verdict.traffic.top == verdict.traffic.ideal  # kernel_ladder.softmax: one pass over a short row
+    assert "traffic: 1.00× the ideal bytes" in verdict.message
+
+
+def test_softmax_loading_the_row_three_times_is_solved_with_the_passes_named():
+    verdict = check("ch02_softmax.softmax_kernel", softmax_launcher(softmax_three_loads), softmax_reference,
+                    softmax_cases, out=True, traffic=solutions.softmax_traffic())
+    assert verdict.solved, verdict.message
+    assert verdict.traffic.reread == {"x": 3.0}
+    assert verdict.traffic.ratio == 2.0  # three reads and a write against a read and a write
+    text = " ".join(verdict.message.split())
+    assert "traffic: 2.00× the ideal bytes" in text and "x read 3.00× its size" in text
+    assert "a pass each for the max, the sum and the output" in text
+
+
+def test_online_softmax_solution_reads_each_row_twice_and_says_why():
+    verdict = check("ch02_softmax.softmax_online_kernel", online_launcher(solutions.softmax_online_kernel),
+                    softmax_reference, online_cases, out=True, traffic=solutions.softmax_traffic())
+    assert verdict.solved, verdict.message
+    assert verdict.traffic.reread == {"x": 2.0}
+    assert verdict.traffic.ratio == 1.5
+    text = " ".join(verdict.message.split())
+    assert "x read 2.00× its size" in text and "the price of rows too long for one block" in text

@@ -185,7 +185,7 @@ def check_rms_norm(kernel):
 
 def check_layer_norm(kernel):
     return check("ch03_normalization.layer_norm_kernel", layer_norm_launcher(kernel), layer_norm_reference,
-                 layer_norm_cases, out=True)
+                 layer_norm_cases, out=True, traffic=solutions.layer_norm_traffic())
 
 
 def check_layer_norm_large_mean(kernel):
@@ -200,7 +200,7 @@ def check_layer_norm_dx(kernel):
 
 def check_column_sum(kernel):
     return check("ch03_normalization.column_sum_kernel", column_sum_launcher(kernel), column_sum_reference,
-                 column_sum_cases, out=True, **COLUMN_SUM_TOLERANCE)
+                 column_sum_cases, out=True, traffic=solutions.column_sum_traffic(), **COLUMN_SUM_TOLERANCE)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -453,6 +453,25 @@ def column_sum_sums_rows_kernel(partial_ptr, out_ptr, n_rows, n_cols, BLOCK_M: t
     tl.store(out_ptr + cols, acc, mask=cols < n_cols)
 
 
+@triton.jit
+def layer_norm_three_passes_kernel(x_ptr, w_ptr, b_ptr, out_ptr, mean_ptr, rstd_ptr, row_stride, n_cols, eps,
+                                   BLOCK: tl.constexpr):
+    # right values, but the row is loaded again for the mean, the variance and the output
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    mean = tl.sum(tl.load(x_ptr + row * row_stride + cols, mask=mask, other=0.0).to(tl.float32), axis=0) / n_cols
+    centred = tl.where(mask, tl.load(x_ptr + row * row_stride + cols, mask=mask, other=0.0).to(tl.float32) - mean,
+                       0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=0) / n_cols + eps)
+    x = tl.load(x_ptr + row * row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * n_cols + cols, ((x - mean) * rstd * w + b).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(mean_ptr + row, mean)
+    tl.store(rstd_ptr + row, rstd)
+
+
 # ----------------------------------------------------------------------------------------------
 # The exercises: solutions solved, wrong variants not
 # ----------------------------------------------------------------------------------------------
@@ -539,6 +558,39 @@ def test_column_sum_kernel_solved():
 def test_column_sum_kernel_wrong_variants_not_solved(wrong, says, capsys):
     assert not check_column_sum(wrong)
     assert says in capsys.readouterr().out
+
+
+@interpreter
+def test_layer_norm_solution_reads_x_once_and_names_the_parameter_loads():
+    verdict = check_layer_norm(solutions.layer_norm_kernel)
+    assert verdict.solved, verdict.message
+    report = verdict.traffic  # the last case: 4 rows of 1000 columns, fp32
+    assert report.reread == {"x": 1.0, "weight": 4.0, "bias": 4.0}
+    assert report.ideal == 2 * 4 * 1000 * 4 + 2 * 1000 * 4 + 2 * 4 * 4  # x, out; weight, bias; mean, rstd
+    assert report.moved == report.ideal + 2 * 3 * 1000 * 4  # weight and bias loaded by 4 programs, not 1
+    text = " ".join(verdict.message.split())
+    assert "weight read 4.00× its size, bias 4.00×" in text
+    assert "weight and bias are loaded by each of the 4 row programs" in text and "x is read" not in text
+
+
+@interpreter
+def test_layer_norm_reading_the_row_three_times_is_solved_with_the_cause_named():
+    verdict = check_layer_norm(layer_norm_three_passes_kernel)
+    assert verdict.solved, verdict.message
+    assert verdict.traffic.reread["x"] == 3.0
+    assert verdict.traffic.ratio > check_layer_norm(solutions.layer_norm_kernel).traffic.ratio + 0.5
+    text = " ".join(verdict.message.split())
+    assert "x 3.00×" in text and "x is read 3 times, a pass per statistic and one for the output" in text
+
+
+@interpreter
+def test_column_sum_solution_reads_the_buffer_once():
+    verdict = check_column_sum(solutions.column_sum_kernel)
+    assert verdict.solved, verdict.message
+    assert verdict.traffic.reread == {"partial": 1.0}
+    assert verdict.traffic.ideal == (50 + 1) * 129 * 4 and verdict.traffic.moved == verdict.traffic.ideal
+    assert verdict.traffic.top == verdict.traffic.ideal
+    assert "every input read once, every output written once" in verdict.message
 
 
 # ----------------------------------------------------------------------------------------------

@@ -692,3 +692,39 @@ def test_solution_kernels_compile_for_sm90(tmp_path):
     pytest.importorskip("triton.backends.nvidia.compiler")
     result = run_compiled(COMPILE_SCRIPT, tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# The traffic verdict: A and B re-read per row and column of tiles, named against the tile sizes
+# ----------------------------------------------------------------------------------------------
+
+
+def tiled_check(launch):
+    return check("ch04_matmul.matmul_tiled_kernel", launch, matmul_reference, matmul_cases, out=True,
+                 traffic=solutions.tiled_traffic())
+
+
+def test_tiled_solution_rereads_a_and_b_once_per_tile_column_and_row():
+    verdict = tiled_check(tiled_launcher(solutions.matmul_tiled_kernel))
+    assert verdict.solved, verdict.message
+    report = verdict.traffic  # the last case: M = 45, K = 36, N = 50, fp32, 32 x 32 tiles
+    assert report.reread == {"a": 2.0, "b": 2.0}  # ceil(50 / 32) column tiles, ceil(45 / 32) row tiles
+    assert report.ideal == (45 * 36 + 36 * 50 + 45 * 50) * 4
+    assert report.moved == (2 * 45 * 36 + 2 * 36 * 50 + 45 * 50) * 4
+    text = " ".join(verdict.message.split())
+    assert "a read 2.00× its size, b 2.00×" in text
+    assert "(2 = ceil(N / BLOCK_N), N = 50, BLOCK_N = 32)" in text
+    assert "(2 = ceil(M / BLOCK_M), M = 45, BLOCK_M = 32)" in text
+
+
+def test_tiled_with_tiny_tiles_is_solved_with_higher_reread_factors():
+    small_tiles = in_row_major_order(lambda a, b, out: solutions.tiled_matmul(a, b, out, BLOCK_M=16, BLOCK_N=16,
+                                                                                BLOCK_K=16),
+                                     block_m=16, block_n=16)
+    verdict = tiled_check(small_tiles)
+    assert verdict.solved, verdict.message
+    assert verdict.traffic.reread == {"a": 4.0, "b": 3.0}  # ceil(50 / 16), ceil(45 / 16)
+    assert verdict.traffic.ratio > tiled_check(tiled_launcher(solutions.matmul_tiled_kernel)).traffic.ratio
+    text = " ".join(verdict.message.split())
+    assert "a read 4.00× its size, b 3.00×" in text
+    assert "BLOCK_N = 16" in text and "BLOCK_M = 16" in text and "larger tiles divide both" in text

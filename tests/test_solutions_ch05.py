@@ -612,3 +612,57 @@ def test_solution_kernels_compile_for_sm90(tmp_path):
     pytest.importorskip("triton.backends.nvidia.compiler")
     result = run_compiled(COMPILE_SCRIPT, tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# The traffic verdict: the packed weight read once, x re-read per column of tiles, named
+# ----------------------------------------------------------------------------------------------
+
+
+def int4_traffic_check(launch):
+    return check("ch05_quantization.int4_linear_kernel", launch, int4_linear_reference, int4_linear_cases,
+                 out=True, rtol=1e-4, atol=1e-4, traffic=solutions.int4_linear_traffic())
+
+
+def test_int4_linear_solution_reads_the_packed_weight_once():
+    verdict = int4_traffic_check(int4_launcher(solutions.int4_linear_kernel))
+    assert verdict.solved, verdict.message
+    report = verdict.traffic  # the last case: M = 16, N = 130, K = 64, groups of 32, 16 x 64 tiles
+    assert report.reread == {"x": 3.0, "packed": 1.0, "scales": 1.0}  # x: ceil(130 / 64) column tiles
+    assert report.ideal == 16 * 64 * 4 + 130 * 32 + 130 * 2 * 4 + 16 * 130 * 4
+    assert report.top is not None and report.top <= report.moved
+    text = " ".join(verdict.message.split())
+    assert "x read 3.00× its size:" in text  # the packed weight and the scales stay off the re-read list
+    assert "x is re-read once per column of output tiles (3 = ceil(N / BLOCK_N), N = 130)" in text
+
+
+def test_int4_linear_with_narrow_tiles_is_solved_with_a_higher_x_factor():
+    def narrow(x, packed, scales, group_size, out):  # the solution's kernel on 16 x 16 tiles
+        M, K = x.shape
+        N = packed.shape[0]
+        solutions.int4_linear_kernel[(triton.cdiv(M, 16), triton.cdiv(N, 16))](
+            x, packed, scales, out, M, N, K, x.stride(0), packed.stride(0), scales.stride(0), scales.stride(1),
+            out.stride(0), GROUP_SIZE=group_size, BLOCK_M=16, BLOCK_N=16)
+        return out
+
+    verdict = int4_traffic_check(narrow)
+    assert verdict.solved, verdict.message
+    assert verdict.traffic.reread["x"] == 9.0 and verdict.traffic.reread["packed"] == 1.0  # ceil(130 / 16)
+    assert verdict.traffic.ratio > int4_traffic_check(int4_launcher(solutions.int4_linear_kernel)).traffic.ratio
+    assert "(9 = ceil(N / BLOCK_N), N = 130)" in " ".join(verdict.message.split())
+
+
+def test_int4_linear_loading_each_byte_twice_is_named_by_the_traffic_line():
+    def reload(x, packed, scales, group_size, out):  # right values, each packed byte loaded once per nibble
+        M, K = x.shape
+        N = packed.shape[0]
+        _int4_variant[(triton.cdiv(M, 16), triton.cdiv(N, 64))](
+            x, packed, scales, out, M, N, K, x.stride(0), packed.stride(0), scales.stride(0), scales.stride(1),
+            out.stride(0), GROUP_SIZE=group_size, BLOCK_M=16, BLOCK_N=64, SWAP=False, FIRST_GROUP_SCALE=False,
+            OFFSET=8, RELOAD=True)
+        return out
+
+    verdict = int4_traffic_check(reload)  # without the notebook's packed-read rule: the traffic line alone
+    assert verdict.solved, verdict.message
+    assert verdict.traffic.reread["packed"] == 2.0
+    assert "the packed weight is read 2.00× for 1 row(s) of output tiles" in " ".join(verdict.message.split())
