@@ -382,16 +382,12 @@ def tiled_traffic():
 
     A tiled kernel reads A once per column of output tiles (``ceil(N / BLOCK_N)`` times) and B once
     per row of tiles (``ceil(M / BLOCK_M)``): the explanation names both factors against the tile
-    sizes that give them. ``explain`` sees only the read factors, so ``ideal`` (which the checker
-    calls first, on the same case) keeps M and N for it.
+    sizes that give them (``explain_ops`` sees the case).
     """
     from utils.exercises import Traffic
     from utils.trace import ideal_bytes, trace
 
-    shape: dict[str, int] = {}
-
     def ideal(a: torch.Tensor, b: torch.Tensor) -> int:
-        shape.update(M=a.shape[0], N=b.shape[1])
         return ideal_bytes(a, b) + a.shape[0] * b.shape[1] * a.element_size()  # C in a's dtype
 
     def top(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -399,13 +395,13 @@ def tiled_traffic():
             kernel_ladder.matmul(a, b)
         return traced.bytes
 
-    def explain(reread: dict[str, float]) -> str | None:
+    def explain(case: tuple, reread: dict[str, float], ops: object) -> str | None:
         a_reads, b_reads = reread.get("a", 0.0), reread.get("b", 0.0)
-        if not shape or max(a_reads, b_reads) <= 1.05:
+        if max(a_reads, b_reads) <= 1.05:
             return None
-        m, n = shape["M"], shape["N"]
+        m, n = case[0].shape[0], case[1].shape[1]
         return (f"A is read once per column of output tiles ({a_reads:.0f} = ceil(N / BLOCK_N), N = {n}, "
                 f"BLOCK_N = {_tile_size(n, a_reads)}) and B once per row of tiles ({b_reads:.0f} = ceil(M / BLOCK_M), "
                 f"M = {m}, BLOCK_M = {_tile_size(m, b_reads)}): larger tiles divide both")
 
-    return Traffic(ideal=ideal, top=top, explain=explain)
+    return Traffic(ideal=ideal, top=top, explain_ops=explain)

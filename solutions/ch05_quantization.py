@@ -294,17 +294,14 @@ def int4_linear_traffic():
     """The int4 linear's verdict: x, the packed weight (K / 2 bytes a row) and the scales read once,
     out written once, against ``kernel_ladder.quantized_linear`` on the same weight.
 
-    ``explain`` sees only the read factors, so ``ideal`` (which the checker calls first, on the same
-    case) keeps N and M for it: x is re-read once per column of output tiles, the packed weight once
-    per row of tiles (or twice as often where each byte is loaded once per nibble).
+    The explanation (``explain_ops`` sees the case) names why: x is re-read once per column of output
+    tiles, the packed weight once per row of tiles (or twice as often where each byte is loaded once
+    per nibble).
     """
     from utils.exercises import Traffic
     from utils.trace import ideal_bytes, trace
 
-    shape: dict[str, int] = {}
-
     def ideal(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group_size: int) -> int:
-        shape.update(M=x.shape[0], N=packed.shape[0])
         return ideal_bytes(x, packed, scales) + x.shape[0] * packed.shape[0] * x.element_size()
 
     def top(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group_size: int) -> int:
@@ -314,16 +311,17 @@ def int4_linear_traffic():
             kernel_ladder.quantized_linear(x, qweight)
         return traced.bytes
 
-    def explain(reread: dict[str, float]) -> str | None:
+    def explain(case: tuple, reread: dict[str, float], ops: object) -> str | None:
         causes = []
-        row_tiles = -(-shape.get("M", 1) // INT4_BLOCK_M)
+        x, packed = case[0], case[1]
+        row_tiles = -(-x.shape[0] // INT4_BLOCK_M)
         if reread.get("packed", 0.0) > row_tiles + 0.05:
             causes.append(f"the packed weight is read {reread['packed']:.2f}× for {row_tiles} row(s) of output tiles: "
                           "load each byte once and take both its nibbles from the register")
         if reread.get("x", 0.0) > 1.05:
             causes.append(f"x is re-read once per column of output tiles ({reread['x']:.0f} = ceil(N / BLOCK_N), "
-                          f"N = {shape.get('N', '?')}): wider tiles read it fewer times, and in decode x is small "
+                          f"N = {packed.shape[0]}): wider tiles read it fewer times, and in decode x is small "
                           "next to the weight")
         return "; ".join(causes) or None
 
-    return Traffic(ideal=ideal, top=top, explain=explain)
+    return Traffic(ideal=ideal, top=top, explain_ops=explain)
