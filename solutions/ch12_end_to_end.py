@@ -148,11 +148,14 @@ class DescribedLayer:
 
 def decoder_cases(gen: torch.Generator) -> list[tuple]:
     """``(x, layer, cos, sin)``: layers with grouped-query (4 query heads over 2) and multi-query
-    (4 over 1) attention, sequences of 1, 7 and 12."""
+    (4 over 1) attention, sequences of 1, 7 and 12; the 12 rows' magnitudes fall from 1 to 0.01, where
+    the norms' eps weighs (the config's 1e-5 against a default's)."""
     cases = []
     for kv_heads, batch, seq in ((2, 2, 7), (1, 1, 12), (2, 1, 1)):
         layer, rotary = hf_decoder_layer(kv_heads=kv_heads, seed=int(torch.randint(0, 1000, (1,), generator=gen)))
         x = torch.randn(batch, seq, 32, generator=gen)
+        if seq == 12:
+            x = x * torch.logspace(0, -2, seq)[:, None]
         positions = torch.arange(seq)[None].expand(batch, seq)
         cos, sin = rotary(x, positions)
         text = f"LlamaDecoderLayer(4 q / {kv_heads} kv heads)"  # a verdict shows 40 characters
@@ -180,11 +183,14 @@ DECODER_TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
 
 def decoder_variant(x, layer, cos, sin, *, rope: bool = True, causal: bool = True, residual1: bool = True,
                     residual2: bool = True, gqa: str = "group", transpose_back: bool = True,
-                    scale: float | None = None, second_norm: str = "post") -> torch.Tensor:
+                    scale: float | None = None, second_norm: str = "post", residual_from: str = "x",
+                    swap_gate_up: bool = False, eps: dict[int, float] | None = None) -> torch.Tensor:
     """The decoder layer in float64 from the layer's weights, with one step changeable: each keyword
     is a common mistake (all defaults: HF's layer). ``gqa="modulo"`` sends query head ``h`` to K/V
     head ``h % kv_heads``; ``scale`` replaces ``1/sqrt(head_dim)``; ``second_norm="input"`` normalizes
-    before the MLP with ``input_layernorm``'s weight."""
+    before the MLP with ``input_layernorm``'s weight; ``residual_from="normed"`` adds the attention to
+    ``norm₁(x)`` instead of ``x``; ``swap_gate_up`` gives SiLU the up projection; ``eps`` maps a norm
+    (1 or 2) to the eps it uses instead of its module's."""
     layer = getattr(layer, "_layer", layer)
     attn = layer.self_attn
     x, cos, sin = x.double(), cos.double(), sin.double()
@@ -192,8 +198,9 @@ def decoder_variant(x, layer, cos, sin, *, rope: bool = True, causal: bool = Tru
     def weight(t: torch.Tensor) -> torch.Tensor:
         return t.detach().double()
 
-    def rms(v: torch.Tensor, norm) -> torch.Tensor:
-        return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon) * weight(norm.weight)
+    def rms(v: torch.Tensor, norm, which: int) -> torch.Tensor:
+        e = (eps or {}).get(which, norm.variance_epsilon)
+        return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + e) * weight(norm.weight)
 
     def rotate(u: torch.Tensor) -> torch.Tensor:  # HF's rotate_half: (u1, u2) -> (-u2, u1)
         half = u.shape[-1] // 2
@@ -201,7 +208,7 @@ def decoder_variant(x, layer, cos, sin, *, rope: bool = True, causal: bool = Tru
 
     b, t, _ = x.shape
     d = attn.head_dim
-    h = rms(x, layer.input_layernorm)
+    normed = h = rms(x, layer.input_layernorm, 1)
     q, k, v = ((h @ weight(proj.weight).T).view(b, t, -1, d).transpose(1, 2)
                for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
     if rope:
@@ -215,15 +222,27 @@ def decoder_variant(x, layer, cos, sin, *, rope: bool = True, causal: bool = Tru
     out = torch.softmax(scores, -1) @ v[:, index]
     out = out.transpose(1, 2).reshape(b, t, -1) if transpose_back else out.reshape(b, t, -1)
     o = out @ weight(attn.o_proj.weight).T
-    x = x + o if residual1 else o
-    h = rms(x, layer.post_attention_layernorm if second_norm == "post" else layer.input_layernorm)
+    x = (x if residual_from == "x" else normed) + o if residual1 else o
+    h = rms(x, layer.post_attention_layernorm if second_norm == "post" else layer.input_layernorm, 2)
     mlp = layer.mlp
     gate, up, down = (weight(w) for w in (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight))
+    if swap_gate_up:
+        gate, up = up, gate
     m = (F.silu(h @ gate.T) * (h @ up.T)) @ down.T
     return x + m if residual2 else m
 
 
-def _decoder_mistakes(head_dim: int) -> list[tuple[dict, str]]:
+def _default_eps() -> list[float]:
+    """The eps a norm gets when none is passed: ``kernel_ladder.rms_norm``'s, and torch's (float32's epsilon)."""
+    import inspect
+
+    return [inspect.signature(kernel_ladder.rms_norm).parameters["eps"].default, torch.finfo(torch.float32).eps]
+
+
+def _decoder_mistakes(head_dim: int, hidden: int, config_eps: float) -> list[tuple[dict, str]]:
+    defaults = [(e, f"RMSNorm with a default eps ({e:.3g}) instead of the config's ({config_eps:.3g}): pass each "
+                    "norm its module's variance_epsilon — it weighs on rows of small magnitude")
+                for e in _default_eps()]
     return [
         ({"rope": False}, "no rotary embedding: apply kernel_ladder.rope(q, k, cos, sin) to the projected, "
                           "head-split q and k before the attention"),
@@ -240,6 +259,14 @@ def _decoder_mistakes(head_dim: int) -> list[tuple[dict, str]]:
         ({"scale": 1.0 / head_dim}, "softmax scale 1/head_dim: the scores are scaled by 1/sqrt(head_dim) "
                                     "(layer.self_attn.scaling)"),
         ({"scale": 1.0}, "no softmax scale: the scores are scaled by 1/sqrt(head_dim) (layer.self_attn.scaling)"),
+        ({"scale": hidden ** -0.5}, "softmax scale 1/sqrt(hidden): the scores are scaled by 1/sqrt(head_dim), the "
+                                    "size of one head's q·k (layer.self_attn.scaling), not the model's width"),
+        ({"residual_from": "normed"}, "the first residual adds the attention to the normed x: "
+                                      "h = x + o_proj(attention) takes the layer's input x itself, not rms_norm(x) "
+                                      "(the norm feeds only the projections)"),
+        ({"swap_gate_up": True}, "gate and up projections swapped: SiLU applies to the gate's product — "
+                                 "gated_mlp(h, gate_proj.weight, up_proj.weight, down_proj.weight), in that order"),
+        *(({"eps": {which: e for which in norms}}, cause) for e, cause in defaults for norms in ((1,), (2,), (1, 2))),
         ({"second_norm": "input"}, "the second norm uses input_layernorm's weight: the MLP's input is "
                                    "normalized with post_attention_layernorm"),
     ]
@@ -248,15 +275,22 @@ def _decoder_mistakes(head_dim: int) -> list[tuple[dict, str]]:
 def explain_decoder(case: tuple, got: Any, expected: Any) -> str | None:
     """The common mistakes, each recomputed in float64, against the layer ``got`` returned."""
     x, layer, cos, sin = case
-    got = got.detach().double()
-    head_dim = getattr(layer, "_layer", layer).self_attn.head_dim
-    causes = []
-    for change, cause in _decoder_mistakes(head_dim):
+    got, expected = got.detach().double(), expected.double()
+    inner = getattr(layer, "_layer", layer)
+    mistakes = _decoder_mistakes(inner.self_attn.head_dim, x.shape[-1], inner.input_layernorm.variance_epsilon)
+    causes, eps_fits = [], []
+    for change, cause in mistakes:
         variant = decoder_variant(x, layer, cos, sin, **change)
-        if variant.shape == got.shape and torch.allclose(got, variant, rtol=1e-4, atol=1e-4) \
-                and not torch.allclose(variant, expected.double(), rtol=1e-4, atol=1e-4):
-            causes.append(cause)
-    return _named(causes)
+        # a mistake fits when the layer returned its values, they are not the right ones, and they are nearer
+        # the mistake than the right layer (a default eps moves only a few elements, and a little)
+        if variant.shape != got.shape or not torch.allclose(got, variant, rtol=1e-4, atol=1e-4):
+            continue
+        distance = float((got - variant).abs().max())
+        nearer = distance < float((got - expected).abs().max())
+        if nearer and not torch.allclose(variant, expected, **DECODER_TOLERANCE):
+            (eps_fits if "eps" in change else causes).append((distance, cause))
+    # the default eps are alternatives of one mistake, told apart by how near each comes: the nearest is named
+    return _named([cause for _, cause in causes] + ([min(eps_fits)[1]] if eps_fits else []))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -312,8 +346,9 @@ def top_p_cases(gen: torch.Generator) -> list[tuple]:
 
 
 def _nucleus(probs: torch.Tensor, top_p: float, *, keep, descending: bool = True, scatter: bool = True,
-             renormalize: bool = True) -> torch.Tensor:
-    """Each row's tokens in order of probability; ``keep(mass_above, mass_through)`` says which stay."""
+             renormalize: bool | str = True) -> torch.Tensor:
+    """Each row's tokens in order of probability; ``keep(mass_above, mass_through)`` says which stay;
+    ``renormalize="all"`` divides by the whole tensor's sum instead of each row's."""
     out = torch.zeros_like(probs)
     for r, row in enumerate(probs):
         order = sorted(range(row.shape[0]), key=lambda j: float(row[j]), reverse=descending)
@@ -323,7 +358,25 @@ def _nucleus(probs: torch.Tensor, top_p: float, *, keep, descending: bool = True
             if keep(above, above + value) or rank == 0:
                 out[r, j if scatter else rank] = value
             above += value
+    if renormalize == "all":
+        return out / out.sum()
     return out / out.sum(-1, keepdim=True) if renormalize else out
+
+
+def _kept_by_own_probability(probs: torch.Tensor, got: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Whether every row of ``got`` keeps some of its most probable tokens, in proportion to ``probs``, and
+    some row keeps another number of them than the nucleus: what a threshold on each token's own
+    probability (``probs >= value``) does."""
+    if got.shape != probs.shape or not bool(torch.isfinite(got).all()):
+        return False
+    for row, out in zip(probs, got):
+        kept = out > 0
+        if not bool(kept.any()) or (bool((~kept).any()) and float(row[kept].min()) <= float(row[~kept].max())):
+            return False
+        share = row[kept] / row[kept].sum()
+        if not torch.allclose(out[kept], share, rtol=1e-5, atol=1e-6):
+            return False
+    return not torch.equal(got > 0, expected > 0)
 
 
 def top_p_reference(probs, top_p):
@@ -353,11 +406,19 @@ def explain_top_p(case: tuple, got: Any, expected: Any) -> str | None:
         (_nucleus(probs, top_p, keep=right, scatter=False),
          "the kept probabilities are left in sorted order: scatter them back to their tokens' columns "
          "(the indices the sort returned)"),
+        (_nucleus(probs, top_p, keep=right, renormalize="all"),
+         "renormalized by the whole tensor's sum: each row is its own distribution — divide it by its own sum "
+         "(kept.sum(-1, keepdim=True))"),
     ]
     got = got.detach().double()
-    return _named([cause for variant, cause in variants
-                   if variant.shape == got.shape and torch.allclose(got, variant, rtol=1e-5, atol=1e-6)
-                   and not torch.allclose(variant, expected.double(), rtol=1e-5, atol=1e-6)])
+    causes = [cause for variant, cause in variants
+              if variant.shape == got.shape and torch.allclose(got, variant, rtol=1e-5, atol=1e-6)
+              and not torch.allclose(variant, expected.double(), rtol=1e-5, atol=1e-6)]
+    if not causes and _kept_by_own_probability(probs, got, expected.double()):
+        causes.append("tokens kept by a threshold on their own probability (probs >= some value), not by the "
+                      "cumulative mass: each row keeps its most probable tokens, but not as many as its nucleus "
+                      "holds — a token stays while the mass ranked above it (cumsum − itself) is below top_p")
+    return _named(causes)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -406,7 +467,8 @@ def accept_cases(gen: torch.Generator) -> list[tuple]:
 
 
 def _accept(p, q, drafts, u, *, ratio=lambda p, q: p / q, leading: bool = True, residual: str = "p - q",
-            renormalize: bool = True, bonus: int = 0, strict: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+            renormalize: bool = True, bonus: int = 0, strict: bool = True, residual_row: str = "n"
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     """The rule step by step, draft after draft; each keyword is one way to get it wrong."""
     k = drafts.shape[0]
     n = 0
@@ -419,7 +481,11 @@ def _accept(p, q, drafts, u, *, ratio=lambda p, q: p / q, leading: bool = True, 
             break
     if n == k:
         return torch.tensor(n), p[k - bonus]
-    dist = (p[n] - q[n]).clamp_min(0.0) if residual == "p - q" else p[n].clone()
+    row = n if residual_row == "n" else (n - 1 if residual_row == "n - 1" else max(n - 1, 0))  # n - 1 wraps at 0
+    if residual == "p":
+        dist = p[row].clone()
+    else:
+        dist = (p[row] - q[row] if residual == "p - q" else q[row] - p[row]).clamp_min(0.0)
     return torch.tensor(n), dist / dist.sum() if renormalize else dist
 
 
@@ -446,6 +512,13 @@ def explain_accept(case: tuple, got: Any, expected: Any) -> str | None:
         (_accept(p, q, drafts, u, ratio=lambda p, q: q / p),
          "the ratio inverted: draft x is kept if u < min(1, p[i, x] / q[i, x]), the target's probability over "
          "the draft's"),
+        (_accept(p, q, drafts, u, residual="q - p"),
+         "the residual taken as q[n] − p[n]: after a rejection the next token comes from max(0, p[n] − q[n]) "
+         "renormalized — the mass the target gives beyond the draft, not the draft's beyond the target"),
+        *((_accept(p, q, drafts, u, residual_row=row),
+           "the residual taken from row n − 1: n drafts were kept, so the rejected one is draft n (counting from "
+           "0) and the residual is max(0, p[n] − q[n]), both rows at the rejected position")
+          for row in ("n - 1", "max(n - 1, 0)")),
         (_accept(p, q, drafts, u, bonus=1),
          "all drafts kept, the next token drawn from p[k − 1]: the bonus token comes from p[k], the target's "
          "distribution after the last draft"),
@@ -523,5 +596,14 @@ def explain_flops(case: tuple, got: Any, expected: Any) -> str | None:
          "attention halved for the causal mask: MFU's convention counts the whole score matrix, 12·L·h·s"),
         (6 * n + 12 * attention, "the FLOPs of one token: multiply by the step's tokens"),
         (6 * n * tokens + 12 * attention, "attention counted once for the step, not per token: 12·L·h·s·tokens"),
+        (6 * n * tokens + 4 * attention * tokens,
+         "attention's forward pass only: 4·L·h·s per token is QKᵀ and PV forward; with the backward (twice the "
+         "forward) a training step costs 12·L·h·s"),
+        (2 * n * tokens + 12 * attention * tokens,
+         "the parameters' forward pass only: 2·N per token; with the backward (4·N) a training step costs 6·N"),
+        *((n_term + 12 * attention * seq * (tokens // seq),
+           "attention counted over tokens // seq whole sequences: the step's tokens need not fill whole sequences "
+           "(the check's are odd), and tokens // seq drops the rest — count 12·L·h·s per token, times tokens")
+          for n_term in (6 * n * tokens, 6 * n * seq * (tokens // seq))),
     ]
     return _named([cause for value, cause in variants if value != expected and math.isclose(got, value, rel_tol=1e-9)])

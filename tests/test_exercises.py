@@ -1684,3 +1684,61 @@ def test_solution_mode_watches_nothing(monkeypatch, fake_solutions):
         return fake_solutions.programs_needed(n, block)
 
     assert check("ch99_fake.programs_needed", through_module, lambda n, b: -(-n // b), [(1000, 256)]).solved
+
+
+# ----------------------------------------------------------------------------------------------
+# One program per (head, block of rows): a store without its row mask spills into the next head
+
+
+@triton.jit
+def heads_rows_kernel(x_ptr, out_ptr, T, D: tl.constexpr, BLOCK_T: tl.constexpr, BUG: tl.constexpr):
+    block, head = tl.program_id(0), tl.program_id(1)  # all first blocks run before any second block
+    rows = block * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, D)
+    in_rows = (rows < T)[:, None]
+    if BUG == 2:
+        base = head * (T - 1) * D  # the head stride one row short: heads overlap by a row
+    else:
+        base = head * T * D
+    offsets = base + rows[:, None] * D + cols[None, :]
+    x = tl.load(x_ptr + offsets, mask=in_rows, other=0.0)
+    if BUG == 1:
+        tl.store(out_ptr + offsets, 2 * x)  # no row mask: the last block's spare rows land in the next head
+    else:
+        tl.store(out_ptr + offsets, 2 * x, mask=in_rows)
+
+
+def check_heads_rows(bug: int) -> Verdict:
+    def launch(x: torch.Tensor, out: torch.Tensor) -> None:
+        heads, t, d = x.shape
+        heads_rows_kernel[(triton.cdiv(t, 4), heads)](x, out, t, D=d, BLOCK_T=4, BUG=bug)
+
+    def cases(gen: torch.Generator) -> list[tuple[torch.Tensor]]:
+        return [(torch.randn(3, 5, 16, generator=gen).to(DEVICE),)]  # T = 5 rows: the second block has 3 spare
+
+    return check("ch99_test.heads_rows", launch, lambda x: 2 * x, cases, out=True)
+
+
+def test_a_per_head_row_block_kernel_with_its_masks_is_solved():
+    assert check_heads_rows(0).solved
+
+
+@interpreter_only
+def test_a_store_without_its_row_mask_is_the_mask_not_the_mapping():
+    verdict = check_heads_rows(1)
+    assert_not_solved(
+        verdict,
+        # program 1 is (block 1, head 0): its rows 5..7 are head 1's rows 0..2, which program 2 (block 0, head 1)
+        # stored first; the last head's spare rows fall outside the output
+        "the stores are not masked: program 1's lanes past row (0, 4) wrote into indices (1, 0, 0)..(1, 2, 15), "
+        "the elements program 2 owns (a missing store mask)",
+        "out of bounds: heads_rows_kernel wrote 48 elements outside every tensor argument",
+    )
+    assert_not_in(verdict, MAPPING, "grid")
+
+
+@interpreter_only
+def test_a_head_stride_one_row_short_is_still_the_mapping():
+    verdict = check_heads_rows(2)
+    assert_not_solved(verdict, f"{MAPPING} sends two programs to the same elements")
+    assert_not_in(verdict, "not masked", "missing store mask")

@@ -29,14 +29,21 @@ def test_decoder_solution_solves():
 
 
 def _layer(rope=True, causal=True, residual1=True, residual2=True, gqa="group", transpose_back=True, scale=None,
-           second_norm="post"):
+           second_norm="post", residual_from="x", swap_gate_up=False, default_eps=()):
     """The solution's layer with one thing changed: each keyword is a common mistake."""
 
     def layer_fn(x, layer, cos, sin):
-        attn, eps = layer.self_attn, layer.input_layernorm.variance_epsilon
+        attn = layer.self_attn
         b, t, _ = x.shape
         d = attn.head_dim
-        h = kernel_ladder.rms_norm(x, layer.input_layernorm.weight, eps)
+
+        def norm(v, which):  # rms_norm's own default eps (1e-6) where asked, not the layer's 1e-5
+            module = layer.input_layernorm if which == 1 else layer.post_attention_layernorm
+            if which in default_eps:
+                return kernel_ladder.rms_norm(v, module.weight)
+            return kernel_ladder.rms_norm(v, module.weight, module.variance_epsilon)
+
+        h = norm(x, 1)
         q = kernel_ladder.linear(h, attn.q_proj.weight).view(b, t, -1, d).transpose(1, 2)
         k = kernel_ladder.linear(h, attn.k_proj.weight).view(b, t, -1, d).transpose(1, 2)
         v = kernel_ladder.linear(h, attn.v_proj.weight).view(b, t, -1, d).transpose(1, 2)
@@ -46,14 +53,18 @@ def _layer(rope=True, causal=True, residual1=True, residual2=True, gqa="group", 
             group = q.shape[1] // k.shape[1]
             k, v = k.repeat(1, group, 1, 1).contiguous(), v.repeat(1, group, 1, 1).contiguous()
         out = kernel_ladder.flash_attention(q, k, v, causal=causal,
-                                            softmax_scale=attn.scaling if scale is None else scale(d))
+                                            softmax_scale=attn.scaling if scale is None else scale(d, x.shape[-1]))
         out = out.transpose(1, 2).reshape(b, t, -1) if transpose_back else out.reshape(b, t, -1)
         o = kernel_ladder.linear(out, attn.o_proj.weight)
-        x = kernel_ladder.add(x, o) if residual1 else o
-        norm = layer.post_attention_layernorm if second_norm == "post" else layer.input_layernorm
-        h = kernel_ladder.rms_norm(x, norm.weight, norm.variance_epsilon)
+        x = kernel_ladder.add(x if residual_from == "x" else h, o) if residual1 else o  # h: the normed x
+        if second_norm == "post":
+            h = norm(x, 2)
+        else:
+            h = kernel_ladder.rms_norm(x, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
         mlp = layer.mlp
-        m = kernel_ladder.gated_mlp(h, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+        gate, up = (mlp.up_proj.weight, mlp.gate_proj.weight) if swap_gate_up else (mlp.gate_proj.weight,
+                                                                                    mlp.up_proj.weight)
+        m = kernel_ladder.gated_mlp(h, gate, up, mlp.down_proj.weight)
         return kernel_ladder.add(x, m) if residual2 else m
 
     return layer_fn
@@ -87,12 +98,18 @@ def test_the_variants_reproduce_the_solution_when_nothing_is_changed():
     (_layer(residual2=False), "cause: the second residual add is missing"),
     (_layer(gqa="modulo"), "cause: query head h attends K/V head h % kv_heads"),
     (_layer(transpose_back=False), "cause: the attention output reshaped to (B, T, H·D) without transposing"),
-    (_layer(scale=lambda d: 1.0 / d), "cause: softmax scale 1/head_dim"),
+    (_layer(scale=lambda d, hidden: 1.0 / d), "cause: softmax scale 1/head_dim"),
+    (_layer(scale=lambda d, hidden: hidden**-0.5), "cause: softmax scale 1/sqrt(hidden)"),
     (_layer(second_norm="input"), "cause: the second norm uses input_layernorm's weight"),
+    (_layer(residual_from="normed"), "cause: the first residual adds the attention to the normed x"),
+    (_layer(swap_gate_up=True), "cause: gate and up projections swapped"),
+    (_layer(default_eps=(1,)), "cause: RMSNorm with a default eps (1e-06) instead of the config's (1e-05)"),
+    (_layer(default_eps=(1, 2)), "cause: RMSNorm with a default eps (1e-06) instead of the config's (1e-05)"),
     (_calls_the_hf_layer, "compute it with kernel_ladder ops"),
     (_torch_residuals, "the layer ran torch's aten.add"),
 ], ids=["no rope", "not causal", "no first residual", "no second residual", "GQA modulo", "no transpose",
-        "scale 1/d", "second norm's weight", "the HF layer itself",
+        "scale 1/d", "scale 1/sqrt(hidden)", "second norm's weight", "residual from the normed x",
+        "gate and up swapped", "default eps, first norm", "default eps, both norms", "the HF layer itself",
         "torch's + for the residuals"])
 def test_decoder_wrong_variants_rejected(fn, diagnosis):
     verdict = check_decoder(fn)
@@ -152,6 +169,18 @@ def _left_sorted(probs, top_p):  # the kept values in sorted order, never scatte
     return kept / kept.sum(-1, keepdim=True)
 
 
+def _value_threshold(probs, top_p):  # keeps tokens by their own probability, not by the mass above them
+    kept = probs * (probs >= (1 - top_p) * probs.max(-1, keepdim=True).values)
+    return kept / kept.sum(-1, keepdim=True)
+
+
+def _renormalized_by_the_whole_tensor(probs, top_p):  # one sum over every row, not each row's own
+    s, order = probs.sort(-1, descending=True)
+    kept = s.masked_fill(s.cumsum(-1) - s >= top_p, 0.0)
+    out = torch.zeros_like(probs).scatter_(-1, order, kept)
+    return out / out.sum()
+
+
 def _sorts_in_place(probs, top_p):  # right rows, but the caller's probs is overwritten
     out = given.top_p_filter(probs, top_p)
     probs.copy_(out)
@@ -165,6 +194,8 @@ def _sorts_in_place(probs, top_p):  # right rows, but the caller's probs is over
     (_at_most_top_p_above, "cause: a token whose mass above is exactly top_p kept"),
     (_ascending, "cause: sorted ascending"),
     (_left_sorted, "cause: the kept probabilities are left in sorted order"),
+    (_value_threshold, "cause: tokens kept by a threshold on their own probability"),
+    (_renormalized_by_the_whole_tensor, "cause: renormalized by the whole tensor's sum"),
 ])
 def test_top_p_wrong_variants_rejected(fn, diagnosis):
     verdict = check_top_p(fn)
@@ -233,6 +264,23 @@ def _no_bonus(p, q, drafts, u):
     return n, (p[int(n) - 1] if int(n) == drafts.shape[0] else dist)
 
 
+def _residual_q_minus_p(p, q, drafts, u):
+    n, dist = given.speculative_accept(p, q, drafts, u)
+    if int(n) == drafts.shape[0]:
+        return n, dist
+    r = (q[int(n)] - p[int(n)]).clamp_min(0)
+    return n, r / r.sum()
+
+
+def _residual_from_the_row_before(p, q, drafts, u):  # p[n - 1], q[n - 1]: the last kept draft's row
+    n, dist = given.speculative_accept(p, q, drafts, u)
+    if int(n) == drafts.shape[0]:
+        return n, dist
+    row = max(int(n) - 1, 0)
+    r = (p[row] - q[row]).clamp_min(0)
+    return n, r / r.sum()
+
+
 def _n_as_int32(p, q, drafts, u):
     n, dist = given.speculative_accept(p, q, drafts, u)
     return n.to(torch.int32), dist
@@ -257,6 +305,8 @@ def _keeps_at_equality(p, q, drafts, u):  # u <= ratio: a draft kept when u equa
     (_ratio_inverted, "the ratio inverted"),  # some inputs fit "n counts every draft" too: both named
     (_no_bonus, "cause: all drafts kept, the next token drawn from p[k − 1]"),
     (_n_as_int32, "wrong dtype: got torch.int32, expected torch.int64"),
+    (_residual_q_minus_p, "cause: the residual taken as q[n] − p[n]"),
+    (_residual_from_the_row_before, "cause: the residual taken from row n − 1"),
 ])
 def test_accept_wrong_variants_rejected(fn, diagnosis):
     verdict = check_accept(fn)
@@ -304,6 +354,10 @@ def test_every_flops_case_is_an_int_no_float64_holds():
     (lambda n, l, h, s, t: 6 * n * t, "cause: attention's own FLOPs (12·L·h·s per token"),
     (lambda n, l, h, s, t: 6 * n * t + 6 * l * h * s * t, "cause: attention halved for the causal mask"),
     (lambda n, l, h, s, t: 6 * n + 12 * l * h * s, "cause: the FLOPs of one token"),
+    (lambda n, l, h, s, t: 6 * n * t + 4 * l * h * s * t, "cause: attention's forward pass only"),
+    (lambda n, l, h, s, t: 2 * n * t + 12 * l * h * s * t, "cause: the parameters' forward pass only"),
+    (lambda n, l, h, s, t: 6 * n * t + 12 * l * h * s * s * (t // s),
+     "cause: attention counted over tokens // seq whole sequences"),
 ])
 def test_flops_wrong_variants_rejected(fn, diagnosis):
     verdict = check_flops(fn)

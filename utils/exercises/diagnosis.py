@@ -5,7 +5,9 @@
   "wrong only in the padded tail" or "the same lanes of every block" (periodic by BLOCK);
 * why, only from evidence: the tracer's store maps (``trace(record_writes=True)``) say which
   program stored to each output element and which masked a store to it off. Two programs storing
-  the same elements, or a program storing outside its own block, is the ``pid → offset`` mapping;
+  the same elements, or a program storing outside its own block, is the ``pid → offset`` mapping —
+  unless one program's share runs on, without a gap, from its own rows past the end of a head (a
+  slice of the leading dimensions) into the first rows of the next one: a store with no row mask;
   the grid is named only when its programs' lanes cannot cover the output; the mask only when a
   store to a missing element was masked off (or when the padded tail alone is wrong).
 """
@@ -151,6 +153,35 @@ def _block_size(stores: _Stores, total: int) -> int | None:
     return block
 
 
+def _spill(stores: _Stores, shape: Sequence[int], shared: np.ndarray, i: int) -> tuple[int, int, int, int] | None:
+    """``(program, owner, first, last)`` when the element ``i`` two programs stored is the spill of a store
+    without its mask: one program's elements run, with no gap and no other program's, up to the end of a
+    slice of the output (a head of an ``(H, T, D)`` output, a row of an ``(R, N)`` one) and then on into
+    ``first..last``, the start of the next slice, where the other program's own elements begin. A wrong
+    ``pid → offset`` mapping shifts a program's whole share, so it does not end at a slice's end."""
+    if len(shape) < 2:
+        return None
+    pair = (int(stores.first[i]), int(stores.last[i]))
+    for program, owner in (pair, pair[::-1]):
+        low, high, _ = stores.ranges.get(program, (-1, -1, 0))
+        both = shared & (((stores.first == program) & (stores.last == owner))
+                         | ((stores.first == owner) & (stores.last == program)))
+        start = int(np.argmax(both))
+        own = slice(low, start)
+        if not (0 <= low < start <= high) or int(np.nonzero(both)[0].max()) > high \
+                or stores.ranges.get(owner, (-1, -1, 0))[0] != start:
+            continue
+        if not (bool((stores.first[own] == program).all()) and bool((stores.last[own] == program).all())):
+            continue  # a gap or another program's element in its own part: not rows cut off by a mask
+        row = int(shape[-1])
+        for k in range(1, len(shape)):
+            size = int(np.prod(shape[k:]))
+            whole_rows = size == row or (high - start + 1) % row == 0  # past a head: whole rows spill
+            if start % size == 0 and low >= start - size and whole_rows:
+                return program, owner, start, high
+    return None
+
+
 def _store_causes(unwritten: np.ndarray, stores: _Stores, shape: Sequence[int], block: int | None) -> list[str]:
     """What the store maps show about why elements are missing: only what the evidence shows."""
     total = unwritten.size
@@ -168,7 +199,17 @@ def _store_causes(unwritten: np.ndarray, stores: _Stores, shape: Sequence[int], 
         mapping = True
     else:
         shared = (stores.first >= 0) & (stores.first != stores.last)
-        if shared.any():
+        spill = _spill(stores, shape, shared, int(np.argmax(shared))) if shared.any() else None
+        if spill is not None:
+            program, owner, start, end = spill
+            past = np.unravel_index(start - 1, tuple(shape))[:-1]
+            row = str(int(past[0])) if len(past) == 1 else "(" + ", ".join(str(int(c)) for c in past) + ")"
+            causes.append(
+                f"the stores are not masked: program {program}'s lanes past row {row} wrote into "
+                f"{_span_text(start, end, shape)}, the elements program {owner} owns (a missing store mask): "
+                "mask the store to the rows that exist"
+            )
+        elif shared.any():
             i = int(np.argmax(shared))
             which = ""
             if len(stores.sites) > 1 and stores.first_site is not None and stores.last_site is not None:
@@ -190,7 +231,7 @@ def _store_causes(unwritten: np.ndarray, stores: _Stores, shape: Sequence[int], 
                 f"program {program}): check the offsets of the {stores.site_text(later)}"
             )
             mapping = True
-        if block:
+        if block and spill is None:
             for program in sorted(storing):
                 low, high, _ = storing[program]
                 own_low, own_high = program * block, min((program + 1) * block, total) - 1
