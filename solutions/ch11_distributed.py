@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from kernel_ladder.distributed import bubble_fraction, logical_timeline, schedule_order
+from utils.exercises import one_or_all_causes
 
 __all__ = [
     "ThreadComm",
@@ -65,13 +66,6 @@ __all__ = [
     "explain_vocab",
 ]
 
-
-def _named(causes: list[str]) -> str | None:
-    """The one cause that fits, or every one when the failing case cannot tell them apart."""
-    causes = list(dict.fromkeys(causes))
-    if len(causes) <= 1:
-        return causes[0] if causes else None
-    return "this case fits more than one common mistake — " + "; or ".join(causes)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -394,7 +388,7 @@ def explain_buckets(case: tuple, got: Any, expected: Any) -> str | None:
     ]
     if isinstance(got, list) and any(b == [] for b in got):
         return "an empty bucket: close the current bucket only when it holds a parameter"
-    return _named([cause for plan, cause in variants if got == plan and plan != expected])
+    return one_or_all_causes([cause for plan, cause in variants if got == plan and plan != expected])
 
 
 def diagnose_buckets(got, expected) -> str | None:
@@ -660,7 +654,7 @@ def explain_merge(case: tuple, got: Any, expected: Any) -> str | None:
     causes = [cause for value, cause in variants
               if out.shape == value.shape and torch.allclose(out, value, rtol=1e-5, atol=1e-5, equal_nan=True)
               and not torch.allclose(value, want, rtol=1e-5, atol=1e-5, equal_nan=True)]
-    return _named(causes)
+    return one_or_all_causes(causes)
 
 
 def attention_by_blocks(candidate: Callable[..., tuple]) -> Callable[..., tuple]:
@@ -855,7 +849,7 @@ def explain_vocab(case: tuple, got: Any, expected: Any) -> str | None:
         return (f"exp of logits that reach only {top:.0f} (down to {bottom:.0f}) underflows to 0, and log 0 is -inf: "
                 "shift every logit by the row's global max (all-reduced with 'max') before exp")
     right = float(torch.as_tensor(expected).double())
-    return _named([cause for variant, cause in _vocab_variants(p, logits, target)
+    return one_or_all_causes([cause for variant, cause in _vocab_variants(p, logits, target)
                    if math.isclose(value, float(variant), rel_tol=1e-4, abs_tol=1e-5)
                    and not math.isclose(right, float(variant), rel_tol=1e-4, abs_tol=1e-5)])
 

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import kernel_ladder
+from utils.exercises import one_or_all_causes
 
 __all__ = [
     "decoder_layer",
@@ -44,13 +45,6 @@ __all__ = [
     "hf_decoder_layer",
 ]
 
-
-def _named(causes: list[str]) -> str | None:
-    """The one cause that fits, or every one when the failing case cannot tell them apart."""
-    causes = list(dict.fromkeys(causes))
-    if len(causes) <= 1:
-        return causes[0] if causes else None
-    return "this case fits more than one common mistake — " + "; or ".join(causes)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -290,7 +284,7 @@ def explain_decoder(case: tuple, got: Any, expected: Any) -> str | None:
         if nearer and not torch.allclose(variant, expected, **DECODER_TOLERANCE):
             (eps_fits if "eps" in change else causes).append((distance, cause))
     # the default eps are alternatives of one mistake, told apart by how near each comes: the nearest is named
-    return _named([cause for _, cause in causes] + ([min(eps_fits)[1]] if eps_fits else []))
+    return one_or_all_causes([cause for _, cause in causes] + ([min(eps_fits)[1]] if eps_fits else []))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -418,7 +412,7 @@ def explain_top_p(case: tuple, got: Any, expected: Any) -> str | None:
         causes.append("tokens kept by a threshold on their own probability (probs >= some value), not by the "
                       "cumulative mass: each row keeps its most probable tokens, but not as many as its nucleus "
                       "holds — a token stays while the mass ranked above it (cumsum − itself) is below top_p")
-    return _named(causes)
+    return one_or_all_causes(causes)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -535,7 +529,7 @@ def explain_accept(case: tuple, got: Any, expected: Any) -> str | None:
         right = int(v_n) == int(expected[0]) and torch.allclose(v_dist, expected[1].double(), rtol=1e-5, atol=1e-6)
         if same and not right:
             causes.append(cause)
-    return _named(causes)
+    return one_or_all_causes(causes)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -606,4 +600,5 @@ def explain_flops(case: tuple, got: Any, expected: Any) -> str | None:
            "(the check's are odd), and tokens // seq drops the rest — count 12·L·h·s per token, times tokens")
           for n_term in (6 * n * tokens, 6 * n * seq * (tokens // seq))),
     ]
-    return _named([cause for value, cause in variants if value != expected and math.isclose(got, value, rel_tol=1e-9)])
+    return one_or_all_causes([cause for value, cause in variants
+                              if value != expected and math.isclose(got, value, rel_tol=1e-9)])

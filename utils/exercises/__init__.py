@@ -83,7 +83,14 @@ from .checker import CHECK_SEED_ENV, check
 from .marker import SOLUTIONS_ENV, MissingSolutionError, exercise, solution, solution_mode
 from .running import _trace_context  # noqa: F401  (the hook check() calls, replaceable here)
 from .traffic import Traffic, TrafficReport
-from .verdict import LINE_WIDTH, NOT_SOLVED_MARK, SOLVED_MARK, Verdict, default_tolerance  # noqa: F401
+from .verdict import (  # noqa: F401
+    LINE_WIDTH,
+    NOT_SOLVED_MARK,
+    SOLVED_MARK,
+    Verdict,
+    default_tolerance,
+    one_or_all_causes,
+)
 
 # Learner-mode stubs by exercise name, and each check's last verdict: a check whose code runs
 # another exercise's unsolved stub names that exercise instead of blaming its own.
@@ -100,6 +107,7 @@ __all__ = [
     "check",
     "default_tolerance",
     "exercise",
+    "one_or_all_causes",
     "rules",
     "solution",
     "solution_mode",

@@ -98,3 +98,12 @@ def _wrapped(lines: Sequence[str]) -> list[str]:
             result += textwrap.wrap(text, width=LINE_WIDTH, initial_indent=indent, subsequent_indent=hanging,
                                     break_long_words=False, break_on_hyphens=False)
     return result
+
+
+def one_or_all_causes(causes: Sequence[str]) -> str | None:
+    """A diagnosis's sentence from the causes that fit a failing case: the one cause, or every one
+    (in order, without repeats) when the case cannot tell them apart; None when none fits."""
+    unique = list(dict.fromkeys(causes))
+    if len(unique) <= 1:
+        return unique[0] if unique else None
+    return "this case fits more than one common mistake — " + "; or ".join(unique)
