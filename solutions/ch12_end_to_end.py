@@ -455,6 +455,9 @@ def accept_cases(gen: torch.Generator) -> list[tuple]:
     q = torch.tensor([[0.5, 0.4, 0.1], [0.2, 0.2, 0.6]])
     cases.append((p, q, torch.tensor([0, 1]), torch.tensor([0.99, 0.99])))  # p/q >= 1: both kept, the bonus p[2]
     cases.append((p, q, torch.tensor([1, 1]), torch.tensor([0.9, 0.0])))  # 0.2/0.4: rejected at 0.9
+    # The first draft kept (0.7/0.5 >= 1), the second rejected (0.1/0.6 < 0.9): the residual is row 1's,
+    # max(0, p[1] - q[1]) = [0, 0.6, 0], not row 0's [0.2, 0, 0] (a fixed case: random ones may never reject late).
+    cases.append((p, q, torch.tensor([0, 2]), torch.tensor([0.1, 0.9])))
     # u equal to p/q exactly: 0.2 / 0.4 is 0.5 in float32 (0.4 is 2 · 0.2 to the bit), and u < 0.5 rejects.
     cases.append((p, q, torch.tensor([1, 1]), torch.tensor([0.5, 0.3])))
     return cases
