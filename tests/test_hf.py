@@ -37,6 +37,23 @@ def _llama(attn: str = "eager", **kw):
 def _ids(shape, seed):
     return torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
 
+def _compiled_logits(model, ids, **kwargs) -> tuple[torch.Tensor, set[str]]:
+    """The logits of ``model`` compiled with ``fullgraph=True``, and the ops its graph calls (a backend
+    that records the graph, then runs it as traced)."""
+    seen: set[str] = set()
+
+    def record(gm, example_inputs):
+        seen.update(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=record, fullgraph=True)
+    with torch.no_grad():
+        got = compiled(ids, **kwargs).logits
+    torch._dynamo.reset()
+    return got, seen
+
+
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
@@ -302,17 +319,7 @@ def test_attn_implementation_kernel_ladder_compiles_in_one_graph():
     ids = _ids((2, 9), 12)
     with torch.no_grad():
         want = model(ids, use_cache=False).logits
-    seen: set[str] = set()
-
-    def record(gm, example_inputs):
-        seen.update(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
-        return gm.forward
-
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend=record, fullgraph=True)
-    with torch.no_grad():
-        got = compiled(ids, use_cache=False).logits
-    torch._dynamo.reset()
+    got, seen = _compiled_logits(model, ids, use_cache=False)
     assert _rel(got, want) < 1e-5
     assert any("kernel_ladder.flash_attention" in target for target in seen), sorted(seen)
 
@@ -423,17 +430,7 @@ def test_a_kernelized_model_compiles_in_one_graph_with_the_ops_in_it():
     with torch.no_grad():
         want = model(ids).logits
     hf.kernelize(model, mode=kernels.Mode.INFERENCE | kernels.Mode.TORCH_COMPILE)
-    seen: set[str] = set()
-
-    def record(gm, example_inputs):
-        seen.update(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
-        return gm.forward
-
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend=record, fullgraph=True)
-    with torch.no_grad():
-        got = compiled(ids).logits
-    torch._dynamo.reset()
+    got, seen = _compiled_logits(model, ids)
     assert _rel(got, want) < 1e-5
     for op in ("kernel_ladder.rms_norm", "kernel_ladder.rope", "kernel_ladder.silu"):
         assert any(op in target for target in seen), (op, sorted(seen))
