@@ -68,6 +68,7 @@ from .causal_lm import CausalLM, _Norm
 __all__ = ["DeepseekV3Config", "DeepseekV3ForCausalLM", "cache_bytes_per_token"]
 
 _OP = "kernel_ladder.models.DeepseekV3ForCausalLM"
+_ROPE = "mla"  # the key of the decoupled rope's tables in rope_tables()
 
 
 @dataclass
@@ -274,6 +275,26 @@ class Attention(torch.nn.Module):
         out = kernel_ladder.flash_attention(q, k, v, causal=True, softmax_scale=self.scale)  # (B, H, T, v)
         return _linear(self.o_proj, out.transpose(1, 2).reshape(b, t, self.heads * self.v_dim))
 
+    def paged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, latent_cache: torch.Tensor,
+              step) -> torch.Tensor:
+        """Serving: one packed step's tokens ``x`` ``(T, hidden)`` over the paged latent cache
+        ``(num_blocks, block_size, kv_lora_rank + qk_rope_head_dim)``; the tokens' ``[c | k_rope]`` are
+        written first, then the absorbed attention reads them with the sequences' history."""
+        t = x.shape[0]
+        q = self.query(x)  # (T, H, qk)
+        c, k_rope = self.latent(x)  # (T, L), (T, R)
+        q_rope, k_rope = kernel_ladder.rope(q[None, ..., self.nope:], k_rope[None, :, None], cos, sin, unsqueeze_dim=2,
+                                            interleaved=self.interleaved)  # (1, T, H, R), (1, T, 1, R)
+        kernel_ladder.write_latent_cache(c, k_rope[0, :, 0], latent_cache, step.slot_mapping)
+        w = self._kv_b()
+        # Absorb W_UK into the query: q_latent[t, h] = q_nope[t, h] @ W_UK[h]  ((H, T, nope) @ (H, nope, L))
+        q_latent = kernel_ladder.matmul(q[..., :self.nope].transpose(0, 1), w[:, :self.nope]).transpose(0, 1)
+        out = kernel_ladder.mla_attention(q_latent, q_rope[0], latent_cache, step.block_tables, step.seq_lens,
+                                          self.scale, self.kv_lora_rank, cu_seqlens_q=step.cu_seqlens_q)  # (T, H, L)
+        # ... and W_UV into the output: v[t, h] = out[t, h] @ W_UV[h]^T  ((H, T, L) @ (H, L, v))
+        v = kernel_ladder.matmul(out.transpose(0, 1), w[:, self.nope:].transpose(1, 2))
+        return _linear(self.o_proj, v.transpose(0, 1).reshape(t, self.heads * self.v_dim))
+
 
 class MLP(torch.nn.Module):
     """``down(silu(gate(x)) * up(x))`` in one :func:`kernel_ladder.gated_mlp`."""
@@ -353,6 +374,13 @@ class DecoderLayer(torch.nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = kernel_ladder.add(x, self.self_attn(kernel_ladder.rms_norm(x, self.input_layernorm.weight, self.eps),
                                                 cos, sin))
+        return kernel_ladder.add(h, self.mlp(kernel_ladder.rms_norm(h, self.post_attention_layernorm.weight, self.eps)))
+
+    def forward_paged(self, x: torch.Tensor, tables, cache, layer_index: int, step) -> torch.Tensor:
+        """The serving step: ``(T, hidden)`` in and out, this layer's latent cache entries written."""
+        cos, sin = tables[_ROPE]
+        h = kernel_ladder.rms_norm(x, self.input_layernorm.weight, self.eps)
+        h = kernel_ladder.add(x, self.self_attn.paged(h, cos, sin, cache.latent_cache(layer_index), step))
         return kernel_ladder.add(h, self.mlp(kernel_ladder.rms_norm(h, self.post_attention_layernorm.weight, self.eps)))
 
 
