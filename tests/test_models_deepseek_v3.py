@@ -112,3 +112,13 @@ def test_cache_bytes_per_token_latent_against_gqa_and_mha():
         cache_bytes_per_token(real, kind="gqa")
     with pytest.raises(ValueError, match="kind"):
         cache_bytes_per_token(real, kind="mqa")
+
+
+def test_a_saved_checkpoint_loads_through_causal_lm_from_pretrained(tmp_path):
+    hf = hf_model(seed=3)
+    hf.save_pretrained(tmp_path)
+    ours = CausalLM.from_pretrained(tmp_path)
+    assert isinstance(ours, DeepseekV3ForCausalLM)
+    ids = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert _rel(ours(ids), hf(ids).logits) < 1e-4
