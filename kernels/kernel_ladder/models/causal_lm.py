@@ -83,6 +83,10 @@ class CausalLMConfig:
         """From a ``transformers`` config (an object, or its ``to_dict()``) of a supported family."""
         c = config if isinstance(config, dict) else config.to_dict()
         model_type = c.get("model_type")
+        if model_type == "deepseek_v3":  # multi-head latent attention: its own model (models/deepseek_v3.py)
+            from .deepseek_v3 import DeepseekV3Config
+
+            return DeepseekV3Config.from_hf(c)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"{_OP}: model_type {model_type!r} is not supported; supported: "
                              f"{', '.join(SUPPORTED_MODEL_TYPES)} "
@@ -263,7 +267,12 @@ class CausalLM(DecoderLM):
     @classmethod
     def from_hf(cls, hf_model: torch.nn.Module) -> CausalLM:
         """The same model as a ``transformers`` ``LlamaForCausalLM`` / ``MistralForCausalLM`` /
-        ``Qwen2ForCausalLM`` (its weights copied, its dtype and device kept)."""
+        ``Qwen2ForCausalLM`` (its weights copied, its dtype and device kept); a ``DeepseekV3ForCausalLM``
+        gives a :class:`~kernel_ladder.models.deepseek_v3.DeepseekV3ForCausalLM`."""
+        if cls is CausalLM and getattr(getattr(hf_model, "config", None), "model_type", None) == "deepseek_v3":
+            from .deepseek_v3 import DeepseekV3ForCausalLM
+
+            return DeepseekV3ForCausalLM.from_hf(hf_model)
         return build_from_hf(cls, CausalLMConfig, hf_model, _OP)
 
     @classmethod
