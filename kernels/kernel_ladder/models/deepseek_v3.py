@@ -57,13 +57,20 @@ returns a :class:`DeepseekV3ForCausalLM` here with its weights.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import torch
 
 import kernel_ladder
 from kernel_ladder.ops.moe import experts_forward
 
+from ..serving.paged_cache import CacheSpec
 from .causal_lm import CausalLM, _Norm
+from .protocol import RopeTables
+
+if TYPE_CHECKING:
+    from ..serving.paged_cache import PagedKVCache
+    from ..serving.scheduler import SchedulerOutput
 
 __all__ = ["DeepseekV3Config", "DeepseekV3ForCausalLM", "cache_bytes_per_token"]
 
@@ -276,7 +283,7 @@ class Attention(torch.nn.Module):
         return _linear(self.o_proj, out.transpose(1, 2).reshape(b, t, self.heads * self.v_dim))
 
     def paged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, latent_cache: torch.Tensor,
-              step) -> torch.Tensor:
+              step: SchedulerOutput) -> torch.Tensor:
         """Serving: one packed step's tokens ``x`` ``(T, hidden)`` over the paged latent cache
         ``(num_blocks, block_size, kv_lora_rank + qk_rope_head_dim)``; the tokens' ``[c | k_rope]`` are
         written first, then the absorbed attention reads them with the sequences' history."""
@@ -371,12 +378,15 @@ class DecoderLayer(torch.nn.Module):
         self.mlp = MLP(config.hidden_size, config.intermediate_size) if layer < config.first_k_dense_replace \
             else MoE(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, tables: RopeTables) -> torch.Tensor:
+        """Training and scoring: ``(B, T, hidden)``, the model's rope tables (``rope_tables()``)."""
+        cos, sin = tables[_ROPE]
         h = kernel_ladder.add(x, self.self_attn(kernel_ladder.rms_norm(x, self.input_layernorm.weight, self.eps),
                                                 cos, sin))
         return kernel_ladder.add(h, self.mlp(kernel_ladder.rms_norm(h, self.post_attention_layernorm.weight, self.eps)))
 
-    def forward_paged(self, x: torch.Tensor, tables, cache, layer_index: int, step) -> torch.Tensor:
+    def forward_paged(self, x: torch.Tensor, tables: RopeTables, cache: PagedKVCache, layer_index: int,
+                      step: SchedulerOutput) -> torch.Tensor:
         """The serving step: ``(T, hidden)`` in and out, this layer's latent cache entries written."""
         cos, sin = tables[_ROPE]
         h = kernel_ladder.rms_norm(x, self.input_layernorm.weight, self.eps)
@@ -411,8 +421,19 @@ class DeepseekV3ForCausalLM(CausalLM):
 
         return build_from_hf(cls, DeepseekV3Config, hf_model, _OP)
 
+    # -- the layer protocol (kernel_ladder.models.protocol) ---------------------------------------
+
+    def cache_spec(self) -> list[CacheSpec]:
+        """Every layer caches ONE latent vector per token: ``kv_lora_rank + qk_rope_head_dim`` features."""
+        c = self.config
+        return [CacheSpec.latent(c.kv_lora_rank, c.qk_rope_head_dim)] * c.num_hidden_layers
+
     def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The cos/sin tables of the decoupled rope key (``qk_rope_head_dim`` wide) for ``positions``."""
         c = self.config
         return kernel_ladder.rope_cos_sin(positions, c.qk_rope_head_dim, base=c.rope_theta, scaling=c.rope_scaling,
                                           dtype=dtype, interleaved=c.rope_interleave)
+
+    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
+        """``{"mla": rotary(positions, dtype)}``: one rope, the decoupled key's, for every layer."""
+        return {_ROPE: self.rotary(positions, dtype)}
