@@ -10,7 +10,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from kernel_ladder.models import CausalLM, CausalLMConfig  # noqa: E402
+from kernel_ladder.models import CausalLM, CausalLMConfig, Engine  # noqa: E402
 from kernel_ladder.models.deepseek_v3 import (  # noqa: E402
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
@@ -67,6 +67,60 @@ def test_dense_layers_equal_hugging_face(overrides):
     assert isinstance(ours, DeepseekV3ForCausalLM)
     assert hasattr(ours.model.layers[0].self_attn, "q_proj") == (overrides.get("q_lora_rank", 24) is None)
     _compare(hf, ours, torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1)))
+
+
+# Everything at once: MoE layers after a dense one (grouped, bias-corrected sigmoid routing, shared
+# experts), keys wider than values (qk 8 + 8, v 12), YaRN with mscale_all_dim.
+FULL = dict(num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8, n_group=4, topk_group=2,
+            num_experts_per_tok=3, n_shared_experts=2, routed_scaling_factor=2.5, v_head_dim=12,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
+                             "mscale_all_dim": 0.8, "original_max_position_embeddings": 16, "beta_fast": 32,
+                             "beta_slow": 1})
+
+
+def full_model(seed: int = 0):
+    """FULL with a router that decides (weights and selection biases far from HF's zero/near-zero init)."""
+    hf = hf_model(seed, **FULL)
+    generator = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for layer in hf.model.layers[FULL["first_k_dense_replace"]:]:
+            layer.mlp.gate.weight.copy_(torch.randn(layer.mlp.gate.weight.shape, generator=generator))
+            layer.mlp.gate.e_score_correction_bias.copy_(0.2 * torch.randn(8, generator=generator))
+    return hf
+
+
+def test_moe_layers_wide_keys_and_yarn_equal_hugging_face():
+    hf = full_model()
+    ours = CausalLM.from_hf(hf)
+    assert ours.config.rope_scaling["rope_type"] == "yarn" and ours.config.softmax_scale != 16 ** -0.5
+    _compare(hf, ours, torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1)))
+
+
+def test_the_selection_bias_is_seen():  # negative control: routing without e_score_correction_bias differs
+    hf = full_model()
+    ours = CausalLM.from_hf(hf)
+    for layer in ours.model.layers[FULL["first_k_dense_replace"]:]:
+        layer.mlp.gate.e_score_correction_bias.zero_()
+    ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert _rel(ours(ids), hf(ids).logits) > 1e-3
+
+
+def test_engine_serves_the_latent_cache_token_for_token_as_hugging_face_generates():
+    hf = full_model(seed=5)
+    ours = CausalLM.from_hf(hf)
+    generator = torch.Generator().manual_seed(3)
+    first = torch.randint(0, VOCAB, (19,), generator=generator).tolist()  # 19 tokens > the step budget of 8
+    second = first[:16] + torch.randint(0, VOCAB, (3,), generator=generator).tolist()  # two blocks shared
+    engine = Engine(ours, num_blocks=12, block_size=8, max_tokens_per_step=8)
+    c = ours.config
+    assert engine.cache.latent.shape == (c.num_hidden_layers, 12, 8, c.kv_lora_rank + c.qk_rope_head_dim)
+    assert engine.cache.bytes_per_token() == cache_bytes_per_token(c, 4) == 3 * (16 + 8) * 4
+    out = engine.generate([first, second], max_new_tokens=5)
+    assert engine.stats.cached_prompt_tokens == 16
+    for prompt, tokens in zip([first, second], out):
+        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=False)[0, len(prompt):]
+        assert tokens == expected.tolist()
 
 
 def test_the_rope_layout_is_seen():  # negative control: the comparison sees which features are paired
