@@ -102,6 +102,12 @@ def _rope(q, k, positions):
     return kernel_ladder.rope(q, k, cos, sin)
 
 
+def _rope_qk_norm(q, k, positions, q_norm_weight, k_norm_weight):
+    cos, sin = kernel_ladder.rope_cos_sin(positions, q.shape[-1])
+    return kernel_ladder.rope(q, k, cos, sin, q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight,
+                              norm_offset=1.0)
+
+
 def _attention_args(size, gen):
     tq, tk = (3, 6, 9)[size], (5, 6, 12)[size]
     return _r(gen, 1, 2, tq, 16, grad=True), _r(gen, 1, 1, tk, 16, grad=True), _r(gen, 1, 1, tk, 16, grad=True)
@@ -225,6 +231,8 @@ CASES: dict[str, Case] = {
     "add_rms_norm": Case(lambda s, g: (*_rows_cols(s, g, 2), _r(g, _COLS[s], grad=True)), kernel_ladder.add_rms_norm,
                          ("add_rms_norm",)),
     "rope": Case(_rope_args, _rope, ("rope",)),
+    "rope_qk_norm": Case(lambda s, g: (*_rope_args(s, g), _r(g, 8, grad=True), _r(g, 8, grad=True)), _rope_qk_norm,
+                         ("rope",)),
     "gated_mlp": Case(lambda s, g: (_r(g, _ROWS[s], 16, grad=True), _r(g, _COLS[s], 16, grad=True),
                                     _r(g, _COLS[s], 16, grad=True), _r(g, 16, _COLS[s], grad=True)),
                       kernel_ladder.gated_mlp, ("gated_mlp",)),

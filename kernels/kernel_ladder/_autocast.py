@@ -129,7 +129,7 @@ TABLE: dict[str, Policy] = {
     "silu": Policy(NONE, NONE, "F.silu", "elementwise, one input: runs as given"),
     "dropout": Policy(NONE, NONE, "F.dropout", "elementwise, one input: runs as given"),
     "rope": Policy(PROMOTE, PROMOTE, "q * cos + rotate_half(q) * sin",
-                   "elementwise products: q, k, cos and sin promote to the widest"),
+                   "elementwise products: q, k, cos, sin (and QK-norm weights) promote to the widest"),
     "moe_gather": Policy(PROMOTE, PROMOTE, "x[permutation // top_k] (* weights)",
                          "a row gather (and weighting): elementwise, promotes"),
     "moe_combine": Policy(PROMOTE, PROMOTE, "index_add of y * weights",
