@@ -96,15 +96,18 @@ TABLE: dict[str, Policy] = {
         LOWER, LOWER, "F.linear(x, dequantized weight)",
         "x and bias in the autocast dtype, as F.linear's; the int8/int4/fp8 data is not float compute and "
         "its scales belong to the encoding, so both stay", keep=("scales",)),
-    "flash_attention": Policy(LOWER, LOWER, "F.scaled_dot_product_attention", "two GEMMs per tile"),
+    "flash_attention": Policy(LOWER, LOWER, "F.scaled_dot_product_attention",
+                              "two GEMMs per tile; the sinks (per-head logits, read in float32) stay", keep=("sinks",)),
     "flash_attention_varlen": Policy(LOWER, LOWER, "F.scaled_dot_product_attention",
-                                     "two GEMMs per tile; cu_seqlens are int32 and stay"),
+                                     "two GEMMs per tile; cu_seqlens are int32 and stay; so do the sinks",
+                                     keep=("sinks",)),
     "block_sparse_attention": Policy(LOWER, LOWER, "F.scaled_dot_product_attention (masked)",
                                      "two GEMMs per allowed tile; the bool block mask stays"),
     "paged_attention": Policy(
         LOWER, LOWER, "F.scaled_dot_product_attention",
         "q and a float cache in the autocast dtype, as SDPA's; an fp8 cache is an encoding (not cast) and "
-        "its per-tensor scales stay float32", keep=("k_scale", "v_scale")),
+        "its per-tensor scales stay float32; the sinks (per-head logits, read in float32) stay",
+        keep=("k_scale", "v_scale", "sinks")),
     # reductions and norms: torch's policy per device
     "softmax": Policy(NONE, FP32, "F.softmax",
                       "exp and a row sum lose precision in 16 bits: torch runs softmax in float32 under CUDA "
