@@ -24,12 +24,19 @@ from __future__ import annotations
 import json
 import pathlib
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
 import torch
 
 import kernel_ladder
 
+from ..serving.paged_cache import CacheSpec
 from ._hf import build_from_hf, mismatch_error
+from .protocol import DecoderLM, RopeTables
+
+if TYPE_CHECKING:
+    from ..serving.paged_cache import PagedKVCache
+    from ..serving.scheduler import SchedulerOutput
 
 __all__ = ["CausalLM", "CausalLMConfig", "SUPPORTED_MODEL_TYPES"]
 
@@ -76,6 +83,10 @@ class CausalLMConfig:
         """From a ``transformers`` config (an object, or its ``to_dict()``) of a supported family."""
         c = config if isinstance(config, dict) else config.to_dict()
         model_type = c.get("model_type")
+        if model_type == "deepseek_v3":  # multi-head latent attention: its own model (models/deepseek_v3.py)
+            from .deepseek_v3 import DeepseekV3Config
+
+            return DeepseekV3Config.from_hf(c)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"{_OP}: model_type {model_type!r} is not supported; supported: "
                              f"{', '.join(SUPPORTED_MODEL_TYPES)} "
@@ -115,6 +126,16 @@ def _linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return kernel_ladder.linear(x, module.weight, module.bias)
 
 
+def _paged_step_attention(attn: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache,
+                          layer_index: int, step: SchedulerOutput, **options) -> torch.Tensor:
+    """Write the step's ``k, v`` ``(T, Hkv, D)`` into layer ``layer_index``'s cache, then attend ``q`` ``(T, Hq, D)``
+    over every sequence's cached keys (decodes and prefill chunks in one launch)."""
+    k_cache, v_cache = cache.k_cache(layer_index), cache.v_cache(layer_index)
+    kernel_ladder.write_kv_cache(k, v, k_cache, v_cache, step.slot_mapping)
+    return kernel_ladder.paged_attention(q, k_cache, v_cache, step.block_tables, step.seq_lens, window=attn.window,
+                                         cu_seqlens_q=step.cu_seqlens_q, **options)
+
+
 class Attention(torch.nn.Module):
     """Grouped-query attention with rotary embeddings and an optional sliding window."""
 
@@ -123,6 +144,7 @@ class Attention(torch.nn.Module):
         h, q, kv, d = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.heads, self.kv_heads, self.head_dim = q, kv, d
         self.window = config.windows[layer]
+        self.rope_key = "default"  # which of the model's rope tables this layer rotates with
         self.q_proj = torch.nn.Linear(h, q * d, bias=config.qkv_bias)
         self.k_proj = torch.nn.Linear(h, kv * d, bias=config.qkv_bias)
         self.v_proj = torch.nn.Linear(h, kv * d, bias=config.qkv_bias)
@@ -142,6 +164,17 @@ class Attention(torch.nn.Module):
         out = kernel_ladder.flash_attention(q, k, v, causal=True, window=self.window)
         b, t = x.shape[:2]
         return _linear(self.o_proj, out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+
+    def forward_paged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PagedKVCache,
+                      layer_index: int, step: SchedulerOutput) -> torch.Tensor:
+        """The packed step's ``(T, hidden)`` through this attention over the paged cache (tables ``(1, T, D)``)."""
+        t = x.shape[0]
+        q = _linear(self.q_proj, x).view(t, self.heads, self.head_dim)
+        k = _linear(self.k_proj, x).view(t, self.kv_heads, self.head_dim)
+        v = _linear(self.v_proj, x).view(t, self.kv_heads, self.head_dim)
+        q, k = kernel_ladder.rope(q[None], k[None], cos, sin, unsqueeze_dim=2)  # (1, T, H, D): HF's BTHD layout
+        out = _paged_step_attention(self, q[0], k[0], v, cache, layer_index, step)
+        return _linear(self.o_proj, out.reshape(t, -1))
 
 
 class MLP(torch.nn.Module):
@@ -165,6 +198,12 @@ class MLP(torch.nn.Module):
 
 
 class DecoderLayer(torch.nn.Module):
+    """Pre-norm attention then pre-norm MLP, each added to the residual stream.
+
+    ``layer(x, tables)`` with the model's rope tables (:meth:`CausalLM.rope_tables`), or ``layer(x, cos, sin)``
+    with this layer's own pair; :meth:`forward_paged` is the engine's packed step over the paged cache.
+    """
+
     def __init__(self, config: CausalLMConfig, layer: int) -> None:
         super().__init__()
         self.eps = config.rms_norm_eps
@@ -173,11 +212,22 @@ class DecoderLayer(torch.nn.Module):
         self.post_attention_layernorm = _Norm(config.hidden_size)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = kernel_ladder.add(x,
-                              self.self_attn(kernel_ladder.rms_norm(x, self.input_layernorm.weight, self.eps), cos,
-                                             sin))
+    def _rope(self, tables, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        return (tables, sin) if sin is not None else tables[self.self_attn.rope_key]
+
+    def forward(self, x: torch.Tensor, tables: RopeTables | torch.Tensor, sin: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        cos, sin = self._rope(tables, sin)
+        h = kernel_ladder.add(x, self.self_attn(kernel_ladder.rms_norm(x, self.input_layernorm.weight, self.eps), cos,
+                                                sin))
         return kernel_ladder.add(h, self.mlp(kernel_ladder.rms_norm(h, self.post_attention_layernorm.weight, self.eps)))
+
+    def forward_paged(self, x: torch.Tensor, tables: RopeTables, cache: PagedKVCache, layer_index: int,
+                      step: SchedulerOutput) -> torch.Tensor:
+        cos, sin = tables[self.self_attn.rope_key]
+        h = kernel_ladder.rms_norm(x, self.input_layernorm.weight, self.eps)
+        x = kernel_ladder.add(x, self.self_attn.forward_paged(h, cos, sin, cache, layer_index, step))
+        return kernel_ladder.add(x, self.mlp(kernel_ladder.rms_norm(x, self.post_attention_layernorm.weight, self.eps)))
 
 
 class _Norm(torch.nn.Module):
@@ -196,7 +246,7 @@ class _Body(torch.nn.Module):
         self.norm = _Norm(config.hidden_size)
 
 
-class CausalLM(torch.nn.Module):
+class CausalLM(DecoderLM):
     """A Llama / Mistral / Qwen2 decoder from ``kernel_ladder`` ops, in Hugging Face's parameter layout.
 
     ``model(input_ids)`` returns the ``(B, T, V)`` logits; ``model(input_ids, labels=labels)`` the
@@ -217,7 +267,12 @@ class CausalLM(torch.nn.Module):
     @classmethod
     def from_hf(cls, hf_model: torch.nn.Module) -> CausalLM:
         """The same model as a ``transformers`` ``LlamaForCausalLM`` / ``MistralForCausalLM`` /
-        ``Qwen2ForCausalLM`` (its weights copied, its dtype and device kept)."""
+        ``Qwen2ForCausalLM`` (its weights copied, its dtype and device kept); a ``DeepseekV3ForCausalLM``
+        gives a :class:`~kernel_ladder.models.deepseek_v3.DeepseekV3ForCausalLM`."""
+        if cls is CausalLM and getattr(getattr(hf_model, "config", None), "model_type", None) == "deepseek_v3":
+            from .deepseek_v3 import DeepseekV3ForCausalLM
+
+            return DeepseekV3ForCausalLM.from_hf(hf_model)
         return build_from_hf(cls, CausalLMConfig, hf_model, _OP)
 
     @classmethod
@@ -263,12 +318,33 @@ class CausalLM(torch.nn.Module):
             for name, tensor in own.items():
                 tensor.copy_(state[name])
 
-    # -- running -------------------------------------------------------------------------------
+    # -- the layer protocol (kernel_ladder.models.protocol: what the serving Engine runs) -------
+
+    def cache_spec(self) -> list[CacheSpec]:
+        """Every layer caches K and V of ``(num_key_value_heads, head_dim)`` per token."""
+        c = self.config
+        return [CacheSpec.kv(c.num_key_value_heads, c.head_dim)] * c.num_hidden_layers
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embedding: a table lookup (a gather, no arithmetic)."""
+        return torch.nn.functional.embedding(input_ids, self.model.embed_tokens.weight)
 
     def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The cos/sin tables for ``positions`` (``(T,)`` or ``(B, T)``), as HF's rotary module makes them."""
         c = self.config
         return kernel_ladder.rope_cos_sin(positions, c.head_dim, base=c.rope_theta, scaling=c.rope_scaling, dtype=dtype)
+
+    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
+        """``{"default": rotary(positions, dtype)}``: every layer rotates with the same tables."""
+        return {"default": self.rotary(positions, dtype)}
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return kernel_ladder.rms_norm(x, self.model.norm.weight, self.config.rms_norm_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return kernel_ladder.linear(hidden, self.lm_head.weight)
+
+    # -- running -------------------------------------------------------------------------------
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """The final-norm hidden states ``(B, T, hidden)``."""
@@ -279,21 +355,20 @@ class CausalLM(torch.nn.Module):
         if checked and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
             raise ValueError(f"{_OP}: input_ids must lie in [0, {self.config.vocab_size}), got "
                              f"[{int(input_ids.min())}, {int(input_ids.max())}]")
-        x = torch.nn.functional.embedding(input_ids, self.model.embed_tokens.weight)
+        x = self.embed(input_ids)
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        cos, sin = self.rotary(positions, x.dtype)
-        if cos.dim() == 2:  # (T, D): one table for the batch
-            cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
+        tables = {key: (cos[None], sin[None]) if cos.dim() == 2 else (cos, sin)  # (T, D): one table for the batch
+                  for key, (cos, sin) in self.rope_tables(positions, x.dtype).items()}
         for layer in self.model.layers:
-            x = layer(x, cos, sin)
-        return kernel_ladder.rms_norm(x, self.model.norm.weight, self.config.rms_norm_eps)
+            x = layer(x, tables)
+        return self.final_norm(x)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
         hidden = self.hidden_states(input_ids, positions)
         if labels is None:
-            return kernel_ladder.linear(hidden, self.lm_head.weight)
+            return self.logits(hidden)
         if labels.shape != input_ids.shape:
             raise ValueError(f"{_OP}: labels must have input_ids' shape {tuple(input_ids.shape)}, got "
                              f"{tuple(labels.shape)}")
