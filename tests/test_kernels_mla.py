@@ -340,6 +340,7 @@ def test_decode_traffic_is_counted_exactly(max_heads, gen, monkeypatch):
     with trace() as tr:
         kernel_ladder.mla_attention(ql, qr, cache, table, lens, 0.2, rank, num_splits=1)
     (launch,) = tr.launches
+    assert tr.bytes == launch.bytes, tr.table()  # no torch op beside the kernel (value checks on the host's memory)
     programs = math.ceil(heads / min(heads, max_heads))
     counted = mla.decode_bytes(seq_lens, heads, rank, rope, block_size, torch.bfloat16, head_programs=programs)
     assert launch.bytes == counted["kernel"]

@@ -491,7 +491,8 @@ def _check_values(q_latent, block_tables, seq_lens, cu_seqlens_q, block_size, nu
     lens_message = (f"{_OP}: seq_lens must be in [0, max_blocks * block_size] = [0, {capacity}] "
                     "(block_tables has max_blocks entries per sequence)")
     check_values((seq_lens,), lambda: ((seq_lens >= 0) & (seq_lens <= capacity)).all(), lens_message,
-                 lambda: f"{lens_message}; got {seq_lens.tolist()}")
+                 lambda: f"{lens_message}; got {seq_lens.tolist()}",
+                 host_ok=lambda: bool(((seq_lens.numpy() >= 0) & (seq_lens.numpy() <= capacity)).all()))
 
     def used() -> torch.Tensor:
         columns = torch.arange(block_tables.shape[1], device=block_tables.device, dtype=torch.int32)
@@ -525,8 +526,14 @@ def _check_values(q_latent, block_tables, seq_lens, cu_seqlens_q, block_size, nu
 
     cu_message = (f"{_OP}: cu_seqlens_q must start at 0, never decrease, end at total_q = {q_latent.shape[0]}, and "
                   "no sequence may have more new tokens than seq_lens (the new tokens are in the cache)")
+    def cu_host_ok() -> bool:
+        cu, lens = cu_seqlens_q.numpy(), seq_lens.numpy()
+        q_lens = cu[1:] - cu[:-1]
+        return bool(cu[0] == 0 and cu[-1] == q_latent.shape[0] and (q_lens >= 0).all() and (q_lens <= lens).all())
+
     check_values((cu_seqlens_q, seq_lens), cu_ok, cu_message,
-                 lambda: f"{cu_message}; got cu_seqlens_q {cu_seqlens_q.tolist()} and seq_lens {seq_lens.tolist()}")
+                 lambda: f"{cu_message}; got cu_seqlens_q {cu_seqlens_q.tolist()} and seq_lens {seq_lens.tolist()}",
+                 host_ok=cu_host_ok)
 
 
 def _check_write(c_kv, k_rope, latent_cache, slot_mapping) -> None:
