@@ -115,7 +115,7 @@ def test_engine_serves_the_latent_cache_token_for_token_as_hugging_face_generate
     engine = Engine(ours, num_blocks=12, block_size=8, max_tokens_per_step=8)
     c = ours.config
     assert engine.cache.latent.shape == (c.num_hidden_layers, 12, 8, c.kv_lora_rank + c.qk_rope_head_dim)
-    assert engine.cache.bytes_per_token() == cache_bytes_per_token(c, 4) == 3 * (16 + 8) * 4
+    assert engine.cache.bytes_per_token() == cache_bytes_per_token(c, dtype=torch.float32) == 3 * (16 + 8) * 4
     out = engine.generate([first, second], max_new_tokens=5)
     assert engine.stats.cached_prompt_tokens == 16
     for prompt, tokens in zip([first, second], out):
@@ -151,21 +151,21 @@ def test_cache_bytes_per_token_latent_against_gqa_and_mha():
                             n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4,
                             routed_scaling_factor=2.5, first_k_dense_replace=3)
     latent = cache_bytes_per_token(real)
-    gqa = cache_bytes_per_token(real, kind="gqa", num_kv_heads=8)
-    mha = cache_bytes_per_token(real, kind="mha")
+    gqa = cache_bytes_per_token(real, "gqa", num_kv_heads=8)
+    mha = cache_bytes_per_token(real, "mha")
     assert latent == 61 * (512 + 64) * 2 == 70_272
     assert gqa == 61 * 8 * (192 + 128) * 2 == 312_320
     assert mha == 61 * 128 * (192 + 128) * 2 == 4_997_120
     assert round(gqa / latent, 1) == 4.4 and round(mha / latent, 1) == 71.1  # the module docstring's table
     # The tiny test model in fp32: 2 layers, latent 16 + 8 against 4 heads of 16 + 16.
     tiny = CausalLMConfig.from_hf(_config())
-    assert cache_bytes_per_token(tiny, 4) == 2 * 24 * 4 == 192
-    assert cache_bytes_per_token(tiny, 4, kind="mha") == 2 * 4 * 32 * 4 == 1024
-    assert cache_bytes_per_token(tiny, 4, kind="gqa", num_kv_heads=1) == 2 * 32 * 4 == 256
+    assert cache_bytes_per_token(tiny, dtype=torch.float32) == 2 * 24 * 4 == 192
+    assert cache_bytes_per_token(tiny, "mha", dtype=4) == 2 * 4 * 32 * 4 == 1024
+    assert cache_bytes_per_token(tiny, "gqa", dtype=torch.float32, num_kv_heads=1) == 2 * 32 * 4 == 256
     with pytest.raises(ValueError, match="num_kv_heads"):
-        cache_bytes_per_token(real, kind="gqa")
+        cache_bytes_per_token(real, "gqa")
     with pytest.raises(ValueError, match="kind"):
-        cache_bytes_per_token(real, kind="mqa")
+        cache_bytes_per_token(real, "latent")
 
 
 def test_a_saved_checkpoint_loads_through_causal_lm_from_pretrained(tmp_path):
