@@ -96,6 +96,15 @@ def test_moe_layers_wide_keys_and_yarn_equal_hugging_face():
     _compare(hf, ours, torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1)))
 
 
+def test_bf16_runs_the_same_model():  # the router stays in fp32; attention, experts and cache in bf16
+    hf = full_model()
+    ours = CausalLM.from_hf(hf).to(torch.bfloat16)
+    ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        logits = ours(ids)
+        assert logits.dtype == torch.bfloat16 and _rel(logits.float(), hf(ids).logits) < 3e-2
+
+
 def test_the_selection_bias_is_seen():  # negative control: routing without e_score_correction_bias differs
     hf = full_model()
     ours = CausalLM.from_hf(hf)
