@@ -148,6 +148,10 @@ class CausalLMConfig:
         Options the module does not implement are refused by name (a ``ValueError``), never ignored."""
         c = config if isinstance(config, dict) else config.to_dict()
         model_type = c.get("model_type")
+        if model_type == "deepseek_v3":  # multi-head latent attention: its own model (models/deepseek_v3.py)
+            from .deepseek_v3 import DeepseekV3Config
+
+            return DeepseekV3Config.from_hf(c)
         if model_type not in SUPPORTED_MODEL_TYPES:
             hint = (" (Gemma 3's multimodal model: load its text model, Gemma3ForCausalLM)" if model_type == "gemma3"
                     else " (for other families see kernel_ladder.patch.patch_model)")
@@ -491,7 +495,12 @@ class CausalLM(DecoderLM):
     def from_hf(cls, hf_model: torch.nn.Module) -> CausalLM:
         """The same model as a ``transformers`` ``LlamaForCausalLM`` / ``MistralForCausalLM`` /
         ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM`` / ``Gemma3ForCausalLM`` /
-        ``GptOssForCausalLM`` (its weights copied, its dtype and device kept)."""
+        ``GptOssForCausalLM`` (its weights copied, its dtype and device kept); a ``DeepseekV3ForCausalLM``
+        gives a :class:`~kernel_ladder.models.deepseek_v3.DeepseekV3ForCausalLM`."""
+        if cls is CausalLM and getattr(getattr(hf_model, "config", None), "model_type", None) == "deepseek_v3":
+            from .deepseek_v3 import DeepseekV3ForCausalLM
+
+            return DeepseekV3ForCausalLM.from_hf(hf_model)
         return build_from_hf(cls, CausalLMConfig, hf_model, _OP)
 
     @classmethod
@@ -548,8 +557,9 @@ class CausalLM(DecoderLM):
         """The token embedding: a table lookup (a gather, no arithmetic), times Gemma's ``sqrt(hidden_size)``
         (rounded to the weights' dtype first, as HF does)."""
         c = self.config
-        x = torch.nn.functional.embedding(input_ids, self.model.embed_tokens.weight, padding_idx=c.pad_token_id)
-        if c.embed_scale is not None:
+        x = torch.nn.functional.embedding(input_ids, self.model.embed_tokens.weight,
+                                          padding_idx=getattr(c, "pad_token_id", None))
+        if getattr(c, "embed_scale", None) is not None:
             x = x * torch.tensor(c.embed_scale, device=x.device).to(x.dtype)
         return x
 
@@ -559,7 +569,7 @@ class CausalLM(DecoderLM):
         (for a model with a rope per kind of layer, Gemma 3's, those of ``layer_type``)."""
         c = self.config
         theta, scaling = c.rope_theta, c.rope_scaling
-        if c.rope_by_layer_type is not None:
+        if getattr(c, "rope_by_layer_type", None) is not None:
             if layer_type not in c.rope_by_layer_type:
                 raise ValueError(f"{_OP}.rotary: layer_type must be one of {sorted(c.rope_by_layer_type)}, got "
                                  f"{layer_type!r}")
@@ -572,20 +582,20 @@ class CausalLM(DecoderLM):
     def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
         """One ``(cos, sin)`` pair per rope the layers use: ``{"default": …}``, or one per layer type (Gemma 3's
         ``"sliding_attention"`` and ``"full_attention"``)."""
-        if self.config.rope_by_layer_type is None:
+        if getattr(self.config, "rope_by_layer_type", None) is None:
             return {"default": self.rotary(positions, dtype)}
         return {kind: self.rotary(positions, dtype, kind) for kind in sorted(set(self.config.layer_types))}
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         c = self.config
-        if c.norm_offset:
+        if getattr(c, "norm_offset", 0.0):
             return kernel_ladder.rms_norm(x, self.model.norm.weight, c.rms_norm_eps, offset=c.norm_offset)
         return kernel_ladder.rms_norm(x, self.model.norm.weight, c.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head, then ``c * tanh(logits / c)`` when the config soft-caps the final logits (Gemma)."""
         logits = kernel_ladder.linear(hidden, self.lm_head.weight)
-        cap = self.config.final_softcap
+        cap = getattr(self.config, "final_softcap", None)
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
     # -- running -------------------------------------------------------------------------------
@@ -618,7 +628,7 @@ class CausalLM(DecoderLM):
                              f"{tuple(labels.shape)}")
         shifted = hidden[:, :-1].reshape(-1, hidden.shape[-1])
         return kernel_ladder.fused_linear_cross_entropy(shifted, self.lm_head.weight, labels[:, 1:].reshape(-1),
-                                                        softcap=self.config.final_softcap)
+                                                        softcap=getattr(self.config, "final_softcap", None))
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
