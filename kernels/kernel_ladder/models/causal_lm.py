@@ -42,7 +42,6 @@ scale is one multiply by a scalar). The serving engine runs the same layers thro
 
 from __future__ import annotations
 
-import inspect
 import json
 import pathlib
 from dataclasses import dataclass, field, fields
@@ -244,22 +243,13 @@ def _linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return kernel_ladder.linear(x, module.weight, module.bias)
 
 
-# kernel_ladder.rope normalizes q and k in the same launch when it takes the norm weights (QK-norm)
-_FUSED_QK_NORM = "q_norm_weight" in inspect.signature(kernel_ladder.rope).parameters
-
-
 def _rope(attn: Attention, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
           unsqueeze_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``q`` and ``k`` rotated, each head RMS-normalized first when the layer has QK-norm."""
+    """``q`` and ``k`` rotated; with QK-norm each head is RMS-normalized first, in the same launch."""
     if attn.q_norm is None:
         return kernel_ladder.rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
-    qw, kw = attn.q_norm.weight, attn.k_norm.weight
-    if _FUSED_QK_NORM:
-        return kernel_ladder.rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, q_norm_weight=qw, k_norm_weight=kw,
-                                  norm_eps=attn.eps, norm_offset=attn.norm_offset)
-    q = kernel_ladder.rms_norm(q, qw, attn.eps, offset=attn.norm_offset)
-    k = kernel_ladder.rms_norm(k, kw, attn.eps, offset=attn.norm_offset)
-    return kernel_ladder.rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    return kernel_ladder.rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, q_norm_weight=attn.q_norm.weight,
+                              k_norm_weight=attn.k_norm.weight, norm_eps=attn.eps, norm_offset=attn.norm_offset)
 
 
 class Attention(torch.nn.Module):
