@@ -342,6 +342,35 @@ def test_one_launch_reads_q_k_and_the_tables_once(dtype, table, gen):
     assert t.bytes == ideal, (t.bytes, ideal)
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("norms", [False, True], ids=["rope", "with QK-norm"])
+def test_backward_launches_and_bytes(norms, gen):
+    """The backward is one rope_kernel launch reading the gradients and the tables once and writing dq, dk once
+    (nothing else: no placeholder copies); with the norms it also reads q, k (for rstd) and each weight once a
+    program, writes one fp32 partial row a program per weight, and adds the rows up in one launch per weight."""
+    batch, hq, hk, seq_len, d = 2, 4, 2, 6, 32
+    _, q, k = fused_qkv(batch, seq_len, hq, hk, d, gen)
+    cos, sin = tables(batch, seq_len, d, gen)
+    q, k = q.detach().requires_grad_(), k.detach().requires_grad_()
+    weights = (norm_weight(d, gen).requires_grad_(), norm_weight(d, gen).requires_grad_()) if norms else (None, None)
+    q_embed, k_embed = kernel_ladder.rope(q, k, cos, sin, q_norm_weight=weights[0], k_norm_weight=weights[1])
+    g_q, g_k = rand(*q.shape, gen=gen), rand(*k.shape, gen=gen)
+    leaves = (q, k, *weights) if norms else (q, k)
+    with trace() as t:
+        torch.autograd.grad((q_embed, k_embed), leaves, (g_q, g_k))
+    launches = [launch.kernel for launch in t.launches]
+    ideal = 2 * (q.numel() + k.numel()) * 4 + 2 * cos.numel() * 4
+    assert t.num_launches == len(launches), t.table()  # no torch kernel (a copy, a fill) beside them
+    if not norms:
+        assert launches == ["rope_kernel"], launches
+        assert t.bytes == ideal, (t.bytes, ideal)
+    else:
+        assert launches == ["rope_kernel", "column_sum_kernel", "column_sum_kernel"], launches
+        programs = t.launches[0].grid[0]
+        rope_bytes = ideal + (q.numel() + k.numel()) * 4 + programs * 2 * d * 4 * 2  # inputs; weights, partials
+        assert t.launches[0].bytes == rope_bytes, (t.launches[0].bytes, rope_bytes)
+
+
 def test_opcheck_and_torch_compile(gen):
     _, q, k = fused_qkv(2, 3, 2, 1, 16, gen)
     cos, sin = tables(2, 3, 16, gen)

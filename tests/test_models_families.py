@@ -8,14 +8,11 @@ zeros), so that a norm's offset, a missing bias or a sink read as zero shows in 
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
-import kernel_ladder  # noqa: E402
 from kernel_ladder.models import CausalLM, CausalLMConfig, Engine  # noqa: E402
 
 VOCAB = 64
@@ -48,17 +45,7 @@ def _configs() -> dict:
     }
 
 
-def _gpt_oss_kernels() -> bool:
-    """Whether the kernels GPT-OSS needs are in this build: sinks, YaRN tables, the clamped-SwiGLU experts."""
-    from kernel_ladder.ops.rope import ROPE_SCALINGS
-
-    return ("sinks" in inspect.signature(kernel_ladder.flash_attention).parameters and "yarn" in ROPE_SCALINGS
-            and "activation" in inspect.signature(kernel_ladder.moe).parameters)
-
-
-FAMILIES = ["qwen3", "qwen3_moe", "gemma3_text",
-            pytest.param("gpt_oss", marks=pytest.mark.skipif(not _gpt_oss_kernels(),
-                                                             reason="sinks / YaRN / swiglu_oai kernels not built"))]
+FAMILIES = ["qwen3", "qwen3_moe", "gemma3_text", "gpt_oss"]
 
 
 def hf_model(family: str, seed: int = 0):
@@ -150,8 +137,19 @@ def _break_local_rope(model):
         layer.self_attn.rope_key = "full_attention"
 
 
+def _break_sinks(model):
+    for layer in model.model.layers:
+        layer.self_attn.sinks = None
+
+
+def _break_swiglu_limit(model):
+    for layer in model.model.layers:
+        layer.mlp.limit = 1e4
+
+
 @pytest.mark.parametrize("family, breaks", [("qwen3", _break_qk_norm), ("gemma3_text", _break_norm_offset),
-                                            ("gemma3_text", _break_local_rope)])
+                                            ("gemma3_text", _break_local_rope), ("gpt_oss", _break_sinks),
+                                            ("gpt_oss", _break_swiglu_limit)])
 def test_a_feature_left_out_is_caught(family, breaks):
     hf = hf_model(family)
     ours = CausalLM.from_hf(hf)

@@ -42,7 +42,6 @@ scale is one multiply by a scalar). The serving engine runs the same layers thro
 
 from __future__ import annotations
 
-import inspect
 import json
 import pathlib
 from dataclasses import dataclass, field, fields
@@ -244,22 +243,13 @@ def _linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return kernel_ladder.linear(x, module.weight, module.bias)
 
 
-# kernel_ladder.rope normalizes q and k in the same launch when it takes the norm weights (QK-norm)
-_FUSED_QK_NORM = "q_norm_weight" in inspect.signature(kernel_ladder.rope).parameters
-
-
 def _rope(attn: Attention, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
           unsqueeze_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``q`` and ``k`` rotated, each head RMS-normalized first when the layer has QK-norm."""
+    """``q`` and ``k`` rotated; with QK-norm each head is RMS-normalized first, in the same launch."""
     if attn.q_norm is None:
         return kernel_ladder.rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
-    qw, kw = attn.q_norm.weight, attn.k_norm.weight
-    if _FUSED_QK_NORM:
-        return kernel_ladder.rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, q_norm_weight=qw, k_norm_weight=kw,
-                                  norm_eps=attn.eps, norm_offset=attn.norm_offset)
-    q = kernel_ladder.rms_norm(q, qw, attn.eps, offset=attn.norm_offset)
-    k = kernel_ladder.rms_norm(k, kw, attn.eps, offset=attn.norm_offset)
-    return kernel_ladder.rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    return kernel_ladder.rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, q_norm_weight=attn.q_norm.weight,
+                              k_norm_weight=attn.k_norm.weight, norm_eps=attn.eps, norm_offset=attn.norm_offset)
 
 
 class Attention(torch.nn.Module):
@@ -562,8 +552,9 @@ class CausalLM(DecoderLM):
         """The token embedding: a table lookup (a gather, no arithmetic), times Gemma's ``sqrt(hidden_size)``
         (rounded to the weights' dtype first, as HF does)."""
         c = self.config
-        x = torch.nn.functional.embedding(input_ids, self.model.embed_tokens.weight, padding_idx=c.pad_token_id)
-        if c.embed_scale is not None:
+        x = torch.nn.functional.embedding(input_ids, self.model.embed_tokens.weight,
+                                          padding_idx=getattr(c, "pad_token_id", None))
+        if getattr(c, "embed_scale", None) is not None:
             x = x * torch.tensor(c.embed_scale, device=x.device).to(x.dtype)
         return x
 
@@ -573,7 +564,7 @@ class CausalLM(DecoderLM):
         (for a model with a rope per kind of layer, Gemma 3's, those of ``layer_type``)."""
         c = self.config
         theta, scaling = c.rope_theta, c.rope_scaling
-        if c.rope_by_layer_type is not None:
+        if getattr(c, "rope_by_layer_type", None) is not None:
             if layer_type not in c.rope_by_layer_type:
                 raise ValueError(f"{_OP}.rotary: layer_type must be one of {sorted(c.rope_by_layer_type)}, got "
                                  f"{layer_type!r}")
@@ -586,20 +577,20 @@ class CausalLM(DecoderLM):
     def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
         """One ``(cos, sin)`` pair per rope the layers use: ``{"default": …}``, or one per layer type (Gemma 3's
         ``"sliding_attention"`` and ``"full_attention"``)."""
-        if self.config.rope_by_layer_type is None:
+        if getattr(self.config, "rope_by_layer_type", None) is None:
             return {"default": self.rotary(positions, dtype)}
         return {kind: self.rotary(positions, dtype, kind) for kind in sorted(set(self.config.layer_types))}
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         c = self.config
-        if c.norm_offset:
+        if getattr(c, "norm_offset", 0.0):
             return kernel_ladder.rms_norm(x, self.model.norm.weight, c.rms_norm_eps, offset=c.norm_offset)
         return kernel_ladder.rms_norm(x, self.model.norm.weight, c.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head, then ``c * tanh(logits / c)`` when the config soft-caps the final logits (Gemma)."""
         logits = kernel_ladder.linear(hidden, self.lm_head.weight)
-        cap = self.config.final_softcap
+        cap = getattr(self.config, "final_softcap", None)
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
     # -- running -------------------------------------------------------------------------------
@@ -632,7 +623,7 @@ class CausalLM(DecoderLM):
                              f"{tuple(labels.shape)}")
         shifted = hidden[:, :-1].reshape(-1, hidden.shape[-1])
         return kernel_ladder.fused_linear_cross_entropy(shifted, self.lm_head.weight, labels[:, 1:].reshape(-1),
-                                                        softcap=self.config.final_softcap)
+                                                        softcap=getattr(self.config, "final_softcap", None))
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())

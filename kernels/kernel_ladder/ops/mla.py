@@ -387,9 +387,10 @@ def _forward(q_latent, q_rope, latent_cache, block_tables, seq_lens, cu_seqlens_
         block_s = next_power_of_2(num_splits)
         block_h = max(1, min(next_power_of_2(heads), 8192 // (block_s * block_l)))
         paged_attention_merge_kernel[(rows, triton.cdiv(heads, block_h))](
-            partial_out, partial_lse, out, *partial_out.stride(), *partial_lse.stride(), *out.stride(),
+            partial_out, partial_lse, out, partial_lse, 0,  # no sinks (HAS_SINKS off: never read)
+            *partial_out.stride(), *partial_lse.stride(), *out.stride(),
             heads, kv_lora_rank, num_splits,
-            INDEX_64=index_64, BLOCK_H=block_h, BLOCK_S=block_s, BLOCK_D=block_l, num_warps=4,
+            INDEX_64=index_64, HAS_SINKS=False, BLOCK_H=block_h, BLOCK_S=block_s, BLOCK_D=block_l, num_warps=4,
         )
 
 
