@@ -185,3 +185,20 @@ def test_a_saved_checkpoint_loads_through_causal_lm_from_pretrained(tmp_path):
     ids = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         assert _rel(ours(ids), hf(ids).logits) < 1e-4
+
+
+def test_multi_token_prediction_layers_in_a_checkpoint_are_ignored():
+    # DeepSeek-V3's checkpoints carry the MTP module as layer num_hidden_layers (model.layers.61.*), which
+    # HF's DeepseekV3ForCausalLM does not build and skips on load; so do we. Other stray keys are refused.
+    hf = hf_model(seed=7)
+    ours = DeepseekV3ForCausalLM(CausalLMConfig.from_hf(hf.config))
+    state = dict(hf.state_dict())
+    state["model.layers.2.eh_proj.weight"] = torch.zeros(32, 64)
+    state["model.layers.2.shared_head.norm.weight"] = torch.zeros(32)
+    ours.load_hf_state_dict(state)
+    ids = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        assert _rel(ours(ids), hf(ids).logits) < 1e-4
+    state["model.extra.weight"] = torch.zeros(1)
+    with pytest.raises(ValueError, match=r"unexpected model\.extra\.weight"):
+        ours.load_hf_state_dict(state)

@@ -419,6 +419,19 @@ class DeepseekV3ForCausalLM(CausalLM):
 
         return build_from_hf(cls, DeepseekV3Config, hf_model, _OP)
 
+    def load_hf_state_dict(self, state: dict[str, torch.Tensor], source: str = "the state dict") -> None:
+        """Copy weights named as in HF's ``DeepseekV3ForCausalLM``. The multi-token-prediction module that
+        DeepSeek-V3's checkpoints keep as layer ``num_hidden_layers`` and up (``model.layers.61.*``) is
+        skipped, as HF skips it; any other missing, unexpected or misshapen weight is refused."""
+        layers = self.config.num_hidden_layers
+
+        def beyond_the_model(name: str) -> bool:
+            parts = name.split(".", 3)
+            in_layers = len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2].isdigit()
+            return in_layers and int(parts[2]) >= layers
+
+        super().load_hf_state_dict({k: v for k, v in state.items() if not beyond_the_model(k)}, source=source)
+
     # -- the layer protocol (kernel_ladder.models.protocol) ---------------------------------------
 
     def cache_spec(self) -> list[CacheSpec]:
