@@ -156,8 +156,9 @@ def _padded(ids: torch.Tensor, side: str) -> tuple[torch.Tensor, torch.Tensor, t
                                           ("gpt_oss", "left"), ("deepseek_v3", "right")])
 def test_a_padded_batch_equals_transformers_at_every_real_token(family, side):
     """The logits at the real tokens and the loss (labels -100 at the padding, as transformers' collators make
-    them); windows of 4 shorter than the longest row."""
-    ref = tiny_model(family)
+    them); windows of 4 shorter than the longest row. DeepSeek-V3 here in its other variant: a full-rank query
+    projection (``q_lora_rank=None``) and rotate-half rope."""
+    ref = tiny_model(family, **(dict(q_lora_rank=None, rope_interleave=False) if family == "deepseek_v3" else {}))
     model = copy.deepcopy(ref)
     _patch(model, family)
     ids, mask, labels = _padded(_ids((3, 9), seed=2), side)
@@ -198,3 +199,19 @@ def test_the_patched_forward_runs_kernel_ladder_ops(family):
     if not left:
         assert not any("softmax" in n or "scaled_dot_product" in n or n in ("aten.mm", "aten.addmm", "aten.bmm")
                        for n in after), sorted(after)
+
+
+def test_patched_greedy_generation_equals_transformers():
+    """transformers' generate with its cache, on GPT-OSS (sinks, a sliding layer's window of 4 under a 7-token
+    prompt, a full layer): the patched model picks the same tokens as the original, step by step."""
+    family = "gpt_oss"
+    ref = tiny_model(family)
+    model = copy.deepcopy(ref)
+    _patch(model, family)
+    prompt = _ids((1, 7), seed=4)
+    options = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        want = ref.generate(prompt, **options)
+        got = model.generate(prompt, **options)
+    assert want.shape[1] == 12
+    assert torch.equal(got, want), (got, want)
