@@ -199,3 +199,14 @@ def test_experts_whose_activation_has_no_kernel_stay_on_torch_and_are_reported()
         assert _rel(model(ids).logits, want) < 1e-4
         assert _rel(tiny_model("qwen3_moe")(ids).logits, want) > 1e-3
     kp.unpatch_model(model)
+
+
+def test_a_qk_norm_pair_with_two_eps_is_refused():
+    """The fused rope takes one norm_eps for q and k: a model whose q_norm and k_norm were given different eps is
+    refused by name rather than normalized with the wrong one."""
+    model = tiny_model("qwen3", num_hidden_layers=1)
+    model.model.layers[0].self_attn.k_norm.variance_epsilon = 1e-3
+    _patch(model)
+    with pytest.raises(ValueError, match=r"kernel_ladder\.patch\.patch_model: Qwen3Attention's q_norm and k_norm have "
+                                         r"different eps \(1e-06, 0\.001\)"):
+        model(_ids((1, 4)))
