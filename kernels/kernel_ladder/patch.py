@@ -203,7 +203,7 @@ def _qk_norm_rope(self, q, k, cos, sin, offset: float):
 
 def _attention_function(module):
     """The attention function the model's implementation names: the ``"kernel_ladder"`` entry once patched, or the
-    module's own eager function where the attention was left to transformers (its kernel lacking a feature)."""
+    module's own eager function if the model was set back to ``"eager"`` (which no interface registers)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     implementation = module.config._attn_implementation
