@@ -102,6 +102,12 @@ def _rope(q, k, positions):
     return kernel_ladder.rope(q, k, cos, sin)
 
 
+def _rope_qk_norm(q, k, positions, q_norm_weight, k_norm_weight):
+    cos, sin = kernel_ladder.rope_cos_sin(positions, q.shape[-1])
+    return kernel_ladder.rope(q, k, cos, sin, q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight,
+                              norm_offset=1.0)
+
+
 def _attention_args(size, gen):
     tq, tk = (3, 6, 9)[size], (5, 6, 12)[size]
     return _r(gen, 1, 2, tq, 16, grad=True), _r(gen, 1, 1, tk, 16, grad=True), _r(gen, 1, 1, tk, 16, grad=True)
@@ -173,6 +179,26 @@ def _write_kv_cache(k, v, k_cache, v_cache, slots):
     return k_cache, v_cache
 
 
+def _mla_args(size, gen, prefill=False):
+    seq_lens, q_lens = ([9, 5], [3, 17, 8], [30, 1, 12, 20])[size], ([4, 5], [3, 2, 1], [7, 1, 12, 3])[size]
+    latent_cache, _, table, lens = _paged_cache(seq_lens, gen, heads_kv=1, dim=24)
+    rows = sum(q_lens) if prefill else len(seq_lens)
+    args = (_r(gen, rows, 2, 16), _r(gen, rows, 2, 8), latent_cache[:, :, 0], table, lens)
+    return (*args, _i(_cumsum(q_lens))) if prefill else args
+
+
+def _write_latent_cache_args(size, gen):
+    tokens, num_blocks = (3, 5, 9)[size], (2, 3, 4)[size]
+    slots = torch.randperm(num_blocks * 8, generator=gen)[:tokens].to(DEVICE)
+    slots[0] = -1  # padding
+    return _r(gen, tokens, 16), _r(gen, tokens, 8), torch.zeros(num_blocks, 8, 24, device=DEVICE), slots
+
+
+def _write_latent_cache(c_kv, k_rope, latent_cache, slots):
+    kernel_ladder.write_latent_cache(c_kv, k_rope, latent_cache, slots)
+    return latent_cache
+
+
 _EXPERTS = (4, 6, 7)
 
 
@@ -242,6 +268,8 @@ CASES: dict[str, Case] = {
     "add_rms_norm": Case(lambda s, g: (*_rows_cols(s, g, 2), _r(g, _COLS[s], grad=True)), kernel_ladder.add_rms_norm,
                          ("add_rms_norm",)),
     "rope": Case(_rope_args, _rope, ("rope",)),
+    "rope_qk_norm": Case(lambda s, g: (*_rope_args(s, g), _r(g, 8, grad=True), _r(g, 8, grad=True)), _rope_qk_norm,
+                         ("rope",)),
     "gated_mlp": Case(lambda s, g: (_r(g, _ROWS[s], 16, grad=True), _r(g, _COLS[s], 16, grad=True),
                                     _r(g, _COLS[s], 16, grad=True), _r(g, 16, _COLS[s], grad=True)),
                       kernel_ladder.gated_mlp, ("gated_mlp",)),
@@ -264,6 +292,11 @@ CASES: dict[str, Case] = {
     "paged_attention_sinks": Case(_paged_sinks_args, lambda q, k, v, table, lens, sinks: kernel_ladder.paged_attention(
         q, k, v, table, lens, num_splits=2, sinks=sinks), ("paged_attention",)),
     "write_kv_cache": Case(_write_kv_cache_args, _write_kv_cache, ("write_kv_cache",)),
+    "mla_attention": Case(_mla_args, lambda ql, qr, cache, table, lens: kernel_ladder.mla_attention(
+        ql, qr, cache, table, lens, 0.2, 16), ("mla_attention",)),
+    "mla_attention_prefill": Case(lambda s, g: _mla_args(s, g, prefill=True), lambda *args: kernel_ladder.mla_attention(
+        *args[:5], 0.2, 16, args[5], num_splits=2), ("mla_attention",)),
+    "write_latent_cache": Case(_write_latent_cache_args, _write_latent_cache, ("write_latent_cache",)),
     "topk_routing": Case(lambda s, g: (_r(g, _ROWS[s], _EXPERTS[s], grad=True),),
                          lambda logits: kernel_ladder.topk_routing(logits, 2), ("topk_routing",)),
     "moe": Case(_moe_args, lambda x, logits, w1, w2: kernel_ladder.moe(x, logits, w1, w2, top_k=2),

@@ -108,6 +108,9 @@ TABLE: dict[str, Policy] = {
         "q and a float cache in the autocast dtype, as SDPA's; an fp8 cache is an encoding (not cast) and "
         "its per-tensor scales stay float32; the sinks (per-head logits, read in float32) stay",
         keep=("k_scale", "v_scale", "sinks")),
+    "mla_attention": Policy(
+        LOWER, LOWER, "F.scaled_dot_product_attention (over the expanded latent cache)",
+        "q_latent, q_rope and the latent cache in the autocast dtype, as SDPA's inputs: two GEMMs per tile"),
     # reductions and norms: torch's policy per device
     "softmax": Policy(NONE, FP32, "F.softmax",
                       "exp and a row sum lose precision in 16 bits: torch runs softmax in float32 under CUDA "
@@ -132,7 +135,7 @@ TABLE: dict[str, Policy] = {
     "silu": Policy(NONE, NONE, "F.silu", "elementwise, one input: runs as given"),
     "dropout": Policy(NONE, NONE, "F.dropout", "elementwise, one input: runs as given"),
     "rope": Policy(PROMOTE, PROMOTE, "q * cos + rotate_half(q) * sin",
-                   "elementwise products: q, k, cos and sin promote to the widest"),
+                   "elementwise products: q, k, cos, sin (and QK-norm weights) promote to the widest"),
     "moe_gather": Policy(PROMOTE, PROMOTE, "x[permutation // top_k] (* weights)",
                          "a row gather (and weighting): elementwise, promotes"),
     "moe_combine": Policy(PROMOTE, PROMOTE, "index_add of y * weights",
@@ -148,6 +151,9 @@ TABLE: dict[str, Policy] = {
     "write_kv_cache": Policy(NONE, NONE, "cache.index_copy_(slot_mapping, k)",
                              "writes k and v into caches of a given dtype, converting on the store: the cache's "
                              "dtype decides, and a written (mutated) cache may never be cast"),
+    "write_latent_cache": Policy(NONE, NONE, "cache.index_copy_(slot_mapping, cat(c_kv, k_rope))",
+                                 "writes into a cache of a given dtype, converting on the store: the cache's dtype "
+                                 "decides, and a written (mutated) cache may never be cast"),
 }
 
 

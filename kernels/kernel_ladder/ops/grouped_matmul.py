@@ -81,35 +81,62 @@ def _pick(values, idx, i):
 
 
 #: The grouped kernel's epilogues: a plain product, or the gate/up pair of a gated MLP's first GEMM
-#: with the SwiGLU applied (``w``'s first N columns are the gate, the next N the up projection), or
-#: that SwiGLU's backward (the gate/up tiles recomputed, ``dh`` read, ``[d gate | d up]`` stored).
+#: with the gate applied (``w`` ``(E, K, 2N)``: the gate's N columns then up's, or, INTERLEAVED, gate
+#: column ``n`` at ``2n`` and its up column at ``2n + 1``), or that gate's backward (the gate/up tiles
+#: recomputed, ``dh`` read, ``[d gate | d up]`` stored in the same column layout).
 EPILOGUE_NONE: tl.constexpr = tl.constexpr(0)
 EPILOGUE_SWIGLU: tl.constexpr = tl.constexpr(1)
 EPILOGUE_SWIGLU_BACKWARD: tl.constexpr = tl.constexpr(2)
 
 
 @triton.jit
+def _clamped_swiglu(gate, up, alpha, limit):
+    """GPT-OSS's gate: ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``, ``g = min(gate, limit)``."""
+    g = tl.minimum(gate, limit)
+    u = tl.minimum(tl.maximum(up, -limit), limit)
+    return (u + 1.0) * g * tl.sigmoid(alpha * g)
+
+
+@triton.jit
+def _clamped_swiglu_grads(gate, up, dh, alpha, limit):
+    """(d gate, d up) of :func:`_clamped_swiglu`: zero where the clamp held the value (torch's clamp passes the
+    gradient on its bounds, ``-limit <= up <= limit`` and ``gate <= limit``, and so does this)."""
+    g = tl.minimum(gate, limit)
+    u = tl.minimum(tl.maximum(up, -limit), limit)
+    s = tl.sigmoid(alpha * g)
+    d_gate = dh * (u + 1.0) * (s + alpha * g * s * (1.0 - s))
+    d_up = dh * g * s
+    return tl.where(gate <= limit, d_gate, 0.0), tl.where((up >= -limit) & (up <= limit), d_up, 0.0)
+
+
+@triton.jit
 def grouped_matmul_kernel(
     x_ptr, w_ptr, out_ptr, offs_ptr,
     idx_ptr,                                 # GATHER_K > 0: row r of the product is x[idx[r] // GATHER_K]
-    dh_ptr,                                  # EPILOGUE_SWIGLU_BACKWARD: the gradient of the SwiGLU's output
+    dh_ptr,                                  # EPILOGUE_SWIGLU_BACKWARD: the gradient of the gate's output
+    bias_ptr,                                # HAS_BIAS: (E, N), or (E, 2N) gate/up biases in w's column layout
     M, N, K, E,
     stride_xm, stride_xk,                    # x (M, K), or (tokens, K) when gathering
-    stride_we, stride_wk, stride_wn,         # w (E, K, N), or (E, K, 2N) with a SwiGLU epilogue
-    stride_om, stride_on,                    # out (M, N), or (M, 2N) for the SwiGLU backward
+    stride_we, stride_wk, stride_wn,         # w (E, K, N), or (E, K, 2N) with a gate epilogue
+    stride_om, stride_on,                    # out (M, N), or (M, 2N) for the gate's backward
     stride_dm, stride_dn,                    # dh (M, N)
+    stride_be, stride_bn,                    # bias (E, N), or (E, 2N) with a gate epilogue
+    alpha, limit,                            # CLAMPED: GPT-OSS's gate
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
     EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
-    GATHER_K: tl.constexpr = 0, EPILOGUE: tl.constexpr = 0,
+    GATHER_K: tl.constexpr = 0, EPILOGUE: tl.constexpr = 0, HAS_BIAS: tl.constexpr = False,
+    CLAMPED: tl.constexpr = False, INTERLEAVED: tl.constexpr = False,
 ):
-    """out[tile] = x[tile rows] @ w[e][:, tile cols] for the tile-th row tile of the schedule; grid
+    """out[tile] = x[tile rows] @ w[e][:, tile cols] (+ bias[e]) for the tile-th row tile of the schedule; grid
     (cdiv(M, BLOCK_M) + E, cdiv(N, BLOCK_N)). Tiles past the groups zero the rows past offsets[E-1].
 
     ``GATHER_K > 0`` reads the rows through an index (the MoE permutation: sorted row ``r`` is token
-    ``idx[r] // k``), so the sorted copy of the tokens is never written. With a SwiGLU epilogue each
-    program computes the gate tile (columns ``n``) and the up tile (columns ``N + n``) from the same
-    ``x`` tiles — two dots per K step — and stores ``silu(gate) * up`` (N columns), or, in the
-    backward, ``[dh * up * silu'(gate) | dh * silu(gate)]`` (2N columns)."""
+    ``idx[r] // k``), so the sorted copy of the tokens is never written. With a gate epilogue each
+    program computes the gate tile and the matching up tile (``N`` columns further, or, INTERLEAVED,
+    the next column: the strides stay the tensor's own, so a unit column stride is still a
+    compile-time constant) from the same ``x`` tiles — two dots per K step — adds their biases, and
+    stores ``silu(gate) * up`` (or, CLAMPED, GPT-OSS's clamped SwiGLU; N columns), or, in the
+    backward, ``[d gate | d up]`` (2N columns, in w's column layout)."""
     tile = tl.program_id(0)
     pid_n = tl.program_id(1)
     idx, starts, ends = _group_bounds(offs_ptr, M, E, BLOCK_E)
@@ -120,6 +147,13 @@ def grouped_matmul_kernel(
     n_ok = offs_n < N
     if INDEX_64:
         offs_n = offs_n.to(tl.int64)
+    # A gate column's position and its up column's offset, in w, out (the backward's) and bias.
+    if INTERLEAVED:
+        cols = 2 * offs_n
+        up_w, up_out, up_bias = stride_wn, stride_on, stride_bn
+    else:
+        cols = offs_n
+        up_w, up_out, up_bias = N * stride_wn, N * stride_on, N * stride_bn
     if group < E:
         first_tile = _pick(tile_ends - tiles, idx, group)
         row_start = _pick(starts, idx, group) + (tile - first_tile) * BLOCK_M
@@ -138,7 +172,7 @@ def grouped_matmul_kernel(
             ks = ks.to(tl.int64)
             expert = expert.to(tl.int64)
         x_ptrs = x_ptr + src[:, None] * stride_xm + ks[None, :] * stride_xk
-        w_ptrs = w_ptr + expert * stride_we + ks[:, None] * stride_wk + offs_n[None, :] * stride_wn
+        w_ptrs = w_ptr + expert * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if EPILOGUE != EPILOGUE_NONE:
             acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -147,25 +181,38 @@ def grouped_matmul_kernel(
                 a = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
                 b = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)
                 if EPILOGUE != EPILOGUE_NONE:
-                    b_up = tl.load(w_ptrs + N * stride_wn, mask=n_ok[None, :], other=0.0)
+                    b_up = tl.load(w_ptrs + up_w, mask=n_ok[None, :], other=0.0)
             else:
                 k_ok = ks < K - k0
                 a = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
                 b = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
                 if EPILOGUE != EPILOGUE_NONE:
-                    b_up = tl.load(w_ptrs + N * stride_wn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                    b_up = tl.load(w_ptrs + up_w, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
             if EPILOGUE != EPILOGUE_NONE:
                 acc_up = tl.dot(a, b_up, acc_up, input_precision=INPUT_PRECISION)
             x_ptrs += BLOCK_K * stride_xk
             w_ptrs += BLOCK_K * stride_wk
+        if HAS_BIAS:  # the expert's bias row, added in fp32 before any gate
+            b_ptrs = bias_ptr + expert * stride_be + cols * stride_bn
+            acc += tl.load(b_ptrs, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            if EPILOGUE != EPILOGUE_NONE:
+                acc_up += tl.load(b_ptrs + up_bias, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if EPILOGUE == EPILOGUE_SWIGLU:
-            out = (_activations.silu(acc) * acc_up).to(out_ptr.dtype.element_ty)
+            if CLAMPED:
+                out = _clamped_swiglu(acc, acc_up, alpha, limit).to(out_ptr.dtype.element_ty)
+            else:
+                out = (_activations.silu(acc) * acc_up).to(out_ptr.dtype.element_ty)
         elif EPILOGUE == EPILOGUE_SWIGLU_BACKWARD:
             dh = tl.load(dh_ptr + rows[:, None] * stride_dm + offs_n[None, :] * stride_dn,
                          mask=m_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
-            out = (dh * acc_up * _activations.silu_grad(acc)).to(out_ptr.dtype.element_ty)
-            out_up = (dh * _activations.silu(acc)).to(out_ptr.dtype.element_ty)
+            if CLAMPED:
+                d_gate, d_up = _clamped_swiglu_grads(acc, acc_up, dh, alpha, limit)
+                out = d_gate.to(out_ptr.dtype.element_ty)
+                out_up = d_up.to(out_ptr.dtype.element_ty)
+            else:
+                out = (dh * acc_up * _activations.silu_grad(acc)).to(out_ptr.dtype.element_ty)
+                out_up = (dh * _activations.silu(acc)).to(out_ptr.dtype.element_ty)
         else:
             out = acc.to(out_ptr.dtype.element_ty)
     else:
@@ -178,27 +225,34 @@ def grouped_matmul_kernel(
             rows = rows.to(tl.int64)
         out = tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty)
         out_up = out
-    out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
-    tl.store(out_ptrs, out, mask=m_ok[:, None] & n_ok[None, :])
     if EPILOGUE == EPILOGUE_SWIGLU_BACKWARD:
-        tl.store(out_ptrs + N * stride_on, out_up, mask=m_ok[:, None] & n_ok[None, :])
+        out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on
+        tl.store(out_ptrs, out, mask=m_ok[:, None] & n_ok[None, :])
+        tl.store(out_ptrs + up_out, out_up, mask=m_ok[:, None] & n_ok[None, :])
+    else:
+        out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
+        tl.store(out_ptrs, out, mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
 def grouped_matmul_dw_kernel(
     x_ptr, dy_ptr, dw_ptr, offs_ptr,
     idx_ptr,                                 # GATHER_K > 0: row r of x is x[idx[r] // GATHER_K]
+    db_ptr,                                  # HAS_BIAS: db (E, N), each expert's column sums of dy
     M, N, K,
     stride_xm, stride_xk,                    # x (M, K)
     stride_ym, stride_yn,                    # dy (M, N)
     stride_we, stride_wk, stride_wn,         # dw (E, K, N)
+    stride_dbe, stride_dbn,                  # db (E, N)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr, GATHER_K: tl.constexpr = 0,
+    HAS_BIAS: tl.constexpr = False,
 ):
     """dw[e][k tile, n tile] = x[rows of e, k tile]^T @ dy[rows of e, n tile]; grid (E, K tiles, N tiles).
 
     BLOCK_M is the reduction slice (rows of the group per step); BLOCK_K x BLOCK_N the output tile.
-    An empty group runs no step and stores zeros.
+    An empty group runs no step and stores zeros. HAS_BIAS: the programs of the first K tile also sum
+    their dy tiles over the rows, the bias gradient (deterministic: no atomics).
     """
     e = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -216,6 +270,8 @@ def grouped_matmul_dw_kernel(
         ms = ms.to(tl.int64)
         e = e.to(tl.int64)
     acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+    if HAS_BIAS:
+        acc_b = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for m0 in range(start, end, BLOCK_M):
         rows = m0 + ms
         m_ok = rows < end
@@ -228,8 +284,13 @@ def grouped_matmul_dw_kernel(
         dy = tl.load(dy_ptr + rows[:, None] * stride_ym + offs_n[None, :] * stride_yn,
                      mask=m_ok[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(xt, dy.to(xt.dtype), acc, input_precision=INPUT_PRECISION)
+        if HAS_BIAS:
+            acc_b += tl.sum(dy.to(tl.float32), axis=0)
     tl.store(dw_ptr + e * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn,
              acc.to(dw_ptr.dtype.element_ty), mask=k_ok[:, None] & n_ok[None, :])
+    if HAS_BIAS:
+        if pid_k == 0:  # every K tile summed the same dy: the first stores
+            tl.store(db_ptr + e * stride_dbe + offs_n * stride_dbn, acc_b.to(db_ptr.dtype.element_ty), mask=n_ok)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -276,7 +337,7 @@ def grouped_matmul_ideal_bytes(x: torch.Tensor, w: torch.Tensor, offsets: torch.
 
 
 def grouped_config(M: int, N: int, K: int, dtype: torch.dtype, *, backward: bool = False,
-                   paired: bool = False) -> MatmulConfig:
+                   paired: bool = False, interleaved: bool = False) -> MatmulConfig:
     """The tile of the grouped kernels.
 
     MoE groups are short (a few to a few hundred rows per expert), so row tiles are 64 on a GPU
@@ -285,7 +346,9 @@ def grouped_config(M: int, N: int, K: int, dtype: torch.dtype, *, backward: bool
     reduction slice over a group's rows and the tile is BLOCK_K x BLOCK_N of dw. ``paired`` (the
     SwiGLU epilogues: a gate tile and an up tile per program, two fp32 accumulators) halves the
     tile's width on a GPU, so the pair holds the registers of one 128-wide tile (at 128 wide the
-    backward's epilogue spills on sm_90).
+    backward's epilogue spills on sm_90). ``interleaved`` (the gate's backward on GPT-OSS's interleaved
+    weights, whose stride-2 columns load without vector accesses and hold more registers) also halves
+    BLOCK_K on a GPU: at 64 it spills 40 bytes on sm_90, at 32 none (tests/aot/grouped_matmul.py).
     """
     if runtime.INTERPRETER:
         base = MatmulConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=1, num_warps=4, num_stages=2)
@@ -293,7 +356,7 @@ def grouped_config(M: int, N: int, K: int, dtype: torch.dtype, *, backward: bool
     wide = dtype == torch.float32
     if backward:
         return fit_config(MatmulConfig(32 if wide else 64, 64, 64, 1, 4, 3), M, N, K)
-    return fit_config(MatmulConfig(64, 64 if paired else 128, 32 if wide else 64, 1, 4, 3), M, N, K)
+    return fit_config(MatmulConfig(64, 64 if paired else 128, 32 if wide or interleaved else 64, 1, 4, 3), M, N, K)
 
 
 def _index_64(*tensors: torch.Tensor) -> bool:
@@ -301,64 +364,80 @@ def _index_64(*tensors: torch.Tensor) -> bool:
                                  for t in tensors))
 
 
-_EPILOGUES = {"none": 0, "swiglu": 1, "swiglu_backward": 2}
+_EPILOGUES = {"none": 0, "swiglu": 1, "swiglu_backward": 2, "swiglu_oai": 1, "swiglu_oai_backward": 2}
 
 
 def launch_grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor,
                           config: MatmulConfig | None = None, *, gather: torch.Tensor | None = None,
-                          gather_k: int = 1, epilogue: str = "none", dh: torch.Tensor | None = None) -> None:
-    """out = grouped x @ w (one launch; rows past offsets[-1] zeroed). Inputs already checked.
+                          gather_k: int = 1, epilogue: str = "none", dh: torch.Tensor | None = None,
+                          bias: torch.Tensor | None = None, interleaved: bool = False, alpha: float = 1.702,
+                          limit: float = 7.0) -> None:
+    """out = grouped x @ w (+ bias[e]) (one launch; rows past offsets[-1] zeroed). Inputs already checked.
 
     ``gather`` (int32, one entry per output row): row ``r`` reads ``x[gather[r] // gather_k]``.
-    ``epilogue="swiglu"``: ``w`` is ``(E, K, 2N)`` (gate columns, then up), out ``(M, N)`` gets
-    ``silu(gate) * up``; ``"swiglu_backward"``: out ``(M, 2N)`` gets ``[d gate | d up]`` from ``dh``
-    ``(M, N)``.
+    ``epilogue="swiglu"``: ``w`` is ``(E, K, 2N)`` (gate columns, then up; ``interleaved``: gate, up,
+    gate, up, ...), out ``(M, N)`` gets ``silu(gate) * up``; ``"swiglu_oai"`` GPT-OSS's clamped gate
+    with ``alpha`` and ``limit``; ``"swiglu_backward"`` / ``"swiglu_oai_backward"``: out ``(M, 2N)``
+    gets ``[d gate | d up]`` (in w's column layout) from ``dh`` ``(M, N)``. ``bias`` ``(E, N)``, or
+    ``(E, 2N)`` in w's column layout with a gate epilogue, is added before the gate.
     """
     M = out.shape[0]
     K = x.shape[1]
     E = w.shape[0]
-    N = w.shape[2] if epilogue == "none" else w.shape[2] // 2
+    gated = epilogue != "none"
+    N = w.shape[2] // 2 if gated else w.shape[2]
     if out.numel() == 0:
         return
-    if E == 0 or K == 0:
+    if E == 0 or (K == 0 and bias is None):
         out.zero_()  # no expert, or an empty reduction: every row is zero (for the SwiGLU and its
         return       # backward too: gate = up = 0 gives silu(0) * 0 = 0 and zero gradients)
     if config is None:
-        config = grouped_config(M, N, K, x.dtype, paired=epilogue != "none")
+        config = grouped_config(M, N, K, x.dtype, paired=gated,
+                                interleaved=gated and interleaved and epilogue.endswith("_backward"))
     grid = (triton.cdiv(M, config.BLOCK_M) + E, triton.cdiv(N, config.BLOCK_N))
     idx = offsets if gather is None else gather
     dh_ = out if dh is None else dh
+    bias_ = out if bias is None else bias
     grouped_matmul_kernel[grid](
-        x, w, out, offsets, idx, dh_, M, N, K, E, *x.stride(), *w.stride(), *out.stride(), *dh_.stride(),
+        x, w, out, offsets, idx, dh_, bias_, M, N, K, E, *x.stride(), *w.stride(), *out.stride(), *dh_.stride(),
+        *((0, 0) if bias is None else bias.stride()), float(alpha), float(limit),
         BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
         BLOCK_E=max(2, _launch.next_power_of_2(E)), EVEN_K=K % config.BLOCK_K == 0,
-        INPUT_PRECISION=_launch.dot_input_precision(x.dtype), INDEX_64=_index_64(x, w, out, dh_),
-        GATHER_K=0 if gather is None else gather_k, EPILOGUE=_EPILOGUES[epilogue],
-        **config.launch_options,
+        INPUT_PRECISION=_launch.dot_input_precision(x.dtype), INDEX_64=_index_64(x, w, out, dh_, bias_),
+        GATHER_K=0 if gather is None else gather_k, EPILOGUE=_EPILOGUES[epilogue], HAS_BIAS=bias is not None,
+        CLAMPED=epilogue.startswith("swiglu_oai"), INTERLEAVED=gated and interleaved, **config.launch_options,
     )
 
 
 def launch_grouped_dw(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, dw: torch.Tensor,
                       config: MatmulConfig | None = None, *, gather: torch.Tensor | None = None,
-                      gather_k: int = 1) -> None:
+                      gather_k: int = 1, db: torch.Tensor | None = None) -> None:
     """dw[e] = x_e^T dy_e for every expert (zeros for empty ones), one launch; with ``gather``, row
-    ``r`` of x is ``x[gather[r] // gather_k]``."""
+    ``r`` of x is ``x[gather[r] // gather_k]``; with ``db`` ``(E, N)``, also each expert's column sums of dy."""
     M = dy.shape[0]
     K = x.shape[1]
     E, _, N = dw.shape
-    if dw.numel() == 0:
+    if dw.numel() == 0 and (db is None or db.numel() == 0):
         return
-    if M == 0:
+    if M == 0 or K == 0:
         dw.zero_()
+        if db is not None:
+            if M == 0:
+                db.zero_()
+            else:  # no K tile to carry the bias sums: do them in torch (a degenerate shape)
+                launch_grouped_dw(x.new_zeros(x.shape[0], 1), dy, offsets, dw.new_empty(E, 1, N), config,
+                                  gather=gather, gather_k=gather_k, db=db)
         return
     if config is None:
         config = grouped_config(M, N, K, x.dtype, backward=True)
     grid = (E, triton.cdiv(K, config.BLOCK_K), triton.cdiv(N, config.BLOCK_N))
+    db_ = dw if db is None else db
     grouped_matmul_dw_kernel[grid](
-        x, dy, dw, offsets, offsets if gather is None else gather, M, N, K, *x.stride(), *dy.stride(), *dw.stride(),
+        x, dy, dw, offsets, offsets if gather is None else gather, db_, M, N, K, *x.stride(), *dy.stride(),
+        *dw.stride(), *(db.stride() if db is not None else (0, 0)),
         BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
-        INPUT_PRECISION=_launch.dot_input_precision(x.dtype), INDEX_64=_index_64(x, dy, dw),
-        GATHER_K=0 if gather is None else gather_k,
+        INPUT_PRECISION=_launch.dot_input_precision(x.dtype), INDEX_64=_index_64(x, dy, dw, db_),
+        GATHER_K=0 if gather is None else gather_k, HAS_BIAS=db is not None,
         **config.launch_options,
     )
 
@@ -368,7 +447,7 @@ def launch_grouped_dw(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, 
 # ----------------------------------------------------------------------------------------------
 
 
-def _check_args(x: object, w: object, offsets: object) -> None:
+def _check_args(x: object, w: object, offsets: object, bias: object = None) -> None:
     check_tensor(_OP, "x", x)
     check_tensor(_OP, "w", w)
     check_tensor(_OP, "offsets", offsets)
@@ -391,6 +470,13 @@ def _check_args(x: object, w: object, offsets: object) -> None:
     if tuple(offsets.shape) != (w.shape[0],):
         raise ValueError(f"{_OP}: offsets must have shape (E,) = ({w.shape[0]},), one cumulative end per expert "
                          f"of w; got shape {tuple(offsets.shape)}")
+    if bias is not None:
+        check_tensor(_OP, "bias", bias)
+        check_float_dtype(_OP, "bias", bias)
+        check_same_device(_OP, "x", x, "bias", bias)
+        if tuple(bias.shape) != (w.shape[0], w.shape[2]):
+            raise ValueError(f"{_OP}: bias must be (E, N) = ({w.shape[0]}, {w.shape[2]}), one row per expert; got "
+                             f"shape {tuple(bias.shape)}")
 
 
 def _check_values(x: torch.Tensor, offsets: torch.Tensor) -> None:
@@ -412,62 +498,77 @@ def _check_values(x: torch.Tensor, offsets: torch.Tensor) -> None:
 
 
 @torch.library.custom_op("kernel_ladder::grouped_matmul", mutates_args=())
-def _grouped_matmul_op(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    _check_args(x, w, offsets)
+def _grouped_matmul_op(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
+                       bias: torch.Tensor | None = None) -> torch.Tensor:
+    _check_args(x, w, offsets, bias)
     runtime.require_launchable(_OP, x, w, offsets)
     _check_values(x, offsets)
     out = _launch.empty_output((x.shape[0], w.shape[2]), x)
-    launch_grouped_matmul(x, w, offsets, out)
+    launch_grouped_matmul(x, w, offsets, out, bias=bias)
     return out
 
 
 @_grouped_matmul_op.register_fake
-def _grouped_matmul_fake(x, w, offsets):
-    _check_args(x, w, offsets)
+def _grouped_matmul_fake(x, w, offsets, bias=None):
+    _check_args(x, w, offsets, bias)
     return _launch.empty_output((x.shape[0], w.shape[2]), x)
 
 
 @torch.library.custom_op("kernel_ladder::grouped_matmul_backward", mutates_args=())
-def _grouped_matmul_backward_op(grad_out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
-                                need_x: bool, need_w: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _grouped_matmul_backward_op(
+    grad_out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, need_x: bool, need_w: bool,
+    need_bias: bool = False, bias_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     op = f"{_OP} (backward)"
     check_same_device(op, "grad_out", grad_out, "x", x)
     runtime.require_launchable(op, grad_out, x)
     grad_out = grad_out.to(x.dtype)
     grad_x = x.new_empty(0)
     grad_w = x.new_empty(0)
+    grad_b = x.new_empty(0)
     if need_x:
         grad_x = _launch.empty_output(x.shape, x)
         launch_grouped_matmul(grad_out, w.transpose(1, 2), offsets, grad_x)  # dx = dy w^T, rows past the groups 0
-    if need_w:
-        grad_w = _launch.empty_in_layout(w)  # w.transpose(1, 2) of a contiguous weight: a contiguous gradient
-        launch_grouped_dw(x, grad_out, offsets, grad_w)
-    return grad_x, grad_w
+    if need_w or need_bias:
+        # w.transpose(1, 2) of a contiguous weight: a contiguous gradient. The bias's (each expert's column sums
+        # of dy) rides on the weight-gradient kernel.
+        grad_w = _launch.empty_in_layout(w)
+        if need_bias:
+            grad_b = _launch.empty((w.shape[0], w.shape[2]), bias_dtype or x.dtype, x.device)
+        launch_grouped_dw(x, grad_out, offsets, grad_w, db=grad_b if need_bias else None)
+        if not need_w:
+            grad_w = x.new_empty(0)
+    return grad_x, grad_w, grad_b
 
 
 @_grouped_matmul_backward_op.register_fake
-def _grouped_matmul_backward_fake(grad_out, x, w, offsets, need_x, need_w):
+def _grouped_matmul_backward_fake(grad_out, x, w, offsets, need_x, need_w, need_bias=False, bias_dtype=None):
     grad_x = _launch.empty_output(x.shape, x) if need_x else x.new_empty(0)
     grad_w = _launch.empty_in_layout(w) if need_w else x.new_empty(0)
-    return grad_x, grad_w
+    grad_b = x.new_empty((w.shape[0], w.shape[2]), dtype=bias_dtype or x.dtype) if need_bias else x.new_empty(0)
+    return grad_x, grad_w, grad_b
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, w, offsets = inputs
+    x, w, offsets, bias = inputs
+    ctx.bias_dtype = None if bias is None else bias.dtype
     ctx.save_for_backward(x, w, offsets)
 
 
 def _backward(ctx, grad_out: torch.Tensor):
     x, w, offsets = ctx.saved_tensors
     need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    grad_x, grad_w = _grouped_matmul_backward_op(grad_out, x, w, offsets, need_x, need_w)
-    return (grad_x if need_x else None, grad_w if need_w else None, None)
+    need_b = ctx.bias_dtype is not None and ctx.needs_input_grad[3]
+    grad_x, grad_w, grad_b = _grouped_matmul_backward_op(grad_out, x, w, offsets, need_x, need_w, need_b,
+                                                         ctx.bias_dtype)
+    return (grad_x if need_x else None, grad_w if need_w else None, None, grad_b if need_b else None)
 
 
 _grouped_matmul_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, *,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
     """Each expert's rows of ``x`` times its weight: ``out[offsets[e-1]:offsets[e]] = x[...] @ w[e]``.
 
     Args:
@@ -476,13 +577,16 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> t
             ``w.transpose(1, 2)`` is read in place).
         offsets: ``(E,)`` int32 on x's device: the cumulative end row of each expert's group
             (``torch._grouped_mm``'s ``offs``); non-decreasing, at most M. Empty groups are allowed.
+        bias: optional ``(E, N)`` float, any strides: ``bias[e]`` is added to expert ``e``'s rows in the
+            epilogue (in fp32; GPT-OSS's ``down_proj_bias``). Rows past ``offsets[-1]`` stay zero.
 
     Returns:
         A new contiguous ``(M, N)`` tensor of x's dtype, fp32-accumulated. Rows past ``offsets[-1]``
         are zero. One kernel launch whatever E, with no host synchronization (see the module
-        docstring; :func:`grouped_tile_map` lists its tiles). Differentiable in ``x`` and ``w``
-        (``kernel_ladder::grouped_matmul_backward``).
+        docstring; :func:`grouped_tile_map` lists its tiles). Differentiable in ``x``, ``w`` and ``bias``
+        (``kernel_ladder::grouped_matmul_backward``; the bias's gradient, each expert's column sums of the
+        output's, comes from the weight-gradient kernel).
     """
-    if not schema_types(tensors=(x, w, offsets)):
-        _check_args(x, w, offsets)  # the op checks values
-    return _grouped_matmul_op(x, w, offsets)
+    if not schema_types(tensors=(x, w, offsets), optional_tensors=(bias,)):
+        _check_args(x, w, offsets, bias)  # the op checks values
+    return _grouped_matmul_op(x, w, offsets, bias)
