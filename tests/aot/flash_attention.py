@@ -58,8 +58,8 @@ failures, rows = [], []
 
 def run(kind, dtype, head_dim, config, flags, head_dim_v=None, sinks=False):
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    constexprs = {**flags, "BLOCK_D": head_dim, "BLOCK_DV": head_dim_v, "BLOCK_M": config.BLOCK_M,
-                  "BLOCK_N": config.BLOCK_N}
+    constexprs = {**flags, "BLOCK_D": head_dim, "BLOCK_DV": head_dim_v, "SAME_DV": head_dim_v == head_dim,
+                  "BLOCK_M": config.BLOCK_M, "BLOCK_N": config.BLOCK_N}
     if kind == "forward":  # the sinks are the forward's switch (the backward reads lse as it is)
         constexprs["HAS_SINKS"] = sinks
     what = (f"{kind:7s} {dtype} D={head_dim:3d}" + (f"/{head_dim_v}" if head_dim_v != head_dim else "")
