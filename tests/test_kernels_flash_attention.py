@@ -822,6 +822,11 @@ def test_gpu_configs_fit_every_head_dim():
         assert len(prune(triton_configs, {"q_ptr": torch.empty(1)}, BLOCK_D=256, SOFTCAP=True)) == 1
         # DeepSeek's MLA prefill: q/k 192 (a 256 tile), v 128: kept configs exist, and only those measured for it
         assert any(attention.configs.fits(c, kind, 256, 2, shared_memory=smem, block_dv=128) for c in configs), kind
+    wide = attention.configs.FORWARD_GPU_CONFIGS[0]  # 128x128 at 64: spills with a window alone (sm_90)
+    assert attention.configs.fits(wide, "forward", 64, 2, shared_memory=smem)
+    assert not attention.configs.fits(wide, "forward", 64, 2, shared_memory=smem, window=True)
+    assert any(attention.configs.fits(c, "forward", 64, 2, shared_memory=smem, window=True)
+               for c in attention.configs.FORWARD_GPU_CONFIGS)
     narrow = attention.configs.BACKWARD_DQ_GPU_CONFIGS[1]  # 128x32: fits 256/256, spills at 256/128 (sm_90)
     assert (narrow.BLOCK_M, narrow.BLOCK_N) == (128, 32)
     assert attention.configs.fits(narrow, "dq", 256, 2, shared_memory=smem)

@@ -234,7 +234,7 @@ def flash_attention_forward_kernel(
             m_new = tl.maximum(m_i, sink)
             alpha = tl.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.exp2(sink - m_new)
-            acc = acc * alpha[:, None]
+            acc = acc * alpha[:, None]  # (a -inf sink: alpha = 1, the bits of no sink)
             m_i = m_new
         # A row that sees no key (and no sink) has l = 0: output 0 and lse = -inf (flash-attn's convention).
         empty = l_i == 0.0
