@@ -812,8 +812,10 @@ def test_gpu_configs_fit_every_head_dim():
             for element_size, softcap in ((2, False), (2, True), (4, False), (4, True)):
                 if element_size == 4 and block_d > 128:
                     continue
-                assert any(attention.configs.fits(c, kind, block_d, element_size, softcap, shared_memory=smem)
-                           for c in configs), (kind, block_d, element_size, softcap)
+                for window in (False, True):
+                    assert any(attention.configs.fits(c, kind, block_d, element_size, softcap, shared_memory=smem,
+                                                      window=window)
+                               for c in configs), (kind, block_d, element_size, softcap, window)
         prune = attention.configs._pruner(kind)
         triton_configs = [c.to_triton() for c in configs]
         for dtype, block_d in ((torch.bfloat16, 256), (torch.bfloat16, 64), (torch.float32, 128)):

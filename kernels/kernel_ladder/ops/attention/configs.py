@@ -100,15 +100,16 @@ class AttentionConfig:
 
 
 _c = AttentionConfig
-#: Forward candidates on a GPU: 128- and 64-row query blocks; 32-key blocks for head dim 256.
+#: Forward candidates on a GPU: 128- and 64-row query blocks; 32-key blocks for head dim 256. (A sliding window
+#: without soft-capping keeps more live at the limits: ``max_head_dim_window``, measured.)
 FORWARD_GPU_CONFIGS: tuple[AttentionConfig, ...] = (
-    _c(128, 128, 8, 2, max_head_dim=64, max_head_dim_window=32),  # window at 64: 32 bytes spilled (sm_90)
-    _c(128, 64, 8, 3, max_head_dim=128),
+    _c(128, 128, 8, 2, max_head_dim=64, max_head_dim_window=32),
+    _c(128, 64, 8, 3, max_head_dim=128, max_head_dim_window=64),
     _c(128, 64, 8, 2, max_head_dim=128),
-    _c(64, 128, 8, 2, max_head_dim=128, max_head_dim_fp32=32, max_head_dim_softcap=64),
-    _c(64, 64, 4, 3, max_head_dim=128, max_head_dim_fp32=32, max_head_dim_softcap=64),
+    _c(64, 128, 8, 2, max_head_dim=128, max_head_dim_fp32=32, max_head_dim_softcap=64, max_head_dim_window=64),
+    _c(64, 64, 4, 3, max_head_dim=128, max_head_dim_fp32=32, max_head_dim_softcap=64, max_head_dim_window=64),
     _c(64, 64, 8, 2, max_head_dim=128),
-    _c(128, 32, 8, 2, max_head_dim=256, max_head_dim_softcap=128),
+    _c(128, 32, 8, 2, max_head_dim=256, max_head_dim_softcap=128, max_head_dim_window=128),
     _c(64, 32, 8, 2, max_head_dim=256),
 )
 #: dK/dV candidates: a key block (K, V and fp32 dK, dV) held in registers, query blocks streamed. This
@@ -116,7 +117,7 @@ FORWARD_GPU_CONFIGS: tuple[AttentionConfig, ...] = (
 BACKWARD_DKDV_GPU_CONFIGS: tuple[AttentionConfig, ...] = (
     _c(32, 128, 8, 3, max_head_dim=64, max_head_dim_softcap=0),
     _c(32, 128, 8, 2, max_head_dim=64, max_head_dim_softcap=0),
-    _c(32, 64, 4, 3, max_head_dim=64, max_head_dim_softcap=0),
+    _c(32, 64, 4, 3, max_head_dim=64, max_head_dim_softcap=0, max_head_dim_window=32),
     _c(64, 32, 8, 2, max_head_dim=64),
     _c(16, 64, 8, 2, max_head_dim=128, max_head_dim_softcap=64),
     _c(32, 32, 8, 2, max_head_dim=128),
@@ -125,7 +126,7 @@ BACKWARD_DKDV_GPU_CONFIGS: tuple[AttentionConfig, ...] = (
 #: dQ candidates: a query block (Q, dO, fp32 dQ) held, key blocks streamed.
 BACKWARD_DQ_GPU_CONFIGS: tuple[AttentionConfig, ...] = (
     _c(128, 64, 8, 2, max_head_dim=128, max_head_dim_softcap=64),
-    _c(128, 32, 8, 2, max_head_dim=256, max_head_dim_softcap=128, max_head_dim_narrow_v=128),
+    _c(128, 32, 8, 2, max_head_dim=256, max_head_dim_softcap=128, max_head_dim_narrow_v=128, max_head_dim_window=128),
     _c(64, 64, 4, 3, max_head_dim=64),
     _c(64, 64, 8, 2, max_head_dim=128, max_head_dim_softcap=64),
     _c(64, 32, 4, 3, max_head_dim=128),
