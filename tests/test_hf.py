@@ -268,6 +268,58 @@ def test_the_adapter_refuses_what_it_cannot_compute():
         hf.attention(_module(), q, k, v, causal[..., :5])
 
 
+def test_the_adapter_passes_sinks_and_takes_values_of_another_head_dim():
+    """GPT-OSS passes its sink logits as s_aux; DeepSeek-V3's values are narrower than its keys (Dv 8, D 16).
+    Dense and padded (the varlen path): against attention written out, the sink a column of the softmax that is
+    dropped after it, the padded queries 0."""
+    q, k, _ = _qkv()
+    v = torch.randn(2, 2, 6, 8, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], device=DEVICE)
+    i, j = torch.arange(6, device=DEVICE)[:, None], torch.arange(6, device=DEVICE)[None, :]
+
+    def reference(visible):
+        rep = q.shape[1] // k.shape[1]
+        kk, vv = k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
+        scores = ((q.double() @ kk.transpose(-1, -2)) * 0.25).masked_fill(~visible, float("-inf"))
+        sink = sinks.double()[None, :, None, None].expand(*scores.shape[:-1], 1)
+        p = torch.cat((scores, sink), -1).softmax(-1)[..., :-1]
+        return (p @ vv).transpose(1, 2)
+
+    out, _ = hf.attention(_module(), q, k, v, None, scaling=0.25, s_aux=sinks)
+    assert out.shape == (2, 6, 4, 8)
+    torch.testing.assert_close(out.double(), reference((j <= i)[None, None]), rtol=1e-4, atol=1e-5)
+    plain, _ = hf.attention(_module(), q, k, v, None, scaling=0.25)
+    assert (plain - out).abs().max() > 1e-2  # the control: the sinks count
+    keep = torch.ones(2, 6, dtype=torch.long, device=DEVICE)
+    keep[1, :2] = 0  # row 1 left-padded by two
+    out, _ = hf.attention(_module(), q, k, v, keep, scaling=0.25, s_aux=sinks)
+    visible = (j <= i)[None, None] & keep.bool()[:, None, None, :]
+    want = reference(visible)
+    torch.testing.assert_close(out[0].double(), want[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out[1, 2:].double(), want[1, 2:], rtol=1e-4, atol=1e-5)
+    assert not out[1, :2].any()  # padded queries: 0
+
+
+def test_the_experts_entry_refuses_a_layout_it_does_not_know():
+    """The flags transformers' use_experts_implementation sets say the layout; one of neither supported kind, or
+    GPT-OSS's flags without its activation's parameters, is refused by name."""
+    x = torch.randn(3, 8)
+    ids = torch.tensor([[0, 1], [1, 0], [0, 1]])
+    weights = torch.full((3, 2), 0.5)
+    stacked = types.SimpleNamespace(gate_up_proj=torch.randn(2, 12, 8), down_proj=torch.randn(2, 8, 6),
+                                    is_concatenated=True, is_transposed=True, has_bias=False, has_gate=True,
+                                    has_post_expert_norm=False)
+    with pytest.raises(ValueError, match=r"kernel_ladder\.hf\.experts: SimpleNamespace's layout is not supported: "
+                                         r"is_concatenated, is_transposed, has_bias, has_gate, has_post_expert_norm "
+                                         r"= \(True, True, False, True, False\)"):
+        hf.experts(stacked, x, ids, weights)
+    stacked.is_concatenated, stacked.has_bias = False, True
+    with pytest.raises(ValueError, match=r"has GPT-OSS's layout .* but not its alpha, limit"):
+        hf.experts(stacked, x, ids, weights)
+    stacked.is_concatenated, stacked.is_transposed, stacked.has_bias = True, False, False  # the control: Mixtral's
+    assert hf.experts(stacked, x, ids, weights).shape == (3, 8)
+
+
 # ----------------------------------------------------------------------------- attn_implementation="kernel_ladder"
 
 

@@ -213,9 +213,8 @@ def _varlen_attention(query, key, value, plan, causal: bool, scaling, window, so
         k, v = k.index_select(0, index_k), v.index_select(0, index_k)
     if max_q == 0:
         return query.new_zeros(batch, tq, hq, dim_v)
-    extra = {} if sinks is None else {"sinks": sinks}
     out = kernel_ladder.flash_attention_varlen(q, k, v, cu_q, cu_k, max_q, max(max_k, 1), causal=causal,
-                                               softmax_scale=scaling, window=window, softcap=softcap, **extra)
+                                               softmax_scale=scaling, window=window, softcap=softcap, sinks=sinks)
     if index_q is None:
         return out.view(batch, tq, hq, dim_v)
     return out.new_zeros(batch * tq, hq, dim_v).index_copy(0, index_q, out).view(batch, tq, hq, dim_v)
@@ -264,12 +263,6 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
         raise ValueError(f"{_ATTENTION}: a sliding window ({window}) on a non-causal layer is not supported")
     softcap = kwargs.get("softcap")
     sinks = kwargs.get("s_aux")
-    extra = {}
-    if sinks is not None:
-        if not _takes_sinks():
-            raise ValueError(f"{_ATTENTION}: s_aux (attention sinks) given, but this kernel_ladder.flash_attention "
-                             "has no sinks argument")
-        extra["sinks"] = sinks
     plan = None
     if attention_mask is not None and attention_mask.dim() == 2:
         plan = _padding_plan(attention_mask, batch, tq, tk, causal, window)
@@ -280,14 +273,8 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
     if plan is not None:
         return _varlen_attention(query, key, value, plan, causal, scaling, window, softcap, sinks), None
     out = kernel_ladder.flash_attention(query, key, value, causal=causal, softmax_scale=scaling, window=window,
-                                        softcap=softcap, **extra)
+                                        softcap=softcap, sinks=sinks)
     return out.transpose(1, 2), None
-
-
-def _takes_sinks() -> bool:
-    import inspect
-
-    return "sinks" in inspect.signature(kernel_ladder.flash_attention).parameters
 
 
 def _mask_function() -> Callable:

@@ -39,9 +39,9 @@ names, so the state dict, the optimizer and ``save_pretrained`` are unaffected):
   refused (transformers' loss would drop it silently). A model whose ``loss_function`` is not transformers'
   causal-LM loss, or whose LM head is not a plain ``nn.Linear``, gets its own forward (logits made).
 
-A part whose kernel this ``kernel_ladder`` lacks (a feature the op's signature does not have) keeps
-transformers' computation, and :func:`patch_model` says so: a warning and a ``"<part> left on torch (<why>)"``
-entry in what it returns — never a wrong result.
+MoE experts whose activation the grouped kernels do not compute (a Qwen3-MoE or DeepSeek-V3 config with a
+``hidden_act`` other than SiLU) keep transformers' experts code, and :func:`patch_model` says so: a warning and
+an ``"experts left on torch (<why>)"`` entry in what it returns — never a wrong result.
 
 Supported families: see :data:`SUPPORTED_FAMILIES`; ``docs/models.md`` tabulates which layer of each runs on
 which op. :func:`unpatch_model` restores the model
@@ -66,7 +66,6 @@ import torch
 import kernel_ladder
 
 from . import hf
-from .ops.moe import experts_forward
 
 __all__ = ["ACTIVATIONS", "SUPPORTED_FAMILIES", "patch_model", "unpatch_model"]
 
@@ -111,12 +110,6 @@ ACTIVATIONS: dict[str, str] = {
 # ----------------------------------------------------------------------------------------------
 # Forwards put on module instances
 # ----------------------------------------------------------------------------------------------
-
-
-@functools.cache
-def _accepts(function, parameter: str) -> bool:
-    """Whether a ``kernel_ladder`` function takes ``parameter`` (a feature of this version of the package)."""
-    return parameter in inspect.signature(function).parameters
 
 
 def _eps(norm: torch.nn.Module) -> float:
@@ -200,20 +193,17 @@ def _update_cache(module, store, k, v, cos, sin, kwargs):
 
 def _qk_norm_rope(self, q, k, cos, sin, offset: float):
     """Each query and key head RMS-normalized (``self.q_norm`` / ``self.k_norm``'s weights and eps, scaled by
-    ``offset + w``) and rotated: one :func:`kernel_ladder.rope` launch where it fuses the norm, else two
-    :func:`kernel_ladder.rms_norm` and the rotation."""
-    eps = _eps(self.q_norm)
-    if _accepts(kernel_ladder.rope, "q_norm_weight"):
-        return kernel_ladder.rope(q, k, cos, sin, q_norm_weight=self.q_norm.weight, k_norm_weight=self.k_norm.weight,
-                                  norm_eps=eps, norm_offset=offset)
-    q = kernel_ladder.rms_norm(q, self.q_norm.weight, eps, offset=offset)
-    k = kernel_ladder.rms_norm(k, self.k_norm.weight, _eps(self.k_norm), offset=offset)
-    return kernel_ladder.rope(q, k, cos, sin)
+    ``offset + w``) and rotated, in one :func:`kernel_ladder.rope` launch."""
+    if _eps(self.q_norm) != _eps(self.k_norm):
+        raise ValueError(f"{_OP}: {type(self).__name__}'s q_norm and k_norm have different eps ({_eps(self.q_norm)}, "
+                         f"{_eps(self.k_norm)}); kernel_ladder.rope takes one norm_eps")
+    return kernel_ladder.rope(q, k, cos, sin, q_norm_weight=self.q_norm.weight, k_norm_weight=self.k_norm.weight,
+                              norm_eps=_eps(self.q_norm), norm_offset=offset)
 
 
 def _attention_function(module):
     """The attention function the model's implementation names: the ``"kernel_ladder"`` entry once patched, or the
-    module's own eager function where the attention was left to transformers (its kernel lacking a feature)."""
+    module's own eager function if the model was set back to ``"eager"`` (which no interface registers)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     implementation = module.config._attn_implementation
@@ -458,8 +448,6 @@ def _handler(module: torch.nn.Module, config):
     if name == "GptOssTopKRouter":
         return "router", _gpt_oss_router_forward
     if name == "DeepseekV3TopkRouter":
-        if not _accepts(kernel_ladder.topk_routing, "num_groups"):
-            return "router left on torch (this kernel_ladder.topk_routing has no grouped sigmoid routing)", None
         return "router", _deepseek_router_forward
     if name == "Conv1D":
         return "linear", _conv1d_forward
@@ -470,14 +458,15 @@ def _handler(module: torch.nn.Module, config):
     return None
 
 
-def _missing_attention_feature(family: str) -> str | None:
-    """What this ``kernel_ladder.flash_attention`` lacks for ``family``'s attention (None: nothing)."""
-    if family == "gpt_oss" and not _accepts(kernel_ladder.flash_attention, "sinks"):
-        return "this kernel_ladder.flash_attention has no attention sinks"
-    if family == "deepseek_v3" and not _accepts(kernel_ladder.flash_attention, "sinks"):
-        # the value head dim other than the key's came with the sinks
-        return "this kernel_ladder.flash_attention needs values of the keys' head dim"
-    return None
+def _experts_unfit(module: torch.nn.Module) -> str:
+    """Why :func:`kernel_ladder.hf.experts` cannot run this experts module ("" when it can): its activation."""
+    if getattr(module, "is_transposed", False):  # GPT-OSS's: the clamped SwiGLU is its own _apply_gate
+        return ""
+    act = getattr(module, "act_fn", None)
+    if act is None or type(act).__name__ in ("SiLU", "SiLUActivation"):
+        return ""
+    return (f"hidden_act={getattr(module.config, 'hidden_act', type(act).__name__)!r}: kernel_ladder's experts kernels "
+            "gate with SiLU or GPT-OSS's clamped SwiGLU")
 
 
 def _family(model: torch.nn.Module) -> str:
@@ -498,9 +487,9 @@ def patch_model(model: torch.nn.Module) -> dict[str, int]:
     Outputs and gradients are unchanged up to rounding. Refuses an unsupported model (the error
     lists the supported families) and a model already patched. Undo with :func:`unpatch_model`.
     An MLP whose activation has no ``kernel_ladder`` kernel keeps transformers' forward: it is counted
-    under ``"mlp unfused (<why>)"`` and a ``UserWarning`` says so; likewise a part whose kernel lacks a feature
-    the family needs (``"attention left on torch (<why>)"``, ``"experts ..."``, ``"router ..."``). Qwen3's and
-    Gemma 3's ``q_norm`` / ``k_norm`` are counted under ``"qk_norm (in rope)"`` (run inside the rotation).
+    under ``"mlp unfused (<why>)"`` and a ``UserWarning`` says so; likewise MoE experts whose activation has no
+    grouped kernel (``"experts left on torch (<why>)"``). Qwen3's and Gemma 3's ``q_norm`` / ``k_norm`` are
+    counted under ``"qk_norm (in rope)"`` (run inside the rotation).
 
     Composes with ``kernels.kernelize`` (which transformers' ``from_pretrained`` runs by default when
     ``kernels`` is installed): a forward that kernelize put on a module is kept aside and put back by
@@ -533,7 +522,7 @@ def patch_model(model: torch.nn.Module) -> dict[str, int]:
         if kind == "rotary attention" and _ROTARY_ATTENTION[type(module).__name__].get("qk_norm"):
             # its q_norm / k_norm run inside the attention's forward, fused into the rotation
             handled_children.update((id(module.q_norm), id(module.k_norm)))
-            counts["qk_norm (in rope)" if _accepts(kernel_ladder.rope, "q_norm_weight") else "qk_norm"] += 2
+            counts["qk_norm (in rope)"] += 2
         # what the instance held (a forward kernelize put there) or nothing: the class's forward
         overridden.append((module, module.__dict__.get("forward", _MISSING)))
         module.forward = types.MethodType(forward, module)
@@ -541,21 +530,17 @@ def patch_model(model: torch.nn.Module) -> dict[str, int]:
     attention_modules = sum(1 for m in model.modules() if hasattr(m, "is_causal") and "Attention" in type(m).__name__)
     state = {"modules": overridden, "attn": model.config._attn_implementation,
              "use_kernels": model.__dict__.get("_use_kernels", _MISSING)}
-    missing = _missing_attention_feature(family)
-    if missing is None:
-        model.set_attn_implementation(_NAME)
-        counts["attention (AttentionInterface)"] = attention_modules
-    else:
-        counts[f"attention left on torch ({missing})"] = attention_modules
+    model.set_attn_implementation(_NAME)
+    counts["attention (AttentionInterface)"] = attention_modules
     if family in _MOE_FAMILIES:
-        n_experts = sum(1 for m in model.modules() if type(m).__name__ in _EXPERTS)
-        if family == "gpt_oss" and not _accepts(experts_forward, "activation"):
-            counts["experts left on torch (this kernel_ladder.ops.moe.experts_forward has no clamped SwiGLU)"] = (
-                n_experts)
+        experts = [m for m in model.modules() if type(m).__name__ in _EXPERTS]
+        unfit = [why for why in map(_experts_unfit, experts) if why]
+        if unfit:  # the experts implementation is the model's, all layers at once
+            counts[f"experts left on torch ({unfit[0]})"] = len(experts)
         else:
             state["experts"] = model.config._experts_implementation
             model.set_experts_implementation(_NAME)
-            counts["experts (ExpertsInterface)"] = n_experts
+            counts["experts (ExpertsInterface)"] = len(experts)
     if state["use_kernels"] is not _MISSING:
         # transformers' train()/eval() kernelize a model whose use_kernels is on whenever its mode changes,
         # which would put the decorated layers' forwards back over the patched ones

@@ -511,7 +511,12 @@ class CausalLM(DecoderLM):
         state: dict[str, torch.Tensor] = {}
         for file in files:
             state.update(load_file(str(file), device=str(device)))
-        model = cls(config)
+        if cls is CausalLM and config.model_type == "deepseek_v3":
+            from .deepseek_v3 import DeepseekV3ForCausalLM
+
+            model = DeepseekV3ForCausalLM(config)
+        else:
+            model = cls(config)
         model.to(device=device, dtype=dtype or next(iter(state.values())).dtype)
         model.load_hf_state_dict(state, source=str(folder))
         return model

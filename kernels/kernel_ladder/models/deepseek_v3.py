@@ -34,19 +34,23 @@ head) moves to the query side, ``q_latent = q_nope @ W_UK`` so that ``q_nope · 
 c``, the scores are ``scale * (q_latent · c + q_rope · k_rope)``, the output ``softmax @ c`` in the
 latent space, and ``W_UV`` (the ``v`` rows) maps it to the head's values before ``o_proj``.
 
-Bytes of cache per token (per layer ``(kv_lora_rank + qk_rope_head_dim) * element size``, against
-``2 * kv_heads * head_dim * element size`` for a cache of expanded keys and values; the tests
-compute every number below from the formulas):
+Bytes of cache per token, all layers (:func:`cache_bytes_per_token`): per layer ``(kv_lora_rank +
+qk_rope_head_dim) * element size`` for the latent cache, against ``kv_heads * (qk_head_dim +
+v_head_dim) * element size`` for a cache of expanded keys and values (GQA with ``kv_heads`` heads; MHA
+with one per query head). The tests assert every number below:
 
-=====================================  ============  ==========================  ==========================
-model, bf16, all layers                 latent (MLA)  GQA, 8 kv heads of 192/128  MHA, 128 heads of 192/128
-=====================================  ============  ==========================  ==========================
-DeepSeek-V3 (61 layers, 512 + 64)       70,272        312,320 (4.4x)              4,997,120 (71.1x)
-=====================================  ============  ==========================  ==========================
+==================================  ============  ===========================  ===========================
+model                               latent (MLA)  GQA, 8 kv heads of 192/128   MHA, 128 heads of 192/128
+==================================  ============  ===========================  ===========================
+DeepSeek-V3, bf16 (61 layers)       70,272        312,320 (4.4x)               4,997,120 (71.1x)
+the tests' tiny model, fp32         192 (2 x 24)  256 (1 kv head of 16/16)     1,024 (4 heads of 16/16)
+==================================  ============  ===========================  ===========================
 
-The GQA column keeps the model's per-head widths (keys ``qk_head_dim``, values ``v_head_dim``) and
-groups its 128 query heads into 8 key/value heads: ``61 * 8 * (192 + 128) * 2`` bytes. The latent
-vector is as small as a GQA cache of about 1.8 such key/value heads (``576 / 320``).
+DeepSeek-V3's GQA column keeps the model's per-head widths (keys ``qk_head_dim`` 192, values
+``v_head_dim`` 128) and groups its 128 query heads into 8 key/value heads: ``61 * 8 * (192 + 128) * 2``
+bytes. The latent vector (576 elements per layer) is as small as a GQA cache of 1.8 such key/value
+heads (320 elements each). The :class:`~kernel_ladder.models.Engine` allocates the latent cache for
+this model (its ``cache_spec()``), so its ``cache.bytes_per_token()`` is the first column.
 
 Parameter names are HF's (``model.layers.3.self_attn.kv_a_proj_with_mqa.weight``,
 ``model.layers.3.mlp.experts.gate_up_proj``, ``model.layers.3.mlp.gate.e_score_correction_bias`` …),
@@ -57,17 +61,25 @@ returns a :class:`DeepseekV3ForCausalLM` here with its weights.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import torch
 
 import kernel_ladder
 from kernel_ladder.ops.moe import experts_forward
 
+from ..serving.paged_cache import CacheSpec
 from .causal_lm import CausalLM, _Norm
+from .protocol import RopeTables
+
+if TYPE_CHECKING:
+    from ..serving.paged_cache import PagedKVCache
+    from ..serving.scheduler import SchedulerOutput
 
 __all__ = ["DeepseekV3Config", "DeepseekV3ForCausalLM", "cache_bytes_per_token"]
 
 _OP = "kernel_ladder.models.DeepseekV3ForCausalLM"
+_ROPE = "mla"  # the key of the decoupled rope's tables in rope_tables()
 
 
 @dataclass
@@ -101,6 +113,7 @@ class DeepseekV3Config:
     attention_bias: bool = False
     tie_word_embeddings: bool = False
     hidden_act: str = "silu"
+    pad_token_id: int | None = None  # the embedding's padding row (no gradient), as HF's nn.Embedding
     model_type: str = "deepseek_v3"
 
     def __post_init__(self) -> None:
@@ -177,33 +190,26 @@ class DeepseekV3Config:
             rope_theta=theta, rope_scaling=scaling, rope_interleave=bool(c.get("rope_interleave", True)),
             max_position_embeddings=c.get("max_position_embeddings", 4096),
             attention_bias=bool(c.get("attention_bias", False)),
-            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)), hidden_act=c.get("hidden_act", "silu"))
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)), hidden_act=c.get("hidden_act", "silu"),
+            pad_token_id=c.get("pad_token_id"))
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-def cache_bytes_per_token(config: DeepseekV3Config, element_size: int = 2, kind: str = "latent",
+def cache_bytes_per_token(config: DeepseekV3Config, kind: str = "mla", *, dtype: torch.dtype | int = torch.bfloat16,
                           num_kv_heads: int | None = None) -> int:
-    """Bytes one token takes in the cache of every layer of ``config``'s model.
+    """Bytes one token takes in the caches of all of ``config``'s layers, exactly.
 
-    ``kind="latent"``: MLA's cache, ``(kv_lora_rank + qk_rope_head_dim)`` elements per layer.
-    ``kind="gqa"``: expanded keys and values of ``num_kv_heads`` heads (``qk_head_dim`` and
-    ``v_head_dim`` wide); ``kind="mha"``: the same with one key/value head per query head.
+    ``kind="mla"``: the latent cache, ``kv_lora_rank + qk_rope_head_dim`` elements per layer (what the
+    :class:`~kernel_ladder.models.Engine` allocates for this model); ``"gqa"``: expanded keys
+    (``qk_head_dim``) and values (``v_head_dim``) of ``num_kv_heads`` heads; ``"mha"``: of every head;
+    ``"mqa"``: of one. ``dtype``: the cache's, or its element size in bytes. Per layer this is
+    :func:`kernel_ladder.ops.mla.cache_bytes_per_token`.
     """
-    c = config
-    if kind == "latent":
-        per_layer = c.latent_dim
-    elif kind in ("gqa", "mha"):
-        heads = c.num_attention_heads if kind == "mha" else num_kv_heads
-        if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
-            raise ValueError(f"kernel_ladder.models.deepseek_v3.cache_bytes_per_token: num_kv_heads must be a "
-                             f"positive int for kind='gqa', got {num_kv_heads!r}")
-        per_layer = heads * (c.qk_head_dim + c.v_head_dim)
-    else:
-        raise ValueError(f"kernel_ladder.models.deepseek_v3.cache_bytes_per_token: kind must be 'latent', 'gqa' or "
-                         f"'mha', got {kind!r}")
-    return c.num_hidden_layers * per_layer * element_size
+    from ..ops.mla import cache_bytes_per_token as per_layer
+
+    return config.num_hidden_layers * per_layer(config, kind, dtype=dtype, num_kv_heads=num_kv_heads)
 
 
 def _linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -273,6 +279,26 @@ class Attention(torch.nn.Module):
         k = torch.cat((k_nope, k_rope.expand(b, self.heads, t, self.rope_dim)), dim=-1)
         out = kernel_ladder.flash_attention(q, k, v, causal=True, softmax_scale=self.scale)  # (B, H, T, v)
         return _linear(self.o_proj, out.transpose(1, 2).reshape(b, t, self.heads * self.v_dim))
+
+    def paged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, latent_cache: torch.Tensor,
+              step: SchedulerOutput) -> torch.Tensor:
+        """Serving: one packed step's tokens ``x`` ``(T, hidden)`` over the paged latent cache
+        ``(num_blocks, block_size, kv_lora_rank + qk_rope_head_dim)``; the tokens' ``[c | k_rope]`` are
+        written first, then the absorbed attention reads them with the sequences' history."""
+        t = x.shape[0]
+        q = self.query(x)  # (T, H, qk)
+        c, k_rope = self.latent(x)  # (T, L), (T, R)
+        q_rope, k_rope = kernel_ladder.rope(q[None, ..., self.nope:], k_rope[None, :, None], cos, sin, unsqueeze_dim=2,
+                                            interleaved=self.interleaved)  # (1, T, H, R), (1, T, 1, R)
+        kernel_ladder.write_latent_cache(c, k_rope[0, :, 0], latent_cache, step.slot_mapping)
+        w = self._kv_b()
+        # Absorb W_UK into the query: q_latent[t, h] = q_nope[t, h] @ W_UK[h]  ((H, T, nope) @ (H, nope, L))
+        q_latent = kernel_ladder.matmul(q[..., :self.nope].transpose(0, 1), w[:, :self.nope]).transpose(0, 1)
+        out = kernel_ladder.mla_attention(q_latent, q_rope[0], latent_cache, step.block_tables, step.seq_lens,
+                                          self.scale, self.kv_lora_rank, cu_seqlens_q=step.cu_seqlens_q)  # (T, H, L)
+        # ... and W_UV into the output: v[t, h] = out[t, h] @ W_UV[h]^T  ((H, T, L) @ (H, L, v))
+        v = kernel_ladder.matmul(out.transpose(0, 1), w[:, self.nope:].transpose(1, 2))
+        return _linear(self.o_proj, v.transpose(0, 1).reshape(t, self.heads * self.v_dim))
 
 
 class MLP(torch.nn.Module):
@@ -350,9 +376,19 @@ class DecoderLayer(torch.nn.Module):
         self.mlp = MLP(config.hidden_size, config.intermediate_size) if layer < config.first_k_dense_replace \
             else MoE(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, tables: RopeTables) -> torch.Tensor:
+        """Training and scoring: ``(B, T, hidden)``, the model's rope tables (``rope_tables()``)."""
+        cos, sin = tables[_ROPE]
         h = kernel_ladder.add(x, self.self_attn(kernel_ladder.rms_norm(x, self.input_layernorm.weight, self.eps),
                                                 cos, sin))
+        return kernel_ladder.add(h, self.mlp(kernel_ladder.rms_norm(h, self.post_attention_layernorm.weight, self.eps)))
+
+    def forward_paged(self, x: torch.Tensor, tables: RopeTables, cache: PagedKVCache, layer_index: int,
+                      step: SchedulerOutput) -> torch.Tensor:
+        """The serving step: ``(T, hidden)`` in and out, this layer's latent cache entries written."""
+        cos, sin = tables[_ROPE]
+        h = kernel_ladder.rms_norm(x, self.input_layernorm.weight, self.eps)
+        h = kernel_ladder.add(x, self.self_attn.paged(h, cos, sin, cache.latent_cache(layer_index), step))
         return kernel_ladder.add(h, self.mlp(kernel_ladder.rms_norm(h, self.post_attention_layernorm.weight, self.eps)))
 
 
@@ -383,8 +419,56 @@ class DeepseekV3ForCausalLM(CausalLM):
 
         return build_from_hf(cls, DeepseekV3Config, hf_model, _OP)
 
+    def load_hf_state_dict(self, state: dict[str, torch.Tensor], source: str = "the state dict") -> None:
+        """Copy weights named as in HF's ``DeepseekV3ForCausalLM``. The multi-token-prediction module that
+        DeepSeek-V3's checkpoints keep as layer ``num_hidden_layers`` and up (``model.layers.61.*``) is
+        skipped, as HF skips it; any other missing, unexpected or misshapen weight is refused."""
+        layers = self.config.num_hidden_layers
+
+        def beyond_the_model(name: str) -> bool:
+            parts = name.split(".", 3)
+            in_layers = len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2].isdigit()
+            return in_layers and int(parts[2]) >= layers
+
+        super().load_hf_state_dict({k: v for k, v in state.items() if not beyond_the_model(k)}, source=source)
+
+    # -- the layer protocol (kernel_ladder.models.protocol) ---------------------------------------
+
+    def cache_spec(self) -> list[CacheSpec]:
+        """Every layer caches ONE latent vector per token: ``kv_lora_rank + qk_rope_head_dim`` features."""
+        c = self.config
+        return [CacheSpec.latent(c.kv_lora_rank, c.qk_rope_head_dim)] * c.num_hidden_layers
+
     def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The cos/sin tables of the decoupled rope key (``qk_rope_head_dim`` wide) for ``positions``."""
         c = self.config
         return kernel_ladder.rope_cos_sin(positions, c.qk_rope_head_dim, base=c.rope_theta, scaling=c.rope_scaling,
                                           dtype=dtype, interleaved=c.rope_interleave)
+
+    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
+        """``{"mla": rotary(positions, dtype)}``: one rope, the decoupled key's, for every layer."""
+        return {_ROPE: self.rotary(positions, dtype)}
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embedding: a table lookup (a gather, no arithmetic)."""
+        return torch.nn.functional.embedding(input_ids, self.model.embed_tokens.weight,
+                                             padding_idx=self.config.pad_token_id)
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return kernel_ladder.rms_norm(x, self.model.norm.weight, self.config.rms_norm_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return kernel_ladder.linear(hidden, self.lm_head.weight)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """The ``(B, T, V)`` logits; with ``labels``, the mean next-token loss (shifted inside, ``-100``
+        ignored) through :func:`kernel_ladder.fused_linear_cross_entropy`, the logits never materialized."""
+        hidden = self.hidden_states(input_ids, positions)
+        if labels is None:
+            return self.logits(hidden)
+        if not isinstance(labels, torch.Tensor) or labels.shape != input_ids.shape:
+            raise ValueError(f"{_OP}: labels must have input_ids' shape {tuple(input_ids.shape)}, got "
+                             f"{tuple(getattr(labels, 'shape', ())) or type(labels).__name__}")
+        shifted = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+        return kernel_ladder.fused_linear_cross_entropy(shifted, self.lm_head.weight, labels[:, 1:].reshape(-1))
