@@ -66,6 +66,13 @@ __all__ = [
     "admit_reference",
     "unmodified",
     "static_batching",
+    "absorbed_scores",
+    "absorbed_scores_reference",
+    "absorbed_scores_cases",
+    "absorbed_scores_rules",
+    "absorbed_scores_mistakes",
+    "diagnose_absorbed_scores",
+    "absorbed_flops",
 ]
 
 
@@ -1221,3 +1228,132 @@ def static_batching(requests: list[tuple[int, int]], batch_size: int) -> list[in
         for t in range(1, max(o for _, o in batch)):
             steps.append(sum(1 for _, o in batch if o > t))
     return steps
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 6: the absorbed decode's scores (DeepSeek-V3's multi-head latent attention)
+# ----------------------------------------------------------------------------------------------
+
+
+def absorbed_scores(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, kv_b_weight: torch.Tensor,
+                    qk_nope_head_dim: int, v_head_dim: int) -> torch.Tensor:
+    """One decoding token's attention scores ``(H, n)`` over ``n`` cached latent rows ``[c | k_pe]``, absorbed.
+
+    ``kv_b_proj`` (weight ``(H (nope + v), L)``) would expand each cached ``c`` into every head's key
+    ``k_nope_h = W_UK_h c``. Instead the query is moved into the latent space once,
+    ``q_latent_h = W_UK_h^T q_nope_h`` (``W_UK_h``: the first ``nope`` rows of head ``h``'s block of
+    ``nope + v`` rows), so that ``q_nope_h . k_nope_h = q_latent_h . c``: the cache is read as it is. The
+    RoPE part adds ``q_pe_h . k_pe``, and the scale stays ``1 / sqrt(nope + rope)`` (the expanded head dim).
+    """
+    heads, rank = q_nope.shape[0], kv_b_weight.shape[1]
+    w_uk = kv_b_weight.view(heads, qk_nope_head_dim + v_head_dim, rank)[:, :qk_nope_head_dim]  # (H, nope, L)
+    q_latent = torch.einsum("hn,hnl->hl", q_nope, w_uk)
+    c, k_pe = latent[:, :rank], latent[:, rank:]
+    scale = (qk_nope_head_dim + q_pe.shape[-1]) ** -0.5
+    return scale * (q_latent @ c.T + q_pe @ k_pe.T)
+
+
+def absorbed_scores_reference(q_nope, q_pe, latent, kv_b_weight, qk_nope_head_dim, v_head_dim) -> torch.Tensor:
+    """The scores as transformers' DeepseekV3Attention computes them: every cached ``c`` expanded through
+    kv_b_proj into per-head keys (``.view(n, H, nope + v)``, the first ``nope`` of each head), the shared
+    RoPE key appended, then ``q . k / sqrt(nope + rope)``."""
+    heads, rank = q_nope.shape[0], kv_b_weight.shape[1]
+    c, k_pe = latent[:, :rank], latent[:, rank:]
+    k_nope = (c @ kv_b_weight.T).view(c.shape[0], heads, qk_nope_head_dim + v_head_dim)[..., :qk_nope_head_dim]
+    k = torch.cat([k_nope, k_pe[:, None, :].expand(-1, heads, -1)], -1)
+    q = torch.cat([q_nope, q_pe], -1)
+    return torch.einsum("hd,nhd->hn", q, k) / math.sqrt(qk_nope_head_dim + q_pe.shape[-1])
+
+
+def absorbed_scores_cases(gen: torch.Generator) -> list[tuple]:
+    """Tiny DeepSeek-like sizes ``(H, L, R, nope, v, n)``: nope = v in one (so that value rows taken for key
+    rows have the right shape and are caught by value), non-powers of two, a single cached token."""
+    cases = []
+    for heads, rank, rope, nope, v_dim, n in ((4, 24, 8, 16, 12, 19), (3, 40, 6, 10, 10, 33), (2, 32, 16, 24, 8, 1)):
+        def r(*shape):
+            return torch.randn(shape, generator=gen)
+
+        cases.append((r(heads, nope), r(heads, rope), r(n, rank + rope), r(heads * (nope + v_dim), rank) * 0.3,
+                      nope, v_dim))
+    return cases
+
+
+def absorbed_flops(q_nope, q_pe, latent, kv_b_weight, qk_nope_head_dim, v_head_dim) -> int:
+    """The matmul FLOPs of the absorbed scores: the query through ``W_UK`` once (``2 H nope L``), then
+    ``2 H n (L + R)`` for the scores. Expanding every cached token's keys costs ``2 n L H nope`` more."""
+    heads, rank = q_nope.shape[0], kv_b_weight.shape[1]
+    return 2 * heads * qk_nope_head_dim * rank + 2 * heads * latent.shape[0] * latent.shape[1]
+
+
+def absorbed_scores_rules() -> list:
+    """Exercise 6's stated rule: absorbed, no key expanded per cached token — the candidate's matmul FLOPs
+    (counted by the tracer over its torch ops) stay within 1.5x of the absorbed form's."""
+    from utils.exercises.rules import Rule
+    from utils.trace import trace
+
+    def problem(context) -> str | None:
+        case = context.case
+        with trace() as tr:
+            context.candidate(*case)
+        allowed = absorbed_flops(*case)
+        if tr.flops > 1.5 * allowed:
+            heads, n = case[0].shape[0], case[2].shape[0]
+            return (f"its matmuls did {tr.flops:,} FLOPs where the absorbed scores need {allowed:,}: keys were "
+                    f"expanded through kv_b_proj for each of the {n} cached tokens and {heads} heads (move the query "
+                    "into the latent space instead: q_latent = W_UK^T q_nope, once per head)")
+        return None
+
+    return [Rule(name="absorbed: no key expanded per cached token",
+                 why="the spec asks for the absorbed form (no key expanded per cached token)", problem=problem)]
+
+
+def absorbed_scores_mistakes(q_nope, q_pe, latent, kv_b_weight, qk_nope_head_dim,
+                             v_head_dim) -> list[tuple[str, torch.Tensor]]:
+    """What common wrong absorbed scores return on a case, each with its cause."""
+    heads, rank, rope = q_nope.shape[0], kv_b_weight.shape[1], q_pe.shape[-1]
+    nope = qk_nope_head_dim
+    per_head = kv_b_weight.view(heads, nope + v_head_dim, rank)
+    c, k_pe = latent[:, :rank], latent[:, rank:]
+
+    def scores(w_uk, scale=(nope + rope) ** -0.5, rope_part=True, c=c, k_pe=k_pe):
+        s = torch.einsum("hn,hnl->hl", q_nope, w_uk) @ c.T
+        return scale * (s + q_pe @ k_pe.T if rope_part else s)
+
+    w_uk = per_head[:, :nope]
+    mistakes = [
+        ("W_UK is the first H · nope rows of kv_b_proj's weight: the weight is (H, nope + v, L) per head — head h's "
+         "nope key rows and then its v value rows — so W_UK_h is rows h·(nope + v) to h·(nope + v) + nope "
+         "(weight.view(H, nope + v, L)[:, :nope])", scores(kv_b_weight[: heads * nope].view(heads, nope, rank))),
+        ("the RoPE part is missing: each score also has q_pe · k_pe (the shared rotated key, the last rope_dim "
+         "numbers of each cached row)", scores(w_uk, rope_part=False)),
+        ("the cache row's two parts are swapped: a row is [c | k_pe], c first (kv_lora_rank numbers), then k_pe",
+         scores(w_uk, c=latent[:, rope:], k_pe=latent[:, :rope])),
+        ("the scores are not scaled: multiply by 1 / sqrt(nope + rope), the expanded query's head dim",
+         scores(w_uk, scale=1.0)),
+    ]
+    if v_head_dim == nope:
+        mistakes.insert(1, ("W_UK is taken from the value rows (the last v of each head's block): the key rows come "
+                            "first, weight.view(H, nope + v, L)[:, :nope]", scores(per_head[:, nope:])))
+    for dim, name in ((nope, "qk_nope_head_dim"), (rank, "kv_lora_rank"), (rank + rope, "kv_lora_rank + rope_dim"),
+                      (rope, "rope_dim"), (v_head_dim, "v_head_dim")):
+        if dim != nope + rope:
+            mistakes.append((f"the scores are scaled by 1 / sqrt({name} = {dim}): absorption changes no score, the "
+                             f"scale is the expanded head dim's, 1 / sqrt(nope + rope) = 1 / sqrt({nope + rope})",
+                             scores(w_uk, scale=dim**-0.5)))
+    mistakes.append(("the result is softmax(scores): return the scores themselves (the softmax comes after, over "
+                     "all cached tokens)", torch.softmax(scores(w_uk), -1)))
+    return mistakes
+
+
+def diagnose_absorbed_scores(case: tuple, got, expected) -> str | None:
+    """Exercise 6's cause: the known wrong formulas that give this case's result (one, or every one that fits)."""
+    from utils.exercises import one_or_all_causes
+
+    if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
+        return None
+    got = got.detach().cpu().double()
+    double_case = tuple(x.double() if isinstance(x, torch.Tensor) else x for x in case)
+    causes = [cause for cause, wrong in absorbed_scores_mistakes(*double_case)
+              if torch.allclose(got, wrong, rtol=1e-4, atol=1e-5)]
+    return one_or_all_causes(causes)
+

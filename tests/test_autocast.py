@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 import kernel_ladder
 from kernel_ladder import _autocast
+from kernel_ladder.ops import mla
 from tests.helpers import paged_attention_reference, tolerance
 from utils.trace import trace
 
@@ -139,6 +140,23 @@ def cases(gen, device, low):
             return paged_attention_reference(cast[0], cast[1], cast[2], tables.cpu(), lens.cpu()).to(dtype)
 
         return lambda: kernel_ladder.paged_attention(q, k_cache, v_cache, tables, lens), reference
+
+    def mla_attention():
+        q_latent, q_rope, cache = r(2, 3, 16), r(2, 3, 8), r(4, 8, 24, dtype=low)
+        tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=d)
+        lens = torch.tensor([5, 12], dtype=torch.int32, device=d)
+
+        def reference():  # SDPA's dtype; the float64 value of the attention over the cast inputs
+            dtype = F.scaled_dot_product_attention(q_latent[:, :, None], q_latent[:, :, None],
+                                                   q_latent[:, :, None]).dtype
+            out = []
+            for b, latent in enumerate(mla.gather_latent(cache.to(dtype).double(), tables, lens)):
+                ql, qr = q_latent[b].to(dtype).double(), q_rope[b].to(dtype).double()
+                p = torch.softmax(0.2 * (ql @ latent[:, :16].T + qr @ latent[:, 16:].T), -1)
+                out.append(p @ latent[:, :16])
+            return torch.stack(out).to(dtype)
+
+        return lambda: kernel_ladder.mla_attention(q_latent, q_rope, cache, tables, lens, 0.2, 16), reference
 
     def softmax():
         x = r(4, 10, dtype=low, scale=3.0)
@@ -272,6 +290,22 @@ def cases(gen, device, low):
 
         return with_kernels, with_torch
 
+    def write_latent_cache():
+        c_kv, k_rope = r(3, 16), r(3, 8)
+        slots = torch.tensor([0, 5, 9], dtype=torch.int32, device=d)
+
+        def with_kernels():
+            cache = torch.zeros(2, 8, 24, dtype=low, device=d)
+            kernel_ladder.write_latent_cache(c_kv, k_rope, cache, slots)
+            return cache
+
+        def with_torch():  # the cache's dtype decides: a store converts the rows to it
+            cache = torch.zeros(2, 8, 24, dtype=low, device=d)
+            cache.view(-1, 24).index_copy_(0, slots.long(), torch.cat([c_kv, k_rope], 1).to(low))
+            return cache
+
+        return with_kernels, with_torch
+
     built = dict(locals())
     return {name: built[name] for name in _autocast.TABLE}
 
@@ -390,6 +424,7 @@ def test_written_and_encoded_inputs_are_never_cast():
     assert {"k_cache", "v_cache"}.isdisjoint(_autocast._castable_args("write_kv_cache"))
     assert "scales" not in _autocast._castable_args("quantized_linear")
     assert {"k_scale", "v_scale"}.isdisjoint(_autocast._castable_args("paged_attention"))
+    assert "latent_cache" not in _autocast._castable_args("write_latent_cache")
 
 
 @pytest.mark.parametrize("name", CPU_OPS)

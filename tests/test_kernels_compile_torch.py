@@ -102,6 +102,12 @@ def _rope(q, k, positions):
     return kernel_ladder.rope(q, k, cos, sin)
 
 
+def _rope_qk_norm(q, k, positions, q_norm_weight, k_norm_weight):
+    cos, sin = kernel_ladder.rope_cos_sin(positions, q.shape[-1])
+    return kernel_ladder.rope(q, k, cos, sin, q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight,
+                              norm_offset=1.0)
+
+
 def _attention_args(size, gen):
     tq, tk = (3, 6, 9)[size], (5, 6, 12)[size]
     return _r(gen, 1, 2, tq, 16, grad=True), _r(gen, 1, 1, tk, 16, grad=True), _r(gen, 1, 1, tk, 16, grad=True)
@@ -112,6 +118,17 @@ def _varlen_args(size, gen):
     q = _r(gen, sum(lengths_q), 2, 16, grad=True)
     k, v = (_r(gen, sum(lengths_k), 1, 16, grad=True) for _ in range(2))
     return q, k, v, _i(_cumsum(lengths_q)), _i(_cumsum(lengths_k)), max(lengths_q), max(lengths_k)
+
+
+def _attention_sinks_args(size, gen):
+    """Sinks and a v head dim (8) other than q's and k's (16)."""
+    q, k, _ = _attention_args(size, gen)
+    return q, k, _r(gen, 1, 1, k.shape[2], 8, grad=True), _r(gen, 2, grad=True)
+
+
+def _varlen_sinks_args(size, gen):
+    q, k, _, *rest = _varlen_args(size, gen)
+    return q, k, _r(gen, k.shape[0], 1, 8, grad=True), *rest, _r(gen, 2, grad=True)
 
 
 def _block_sparse_args(size, gen):
@@ -143,6 +160,12 @@ def _paged_prefill_args(size, gen):
     return (_r(gen, sum(q_lens), 2, 16), *_paged_cache(seq_lens, gen), _i(_cumsum(q_lens)))
 
 
+def _paged_sinks_args(size, gen):
+    """Decode over a cache whose v head dim (8) is not k's (16), with sinks and two splits (merged once)."""
+    q, k_cache, v_cache, table, lens = _paged_decode_args(size, gen)
+    return q, k_cache, _r(gen, *v_cache.shape[:3], 8), table, lens, _r(gen, 2)
+
+
 def _write_kv_cache_args(size, gen):
     tokens, num_blocks = (3, 5, 9)[size], (2, 3, 4)[size]
     slots = torch.randperm(num_blocks * 8, generator=gen)[:tokens].to(DEVICE)
@@ -154,6 +177,26 @@ def _write_kv_cache_args(size, gen):
 def _write_kv_cache(k, v, k_cache, v_cache, slots):
     kernel_ladder.write_kv_cache(k, v, k_cache, v_cache, slots)
     return k_cache, v_cache
+
+
+def _mla_args(size, gen, prefill=False):
+    seq_lens, q_lens = ([9, 5], [3, 17, 8], [30, 1, 12, 20])[size], ([4, 5], [3, 2, 1], [7, 1, 12, 3])[size]
+    latent_cache, _, table, lens = _paged_cache(seq_lens, gen, heads_kv=1, dim=24)
+    rows = sum(q_lens) if prefill else len(seq_lens)
+    args = (_r(gen, rows, 2, 16), _r(gen, rows, 2, 8), latent_cache[:, :, 0], table, lens)
+    return (*args, _i(_cumsum(q_lens))) if prefill else args
+
+
+def _write_latent_cache_args(size, gen):
+    tokens, num_blocks = (3, 5, 9)[size], (2, 3, 4)[size]
+    slots = torch.randperm(num_blocks * 8, generator=gen)[:tokens].to(DEVICE)
+    slots[0] = -1  # padding
+    return _r(gen, tokens, 16), _r(gen, tokens, 8), torch.zeros(num_blocks, 8, 24, device=DEVICE), slots
+
+
+def _write_latent_cache(c_kv, k_rope, latent_cache, slots):
+    kernel_ladder.write_latent_cache(c_kv, k_rope, latent_cache, slots)
+    return latent_cache
 
 
 _EXPERTS = (4, 6, 7)
@@ -225,6 +268,8 @@ CASES: dict[str, Case] = {
     "add_rms_norm": Case(lambda s, g: (*_rows_cols(s, g, 2), _r(g, _COLS[s], grad=True)), kernel_ladder.add_rms_norm,
                          ("add_rms_norm",)),
     "rope": Case(_rope_args, _rope, ("rope",)),
+    "rope_qk_norm": Case(lambda s, g: (*_rope_args(s, g), _r(g, 8, grad=True), _r(g, 8, grad=True)), _rope_qk_norm,
+                         ("rope",)),
     "gated_mlp": Case(lambda s, g: (_r(g, _ROWS[s], 16, grad=True), _r(g, _COLS[s], 16, grad=True),
                                     _r(g, _COLS[s], 16, grad=True), _r(g, 16, _COLS[s], grad=True)),
                       kernel_ladder.gated_mlp, ("gated_mlp",)),
@@ -235,12 +280,23 @@ CASES: dict[str, Case] = {
         q, k, v, causal=True, return_lse=True), ("flash_attention",)),
     "flash_attention_varlen": Case(_varlen_args, lambda *args: kernel_ladder.flash_attention_varlen(
         *args, causal=True, return_lse=True), ("flash_attention_varlen",)),
+    "flash_attention_sinks": Case(_attention_sinks_args, lambda q, k, v, sinks: kernel_ladder.flash_attention(
+        q, k, v, causal=True, return_lse=True, sinks=sinks), ("flash_attention",)),
+    "flash_attention_varlen_sinks": Case(_varlen_sinks_args, lambda *args: kernel_ladder.flash_attention_varlen(
+        *args[:-1], causal=True, return_lse=True, sinks=args[-1]), ("flash_attention_varlen",)),
     "block_sparse_attention": Case(_block_sparse_args, lambda q, k, v, mask: kernel_ladder.block_sparse_attention(
         q, k, v, mask, block_size=16), ("block_sparse_attention",)),
     "paged_attention": Case(_paged_decode_args, kernel_ladder.paged_attention, ("paged_attention",)),
     "paged_attention_prefill": Case(_paged_prefill_args, lambda q, k, v, table, lens, cu: kernel_ladder.paged_attention(
         q, k, v, table, lens, cu_seqlens_q=cu, window=6), ("paged_attention",)),
+    "paged_attention_sinks": Case(_paged_sinks_args, lambda q, k, v, table, lens, sinks: kernel_ladder.paged_attention(
+        q, k, v, table, lens, num_splits=2, sinks=sinks), ("paged_attention",)),
     "write_kv_cache": Case(_write_kv_cache_args, _write_kv_cache, ("write_kv_cache",)),
+    "mla_attention": Case(_mla_args, lambda ql, qr, cache, table, lens: kernel_ladder.mla_attention(
+        ql, qr, cache, table, lens, 0.2, 16), ("mla_attention",)),
+    "mla_attention_prefill": Case(lambda s, g: _mla_args(s, g, prefill=True), lambda *args: kernel_ladder.mla_attention(
+        *args[:5], 0.2, 16, args[5], num_splits=2), ("mla_attention",)),
+    "write_latent_cache": Case(_write_latent_cache_args, _write_latent_cache, ("write_latent_cache",)),
     "topk_routing": Case(lambda s, g: (_r(g, _ROWS[s], _EXPERTS[s], grad=True),),
                          lambda logits: kernel_ladder.topk_routing(logits, 2), ("topk_routing",)),
     "moe": Case(_moe_args, lambda x, logits, w1, w2: kernel_ladder.moe(x, logits, w1, w2, top_k=2),

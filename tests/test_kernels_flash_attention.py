@@ -195,6 +195,257 @@ def test_lse_is_the_log_sum_exp_of_the_scaled_capped_scores(gen):
     assert_matches(lse, torch.logsumexp(s, -1), torch.float32)
 
 
+# ----------------------------------------------------------------------------- attention sinks, Dv != D
+
+
+def sink_reference(q, k, v, sinks=None, causal=False, softmax_scale=None, window=None, softcap=None,
+                   dtype=torch.float64):
+    """GPT-OSS's ``eager_attention_forward`` (transformers, models/gpt_oss) written out: the scores, soft-cap and
+    mask, then each head's sink as one more column of the logits, the row max subtracted, a softmax, and the
+    sink's column dropped before ``P V``. ``v`` may have its own head dim Dv. Returns ``(out, lse)`` with lse the
+    log-sum-exp of the whole row, sink included. A row with neither a visible key nor a finite sink (eager: NaN)
+    gives 0 and lse -inf, flash-attn's convention. Differentiable (float64 autograd is the gradient reference)."""
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
+    s = (q @ k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    visible = visible_mask(q.shape[2], k.shape[2], causal, window, q.device)
+    s = s.masked_fill(~visible, float("-inf"))
+    if sinks is None:
+        sinks = torch.full((q.shape[1],), float("-inf"), dtype=dtype)
+    column = sinks.to(dtype).reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[2], 1)
+    combined = torch.cat([s, column], dim=-1)
+    top = combined.max(dim=-1, keepdim=True).values
+    nothing = torch.isneginf(top)
+    combined = combined - torch.where(nothing, 0.0, top)
+    probs = torch.where(nothing, 0.0, torch.softmax(combined, dim=-1))
+    lse = torch.where(nothing[..., 0], float("-inf"), torch.logsumexp(combined, -1) + top[..., 0])
+    return probs[..., :-1] @ v, lse
+
+
+def check_sinks(q, k, v, sinks, gen, **options):
+    """out, lse and the gradients of q, k, v and sinks (through out and lse) against float64 autograd."""
+    leaves = [leaf(t) for t in (q, k, v, sinks)]
+    out, lse = kernel_ladder.flash_attention(*leaves[:3], return_lse=True, sinks=leaves[3], **options)
+    assert out.shape == (*q.shape[:3], v.shape[-1]) and lse.shape == q.shape[:3]
+    g, gl = rand(*out.shape, gen=gen, dtype=q.dtype), rand(*lse.shape, gen=gen)
+    grads = torch.autograd.grad([out, lse], leaves, [g, gl])
+    exact = [t.detach().double().requires_grad_() for t in (q, k, v, sinks)]
+    want, want_lse = sink_reference(*exact, **options)
+    finite = torch.isfinite(want_lse)
+    want_grads = torch.autograd.grad([want, torch.where(finite, want_lse, 0.0)], exact,
+                                     [g.double(), torch.where(finite, gl.double(), 0.0)])
+    assert_matches(out, want, q.dtype, what="out")
+    assert torch.equal(torch.isinf(lse), torch.isinf(want_lse)), "lse: -inf rows"
+    assert_matches(torch.where(finite, lse, 0.0), torch.where(finite, want_lse, 0.0), torch.float32, what="lse")
+    for name, ours, theirs in zip(("dq", "dk", "dv", "dsinks"), grads, want_grads):
+        assert ours.dtype == (sinks.dtype if name == "dsinks" else q.dtype), name
+        assert_matches(ours, theirs, what=name)
+    return out, lse, grads
+
+
+SINK_CASES = [  # (B, Hq, Hkv, Tq, Tk, D, Dv, options)
+    (2, 4, 2, 37, 37, 32, 32, {"causal": True}),  # GQA, causal
+    (1, 4, 1, 45, 70, 24, 16, {}),  # MQA, non-causal, Dv != D (DeepSeek's MLA prefill, tiny: 24 / 16)
+    (1, 2, 2, 70, 33, 16, 16, {"causal": True}),  # Tq > Tk: the first 37 rows see no key, only the sink: 0
+    (1, 4, 2, 70, 70, 12, 8, {"causal": True, "window": 20}),  # sliding window, 12 / 8
+    (2, 2, 1, 33, 40, 16, 24, {"softcap": 5.0, "softmax_scale": 0.3}),  # soft-capping; Dv > D too
+]
+
+
+@pytest.mark.parametrize("case", SINK_CASES, ids=lambda c: f"H{c[1]}:{c[2]}T{c[3]}x{c[4]}D{c[5]}Dv{c[6]}{c[7]}")
+def test_sinks_and_dv_forward_and_backward_match_gpt_oss_eager(case, gen):
+    """The sink joins every softmax's denominator and nothing else; its gradient is
+    -sum_rows P_sink * (dO . O - dlse), checked with the others against float64 autograd."""
+    batch, hq, hkv, tq, tk, d, dv, options = case
+    q, k, v = rand(batch, hq, tq, d, gen=gen), rand(batch, hkv, tk, d, gen=gen), rand(batch, hkv, tk, dv, gen=gen)
+    out, lse, _ = check_sinks(q, k, v, rand(hq, gen=gen, scale=2.0), gen, **options)
+    if tq > tk and options.get("causal"):  # rows that see no key: output 0, lse = the sink
+        assert torch.equal(out[:, :, : tq - tk], torch.zeros_like(out[:, :, : tq - tk]))
+
+
+def test_dv_differs_from_d_without_sinks(gen):
+    """Dv != D alone (no sinks) against the plain reference, forward and backward, GQA and causal."""
+    q, k, v = rand(1, 4, 40, 24, gen=gen), rand(1, 2, 45, 24, gen=gen), rand(1, 2, 45, 16, gen=gen)
+    leaves = [leaf(t) for t in (q, k, v)]
+    out = kernel_ladder.flash_attention(*leaves, causal=True)
+    g = rand(*out.shape, gen=gen)
+    grads = torch.autograd.grad(out, leaves, g)
+    exact = [t.double().requires_grad_() for t in (q, k, v)]
+    want = reference(*exact, causal=True)[0]
+    assert_matches(out, want, torch.float32)
+    for name, ours, theirs in zip("qkv", grads, torch.autograd.grad(want, exact, g.double())):
+        assert_matches(ours, theirs, torch.float32, what=f"d{name}")
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+def test_sinks_half_precision_with_bf16_sinks(dtype, gen):
+    """16-bit q, k, v and bf16 sinks (GPT-OSS's parameter dtype): at most twice torch's own error; the sinks'
+    gradient comes back in their dtype."""
+    q, k, v = rand(1, 4, 40, 32, gen=gen, dtype=dtype), rand(1, 2, 40, 32, gen=gen, dtype=dtype), rand(
+        1, 2, 40, 32, gen=gen, dtype=dtype)
+    sinks = leaf(rand(4, gen=gen, dtype=torch.bfloat16))
+    out = kernel_ladder.flash_attention(q, k, v, causal=True, sinks=sinks)
+    want = sink_reference(q, k, v, sinks, causal=True)[0]
+    lowp = sink_reference(q, k, v, sinks, causal=True, dtype=dtype)[0]
+    assert_matches(out, want, dtype, lowp=lowp)
+    (dsinks,) = torch.autograd.grad(out.float().sum(), sinks)
+    assert dsinks.dtype == torch.bfloat16 and torch.isfinite(dsinks).all()
+
+
+def test_huge_and_minus_inf_sinks(gen):
+    """A sink of 1e4 takes the whole softmax: output 0, lse = the sink, every gradient 0 but the sink's
+    (dO . O = 0). A -inf sink is no sink: the same bits as without one, and a zero gradient."""
+    q, k, v = rand(1, 3, 20, 16, gen=gen), rand(1, 3, 24, 16, gen=gen), rand(1, 3, 24, 16, gen=gen)
+    plain, plain_lse = kernel_ladder.flash_attention(q, k, v, causal=True, return_lse=True)
+    sinks = leaf(torch.tensor([1e4, float("-inf"), 0.5], device=DEVICE))
+    q2, k2, v2 = leaf(q), leaf(k), leaf(v)
+    out, lse = kernel_ladder.flash_attention(q2, k2, v2, causal=True, return_lse=True, sinks=sinks)
+    assert torch.equal(out[:, 0], torch.zeros_like(out[:, 0])) and torch.equal(lse[:, 0], torch.full_like(lse[:, 0],
+                                                                                                          1e4))
+    assert torch.equal(out[:, 1], plain[:, 1]) and torch.equal(lse[:, 1], plain_lse[:, 1])
+    assert_matches(out[:, 2:], sink_reference(q, k, v, sinks.detach(), causal=True)[0][:, 2:], torch.float32)
+    g = rand(*out.shape, gen=gen)
+    dq, dk, dv, dsinks = torch.autograd.grad(out, (q2, k2, v2, sinks), g)
+    assert torch.equal(dq[:, 0], torch.zeros_like(dq[:, 0])) and dsinks[0] == 0 and dsinks[1] == 0
+    assert dsinks[2] != 0 and all(torch.isfinite(t).all() for t in (dq, dk, dv, dsinks))
+
+
+def test_sinks_nan_in_one_row_stays_in_that_row(gen):
+    """A NaN in one query row reaches that row's output alone: other rows and heads match the reference."""
+    q, k, v = rand(1, 2, 40, 16, gen=gen), rand(1, 2, 40, 16, gen=gen), rand(1, 2, 40, 16, gen=gen)
+    q[0, 1, 7, 3] = float("nan")
+    sinks = rand(2, gen=gen)
+    out = kernel_ladder.flash_attention(q, k, v, causal=True, sinks=sinks)
+    nan_rows = torch.isnan(out).any(-1)
+    assert nan_rows[0, 1, 7] and int(nan_rows.sum()) == 1
+    want = sink_reference(q, k, v, sinks, causal=True)[0]
+    assert_matches(out, want, torch.float32, equal_nan=True)
+
+
+def test_sinks_merge_by_lse_counts_the_sink_once(gen):
+    """Split the keys in two, attend to each half and merge by lse (what split-KV decoding does): with the sink
+    in each half it is counted twice and the result is wrong; without it in the halves and added once in the
+    merge, the result is the full call's. The lse counts the sink: out = sum_j exp(s_j - lse) v_j."""
+    q, k, v = rand(1, 2, 1, 16, gen=gen), rand(1, 2, 64, 16, gen=gen), rand(1, 2, 64, 16, gen=gen)
+    sinks = rand(2, gen=gen, scale=3.0)
+    full = kernel_ladder.flash_attention(q, k, v, sinks=sinks)
+    halves = [(k[:, :, :32], v[:, :, :32]), (k[:, :, 32:], v[:, :, 32:])]
+
+    def merge(parts, extra_sink):
+        lses = torch.stack([lse for _, lse in parts] + ([sinks.view(1, 2, 1)] if extra_sink else []))
+        weights = torch.softmax(lses, 0)[: len(parts)]
+        return sum(w[..., None] * o for w, (o, _) in zip(weights, parts))
+
+    twice = merge([kernel_ladder.flash_attention(q, *h, sinks=sinks, return_lse=True) for h in halves], False)
+    once = merge([kernel_ladder.flash_attention(q, *h, return_lse=True) for h in halves], True)
+    assert_matches(once, full, torch.float32, slack=4, contiguous=False)
+    assert not torch.allclose(twice, full, rtol=1e-3, atol=1e-3)
+
+
+def test_sinks_backward_is_deterministic(gen):
+    """The sinks' gradient is a fixed-order sum of per-row terms: two runs give the same bits."""
+    q, k, v = rand(2, 4, 50, 16, gen=gen), rand(2, 2, 50, 16, gen=gen), rand(2, 2, 50, 16, gen=gen)
+    sinks = rand(4, gen=gen)
+    g = rand(2, 4, 50, 16, gen=gen)
+    runs = []
+    for _ in range(2):
+        leaves = [leaf(t) for t in (q, k, v, sinks)]
+        out = kernel_ladder.flash_attention(*leaves[:3], causal=True, sinks=leaves[3])
+        runs.append(torch.autograd.grad(out, leaves, g))
+    for first, second in zip(*runs):
+        assert torch.equal(first, second)
+
+
+def test_varlen_with_sinks_and_dv_matches_the_reference_per_sequence(gen):
+    """Packed sequences (lengths 0 and 1 included) with sinks and Dv != D: every sequence's rows equal the
+    reference on that sequence; the sinks' gradient sums over every sequence's rows."""
+    lengths_q, lengths_k = [5, 0, 1, 33, 17], [9, 3, 1, 40, 6]
+    hq, hkv, d, dv = 4, 2, 24, 16
+    q, cu_q = pack(lengths_q, hq, d, gen)
+    k, cu_k = pack(lengths_k, hkv, d, gen)
+    v = rand(k.shape[0], hkv, dv, gen=gen)
+    sinks = rand(hq, gen=gen, scale=2.0)
+    leaves = [leaf(t) for t in (q, k, v, sinks)]
+    out, lse = kernel_ladder.flash_attention_varlen(*leaves[:3], cu_q, cu_k, max(lengths_q), max(lengths_k),
+                                                    causal=True, return_lse=True, sinks=leaves[3])
+    assert out.shape == (q.shape[0], hq, dv)
+    g, gl = rand(*out.shape, gen=gen), rand(*lse.shape, gen=gen)
+    grads = torch.autograd.grad([out, lse], leaves, [g, gl])
+    exact = [t.detach().double().requires_grad_() for t in (q, k, v, sinks)]
+    outs, lses = [], []
+    for b in range(len(lengths_q)):
+        rq, rk = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        o, ls = sink_reference(*(t[r].transpose(0, 1)[None] for t, r in zip(exact[:3], (rq, rk, rk))), exact[3],
+                               causal=True)
+        outs.append(o[0].transpose(0, 1))
+        lses.append(ls[0])
+    want, want_lse = torch.cat(outs), torch.cat(lses, dim=1)
+    finite = torch.isfinite(want_lse)
+    want_grads = torch.autograd.grad([want, torch.where(finite, want_lse, 0.0)], exact,
+                                     [g.double(), torch.where(finite, gl.double(), 0.0)])
+    assert_matches(out, want, torch.float32)
+    assert_matches(torch.where(finite, lse, 0.0), torch.where(finite, want_lse, 0.0), torch.float32, what="lse")
+    for name, ours, theirs in zip(("dq", "dk", "dv", "dsinks"), grads, want_grads):
+        assert_matches(ours, theirs, torch.float32, what=name)
+
+
+def test_sinks_stay_float32_under_autocast(gen):
+    """Under autocast q, k, v go to bf16 (as SDPA's) but the sinks, per-head logits read in float32, are never
+    cast: their gradient comes back in float32."""
+    from kernel_ladder import _autocast  # noqa: PLC0415
+
+    for name in ("flash_attention", "flash_attention_varlen", "paged_attention"):
+        assert "sinks" not in _autocast._castable_args(name), name
+    q, k, v = rand(1, 2, 20, 16, gen=gen), rand(1, 1, 20, 16, gen=gen), rand(1, 1, 20, 16, gen=gen)
+    sinks = leaf(rand(2, gen=gen))
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        out = kernel_ladder.flash_attention(q, k, v, causal=True, sinks=sinks)
+    assert out.dtype == torch.bfloat16
+    low = [t.to(torch.bfloat16) for t in (q, k, v)]
+    assert_matches(out, sink_reference(*low, sinks.detach(), causal=True)[0], torch.bfloat16,
+                   lowp=sink_reference(*low, sinks.detach(), causal=True, dtype=torch.bfloat16)[0])
+    (dsinks,) = torch.autograd.grad(out.float().sum(), sinks)
+    assert dsinks.dtype == torch.float32
+
+
+def test_sinks_and_dv_opcheck(gen):
+    q, k, v = rand(1, 2, 5, 16, gen=gen), rand(1, 1, 7, 16, gen=gen), rand(1, 1, 7, 8, gen=gen)
+    sinks = rand(2, gen=gen)
+    torch.library.opcheck(torch.ops.kernel_ladder.flash_attention.default, (q, k, v, True, 0.25, 3, None, sinks))
+    qv, cu = pack([2, 0, 3], 2, 16, gen)
+    vv = rand(qv.shape[0], 1, 24, gen=gen)
+    torch.library.opcheck(torch.ops.kernel_ladder.flash_attention_varlen.default,
+                          (qv, qv[:, :1], vv, cu, cu, 3, 3, False, 0.25, None, None, sinks))
+
+
+@pytest.mark.parametrize("sinks, error, message", [
+    (torch.zeros(3), ValueError, r"^kernel_ladder\.flash_attention: sinks must have shape \(Hq,\) = \(4,\): one "
+                                 r"logit per query head, got \(3,\)"),
+    (torch.zeros(1, 4), ValueError, r"sinks must have shape \(Hq,\) = \(4,\).* got \(1, 4\)"),
+    (torch.zeros(4, dtype=torch.int32), TypeError, r"sinks must be a float tensor .* got torch\.int32"),
+    ([0.0] * 4, TypeError, r"sinks must be a torch\.Tensor, got list"),
+])
+def test_bad_sinks_errors(sinks, error, message):
+    with pytest.raises(error, match=message):
+        kernel_ladder.flash_attention(torch.zeros(2, 4, 5, 16), torch.zeros(2, 2, 7, 16), torch.zeros(2, 2, 7, 16),
+                                      sinks=sinks)
+
+
+def test_bad_dv_errors():
+    q, k = torch.zeros(1, 2, 5, 16), torch.zeros(1, 1, 7, 16)
+    with pytest.raises(ValueError, match=r"v's head dim Dv must be in \[1, 256\], got 320"):
+        kernel_ladder.flash_attention(q, k, torch.zeros(1, 1, 7, 320))
+    with pytest.raises(ValueError, match=r"k and v must have the same shape but for the head dim"):
+        kernel_ladder.flash_attention(q, k, torch.zeros(1, 1, 6, 8))
+    with pytest.raises(ValueError, match=r"^kernel_ladder\.flash_attention_varlen: sinks must have shape \(Hq,\)"):
+        qv, cu = torch.zeros(7, 2, 16), torch.tensor([0, 3, 7], dtype=torch.int32)
+        kernel_ladder.flash_attention_varlen(qv, qv, qv, cu, cu, 4, 4, sinks=torch.zeros(3))
+
+
 # ----------------------------------------------------------------------------- layouts
 
 
@@ -569,6 +820,12 @@ def test_gpu_configs_fit_every_head_dim():
             kept = prune(triton_configs, {"q_ptr": torch.empty(1, dtype=dtype)}, BLOCK_D=block_d, SOFTCAP=False)
             assert 1 <= len(kept) < len(triton_configs) or block_d == 64, (kind, dtype, block_d)
         assert len(prune(triton_configs, {"q_ptr": torch.empty(1)}, BLOCK_D=256, SOFTCAP=True)) == 1
+        # DeepSeek's MLA prefill: q/k 192 (a 256 tile), v 128: kept configs exist, and only those measured for it
+        assert any(attention.configs.fits(c, kind, 256, 2, shared_memory=smem, block_dv=128) for c in configs), kind
+    narrow = attention.configs.BACKWARD_DQ_GPU_CONFIGS[1]  # 128x32: fits 256/256, spills at 256/128 (sm_90)
+    assert (narrow.BLOCK_M, narrow.BLOCK_N) == (128, 32)
+    assert attention.configs.fits(narrow, "dq", 256, 2, shared_memory=smem)
+    assert not attention.configs.fits(narrow, "dq", 256, 2, shared_memory=smem, block_dv=128)
 
 
 def test_autotuned_launch_path_in_the_interpreter(gen, monkeypatch):
@@ -612,9 +869,9 @@ def _bad(**changes):
 @pytest.mark.parametrize("call, error, message", [
     (_bad(k=torch.zeros(2, 3, 7, 16), v=torch.zeros(2, 3, 7, 16)), ValueError,
      r"^kernel_ladder\.flash_attention: the query heads \(4\) must be a multiple of the key/value heads \(3\)"),
-    (_bad(q=torch.zeros(2, 4, 5, 8)), ValueError, r"q, k and v must share the head dim D .* got 8, 16 and 16"),
+    (_bad(q=torch.zeros(2, 4, 5, 8)), ValueError, r"q and k must share the head dim D .* got 8 and 16"),
     (_bad(q=torch.zeros(1, 1, 5, 320), k=torch.zeros(1, 1, 5, 320), v=torch.zeros(1, 1, 5, 320)), ValueError,
-     r"the head dim D must be in \[1, 256\], got 320"),
+     r"the head dim D of q and k must be in \[1, 256\], got 320"),
     (_bad(v=torch.zeros(2, 2, 7, 16, dtype=torch.float16)), TypeError, r"q and v must have the same dtype"),
     (_bad(q=torch.zeros(2, 4, 5, 16, dtype=torch.int64)), TypeError, r"q must be float32, float16 or bfloat16"),
     (_bad(q=torch.zeros(4, 5, 16)), ValueError, r"q must be 4-D \(B, Hq, Tq, D\), got shape \(4, 5, 16\)"),

@@ -34,7 +34,7 @@ def rand(*shape, gen, dtype=torch.float32, scale=1.0):
 
 
 def make_cache(seq_lens, heads_kv, d, block_size, gen, dtype=torch.float32, spare_blocks=3, extra_entries=2,
-               layout="contiguous"):
+               layout="contiguous", dv=None):
     """A paged cache holding ``seq_lens`` tokens per sequence in shuffled physical blocks.
 
     Returns ``(k_cache, v_cache, block_tables, seq_lens, scales)``; ``scales`` is ``(k_scale, v_scale)`` for
@@ -42,6 +42,7 @@ def make_cache(seq_lens, heads_kv, d, block_size, gen, dtype=torch.float32, spar
     past a sequence's blocks alternate -1 and an unused (NaN) block. ``layout``: ``contiguous``;
     ``interleaved`` (k and v are ``kv[:, 0]`` and ``kv[:, 1]`` of one ``(blocks, 2, bs, Hkv, D)`` tensor:
     non-contiguous in dim 0); ``heads_major`` (memory ``(blocks, Hkv, bs, D)`` seen as ``(blocks, bs, Hkv, D)``).
+    ``dv``: v's head dim when it differs from k's (contiguous layout).
     """
     used = [math.ceil(n / block_size) for n in seq_lens]
     max_blocks = max(used, default=0) + extra_entries
@@ -57,7 +58,7 @@ def make_cache(seq_lens, heads_kv, d, block_size, gen, dtype=torch.float32, spar
             if (e - n) % 2 == 1 and len(spare):
                 table[b, e] = int(spare[(b + e) % len(spare)])
     shape = (num_blocks, block_size, heads_kv, d)
-    values = [torch.randn(shape, generator=gen, dtype=torch.float64) for _ in range(2)]
+    values = [torch.randn(shape[:3] + (n,), generator=gen, dtype=torch.float64) for n in (d, dv or d)]
     for t in values:  # NaN wherever no sequence's token lives
         t[spare] = float("nan")
         for b, n in enumerate(seq_lens):
@@ -210,6 +211,123 @@ def test_packed_group_8_bf16_with_splits(gen):
     cache = make_cache(seq_lens, 1, 64, 32, gen, dtype=torch.bfloat16)
     cu = torch.tensor([0, 20, 37], dtype=torch.int32, device=DEVICE)
     check(rand(37, 8, 64, gen=gen, dtype=torch.bfloat16), cache, cu_seqlens_q=cu, num_splits=3)
+
+
+# ----------------------------------------------------------------------------- attention sinks, Dv != D
+
+
+def sink_paged_reference(q, k_cache, v_cache, block_tables, seq_lens, sinks, cu_seqlens_q=None, window=None,
+                         softcap=None):
+    """GPT-OSS's eager attention (the sink as one more logit column, softmax, the column dropped) per sequence over
+    the gathered cache, in float64: query ``i`` of a sequence at position ``seq_len - q_len + i`` sees keys up to
+    it (and inside the window). v may have its own head dim. A query that sees no key gives 0 (sink finite)."""
+    q = q.detach().cpu().double()
+    heads_q, d = q.shape[1], q.shape[2]
+    out = torch.zeros((*q.shape[:2], v_cache.shape[-1]), dtype=torch.float64)
+    sinks = sinks.detach().cpu().double()
+    for b, (k, v) in enumerate(pa.gather_kv(k_cache.cpu(), v_cache.cpu(), block_tables.cpu(), seq_lens.cpu())):
+        rows = slice(b, b + 1) if cu_seqlens_q is None else slice(int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]))
+        n, length = q[rows].shape[0], k.shape[0]
+        if n == 0:
+            continue
+        group = heads_q // k.shape[1]
+        k, v = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+        s = torch.einsum("thd,shd->hts", q[rows], k) / math.sqrt(d)
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
+        position = length - n + torch.arange(n)[:, None]
+        key = torch.arange(length)[None, :]
+        visible = (key <= position) & ((key > position - window) if window is not None else True)
+        s = s.masked_fill(~visible, float("-inf"))
+        combined = torch.cat([s, sinks.view(heads_q, 1, 1).expand(heads_q, n, 1)], -1)
+        combined = combined - combined.max(-1, keepdim=True).values
+        out[rows] = torch.einsum("hts,shd->thd", torch.softmax(combined, -1)[..., :-1], v)
+    return out
+
+
+SINK_DECODE_CASES = [  # (Hq, Hkv, D, Dv, block_size, seq_lens, num_splits)
+    (8, 2, 32, 32, 16, [1, 16, 40, 0], 1),  # GQA 4 (dot path); an empty sequence: only the sink, output 0
+    (8, 2, 32, 32, 16, [1, 16, 40, 0], 3),  # three splits: the sink counted once, in the merge
+    (2, 2, 24, 16, 8, [33, 5], 1),  # MHA (elementwise path), Dv != D
+    (4, 2, 12, 8, 8, [70, 3], 4),  # group 2, split, 12 / 8
+]
+
+
+@pytest.mark.parametrize("case", SINK_DECODE_CASES, ids=lambda c: f"H{c[0]}:{c[1]}D{c[2]}Dv{c[3]}S{c[6]}")
+def test_decode_with_sinks_and_dv_matches_gpt_oss_eager(case, gen):
+    hq, hkv, d, dv, block_size, seq_lens, splits = case
+    k, v, table, lens, _ = make_cache(seq_lens, hkv, d, block_size, gen, dv=dv)
+    q = rand(len(seq_lens), hq, d, gen=gen)
+    sinks = rand(hq, gen=gen, scale=2.0)
+    out = kernel_ladder.paged_attention(q, k, v, table, lens, num_splits=splits, sinks=sinks)
+    assert out.shape == (len(seq_lens), hq, dv)
+    assert_matches(out, sink_paged_reference(q, k, v, table, lens, sinks), torch.float32)
+    if 0 in seq_lens:
+        assert torch.equal(out[seq_lens.index(0)], torch.zeros_like(out[0]))
+
+
+@pytest.mark.parametrize("splits", [1, 2], ids=lambda s: f"S{s}")
+def test_chunked_prefill_with_sinks_window_and_dv(splits, gen):
+    """Packed queries (a full prefill, a chunk after cached tokens, a decode token) with sinks, a window and
+    Dv != D, split or not, and equal to kernel_ladder.flash_attention with the same sinks on the gathered K/V."""
+    seq_lens, q_lens = [40, 70, 5], [40, 9, 1]
+    k, v, table, lens, _ = make_cache(seq_lens, 2, 24, 16, gen, dv=16)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    q = rand(sum(q_lens), 4, 24, gen=gen)
+    sinks = rand(4, gen=gen, scale=2.0)
+    out = kernel_ladder.paged_attention(q, k, v, table, lens, cu_seqlens_q=cu, window=30, num_splits=splits,
+                                        sinks=sinks)
+    assert_matches(out, sink_paged_reference(q, k, v, table, lens, sinks, cu, window=30), torch.float32)
+    for b, (kb, vb) in enumerate(pa.gather_kv(k, v, table, lens)):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        dense = kernel_ladder.flash_attention(q[rows].transpose(0, 1)[None], kb.transpose(0, 1)[None],
+                                              vb.transpose(0, 1)[None], causal=True, window=30, sinks=sinks)
+        torch.testing.assert_close(out[rows], dense[0].transpose(0, 1), rtol=1e-5, atol=1e-6)
+
+
+def test_split_merge_counts_the_sink_exactly_once(gen):
+    """The same decode with 1, 2, 3 and 5 splits gives the same result: a sink counted in every split would
+    weigh S times (the reference tells 1 sink from 2: checked on the two-split sum)."""
+    k, v, table, lens, _ = make_cache([300, 130], 1, 16, 16, gen)
+    q = rand(2, 4, 16, gen=gen)
+    sinks = rand(4, gen=gen, scale=2.0) + 3.0  # a heavy sink: counting it twice would show
+    want = sink_paged_reference(q, k, v, table, lens, sinks)
+    for splits in (1, 2, 3, 5):
+        assert_matches(kernel_ladder.paged_attention(q, k, v, table, lens, num_splits=splits, sinks=sinks), want,
+                       torch.float32, what=f"{splits} splits")
+    twice = sink_paged_reference(q, k, v, table, lens, sinks + math.log(2.0))  # exp(s + log 2) = 2 exp(s)
+    assert not torch.allclose(twice, want, rtol=1e-3, atol=1e-3)
+
+
+def test_paged_minus_inf_sinks_are_no_sinks_and_huge_sinks_take_everything(gen):
+    k, v, table, lens, _ = make_cache([50, 9], 2, 16, 8, gen)
+    q = rand(2, 4, 16, gen=gen)
+    for splits in (1, 2):
+        plain = kernel_ladder.paged_attention(q, k, v, table, lens, num_splits=splits)
+        none = kernel_ladder.paged_attention(q, k, v, table, lens, num_splits=splits,
+                                             sinks=torch.full((4,), float("-inf"), device=DEVICE))
+        assert torch.equal(none, plain)
+        huge = kernel_ladder.paged_attention(q, k, v, table, lens, num_splits=splits,
+                                             sinks=torch.full((4,), 1e4, device=DEVICE))
+        assert torch.equal(huge, torch.zeros_like(huge))
+
+
+def test_paged_sinks_opcheck_and_errors(gen):
+    k, v, table, lens, _ = make_cache([9, 20], 1, 16, 8, gen, dv=8)
+    q = rand(2, 2, 16, gen=gen)
+    sinks = rand(2, gen=gen)
+    torch.library.opcheck(torch.ops.kernel_ladder.paged_attention.default,
+                          (q, k, v, table, lens, None, None, None, 0.25, None, None, 2, sinks))
+    base = dict(q=q, k_cache=k, v_cache=v, block_tables=table, seq_lens=lens)
+    for change, error, message in [
+        (dict(sinks=sinks[:1]), ValueError, r"sinks must have shape \(Hq,\) = \(2,\)"),
+        (dict(sinks=sinks.long()), TypeError, "sinks must be a float tensor"),
+        (dict(sinks=sinks.tolist()), TypeError, "sinks must be a torch.Tensor"),
+        (dict(v_cache=v[:, :, :, :0]), ValueError, r"v_cache's head dim Dv must be in \[1, 256\], got 0"),
+        (dict(v_cache=v[:4]), ValueError, "k_cache and v_cache must have the same shape but for the head dim"),
+    ]:
+        with pytest.raises(error, match=r"kernel_ladder\.paged_attention: .*" + message):
+            kernel_ladder.paged_attention(**{**base, **change})
 
 
 # ----------------------------------------------------------------------------- layouts

@@ -347,3 +347,61 @@ def test_a_draft_model_of_another_dtype_is_refused_at_construction(llama):
     with pytest.raises(TypeError, match=r"^kernel_ladder.models.Engine: draft_model's parameters must be the target's "
                                         r"dtype \(torch.float32\) and device \(cpu\), got torch.float16 on cpu"):
         Engine(model, num_blocks=8, draft_model=draft)
+
+
+# ----------------------------------------------------------------------------------------------
+# The layer protocol's cache: what each layer holds per token (CacheSpec)
+# ----------------------------------------------------------------------------------------------
+
+
+def test_the_engine_allocates_what_the_models_cache_spec_says(llama):
+    from kernel_ladder.serving import CacheSpec
+
+    _, model = llama
+    assert model.cache_spec() == [CacheSpec.kv(2, 8)] * 2  # Llama: K and V of (Hkv, D) in every layer
+    engine = Engine(model, num_blocks=4, block_size=8)
+    assert engine.cache.k.shape == engine.cache.v.shape == (2, 4, 8, 2, 8)
+    assert engine.cache.bytes_per_token() == 2 * 2 * (2 * 8) * 4  # layers x (K, V) x Hkv·D x fp32
+
+
+def test_a_latent_cache_holds_one_vector_per_token_and_copies_it_on_write():
+    from kernel_ladder.serving import CacheSpec, PagedKVCache
+
+    spec = CacheSpec.latent(kv_lora_rank=12, rope_dim=4)
+    cache = PagedKVCache(2, num_blocks=6, block_size=8, spec=spec, dtype=torch.float64)
+    assert cache.latent.shape == (2, 6, 8, 16) and cache.latent_cache(1).shape == (6, 8, 16)
+    assert cache.bytes_per_token() == 2 * 16 * 8 and spec.bytes_per_token(torch.bfloat16) == 32
+    with pytest.raises(KeyError, match=r"layer 0 holds \['latent'\] \(latent cache\), not 'k'"):
+        cache.k_cache(0)
+    with pytest.raises(AttributeError, match=r"\.k is the one 'k' tensor"):
+        _ = cache.k
+    cache.allocate("a", 0)
+    slots = cache.append_slots("a", 5)
+    for layer in range(2):  # what write_latent_cache would store: token t's vector is t + layer everywhere
+        flat = cache.latent_cache(layer).view(-1, 16)
+        flat[slots.long()] = (torch.arange(5, dtype=torch.float64) + layer)[:, None].expand(5, 16)
+    cache.fork("a", "b")
+    cache.append_slots("b", 1)  # writes into the shared block: b gets a copy of its first 5 slots
+    assert cache.block_table("a")[0] != cache.block_table("b")[0]
+    for layer in range(2):
+        (history,) = cache.gather("b", layer)
+        assert history.shape == (6, 16)
+        assert torch.equal(history[:5, 0], torch.arange(5, dtype=torch.float64) + layer)
+    cache.check_invariants()
+
+
+def test_layers_of_different_specs_get_their_own_tensors():
+    from kernel_ladder.serving import CacheSpec, PagedKVCache
+
+    specs = [CacheSpec.kv(2, 8), CacheSpec.kv(1, 16, v_head_dim=4), CacheSpec.kv(2, 8)]
+    cache = PagedKVCache(3, num_blocks=4, block_size=8, spec=specs)
+    assert [tuple(cache.k_cache(i).shape) for i in range(3)] == [(4, 8, 2, 8), (4, 8, 1, 16), (4, 8, 2, 8)]
+    assert tuple(cache.v_cache(1).shape) == (4, 8, 1, 4)
+    assert cache.k_cache(0).data_ptr() != cache.k_cache(2).data_ptr()
+    assert cache.bytes_per_token() == 4 * (2 * 2 * 8 + 16 + 4 + 2 * 2 * 8)
+    with pytest.raises(ValueError, match=r"spec must be a CacheSpec or a list of 3 \(one per layer\)"):
+        PagedKVCache(3, num_blocks=4, block_size=8, spec=specs[:2])
+    with pytest.raises(ValueError, match=r"give num_kv_heads and head_dim, or spec"):
+        PagedKVCache(3, num_blocks=4, block_size=8)
+    with pytest.raises(ValueError, match=r"CacheSpec.latent: rope_dim must be a positive int, got 0"):
+        CacheSpec.latent(8, 0)

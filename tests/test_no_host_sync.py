@@ -150,6 +150,20 @@ def _case_write_kv_cache():
                                  _int([0, 9, -1, 23], torch.int64))
 
 
+def _case_mla():
+    latent_cache = _r(4, 8, 24, grad=False)
+    tables, lens = _int([[0, 2], [3, 1]]), _int([9, 5])
+    kernel_ladder.mla_attention(_r(2, 3, 16, grad=False), _r(2, 3, 8, grad=False), latent_cache, tables, lens, 0.2, 16,
+                                num_splits=2)
+    kernel_ladder.mla_attention(_r(3, 3, 16, grad=False), _r(3, 3, 8, grad=False), latent_cache, tables, lens, 0.2, 16,
+                                _int([0, 2, 3]))
+
+
+def _case_write_latent_cache():
+    kernel_ladder.write_latent_cache(_r(4, 16, grad=False), _r(4, 8, grad=False), _r(3, 8, 24, grad=False),
+                                     _int([0, 9, -1, 23], torch.int64))
+
+
 def _case_moe():
     x, logits = _r(6, 16), _r(6, 4)
     _backward(kernel_ladder.moe(x, logits, _r(4, 32, 16), _r(4, 16, 16), top_k=2))
@@ -243,6 +257,7 @@ CASES: dict[str, Callable[[], None] | _Prepared] = {
     "linear": lambda: _backward(kernel_ladder.linear(_r(4, 16), _r(8, 16), _r(8), activation="gelu")),
     "log_softmax": lambda: _backward(kernel_ladder.log_softmax(_r(4, 8))),
     "matmul": _case_matmul,
+    "mla_attention": _case_mla,
     "moe_combine": _case_moe_permute_gather_combine,
     "moe_gate_up": _case_moe,
     "moe_gather": _case_moe_permute_gather_combine,
@@ -261,6 +276,7 @@ CASES: dict[str, Callable[[], None] | _Prepared] = {
                        _backward(kernel_ladder.swiglu(_r(4, 8), _r(4, 8), in_place_backward=True))),
     "topk_routing": _case_topk_routing,
     "write_kv_cache": _case_write_kv_cache,
+    "write_latent_cache": _case_write_latent_cache,
 }
 
 

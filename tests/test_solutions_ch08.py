@@ -697,3 +697,98 @@ def test_static_batching_counts_every_token():
     # batch 1: prefill 7 (sampling a token each), then the 3-token output's 2 more steps; batch 2 likewise
     assert steps == [7, 1, 1, 7, 1, 1, 1]
     assert sum(steps) == sum(p + o - 1 for p, o in requests)  # the last sampled token is never fed back
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 6: the absorbed decode's scores (DeepSeek-V3's MLA)
+# ----------------------------------------------------------------------------------------------
+
+
+def _w_uk(kv_b_weight, heads, nope, v_dim):
+    return kv_b_weight.view(heads, nope + v_dim, kv_b_weight.shape[1])[:, :nope]
+
+
+def scores_first_rows_as_w_uk(q_nope, q_pe, latent, kv_b_weight, nope, v_dim):
+    heads, rank = q_nope.shape[0], kv_b_weight.shape[1]
+    w_uk = kv_b_weight[: heads * nope].view(heads, nope, rank)  # the first H * nope rows: heads' blocks mixed up
+    scale = (nope + q_pe.shape[-1]) ** -0.5
+    return scale * (torch.einsum("hn,hnl->hl", q_nope, w_uk) @ latent[:, :rank].T + q_pe @ latent[:, rank:].T)
+
+
+def scores_without_rope(q_nope, q_pe, latent, kv_b_weight, nope, v_dim):
+    heads, rank = q_nope.shape[0], kv_b_weight.shape[1]
+    q_latent = torch.einsum("hn,hnl->hl", q_nope, _w_uk(kv_b_weight, heads, nope, v_dim))
+    return (nope + q_pe.shape[-1]) ** -0.5 * (q_latent @ latent[:, :rank].T)
+
+
+def scores_scaled_by_nope(q_nope, q_pe, latent, kv_b_weight, nope, v_dim):
+    return given.absorbed_scores(q_nope, q_pe, latent, kv_b_weight, nope, v_dim) * (
+        (nope + q_pe.shape[-1]) ** 0.5 / nope**0.5)
+
+
+def scores_scaled_by_rank(q_nope, q_pe, latent, kv_b_weight, nope, v_dim):
+    return given.absorbed_scores(q_nope, q_pe, latent, kv_b_weight, nope, v_dim) * (
+        (nope + q_pe.shape[-1]) ** 0.5 / kv_b_weight.shape[1] ** 0.5)
+
+
+def scores_with_the_row_parts_swapped(q_nope, q_pe, latent, kv_b_weight, nope, v_dim):
+    heads, rope = q_nope.shape[0], q_pe.shape[-1]
+    q_latent = torch.einsum("hn,hnl->hl", q_nope, _w_uk(kv_b_weight, heads, nope, v_dim))
+    return (nope + rope) ** -0.5 * (q_latent @ latent[:, rope:].T + q_pe @ latent[:, :rope].T)  # [k_pe | c]
+
+
+def scores_softmaxed(q_nope, q_pe, latent, kv_b_weight, nope, v_dim):
+    return torch.softmax(given.absorbed_scores(q_nope, q_pe, latent, kv_b_weight, nope, v_dim), -1)
+
+
+def scores_expanded(q_nope, q_pe, latent, kv_b_weight, nope, v_dim):
+    # the right values, the unabsorbed way: every cached c through kv_b_proj into per-head keys
+    return given.absorbed_scores_reference(q_nope, q_pe, latent, kv_b_weight, nope, v_dim)
+
+
+def check_absorbed(candidate):
+    return check("ch08_kv_cache.absorbed_scores", candidate, given.absorbed_scores_reference,
+                 given.absorbed_scores_cases, rules=given.absorbed_scores_rules(),
+                 diagnose=given.diagnose_absorbed_scores)
+
+
+def test_absorbed_scores_solution_solves():
+    verdict = check_absorbed(given.absorbed_scores)
+    assert verdict.solved and "rules kept: absorbed: no key expanded per cached token" in verdict.message, \
+        verdict.message
+
+
+def test_absorbed_scores_equal_transformers_deepseek_v3_scores():
+    """The reference is transformers' expansion: kv_b_proj(c).view(n, H, nope + v), keys = [k_nope | k_pe]."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
+
+    config = transformers.DeepseekV3Config(hidden_size=32, num_attention_heads=3, num_key_value_heads=3,
+                                           kv_lora_rank=20, q_lora_rank=None, qk_rope_head_dim=8,
+                                           qk_nope_head_dim=16, v_head_dim=12)
+    attention = DeepseekV3Attention(config, layer_idx=0).double()
+    gen = torch.Generator().manual_seed(3)
+    c, k_pe = torch.randn(1, 1, 9, 20, generator=gen, dtype=torch.float64), torch.randn(1, 1, 9, 8, generator=gen,
+                                                                                         dtype=torch.float64)
+    with torch.no_grad():
+        keys, _ = attention.expand_kv(c, k_pe)  # (1, H, n, nope + R)
+    q = torch.randn(3, 24, generator=gen, dtype=torch.float64)
+    want = torch.einsum("hd,hnd->hn", q, keys[0]) * attention.scaling
+    got = given.absorbed_scores(q[:, :16], q[:, 16:], torch.cat([c[0, 0], k_pe[0, 0]], -1),
+                                attention.kv_b_proj.weight.detach(), 16, 12)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(("wrong", "diagnosis"), [
+    (scores_first_rows_as_w_uk, "cause: W_UK is the first H · nope rows of kv_b_proj's weight"),
+    (scores_without_rope, "cause: the RoPE part is missing"),
+    (scores_scaled_by_nope, "cause: the scores are scaled by 1 / sqrt(qk_nope_head_dim"),
+    (scores_scaled_by_rank, "cause: the scores are scaled by 1 / sqrt(kv_lora_rank"),
+    (scores_with_the_row_parts_swapped, "cause: the cache row's two parts are swapped"),
+    (scores_softmaxed, "cause: the result is softmax(scores)"),
+    (scores_expanded, "broke a stated rule — the spec asks for the absorbed form (no key expanded per cached "
+                      "token): its matmuls did"),
+])
+def test_absorbed_scores_negative_controls(wrong, diagnosis):
+    verdict = check_absorbed(wrong)
+    assert rejected(verdict, diagnosis), verdict.message

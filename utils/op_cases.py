@@ -265,6 +265,23 @@ def _paged_attention(device, gen):
                                                         v_cache[:2].flatten(0, 1).transpose(0, 1)[None]))
 
 
+def _mla_attention(device, gen):
+    q_latent, q_rope = _randn(gen, device, 2, 4, 32), _randn(gen, device, 2, 4, 16)
+    cache = _randn(gen, device, 4, 8, 48)
+    tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=device)
+    seq_lens = torch.tensor([9, 16], dtype=torch.int32, device=device)
+    return Built(lambda: kernel_ladder.mla_attention(q_latent, q_rope, cache, tables, seq_lens, 0.2, 32), None, None)
+
+
+def _write_latent_cache(device, gen):
+    c_kv, k_rope = _randn(gen, device, 4, 32), _randn(gen, device, 4, 16)
+    cache = torch.zeros(4, 8, 48, device=device)
+    slots = torch.tensor([0, 3, 9, 20], dtype=torch.int64, device=device)
+    flat = cache.view(-1, 48)
+    return Built(lambda: kernel_ladder.write_latent_cache(c_kv, k_rope, cache, slots), None,
+                 lambda: flat.index_copy_(0, slots, torch.cat([c_kv, k_rope], 1)))
+
+
 def _write_kv_cache(device, gen):
     k, v = _randn(gen, device, 4, 2, 16), _randn(gen, device, 4, 2, 16)
     k_cache, v_cache = torch.zeros(4, 8, 2, 16, device=device), torch.zeros(4, 8, 2, 16, device=device)
@@ -374,6 +391,8 @@ def op_cases() -> list[OpCase]:
                _block_sparse_attention),
         OpCase("paged_attention", ("paged_attention",), (), _paged_attention),
         OpCase("write_kv_cache", ("write_kv_cache",), (), _write_kv_cache),
+        OpCase("mla_attention", ("mla_attention",), (), _mla_attention),
+        OpCase("write_latent_cache", ("write_latent_cache",), (), _write_latent_cache),
         OpCase("topk_routing", ("topk_routing",), ("topk_routing_backward",), _topk_routing),
         OpCase("moe_permute", ("moe_permute",), (), _moe_permute),
         OpCase("moe_gather", ("moe_gather",), ("moe_combine",), _moe_gather),

@@ -59,6 +59,7 @@ from .ops.matmul import (
     matmul_tiled,
     plan_matmul,
 )
+from .ops.mla import mla_attention, mla_attention_kernel, write_latent_cache, write_latent_cache_kernel
 from .ops.moe import moe
 from .ops.moe_permute import moe_combine, moe_gather, moe_permute
 from .ops.norm import column_sum_kernel, norm_launch_config
@@ -141,6 +142,8 @@ __all__ = [
     "bigbird_mask",
     "paged_attention",
     "write_kv_cache",
+    "mla_attention",
+    "write_latent_cache",
     "topk_routing",
     "moe",
     "moe_load_balancing_loss",
@@ -204,4 +207,6 @@ __all__ = [
     "paged_attention_kernel",
     "paged_attention_merge_kernel",
     "write_kv_cache_kernel",
+    "mla_attention_kernel",
+    "write_latent_cache_kernel",
 ]

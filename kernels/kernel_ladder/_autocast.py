@@ -96,15 +96,21 @@ TABLE: dict[str, Policy] = {
         LOWER, LOWER, "F.linear(x, dequantized weight)",
         "x and bias in the autocast dtype, as F.linear's; the int8/int4/fp8 data is not float compute and "
         "its scales belong to the encoding, so both stay", keep=("scales",)),
-    "flash_attention": Policy(LOWER, LOWER, "F.scaled_dot_product_attention", "two GEMMs per tile"),
+    "flash_attention": Policy(LOWER, LOWER, "F.scaled_dot_product_attention",
+                              "two GEMMs per tile; the sinks (per-head logits, read in float32) stay", keep=("sinks",)),
     "flash_attention_varlen": Policy(LOWER, LOWER, "F.scaled_dot_product_attention",
-                                     "two GEMMs per tile; cu_seqlens are int32 and stay"),
+                                     "two GEMMs per tile; cu_seqlens are int32 and stay; so do the sinks",
+                                     keep=("sinks",)),
     "block_sparse_attention": Policy(LOWER, LOWER, "F.scaled_dot_product_attention (masked)",
                                      "two GEMMs per allowed tile; the bool block mask stays"),
     "paged_attention": Policy(
         LOWER, LOWER, "F.scaled_dot_product_attention",
         "q and a float cache in the autocast dtype, as SDPA's; an fp8 cache is an encoding (not cast) and "
-        "its per-tensor scales stay float32", keep=("k_scale", "v_scale")),
+        "its per-tensor scales stay float32; the sinks (per-head logits, read in float32) stay",
+        keep=("k_scale", "v_scale", "sinks")),
+    "mla_attention": Policy(
+        LOWER, LOWER, "F.scaled_dot_product_attention (over the expanded latent cache)",
+        "q_latent, q_rope and the latent cache in the autocast dtype, as SDPA's inputs: two GEMMs per tile"),
     # reductions and norms: torch's policy per device
     "softmax": Policy(NONE, FP32, "F.softmax",
                       "exp and a row sum lose precision in 16 bits: torch runs softmax in float32 under CUDA "
@@ -129,7 +135,7 @@ TABLE: dict[str, Policy] = {
     "silu": Policy(NONE, NONE, "F.silu", "elementwise, one input: runs as given"),
     "dropout": Policy(NONE, NONE, "F.dropout", "elementwise, one input: runs as given"),
     "rope": Policy(PROMOTE, PROMOTE, "q * cos + rotate_half(q) * sin",
-                   "elementwise products: q, k, cos and sin promote to the widest"),
+                   "elementwise products: q, k, cos, sin (and QK-norm weights) promote to the widest"),
     "moe_gather": Policy(PROMOTE, PROMOTE, "x[permutation // top_k] (* weights)",
                          "a row gather (and weighting): elementwise, promotes"),
     "moe_combine": Policy(PROMOTE, PROMOTE, "index_add of y * weights",
@@ -145,6 +151,9 @@ TABLE: dict[str, Policy] = {
     "write_kv_cache": Policy(NONE, NONE, "cache.index_copy_(slot_mapping, k)",
                              "writes k and v into caches of a given dtype, converting on the store: the cache's "
                              "dtype decides, and a written (mutated) cache may never be cast"),
+    "write_latent_cache": Policy(NONE, NONE, "cache.index_copy_(slot_mapping, cat(c_kv, k_rope))",
+                                 "writes into a cache of a given dtype, converting on the store: the cache's dtype "
+                                 "decides, and a written (mutated) cache may never be cast"),
 }
 
 

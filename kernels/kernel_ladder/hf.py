@@ -5,7 +5,8 @@ Two libraries, two kinds of extension point:
 * **transformers' interfaces.** :func:`register` puts a ``"kernel_ladder"`` entry in
   ``AttentionInterface`` (:func:`attention`, running :func:`kernel_ladder.flash_attention`), the
   matching mask function in ``AttentionMaskInterface`` and the experts in ``ExpertsInterface``
-  (:func:`experts`, grouped GEMMs on ``MixtralExperts``' stacked weights). After it, any model that
+  (:func:`experts`, grouped GEMMs on the stacked weights of ``MixtralExperts``, ``Qwen3MoeExperts``,
+  ``DeepseekV3Experts`` and ``GptOssExperts``). After it, any model that
   dispatches through those interfaces runs on ``kernel_ladder`` when asked for by name::
 
       kernel_ladder.hf.register()
@@ -197,26 +198,27 @@ def _packed_plan(batch: int, tq: int, tk: int, kwargs: dict):
     return _cached_plan(position_ids, ("packed", batch, tq), make)
 
 
-def _varlen_attention(query, key, value, plan, causal: bool, scaling, window, softcap) -> torch.Tensor:
+def _varlen_attention(query, key, value, plan, causal: bool, scaling, window, softcap, sinks) -> torch.Tensor:
     """The planned sequences' tokens packed (flash-attention's unpadding), :func:`kernel_ladder.flash_attention_varlen`,
-    and put back: ``(B, Tq, H, D)``, 0 at the queries no sequence holds."""
+    and put back: ``(B, Tq, H, Dv)``, 0 at the queries no sequence holds."""
     index_q, index_k, cu_q, cu_k, max_q, max_k = plan
     batch, hq, tq, dim = query.shape
-    hkv, tk = key.shape[1], key.shape[2]
+    hkv, tk, dim_v = key.shape[1], key.shape[2], value.shape[-1]
     q = query.transpose(1, 2).reshape(batch * tq, hq, dim)
     k = key.transpose(1, 2).reshape(batch * tk, hkv, dim)
-    v = value.transpose(1, 2).reshape(batch * tk, hkv, dim)
+    v = value.transpose(1, 2).reshape(batch * tk, hkv, dim_v)
     if index_q is not None:
         q = q.index_select(0, index_q)
     if index_k is not None:
         k, v = k.index_select(0, index_k), v.index_select(0, index_k)
     if max_q == 0:
-        return query.new_zeros(batch, tq, hq, dim)
+        return query.new_zeros(batch, tq, hq, dim_v)
+    extra = {} if sinks is None else {"sinks": sinks}
     out = kernel_ladder.flash_attention_varlen(q, k, v, cu_q, cu_k, max_q, max(max_k, 1), causal=causal,
-                                               softmax_scale=scaling, window=window, softcap=softcap)
+                                               softmax_scale=scaling, window=window, softcap=softcap, **extra)
     if index_q is None:
-        return out.view(batch, tq, hq, dim)
-    return out.new_zeros(batch * tq, hq, dim).index_copy(0, index_q, out).view(batch, tq, hq, dim)
+        return out.view(batch, tq, hq, dim_v)
+    return out.new_zeros(batch * tq, hq, dim_v).index_copy(0, index_q, out).view(batch, tq, hq, dim_v)
 
 
 def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -224,11 +226,13 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
               **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' ``AttentionInterface`` entry running :func:`kernel_ladder.flash_attention`.
 
-    Takes what transformers' attention modules pass: ``query`` ``(B, H, Tq, D)``, ``key`` / ``value``
-    ``(B, Hkv, Tk, D)`` (a cache's keys included, K/V never repeated for GQA), ``scaling`` (None:
-    ``1/sqrt(D)``), and the keywords ``sliding_window``, ``softcap``, ``is_causal``, ``position_ids`` and
+    Takes what transformers' attention modules pass: ``query`` ``(B, H, Tq, D)``, ``key`` ``(B, Hkv, Tk, D)``,
+    ``value`` ``(B, Hkv, Tk, Dv)`` (a cache's keys included, K/V never repeated for GQA; ``Dv`` may differ from
+    ``D``: DeepSeek-V3's latent attention), ``scaling`` (None: ``1/sqrt(D)``), and the keywords
+    ``sliding_window``, ``softcap``, ``s_aux`` (GPT-OSS's per-head sink logits ``(H,)``, which join every
+    softmax's denominator: ``flash_attention(..., sinks=)``), ``is_causal``, ``position_ids`` and
     flash-attention's ``cu_seq_lens_q`` / ``cu_seq_lens_k`` where a model passes them (others are ignored).
-    Returns ``(out (B, Tq, H, D), None)``, like transformers' own functions (no attention weights).
+    Returns ``(out (B, Tq, H, Dv), None)``, like transformers' own functions (no attention weights).
 
     Causal unless ``is_causal=False`` or the module says ``is_causal = False``. ``attention_mask``:
 
@@ -259,6 +263,13 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
     if window is not None and not causal:
         raise ValueError(f"{_ATTENTION}: a sliding window ({window}) on a non-causal layer is not supported")
     softcap = kwargs.get("softcap")
+    sinks = kwargs.get("s_aux")
+    extra = {}
+    if sinks is not None:
+        if not _takes_sinks():
+            raise ValueError(f"{_ATTENTION}: s_aux (attention sinks) given, but this kernel_ladder.flash_attention "
+                             "has no sinks argument")
+        extra["sinks"] = sinks
     plan = None
     if attention_mask is not None and attention_mask.dim() == 2:
         plan = _padding_plan(attention_mask, batch, tq, tk, causal, window)
@@ -267,10 +278,16 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
     else:
         plan = _packed_plan(batch, tq, tk, kwargs)
     if plan is not None:
-        return _varlen_attention(query, key, value, plan, causal, scaling, window, softcap), None
+        return _varlen_attention(query, key, value, plan, causal, scaling, window, softcap, sinks), None
     out = kernel_ladder.flash_attention(query, key, value, causal=causal, softmax_scale=scaling, window=window,
-                                        softcap=softcap)
+                                        softcap=softcap, **extra)
     return out.transpose(1, 2), None
+
+
+def _takes_sinks() -> bool:
+    import inspect
+
+    return "sinks" in inspect.signature(kernel_ladder.flash_attention).parameters
 
 
 def _mask_function() -> Callable:
@@ -281,15 +298,45 @@ def _mask_function() -> Callable:
 
 
 def experts(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-    """transformers' ``ExpertsInterface`` entry for ``MixtralExperts``: the routed tokens through grouped GEMMs
-    (:mod:`kernel_ladder.ops.moe`) on the module's own stacked ``gate_up_proj`` / ``down_proj``."""
+    """transformers' ``ExpertsInterface`` entry: the routed tokens through grouped GEMMs
+    (:func:`kernel_ladder.ops.moe.experts_forward`) on the module's own stacked weights.
+
+    Two layouts, told by the flags transformers' ``use_experts_implementation`` puts on the module:
+
+    * ``[gate; up]`` concatenated ``gate_up_proj (E, 2F, H)``, ``down_proj (E, H, F)``, no biases, a SiLU gate
+      (``MixtralExperts``, ``Qwen3MoeExperts``, ``DeepseekV3Experts``);
+    * GPT-OSS's (``is_transposed``, ``has_bias``, gate and up interleaved): ``gate_up_proj (E, H, 2F)``,
+      ``down_proj (E, F, H)``, their biases, and the clamped SwiGLU ``(up + 1) * gate * sigmoid(alpha * gate)``
+      of ``gate.clamp(max=limit)`` and ``up.clamp(-limit, limit)`` (``activation="swiglu_oai"``).
+
+    Anything else (another activation, a layout or flag of neither kind) raises ``ValueError``.
+    """
+    op = "kernel_ladder.hf.experts"
+    weights = top_k_weights.to(hidden_states.dtype)
+    layout = (bool(getattr(self, "is_concatenated", True)), bool(getattr(self, "is_transposed", False)),
+              bool(getattr(self, "has_bias", False)), bool(getattr(self, "has_gate", True)),
+              bool(getattr(self, "has_post_expert_norm", False)))
+    if layout == (False, True, True, True, False):
+        if not all(hasattr(self, name) for name in ("alpha", "limit", "gate_up_proj_bias", "down_proj_bias")):
+            raise ValueError(f"{op}: {type(self).__name__} has GPT-OSS's layout (interleaved, transposed, with biases) "
+                             "but not its alpha, limit, gate_up_proj_bias and down_proj_bias")
+        return _experts_forward(hidden_states, top_k_index, weights, self.gate_up_proj, self.down_proj,
+                                activation="swiglu_oai", alpha=float(self.alpha), limit=float(self.limit),
+                                gate_up_bias=self.gate_up_proj_bias, down_bias=self.down_proj_bias,
+                                gate_up_layout="gpt_oss")
+    if layout != (True, False, False, True, False):
+        raise ValueError(f"{op}: {type(self).__name__}'s layout is not supported: is_concatenated, is_transposed, "
+                         f"has_bias, has_gate, has_post_expert_norm = {layout}; supported: (True, False, False, True, "
+                         "False) (Mixtral, Qwen3-MoE, DeepSeek-V3) and (False, True, True, True, False) (GPT-OSS)")
+    if getattr(self, "act_fn", None) is not None and type(self.act_fn).__name__ not in ("SiLU", "SiLUActivation"):
+        raise ValueError(f"{op}: only SiLU-gated experts are supported, got {type(self.act_fn).__name__}")
+    return _experts_forward(hidden_states, top_k_index, weights, self.gate_up_proj, self.down_proj)
+
+
+def _experts_forward(*args, **kwargs) -> torch.Tensor:
     from .ops.moe import experts_forward
 
-    if getattr(self, "act_fn", None) is not None and type(self.act_fn).__name__ not in ("SiLU", "SiLUActivation"):
-        raise ValueError(f"kernel_ladder.hf.experts: only SiLU-gated experts are supported, got "
-                         f"{type(self.act_fn).__name__}")
-    return experts_forward(hidden_states, top_k_index, top_k_weights.to(hidden_states.dtype), self.gate_up_proj,
-                           self.down_proj)
+    return experts_forward(*args, **kwargs)
 
 
 def register(name: str = NAME) -> dict[str, Callable]:

@@ -2,27 +2,30 @@
 64, 128 and 256 — every GPU tile configuration at every head dim up to its ``max_head_dim`` — with no
 register spills and the block products on tensor cores (Hopper's warp-group ``wgmma`` where a product
 has 64 rows or more); soft-capping (with a window) and fp32 (TF32 products) at each config's own
-limits for them; and the other switches (non-causal, varlen, int64 offsets) once at head dim 128.
+limits for them; the other switches (non-causal, varlen, int64 offsets) once at head dim 128; the
+attention sinks (GPT-OSS: head dim 64, with a window) and v's own head dim (DeepSeek-V3's MLA prefill:
+q/k 192, padded to a 256 tile, and v 128) at every config that the pruner keeps for them.
 Prints each variant's registers, spills and shared memory.
 
 Run by tests/test_kernels_compile_flash_attention.py in a compiled-mode child process (utils.aot.run_compiled).
 ``--quick`` (what ``make test`` runs) compiles one configuration per kernel at head dims 64 and 128, and
-the preprocess; ``KERNEL_LADDER_AOT_FULL=1`` runs everything.
+the preprocess, and the sinks and MLA-prefill specializations once per kernel;
+``KERNEL_LADDER_AOT_FULL=1`` runs everything.
 """
 
 import sys
 
 from kernel_ladder.ops.attention import backward, forward, problem
-from kernel_ladder.ops.attention.configs import _GPU_CONFIGS
+from kernel_ladder.ops.attention.configs import _GPU_CONFIGS, fits
 from utils.aot import compile_kernel, resource_usage
 
 FLOATS = {"sm_scale", "qk_scale", "softcap"}
-STATS = {"lse_ptr", "delta_ptr", "dlse_ptr"}
+STATS = {"lse_ptr", "delta_ptr", "dlse_ptr", "sinks_ptr", "dsink_ptr"}
 CU = {"cu_seqlens_q_ptr", "cu_seqlens_k_ptr", "check_ptr", "block_count_ptr", "block_index_ptr"}
 # Unit feature strides become constants (Triton's launcher specializes 1); strides and head dims of
 # real shapes are multiples of 16. Lengths, the group size and the window are runtime values.
 UNIT = {"stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_dod", "stride_dkd", "stride_dvd", "stride_dqd",
-        "stride_lm", "stride_gm", "stride_dm"}
+        "stride_lm", "stride_gm", "stride_dm", "stride_sink"}
 RUNTIME = {"seqlen_q", "seqlen_k", "group_size", "window", "n_rows", "n_heads", "BUCKET_Q", "BUCKET_K"}
 KERNELS = {"forward": forward.flash_attention_forward_kernel, "dkdv": backward.flash_attention_backward_dkdv_kernel,
            "dq": backward.flash_attention_backward_dq_kernel}
@@ -53,10 +56,15 @@ quick = "--quick" in sys.argv
 failures, rows = [], []
 
 
-def run(kind, dtype, head_dim, config, flags):
-    constexprs = {**flags, "BLOCK_D": head_dim, "BLOCK_M": config.BLOCK_M, "BLOCK_N": config.BLOCK_N}
-    what = (f"{kind:7s} {dtype} D={head_dim:3d} {str(config):16s} "
-            + " ".join(name.lower() for name, on in flags.items() if on is True))
+def run(kind, dtype, head_dim, config, flags, head_dim_v=None, sinks=False):
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    constexprs = {**flags, "BLOCK_D": head_dim, "BLOCK_DV": head_dim_v, "BLOCK_M": config.BLOCK_M,
+                  "BLOCK_N": config.BLOCK_N}
+    if kind == "forward":  # the sinks are the forward's switch (the backward reads lse as it is)
+        constexprs["HAS_SINKS"] = sinks
+    what = (f"{kind:7s} {dtype} D={head_dim:3d}" + (f"/{head_dim_v}" if head_dim_v != head_dim else "")
+            + f" {str(config):16s} " + " ".join(name.lower() for name, on in flags.items() if on is True)
+            + (" sinks" if sinks else ""))
     try:
         kernel = compile_one(KERNELS[kind], dtype, constexprs, config.num_warps, config.num_stages)
     except Exception as error:  # noqa: BLE001  (report every variant)
@@ -78,7 +86,24 @@ def run(kind, dtype, head_dim, config, flags):
         failures.append(f"{what}: the block products are not on tensor cores")
 
 
+def kept_for(kind, block_d, block_dv=None):
+    """The configs the pruner keeps for a 16-bit launch at head-dim tiles ``block_d``, ``block_dv`` (no soft-cap)."""
+    return [c for c in _GPU_CONFIGS[kind] if fits(c, kind, block_d, 2, shared_memory=227 * 1024, block_dv=block_dv)]
+
+
 for kind in ("forward", "dkdv", "dq"):
+    # DeepSeek-V3's MLA prefill: q/k 192 (a 256 tile), v 128 (every config kept for it: ptxas allocates the
+    # mixed tiles differently, see AttentionConfig.max_head_dim_narrow_v); GPT-OSS: sinks at head dim 64
+    for config in kept_for(kind, 256, 128)[:1] if quick else kept_for(kind, 256, 128):
+        run(kind, "bf16", 256, config, switches(), head_dim_v=128, sinks=kind == "forward")
+    if not quick:  # and each config at its own limit for a narrower v, v half as wide
+        for config in _GPU_CONFIGS[kind]:
+            limit = config.head_dim_limit(2, narrow_v=True)
+            if 64 <= limit < 256:
+                run(kind, "bf16", limit, config, switches(), head_dim_v=limit // 2)
+    if kind == "forward":
+        for config in kept_for(kind, 64)[:1] if quick else kept_for(kind, 64):
+            run(kind, "bf16", 64, config, switches(window=True), sinks=True)
     configs = _GPU_CONFIGS[kind]
     for head_dim in (64, 128) if quick else (64, 128, 256):  # bf16, causal: each config up to its limit
         kept = [c for c in configs if head_dim <= c.max_head_dim]
@@ -100,7 +125,8 @@ for kind in ("forward", "dkdv", "dq"):
 for dtype in ("bf16",) if quick else ("bf16", "fp32"):
     for index_64 in (False,) if quick else (False, True):
         compile_one(backward.flash_attention_backward_preprocess_kernel, dtype,
-                    {"HAS_DLSE": index_64, "INDEX_64": index_64, "BLOCK_M": 64, "BLOCK_D": 128}, num_warps=4)
+                    {"HAS_DLSE": index_64, "HAS_SINKS": not index_64, "INDEX_64": index_64, "BLOCK_M": 64,
+                     "BLOCK_D": 128}, num_warps=4)
 compile_one(problem.flash_attention_cu_seqlens_kernel, "bf16", {"BLOCK": 1024}, num_warps=4)
 print("\n".join(rows))
 print(f"{len(rows)} variants compiled")

@@ -47,6 +47,13 @@ writes ``o = 0`` and ``lse = -inf``: weight 0. :func:`plan_paged_attention` choo
 and the sequences are long (each split at least :data:`MIN_SPLIT_TOKENS` tokens). The partials'
 round trip is ``2 S Hq (D + 1) * 4`` bytes per query token, small against the K/V it splits.
 
+**Attention sinks (GPT-OSS) and ``Dv != D``.** ``sinks`` (one logit per query head) join each query's
+softmax denominator once: an unsplit program folds ``exp(sink - m)`` into its running sum after its last
+page (as :mod:`kernel_ladder.ops.attention.forward` does); with split-KV the splits leave it out and the
+merge adds it, ``out = sum_s exp(lse_s - M) o_s / (exp(sink - M) + sum_s exp(lse_s - M))`` with
+``M = max(sink, max_s lse_s)`` — a sink in every split would be counted ``S`` times. ``v_cache`` may have
+its own head dim ``Dv`` (DeepSeek-V3's MLA prefill, 192 and 128): the output is ``(rows, Hq, Dv)``.
+
 **fp8 caches.** ``torch.float8_e4m3fn`` caches with per-tensor float32 scales ``k_scale``, ``v_scale``
 (value = fp8 * scale): the codes are cast to q's dtype in registers (exact: e4m3 fits fp16 and bf16)
 and the scales folded in once — ``k_scale`` into the score scale, ``v_scale`` into the final
@@ -87,7 +94,7 @@ import triton.language as tl
 
 from .. import _autocast, _launch, runtime
 from .._launch import next_power_of_2
-from .._validate import FLOAT_DTYPES, check_attention_options, check_paged_caches, check_tensor, check_values
+from .._validate import FLOAT_DTYPES, check_attention_options, check_tensor, check_values
 from .._validate import is_int as _is_int
 from .cross_entropy import softcapped
 
@@ -145,24 +152,25 @@ def _find_sequence(cu_seqlens_q_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
 @triton.jit(do_not_specialize=["num_seqs", "group_size", "heads_per_program", "num_splits", "window", "num_rows",
                                "num_blocks", "max_blocks"])
 def paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,          # q, out (rows, Hq, D); caches (blocks, block_size, Hkv, D)
-    partial_out_ptr, partial_lse_ptr,                  # SPLIT: fp32 (splits, rows, Hq, D) and (splits, rows, Hq)
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,          # q (rows, Hq, D), out (rows, Hq, Dv); caches (.., Hkv, D/Dv)
+    partial_out_ptr, partial_lse_ptr,                  # SPLIT: fp32 (splits, rows, Hq, Dv) and (splits, rows, Hq)
     block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr,  # int32 (B, max_blocks), (B,), VARLEN: (B + 1,)
     k_scale_ptr, v_scale_ptr,                          # FP8: float32 scalars (else never read)
+    sinks_ptr, stride_sink,                            # HAS_SINKS and not SPLIT: (Hq,) logits (the merge adds them)
     stride_qt, stride_qh, stride_qd,                   # q as (rows, Hq, D): rows are B (decode) or total_q
     stride_kb, stride_ks, stride_kh, stride_kd,        # k_cache as (block, slot, Hkv, D)
-    stride_vb, stride_vs, stride_vh, stride_vd,        # v_cache as (block, slot, Hkv, D)
-    stride_ot, stride_oh, stride_od,                   # out as (rows, Hq, D)
-    stride_pos, stride_pot, stride_poh, stride_pod,    # partial_out as (split, rows, Hq, D)
+    stride_vb, stride_vs, stride_vh, stride_vd,        # v_cache as (block, slot, Hkv, Dv)
+    stride_ot, stride_oh, stride_od,                   # out as (rows, Hq, Dv)
+    stride_pos, stride_pot, stride_poh, stride_pod,    # partial_out as (split, rows, Hq, Dv)
     stride_pls, stride_plt, stride_plh,                # partial_lse as (split, rows, Hq)
     stride_btb, stride_btp, stride_sl,                 # block_tables as (B, max_blocks); seq_lens
-    num_seqs, head_dim, group_size, heads_per_program, num_splits,  # Hq // Hkv; query heads per program
+    num_seqs, head_dim, head_dim_v, group_size, heads_per_program, num_splits,  # D, Dv; Hq // Hkv; heads/program
     sm_scale, softcap, window,                         # sm_scale: of q k^T (before soft-capping)
     num_rows, num_blocks, max_blocks,                  # q's rows; the cache's blocks; block_tables' columns
     VARLEN: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, FP8: tl.constexpr,
     SPLIT: tl.constexpr, USE_DOT: tl.constexpr, INDEX_64: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, PAGES: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_P: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    HAS_SINKS: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGES: tl.constexpr, BLOCK_R: tl.constexpr,
+    GROUP_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """Attention of one tile of query rows (query heads x tokens of one KV head's group) over one split
     of its sequence's visible cache pages; grid ``(query programs, Hkv or Hq / heads_per_program, splits)``."""
@@ -201,7 +209,9 @@ def paged_attention_kernel(
             row_mask = row_mask & (q_row >= 0) & (q_row < num_rows)
         position = seq_len - q_len + tok  # each query row's position in its sequence
         offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
         d_mask = offs_d < head_dim
+        dv_mask = offs_dv < head_dim_v
         seq_row = seq
         if INDEX_64:
             q_row = q_row.to(tl.int64)
@@ -238,8 +248,8 @@ def paged_attention_kernel(
         slot = offs_n % BLOCK_SIZE
         table_row = block_tables_ptr + seq_row * stride_btb
         k_base = k_cache_ptr + kv_head * stride_kh + slot[:, None] * stride_ks + offs_d[None, :] * stride_kd
-        v_base = v_cache_ptr + kv_head * stride_vh + slot[:, None] * stride_vs + offs_d[None, :] * stride_vd
-        acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+        v_base = v_cache_ptr + kv_head * stride_vh + slot[:, None] * stride_vs + offs_dv[None, :] * stride_vd
+        acc = tl.zeros([BLOCK_R, BLOCK_DV], dtype=tl.float32)
         m_i = tl.full([BLOCK_R], _FLOAT_MIN, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
         for page0 in range(start_page, end_page, PAGES):
@@ -272,7 +282,8 @@ def paged_attention_kernel(
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_base + block_of_key[:, None] * stride_vb, mask=kv_mask, other=0.0)
+            v = tl.load(v_base + block_of_key[:, None] * stride_vb, mask=key_mask[:, None] & dv_mask[None, :],
+                        other=0.0)
             if FP8:
                 v = v.to(tl.float32).to(q_ptr.dtype.element_ty)
             if USE_DOT:
@@ -280,33 +291,44 @@ def paged_attention_kernel(
             else:
                 acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
             m_i = m_new
-        # A row that sees no key here has l = 0: output 0 and lse = -inf (weight 0 in the merge).
+        if HAS_SINKS and not SPLIT:  # the sink joins the denominator once (split: in the merge, once)
+            sink = tl.load(sinks_ptr + head * stride_sink, mask=g < heads_per_program, other=float("-inf"))
+            sink = sink.to(tl.float32) * _LOG2E
+            m_new = tl.maximum(m_i, sink)
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.exp2(sink - m_new)
+            acc = acc * alpha[:, None]
+            m_i = m_new
+        # A row that sees no key here (and no sink) has l = 0: output 0 and lse = -inf (weight 0 in the merge).
         empty = l_i == 0.0
         l_safe = tl.where(empty, 1.0, l_i)
         out = acc * (v_scale / l_safe)[:, None]
-        out_mask = row_mask[:, None] & d_mask[None, :]
+        out_mask = row_mask[:, None] & dv_mask[None, :]
         if SPLIT:
             tl.store(partial_out_ptr + split * stride_pos + q_row[:, None] * stride_pot + head[:, None] * stride_poh
-                     + offs_d[None, :] * stride_pod, out, mask=out_mask)
+                     + offs_dv[None, :] * stride_pod, out, mask=out_mask)
             lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * _LN2)
             tl.store(partial_lse_ptr + split * stride_pls + q_row * stride_plt + head * stride_plh, lse,
                      mask=row_mask)
         else:
-            tl.store(out_ptr + q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
+            tl.store(out_ptr + q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :] * stride_od,
                      out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
 def paged_attention_merge_kernel(
-    partial_out_ptr, partial_lse_ptr, out_ptr,         # fp32 partials in; out (rows, Hq, D) in q's dtype
-    stride_pos, stride_pot, stride_poh, stride_pod,    # partial_out as (split, rows, Hq, D)
+    partial_out_ptr, partial_lse_ptr, out_ptr,         # fp32 partials in; out (rows, Hq, Dv) in q's dtype
+    sinks_ptr, stride_sink,                            # HAS_SINKS: (Hq,) logits, counted here once
+    stride_pos, stride_pot, stride_poh, stride_pod,    # partial_out as (split, rows, Hq, Dv)
     stride_pls, stride_plt, stride_plh,                # partial_lse as (split, rows, Hq)
-    stride_ot, stride_oh, stride_od,                   # out as (rows, Hq, D)
-    num_heads, head_dim, num_splits,
-    INDEX_64: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    stride_ot, stride_oh, stride_od,                   # out as (rows, Hq, Dv)
+    num_heads, head_dim, num_splits,                   # head_dim: Dv
+    INDEX_64: tl.constexpr, HAS_SINKS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """Combine the splits of ``BLOCK_H`` heads of one query row by their lse; grid ``(rows, head blocks)``.
-    A row whose every split is empty (lse all ``-inf``) gets 0."""
+    A row whose every split is empty (lse all ``-inf``) gets 0. ``HAS_SINKS``: the sink joins the
+    denominator here, once — the splits leave it out (each split counting it would count it S times)."""
     row = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     splits = tl.arange(0, BLOCK_S)
@@ -319,9 +341,14 @@ def paged_attention_merge_kernel(
     lse = tl.load(partial_lse_ptr + splits[None, :] * stride_pls + row * stride_plt + heads[:, None] * stride_plh,
                   mask=hs_mask, other=float("-inf"))
     m = tl.max(lse, 1)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + heads * stride_sink, mask=heads < num_heads, other=float("-inf")).to(tl.float32)
+        m = tl.maximum(m, sink)
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2((lse - m[:, None]) * _LOG2E)  # -inf (an empty split) -> weight 0
     total = tl.sum(w, 1)
+    if HAS_SINKS:
+        total += tl.exp2((sink - m) * _LOG2E)
     total = tl.where(total == 0.0, 1.0, total)
     mask3 = hs_mask[:, :, None] & (offs_d < head_dim)[None, None, :]
     o = tl.load(partial_out_ptr + splits[None, :, None] * stride_pos + row * stride_pot
@@ -449,51 +476,58 @@ def _index_64(*tensors: torch.Tensor) -> bool:
 
 
 def _forward(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, k_scale, v_scale, out, softmax_scale,
-             window, softcap, num_splits, group_query_heads=True) -> None:
+             window, softcap, num_splits, group_query_heads=True, sinks=None) -> None:
     """Launch the attention kernel (and the merge when ``num_splits > 1``) into ``out``."""
     rows, heads_q, head_dim = q.shape
+    head_dim_v = v_cache.shape[-1]
     num_blocks, block_size, heads_kv, _ = k_cache.shape
     varlen = cu_seqlens_q is not None
     num_seqs = seq_lens.shape[0]
     if rows == 0 or heads_q == 0 or head_dim == 0:
         return
-    plan = _Launch(rows, num_seqs, heads_q, heads_kv, head_dim, block_size, group_query_heads, varlen)
+    # the tiles are sized by the wider of the q/k and v heads (Dv != D: DeepSeek's MLA prefill)
+    plan = _Launch(rows, num_seqs, heads_q, heads_kv, max(head_dim, head_dim_v), block_size, group_query_heads,
+                   varlen)
     config = _config()
     split = num_splits > 1
     if split:
-        partial_out = _launch.empty((num_splits, rows, heads_q, head_dim), torch.float32, q.device)
+        partial_out = _launch.empty((num_splits, rows, heads_q, head_dim_v), torch.float32, q.device)
         partial_lse = _launch.empty((num_splits, rows, heads_q), torch.float32, q.device)
     else:
         partial_out, partial_lse = out, out  # never touched
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     index_64 = _index_64(q, k_cache, v_cache, out, block_tables, *((partial_out,) if split else ()))
     block_d = max(16, next_power_of_2(head_dim))
+    block_dv = max(16, next_power_of_2(head_dim_v))
     dummy = seq_lens
+    sink_args = (dummy, 0) if sinks is None else (sinks, sinks.stride(0))
     pstrides = partial_out.stride() if split else (0, 0, 0, 0)
     lstrides = partial_lse.stride() if split else (0, 0, 0)
     grid = (plan.query_programs, plan.head_programs, num_splits)
     paged_attention_kernel[grid](
         q, k_cache, v_cache, out, partial_out, partial_lse,
         block_tables, seq_lens, cu_seqlens_q if varlen else dummy,
-        k_scale if fp8 else dummy, v_scale if fp8 else dummy,
+        k_scale if fp8 else dummy, v_scale if fp8 else dummy, *sink_args,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), *pstrides, *lstrides,
         block_tables.stride(0), block_tables.stride(1), seq_lens.stride(0),
-        num_seqs, head_dim, heads_q // heads_kv, plan.heads_per_program, num_splits,
+        num_seqs, head_dim, head_dim_v, heads_q // heads_kv, plan.heads_per_program, num_splits,
         float(softmax_scale), float(softcap or 1.0), int(window or 0),
         rows, num_blocks, block_tables.shape[1] if num_blocks else 0,  # an empty cache: every seq_len clamps to 0
         VARLEN=varlen, HAS_WINDOW=window is not None, SOFTCAP=softcap is not None, FP8=fp8, SPLIT=split,
         USE_DOT=plan.use_dot, INDEX_64=index_64, INPUT_PRECISION=_launch.dot_input_precision(q.dtype),
-        BLOCK_SIZE=block_size, PAGES=config.pages(block_size, head_dim), BLOCK_R=plan.block_rows,
-        GROUP_P=plan.group_p, BLOCK_D=block_d, num_warps=config.warps(block_size, head_dim),
+        HAS_SINKS=sinks is not None, BLOCK_SIZE=block_size, PAGES=config.pages(block_size, max(head_dim, head_dim_v)),
+        BLOCK_R=plan.block_rows, GROUP_P=plan.group_p, BLOCK_D=block_d, BLOCK_DV=block_dv,
+        num_warps=config.warps(block_size, max(head_dim, head_dim_v)),
         num_stages=config.num_stages,
     )
     if split:
         block_s = next_power_of_2(num_splits)
-        block_h = max(1, min(next_power_of_2(heads_q), 8192 // (block_s * block_d)))
+        block_h = max(1, min(next_power_of_2(heads_q), 8192 // (block_s * block_dv)))
         paged_attention_merge_kernel[(rows, triton.cdiv(heads_q, block_h))](
-            partial_out, partial_lse, out, *partial_out.stride(), *partial_lse.stride(), *out.stride(),
-            heads_q, head_dim, num_splits,
-            INDEX_64=index_64, BLOCK_H=block_h, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4,
+            partial_out, partial_lse, out, *sink_args, *partial_out.stride(), *partial_lse.stride(), *out.stride(),
+            heads_q, head_dim_v, num_splits,
+            INDEX_64=index_64, HAS_SINKS=sinks is not None, BLOCK_H=block_h, BLOCK_S=block_s, BLOCK_D=block_dv,
+            num_warps=4,
         )
 
 
@@ -503,8 +537,21 @@ def _forward(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, k_scale,
 
 
 
+def _check_caches(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """4-D ``(num_blocks, block_size, Hkv, D)`` and ``(..., Dv)`` caches of one dtype and the same blocks and heads."""
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dim() != 4:
+            raise ValueError(f"{op}: {name} must be 4-D (num_blocks, block_size, Hkv, D), got shape {tuple(t.shape)}"
+                             " (for one layer of a (layers, ...) cache, pass cache[layer])")
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ValueError(f"{op}: k_cache and v_cache must have the same shape but for the head dim (num_blocks, "
+                         f"block_size, Hkv), got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if k_cache.dtype != v_cache.dtype:
+        raise TypeError(f"{op}: k_cache and v_cache must have the same dtype, got {k_cache.dtype} and {v_cache.dtype}")
+
+
 def _check(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, window, softcap, cu_seqlens_q, num_splits,
-           k_scale, v_scale) -> None:
+           k_scale, v_scale, sinks=None) -> None:
     op = _OP
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables),
                     ("seq_lens", seq_lens)):
@@ -514,7 +561,7 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, window, s
     if q.dim() != 3:
         layout = "(total_q, Hq, D) with cu_seqlens_q" if cu_seqlens_q is not None else "(B, Hq, D) (decode)"
         raise ValueError(f"{op}: q must be 3-D {layout}, got shape {tuple(q.shape)}")
-    check_paged_caches(op, k_cache, v_cache)
+    _check_caches(op, k_cache, v_cache)
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     # Under autocast a float q and cache both go to the autocast dtype first (as SDPA's inputs): no mismatch.
     if not fp8 and k_cache.dtype != q.dtype and not _autocast.unifies(op, ("q", q), ("k_cache", k_cache)):
@@ -531,8 +578,9 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, window, s
     if q.shape[-1] != head_dim:
         raise ValueError(f"{op}: q and the caches must share the head dim D (the last dim), got {q.shape[-1]} and "
                          f"{head_dim}")
-    if not 1 <= head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"{op}: the head dim D must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
+    for what, d in (("the head dim D", head_dim), ("v_cache's head dim Dv", v_cache.shape[-1])):
+        if not 1 <= d <= MAX_HEAD_DIM:
+            raise ValueError(f"{op}: {what} must be in [1, {MAX_HEAD_DIM}], got {d}")
     heads_q = q.shape[1]
     if heads_kv == 0 or heads_q % heads_kv:
         raise ValueError(f"{op}: the query heads ({heads_q}) must be a multiple of the cache's key/value heads "
@@ -575,6 +623,16 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, window, s
         if scale.device != q.device:
             raise ValueError(f"{op}: q and {name} must be on the same device, got {q.device} and {scale.device}")
     check_attention_options(op, softmax_scale, window, softcap)
+    if sinks is not None:
+        check_tensor(op, "sinks", sinks)
+        if not sinks.dtype.is_floating_point or sinks.dtype.itemsize < 2:
+            raise TypeError(f"{op}: sinks must be a float tensor (float64, float32, float16 or bfloat16; read in "
+                            f"float32), got {sinks.dtype}")
+        if sinks.shape != (heads_q,):
+            raise ValueError(f"{op}: sinks must have shape (Hq,) = ({heads_q},): one logit per query head, got "
+                             f"{tuple(sinks.shape)}")
+        if sinks.device != q.device:
+            raise ValueError(f"{op}: q and sinks must be on the same device, got {q.device} and {sinks.device}")
     if num_splits is not None:
         if not _is_int(num_splits):
             raise TypeError(f"{op}: num_splits must be a positive int or None (chosen automatically), got "
@@ -640,23 +698,24 @@ def _paged_attention_op(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor | None, k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None, softmax_scale: float, window: int | None, softcap: float | None, num_splits: int,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     _check(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, window, softcap, cu_seqlens_q, num_splits,
-           k_scale, v_scale)
+           k_scale, v_scale, sinks)
     runtime.require_launchable(_OP, q, k_cache, v_cache, block_tables, seq_lens)
     _check_values(q, block_tables, seq_lens, cu_seqlens_q, k_cache.shape[1], k_cache.shape[0])
-    out = _launch.empty_output(q.shape, q)
+    out = _launch.empty_output((*q.shape[:2], v_cache.shape[-1]), q)
     _forward(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, k_scale, v_scale, out, softmax_scale,
-             window, softcap, num_splits)
+             window, softcap, num_splits, sinks=sinks)
     return out
 
 
 @_paged_attention_op.register_fake
 def _paged_attention_fake(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, k_scale, v_scale,
-                          softmax_scale, window, softcap, num_splits):
+                          softmax_scale, window, softcap, num_splits, sinks=None):
     _check(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, window, softcap, cu_seqlens_q, num_splits,
-           k_scale, v_scale)
-    return _launch.empty_output(q.shape, q)
+           k_scale, v_scale, sinks)
+    return _launch.empty_output((*q.shape[:2], v_cache.shape[-1]), q)
 
 
 def _no_backward(ctx, grad_out):
@@ -676,13 +735,14 @@ _paged_attention_op.register_autograd(_no_backward, setup_context=_setup_context
 # ----------------------------------------------------------------------------------------------
 
 
-def _resolve_splits(q, k_cache, block_tables, cu_seqlens_q, num_splits) -> int:
+def _resolve_splits(q, k_cache, v_cache, block_tables, cu_seqlens_q, num_splits) -> int:
     if num_splits is not None:
         return int(num_splits)
     block_size, heads_kv = k_cache.shape[1], k_cache.shape[2]
     programs = block_tables.shape[0]
     if cu_seqlens_q is not None:
-        plan = _Launch(q.shape[0], block_tables.shape[0], q.shape[1], heads_kv, q.shape[2], block_size, True, True)
+        plan = _Launch(q.shape[0], block_tables.shape[0], q.shape[1], heads_kv, max(q.shape[2], v_cache.shape[3]),
+                       block_size, True, True)
         programs = plan.query_programs
     return plan_paged_attention(programs, heads_kv, block_tables.shape[1] * block_size, block_size, q.device)
 
@@ -700,6 +760,8 @@ def paged_attention(
     num_splits: int | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    *,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of new query tokens over a paged KV cache (decode, or chunked prefill with ``cu_seqlens_q``).
 
@@ -709,12 +771,13 @@ def paged_attention(
         q: float32, float16 or bfloat16 queries, any strides. Decode (no ``cu_seqlens_q``): ``(B, Hq, D)``,
             one new token per sequence at position ``seq_lens[b] - 1``. With ``cu_seqlens_q``:
             ``(total_q, Hq, D)``, the newest ``q_len_b`` tokens of each sequence packed.
-        k_cache, v_cache: ``(num_blocks, block_size, Hkv, D)``, any strides (e.g. one layer's slice of
-            a ``(layers, num_blocks, ...)`` tensor); ``block_size`` a power of two from 8 to 128; ``Hq``
-            a multiple of ``Hkv`` (GQA/MQA); q's dtype, or ``torch.float8_e4m3fn`` with ``k_scale``/``v_scale``.
+        k_cache, v_cache: ``(num_blocks, block_size, Hkv, D)`` and ``(..., Hkv, Dv)``, any strides (e.g. one
+            layer's slice of a ``(layers, num_blocks, ...)`` tensor); ``block_size`` a power of two from 8 to
+            128; ``Hq`` a multiple of ``Hkv`` (GQA/MQA); q's dtype, or ``torch.float8_e4m3fn`` with
+            ``k_scale``/``v_scale``.
             Under ``torch.autocast`` q and a float cache go to the autocast dtype first (as SDPA's inputs):
             an fp32 q over a bf16 cache runs in bf16, the cache uncopied.
-            ``D`` any value up to 256.
+            ``D`` and ``Dv`` any values up to 256 (``Dv != D``: DeepSeek-V3's MLA prefill, 192 and 128).
         block_tables: int32 ``(B, max_blocks)``: sequence ``b``'s token ``j`` is in physical block
             ``block_tables[b, j // block_size]``, slot ``j % block_size``. Entries past
             ``cdiv(seq_lens[b], block_size)`` are never read; the others must be in ``[0, num_blocks)``
@@ -733,19 +796,22 @@ def paged_attention(
             ranges, run by separate programs and merged by their log-sum-exp; ``1``: no split and no
             merge launch; ``None``: :func:`plan_paged_attention` chooses.
         k_scale, v_scale: float32 one-element tensors, for float8_e4m3fn caches only (value = fp8 * scale).
+        sinks: GPT-OSS's attention sinks, ``(Hq,)`` of any float dtype (read in float32): a per-head logit in
+            every query's softmax denominator and nothing else (see :func:`kernel_ladder.flash_attention`);
+            counted once per query, also with split-KV (the merge adds it, not each split).
 
     Returns:
-        A new contiguous tensor of q's shape and dtype (float32 accumulation).
+        A new contiguous ``(rows, Hq, Dv)`` tensor of q's dtype (float32 accumulation).
 
     Forward only: the op has no autograd formula (a backward through it raises ``NotImplementedError``).
     """
     _check(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, window, softcap, cu_seqlens_q, num_splits,
-           k_scale, v_scale)
+           k_scale, v_scale, sinks)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    splits = _resolve_splits(q, k_cache, block_tables, cu_seqlens_q, num_splits)
+    splits = _resolve_splits(q, k_cache, v_cache, block_tables, cu_seqlens_q, num_splits)
     return _paged_attention_op(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, k_scale, v_scale, scale,
                                None if window is None else int(window), None if softcap is None else float(softcap),
-                               splits)
+                               splits, sinks)
 
 
 def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -17,8 +17,10 @@ From the bottom up, each layer usable alone:
   the rest of a token budget with chunks of prompts (chunked prefill), and preempts the newest
   sequence when the cache is full. Its :class:`SchedulerOutput` holds exactly the tensors a model
   step needs.
-* :mod:`~kernel_ladder.serving.forward` — the model step: a
-  :class:`~kernel_ladder.models.CausalLM` on one packed step over the cache.
+* :mod:`~kernel_ladder.serving.forward` — the model step: a model of the layer protocol
+  (:class:`~kernel_ladder.models.protocol.DecoderLM`, e.g. :class:`~kernel_ladder.models.CausalLM`) on one
+  packed step over the cache; :class:`~kernel_ladder.serving.paged_cache.CacheSpec` is what each of its layers
+  caches per token (K and V, or MLA's latent vector).
 * :mod:`~kernel_ladder.serving.sampling` — greedy, temperature and nucleus sampling.
 * :mod:`~kernel_ladder.serving.speculative` — speculative decoding: a draft model or prompt
   lookup proposes, the target verifies (the rule that keeps its distribution exact).
@@ -57,12 +59,13 @@ over them can be captured in a CUDA graph with its inputs copied into static buf
 
 from .block_pool import BlockAllocator, BlockKey, KVCacheOutOfBlocks, block_key
 from .engine import Engine, EngineStats
-from .paged_cache import PagedKVCache
+from .paged_cache import CacheSpec, PagedKVCache
 from .scheduler import Request, Scheduler, SchedulerOutput
 
 __all__ = [
     "BlockAllocator",
     "BlockKey",
+    "CacheSpec",
     "Engine",
     "EngineStats",
     "KVCacheOutOfBlocks",

@@ -1,16 +1,19 @@
 """Generation with continuous batching over a paged KV cache: :class:`Engine`.
 
-The engine puts chapter 08's serving loop to work on a :class:`~kernel_ladder.models.CausalLM`:
+The engine puts chapter 08's serving loop to work on a :class:`~kernel_ladder.models.CausalLM` (or any
+model of the layer protocol, :class:`~kernel_ladder.models.protocol.DecoderLM`):
 
 * :class:`~kernel_ladder.serving.scheduler.Scheduler` decides each step's work — decodes first,
   then prefill chunks under a token budget (chunked prefill), new requests admitted as others
   finish (continuous batching), preemption by recomputation when the cache is full — and hands
   over the packed step: token ids, positions, the cache slots they go to, block tables, sequence
   lengths.
-* :class:`~kernel_ladder.serving.paged_cache.PagedKVCache` holds every layer's K and V in blocks; a
+* :class:`~kernel_ladder.serving.paged_cache.PagedKVCache` holds what every layer caches in blocks (K and V,
+  or MLA's latent vector: the model's ``cache_spec()``); a
   block filled with a prompt prefix another request already computed is shared (prefix caching:
   its tokens are not recomputed).
-* :func:`~kernel_ladder.serving.forward.packed_forward` runs the model on the packed step.
+* :func:`~kernel_ladder.serving.forward.packed_forward` runs the model on the packed step through its
+  layers' ``forward_paged``.
 * :mod:`~kernel_ladder.serving.sampling` picks the tokens; :mod:`~kernel_ladder.serving.speculative`
   replaces the loop with draft-and-verify when the engine has a draft.
 
@@ -29,13 +32,13 @@ import torch
 from ..ops.paged_attention import BLOCK_SIZES, MAX_HEAD_DIM
 from .block_pool import check_cache_salt
 from .forward import packed_forward
-from .paged_cache import PagedKVCache
+from .paged_cache import CacheSpec, PagedKVCache
 from .sampling import distribution, sample
 from .scheduler import Scheduler, SchedulerOutput
 from .speculative import Speculator, verify
 
 if TYPE_CHECKING:
-    from ..models.causal_lm import CausalLM
+    from ..models.protocol import DecoderLM
 
 __all__ = ["Engine", "EngineStats"]
 
@@ -82,16 +85,26 @@ def _check_positive_int(name: str, value: object, also: str = "") -> None:
         raise ValueError(f"{_OP}: {name} must be a positive int{also}, got {value}")
 
 
-def _check_model(model: CausalLM, name: str) -> torch.nn.Parameter:
+def _check_model(model: DecoderLM, name: str) -> torch.nn.Parameter:
     """One of the model's parameters (its dtype and device are the cache's), once the paged step can run it."""
     param = next(model.parameters())
     if param.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"{_OP}: {name}'s parameters must be float32, float16 or bfloat16 (the paged attention's "
                         f"dtypes), got {param.dtype}")
-    if not 1 <= model.config.head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"{_OP}: {name}'s head dim must be in [1, {MAX_HEAD_DIM}] (what "
-                         f"kernel_ladder.paged_attention supports), got {model.config.head_dim}")
+    for spec in _cache_specs(model, name):
+        if spec.kind == "kv" and not max(spec.head_dim, spec.v_head_dim) <= MAX_HEAD_DIM:
+            raise ValueError(f"{_OP}: {name}'s head dim must be in [1, {MAX_HEAD_DIM}] (what "
+                             f"kernel_ladder.paged_attention supports), got {max(spec.head_dim, spec.v_head_dim)}")
     return param
+
+
+def _cache_specs(model: DecoderLM, name: str) -> list[CacheSpec]:
+    specs = model.cache_spec()
+    specs = [specs] * model.config.num_hidden_layers if isinstance(specs, CacheSpec) else list(specs)
+    if len(specs) != model.config.num_hidden_layers or not all(isinstance(s, CacheSpec) for s in specs):
+        raise TypeError(f"{_OP}: {name}.cache_spec() must give a CacheSpec per layer "
+                        f"({model.config.num_hidden_layers}), got {specs!r}")
+    return specs
 
 
 class Engine:
@@ -112,15 +125,16 @@ class Engine:
     another (no batching); :attr:`stats` counts the acceptance.
     """
 
-    def __init__(self, model: CausalLM, num_blocks: int, block_size: int = 16, max_batch_size: int | None = None,
-                 max_tokens_per_step: int = 256, draft_model: CausalLM | str | None = None,
+    def __init__(self, model: DecoderLM, num_blocks: int, block_size: int = 16, max_batch_size: int | None = None,
+                 max_tokens_per_step: int = 256, draft_model: DecoderLM | str | None = None,
                  num_speculative_tokens: int = 4, lookup_ngram: int = 3) -> None:
-        from ..models.causal_lm import CausalLM  # here: kernel_ladder.models imports this module
+        from ..models.protocol import DecoderLM  # here: kernel_ladder.models imports this module
 
         # Every argument is checked here, before the caches are allocated: not at the first generate.
-        if not isinstance(model, CausalLM):
+        if not isinstance(model, DecoderLM):
             raise TypeError(f"{_OP}: model must be a kernel_ladder.models.CausalLM (CausalLM.from_hf converts a "
-                            f"transformers model), got {type(model).__name__}")
+                            f"transformers model) or another kernel_ladder.models.protocol.DecoderLM, got "
+                            f"{type(model).__name__}")
         param = _check_model(model, "model")
         _check_positive_int("num_blocks", num_blocks)
         _check_int("block_size", block_size)
@@ -133,10 +147,10 @@ class Engine:
         if max_batch_size is not None:
             _check_positive_int("max_batch_size", max_batch_size, " or None")
         _check_positive_int("max_tokens_per_step", max_tokens_per_step)
-        if draft_model is not None and not isinstance(draft_model, CausalLM) and draft_model != "prompt_lookup":
+        if draft_model is not None and not isinstance(draft_model, DecoderLM) and draft_model != "prompt_lookup":
             raise ValueError(f"{_OP}: draft_model must be a kernel_ladder.models.CausalLM, 'prompt_lookup' or None, "
                              f"got {draft_model!r}")
-        if isinstance(draft_model, CausalLM):
+        if isinstance(draft_model, DecoderLM):
             if draft_model.config.vocab_size != model.config.vocab_size:
                 raise ValueError(f"{_OP}: the draft model's vocabulary ({draft_model.config.vocab_size}) must be "
                                  f"the target's ({model.config.vocab_size})")
@@ -151,16 +165,16 @@ class Engine:
         self.model, self.config = model, c
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.cache = PagedKVCache(c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim,
-                                  dtype=param.dtype, device=param.device)
+        self.cache = PagedKVCache(c.num_hidden_layers, num_blocks, block_size, dtype=param.dtype,
+                                  device=param.device, spec=_cache_specs(model, "model"))
         self.max_batch_size = num_blocks if max_batch_size is None else max_batch_size
         self.max_tokens_per_step = max_tokens_per_step
         self.stats = EngineStats()
         self.draft_model, self.draft_cache = draft_model, None
-        if isinstance(draft_model, CausalLM):
-            d = draft_model.config
-            self.draft_cache = PagedKVCache(d.num_hidden_layers, num_blocks, block_size, d.num_key_value_heads,
-                                            d.head_dim, dtype=param.dtype, device=param.device)
+        if isinstance(draft_model, DecoderLM):
+            self.draft_cache = PagedKVCache(draft_model.config.num_hidden_layers, num_blocks, block_size,
+                                            dtype=param.dtype, device=param.device,
+                                            spec=_cache_specs(draft_model, "draft_model"))
         self.num_speculative_tokens, self.lookup_ngram = num_speculative_tokens, lookup_ngram
         self._speculator = None if draft_model is None else Speculator(
             model, self.cache, draft_model, self.draft_cache, num_speculative_tokens, lookup_ngram)

@@ -1,4 +1,5 @@
-"""The paged KV cache: every layer's K and V in blocks, and each sequence's block table and length.
+"""The paged KV cache: every layer's K and V (or latent vector) in blocks, and each sequence's block table
+and length.
 
 :class:`PagedKVCache` hands out **slots** (``block * block_size + offset``) for a sequence's next
 tokens — the ``slot_mapping`` that :func:`kernel_ladder.write_kv_cache` writes through —
@@ -6,10 +7,18 @@ allocating blocks from its :class:`~kernel_ladder.serving.block_pool.BlockAlloca
 sequence grows, sharing blocks between forked sequences (copy-on-write) and between prompts with a
 common prefix (prefix caching), and builds the ``block_tables`` and ``seq_lens`` that
 :func:`kernel_ladder.paged_attention` reads.
+
+What a layer stores per token is its :class:`CacheSpec`: K ``(Hkv, D)`` and V ``(Hkv, Dv)`` (multi-head,
+grouped-query and multi-query attention), or one latent vector of ``kv_lora_rank + rope_dim`` features
+shared by every head (DeepSeek's multi-head latent attention, written by ``kernel_ladder.write_latent_cache``
+and read by ``kernel_ladder.mla_attention``). A model says what each of its layers holds
+(``model.cache_spec()``); the cache allocates one tensor per kind of layer, and every block operation
+(copy-on-write, gather) moves all of them.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -17,7 +26,7 @@ import torch
 
 from .block_pool import BlockAllocator, BlockKey, KVCacheOutOfBlocks, block_key, check_cache_salt, check_token_ids
 
-__all__ = ["PagedKVCache"]
+__all__ = ["CacheSpec", "PagedKVCache"]
 
 _OP = "kernel_ladder.serving.PagedKVCache"
 
@@ -33,50 +42,180 @@ class _Sequence:
     cache_salt: bytes | None = None  # part of every key: sequences of different salts share no block
 
 
+def _check_size(op: str, name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{op}: {name} must be a positive int, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """What one layer's cache holds per token: build it with :meth:`kv` or :meth:`latent`.
+
+    * ``kind="kv"``: a key ``(num_kv_heads, head_dim)`` and a value ``(num_kv_heads, v_head_dim)``
+      (``v_head_dim`` defaults to ``head_dim``), the tensors :func:`kernel_ladder.write_kv_cache` writes.
+    * ``kind="latent"``: one vector of ``kv_lora_rank + rope_dim`` features per token for all heads:
+      the normalized compressed KV then the rotated shared RoPE key (DeepSeek-V2/V3's MLA).
+    """
+
+    kind: str
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    v_head_dim: int = 0
+    kv_lora_rank: int = 0
+    rope_dim: int = 0
+
+    @classmethod
+    def kv(cls, num_kv_heads: int, head_dim: int, v_head_dim: int | None = None) -> CacheSpec:
+        """K ``(num_kv_heads, head_dim)`` and V ``(num_kv_heads, v_head_dim or head_dim)`` per token."""
+        op = f"{_OP.rsplit('.', 1)[0]}.CacheSpec.kv"
+        v_head_dim = head_dim if v_head_dim is None else v_head_dim
+        for name, value in (("num_kv_heads", num_kv_heads), ("head_dim", head_dim), ("v_head_dim", v_head_dim)):
+            _check_size(op, name, value)
+        return cls("kv", num_kv_heads=num_kv_heads, head_dim=head_dim, v_head_dim=v_head_dim)
+
+    @classmethod
+    def latent(cls, kv_lora_rank: int, rope_dim: int) -> CacheSpec:
+        """One ``(kv_lora_rank + rope_dim,)`` vector per token, shared by every head (MLA)."""
+        op = f"{_OP.rsplit('.', 1)[0]}.CacheSpec.latent"
+        _check_size(op, "kv_lora_rank", kv_lora_rank)
+        _check_size(op, "rope_dim", rope_dim)
+        return cls("latent", kv_lora_rank=kv_lora_rank, rope_dim=rope_dim)
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """The per-token shape of each tensor the layer keeps: ``{"k": …, "v": …}`` or ``{"latent": …}``."""
+        if self.kind == "latent":
+            return {"latent": (self.kv_lora_rank + self.rope_dim,)}
+        return {"k": (self.num_kv_heads, self.head_dim), "v": (self.num_kv_heads, self.v_head_dim)}
+
+    def elements_per_token(self) -> int:
+        """Cached numbers per token in one layer."""
+        return sum(math.prod(shape) for shape in self.shapes().values())
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Cache bytes per token in one layer at ``dtype``."""
+        return self.elements_per_token() * torch.empty((), dtype=dtype).element_size()
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
 class PagedKVCache:
-    """The K and V caches of every layer, split into blocks, and each sequence's blocks and length.
+    """The caches of every layer, split into blocks, and each sequence's blocks and length.
 
-    ``k`` and ``v`` are each one ``(num_layers, num_blocks, block_size, num_kv_heads, head_dim)``
-    tensor; :meth:`k_cache` / :meth:`v_cache` give one layer's ``(num_blocks, block_size, Hkv, D)``
-    view, what :func:`kernel_ladder.write_kv_cache` and paged attention take. A sequence's token at
-    position ``p`` lives at slot ``block_table[p // block_size] * block_size + p % block_size``.
+    Built with ``num_kv_heads`` and ``head_dim`` (every layer a K and a V of ``(Hkv, D)``) or with
+    ``spec`` (a :class:`CacheSpec` for every layer, or a list of one per layer). Layers of the same
+    spec share one tensor ``(num_layers_of_that_spec, num_blocks, block_size, *per_token_shape)``; when
+    every layer holds the same K/V, :attr:`k` and :attr:`v` are those ``(num_layers, num_blocks, block_size,
+    Hkv, D)`` tensors. :meth:`k_cache` / :meth:`v_cache` give one layer's ``(num_blocks, block_size, Hkv, D)``
+    view, what :func:`kernel_ladder.write_kv_cache` and paged attention take; :meth:`latent_cache` an MLA
+    layer's ``(num_blocks, block_size, kv_lora_rank + rope_dim)`` view. A sequence's token at position
+    ``p`` lives at slot ``block_table[p // block_size] * block_size + p % block_size`` in every layer.
 
     Sequence ids are any hashable values. Blocks beyond a sequence's length may be reserved
     (:meth:`allocate` reserves a whole prompt's blocks), so prefilling it in chunks never runs out.
     """
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int | None = None,
+                 head_dim: int | None = None, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 *, spec: CacheSpec | Sequence[CacheSpec] | None = None) -> None:
         """Allocate the caches (zero-filled) and an empty pool of ``num_blocks`` blocks."""
-        for name, value in (("num_layers", num_layers), ("num_blocks", num_blocks), ("block_size", block_size),
-                            ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{_OP}: {name} must be a positive int, got {value!r}")
+        for name, value in (("num_layers", num_layers), ("num_blocks", num_blocks), ("block_size", block_size)):
+            _check_size(_OP, name, value)
+        if spec is None:
+            if num_kv_heads is None or head_dim is None:
+                raise ValueError(f"{_OP}: give num_kv_heads and head_dim, or spec (a CacheSpec per layer), "
+                                 f"got num_kv_heads={num_kv_heads!r}, head_dim={head_dim!r}, spec=None")
+            _check_size(_OP, "num_kv_heads", num_kv_heads)
+            _check_size(_OP, "head_dim", head_dim)
+            specs = [CacheSpec.kv(num_kv_heads, head_dim)] * num_layers
+        else:
+            if num_kv_heads is not None or head_dim is not None:
+                raise ValueError(f"{_OP}: give spec or num_kv_heads and head_dim, not both")
+            specs = [spec] * num_layers if isinstance(spec, CacheSpec) else list(spec)
+            if len(specs) != num_layers or not all(isinstance(s, CacheSpec) for s in specs):
+                raise ValueError(f"{_OP}: spec must be a CacheSpec or a list of {num_layers} (one per layer), got "
+                                 f"{spec!r}")
         if num_blocks * block_size > 2**31 - 1:
             raise ValueError(f"{_OP}: num_blocks * block_size = {num_blocks * block_size} slots do not fit "
                              "the int32 slot mapping")
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
-        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.specs: list[CacheSpec] = specs
+        uniform_kv = all(s == specs[0] for s in specs) and specs[0].kind == "kv"
+        # the sizes of a uniform K/V cache (what chapter 08's lessons print), None otherwise
+        self.num_kv_heads = specs[0].num_kv_heads if uniform_kv else None
+        self.head_dim = specs[0].head_dim if uniform_kv else None
         self.dtype, self.device = dtype, torch.device(device)
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.v = torch.zeros(shape, dtype=dtype, device=self.device)
+        # one group of tensors per distinct spec; layer -> (group, index in the group)
+        self._groups: list[tuple[CacheSpec, dict[str, torch.Tensor]]] = []
+        self._where: list[tuple[int, int]] = []
+        members: dict[CacheSpec, list[int]] = {}
+        for layer, layer_spec in enumerate(specs):
+            members.setdefault(layer_spec, []).append(layer)
+        group_of = {layer_spec: g for g, layer_spec in enumerate(members)}
+        for layer_spec, layers in members.items():
+            self._groups.append((layer_spec, {
+                name: torch.zeros((len(layers), num_blocks, block_size, *shape), dtype=dtype, device=self.device)
+                for name, shape in layer_spec.shapes().items()}))
+        counts: dict[CacheSpec, int] = {}
+        for layer_spec in specs:
+            self._where.append((group_of[layer_spec], counts.get(layer_spec, 0)))
+            counts[layer_spec] = counts.get(layer_spec, 0) + 1
         self.allocator = BlockAllocator(num_blocks)
         self._seqs: dict[Hashable, _Sequence] = {}
 
     # --- the tensors
 
+    def _whole(self, name: str) -> torch.Tensor:
+        if len(self._groups) != 1 or name not in self._groups[0][1]:
+            kinds = sorted({s.kind for s in self.specs})
+            raise AttributeError(f"{_OP}: .{name} is the one {name!r} tensor of a cache whose layers all hold the "
+                                 f"same {name!r}; this cache's layers hold {kinds} of {len(self._groups)} "
+                                 f"shape(s): use {name}_cache(layer) / tensor({name!r}, layer)")
+        return self._groups[0][1][name]
+
+    @property
+    def k(self) -> torch.Tensor:
+        """Every layer's keys, ``(num_layers, num_blocks, block_size, Hkv, D)`` (layers all of one K/V spec)."""
+        return self._whole("k")
+
+    @property
+    def v(self) -> torch.Tensor:
+        """Every layer's values, ``(num_layers, num_blocks, block_size, Hkv, Dv)`` (layers all of one K/V spec)."""
+        return self._whole("v")
+
+    @property
+    def latent(self) -> torch.Tensor:
+        """Every layer's latent vectors, ``(num_layers, num_blocks, block_size, L + R)`` (all layers MLA)."""
+        return self._whole("latent")
+
+    def tensor(self, name: str, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s ``name`` cache (``"k"``, ``"v"`` or ``"latent"``): a ``(num_blocks, block_size, …)``
+        view."""
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+            raise IndexError(f"{_OP}: layer must be an int in [0, {self.num_layers}), got {layer!r}")
+        group, index = self._where[layer]
+        spec, tensors = self._groups[group]
+        if name not in tensors:
+            raise KeyError(f"{_OP}: layer {layer} holds {sorted(tensors)} ({spec.kind} cache), not {name!r}")
+        return tensors[name][index]
+
     def k_cache(self, layer: int) -> torch.Tensor:
         """Layer ``layer``'s key cache, a ``(num_blocks, block_size, Hkv, D)`` view."""
-        return self.k[layer]
+        return self.tensor("k", layer)
 
     def v_cache(self, layer: int) -> torch.Tensor:
-        """Layer ``layer``'s value cache, a ``(num_blocks, block_size, Hkv, D)`` view."""
-        return self.v[layer]
+        """Layer ``layer``'s value cache, a ``(num_blocks, block_size, Hkv, Dv)`` view."""
+        return self.tensor("v", layer)
+
+    def latent_cache(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s latent cache (MLA), a ``(num_blocks, block_size, kv_lora_rank + rope_dim)`` view."""
+        return self.tensor("latent", layer)
+
+    def bytes_per_token(self) -> int:
+        """Cache bytes one token takes over every layer."""
+        return sum(spec.bytes_per_token(self.dtype) for spec in self.specs)
 
     # --- queries
 
@@ -239,8 +378,9 @@ class PagedKVCache:
             return
         new = self.allocator.allocate()
         if filled:
-            self.k[:, new, :filled] = self.k[:, old, :filled]
-            self.v[:, new, :filled] = self.v[:, old, :filled]
+            for _, tensors in self._groups:
+                for tensor in tensors.values():
+                    tensor[:, new, :filled] = tensor[:, old, :filled]
         self.allocator.decref(old)
         seq.block_table[index] = new
 
@@ -338,12 +478,14 @@ class PagedKVCache:
         """int32 ``(B,)``: each sequence's length (tokens in the cache, this step's included)."""
         return torch.tensor([self._seq(s).length for s in seq_ids], dtype=torch.int32, device=self.device)
 
-    def gather(self, seq_id: Hashable, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``seq_id``'s K and V history in ``layer``, ``(length, Hkv, D)`` each (a copy, for tests and lessons)."""
+    def gather(self, seq_id: Hashable, layer: int) -> tuple[torch.Tensor, ...]:
+        """``seq_id``'s history in ``layer`` (a copy, for tests and lessons): K and V, ``(length, Hkv, D)`` each,
+        for a K/V layer; ``(latent,)``, ``(length, L + R)``, for an MLA layer."""
         seq = self._seq(seq_id)
         positions = torch.arange(seq.length)
         table = torch.tensor(seq.block_table, dtype=torch.int64)[positions // self.block_size]
-        return self.k[layer, table, positions % self.block_size], self.v[layer, table, positions % self.block_size]
+        names = self.specs[layer].shapes() if 0 <= layer < self.num_layers else ("k",)
+        return tuple(self.tensor(name, layer)[table, positions % self.block_size] for name in names)
 
     # --- invariants
 

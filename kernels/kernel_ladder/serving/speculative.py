@@ -27,7 +27,7 @@ from .paged_cache import PagedKVCache
 from .sampling import distribution, sample
 
 if TYPE_CHECKING:
-    from ..models.causal_lm import CausalLM
+    from ..models.protocol import DecoderLM
     from .engine import EngineStats
 
 __all__ = ["Speculator", "prompt_lookup", "verify"]
@@ -87,9 +87,9 @@ class Speculator:
     """A target model and its draft (a model with its own cache, or ``"prompt_lookup"``), generating
     one prompt at a time."""
 
-    target: CausalLM
+    target: DecoderLM
     cache: PagedKVCache
-    draft: CausalLM | str
+    draft: DecoderLM | str
     draft_cache: PagedKVCache | None  # None for prompt lookup
     num_speculative_tokens: int
     lookup_ngram: int

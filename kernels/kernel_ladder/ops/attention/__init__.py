@@ -11,6 +11,18 @@ never holding the ``Tq x Tk`` matrix: each program walks the other side block by
 softmax in the forward, ``P`` recomputed from ``lse`` in the backward), and skips the blocks a causal
 or sliding-window mask hides.
 
+``V`` may have its own head dim ``Dv`` (``Tk x Dv``, and ``O`` is ``Tq x Dv``): DeepSeek-V3's MLA prefill
+has ``qk_head_dim = 192`` and ``v_head_dim = 128``. The kernels keep two head-dim tiles, ``BLOCK_D`` for
+``Q, K, dQ, dK`` and ``BLOCK_DV`` for ``V, O, dO, dV``.
+
+**Attention sinks (GPT-OSS).** With ``sinks`` (one logit per query head), each row's softmax has one more
+column, of score ``sink_h`` and value 0: ``O_i = sum_j exp(S_ij) V_j / (exp(sink_h) + sum_j exp(S_ij))``.
+The forward folds it in once, after the key loop, as one more step of the online softmax
+(``m' = max(m, sink)``, ``l' = l exp(m - m') + exp(sink - m')``), so ``lse`` counts it. The backward's
+``P = exp(S - lse)`` then already has the right denominator, and ``dS = P * (dP - delta)`` is unchanged;
+the sink's own gradient is ``d sink_h = -sum_i P_sink,i * delta_i`` (``P_sink = exp(sink - lse)``,
+``delta = rowsum(dO * O) - dlse``), computed per row by the preprocess and summed in a fixed order.
+
 **The modules, one concern each**, in the order a call goes through them:
 
 * :mod:`.op` — the public :func:`flash_attention` and :func:`flash_attention_varlen`, the custom ops

@@ -55,14 +55,20 @@ __all__ = [
 @triton.jit
 def flash_attention_backward_preprocess_kernel(
     out_ptr, do_ptr, dlse_ptr, delta_ptr,           # delta = rowsum(dO * O) - dlse, float32
-    n_rows, n_heads, head_dim,                      # rows of (B, Hq, T) flattened in (b, h, t) order
-    stride_ob, stride_oh, stride_om, stride_od,     # out and dO as (B, Hq, T, D)
+    lse_ptr, sinks_ptr, dsink_ptr, stride_sink,     # HAS_SINKS: lse and delta's layout; each row's -P_sink * delta
+    n_rows, n_heads, head_dim,                      # rows of (B, Hq, T) flattened in (b, h, t) order; Dv
+    stride_ob, stride_oh, stride_om, stride_od,     # out and dO as (B, Hq, T, Dv)
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_gb, stride_gh, stride_gm,                # dlse as (B, Hq, T)
-    stride_db, stride_dh, stride_dm,                # delta as (B, Hq, T)
-    HAS_DLSE: tl.constexpr, INDEX_64: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    stride_db, stride_dh, stride_dm,                # delta (and lse, dsink) as (B, Hq, T)
+    HAS_DLSE: tl.constexpr, HAS_SINKS: tl.constexpr, INDEX_64: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
-    """``delta`` for ``BLOCK_M`` rows of one (batch, head); grid ``(row blocks, Hq, B)``."""
+    """``delta`` for ``BLOCK_M`` rows of one (batch, head); grid ``(row blocks, Hq, B)``.
+
+    ``HAS_SINKS``: also each row's share of the sink's gradient, ``-P_sink * delta`` with
+    ``P_sink = exp(sink - lse)`` (the sink's probability: ``lse`` counts the sink), summed over the rows
+    afterwards in a fixed order (no atomics)."""
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
     batch = tl.program_id(2)
@@ -82,7 +88,14 @@ def flash_attention_backward_preprocess_kernel(
     if HAS_DLSE:
         delta -= tl.load(dlse_ptr + batch * stride_gb + head * stride_gh + rows * stride_gm, mask=row_mask,
                          other=0.0).to(tl.float32)
-    tl.store(delta_ptr + batch * stride_db + head * stride_dh + rows * stride_dm, delta, mask=row_mask)
+    row_offsets = batch * stride_db + head * stride_dh + rows * stride_dm
+    tl.store(delta_ptr + row_offsets, delta, mask=row_mask)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head * stride_sink).to(tl.float32)
+        lse = tl.load(lse_ptr + row_offsets, mask=row_mask, other=float("-inf"))
+        # lse = -inf only with a -inf sink on a row that sees no key: the sink's probability is 0 there.
+        p_sink = tl.where(lse == float("-inf"), 0.0, tl.exp2((sink - lse) * _LOG2E))
+        tl.store(dsink_ptr + row_offsets, -p_sink * delta, mask=row_mask)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -93,7 +106,7 @@ def flash_attention_backward_preprocess_kernel(
 @triton.jit
 def _dkdv_blocks(
     dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qm, stride_dom, stride_lm, first_row, last_row,
-    d_mask, start, end, seqlen_q, sm_scale, qk_scale, softcap, block_list_ptr,
+    d_mask, dv_mask, start, end, seqlen_q, sm_scale, qk_scale, softcap, block_list_ptr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
 ):
@@ -129,9 +142,8 @@ def _dkdv_blocks(
             lse_tile = lse_ptrs
             delta_tile = delta_ptrs
         row_mask = rows < seqlen_q
-        mask = row_mask[:, None] & d_mask[None, :]
-        q = tl.load(q_tile, mask=mask, other=0.0)
-        do = tl.load(do_tile, mask=mask, other=0.0)
+        q = tl.load(q_tile, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+        do = tl.load(do_tile, mask=row_mask[:, None] & dv_mask[None, :], other=0.0)
         # lse in base 2; +inf for rows that see no key (lse = -inf) and padding rows: their P is 0.
         lse = tl.load(lse_tile, mask=row_mask, other=float("inf"))
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
@@ -178,14 +190,14 @@ def flash_attention_backward_dkdv_kernel(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dob, stride_doh, stride_dom, stride_dod,   # dO as (B, Hq, Tq, D)
     stride_lb, stride_lh, stride_lm,                  # lse and delta as (B, Hq, Tq)
-    stride_dkb, stride_dkh, stride_dkn, stride_dkd,   # dk, dv as (B, Hkv, Tk, D)
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,   # dk as (B, Hkv, Tk, D), dv as (B, Hkv, Tk, Dv)
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    seqlen_q, seqlen_k, head_dim, group_size,
+    seqlen_q, seqlen_k, head_dim, head_dim_v, group_size,
     sm_scale, qk_scale, softcap, window,
     BUCKET_Q, BUCKET_K,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
     INDEX_64: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """``dK, dV`` of one block of ``BLOCK_N`` keys of one kv head; grid ``(key blocks, Hkv, B)``.
 
@@ -207,17 +219,20 @@ def flash_attention_backward_dkdv_kernel(
     if n0 < seqlen_k:  # a varlen program past its sequence's end does nothing
         cols = n0 + tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
         offs_m = tl.arange(0, BLOCK_M)
         if INDEX_64:
             cols = cols.to(tl.int64)
         d_mask = offs_d < head_dim
+        dv_mask = offs_dv < head_dim_v
         kv_mask = (cols < seqlen_k)[:, None] & d_mask[None, :]
+        v_mask = (cols < seqlen_k)[:, None] & dv_mask[None, :]
         k = tl.load(k_ptr + batch * stride_kb + kv_head * stride_kh + (k_start + cols[:, None]) * stride_kn
                     + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + batch * stride_vb + kv_head * stride_vh + (k_start + cols[:, None]) * stride_vn
-                    + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+                    + offs_dv[None, :] * stride_vd, mask=v_mask, other=0.0)
         dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-        dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
         diagonal = _diagonal(seqlen_q=seqlen_q, seqlen_k=seqlen_k)
         n_last = tl.minimum(n0 + BLOCK_N, seqlen_k) - 1
         lo, full_lo, full_hi, hi = _query_range(n0=n0, n_last=n_last, seqlen_q=seqlen_q, diagonal=diagonal,
@@ -230,7 +245,7 @@ def flash_attention_backward_dkdv_kernel(
             q_ptrs = (q_ptr + batch * stride_qb + head * stride_qh + q_start * stride_qm
                       + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd)
             do_ptrs = (do_ptr + batch * stride_dob + head * stride_doh + q_start * stride_dom
-                       + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod)
+                       + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod)
             row_base = batch * stride_lb + head * stride_lh + (q_start + offs_m) * stride_lm
             lse_ptrs = lse_ptr + row_base
             delta_ptrs = delta_ptr + row_base
@@ -242,7 +257,8 @@ def flash_attention_backward_dkdv_kernel(
                 dk, dv = _dkdv_blocks(
                     dk=dk, dv=dv, k=k, v=v, q_ptrs=q_ptrs, do_ptrs=do_ptrs, lse_ptrs=lse_ptrs, delta_ptrs=delta_ptrs,
                     stride_qm=stride_qm, stride_dom=stride_dom, stride_lm=stride_lm, first_row=first_row,
-                    last_row=last_row, d_mask=d_mask, start=0, end=n_blocks * BLOCK_M, seqlen_q=seqlen_q,
+                    last_row=last_row, d_mask=d_mask, dv_mask=dv_mask, start=0, end=n_blocks * BLOCK_M,
+                    seqlen_q=seqlen_q,
                     sm_scale=sm_scale, qk_scale=qk_scale, softcap=softcap, block_list_ptr=block_list,
                     MASKED=True, CAUSAL=False, HAS_WINDOW=False, SOFTCAP=SOFTCAP, INPUT_PRECISION=INPUT_PRECISION,
                     BLOCK_M=BLOCK_M, BLOCK_SPARSE=True)
@@ -250,21 +266,21 @@ def flash_attention_backward_dkdv_kernel(
                 dk, dv = _dkdv_blocks(
                     dk=dk, dv=dv, k=k, v=v, q_ptrs=q_ptrs, do_ptrs=do_ptrs, lse_ptrs=lse_ptrs, delta_ptrs=delta_ptrs,
                     stride_qm=stride_qm, stride_dom=stride_dom, stride_lm=stride_lm, first_row=first_row,
-                    last_row=last_row, d_mask=d_mask, start=lo, end=full_lo, seqlen_q=seqlen_q,
+                    last_row=last_row, d_mask=d_mask, dv_mask=dv_mask, start=lo, end=full_lo, seqlen_q=seqlen_q,
                     sm_scale=sm_scale, qk_scale=qk_scale, softcap=softcap, block_list_ptr=None,
                     MASKED=True, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW, SOFTCAP=SOFTCAP,
                     INPUT_PRECISION=INPUT_PRECISION, BLOCK_M=BLOCK_M, BLOCK_SPARSE=False)
                 dk, dv = _dkdv_blocks(
                     dk=dk, dv=dv, k=k, v=v, q_ptrs=q_ptrs, do_ptrs=do_ptrs, lse_ptrs=lse_ptrs, delta_ptrs=delta_ptrs,
                     stride_qm=stride_qm, stride_dom=stride_dom, stride_lm=stride_lm, first_row=first_row,
-                    last_row=last_row, d_mask=d_mask, start=full_lo, end=full_hi, seqlen_q=seqlen_q,
+                    last_row=last_row, d_mask=d_mask, dv_mask=dv_mask, start=full_lo, end=full_hi, seqlen_q=seqlen_q,
                     sm_scale=sm_scale, qk_scale=qk_scale, softcap=softcap, block_list_ptr=None,
                     MASKED=False, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW, SOFTCAP=SOFTCAP,
                     INPUT_PRECISION=INPUT_PRECISION, BLOCK_M=BLOCK_M, BLOCK_SPARSE=False)
                 dk, dv = _dkdv_blocks(
                     dk=dk, dv=dv, k=k, v=v, q_ptrs=q_ptrs, do_ptrs=do_ptrs, lse_ptrs=lse_ptrs, delta_ptrs=delta_ptrs,
                     stride_qm=stride_qm, stride_dom=stride_dom, stride_lm=stride_lm, first_row=first_row,
-                    last_row=last_row, d_mask=d_mask, start=full_hi, end=hi, seqlen_q=seqlen_q,
+                    last_row=last_row, d_mask=d_mask, dv_mask=dv_mask, start=full_hi, end=hi, seqlen_q=seqlen_q,
                     sm_scale=sm_scale, qk_scale=qk_scale, softcap=softcap, block_list_ptr=None,
                     MASKED=True, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW, SOFTCAP=SOFTCAP,
                     INPUT_PRECISION=INPUT_PRECISION, BLOCK_M=BLOCK_M, BLOCK_SPARSE=False)
@@ -272,7 +288,7 @@ def flash_attention_backward_dkdv_kernel(
         tl.store(dk_ptr + batch * stride_dkb + kv_head * stride_dkh + (k_start + cols[:, None]) * stride_dkn
                  + offs_d[None, :] * stride_dkd, dk.to(dk_ptr.dtype.element_ty), mask=kv_mask)
         tl.store(dv_ptr + batch * stride_dvb + kv_head * stride_dvh + (k_start + cols[:, None]) * stride_dvn
-                 + offs_d[None, :] * stride_dvd, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
+                 + offs_dv[None, :] * stride_dvd, dv.to(dv_ptr.dtype.element_ty), mask=v_mask)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -282,7 +298,7 @@ def flash_attention_backward_dkdv_kernel(
 
 @triton.jit
 def _dq_blocks(
-    dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, last_key, first_key, d_mask,
+    dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, last_key, first_key, d_mask, dv_mask,
     start, end, seqlen_k, sm_scale, qk_scale, softcap, block_list_ptr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
@@ -305,11 +321,13 @@ def _dq_blocks(
             k_tile = k_ptrs
             v_tile = v_ptrs
         if MASKED:
-            kv_mask = (cols < seqlen_k)[:, None] & d_mask[None, :]
+            k_mask = (cols < seqlen_k)[:, None] & d_mask[None, :]
+            v_mask = (cols < seqlen_k)[:, None] & dv_mask[None, :]
         else:
-            kv_mask = d_mask[None, :]
-        k = tl.load(k_tile, mask=kv_mask, other=0.0)
-        v = tl.load(v_tile, mask=kv_mask, other=0.0)
+            k_mask = d_mask[None, :]
+            v_mask = dv_mask[None, :]
+        k = tl.load(k_tile, mask=k_mask, other=0.0)
+        v = tl.load(v_tile, mask=v_mask, other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
         if SOFTCAP:
             capped, dcap = softcap_logits(qk * sm_scale, softcap)
@@ -350,12 +368,12 @@ def flash_attention_backward_dq_kernel(
     stride_dob, stride_doh, stride_dom, stride_dod,   # dO as (B, Hq, Tq, D)
     stride_lb, stride_lh, stride_lm,                  # lse and delta as (B, Hq, Tq)
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,   # dq as (B, Hq, Tq, D)
-    seqlen_q, seqlen_k, head_dim, group_size,
+    seqlen_q, seqlen_k, head_dim, head_dim_v, group_size,
     sm_scale, qk_scale, softcap, window,
     BUCKET_Q, BUCKET_K,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
     INDEX_64: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """``dQ`` of one block of ``BLOCK_M`` queries of one head; grid ``(query blocks, Hq, B)``, the
     forward's key blocks (:func:`_key_range`)."""
@@ -376,23 +394,25 @@ def flash_attention_backward_dq_kernel(
     if m0 < seqlen_q:
         rows = m0 + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
         offs_n = tl.arange(0, BLOCK_N)
         if INDEX_64:
             rows = rows.to(tl.int64)
         d_mask = offs_d < head_dim
+        dv_mask = offs_dv < head_dim_v
         row_mask = rows < seqlen_q
         mask = row_mask[:, None] & d_mask[None, :]
         q = tl.load(q_ptr + batch * stride_qb + head * stride_qh + (q_start + rows[:, None]) * stride_qm
                     + offs_d[None, :] * stride_qd, mask=mask, other=0.0)
         do = tl.load(do_ptr + batch * stride_dob + head * stride_doh + (q_start + rows[:, None]) * stride_dom
-                     + offs_d[None, :] * stride_dod, mask=mask, other=0.0)
+                     + offs_dv[None, :] * stride_dod, mask=row_mask[:, None] & dv_mask[None, :], other=0.0)
         row_offsets = batch * stride_lb + head * stride_lh + (q_start + rows) * stride_lm
         lse2 = _load_lse2(lse_ptr=lse_ptr, offsets=row_offsets, mask=row_mask)
         delta = tl.load(delta_ptr + row_offsets, mask=row_mask, other=0.0)
         k_ptrs = (k_ptr + batch * stride_kb + kv_head * stride_kh + k_start * stride_kn
                   + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd)
         v_ptrs = (v_ptr + batch * stride_vb + kv_head * stride_vh + k_start * stride_vn
-                  + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd)
+                  + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd)
         diagonal = _diagonal(seqlen_q=seqlen_q, seqlen_k=seqlen_k)
         m_last = tl.minimum(m0 + BLOCK_M, seqlen_q) - 1
         lo, full_lo, full_hi, hi = _key_range(m0=m0, m_last=m_last, seqlen_k=seqlen_k, diagonal=diagonal,
@@ -408,26 +428,26 @@ def flash_attention_backward_dq_kernel(
                 stride_im=stride_im, batch=batch, head=head, row=pid_m)
             dq = _dq_blocks(
                 dq=dq, q=q, do=do, lse2=lse2, delta=delta, k_ptrs=k_ptrs, v_ptrs=v_ptrs, stride_kn=stride_kn,
-                stride_vn=stride_vn, last_key=last_key, first_key=first_key, d_mask=d_mask,
+                stride_vn=stride_vn, last_key=last_key, first_key=first_key, d_mask=d_mask, dv_mask=dv_mask,
                 start=0, end=n_blocks * BLOCK_N, seqlen_k=seqlen_k, sm_scale=sm_scale, qk_scale=qk_scale,
                 softcap=softcap, block_list_ptr=block_list, MASKED=True, CAUSAL=False, HAS_WINDOW=False,
                 SOFTCAP=SOFTCAP, INPUT_PRECISION=INPUT_PRECISION, BLOCK_N=BLOCK_N, BLOCK_SPARSE=True)
         else:  # the forward's three ranges: the window's edge, the blocks every row sees whole, the diagonal
             dq = _dq_blocks(
                 dq=dq, q=q, do=do, lse2=lse2, delta=delta, k_ptrs=k_ptrs, v_ptrs=v_ptrs, stride_kn=stride_kn,
-                stride_vn=stride_vn, last_key=last_key, first_key=first_key, d_mask=d_mask,
+                stride_vn=stride_vn, last_key=last_key, first_key=first_key, d_mask=d_mask, dv_mask=dv_mask,
                 start=lo, end=full_lo, seqlen_k=seqlen_k, sm_scale=sm_scale, qk_scale=qk_scale,
                 softcap=softcap, block_list_ptr=None, MASKED=True, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW,
                 SOFTCAP=SOFTCAP, INPUT_PRECISION=INPUT_PRECISION, BLOCK_N=BLOCK_N, BLOCK_SPARSE=False)
             dq = _dq_blocks(
                 dq=dq, q=q, do=do, lse2=lse2, delta=delta, k_ptrs=k_ptrs, v_ptrs=v_ptrs, stride_kn=stride_kn,
-                stride_vn=stride_vn, last_key=last_key, first_key=first_key, d_mask=d_mask,
+                stride_vn=stride_vn, last_key=last_key, first_key=first_key, d_mask=d_mask, dv_mask=dv_mask,
                 start=full_lo, end=full_hi, seqlen_k=seqlen_k, sm_scale=sm_scale, qk_scale=qk_scale,
                 softcap=softcap, block_list_ptr=None, MASKED=False, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW,
                 SOFTCAP=SOFTCAP, INPUT_PRECISION=INPUT_PRECISION, BLOCK_N=BLOCK_N, BLOCK_SPARSE=False)
             dq = _dq_blocks(
                 dq=dq, q=q, do=do, lse2=lse2, delta=delta, k_ptrs=k_ptrs, v_ptrs=v_ptrs, stride_kn=stride_kn,
-                stride_vn=stride_vn, last_key=last_key, first_key=first_key, d_mask=d_mask,
+                stride_vn=stride_vn, last_key=last_key, first_key=first_key, d_mask=d_mask, dv_mask=dv_mask,
                 start=full_hi, end=hi, seqlen_k=seqlen_k, sm_scale=sm_scale, qk_scale=qk_scale,
                 softcap=softcap, block_list_ptr=None, MASKED=True, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW,
                 SOFTCAP=SOFTCAP, INPUT_PRECISION=INPUT_PRECISION, BLOCK_N=BLOCK_N, BLOCK_SPARSE=False)

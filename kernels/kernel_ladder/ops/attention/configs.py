@@ -47,8 +47,9 @@ class AttentionConfig:
     at which ptxas fits the kernel in registers for sm_90 without spilling; ``max_head_dim_fp32``
     for float32 inputs (by default half), ``max_head_dim_softcap`` with soft-capping (``tanh`` takes
     registers; the backward kernels also keep the cap's derivative, one more score-sized tile, live;
-    0: never with soft-capping). Measured, not
-    modelled: ``tests/aot/flash_attention.py`` compiles every GPU config at its limits (and at head
+    0: never with soft-capping); ``max_head_dim_narrow_v`` when v's tile is narrower than q's and k's
+    (``Dv < D``, DeepSeek's MLA prefill: ptxas allocates that mix differently; None: ``max_head_dim``).
+    Measured, not modelled: ``tests/aot/flash_attention.py`` compiles every GPU config at its limits (and at head
     dims 64 and 128 below them) and fails on any spill.
     """
 
@@ -59,11 +60,15 @@ class AttentionConfig:
     max_head_dim: int = 256
     max_head_dim_fp32: int | None = None  # None: half of max_head_dim
     max_head_dim_softcap: int | None = None  # None: max_head_dim
+    max_head_dim_narrow_v: int | None = None  # None: max_head_dim
 
-    def head_dim_limit(self, element_size: int, softcap: bool = False) -> int:
-        """The widest head-dim tile this config takes for inputs of ``element_size`` bytes (with soft-capping)."""
+    def head_dim_limit(self, element_size: int, softcap: bool = False, narrow_v: bool = False) -> int:
+        """The widest head-dim tile this config takes for inputs of ``element_size`` bytes (with soft-capping;
+        with ``narrow_v``, a v tile narrower than q's and k's)."""
         if element_size <= 2:
             limit = self.max_head_dim
+            if narrow_v and self.max_head_dim_narrow_v is not None:
+                limit = self.max_head_dim_narrow_v
         else:
             limit = self.max_head_dim // 2 if self.max_head_dim_fp32 is None else self.max_head_dim_fp32
         if softcap and self.max_head_dim_softcap is not None:
@@ -115,7 +120,7 @@ BACKWARD_DKDV_GPU_CONFIGS: tuple[AttentionConfig, ...] = (
 #: dQ candidates: a query block (Q, dO, fp32 dQ) held, key blocks streamed.
 BACKWARD_DQ_GPU_CONFIGS: tuple[AttentionConfig, ...] = (
     _c(128, 64, 8, 2, max_head_dim=128, max_head_dim_softcap=64),
-    _c(128, 32, 8, 2, max_head_dim=256, max_head_dim_softcap=128),
+    _c(128, 32, 8, 2, max_head_dim=256, max_head_dim_softcap=128, max_head_dim_narrow_v=128),
     _c(64, 64, 4, 3, max_head_dim=64),
     _c(64, 64, 8, 2, max_head_dim=128, max_head_dim_softcap=64),
     _c(64, 32, 4, 3, max_head_dim=128),
@@ -132,12 +137,15 @@ INTERPRETER_CONFIG: AttentionConfig = AttentionConfig(32, 32, 4, 1)
 
 
 def fits(config: AttentionConfig, kind: str, block_d: int, element_size: int, softcap: bool = False,
-         shared_memory: int | None = None) -> bool:
+         shared_memory: int | None = None, block_dv: int | None = None) -> bool:
     """Whether ``config`` suits kernel ``kind`` (``"forward"``, ``"dkdv"``, ``"dq"``) at head-dim tile ``block_d``
-    of ``element_size``-byte inputs: within its register limit and the GPU's shared memory."""
+    (and v's ``block_dv``, default the same) of ``element_size``-byte inputs: within its register limit and the
+    GPU's shared memory. The wider of the two tiles is what is checked."""
     limit = _shared_memory_limit() if shared_memory is None else shared_memory
-    return (block_d <= config.head_dim_limit(element_size, softcap)
-            and config.shared_memory_bytes(kind, block_d, element_size) <= limit)
+    block_dv = block_d if block_dv is None else block_dv
+    widest = max(block_d, block_dv)
+    return (widest <= config.head_dim_limit(element_size, softcap, narrow_v=block_dv < block_d)
+            and config.shared_memory_bytes(kind, widest, element_size) <= limit)
 
 
 def _pruner(kind: str, candidates: tuple[AttentionConfig, ...] | None = None):
@@ -145,10 +153,11 @@ def _pruner(kind: str, candidates: tuple[AttentionConfig, ...] | None = None):
     mine = {c.key: c for c in (_GPU_CONFIGS[kind] if candidates is None else candidates)}
 
     def prune(configs, named_args, **kwargs):
-        block_d, softcap = kwargs["BLOCK_D"], kwargs["SOFTCAP"]
+        # v's tile may differ (Dv != D: DeepSeek's MLA prefill, 192 and 128)
+        block_d, block_dv, softcap = kwargs["BLOCK_D"], kwargs.get("BLOCK_DV", kwargs["BLOCK_D"]), kwargs["SOFTCAP"]
         element_size = named_args["q_ptr"].element_size()
         pairs = [(mine[(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)], c) for c in configs]
-        kept = [c for config, c in pairs if fits(config, kind, block_d, element_size, softcap)]
+        kept = [c for config, c in pairs if fits(config, kind, block_d, element_size, softcap, block_dv=block_dv)]
         if kept:
             return kept
         # Nothing fits (fp32 at head dim 256, soft-capping at 256 in dQ): the smallest tiles spill least.
@@ -158,8 +167,8 @@ def _pruner(kind: str, candidates: tuple[AttentionConfig, ...] | None = None):
 
 
 #: What the autotuner keys on (Triton adds the pointers' dtypes).
-TUNING_KEY: tuple[str, ...] = ("BUCKET_Q", "BUCKET_K", "BLOCK_D", "CAUSAL", "HAS_WINDOW", "SOFTCAP", "VARLEN",
-                               "INPUT_PRECISION", "BLOCK_SPARSE")
+TUNING_KEY: tuple[str, ...] = ("BUCKET_Q", "BUCKET_K", "BLOCK_D", "BLOCK_DV", "CAUSAL", "HAS_WINDOW", "SOFTCAP",
+                               "VARLEN", "INPUT_PRECISION", "BLOCK_SPARSE")
 
 _KERNELS = {
     "forward": flash_attention_forward_kernel,

@@ -10,8 +10,11 @@ For each key block::
     P_blk = exp(S_blk - m')        l' = alpha * l + rowsum(P_blk)
     acc' = alpha * acc + P_blk V_blk
 
-and at the end ``O = acc / l``, ``lse = m + log(l)``. The rescale makes every earlier term as if it
-had been computed with the final maximum, so the result is exact, and no ``exp`` ever overflows.
+and at the end ``O = acc / l``, ``lse = m + log(l)``. An attention sink (GPT-OSS) is one more
+"block" of a single column of score ``sink`` and value 0, folded in after the loop, once:
+``m' = max(m, sink)``, ``l' = l exp(m - m') + exp(sink - m')``, ``acc' = acc exp(m - m')``.
+The rescale makes every earlier term as if it had been computed with the final maximum, so the
+result is exact, and no ``exp`` ever overflows.
 Scores are kept in base 2: ``log2(e)`` is folded into the scale once, so each score costs one
 multiply and one ``exp2`` (the GPU's native instruction). Everything accumulates in float32; ``P``
 is rounded to the inputs' dtype only to feed the second ``tl.dot``, as on tensor cores. The
@@ -52,7 +55,7 @@ __all__ = ["flash_attention_forward_kernel"]
 
 @triton.jit
 def _forward_blocks(
-    acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, last_key, first_key, d_mask,
+    acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, last_key, first_key, d_mask, dv_mask,
     start, end, seqlen_k, sm_scale, qk_scale, softcap, block_list_ptr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
@@ -84,10 +87,12 @@ def _forward_blocks(
             k_tile = k_ptrs
             v_tile = v_ptrs
         if MASKED:
-            kv_mask = (cols < seqlen_k)[:, None] & d_mask[None, :]
+            k_mask = (cols < seqlen_k)[:, None] & d_mask[None, :]
+            v_mask = (cols < seqlen_k)[:, None] & dv_mask[None, :]
         else:
-            kv_mask = d_mask[None, :]
-        k = tl.load(k_tile, mask=kv_mask, other=0.0)
+            k_mask = d_mask[None, :]
+            v_mask = dv_mask[None, :]
+        k = tl.load(k_tile, mask=k_mask, other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
         if SOFTCAP:  # Gemma-2: scale, then cap, then base 2
             s = softcapped(qk * sm_scale, softcap) * _LOG2E
@@ -105,7 +110,7 @@ def _forward_blocks(
         alpha = tl.exp2(m_i - m_new)  # the rescale of everything accumulated so far
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_tile, mask=kv_mask, other=0.0)
+        v = tl.load(v_tile, mask=v_mask, other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=INPUT_PRECISION)
         m_i = m_new
         if not BLOCK_SPARSE:
@@ -117,21 +122,22 @@ def _forward_blocks(
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "BUCKET_Q", "BUCKET_K"])
 def flash_attention_forward_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,          # inputs; outputs: out (q's dtype), lse (float32, natural log)
+    sinks_ptr, stride_sink,                         # HAS_SINKS: one logit per q head (any float dtype), else unread
     cu_seqlens_q_ptr, cu_seqlens_k_ptr,             # VARLEN: (B + 1,) int32 sequence starts (else never read)
     block_count_ptr, block_index_ptr,               # BLOCK_SPARSE: int32 counts (Bm, Hm, rows) and lists (.., rows, n)
     stride_cb, stride_ch, stride_cm,                # the counts' strides (0 over a broadcast batch or head)
     stride_ib, stride_ih, stride_im,                # the lists' strides (each list contiguous)
     stride_qb, stride_qh, stride_qm, stride_qd,     # q as (B, Hq, Tq, D) whatever its layout (VARLEN: stride_qb 0)
     stride_kb, stride_kh, stride_kn, stride_kd,     # k, v as (B, Hkv, Tk, D)
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_ob, stride_oh, stride_om, stride_od,     # out as (B, Hq, Tq, D)
+    stride_vb, stride_vh, stride_vn, stride_vd,     # (v's head dim is Dv)
+    stride_ob, stride_oh, stride_om, stride_od,     # out as (B, Hq, Tq, Dv)
     stride_lb, stride_lh, stride_lm,                # lse as (B, Hq, Tq) (VARLEN: (Hq, total_q), stride_lb 0)
-    seqlen_q, seqlen_k, head_dim, group_size,       # lengths (VARLEN: the packed totals), Hq // Hkv
+    seqlen_q, seqlen_k, head_dim, head_dim_v, group_size,  # lengths (VARLEN: the packed totals), D, Dv, Hq // Hkv
     sm_scale, qk_scale, softcap, window,            # qk_scale = sm_scale * log2(e)
     BUCKET_Q, BUCKET_K,                             # the autotuner's key only (powers of two of the lengths)
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
-    INDEX_64: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    INDEX_64: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr, HAS_SINKS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """``out`` and ``lse`` of one block of ``BLOCK_M`` queries of one head; grid ``(query blocks, Hq, B)``.
 
@@ -155,10 +161,12 @@ def flash_attention_forward_kernel(
     if m0 < seqlen_q:  # a varlen program past its sequence's end does nothing
         rows = m0 + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
         offs_n = tl.arange(0, BLOCK_N)
         if INDEX_64:
             rows = rows.to(tl.int64)
         d_mask = offs_d < head_dim
+        dv_mask = offs_dv < head_dim_v
         row_mask = rows < seqlen_q
         q_base = q_ptr + batch * stride_qb + head * stride_qh + q_start * stride_qm
         q = tl.load(q_base + rows[:, None] * stride_qm + offs_d[None, :] * stride_qd,
@@ -166,14 +174,14 @@ def flash_attention_forward_kernel(
         k_ptrs = (k_ptr + batch * stride_kb + kv_head * stride_kh + k_start * stride_kn
                   + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd)
         v_ptrs = (v_ptr + batch * stride_vb + kv_head * stride_vh + k_start * stride_vn
-                  + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd)
+                  + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd)
 
         diagonal = _diagonal(seqlen_q=seqlen_q, seqlen_k=seqlen_k)
         m_last = tl.minimum(m0 + BLOCK_M, seqlen_q) - 1
         lo, full_lo, full_hi, hi = _key_range(m0=m0, m_last=m_last, seqlen_k=seqlen_k, diagonal=diagonal,
                                               window=window, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW, BLOCK_N=BLOCK_N,
                                               INDEX_64=INDEX_64)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], _FLOAT_MIN, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         last_key = rows + diagonal  # row i sees keys first_key[i] <= j <= last_key[i]
@@ -185,36 +193,43 @@ def flash_attention_forward_kernel(
                 stride_im=stride_im, batch=batch, head=head, row=pid_m)
             acc, m_i, l_i = _forward_blocks(
                 acc=acc, m_i=m_i, l_i=l_i, q=q, k_ptrs=k_ptrs, v_ptrs=v_ptrs, stride_kn=stride_kn,
-                stride_vn=stride_vn, last_key=last_key, first_key=first_key, d_mask=d_mask,
+                stride_vn=stride_vn, last_key=last_key, first_key=first_key, d_mask=d_mask, dv_mask=dv_mask,
                 start=0, end=n_blocks * BLOCK_N, seqlen_k=seqlen_k, sm_scale=sm_scale, qk_scale=qk_scale,
                 softcap=softcap, block_list_ptr=block_list, MASKED=True, CAUSAL=False, HAS_WINDOW=False,
                 SOFTCAP=SOFTCAP, INPUT_PRECISION=INPUT_PRECISION, BLOCK_N=BLOCK_N, BLOCK_SPARSE=True)
         else:  # the window's edge (masked), the blocks every row sees whole, the diagonal and the end (masked)
             acc, m_i, l_i = _forward_blocks(
                 acc=acc, m_i=m_i, l_i=l_i, q=q, k_ptrs=k_ptrs, v_ptrs=v_ptrs, stride_kn=stride_kn,
-                stride_vn=stride_vn, last_key=last_key, first_key=first_key, d_mask=d_mask,
+                stride_vn=stride_vn, last_key=last_key, first_key=first_key, d_mask=d_mask, dv_mask=dv_mask,
                 start=lo, end=full_lo, seqlen_k=seqlen_k, sm_scale=sm_scale, qk_scale=qk_scale,
                 softcap=softcap, block_list_ptr=None, MASKED=True, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW,
                 SOFTCAP=SOFTCAP, INPUT_PRECISION=INPUT_PRECISION, BLOCK_N=BLOCK_N, BLOCK_SPARSE=False)
             acc, m_i, l_i = _forward_blocks(
                 acc=acc, m_i=m_i, l_i=l_i, q=q, k_ptrs=k_ptrs, v_ptrs=v_ptrs, stride_kn=stride_kn,
-                stride_vn=stride_vn, last_key=last_key, first_key=first_key, d_mask=d_mask,
+                stride_vn=stride_vn, last_key=last_key, first_key=first_key, d_mask=d_mask, dv_mask=dv_mask,
                 start=full_lo, end=full_hi, seqlen_k=seqlen_k, sm_scale=sm_scale, qk_scale=qk_scale,
                 softcap=softcap, block_list_ptr=None, MASKED=False, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW,
                 SOFTCAP=SOFTCAP, INPUT_PRECISION=INPUT_PRECISION, BLOCK_N=BLOCK_N, BLOCK_SPARSE=False)
             acc, m_i, l_i = _forward_blocks(
                 acc=acc, m_i=m_i, l_i=l_i, q=q, k_ptrs=k_ptrs, v_ptrs=v_ptrs, stride_kn=stride_kn,
-                stride_vn=stride_vn, last_key=last_key, first_key=first_key, d_mask=d_mask,
+                stride_vn=stride_vn, last_key=last_key, first_key=first_key, d_mask=d_mask, dv_mask=dv_mask,
                 start=full_hi, end=hi, seqlen_k=seqlen_k, sm_scale=sm_scale, qk_scale=qk_scale,
                 softcap=softcap, block_list_ptr=None, MASKED=True, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW,
                 SOFTCAP=SOFTCAP, INPUT_PRECISION=INPUT_PRECISION, BLOCK_N=BLOCK_N, BLOCK_SPARSE=False)
-        # A row that sees no key has l = 0: output 0 and lse = -inf (flash-attn's convention).
+        if HAS_SINKS:  # the sink: one more column of score `sink` and value 0, folded in once, at the end
+            sink = tl.load(sinks_ptr + head * stride_sink).to(tl.float32) * _LOG2E
+            m_new = tl.maximum(m_i, sink)
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.exp2(sink - m_new)
+            acc = acc * alpha[:, None]
+            m_i = m_new
+        # A row that sees no key (and no sink) has l = 0: output 0 and lse = -inf (flash-attn's convention).
         empty = l_i == 0.0
         l_safe = tl.where(empty, 1.0, l_i)
         out = acc / l_safe[:, None]
         lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * _LN2)
         out_base = out_ptr + batch * stride_ob + head * stride_oh + q_start * stride_om
-        tl.store(out_base + rows[:, None] * stride_om + offs_d[None, :] * stride_od,
-                 out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+        tl.store(out_base + rows[:, None] * stride_om + offs_dv[None, :] * stride_od,
+                 out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dv_mask[None, :])
         lse_base = lse_ptr + batch * stride_lb + head * stride_lh + q_start * stride_lm
         tl.store(lse_base + rows * stride_lm, lse, mask=row_mask)

@@ -17,11 +17,19 @@ from .configs import _launch_kernel
 from .problem import BlockLists, _block_d, _index_64, _no_block_lists, _Problem
 
 
-def _forward(problem: _Problem, q, k, v, out, lse, cu_q, cu_k, blocks: BlockLists | None = None) -> None:
-    """``blocks``: block-sparse, over each query block's listed key blocks (:class:`BlockLists`)."""
+def _sink_args(sinks: torch.Tensor | None, dummy: torch.Tensor) -> tuple:
+    """The sinks' pointer and stride (a dummy, never read, without sinks)."""
+    return (dummy, 0) if sinks is None else (sinks, sinks.stride(0))
+
+
+def _forward(problem: _Problem, q, k, v, out, lse, cu_q, cu_k, blocks: BlockLists | None = None,
+             sinks: torch.Tensor | None = None) -> None:
+    """``blocks``: block-sparse, over each query block's listed key blocks (:class:`BlockLists`); ``sinks``:
+    ``(Hq,)`` logits that join each row's softmax denominator (``problem.sinks``)."""
     if out.numel() == 0 or problem.batch == 0:
         return
-    args = (q, k, v, out, lse, cu_q, cu_k, *(_no_block_lists(lse) if blocks is None else blocks.args()),
+    args = (q, k, v, out, lse, *_sink_args(sinks, lse), cu_q, cu_k,
+            *(_no_block_lists(lse) if blocks is None else blocks.args()),
             *problem.strides4(q), *problem.strides4(k), *problem.strides4(v),
             *problem.strides4(out), *problem.strides3(lse), *problem.scalars())
     constexprs = problem.constexprs(q.dtype, q, k, v, out, lse)
@@ -30,38 +38,46 @@ def _forward(problem: _Problem, q, k, v, out, lse, cu_q, cu_k, blocks: BlockList
                    args, constexprs, None if blocks is None else blocks.config)
 
 
-def _preprocess(problem: _Problem, out, grad_out, grad_lse, delta) -> None:
-    """delta = rowsum(dO * O) - dlse; a varlen problem runs as one sequence of all the packed rows."""
+def _preprocess(problem: _Problem, out, grad_out, grad_lse, delta, lse, sinks=None, dsink_rows=None) -> None:
+    """delta = rowsum(dO * O) - dlse (and, with sinks, each row's -P_sink * delta into ``dsink_rows``, laid out
+    as ``delta``); a varlen problem runs as one sequence of all the packed rows."""
     if problem.varlen:
         n_rows, batch = out.shape[0], 1
     else:
         n_rows, batch = problem.seqlen_q, problem.batch
     if n_rows == 0 or batch == 0:
         return
-    block_d = _block_d(problem.head_dim)
+    block_d = _block_d(problem.dv)  # out and dO have v's head dim
     block_m = max(16, min(next_power_of_2(n_rows), 8192 // block_d))
     dlse = grad_lse if grad_lse is not None else delta  # without a gradient for lse: never read
     preprocess_index_64 = _index_64(out, grad_out, delta, *([grad_lse] if grad_lse is not None else []))
     flash_attention_backward_preprocess_kernel[(triton.cdiv(n_rows, block_m), problem.heads_q, batch)](
-        out, grad_out, dlse, delta, n_rows, problem.heads_q, problem.head_dim,
+        out, grad_out, dlse, delta, lse,
+        *((delta, delta, 0) if sinks is None else (sinks, dsink_rows, sinks.stride(0))),
+        n_rows, problem.heads_q, problem.dv,
         *problem.strides4(out), *problem.strides4(grad_out), *problem.strides3(dlse), *problem.strides3(delta),
-        HAS_DLSE=grad_lse is not None, INDEX_64=preprocess_index_64, BLOCK_M=block_m, BLOCK_D=block_d,
+        HAS_DLSE=grad_lse is not None, HAS_SINKS=sinks is not None, INDEX_64=preprocess_index_64, BLOCK_M=block_m,
+        BLOCK_D=block_d,
         num_warps=4,
     )
 
 
 def _backward(problem: _Problem, grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k, dq, dk, dv,
-              rows: BlockLists | None = None, cols: BlockLists | None = None) -> None:
+              rows: BlockLists | None = None, cols: BlockLists | None = None,
+              sinks: torch.Tensor | None = None) -> torch.Tensor | None:
     """``rows``/``cols``: block-sparse, dQ over each query block's key blocks, dK/dV over each key
-    block's query blocks (the transposed lists)."""
+    block's query blocks (the transposed lists). With ``sinks``, returns their float32 gradient ``(Hq,)``:
+    ``d sink_h = -sum_rows P_sink * delta`` (the rows' terms summed by torch, in a fixed order)."""
     if problem.batch == 0:
-        return
+        return None if sinks is None else torch.zeros(sinks.shape, dtype=torch.float32, device=sinks.device)
     delta = _launch.empty(lse.shape, torch.float32, lse.device)
     if lse.stride() != delta.stride():  # the kernels read both with one set of strides (lse is ours: contiguous)
         lse = lse.contiguous()
-    _preprocess(problem, out, grad_out, grad_lse, delta)
+    dsink_rows = None if sinks is None else _launch.empty(lse.shape, torch.float32, lse.device)
+    _preprocess(problem, out, grad_out, grad_lse, delta, lse, sinks, dsink_rows)
     tensors = (q, k, v, grad_out, lse, dq, dk, dv)
     constexprs = problem.constexprs(q.dtype, *tensors)
+    del constexprs["HAS_SINKS"]  # the sinks change lse, which dK/dV and dQ read as it is: no switch there
     constexprs["BLOCK_SPARSE"] = rows is not None
     common = (*problem.strides4(q), *problem.strides4(k), *problem.strides4(v), *problem.strides4(grad_out),
               *problem.strides3(lse))
@@ -80,3 +96,7 @@ def _backward(problem: _Problem, grad_out, grad_lse, q, k, v, out, lse, cu_q, cu
              *common, *problem.strides4(dq), *problem.scalars()),
             constexprs, None if rows is None else rows.config,
         )
+    if sinks is None:
+        return None
+    # dense (B, Hq, Tq): over the batch and the rows; varlen (Hq, total_q): over the packed rows
+    return dsink_rows.sum(1) if problem.varlen else dsink_rows.sum((0, 2))

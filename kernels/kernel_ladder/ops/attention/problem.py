@@ -63,6 +63,12 @@ class _Problem:
     varlen: bool
     total_q: int = 0  # varlen: the packed lengths (q.shape[0], k.shape[0]), which every sequence stays inside
     total_k: int = 0
+    head_dim_v: int = 0  # v's (and out's) head dim Dv; 0: D
+    sinks: bool = False  # a per-head sink logit joins every row's softmax denominator
+
+    @property
+    def dv(self) -> int:
+        return self.head_dim_v or self.head_dim
 
     def strides4(self, t: torch.Tensor) -> tuple[int, ...]:
         """A (B, H, T, D) tensor's strides; a packed (total, H, D) one's as (0, H, T, D)."""
@@ -77,14 +83,14 @@ class _Problem:
         return tuple(t.stride())
 
     def scalars(self) -> tuple:
-        """seqlen_q, seqlen_k, head_dim, group_size, sm_scale, qk_scale, softcap, window, the two buckets.
+        """seqlen_q, seqlen_k, head_dim, head_dim_v, group_size, sm_scale, qk_scale, softcap, window, the buckets.
 
         Varlen: the kernels read each sequence's lengths from cu_seqlens, and get the packed lengths as
         ``seqlen_q``/``seqlen_k`` to clamp them into (values a check would reject stay inside q, k, v)."""
         # A window wider than every sequence changes nothing; capping it keeps the bounds in int32.
         window = min(self.window, self.seqlen_q + self.seqlen_k + 1) if self.window is not None else 0
         lengths = (self.total_q, self.total_k) if self.varlen else (self.seqlen_q, self.seqlen_k)
-        return (*lengths, self.head_dim, self.heads_q // self.heads_kv, float(self.sm_scale),
+        return (*lengths, self.head_dim, self.dv, self.heads_q // self.heads_kv, float(self.sm_scale),
                 float(self.sm_scale) * math.log2(math.e), float(self.softcap or 1.0), window,
                 size_bucket(self.seqlen_q), size_bucket(self.seqlen_k))
 
@@ -92,19 +98,20 @@ class _Problem:
         return dict(CAUSAL=self.causal, HAS_WINDOW=self.window is not None, SOFTCAP=self.softcap is not None,
                     VARLEN=self.varlen, INDEX_64=_index_64(*tensors),
                     INPUT_PRECISION=_launch.dot_input_precision(dtype), BLOCK_D=_block_d(self.head_dim),
-                    BLOCK_SPARSE=False)
+                    BLOCK_DV=_block_d(self.dv), BLOCK_SPARSE=False, HAS_SINKS=self.sinks)
 
 
-def _dense_problem(q, k, causal, softmax_scale, window, softcap) -> _Problem:
+def _dense_problem(q, k, causal, softmax_scale, window, softcap, v=None, sinks=None) -> _Problem:
     batch, heads_q, seqlen_q, head_dim = q.shape
     return _Problem(batch, heads_q, k.shape[1], seqlen_q, k.shape[2], head_dim, causal, softmax_scale, window,
-                    softcap, varlen=False)
+                    softcap, varlen=False, head_dim_v=head_dim if v is None else v.shape[-1], sinks=sinks is not None)
 
 
 def _varlen_problem(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window,
-                    softcap) -> _Problem:
+                    softcap, v=None, sinks=None) -> _Problem:
     return _Problem(cu_seqlens_q.shape[0] - 1, q.shape[1], k.shape[1], max_seqlen_q, max_seqlen_k, q.shape[2],
-                    causal, softmax_scale, window, softcap, varlen=True, total_q=q.shape[0], total_k=k.shape[0])
+                    causal, softmax_scale, window, softcap, varlen=True, total_q=q.shape[0], total_k=k.shape[0],
+                    head_dim_v=q.shape[2] if v is None else v.shape[-1], sinks=sinks is not None)
 
 
 def _scale(softmax_scale: float | None, head_dim: int) -> float:
@@ -176,31 +183,46 @@ def _check_tensors(op: str, q: object, k: object, v: object, rank: int, layout: 
         if t.dim() != rank:
             what = layout.replace("H", "Hq" if name == "q" else "Hkv").replace("T", "Tq" if name == "q" else "Tk")
             raise ValueError(f"{op}: {name} must be {rank}-D {what}, got shape {tuple(t.shape)}")
-    head_dims = (q.shape[-1], k.shape[-1], v.shape[-1])
-    if not head_dims[0] == head_dims[1] == head_dims[2]:
-        raise ValueError(f"{op}: q, k and v must share the head dim D (the last dim), got {head_dims[0]}, "
-                         f"{head_dims[1]} and {head_dims[2]}")
-    d = head_dims[0]
-    if not 1 <= d <= MAX_HEAD_DIM:
-        raise ValueError(f"{op}: the head dim D must be in [1, {MAX_HEAD_DIM}], got {d}")
-    if k.shape != v.shape:
-        raise ValueError(f"{op}: k and v must have the same shape (the same batch, heads and keys), got "
-                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"{op}: q and k must share the head dim D (the last dim), got {q.shape[-1]} and "
+                         f"{k.shape[-1]} (v may have its own, Dv)")
+    for what, d in (("the head dim D of q and k", q.shape[-1]), ("v's head dim Dv", v.shape[-1])):
+        if not 1 <= d <= MAX_HEAD_DIM:
+            raise ValueError(f"{op}: {what} must be in [1, {MAX_HEAD_DIM}], got {d}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"{op}: k and v must have the same shape but for the head dim (the same batch, heads and "
+                         f"keys), got {tuple(k.shape)} and {tuple(v.shape)}")
     heads_q, heads_kv = q.shape[-2 if rank == 3 else 1], k.shape[-2 if rank == 3 else 1]
     if heads_kv == 0 or heads_q % heads_kv:
         raise ValueError(f"{op}: the query heads ({heads_q}) must be a multiple of the key/value heads ({heads_kv}): "
                          "grouped-query attention gives each kv head Hq // Hkv query heads")
 
 
-def _check_dense(q, k, v, causal, softmax_scale, window, softcap, return_lse) -> None:
+def _check_sinks(op: str, q: torch.Tensor, sinks: object) -> None:
+    """``sinks``: None, or one float logit per query head, ``(Hq,)``, on q's device (any float dtype)."""
+    if sinks is None:
+        return
+    check_tensor(op, "sinks", sinks)
+    if not sinks.dtype.is_floating_point or sinks.dtype.itemsize < 2:
+        raise TypeError(f"{op}: sinks must be a float tensor (float64, float32, float16 or bfloat16; read in float32), "
+                        f"got {sinks.dtype}")
+    heads_q = q.shape[-2] if q.dim() == 3 else q.shape[1]
+    if sinks.shape != (heads_q,):
+        raise ValueError(f"{op}: sinks must have shape (Hq,) = ({heads_q},): one logit per query head, got "
+                         f"{tuple(sinks.shape)}")
+    check_same_device(op, "q", q, "sinks", sinks)
+
+
+def _check_dense(q, k, v, causal, softmax_scale, window, softcap, return_lse, sinks=None) -> None:
     _check_tensors(_OP, q, k, v, 4, "(B, H, T, D)")
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"{_OP}: q and k must have the same batch size, got q {tuple(q.shape)} and k {tuple(k.shape)}")
     _check_options(_OP, causal, softmax_scale, window, softcap, return_lse)
+    _check_sinks(_OP, q, sinks)
 
 
 def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window,
-                  softcap, return_lse) -> None:
+                  softcap, return_lse, sinks=None) -> None:
     op = _VARLEN_OP
     _check_tensors(op, q, k, v, 3, "(total_T, H, D)")
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
@@ -221,6 +243,7 @@ def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         if value < 0:
             raise ValueError(f"{op}: {name} must be >= 0, got {value}")
     _check_options(op, causal, softmax_scale, window, softcap, return_lse)
+    _check_sinks(op, q, sinks)
 
 
 # ----------------------------------------------------------------------------------------------
