@@ -708,3 +708,112 @@ def test_the_diagnoses_on_hand_made_answers(diagnose, got, expected, diagnosis):
         assert said is None, said
     else:
         assert said is not None and diagnosis in said, said
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 6: DeepSeek-V3's group-limited top-k with bias correction
+# ----------------------------------------------------------------------------------------------
+
+
+def _router(logits, bias, k, num_groups, topk_groups, renormalize, scale, *, weigh=None, group_score=None,
+            fill=float("-inf"), limit=True, rank_bias=True, scores=None, normalize_first=True, normalize=True):
+    """A torch-ops router with parts swapped for wrong ones (the negative controls below)."""
+    tokens, experts = logits.shape
+    scores = torch.sigmoid(logits) if scores is None else scores(logits)
+    choice = scores + bias if rank_bias else scores
+    if limit:
+        grouped = choice.view(tokens, num_groups, -1)
+        ranked = group_score(grouped) if group_score else grouped.topk(2, dim=-1).values.sum(dim=-1)
+        kept = torch.zeros_like(ranked, dtype=torch.bool).scatter_(1, ranked.topk(topk_groups, dim=-1).indices, True)
+        choice = choice.masked_fill(~kept.repeat_interleave(experts // num_groups, dim=1), fill)
+    ids = choice.topk(k, dim=-1).indices
+    weights = (weigh(scores, bias) if weigh else scores).gather(1, ids)
+    if not normalize_first:
+        weights = weights * scale
+    if renormalize and normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return (weights * scale if normalize_first else weights), ids
+
+
+def topk_bias_in_the_weights(*case):
+    return _router(*case, weigh=lambda s, b: s + b)
+
+
+def topk_group_max(*case):
+    return _router(*case, group_score=lambda g: g.max(dim=-1).values)
+
+
+def topk_scaled_not_renormalized(*case):
+    return _router(*case, normalize=False)
+
+
+def topk_scaled_then_renormalized(*case):
+    return _router(*case, normalize_first=False)
+
+
+def topk_zero_fill(*case):
+    return _router(*case, fill=0.0)
+
+
+def topk_without_the_group_limit(*case):
+    return _router(*case, limit=False)
+
+
+def topk_bias_not_in_the_choice(*case):
+    return _router(*case, rank_bias=False)
+
+
+def topk_softmax_scores(*case):
+    return _router(*case, scores=lambda x: torch.softmax(x, dim=-1))
+
+
+def topk_token_by_token(logits, bias, *rest):
+    rows = [given.grouped_topk(logits[t:t + 1], bias, *rest) for t in range(logits.shape[0])]  # a Python loop
+    return torch.cat([w for w, _ in rows]), torch.cat([i for _, i in rows])
+
+
+def topk_with_item(logits, bias, k, num_groups, topk_groups, renormalize, scale):
+    weights, ids = given.grouped_topk(logits, bias, k, num_groups, topk_groups, renormalize, scale)
+    return weights * (weights.sum() / weights.sum()).item(), ids  # a host sync
+
+
+def topk_int32_ids(*case):
+    weights, ids = given.grouped_topk(*case)
+    return weights, ids.to(torch.int32)
+
+
+def check_grouped_topk(candidate):
+    return check("ch09_moe.grouped_topk", candidate, given.grouped_topk_reference, given.grouped_topk_cases,
+                 compare=given.diagnose_grouped_topk, rules=given.grouped_topk_rules(),
+                 diagnose=given.diagnose_grouped_topk_cause)
+
+
+def test_grouped_topk_solution_solves():
+    assert check_grouped_topk(given.grouped_topk).solved
+
+
+def test_the_production_grouped_router_passes_the_same_check():
+    def production(logits, bias, k, num_groups, topk_groups, renormalize, scale):
+        return kernel_ladder.topk_routing(logits, k, renormalize, "sigmoid", bias=bias, num_groups=num_groups,
+                                          topk_groups=topk_groups, scale=scale)
+
+    assert check_grouped_topk(production).solved
+
+
+@pytest.mark.parametrize(("wrong", "diagnosis"), [
+    (topk_bias_in_the_weights, "cause: the bias is in the weights"),
+    (topk_group_max, "cause: each group is scored by its largest choice"),
+    (topk_scaled_not_renormalized, "cause: the weights were scaled without being renormalized first"),
+    (topk_scaled_then_renormalized, "cause: the scale is missing (or was applied before the renormalization"),
+    (topk_zero_fill, "cause: the dropped groups' experts were filled with 0, not -inf"),
+    (topk_without_the_group_limit, "cause: the group limit is missing"),
+    (topk_bias_not_in_the_choice, "cause: the bias was left out of the choice"),
+    (topk_softmax_scores, "cause: the scores are a softmax"),
+    (topk_token_by_token, "broke a stated rule — the spec asks for tensor ops only: a router runs on the device, "
+                          "every token at once"),
+    (topk_with_item, "the code took values to the host: .item()"),
+    (topk_int32_ids, "ids: wrong dtype torch.int32"),
+])
+def test_grouped_topk_negative_controls(wrong, diagnosis):
+    verdict = check_grouped_topk(wrong)
+    assert rejected(verdict, diagnosis), verdict.message
