@@ -1396,6 +1396,32 @@ def test_holds_with_the_expected_result_and_a_raising_property():
                       "broke a stated rule — a property: checking it raised AttributeError")
 
 
+def test_inputs_unchanged_names_the_arguments_changed_in_place():
+    rule = exercises.rules.inputs_unchanged(why="the spec leaves its inputs as they were")
+
+    def add_into_x(x, y):
+        return x.add_(y)  # the right sum, in x's memory
+
+    def add_into_y_and_back(x, y):
+        y.add_(x)
+        result = y.clone()
+        y.sub_(x)  # put back, but rounded: y + x - x is not y in floating point
+        return result
+
+    verdict = check("add", add_into_x, torch.add, small_add_cases, rules=[rule])
+    assert_not_solved(verdict, "broke a stated rule — the spec leaves its inputs as they were: the code changed x "
+                               "in place (12 of its 12 elements)")
+    assert_not_solved(check("add", add_into_y_and_back, torch.add, small_add_cases, rules=[rule]), "changed y in place")
+    kept = check("add", torch.add, torch.add, small_add_cases, rules=[rule])
+    assert kept.solved and "rules kept: inputs left unchanged" in kept.message, kept.message
+
+
+def test_inputs_unchanged_keeps_nan_inputs_and_views_that_write_nothing():
+    rule = exercises.rules.inputs_unchanged(why="x")
+    cases = [(torch.tensor([1.0, float("nan"), 3.0]), torch.ones(3))]
+    assert check("add", lambda x, y: x[:].view(3) + y, torch.add, cases, rules=[rule]).solved
+
+
 # ----------------------------------------------------------------------------------------------
 # Exact types: a Python int (or bool) reference wants exactly that
 

@@ -19,6 +19,8 @@ a broken rule is a NOT SOLVED verdict whose line names the rule::
 * :func:`stable_sorts` — every sort the candidate runs is asked to be stable (``stable=True``);
 * :func:`stores_each_output_once` — no Triton launch stores to one output element twice (a
   program that stores, reloads and stores again; two programs on one element), from the tracer;
+* :func:`inputs_unchanged` — every tensor argument holds, after the run, what it held before (the
+  candidate's copy compared with the case's original): no input scaled or overwritten in place;
 * :func:`holds` — any property of one case's result, ``holds(lambda case, got: None or "what is wrong")``.
 """
 
@@ -39,8 +41,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["Rule", "RuleBroken", "bytes_read", "forbids", "holds", "no_python_loops", "stable_sorts",
-           "stores_each_output_once", "tensor_ops_only", "traced"]
+__all__ = ["Rule", "RuleBroken", "bytes_read", "forbids", "holds", "inputs_unchanged", "no_python_loops",
+           "stable_sorts", "stores_each_output_once", "tensor_ops_only", "traced"]
 
 #: What every broken rule's line starts with (a test or a notebook can look for it).
 BROKE_A_RULE = "broke a stated rule"
@@ -548,6 +550,60 @@ def stores_each_output_once(why: str) -> Rule:
         return None
 
     return Rule(name="each output stored once", why=why, problem=problem)
+
+
+# --------------------------------------------------------------------------------------------
+# inputs_unchanged: the arguments as they were
+# --------------------------------------------------------------------------------------------
+
+
+def _changed_elements(now: torch.Tensor, was: torch.Tensor) -> int:
+    """How many elements of ``now`` differ from ``was`` (NaN equal to NaN; every one if the shape changed)."""
+    if now.shape != was.shape or now.dtype != was.dtype:
+        return max(now.numel(), was.numel(), 1)
+    now, was = now.detach().cpu(), was.detach().cpu()
+    same = now == was
+    if now.is_floating_point() or now.is_complex():
+        same |= now.isnan() & was.isnan()
+    return int((~same).sum())
+
+
+def inputs_unchanged(why: str) -> Rule:
+    """A rule that the candidate leaves every tensor argument as it got it: nothing scaled, overwritten or
+    resized in place (``q.mul_(scale)``, ``x += y``, ``out=x``), even where the result is right.
+
+    The candidate runs on copies of the case's tensors (the checker's guarded copies), so the originals
+    are the "before": each copy is compared with its original after the run, element by element (NaN
+    equal to NaN). The verdict names the arguments changed and how many of their elements.
+    """
+
+    def problem(context: RunContext) -> str | None:
+        names = _argument_names(context.candidate)
+        changed = []
+        for i, (now, was) in enumerate(zip(context.args, context.case)):
+            if not isinstance(now, torch.Tensor) or not isinstance(was, torch.Tensor) or now is was:
+                continue  # a tensor the checker could not copy is the caller's own: nothing to compare
+            count = _changed_elements(now, was)
+            if count:
+                label = names[i] if i < len(names) else f"argument {i}"
+                changed.append((label, count, was.numel()))
+        if not changed:
+            return None
+        said = ", ".join(label for label, _, _ in changed)
+        counts = "; ".join(f"{count} of its {total} elements" if len(changed) == 1 else f"{label}: {count} of {total}"
+                           for label, count, total in changed)
+        return (f"the code changed {said} in place ({counts}) — the caller's tensors must come back as they were: "
+                "compute into new tensors (q * scale, not q.mul_(scale))")
+
+    return Rule(name="inputs left unchanged", why=why, problem=problem)
+
+
+def _argument_names(function: Any) -> list[str]:
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
 # --------------------------------------------------------------------------------------------
