@@ -48,7 +48,6 @@ import math
 import numbers
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -57,7 +56,17 @@ from .. import _autocast, _launch, runtime
 from .._launch import next_power_of_2
 from .._validate import FLOAT_DTYPES, check_tensor, check_values, schema_types
 from .._validate import is_int as _is_int
-from .paged_attention import BLOCK_SIZES, _find_sequence, _index_64, paged_attention_merge_kernel, plan_paged_attention
+from .paged_attention import (
+    _find_sequence,
+    _index_64,
+    check_block_size,
+    check_block_table_values,
+    check_block_tables,
+    check_num_splits,
+    merge_splits,
+    plan_paged_attention,
+    split_partials,
+)
 
 __all__ = [
     "DEEPSEEK_V3",
@@ -361,16 +370,10 @@ def _forward(q_latent, q_rope, latent_cache, block_tables, seq_lens, cu_seqlens_
     config = _config()
     plan = _Launch(rows, seq_lens.shape[0], heads, varlen, config, q_latent.dtype == torch.float32)
     split = num_splits > 1
-    if split:
-        partial_out = _launch.empty((num_splits, rows, heads, kv_lora_rank), torch.float32, q_latent.device)
-        partial_lse = _launch.empty((num_splits, rows, heads), torch.float32, q_latent.device)
-    else:
-        partial_out, partial_lse = out, out  # never touched
+    partial_out, partial_lse, pstrides, lstrides = split_partials(out, num_splits)
     index_64 = _index_64(q_latent, q_rope, latent_cache, out, block_tables, *((partial_out,) if split else ()))
     block_l = max(16, next_power_of_2(kv_lora_rank))
     pages, block_n = config.step(block_size, q_latent.dtype == torch.float32)
-    pstrides = partial_out.stride() if split else (0, 0, 0, 0)
-    lstrides = partial_lse.stride() if split else (0, 0, 0)
     mla_attention_kernel[(plan.query_programs, plan.head_programs, num_splits)](
         q_latent, q_rope, latent_cache, out, partial_out, partial_lse,
         block_tables, seq_lens, cu_seqlens_q if varlen else seq_lens,
@@ -384,14 +387,7 @@ def _forward(q_latent, q_rope, latent_cache, block_tables, seq_lens, cu_seqlens_
         num_stages=config.num_stages,
     )
     if split:
-        block_s = next_power_of_2(num_splits)
-        block_h = max(1, min(next_power_of_2(heads), 8192 // (block_s * block_l)))
-        paged_attention_merge_kernel[(rows, triton.cdiv(heads, block_h))](
-            partial_out, partial_lse, out, partial_lse, 0,  # no sinks (HAS_SINKS off: never read)
-            *partial_out.stride(), *partial_lse.stride(), *out.stride(),
-            heads, kv_lora_rank, num_splits,
-            INDEX_64=index_64, HAS_SINKS=False, BLOCK_H=block_h, BLOCK_S=block_s, BLOCK_D=block_l, num_warps=4,
-        )
+        merge_splits(partial_out, partial_lse, out, index_64)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -437,9 +433,7 @@ def _check(q_latent, q_rope, latent_cache, block_tables, seq_lens, softmax_scale
             raise ValueError(f"{op}: q_latent and {name} must be on the same device, got {q_latent.device} and "
                              f"{t.device}")
     num_blocks, block_size, width = latent_cache.shape
-    if block_size not in BLOCK_SIZES:
-        raise ValueError(f"{op}: the cache block size (latent_cache.shape[1]) must be a power of two from 8 to 128, "
-                         f"got {block_size}")
+    check_block_size(op, "latent_cache", block_size)
     if q_latent.shape[-1] != kv_lora_rank:
         raise ValueError(f"{op}: q_latent's last dim must be kv_lora_rank = {kv_lora_rank} (q_nope absorbed "
                          f"through W_UK), got {q_latent.shape[-1]}")
@@ -453,88 +447,8 @@ def _check(q_latent, q_rope, latent_cache, block_tables, seq_lens, softmax_scale
     if q_rope.shape[:2] != q_latent.shape[:2]:
         raise ValueError(f"{op}: q_rope and q_latent must have the same (rows, H), got {tuple(q_rope.shape[:2])} "
                          f"and {tuple(q_latent.shape[:2])}")
-    if block_tables.dtype != torch.int32:
-        raise TypeError(f"{op}: block_tables must be int32, got {block_tables.dtype}; convert with .to(torch.int32)")
-    if block_tables.dim() != 2:
-        raise ValueError(f"{op}: block_tables must be 2-D (B, max_blocks), got shape {tuple(block_tables.shape)}")
-    batch = block_tables.shape[0]
-    if seq_lens.dtype != torch.int32:
-        raise TypeError(f"{op}: seq_lens must be int32, got {seq_lens.dtype}; convert with .to(torch.int32)")
-    if seq_lens.shape != (batch,):
-        raise ValueError(f"{op}: seq_lens must have shape (B,) = ({batch},) (one length per block_tables row), got "
-                         f"{tuple(seq_lens.shape)}")
-    if cu_seqlens_q is None:
-        if q_latent.shape[0] != batch:
-            raise ValueError(f"{op}: decoding (no cu_seqlens_q) takes one query token per sequence: q_latent.shape[0] "
-                             f"must be B = {batch} (block_tables.shape[0]), got {q_latent.shape[0]}")
-    else:
-        check_tensor(op, "cu_seqlens_q", cu_seqlens_q)
-        if cu_seqlens_q.dtype != torch.int32:
-            raise TypeError(f"{op}: cu_seqlens_q must be int32, got {cu_seqlens_q.dtype}")
-        if cu_seqlens_q.shape != (batch + 1,):
-            raise ValueError(f"{op}: cu_seqlens_q must have shape (B + 1,) = ({batch + 1},): 0, then each sequence's "
-                             f"end in q_latent; got {tuple(cu_seqlens_q.shape)}")
-        if cu_seqlens_q.device != q_latent.device:
-            raise ValueError(f"{op}: q_latent and cu_seqlens_q must be on the same device, got {q_latent.device} and "
-                             f"{cu_seqlens_q.device}")
-    if num_splits is not None:
-        if not _is_int(num_splits):
-            raise TypeError(f"{op}: num_splits must be a positive int or None (chosen automatically), got "
-                            f"{type(num_splits).__name__}")
-        if num_splits < 1:
-            raise ValueError(f"{op}: num_splits must be >= 1, got {num_splits}")
-
-
-def _check_values(q_latent, block_tables, seq_lens, cu_seqlens_q, block_size, num_blocks) -> None:
-    """seq_lens in [0, max_blocks * block_size]; the table entries a sequence uses in [0, num_blocks);
-    cu_seqlens_q from 0, non-decreasing, ending at total_q, with q_len_b <= seq_lens[b]."""
-    capacity = block_tables.shape[1] * block_size
-    lens_message = (f"{_OP}: seq_lens must be in [0, max_blocks * block_size] = [0, {capacity}] "
-                    "(block_tables has max_blocks entries per sequence)")
-    check_values((seq_lens,), lambda: ((seq_lens >= 0) & (seq_lens <= capacity)).all(), lens_message,
-                 lambda: f"{lens_message}; got {seq_lens.tolist()}",
-                 host_ok=lambda: bool(((seq_lens.numpy() >= 0) & (seq_lens.numpy() <= capacity)).all()))
-
-    def used() -> torch.Tensor:
-        columns = torch.arange(block_tables.shape[1], device=block_tables.device, dtype=torch.int32)
-        return columns[None, :] * block_size < seq_lens[:, None]
-
-    def bad_entries() -> torch.Tensor:
-        return ~((block_tables >= 0) & (block_tables < num_blocks)) & used()
-
-    tables_message = (f"{_OP}: every block_tables entry a sequence uses (the first cdiv(seq_lens[b], "
-                      f"block_size = {block_size})) must be a block of the cache, in [0, num_blocks = {num_blocks})")
-
-    def tables_error() -> str:
-        b, e = bad_entries().nonzero()[0].tolist()
-        return (f"{tables_message}; got block_tables[{b}, {e}] = {int(block_tables[b, e])} "
-                f"(sequence {b} has seq_len {int(seq_lens[b])})")
-
-    def tables_host_ok() -> bool:
-        tables, lens = block_tables.numpy(), seq_lens.numpy()
-        used_np = np.arange(tables.shape[1])[None, :] * block_size < lens[:, None]
-        return bool((((tables >= 0) & (tables < num_blocks)) | ~used_np).all())
-
-    check_values((block_tables, seq_lens), lambda: ~bad_entries().any(), tables_message, tables_error,
-                 host_ok=tables_host_ok, device_assert=False)
-    if cu_seqlens_q is None:
-        return
-
-    def cu_ok() -> torch.Tensor:
-        q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
-        return ((cu_seqlens_q[0] == 0) & (cu_seqlens_q[-1] == q_latent.shape[0]) & (q_lens >= 0).all()
-                & (q_lens <= seq_lens).all())
-
-    cu_message = (f"{_OP}: cu_seqlens_q must start at 0, never decrease, end at total_q = {q_latent.shape[0]}, and "
-                  "no sequence may have more new tokens than seq_lens (the new tokens are in the cache)")
-    def cu_host_ok() -> bool:
-        cu, lens = cu_seqlens_q.numpy(), seq_lens.numpy()
-        q_lens = cu[1:] - cu[:-1]
-        return bool(cu[0] == 0 and cu[-1] == q_latent.shape[0] and (q_lens >= 0).all() and (q_lens <= lens).all())
-
-    check_values((cu_seqlens_q, seq_lens), cu_ok, cu_message,
-                 lambda: f"{cu_message}; got cu_seqlens_q {cu_seqlens_q.tolist()} and seq_lens {seq_lens.tolist()}",
-                 host_ok=cu_host_ok)
+    check_block_tables(op, "q_latent", q_latent, block_tables, seq_lens, cu_seqlens_q)
+    check_num_splits(op, num_splits)
 
 
 def _check_write(c_kv, k_rope, latent_cache, slot_mapping) -> None:
@@ -596,7 +510,8 @@ def _mla_attention_op(q_latent: torch.Tensor, q_rope: torch.Tensor, latent_cache
     _check(q_latent, q_rope, latent_cache, block_tables, seq_lens, softmax_scale, kv_lora_rank, cu_seqlens_q,
            num_splits)
     runtime.require_launchable(_OP, q_latent, q_rope, latent_cache, block_tables, seq_lens)
-    _check_values(q_latent, block_tables, seq_lens, cu_seqlens_q, latent_cache.shape[1], latent_cache.shape[0])
+    check_block_table_values(_OP, q_latent, block_tables, seq_lens, cu_seqlens_q, latent_cache.shape[1],
+                             latent_cache.shape[0])
     out = _launch.empty_output(q_latent.shape, q_latent)
     _forward(q_latent, q_rope, latent_cache, block_tables, seq_lens, cu_seqlens_q, out, softmax_scale, kv_lora_rank,
              num_splits)
