@@ -54,7 +54,7 @@ import triton.language as tl
 
 from .. import _autocast, _launch, runtime
 from .._launch import next_power_of_2
-from .._validate import FLOAT_DTYPES, check_tensor, check_values, schema_types
+from .._validate import FLOAT_DTYPES, check_tensor, schema_types
 from .._validate import is_int as _is_int
 from .paged_attention import (
     _find_sequence,
@@ -67,6 +67,7 @@ from .paged_attention import (
     plan_paged_attention,
     split_partials,
 )
+from .write_kv_cache import check_slot_mapping, check_slot_values, max_offset, token_slots, tokens_per_program
 
 __all__ = [
     "DEEPSEEK_V3",
@@ -257,17 +258,8 @@ def write_latent_cache_kernel(
 ):
     """``cache[slot // bs, slot % bs] = [c_kv[t] | k_rope[t]]`` for ``BLOCK_T`` tokens, one store of the
     whole ``L + R`` row; slots < 0 (padding) or past the cache are skipped."""
-    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    token_mask = tokens < n_tokens
-    slots = tl.load(slot_ptr + tokens * stride_slot, mask=token_mask, other=-1)
-    write = token_mask & (slots >= 0) & (slots < num_slots)
-    if INDEX_64:
-        slots = slots.to(tl.int64)
-        tokens = tokens.to(tl.int64)
-    else:
-        slots = tl.where(write, slots, 0).to(tl.int32)
-    block = slots // block_size
-    offset = slots % block_size
+    tokens, write, block, offset = token_slots(slot_ptr, stride_slot, n_tokens, num_slots, block_size, BLOCK_T,
+                                               INDEX_64)
     w = tl.arange(0, BLOCK_W)
     is_c = w < kv_lora_rank
     is_r = (w >= kv_lora_rank) & (w < kv_lora_rank + rope_dim)
@@ -473,29 +465,10 @@ def _check_write(c_kv, k_rope, latent_cache, slot_mapping) -> None:
     if c_kv.shape[1] + k_rope.shape[1] != latent_cache.shape[2]:
         raise ValueError(f"{op}: the cache's last dim must be kv_lora_rank + rope_dim = {c_kv.shape[1]} + "
                          f"{k_rope.shape[1]} (c_kv's and k_rope's widths), got {latent_cache.shape[2]}")
-    if slot_mapping.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"{op}: slot_mapping must be int32 or int64 (one flat slot per token), got "
-                        f"{slot_mapping.dtype}")
-    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != c_kv.shape[0]:
-        raise ValueError(f"{op}: slot_mapping must be 1-D (T,) with T = {c_kv.shape[0]} (c_kv's tokens), got shape "
-                         f"{tuple(slot_mapping.shape)}")
+    check_slot_mapping(op, slot_mapping, "c_kv", c_kv.shape[0])
     for name, t in (("k_rope", k_rope), ("latent_cache", latent_cache), ("slot_mapping", slot_mapping)):
         if t.device != c_kv.device:
             raise ValueError(f"{op}: c_kv and {name} must be on the same device, got {c_kv.device} and {t.device}")
-
-
-def _check_slot_values(slot_mapping: torch.Tensor, num_slots: int) -> None:
-    if slot_mapping.numel() == 0:
-        return
-    message = (f"{_WRITE_OP}: slot_mapping must hold slots below num_blocks * block_size = {num_slots} "
-               "(or a negative slot for padding)")
-
-    def error() -> str:
-        bad = (slot_mapping >= num_slots).nonzero()[0, 0].item()
-        return f"{message}; got slot_mapping[{bad}] = {slot_mapping[bad].item()}"
-
-    check_values((slot_mapping,), lambda: (slot_mapping < num_slots).all(), message, error,
-                 host_ok=lambda: bool((slot_mapping.numpy() < num_slots).all()), device_assert=False)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -545,17 +518,16 @@ def _write_latent_cache_op(c_kv: torch.Tensor, k_rope: torch.Tensor, latent_cach
     _check_write(c_kv, k_rope, latent_cache, slot_mapping)
     runtime.require_launchable(_WRITE_OP, c_kv, k_rope, latent_cache, slot_mapping)
     num_blocks, block_size, width = latent_cache.shape
-    _check_slot_values(slot_mapping, num_blocks * block_size)
+    check_slot_values(_WRITE_OP, slot_mapping, num_blocks * block_size)
     n_tokens = c_kv.shape[0]
     if n_tokens == 0 or num_blocks == 0:
         return
     block_w = next_power_of_2(width)
-    elements = 16384 if runtime.INTERPRETER else 4096
-    block_t = max(1, min(elements // block_w, next_power_of_2(n_tokens)))
-    extent = lambda t: sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()) if s > 0)  # noqa: E731
-    index_64 = _launch.needs_int64(extent(latent_cache), num_blocks * block_size,
-                                   extent(c_kv) + block_t * abs(c_kv.stride(0)),
-                                   extent(k_rope) + block_t * abs(k_rope.stride(0)))
+    block_t = tokens_per_program(n_tokens, width)
+    # The largest offsets written (a valid slot's) and read (the last program's padding tokens included).
+    index_64 = _launch.needs_int64(max_offset(latent_cache), num_blocks * block_size,
+                                   max_offset(c_kv) + block_t * abs(c_kv.stride(0)),
+                                   max_offset(k_rope) + block_t * abs(k_rope.stride(0)))
     write_latent_cache_kernel[(triton.cdiv(n_tokens, block_t),)](
         c_kv, k_rope, latent_cache, slot_mapping,
         n_tokens, num_blocks * block_size, block_size, c_kv.shape[1], k_rope.shape[1],
