@@ -57,7 +57,6 @@ from .._launch import next_power_of_2
 from .._validate import FLOAT_DTYPES, check_tensor, schema_types
 from .._validate import is_int as _is_int
 from .paged_attention import (
-    _find_sequence,
     _index_64,
     check_block_size,
     check_block_table_values,
@@ -65,6 +64,7 @@ from .paged_attention import (
     check_num_splits,
     merge_splits,
     plan_paged_attention,
+    query_tile,
     split_partials,
 )
 from .write_kv_cache import check_slot_mapping, check_slot_values, max_offset, token_slots, tokens_per_program
@@ -156,18 +156,7 @@ def mla_attention_kernel(
     pid_q = tl.program_id(0)
     pid_h = tl.program_id(1)
     split = tl.program_id(2)
-    if VARLEN:
-        seq = _find_sequence(cu_seqlens_q_ptr, pid_q, num_seqs, BLOCK_Q)
-        found = seq >= 0
-        seq = tl.maximum(seq, 0)
-        q_start = tl.load(cu_seqlens_q_ptr + seq)
-        q_len = tl.where(found, tl.load(cu_seqlens_q_ptr + seq + 1) - q_start, 0)
-        tile = pid_q - (q_start // BLOCK_Q + seq)
-    else:
-        seq = pid_q
-        q_start = pid_q
-        q_len = 1
-        tile = 0
+    seq, q_start, q_len, tile = query_tile(cu_seqlens_q_ptr, pid_q, num_seqs, BLOCK_Q, VARLEN)
     seq_len = tl.minimum(tl.maximum(tl.load(seq_lens_ptr + seq * stride_sl), 0), max_blocks * BLOCK_SIZE)
     m0 = tile * BLOCK_Q
     if m0 < q_len:

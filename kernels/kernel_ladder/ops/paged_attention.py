@@ -149,6 +149,25 @@ def _find_sequence(cu_seqlens_q_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
     return left - 1
 
 
+@triton.jit
+def query_tile(cu_seqlens_q_ptr, pid_q, num_seqs, BLOCK_Q: tl.constexpr, VARLEN: tl.constexpr):
+    """Query program ``pid_q``'s ``(sequence, its first row in q, its query tokens, the tile of BLOCK_Q of them)``:
+    decoding, sequence ``pid_q``'s one token; packed (``VARLEN``), found by :func:`_find_sequence`."""
+    if VARLEN:
+        seq = _find_sequence(cu_seqlens_q_ptr, pid_q, num_seqs, BLOCK_Q)
+        found = seq >= 0  # -1 only when cu_seqlens_q[0] > 0: values a check would reject
+        seq = tl.maximum(seq, 0)
+        q_start = tl.load(cu_seqlens_q_ptr + seq)
+        q_len = tl.where(found, tl.load(cu_seqlens_q_ptr + seq + 1) - q_start, 0)
+        tile = pid_q - (q_start // BLOCK_Q + seq)
+    else:
+        seq = pid_q
+        q_start = pid_q
+        q_len = 1
+        tile = 0
+    return seq, q_start, q_len, tile
+
+
 @triton.jit(do_not_specialize=["num_seqs", "group_size", "heads_per_program", "num_splits", "window", "num_rows",
                                "num_blocks", "max_blocks"])
 def paged_attention_kernel(
@@ -179,18 +198,7 @@ def paged_attention_kernel(
     pid_q = tl.program_id(0)
     pid_h = tl.program_id(1)
     split = tl.program_id(2)
-    if VARLEN:
-        seq = _find_sequence(cu_seqlens_q_ptr, pid_q, num_seqs, BLOCK_Q)
-        found = seq >= 0  # -1 only when cu_seqlens_q[0] > 0: values a check would reject
-        seq = tl.maximum(seq, 0)
-        q_start = tl.load(cu_seqlens_q_ptr + seq)
-        q_len = tl.where(found, tl.load(cu_seqlens_q_ptr + seq + 1) - q_start, 0)
-        tile = pid_q - (q_start // BLOCK_Q + seq)
-    else:
-        seq = pid_q
-        q_start = pid_q
-        q_len = 1
-        tile = 0
+    seq, q_start, q_len, tile = query_tile(cu_seqlens_q_ptr, pid_q, num_seqs, BLOCK_Q, VARLEN)
     # Values a check would reject never reach outside a tensor (with value checks off, a GPU's default):
     # seq_len is clamped to the table's capacity, rows outside q are masked, and a block table entry is
     # clamped into [0, num_blocks) (see the module docstring).
