@@ -58,6 +58,7 @@ from .._validate import FLOAT_DTYPES, check_tensor, schema_types
 from .._validate import is_int as _is_int
 from .paged_attention import (
     _index_64,
+    cache_block,
     check_block_size,
     check_block_table_values,
     check_block_tables,
@@ -201,10 +202,8 @@ def mla_attention_kernel(
             slot = offs_n % BLOCK_SIZE
             for page0 in range(start_page, end_page, PAGES):
                 pages = page0 + offs_p
-                physical = tl.load(table_row + pages * stride_btp, mask=pages < end_page, other=0)
-                physical = tl.minimum(tl.maximum(physical, 0), num_blocks - 1)  # into the cache, whatever the table
-                if INDEX_64:
-                    physical = physical.to(tl.int64)
+                physical = cache_block(tl.load(table_row + pages * stride_btp, mask=pages < end_page, other=0),
+                                       num_blocks, INDEX_64)
                 block_of_key = tl.reshape(tl.broadcast_to(physical[:, None], (PAGES, BLOCK_SIZE)), (BLOCK_N,))
                 keys = page0 * BLOCK_SIZE + offs_n
                 acc, m_i, l_i = _attend(cache_ptr + block_of_key * stride_cb + slot * stride_cs,
@@ -212,10 +211,7 @@ def mla_attention_kernel(
                                         l_mask, r_mask, kv_lora_rank, stride_cd, sm_scale, INPUT_PRECISION)
         else:  # a block larger than a step: one table entry, then the block in steps of BLOCK_N tokens
             for page in range(start_page, end_page):
-                physical = tl.load(table_row + page * stride_btp)
-                physical = tl.minimum(tl.maximum(physical, 0), num_blocks - 1)
-                if INDEX_64:
-                    physical = physical.to(tl.int64)
+                physical = cache_block(tl.load(table_row + page * stride_btp), num_blocks, INDEX_64)
                 block_ptr = cache_ptr + physical * stride_cb
                 for sub in range(0, BLOCK_SIZE, BLOCK_N):
                     keys = page * BLOCK_SIZE + sub + offs_n

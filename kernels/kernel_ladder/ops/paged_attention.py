@@ -168,6 +168,17 @@ def query_tile(cu_seqlens_q_ptr, pid_q, num_seqs, BLOCK_Q: tl.constexpr, VARLEN:
     return seq, q_start, q_len, tile
 
 
+@triton.jit
+def cache_block(entry, num_blocks, INDEX_64: tl.constexpr):
+    """The physical block a block table entry names, clamped into ``[0, num_blocks)`` whatever the table holds
+    (an entry a value check would reject reads the first or the last block, never past the cache); int64 with
+    ``INDEX_64``."""
+    block = tl.minimum(tl.maximum(entry, 0), num_blocks - 1)
+    if INDEX_64:
+        block = block.to(tl.int64)
+    return block
+
+
 @triton.jit(do_not_specialize=["num_seqs", "group_size", "heads_per_program", "num_splits", "window", "num_rows",
                                "num_blocks", "max_blocks"])
 def paged_attention_kernel(
@@ -262,10 +273,8 @@ def paged_attention_kernel(
         l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
         for page0 in range(start_page, end_page, PAGES):
             pages = page0 + offs_p
-            physical = tl.load(table_row + pages * stride_btp, mask=pages < end_page, other=0)
-            physical = tl.minimum(tl.maximum(physical, 0), num_blocks - 1)  # into the cache, whatever the table
-            if INDEX_64:
-                physical = physical.to(tl.int64)
+            physical = cache_block(tl.load(table_row + pages * stride_btp, mask=pages < end_page, other=0),
+                                   num_blocks, INDEX_64)
             # each key's physical block: the PAGES entries broadcast over their block_size slots
             block_of_key = tl.reshape(tl.broadcast_to(physical[:, None], (PAGES, BLOCK_SIZE)), (BLOCK_N,))
             keys = page0 * BLOCK_SIZE + offs_n
