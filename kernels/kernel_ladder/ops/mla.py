@@ -278,10 +278,11 @@ class MLAConfig:
         """Query heads per program (rows per program with ``cu_seqlens_q``): half for an fp32 tile on a GPU."""
         return self.max_heads // 2 if fp32 and self is GPU_CONFIG else self.max_heads
 
-    def step(self, block_size: int, fp32: bool = False) -> tuple[int, int]:
+    def step(self, block_size: int, fp32: bool = False, index_64: bool = False) -> tuple[int, int]:
         """``(PAGES, BLOCK_N)``: whole blocks per step and the step's tokens; ``PAGES = 0`` when a block is
-        larger than a step (the kernel walks it in steps of ``BLOCK_N``). An fp32 tile takes half the tokens."""
-        block_n = self.block_n // 2 if fp32 and self is GPU_CONFIG else self.block_n
+        larger than a step (the kernel walks it in steps of ``BLOCK_N``). On a GPU an fp32 tile, or int64
+        offsets (whose address arithmetic takes twice the registers), take half the tokens."""
+        block_n = self.block_n // 2 if (fp32 or index_64) and self is GPU_CONFIG else self.block_n
         if block_n >= block_size:
             return block_n // block_size, block_n
         return 0, block_n
@@ -350,7 +351,7 @@ def _forward(q_latent, q_rope, latent_cache, block_tables, seq_lens, cu_seqlens_
     partial_out, partial_lse, pstrides, lstrides = split_partials(out, num_splits)
     index_64 = _index_64(q_latent, q_rope, latent_cache, out, block_tables, *((partial_out,) if split else ()))
     block_l = max(16, next_power_of_2(kv_lora_rank))
-    pages, block_n = config.step(block_size, q_latent.dtype == torch.float32)
+    pages, block_n = config.step(block_size, q_latent.dtype == torch.float32, index_64)
     mla_attention_kernel[(plan.query_programs, plan.head_programs, num_splits)](
         q_latent, q_rope, latent_cache, out, partial_out, partial_lse,
         block_tables, seq_lens, cu_seqlens_q if varlen else seq_lens,
