@@ -1,5 +1,5 @@
 """Solutions to chapter 07, FlashAttention: the online softmax, the tiled forward, causal bounds, GQA,
-the backward, varlen packing.
+the backward, varlen packing, attention sinks.
 
 One solution per exercise of ``chapters/07_flash_attention/07_flash_attention.ipynb``, written for
 reading, and the given kernels the chapter's ladder runs (``attention_row_kernel`` and the
@@ -30,6 +30,7 @@ __all__ = [
     "kv_head_index",
     "attention_backward_tile",
     "varlen_tiles",
+    "sink_attention",
     # what the chapter gives its checks
     "fold_tiles_with",
     "fold_reference",
@@ -56,6 +57,9 @@ __all__ = [
     "tiles_by_rows",
     "VARLEN_CASES",
     "diagnose_varlen_tiles",
+    "sink_reference",
+    "sink_cases",
+    "diagnose_sink_attention",
 ]
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * log2(e))
@@ -276,6 +280,44 @@ def varlen_tiles(cu_seqlens: list[int], BLOCK_M: int) -> list[tuple[int, int, in
         for row in range(start, end, BLOCK_M):
             tiles.append((b, row, min(row + BLOCK_M, end)))
     return tiles
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 7: attention sinks (GPT-OSS), forward and the sink's gradient
+# ----------------------------------------------------------------------------------------------
+
+
+def sink_attention(scores: torch.Tensor, v: torch.Tensor, sink: float, widths: list[int],
+                   do: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, lse, d_sink)`` of one head's rows with an attention sink: a logit ``sink`` that joins every
+    row's softmax denominator and nothing else (GPT-OSS), ``out = Σ_j e^{s_j} v_j / (e^{sink} + Σ_j e^{s_j})``.
+
+    The key tiles (``widths``) are folded with exercise 1's update; the sink is one more "tile" of one
+    column, score ``sink`` and value 0, folded in **once**, after the last tile: the running maximum may
+    move to it, the old sums are rescaled, and ``e^{sink - m}`` joins ``l`` only. Then ``out = acc / l`` and
+    ``lse = m + log l`` — the sink counted, so that ``P_sink = e^{sink - lse}`` is its probability.
+
+    The gradient of the sink, from ``dO`` (the output's gradient): ``∂out_i/∂sink = -P_sink,i · out_i``, so
+    ``d_sink = -Σ_i P_sink,i · δ_i`` with ``δ_i = Σ_d dO_id O_id`` — the same ``δ`` as the backward's.
+    """
+    rows = scores.shape[0]
+    m = torch.full((rows,), float("-inf"), dtype=scores.dtype)
+    l = torch.zeros(rows, dtype=scores.dtype)
+    acc = torch.zeros(rows, v.shape[1], dtype=scores.dtype)
+    start = 0
+    for width in widths:
+        m, l, acc = online_softmax_update(m, l, acc, scores[:, start:start + width], v[start:start + width])
+        start += width
+    # The one-line change, written out: fold the sink once, as a key of score `sink` and value 0.
+    m_new = torch.maximum(m, torch.full_like(m, sink))
+    alpha = torch.exp(m - m_new)
+    l = l * alpha + torch.exp(sink - m_new)
+    acc = acc * alpha[:, None]
+    out = acc / l[:, None]
+    lse = m_new + torch.log(l)
+    delta = (do * out).sum(dim=1)
+    d_sink = -(torch.exp(sink - lse) * delta).sum()
+    return out, lse, d_sink
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1039,4 +1081,105 @@ def diagnose_varlen_tiles(case: tuple, got: object, expected: list) -> str | Non
                     "min(row + BLOCK_M, end) — no tile covers padding")
         if end - first > block:
             return f"tile {(b, first, end)} holds {end - first} rows, more than BLOCK_M = {block}"
+    return None
+
+
+# Exercise 7: attention sinks -----------------------------------------------------------------------
+
+
+def sink_reference(scores: torch.Tensor, v: torch.Tensor, sink: float, widths: list[int],
+                   do: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GPT-OSS's ``eager_attention_forward`` (transformers, models/gpt_oss): the sink as one more column of
+    the logits, the row maximum subtracted, a softmax, the sink's column dropped; ``d_sink`` by autograd."""
+    sink_t = torch.tensor(float(sink), dtype=scores.dtype, requires_grad=True)
+    combined = torch.cat([scores, sink_t.expand(scores.shape[0], 1)], dim=1)
+    combined = combined - combined.max(dim=1, keepdim=True).values.detach()
+    probs = torch.softmax(combined, dim=1)
+    out = probs[:, :-1] @ v
+    lse = torch.logsumexp(torch.cat([scores, sink_t.detach().expand(scores.shape[0], 1)], dim=1), dim=1)
+    (d_sink,) = torch.autograd.grad(out, sink_t, do)
+    return out.detach(), lse, d_sink
+
+
+def sink_cases(gen: torch.Generator) -> list[tuple]:
+    """Rows of one head with a sink: tiles whose maximum moves, masked keys, a row that sees no key at all
+    (only the sink: output 0, lse = the sink), three tiles with a sink as large as the scores (a sink folded
+    per tile weighs three times), and the adversarial case: scores near +200 in one row and near -250 in
+    another, and a sink of 100 (``exp(100)`` overflows float32: the sink must be taken against the max)."""
+    cases = []
+    for rows, widths, dims, sink in ((4, [8, 8], 8, 0.5), (6, [5, 16, 3], 16, -1.0), (5, [8, 8, 8], 8, 4.0)):
+        total = sum(widths)
+        scores = torch.randn(rows, total, generator=gen) * 3
+        scores[1, 1::3] = float("-inf")  # masked keys
+        scores[2, :widths[0]] = float("-inf")  # no key in the first tile
+        if rows > 5:
+            scores[5] = float("-inf")  # no key at all: only the sink
+        cases.append((scores, torch.randn(total, dims, generator=gen), sink, widths,
+                      torch.randn(rows, dims, generator=gen)))
+    scores = torch.randn(4, 24, generator=gen)
+    scores[0] += 200.0  # exp(s) overflows: everything against the running maximum
+    scores[1] -= 250.0  # every score far below the sink: the sink takes (almost) everything
+    scores[2, :8] = float("-inf")
+    scores[2, 8:] += 99.0  # scores right at the sink's level: both count
+    cases.append((scores, torch.randn(24, 8, generator=gen), 100.0, [8, 8, 8], torch.randn(4, 8, generator=gen)))
+    return cases
+
+
+def _sink_variants(case: tuple) -> dict[str, tuple]:
+    """The likely wrong answers of exercise 7, each computed in float64 from the case: ``(out, lse, d_sink)``,
+    ``d_sink`` None where the mistake is in the forward (whatever the backward made of it)."""
+    scores, v, sink, widths, do = (t.double() if isinstance(t, torch.Tensor) else t for t in case)
+    rows = scores.shape[0]
+    m = torch.full((rows,), float("-inf"), dtype=torch.float64)
+    l, acc = torch.zeros(rows, dtype=torch.float64), torch.zeros(rows, v.shape[1], dtype=torch.float64)
+    start = 0
+    for width in widths:
+        m, l, acc = online_softmax_update(m, l, acc, scores[:, start:start + width], v[start:start + width])
+        start += width
+    top = torch.maximum(m, torch.full_like(m, sink))
+    alpha = torch.exp(m - top)
+    e_sink = torch.exp(sink - top)
+    l_sink, acc_top = l * alpha + e_sink, acc * alpha[:, None]
+    out = acc_top / l_sink[:, None]
+    lse = top + torch.log(l_sink)
+    delta = (do * out).sum(1)
+    p_sink = torch.exp(sink - lse)
+    d_sink = -(p_sink * delta).sum()
+    seen = torch.isfinite(m)
+    l_seen = torch.where(seen, l, 1.0)
+    plain_out = torch.where(seen[:, None], acc / l_seen[:, None], 0.0)
+    plain_lse = torch.where(seen, torch.where(seen, m, 0.0) + torch.log(l_seen), float("-inf"))
+    tiles = len(widths)
+    per_tile_l = l * alpha + tiles * e_sink  # the sink folded into every tile: it weighs `tiles` times
+    zero = torch.zeros((), dtype=torch.float64)
+    return {
+        f"the sink is counted once per key tile ({tiles} tiles here): fold it in once, after the last tile":
+            (acc_top / per_tile_l[:, None], top + torch.log(per_tile_l), None),
+        "the sink is added to the numerator too: it joins the denominator only (its value is 0, its column is "
+        "dropped)": ((acc_top + e_sink[:, None]) / l_sink[:, None], lse, None),
+        "the sink is left out: softmax(S) V — the sink joins every row's denominator, l += exp(sink - m) once at "
+        "the end": (plain_out, plain_lse, None),
+        "lse leaves the sink out: take lse = m + log(l) after the sink's fold, so that P_sink = exp(sink - lse) "
+        "is its probability": (out, plain_lse, None),
+        "d_sink has the wrong sign: d_sink = -Σ_i P_sink,i · δ_i": (out, lse, -d_sink),
+        "the sink is ignored in the backward (d_sink = 0): ∂out_i/∂sink = -P_sink,i · out_i, so "
+        "d_sink = -Σ_i P_sink,i · δ_i with δ_i = Σ_d dO_id O_id": (out, lse, zero),
+        "d_sink misses δ: d_sink = -Σ_i P_sink,i · δ_i, δ_i = Σ_d dO_id O_id": (out, lse, -p_sink.sum()),
+    }
+
+
+def diagnose_sink_attention(case: tuple, got: tuple, expected: tuple) -> str | None:
+    """The common mistakes of exercise 7, each computed and compared (out and lse, and d_sink where the
+    mistake is in the backward)."""
+    scores, _, sink, _, _ = case
+    if not isinstance(got, (tuple, list)) or len(got) != 3:
+        return None
+    if any(isinstance(t, torch.Tensor) and not bool(torch.isfinite(t).all()) for t in got):
+        top = float(scores[torch.isfinite(scores)].max())
+        return (f"NaN/inf: the sink is {sink:g} and the scores reach {top:.0f} here — exp(sink) alone overflows "
+                "float32; fold it against the running maximum: m' = max(m, sink), l = l · exp(m − m') + exp(sink − m')")
+    dtypes = tuple(t.dtype if isinstance(t, torch.Tensor) else torch.float32 for t in expected)
+    for cause, (out, lse, d_sink) in _sink_variants(case).items():
+        if _all_close(got[:2], (out, lse), dtypes[:2]) and (d_sink is None or _close(got[2], d_sink, dtypes[2])):
+            return cause
     return None

@@ -719,3 +719,108 @@ def test_launchers_refuse_what_the_chapter_kernels_do_not_take():
         t = torch.randn(2, 16, 8, device=DEVICE).transpose(1, 2)
         solutions.launch_flash_forward(solutions.flash_forward_kernel, t, t, t, torch.empty(2, 8, 16),
                                        torch.empty(2, 8))
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 7: attention sinks
+# ----------------------------------------------------------------------------------------------
+
+
+def check_sinks(candidate) -> Verdict:
+    return check("ch07_flash_attention.sink_attention", candidate, given.sink_reference, given.sink_cases,
+                 diagnose=given.diagnose_sink_attention)
+
+
+def _fold(scores, v, widths, sink=None):
+    """Exercise 1's fold; with ``sink``, the sink folded after every tile (the per-tile mistake)."""
+    rows = scores.shape[0]
+    m = torch.full((rows,), float("-inf"), dtype=scores.dtype)
+    l, acc = torch.zeros(rows, dtype=scores.dtype), torch.zeros(rows, v.shape[1], dtype=scores.dtype)
+    start = 0
+    for width in widths:
+        m, l, acc = solutions.online_softmax_update(m, l, acc, scores[:, start:start + width], v[start:start + width])
+        if sink is not None:
+            m, l, acc = _fold_sink(m, l, acc, sink)
+        start += width
+    return m, l, acc
+
+
+def _fold_sink(m, l, acc, sink):
+    m_new = torch.maximum(m, torch.full_like(m, sink))
+    alpha = torch.exp(m - m_new)
+    return m_new, l * alpha + torch.exp(sink - m_new), acc * alpha[:, None]
+
+
+def _finish(m, l, acc, sink, do):
+    out, lse = acc / l[:, None], m + torch.log(l)
+    return out, lse, -(torch.exp(sink - lse) * (do * out).sum(1)).sum()
+
+
+def sink_folded_per_tile(scores, v, sink, widths, do):
+    return _finish(*_fold(scores, v, widths, sink), sink, do)
+
+
+def sink_in_the_numerator(scores, v, sink, widths, do):
+    m, l, acc = _fold_sink(*_fold(scores, v, widths), sink)
+    out = (acc + torch.exp(sink - m)[:, None]) / l[:, None]  # the sink's term added to every output feature
+    lse = m + torch.log(l)
+    return out, lse, -(torch.exp(sink - lse) * (do * out).sum(1)).sum()
+
+
+def sink_left_out(scores, v, sink, widths, do):
+    m, l, acc = _fold(scores, v, widths)
+    seen = torch.isfinite(m)
+    out = torch.where(seen[:, None], acc / torch.where(seen, l, 1.0)[:, None], 0.0)
+    lse = torch.where(seen, m + torch.log(l), float("-inf"))
+    return out, lse, torch.zeros(())
+
+
+def lse_without_the_sink(scores, v, sink, widths, do):
+    m, l, acc = _fold(scores, v, widths)
+    seen = torch.isfinite(m)
+    lse = torch.where(seen, m + torch.log(torch.where(seen, l, 1.0)), float("-inf"))  # before the sink's fold
+    m2, l2, acc2 = _fold_sink(m, l, acc, sink)
+    out = acc2 / l2[:, None]
+    return out, lse, -(torch.exp(sink - lse).nan_to_num(0.0) * (do * out).sum(1)).sum()
+
+
+def sink_ignored_in_the_backward(scores, v, sink, widths, do):
+    out, lse, _ = solutions.sink_attention(scores, v, sink, widths, do)
+    return out, lse, torch.zeros(())
+
+
+def sink_gradient_with_the_wrong_sign(scores, v, sink, widths, do):
+    out, lse, d_sink = solutions.sink_attention(scores, v, sink, widths, do)
+    return out, lse, -d_sink
+
+
+def sink_gradient_without_delta(scores, v, sink, widths, do):
+    out, lse, _ = solutions.sink_attention(scores, v, sink, widths, do)
+    return out, lse, -torch.exp(sink - lse).sum()
+
+
+def sink_not_against_the_max(scores, v, sink, widths, do):
+    m, l, acc = _fold(scores, v, widths)
+    e_sink = torch.exp(torch.tensor(sink, dtype=scores.dtype))  # exp(100) overflows float32
+    l = torch.where(torch.isfinite(m), l, 0.0) * torch.exp(torch.where(torch.isfinite(m), m, 0.0)) + e_sink
+    acc = acc * torch.exp(torch.where(torch.isfinite(m), m, 0.0))[:, None]
+    out, lse = acc / l[:, None], torch.log(l)
+    return out, lse, -(torch.exp(sink - lse) * (do * out).sum(1)).sum()
+
+
+def test_sink_attention_solution_solves():
+    assert check_sinks(solutions.sink_attention).solved
+
+
+@pytest.mark.parametrize(("wrong", "cause"), [
+    (sink_folded_per_tile, "cause: the sink is counted once per key tile (2 tiles here)"),
+    (sink_in_the_numerator, "cause: the sink is added to the numerator too"),
+    (sink_left_out, "cause: the sink is left out"),
+    (lse_without_the_sink, "cause: lse leaves the sink out"),
+    (sink_ignored_in_the_backward, "cause: the sink is ignored in the backward (d_sink = 0)"),
+    (sink_gradient_with_the_wrong_sign, "cause: d_sink has the wrong sign"),
+    (sink_gradient_without_delta, "cause: d_sink misses δ"),
+    (sink_not_against_the_max, "cause: NaN/inf: the sink is 100"),
+], ids=["per tile", "numerator", "left out", "lse", "backward ignored", "sign", "no delta", "overflow"])
+def test_sink_attention_negative_controls(wrong, cause):
+    assert_not_solved(check_sinks(wrong), cause)

@@ -58,8 +58,8 @@ failures, rows = [], []
 
 def run(kind, dtype, head_dim, config, flags, head_dim_v=None, sinks=False):
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    constexprs = {**flags, "BLOCK_D": head_dim, "BLOCK_DV": head_dim_v, "BLOCK_M": config.BLOCK_M,
-                  "BLOCK_N": config.BLOCK_N}
+    constexprs = {**flags, "BLOCK_D": head_dim, "BLOCK_DV": head_dim_v, "SAME_DV": head_dim_v == head_dim,
+                  "BLOCK_M": config.BLOCK_M, "BLOCK_N": config.BLOCK_N}
     if kind == "forward":  # the sinks are the forward's switch (the backward reads lse as it is)
         constexprs["HAS_SINKS"] = sinks
     what = (f"{kind:7s} {dtype} D={head_dim:3d}" + (f"/{head_dim_v}" if head_dim_v != head_dim else "")
@@ -86,9 +86,10 @@ def run(kind, dtype, head_dim, config, flags, head_dim_v=None, sinks=False):
         failures.append(f"{what}: the block products are not on tensor cores")
 
 
-def kept_for(kind, block_d, block_dv=None):
+def kept_for(kind, block_d, block_dv=None, window=False):
     """The configs the pruner keeps for a 16-bit launch at head-dim tiles ``block_d``, ``block_dv`` (no soft-cap)."""
-    return [c for c in _GPU_CONFIGS[kind] if fits(c, kind, block_d, 2, shared_memory=227 * 1024, block_dv=block_dv)]
+    return [c for c in _GPU_CONFIGS[kind]
+            if fits(c, kind, block_d, 2, shared_memory=227 * 1024, block_dv=block_dv, window=window)]
 
 
 for kind in ("forward", "dkdv", "dq"):
@@ -102,7 +103,7 @@ for kind in ("forward", "dkdv", "dq"):
             if 64 <= limit < 256:
                 run(kind, "bf16", limit, config, switches(), head_dim_v=limit // 2)
     if kind == "forward":
-        for config in kept_for(kind, 64)[:1] if quick else kept_for(kind, 64):
+        for config in kept_for(kind, 64, window=True)[:1] if quick else kept_for(kind, 64, window=True):
             run(kind, "bf16", 64, config, switches(window=True), sinks=True)
     configs = _GPU_CONFIGS[kind]
     for head_dim in (64, 128) if quick else (64, 128, 256):  # bf16, causal: each config up to its limit
@@ -115,6 +116,8 @@ for kind in ("forward", "dkdv", "dq"):
         limit = config.head_dim_limit(2, softcap=True)
         if limit >= 64:
             run(kind, "bf16", limit, config, switches(window=True, softcap=True))
+    for config in configs:  # a sliding window without soft-capping (Mistral, GPT-OSS) at each config's limit for it
+        run(kind, "bf16", config.head_dim_limit(2, window=True), config, switches(window=True))
     for config in configs:  # fp32 operands (TF32 products) at their own limit
         if config.head_dim_limit(4) >= 64:
             run(kind, "fp32", config.head_dim_limit(4), config, switches(precision="tf32"))

@@ -55,6 +55,7 @@ def variant(what, q_dtype, cache_dtype, head_dim, block_size, group, varlen=Fals
     constexprs = dict(VARLEN=varlen, HAS_WINDOW=window, SOFTCAP=softcap, FP8=cache_dtype == "fp8e4nv", SPLIT=split,
                       USE_DOT=plan.use_dot, INDEX_64=index_64,
                       INPUT_PRECISION="tf32" if q_dtype == "fp32" else "ieee", HAS_SINKS=sinks,
+                      SAME_DV=head_dim_v == head_dim,
                       BLOCK_SIZE=block_size, PAGES=config.pages(block_size, widest), BLOCK_R=plan.block_rows,
                       GROUP_P=plan.group_p, BLOCK_D=head_dim, BLOCK_DV=head_dim_v)
     label = (f"{what:34s} {q_dtype}/{cache_dtype} D={head_dim}/{head_dim_v} bs={block_size} rows={plan.block_rows} "

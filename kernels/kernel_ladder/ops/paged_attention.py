@@ -199,8 +199,8 @@ def paged_attention_kernel(
     num_rows, num_blocks, max_blocks,                  # q's rows; the cache's blocks; block_tables' columns
     VARLEN: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, FP8: tl.constexpr,
     SPLIT: tl.constexpr, USE_DOT: tl.constexpr, INDEX_64: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    HAS_SINKS: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGES: tl.constexpr, BLOCK_R: tl.constexpr,
-    GROUP_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_SINKS: tl.constexpr, SAME_DV: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGES: tl.constexpr,
+    BLOCK_R: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """Attention of one tile of query rows (query heads x tokens of one KV head's group) over one split
     of its sequence's visible cache pages; grid ``(query programs, Hkv or Hq / heads_per_program, splits)``."""
@@ -228,9 +228,13 @@ def paged_attention_kernel(
             row_mask = row_mask & (q_row >= 0) & (q_row < num_rows)
         position = seq_len - q_len + tok  # each query row's position in its sequence
         offs_d = tl.arange(0, BLOCK_D)
-        offs_dv = tl.arange(0, BLOCK_DV)
         d_mask = offs_d < head_dim
-        dv_mask = offs_dv < head_dim_v
+        if SAME_DV:  # Dv = D: the code of a kernel without Dv (no register more)
+            offs_dv = offs_d
+            dv_mask = d_mask
+        else:
+            offs_dv = tl.arange(0, BLOCK_DV)
+            dv_mask = offs_dv < head_dim_v
         seq_row = seq
         if INDEX_64:
             q_row = q_row.to(tl.int64)
@@ -299,8 +303,11 @@ def paged_attention_kernel(
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_base + block_of_key[:, None] * stride_vb, mask=key_mask[:, None] & dv_mask[None, :],
-                        other=0.0)
+            if SAME_DV:
+                v = tl.load(v_base + block_of_key[:, None] * stride_vb, mask=kv_mask, other=0.0)
+            else:
+                v = tl.load(v_base + block_of_key[:, None] * stride_vb, mask=key_mask[:, None] & dv_mask[None, :],
+                            other=0.0)
             if FP8:
                 v = v.to(tl.float32).to(q_ptr.dtype.element_ty)
             if USE_DOT:
@@ -554,7 +561,8 @@ def _forward(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, k_scale,
         rows, num_blocks, block_tables.shape[1] if num_blocks else 0,  # an empty cache: every seq_len clamps to 0
         VARLEN=varlen, HAS_WINDOW=window is not None, SOFTCAP=softcap is not None, FP8=fp8, SPLIT=split,
         USE_DOT=plan.use_dot, INDEX_64=index_64, INPUT_PRECISION=_launch.dot_input_precision(q.dtype),
-        HAS_SINKS=sinks is not None, BLOCK_SIZE=block_size, PAGES=config.pages(block_size, max(head_dim, head_dim_v)),
+        HAS_SINKS=sinks is not None, SAME_DV=head_dim_v == head_dim, BLOCK_SIZE=block_size,
+        PAGES=config.pages(block_size, max(head_dim, head_dim_v)),
         BLOCK_R=plan.block_rows, GROUP_P=plan.group_p, BLOCK_D=block_d, BLOCK_DV=block_dv,
         num_warps=config.warps(block_size, max(head_dim, head_dim_v)),
         num_stages=config.num_stages,

@@ -108,7 +108,7 @@ def _dkdv_blocks(
     dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qm, stride_dom, stride_lm, first_row, last_row,
     d_mask, dv_mask, start, end, seqlen_q, sm_scale, qk_scale, softcap, block_list_ptr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_SPARSE: tl.constexpr, SAME_DV: tl.constexpr,
 ):
     """Add query blocks ``[start, end)`` of one q head into one key block's ``dK, dV``.
 
@@ -142,8 +142,12 @@ def _dkdv_blocks(
             lse_tile = lse_ptrs
             delta_tile = delta_ptrs
         row_mask = rows < seqlen_q
-        q = tl.load(q_tile, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
-        do = tl.load(do_tile, mask=row_mask[:, None] & dv_mask[None, :], other=0.0)
+        mask = row_mask[:, None] & d_mask[None, :]
+        q = tl.load(q_tile, mask=mask, other=0.0)
+        if SAME_DV:
+            do = tl.load(do_tile, mask=mask, other=0.0)
+        else:
+            do = tl.load(do_tile, mask=row_mask[:, None] & dv_mask[None, :], other=0.0)
         # lse in base 2; +inf for rows that see no key (lse = -inf) and padding rows: their P is 0.
         lse = tl.load(lse_tile, mask=row_mask, other=float("inf"))
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
@@ -196,7 +200,7 @@ def flash_attention_backward_dkdv_kernel(
     sm_scale, qk_scale, softcap, window,
     BUCKET_Q, BUCKET_K,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
-    INDEX_64: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
+    INDEX_64: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr, SAME_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """``dK, dV`` of one block of ``BLOCK_N`` keys of one kv head; grid ``(key blocks, Hkv, B)``.
@@ -219,14 +223,19 @@ def flash_attention_backward_dkdv_kernel(
     if n0 < seqlen_k:  # a varlen program past its sequence's end does nothing
         cols = n0 + tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
-        offs_dv = tl.arange(0, BLOCK_DV)
         offs_m = tl.arange(0, BLOCK_M)
         if INDEX_64:
             cols = cols.to(tl.int64)
         d_mask = offs_d < head_dim
-        dv_mask = offs_dv < head_dim_v
         kv_mask = (cols < seqlen_k)[:, None] & d_mask[None, :]
-        v_mask = (cols < seqlen_k)[:, None] & dv_mask[None, :]
+        if SAME_DV:  # Dv = D: one mask for K and V
+            offs_dv = offs_d
+            dv_mask = d_mask
+            v_mask = kv_mask
+        else:
+            offs_dv = tl.arange(0, BLOCK_DV)
+            dv_mask = offs_dv < head_dim_v
+            v_mask = (cols < seqlen_k)[:, None] & dv_mask[None, :]
         k = tl.load(k_ptr + batch * stride_kb + kv_head * stride_kh + (k_start + cols[:, None]) * stride_kn
                     + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + batch * stride_vb + kv_head * stride_vh + (k_start + cols[:, None]) * stride_vn
@@ -261,7 +270,7 @@ def flash_attention_backward_dkdv_kernel(
                     seqlen_q=seqlen_q,
                     sm_scale=sm_scale, qk_scale=qk_scale, softcap=softcap, block_list_ptr=block_list,
                     MASKED=True, CAUSAL=False, HAS_WINDOW=False, SOFTCAP=SOFTCAP, INPUT_PRECISION=INPUT_PRECISION,
-                    BLOCK_M=BLOCK_M, BLOCK_SPARSE=True)
+                    BLOCK_M=BLOCK_M, BLOCK_SPARSE=True, SAME_DV=SAME_DV)
             else:  # the diagonal's side (masked), the blocks that see the whole key block, the window's edge (masked)
                 dk, dv = _dkdv_blocks(
                     dk=dk, dv=dv, k=k, v=v, q_ptrs=q_ptrs, do_ptrs=do_ptrs, lse_ptrs=lse_ptrs, delta_ptrs=delta_ptrs,
@@ -269,21 +278,21 @@ def flash_attention_backward_dkdv_kernel(
                     last_row=last_row, d_mask=d_mask, dv_mask=dv_mask, start=lo, end=full_lo, seqlen_q=seqlen_q,
                     sm_scale=sm_scale, qk_scale=qk_scale, softcap=softcap, block_list_ptr=None,
                     MASKED=True, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW, SOFTCAP=SOFTCAP,
-                    INPUT_PRECISION=INPUT_PRECISION, BLOCK_M=BLOCK_M, BLOCK_SPARSE=False)
+                    INPUT_PRECISION=INPUT_PRECISION, BLOCK_M=BLOCK_M, BLOCK_SPARSE=False, SAME_DV=SAME_DV)
                 dk, dv = _dkdv_blocks(
                     dk=dk, dv=dv, k=k, v=v, q_ptrs=q_ptrs, do_ptrs=do_ptrs, lse_ptrs=lse_ptrs, delta_ptrs=delta_ptrs,
                     stride_qm=stride_qm, stride_dom=stride_dom, stride_lm=stride_lm, first_row=first_row,
                     last_row=last_row, d_mask=d_mask, dv_mask=dv_mask, start=full_lo, end=full_hi, seqlen_q=seqlen_q,
                     sm_scale=sm_scale, qk_scale=qk_scale, softcap=softcap, block_list_ptr=None,
                     MASKED=False, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW, SOFTCAP=SOFTCAP,
-                    INPUT_PRECISION=INPUT_PRECISION, BLOCK_M=BLOCK_M, BLOCK_SPARSE=False)
+                    INPUT_PRECISION=INPUT_PRECISION, BLOCK_M=BLOCK_M, BLOCK_SPARSE=False, SAME_DV=SAME_DV)
                 dk, dv = _dkdv_blocks(
                     dk=dk, dv=dv, k=k, v=v, q_ptrs=q_ptrs, do_ptrs=do_ptrs, lse_ptrs=lse_ptrs, delta_ptrs=delta_ptrs,
                     stride_qm=stride_qm, stride_dom=stride_dom, stride_lm=stride_lm, first_row=first_row,
                     last_row=last_row, d_mask=d_mask, dv_mask=dv_mask, start=full_hi, end=hi, seqlen_q=seqlen_q,
                     sm_scale=sm_scale, qk_scale=qk_scale, softcap=softcap, block_list_ptr=None,
                     MASKED=True, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW, SOFTCAP=SOFTCAP,
-                    INPUT_PRECISION=INPUT_PRECISION, BLOCK_M=BLOCK_M, BLOCK_SPARSE=False)
+                    INPUT_PRECISION=INPUT_PRECISION, BLOCK_M=BLOCK_M, BLOCK_SPARSE=False, SAME_DV=SAME_DV)
         dk = dk * sm_scale
         tl.store(dk_ptr + batch * stride_dkb + kv_head * stride_dkh + (k_start + cols[:, None]) * stride_dkn
                  + offs_d[None, :] * stride_dkd, dk.to(dk_ptr.dtype.element_ty), mask=kv_mask)
@@ -301,7 +310,7 @@ def _dq_blocks(
     dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, last_key, first_key, d_mask, dv_mask,
     start, end, seqlen_k, sm_scale, qk_scale, softcap, block_list_ptr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SPARSE: tl.constexpr, SAME_DV: tl.constexpr,
 ):
     """Add key blocks ``[start, end)`` into one query block's ``dQ`` (``P`` and ``dP`` recomputed);
     the arguments are the forward's ``_forward_blocks``'s."""
@@ -322,9 +331,13 @@ def _dq_blocks(
             v_tile = v_ptrs
         if MASKED:
             k_mask = (cols < seqlen_k)[:, None] & d_mask[None, :]
-            v_mask = (cols < seqlen_k)[:, None] & dv_mask[None, :]
         else:
             k_mask = d_mask[None, :]
+        if SAME_DV:
+            v_mask = k_mask
+        elif MASKED:
+            v_mask = (cols < seqlen_k)[:, None] & dv_mask[None, :]
+        else:
             v_mask = dv_mask[None, :]
         k = tl.load(k_tile, mask=k_mask, other=0.0)
         v = tl.load(v_tile, mask=v_mask, other=0.0)
@@ -372,7 +385,7 @@ def flash_attention_backward_dq_kernel(
     sm_scale, qk_scale, softcap, window,
     BUCKET_Q, BUCKET_K,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
-    INDEX_64: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
+    INDEX_64: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr, SAME_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """``dQ`` of one block of ``BLOCK_M`` queries of one head; grid ``(query blocks, Hq, B)``, the
@@ -394,18 +407,24 @@ def flash_attention_backward_dq_kernel(
     if m0 < seqlen_q:
         rows = m0 + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
-        offs_dv = tl.arange(0, BLOCK_DV)
         offs_n = tl.arange(0, BLOCK_N)
         if INDEX_64:
             rows = rows.to(tl.int64)
         d_mask = offs_d < head_dim
-        dv_mask = offs_dv < head_dim_v
         row_mask = rows < seqlen_q
         mask = row_mask[:, None] & d_mask[None, :]
+        if SAME_DV:
+            offs_dv = offs_d
+            dv_mask = d_mask
+            do_mask = mask
+        else:
+            offs_dv = tl.arange(0, BLOCK_DV)
+            dv_mask = offs_dv < head_dim_v
+            do_mask = row_mask[:, None] & dv_mask[None, :]
         q = tl.load(q_ptr + batch * stride_qb + head * stride_qh + (q_start + rows[:, None]) * stride_qm
                     + offs_d[None, :] * stride_qd, mask=mask, other=0.0)
         do = tl.load(do_ptr + batch * stride_dob + head * stride_doh + (q_start + rows[:, None]) * stride_dom
-                     + offs_dv[None, :] * stride_dod, mask=row_mask[:, None] & dv_mask[None, :], other=0.0)
+                     + offs_dv[None, :] * stride_dod, mask=do_mask, other=0.0)
         row_offsets = batch * stride_lb + head * stride_lh + (q_start + rows) * stride_lm
         lse2 = _load_lse2(lse_ptr=lse_ptr, offsets=row_offsets, mask=row_mask)
         delta = tl.load(delta_ptr + row_offsets, mask=row_mask, other=0.0)
@@ -431,26 +450,30 @@ def flash_attention_backward_dq_kernel(
                 stride_vn=stride_vn, last_key=last_key, first_key=first_key, d_mask=d_mask, dv_mask=dv_mask,
                 start=0, end=n_blocks * BLOCK_N, seqlen_k=seqlen_k, sm_scale=sm_scale, qk_scale=qk_scale,
                 softcap=softcap, block_list_ptr=block_list, MASKED=True, CAUSAL=False, HAS_WINDOW=False,
-                SOFTCAP=SOFTCAP, INPUT_PRECISION=INPUT_PRECISION, BLOCK_N=BLOCK_N, BLOCK_SPARSE=True)
+                SOFTCAP=SOFTCAP, INPUT_PRECISION=INPUT_PRECISION, BLOCK_N=BLOCK_N, BLOCK_SPARSE=True,
+                SAME_DV=SAME_DV)
         else:  # the forward's three ranges: the window's edge, the blocks every row sees whole, the diagonal
             dq = _dq_blocks(
                 dq=dq, q=q, do=do, lse2=lse2, delta=delta, k_ptrs=k_ptrs, v_ptrs=v_ptrs, stride_kn=stride_kn,
                 stride_vn=stride_vn, last_key=last_key, first_key=first_key, d_mask=d_mask, dv_mask=dv_mask,
                 start=lo, end=full_lo, seqlen_k=seqlen_k, sm_scale=sm_scale, qk_scale=qk_scale,
                 softcap=softcap, block_list_ptr=None, MASKED=True, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW,
-                SOFTCAP=SOFTCAP, INPUT_PRECISION=INPUT_PRECISION, BLOCK_N=BLOCK_N, BLOCK_SPARSE=False)
+                SOFTCAP=SOFTCAP, INPUT_PRECISION=INPUT_PRECISION, BLOCK_N=BLOCK_N, BLOCK_SPARSE=False,
+                SAME_DV=SAME_DV)
             dq = _dq_blocks(
                 dq=dq, q=q, do=do, lse2=lse2, delta=delta, k_ptrs=k_ptrs, v_ptrs=v_ptrs, stride_kn=stride_kn,
                 stride_vn=stride_vn, last_key=last_key, first_key=first_key, d_mask=d_mask, dv_mask=dv_mask,
                 start=full_lo, end=full_hi, seqlen_k=seqlen_k, sm_scale=sm_scale, qk_scale=qk_scale,
                 softcap=softcap, block_list_ptr=None, MASKED=False, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW,
-                SOFTCAP=SOFTCAP, INPUT_PRECISION=INPUT_PRECISION, BLOCK_N=BLOCK_N, BLOCK_SPARSE=False)
+                SOFTCAP=SOFTCAP, INPUT_PRECISION=INPUT_PRECISION, BLOCK_N=BLOCK_N, BLOCK_SPARSE=False,
+                SAME_DV=SAME_DV)
             dq = _dq_blocks(
                 dq=dq, q=q, do=do, lse2=lse2, delta=delta, k_ptrs=k_ptrs, v_ptrs=v_ptrs, stride_kn=stride_kn,
                 stride_vn=stride_vn, last_key=last_key, first_key=first_key, d_mask=d_mask, dv_mask=dv_mask,
                 start=full_hi, end=hi, seqlen_k=seqlen_k, sm_scale=sm_scale, qk_scale=qk_scale,
                 softcap=softcap, block_list_ptr=None, MASKED=True, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW,
-                SOFTCAP=SOFTCAP, INPUT_PRECISION=INPUT_PRECISION, BLOCK_N=BLOCK_N, BLOCK_SPARSE=False)
+                SOFTCAP=SOFTCAP, INPUT_PRECISION=INPUT_PRECISION, BLOCK_N=BLOCK_N, BLOCK_SPARSE=False,
+                SAME_DV=SAME_DV)
         dq = dq * sm_scale
         tl.store(dq_ptr + batch * stride_dqb + head * stride_dqh + (q_start + rows[:, None]) * stride_dqm
                  + offs_d[None, :] * stride_dqd, dq.to(dq_ptr.dtype.element_ty), mask=mask)

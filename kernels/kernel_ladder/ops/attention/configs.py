@@ -48,7 +48,8 @@ class AttentionConfig:
     for float32 inputs (by default half), ``max_head_dim_softcap`` with soft-capping (``tanh`` takes
     registers; the backward kernels also keep the cap's derivative, one more score-sized tile, live;
     0: never with soft-capping); ``max_head_dim_narrow_v`` when v's tile is narrower than q's and k's
-    (``Dv < D``, DeepSeek's MLA prefill: ptxas allocates that mix differently; None: ``max_head_dim``).
+    (``Dv < D``, DeepSeek's MLA prefill: ptxas allocates that mix differently; None: ``max_head_dim``);
+    ``max_head_dim_window`` with a sliding window (without soft-capping; None: ``max_head_dim``).
     Measured, not modelled: ``tests/aot/flash_attention.py`` compiles every GPU config at its limits (and at head
     dims 64 and 128 below them) and fails on any spill.
     """
@@ -61,14 +62,18 @@ class AttentionConfig:
     max_head_dim_fp32: int | None = None  # None: half of max_head_dim
     max_head_dim_softcap: int | None = None  # None: max_head_dim
     max_head_dim_narrow_v: int | None = None  # None: max_head_dim
+    max_head_dim_window: int | None = None  # None: max_head_dim
 
-    def head_dim_limit(self, element_size: int, softcap: bool = False, narrow_v: bool = False) -> int:
+    def head_dim_limit(self, element_size: int, softcap: bool = False, narrow_v: bool = False,
+                       window: bool = False) -> int:
         """The widest head-dim tile this config takes for inputs of ``element_size`` bytes (with soft-capping;
-        with ``narrow_v``, a v tile narrower than q's and k's)."""
+        with ``narrow_v``, a v tile narrower than q's and k's; with a sliding ``window``)."""
         if element_size <= 2:
             limit = self.max_head_dim
             if narrow_v and self.max_head_dim_narrow_v is not None:
                 limit = self.max_head_dim_narrow_v
+            if window and not softcap and self.max_head_dim_window is not None:
+                limit = min(limit, self.max_head_dim_window)
         else:
             limit = self.max_head_dim // 2 if self.max_head_dim_fp32 is None else self.max_head_dim_fp32
         if softcap and self.max_head_dim_softcap is not None:
@@ -97,7 +102,7 @@ class AttentionConfig:
 _c = AttentionConfig
 #: Forward candidates on a GPU: 128- and 64-row query blocks; 32-key blocks for head dim 256.
 FORWARD_GPU_CONFIGS: tuple[AttentionConfig, ...] = (
-    _c(128, 128, 8, 2, max_head_dim=64),
+    _c(128, 128, 8, 2, max_head_dim=64, max_head_dim_window=32),  # window at 64: 32 bytes spilled (sm_90)
     _c(128, 64, 8, 3, max_head_dim=128),
     _c(128, 64, 8, 2, max_head_dim=128),
     _c(64, 128, 8, 2, max_head_dim=128, max_head_dim_fp32=32, max_head_dim_softcap=64),
@@ -137,14 +142,14 @@ INTERPRETER_CONFIG: AttentionConfig = AttentionConfig(32, 32, 4, 1)
 
 
 def fits(config: AttentionConfig, kind: str, block_d: int, element_size: int, softcap: bool = False,
-         shared_memory: int | None = None, block_dv: int | None = None) -> bool:
+         shared_memory: int | None = None, block_dv: int | None = None, window: bool = False) -> bool:
     """Whether ``config`` suits kernel ``kind`` (``"forward"``, ``"dkdv"``, ``"dq"``) at head-dim tile ``block_d``
     (and v's ``block_dv``, default the same) of ``element_size``-byte inputs: within its register limit and the
     GPU's shared memory. The wider of the two tiles is what is checked."""
     limit = _shared_memory_limit() if shared_memory is None else shared_memory
     block_dv = block_d if block_dv is None else block_dv
     widest = max(block_d, block_dv)
-    return (widest <= config.head_dim_limit(element_size, softcap, narrow_v=block_dv < block_d)
+    return (widest <= config.head_dim_limit(element_size, softcap, narrow_v=block_dv < block_d, window=window)
             and config.shared_memory_bytes(kind, widest, element_size) <= limit)
 
 
@@ -157,7 +162,9 @@ def _pruner(kind: str, candidates: tuple[AttentionConfig, ...] | None = None):
         block_d, block_dv, softcap = kwargs["BLOCK_D"], kwargs.get("BLOCK_DV", kwargs["BLOCK_D"]), kwargs["SOFTCAP"]
         element_size = named_args["q_ptr"].element_size()
         pairs = [(mine[(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)], c) for c in configs]
-        kept = [c for config, c in pairs if fits(config, kind, block_d, element_size, softcap, block_dv=block_dv)]
+        window = bool(kwargs.get("HAS_WINDOW", False))
+        kept = [c for config, c in pairs
+                if fits(config, kind, block_d, element_size, softcap, block_dv=block_dv, window=window)]
         if kept:
             return kept
         # Nothing fits (fp32 at head dim 256, soft-capping at 256 in dQ): the smallest tiles spill least.

@@ -58,7 +58,7 @@ def _forward_blocks(
     acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, last_key, first_key, d_mask, dv_mask,
     start, end, seqlen_k, sm_scale, qk_scale, softcap, block_list_ptr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SPARSE: tl.constexpr, SAME_DV: tl.constexpr,
 ):
     """Fold key blocks ``[start, end)`` into the running ``(acc, m, l)`` of one query block.
 
@@ -88,9 +88,13 @@ def _forward_blocks(
             v_tile = v_ptrs
         if MASKED:
             k_mask = (cols < seqlen_k)[:, None] & d_mask[None, :]
-            v_mask = (cols < seqlen_k)[:, None] & dv_mask[None, :]
         else:
             k_mask = d_mask[None, :]
+        if SAME_DV:  # one mask for K and V (the code of a kernel without Dv: no register more)
+            v_mask = k_mask
+        elif MASKED:
+            v_mask = (cols < seqlen_k)[:, None] & dv_mask[None, :]
+        else:
             v_mask = dv_mask[None, :]
         k = tl.load(k_tile, mask=k_mask, other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
@@ -137,7 +141,8 @@ def flash_attention_forward_kernel(
     BUCKET_Q, BUCKET_K,                             # the autotuner's key only (powers of two of the lengths)
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
     INDEX_64: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr, HAS_SINKS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    SAME_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):
     """``out`` and ``lse`` of one block of ``BLOCK_M`` queries of one head; grid ``(query blocks, Hq, B)``.
 
@@ -161,12 +166,16 @@ def flash_attention_forward_kernel(
     if m0 < seqlen_q:  # a varlen program past its sequence's end does nothing
         rows = m0 + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
-        offs_dv = tl.arange(0, BLOCK_DV)
         offs_n = tl.arange(0, BLOCK_N)
         if INDEX_64:
             rows = rows.to(tl.int64)
         d_mask = offs_d < head_dim
-        dv_mask = offs_dv < head_dim_v
+        if SAME_DV:  # Dv = D
+            offs_dv = offs_d
+            dv_mask = d_mask
+        else:
+            offs_dv = tl.arange(0, BLOCK_DV)
+            dv_mask = offs_dv < head_dim_v
         row_mask = rows < seqlen_q
         q_base = q_ptr + batch * stride_qb + head * stride_qh + q_start * stride_qm
         q = tl.load(q_base + rows[:, None] * stride_qm + offs_d[None, :] * stride_qd,
@@ -196,32 +205,36 @@ def flash_attention_forward_kernel(
                 stride_vn=stride_vn, last_key=last_key, first_key=first_key, d_mask=d_mask, dv_mask=dv_mask,
                 start=0, end=n_blocks * BLOCK_N, seqlen_k=seqlen_k, sm_scale=sm_scale, qk_scale=qk_scale,
                 softcap=softcap, block_list_ptr=block_list, MASKED=True, CAUSAL=False, HAS_WINDOW=False,
-                SOFTCAP=SOFTCAP, INPUT_PRECISION=INPUT_PRECISION, BLOCK_N=BLOCK_N, BLOCK_SPARSE=True)
+                SOFTCAP=SOFTCAP, INPUT_PRECISION=INPUT_PRECISION, BLOCK_N=BLOCK_N, BLOCK_SPARSE=True,
+                SAME_DV=SAME_DV)
         else:  # the window's edge (masked), the blocks every row sees whole, the diagonal and the end (masked)
             acc, m_i, l_i = _forward_blocks(
                 acc=acc, m_i=m_i, l_i=l_i, q=q, k_ptrs=k_ptrs, v_ptrs=v_ptrs, stride_kn=stride_kn,
                 stride_vn=stride_vn, last_key=last_key, first_key=first_key, d_mask=d_mask, dv_mask=dv_mask,
                 start=lo, end=full_lo, seqlen_k=seqlen_k, sm_scale=sm_scale, qk_scale=qk_scale,
                 softcap=softcap, block_list_ptr=None, MASKED=True, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW,
-                SOFTCAP=SOFTCAP, INPUT_PRECISION=INPUT_PRECISION, BLOCK_N=BLOCK_N, BLOCK_SPARSE=False)
+                SOFTCAP=SOFTCAP, INPUT_PRECISION=INPUT_PRECISION, BLOCK_N=BLOCK_N, BLOCK_SPARSE=False,
+                SAME_DV=SAME_DV)
             acc, m_i, l_i = _forward_blocks(
                 acc=acc, m_i=m_i, l_i=l_i, q=q, k_ptrs=k_ptrs, v_ptrs=v_ptrs, stride_kn=stride_kn,
                 stride_vn=stride_vn, last_key=last_key, first_key=first_key, d_mask=d_mask, dv_mask=dv_mask,
                 start=full_lo, end=full_hi, seqlen_k=seqlen_k, sm_scale=sm_scale, qk_scale=qk_scale,
                 softcap=softcap, block_list_ptr=None, MASKED=False, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW,
-                SOFTCAP=SOFTCAP, INPUT_PRECISION=INPUT_PRECISION, BLOCK_N=BLOCK_N, BLOCK_SPARSE=False)
+                SOFTCAP=SOFTCAP, INPUT_PRECISION=INPUT_PRECISION, BLOCK_N=BLOCK_N, BLOCK_SPARSE=False,
+                SAME_DV=SAME_DV)
             acc, m_i, l_i = _forward_blocks(
                 acc=acc, m_i=m_i, l_i=l_i, q=q, k_ptrs=k_ptrs, v_ptrs=v_ptrs, stride_kn=stride_kn,
                 stride_vn=stride_vn, last_key=last_key, first_key=first_key, d_mask=d_mask, dv_mask=dv_mask,
                 start=full_hi, end=hi, seqlen_k=seqlen_k, sm_scale=sm_scale, qk_scale=qk_scale,
                 softcap=softcap, block_list_ptr=None, MASKED=True, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW,
-                SOFTCAP=SOFTCAP, INPUT_PRECISION=INPUT_PRECISION, BLOCK_N=BLOCK_N, BLOCK_SPARSE=False)
+                SOFTCAP=SOFTCAP, INPUT_PRECISION=INPUT_PRECISION, BLOCK_N=BLOCK_N, BLOCK_SPARSE=False,
+                SAME_DV=SAME_DV)
         if HAS_SINKS:  # the sink: one more column of score `sink` and value 0, folded in once, at the end
             sink = tl.load(sinks_ptr + head * stride_sink).to(tl.float32) * _LOG2E
             m_new = tl.maximum(m_i, sink)
             alpha = tl.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.exp2(sink - m_new)
-            acc = acc * alpha[:, None]
+            acc = acc * alpha[:, None]  # (a -inf sink: alpha = 1, the bits of no sink)
             m_i = m_new
         # A row that sees no key (and no sink) has l = 0: output 0 and lse = -inf (flash-attn's convention).
         empty = l_i == 0.0

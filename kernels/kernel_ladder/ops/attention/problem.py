@@ -98,7 +98,8 @@ class _Problem:
         return dict(CAUSAL=self.causal, HAS_WINDOW=self.window is not None, SOFTCAP=self.softcap is not None,
                     VARLEN=self.varlen, INDEX_64=_index_64(*tensors),
                     INPUT_PRECISION=_launch.dot_input_precision(dtype), BLOCK_D=_block_d(self.head_dim),
-                    BLOCK_DV=_block_d(self.dv), BLOCK_SPARSE=False, HAS_SINKS=self.sinks)
+                    BLOCK_DV=_block_d(self.dv), SAME_DV=self.dv == self.head_dim, BLOCK_SPARSE=False,
+                    HAS_SINKS=self.sinks)
 
 
 def _dense_problem(q, k, causal, softmax_scale, window, softcap, v=None, sinks=None) -> _Problem:
