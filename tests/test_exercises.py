@@ -1742,3 +1742,60 @@ def test_a_head_stride_one_row_short_is_still_the_mapping():
     verdict = check_heads_rows(2)
     assert_not_solved(verdict, f"{MAPPING} sends two programs to the same elements")
     assert_not_in(verdict, "not masked", "missing store mask")
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs changed in place (every check)
+
+
+def add_into_x(x, y):
+    return x.add_(y)  # the right sum, written into the caller's x
+
+
+def add_then_clear_y(x, y):
+    out = x + y
+    y.zero_()
+    return out
+
+
+def add_then_transpose_x(x, y):
+    out = x + y
+    x.t_()
+    return out
+
+
+def test_a_candidate_that_changes_an_input_in_place_is_not_solved_and_the_argument_is_named():
+    verdict = check("add", add_into_x, torch.add, small_add_cases)
+    assert_not_solved(verdict, "broke a stated rule — the inputs are the caller's and come back as they were: the "
+                               "code changed x in place (12 of 12 elements; first at [0]:")
+    assert_not_in(verdict, "y in place")
+    verdict = check("add", add_then_clear_y, torch.add, small_add_cases)
+    assert_not_solved(verdict, "the code changed y in place (", "→ 0")
+    matrices = lambda gen: [(torch.randn(3, 4, generator=gen), torch.randn(3, 4, generator=gen))]
+    assert_not_solved(check("add", add_then_transpose_x, torch.add, matrices),
+                      "the code changed x in place (its shape (3, 4) is now (4, 3))")
+
+
+def test_inputs_left_alone_keep_the_check_quiet_and_a_list_changed_in_place_is_named():
+    assert check("add", lambda x, y: x + y, torch.add, small_add_cases).solved
+    assert check("add", lambda x, y: torch.add(x, y, out=torch.empty_like(x)), torch.add, small_add_cases).solved
+
+    def total_popping(values):
+        total = 0
+        while values:
+            total += values.pop()
+        return total
+
+    verdict = check("total", total_popping, sum, [([1, 2, 3],)])
+    assert_not_solved(verdict, "the code changed values in place (the list [1, 2, 3] is now [])")
+
+
+def test_an_out_kernel_storing_into_its_input_is_named_as_an_input_changed():
+    def doubled_in_place(x, out):
+        double_kernel[(triton.cdiv(x.numel(), 64),)](x, x, x.numel(), BLOCK=64, TWICE=False)
+        out.copy_(x)
+        return out
+
+    cases = lambda gen: [(torch.randn(100, generator=gen),)]
+    verdict = check("double", doubled_in_place, lambda x: 2 * x, cases, out=True)
+    assert_not_solved(verdict, "the code changed x in place (100 of 100 elements")
