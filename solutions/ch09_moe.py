@@ -324,7 +324,9 @@ def diagnose_routing(got, expected) -> str | None:
 def counting_sort(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Sort the ``(T, k)`` routing entries by expert, stably, without a comparison sort.
 
-    1. ``counts[e]`` = entries routed to ``e`` (a histogram, ``torch.bincount``);
+    1. ``counts[e]`` = entries routed to ``e`` (a histogram: the column sums of a one-hot ``(N, E)``
+       matrix of width ``E`` — ``torch.bincount`` would size its output by the largest id, which a GPU
+       must send to the host first);
     2. ``offsets = cumsum(counts)`` — each expert's end; its start is the previous end;
     3. each entry's position = its expert's start + how many entries of the same expert came
        before it (its rank within the expert, from a running count per expert).
@@ -333,10 +335,10 @@ def counting_sort(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Ten
     ``offsets`` (``E``, int32, cumulative ends: the grouped GEMM's convention).
     """
     flat = expert_ids.reshape(-1).long()
-    counts = torch.bincount(flat, minlength=num_experts)
+    one_hot = torch.nn.functional.one_hot(flat, num_experts)  # (N, E): its width given, no host sync
+    counts = one_hot.sum(dim=0)
     offsets = torch.cumsum(counts, dim=0)
     starts = offsets - counts
-    one_hot = torch.nn.functional.one_hot(flat, num_experts)  # (N, E)
     rank = (torch.cumsum(one_hot, dim=0) - 1).gather(1, flat[:, None])[:, 0]  # earlier entries of my expert
     position = starts[flat] + rank
     permutation = torch.empty_like(flat)
@@ -442,8 +444,8 @@ def diagnose_counting_sort(got, expected) -> str | None:
     if form:
         if (isinstance(offsets, torch.Tensor) and offsets.dim() == 1 and offsets.dtype == want_offsets.dtype
                 and len(offsets) < len(want_offsets)):
-            form.append(f"one end per expert, the empty ones too: {len(want_offsets)} of them "
-                        "(torch.bincount(..., minlength=num_experts))")
+            form.append(f"one end per expert, the empty ones too: {len(want_offsets)} of them (a one-hot of width "
+                        "num_experts: one_hot(flat, num_experts))")
         return "; ".join(form)
     permutation, offsets = permutation.detach().cpu().long(), offsets.detach().cpu().long()
     want_permutation, want_offsets = want_permutation.cpu().long(), want_offsets.cpu().long()

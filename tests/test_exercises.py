@@ -1745,7 +1745,7 @@ def test_a_head_stride_one_row_short_is_still_the_mapping():
 
 
 # ----------------------------------------------------------------------------------------------
-# Inputs changed in place (every check)
+# Inputs changed in place (every check), host syncs and library ops (tensor ops only), loops of k rounds
 
 
 def add_into_x(x, y):
@@ -1799,3 +1799,112 @@ def test_an_out_kernel_storing_into_its_input_is_named_as_an_input_changed():
     cases = lambda gen: [(torch.randn(100, generator=gen),)]
     verdict = check("double", doubled_in_place, lambda x: 2 * x, cases, out=True)
     assert_not_solved(verdict, "the code changed x in place (100 of 100 elements")
+
+
+def nonzero_rows(x, y):
+    rows = torch.nonzero(torch.ones_like(x, dtype=torch.bool))[:, 0]  # every index: the values, by a sync
+    return x[rows] + y[rows]
+
+
+def masked_sum(x, y):
+    out = x + y
+    keep = out == out
+    return out.masked_select(keep)
+
+
+def by_a_boolean_mask(x, y):
+    return (x + y)[torch.ones_like(x, dtype=torch.bool)]
+
+
+def repeated_by_a_tensor(x, y):
+    return torch.repeat_interleave(x + y, torch.ones_like(x, dtype=torch.long))
+
+
+def through_unique(x, y):
+    return (x + y)[torch.unique(torch.arange(len(x)))]
+
+
+def counted_with_bincount(x, y):
+    ones = torch.bincount(torch.arange(len(x)), minlength=len(x))
+    return (x + y) * ones
+
+
+def compared_with_equal(x, y):
+    return (x + y) if torch.equal(x, x) else (x - y)
+
+
+def with_fixed_shapes(x, y):
+    """Tensor ops whose output shapes the host knows: none of them waits for the device."""
+    keep = torch.ones_like(x, dtype=torch.bool)
+    out = torch.where(keep, x + y, 0.0)
+    out[~keep] = 0.0  # a scalar through a mask is a masked_fill on the device
+    twice = out.repeat_interleave(2)[::2]  # an int repeat: a fixed size
+    return twice + torch.nn.functional.one_hot(torch.zeros(len(x), dtype=torch.long), 3)[:, 1]
+
+
+@pytest.mark.parametrize(("candidate", "named"), [
+    (nonzero_rows, "nonzero"),
+    (masked_sum, "masked_select"),
+    (by_a_boolean_mask, "indexing with a boolean mask (x[mask])"),
+    (repeated_by_a_tensor, "repeat_interleave with tensor repeats"),
+    (through_unique, "unique"),
+    (counted_with_bincount, "bincount"),
+    (compared_with_equal, "torch.equal"),
+])
+def test_tensor_ops_only_rules_out_ops_that_sync_with_the_device(candidate, named):
+    rule = exercises.rules.tensor_ops_only(why=TENSOR_OPS)
+    verdict = check("add", candidate, torch.add, small_add_cases, rules=[rule])
+    assert_not_solved(verdict, f"broke a stated rule — {TENSOR_OPS}: the code made the host wait for the device: "
+                               f"{named}")
+
+
+def test_tensor_ops_only_keeps_fixed_shape_ops():
+    rule = exercises.rules.tensor_ops_only(why=TENSOR_OPS)
+    verdict = check("add", with_fixed_shapes, torch.add, small_add_cases, rules=[rule])
+    assert verdict.solved, verdict.message
+
+
+def add_by_the_library(x, y):
+    return kernel_ladder.add(x, y)
+
+
+def add_by_a_triton_launch(x, y):
+    out = torch.empty_like(x)
+    add_kernel[(triton.cdiv(x.numel(), BLOCK),)](x, y, out, x.numel(), BLOCK=BLOCK)
+    return out
+
+
+def test_tensor_ops_only_rules_out_a_library_op_and_a_triton_launch():
+    rule = exercises.rules.tensor_ops_only(why=TENSOR_OPS)
+    verdict = check("add", add_by_the_library, torch.add, small_add_cases, rules=[rule])
+    assert_not_solved(verdict, f"broke a stated rule — {TENSOR_OPS}: the code called kernel_ladder's op "
+                               "kernel_ladder::add")
+    if kernel_ladder.runtime.INTERPRETER:  # the tracer sees launches in the interpreter only
+        verdict = check("add", add_by_a_triton_launch, torch.add, small_add_cases, rules=[rule])
+        assert_not_solved(verdict, f"broke a stated rule — {TENSOR_OPS}: the code launched the Triton kernel "
+                                   "add_kernel")
+
+
+def top2_by_rounds(x, k):
+    picks = []
+    for _ in range(k):  # k rounds, each over every row at once
+        best = x.argmax(dim=-1, keepdim=True)
+        picks.append(best)
+        x = x.scatter(1, best, float("-inf"))
+    return torch.cat(picks, dim=1)
+
+
+def top2_row_by_row(x, k):
+    return torch.stack([row.topk(k).indices for row in x])
+
+
+def test_a_loop_over_an_allowed_argument_is_structure():
+    cases = lambda gen: [(torch.randperm(40, generator=gen).float().view(5, 8), 3)]
+    reference = lambda x, k: x.topk(k, dim=-1).indices
+    allowed = exercises.rules.tensor_ops_only(why=TENSOR_OPS, loops_over=("k",))
+    verdict = check("rounds", top2_by_rounds, reference, cases, rules=[allowed])
+    assert verdict.solved, verdict.message
+    verdict = check("rounds", top2_by_rounds, reference, cases, rules=[exercises.rules.tensor_ops_only(why=TENSOR_OPS)])
+    assert_not_solved(verdict, "a Python for loop at line", "of top2_by_rounds (over range(k))")
+    verdict = check("rounds", top2_row_by_row, reference, cases, rules=[allowed])
+    assert_not_solved(verdict, "a list comprehension at line", "of top2_row_by_row (over x)")
