@@ -748,13 +748,14 @@ def test_the_diagnoses_on_hand_made_answers(diagnose, got, expected, diagnosis):
 
 
 def _router(logits, bias, k, num_groups, topk_groups, renormalize, scale, *, weigh=None, group_score=None,
-            fill=float("-inf"), limit=True, rank_bias=True, scores=None, normalize_first=True, normalize=True):
+            fill=float("-inf"), limit=True, rank_bias=True, scores=None, normalize_first=True, normalize=True,
+            choose=None, groups_by_scores=False):
     """A torch-ops router with parts swapped for wrong ones (the negative controls below)."""
     tokens, experts = logits.shape
     scores = torch.sigmoid(logits) if scores is None else scores(logits)
-    choice = scores + bias if rank_bias else scores
+    choice = choose(logits, bias) if choose else (scores + bias if rank_bias else scores)
     if limit:
-        grouped = choice.view(tokens, num_groups, -1)
+        grouped = (scores if groups_by_scores else choice).view(tokens, num_groups, -1)
         ranked = group_score(grouped) if group_score else grouped.topk(2, dim=-1).values.sum(dim=-1)
         kept = torch.zeros_like(ranked, dtype=torch.bool).scatter_(1, ranked.topk(topk_groups, dim=-1).indices, True)
         choice = choice.masked_fill(~kept.repeat_interleave(experts // num_groups, dim=1), fill)
@@ -814,6 +815,70 @@ def topk_int32_ids(*case):
     return weights, ids.to(torch.int32)
 
 
+def topk_float64_weights(*case):
+    weights, ids = given.grouped_topk(*case)
+    return weights.double(), ids
+
+
+def topk_scaled_only_when_renormalized(logits, bias, k, num_groups, topk_groups, renormalize, scale):
+    weights, ids = _router(logits, bias, k, num_groups, topk_groups, renormalize, 1.0)
+    return (weights * scale if renormalize else weights), ids
+
+
+def topk_minus_one_fill(*case):
+    return _router(*case, fill=-1.0)  # "the choices are sigmoid scores, in (0, 1)": not with a bias
+
+
+def topk_bias_before_the_sigmoid(*case):
+    return _router(*case, choose=lambda logits, bias: torch.sigmoid(logits + bias))
+
+
+def topk_groups_by_unbiased_scores(*case):
+    return _router(*case, groups_by_scores=True)
+
+
+def topk_through_nonzero(logits, bias, k, num_groups, topk_groups, renormalize, scale):
+    weights, ids = given.grouped_topk(logits, bias, k, num_groups, topk_groups, renormalize, scale)
+    every = torch.nonzero(torch.ones_like(ids, dtype=torch.bool))  # all of them: the right ids, after a sync
+    return weights, ids[every[:, 0], every[:, 1]].view_as(ids)
+
+
+def topk_by_the_library(logits, bias, k, num_groups, topk_groups, renormalize, scale):
+    return kernel_ladder.topk_routing(logits, k, renormalize, "sigmoid", bias=bias, num_groups=num_groups,
+                                      topk_groups=topk_groups, scale=scale)
+
+
+def topk_sigmoid_in_place(logits, bias, *rest):
+    logits.sigmoid_()  # the scores, over the caller's logits
+    return given.grouped_topk(torch.logit(logits.double()).float(), bias, *rest)
+
+
+def topk_clearing_the_bias(*case):
+    weights, ids = given.grouped_topk(*case)
+    case[1].zero_()  # the caller's bias, reset
+    return weights, ids
+
+
+def topk_in_k_argmax_rounds(logits, bias, k, num_groups, topk_groups, renormalize, scale):
+    """Right, as the kernel does it: k argmax rounds, each over every token at once."""
+    tokens, experts = logits.shape
+    scores = torch.sigmoid(logits)
+    choice = scores + bias
+    ranked = choice.view(tokens, num_groups, -1).topk(2, dim=-1).values.sum(dim=-1)
+    kept = torch.zeros_like(ranked, dtype=torch.bool).scatter_(1, ranked.topk(topk_groups, dim=-1).indices, True)
+    choice = choice.masked_fill(~kept.repeat_interleave(experts // num_groups, dim=1), float("-inf"))
+    picks = []
+    for _ in range(k):
+        best = choice.argmax(dim=-1, keepdim=True)
+        picks.append(best)
+        choice = choice.scatter(1, best, float("-inf"))
+    ids = torch.cat(picks, dim=1)
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights * scale, ids
+
+
 def check_grouped_topk(candidate):
     return check("ch09_moe.grouped_topk", candidate, given.grouped_topk_reference, given.grouped_topk_cases,
                  compare=given.diagnose_grouped_topk, rules=given.grouped_topk_rules(),
@@ -824,17 +889,36 @@ def test_grouped_topk_solution_solves():
     assert check_grouped_topk(given.grouped_topk).solved
 
 
+def test_k_argmax_rounds_in_a_python_loop_solve():
+    """The spec allows a loop over range(k): k rounds, each over every token, as the kernel does them."""
+    verdict = check_grouped_topk(topk_in_k_argmax_rounds)
+    assert verdict.solved, verdict.message
+
+
+def test_the_cases_tell_the_scale_and_the_fill_apart():
+    """A case without renormalization has a scale other than 1; a kept expert's biased choice is below -1.5."""
+    cases = given.grouped_topk_cases(torch.Generator().manual_seed(0))
+    assert any(not renormalize and scale != 1.0 for *_, renormalize, scale in cases)
+    lowest_kept = []
+    for logits, bias, k, num_groups, topk_groups, renormalize, scale in cases:
+        choice = torch.sigmoid(logits.double()) + bias.double()
+        _, ids = given.grouped_topk_reference(logits, bias, k, num_groups, topk_groups, renormalize, scale)
+        lowest_kept.append(float(choice.gather(1, ids).min()))
+    assert min(lowest_kept) < -1.5, lowest_kept
+
+
 def test_the_production_grouped_router_passes_the_same_check():
     """The library's router gives the check's values; it is not tensor ops, so that rule alone rejects it."""
-
-    def production(logits, bias, k, num_groups, topk_groups, renormalize, scale):
-        return kernel_ladder.topk_routing(logits, k, renormalize, "sigmoid", bias=bias, num_groups=num_groups,
-                                          topk_groups=topk_groups, scale=scale)
-
-    verdict = check("ch09_moe.grouped_topk", production, given.grouped_topk_reference,
+    verdict = check("ch09_moe.grouped_topk", topk_by_the_library, given.grouped_topk_reference,
                     given.grouped_topk_cases, compare=given.diagnose_grouped_topk,
                     rules=library_checked(given.grouped_topk_rules()), diagnose=given.diagnose_grouped_topk_cause)
     assert verdict.solved, verdict.message
+
+
+@pytest.mark.parametrize("wrong", [topk_int32_ids, topk_float64_weights])
+def test_a_wrong_dtype_alone_gets_no_cause(wrong):
+    verdict = check_grouped_topk(wrong)
+    assert rejected(verdict, "wrong dtype") and "cause:" not in verdict.message, verdict.message
 
 
 @pytest.mark.parametrize(("wrong", "diagnosis"), [
@@ -842,7 +926,7 @@ def test_the_production_grouped_router_passes_the_same_check():
     (topk_group_max, "cause: each group is scored by its largest choice"),
     (topk_scaled_not_renormalized, "cause: the weights were scaled without being renormalized first"),
     (topk_scaled_then_renormalized, "cause: the scale is missing (or was applied before the renormalization"),
-    (topk_zero_fill, "cause: the dropped groups' experts were filled with 0, not -inf"),
+    (topk_zero_fill, "cause: the dropped groups' experts were filled with a finite value (0, -1, ...), not -inf"),
     (topk_without_the_group_limit, "cause: the group limit is missing"),
     (topk_bias_not_in_the_choice, "cause: the bias was left out of the choice"),
     (topk_softmax_scores, "cause: the scores are a softmax"),
@@ -850,7 +934,23 @@ def test_the_production_grouped_router_passes_the_same_check():
                           "every token at once"),
     (topk_with_item, "the code took values to the host: .item()"),
     (topk_int32_ids, "ids: wrong dtype torch.int32"),
+    (topk_float64_weights, "weights: wrong dtype torch.float64"),
+    (topk_scaled_only_when_renormalized, "cause: the weights were not scaled when renormalize is False"),
+    (topk_minus_one_fill, "cause: the dropped groups' experts were filled with a finite value"),
+    (topk_bias_before_the_sigmoid, "cause: the bias was added to the logits before the sigmoid, not to the scores"),
+    (topk_groups_by_unbiased_scores, "cause: the groups were ranked by the unbiased scores"),
+    (topk_through_nonzero, "broke a stated rule — the spec asks for tensor ops only: a router runs on the device, "
+                           "every token at once"),
+    (topk_through_nonzero, "the code made the host wait for the device: nonzero"),
+    (topk_by_the_library, "the code called kernel_ladder's op kernel_ladder::topk_routing"),
+    (topk_sigmoid_in_place, "the code changed logits in place"),
+    (topk_clearing_the_bias, "the code changed bias in place"),
 ])
 def test_grouped_topk_negative_controls(wrong, diagnosis):
     verdict = check_grouped_topk(wrong)
-    assert rejected(verdict, diagnosis), verdict.message
+    if diagnosis.startswith("cause: "):  # the cause named, alone or among the ones its failing case cannot tell apart
+        message = " ".join(verdict.message.split())
+        assert not verdict.solved and "cause: " in message, verdict.message
+        assert diagnosis.removeprefix("cause: ") in message[message.index("cause: "):], verdict.message
+    else:
+        assert rejected(verdict, diagnosis), verdict.message
