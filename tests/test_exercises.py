@@ -1829,6 +1829,15 @@ def counted_with_bincount(x, y):
     return (x + y) * ones
 
 
+def one_hot_of_the_ids_width(x, y):
+    ids = torch.arange(len(x))
+    return (x + y) * torch.nn.functional.one_hot(ids).sum(dim=1)  # its width from the largest id
+
+
+def histogram_over_the_values_range(x, y):
+    return (x + y) + 0 * torch.histc(x, bins=4).sum()  # min == max: the range read from x
+
+
 def compared_with_equal(x, y):
     return (x + y) if torch.equal(x, x) else (x - y)
 
@@ -1850,6 +1859,8 @@ def with_fixed_shapes(x, y):
     (through_unique, "unique"),
     (counted_with_bincount, "bincount"),
     (compared_with_equal, "torch.equal"),
+    (one_hot_of_the_ids_width, "one_hot without num_classes"),
+    (histogram_over_the_values_range, "histc without a range"),
 ])
 def test_tensor_ops_only_rules_out_ops_that_sync_with_the_device(candidate, named):
     rule = exercises.rules.tensor_ops_only(why=TENSOR_OPS)

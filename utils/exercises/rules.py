@@ -528,9 +528,10 @@ def _host_waits(context: RunContext) -> str | None:
     if ONE_HOT_WITHOUT_WIDTH in context.calls:
         syncs.append("one_hot without num_classes (its width is the largest value + 1)")
     if syncs:
-        return ("the code made the host wait for the device: " + ", ".join(syncs) + " — on a GPU the host must "
-                "read the values before it can size the result (or hand back a Python value), as .item() does; "
-                "ops with shapes known in advance (masks, torch.where(mask, a, b), gather, topk) do not wait")
+        return ("the code made the host wait for the device: " + ", ".join(syncs) + " — on a GPU the host stops "
+                "until the device has computed what it needs to read (an output's size, a range, a Python value), "
+                "as .item() does; ops whose shapes are known in advance (masks, torch.where(mask, a, b), gather, "
+                "topk) do not wait")
     return None
 
 
