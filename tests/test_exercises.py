@@ -1767,7 +1767,7 @@ def add_then_transpose_x(x, y):
 def test_a_candidate_that_changes_an_input_in_place_is_not_solved_and_the_argument_is_named():
     verdict = check("add", add_into_x, torch.add, small_add_cases)
     assert_not_solved(verdict, "broke a stated rule — the inputs are the caller's and come back as they were: the "
-                               "code changed x in place (12 of 12 elements; first at [0]:")
+                               "code changed x in place (12 of its 12 elements), first at [0]:")
     assert_not_in(verdict, "y in place")
     verdict = check("add", add_then_clear_y, torch.add, small_add_cases)
     assert_not_solved(verdict, "the code changed y in place (", "→ 0")
@@ -1790,6 +1790,23 @@ def test_inputs_left_alone_keep_the_check_quiet_and_a_list_changed_in_place_is_n
     assert_not_solved(verdict, "the code changed values in place (the list [1, 2, 3] is now [])")
 
 
+def add_into_both(x, y):
+    x.add_(y)
+    y.copy_(x)
+    return x.clone()
+
+
+def test_the_inputs_rule_words_the_line_in_the_spec_s_terms_and_is_listed_as_kept():
+    rule = exercises.rules.inputs_unchanged(why="the spec leaves its inputs as they were")
+    verdict = check("add", add_into_both, torch.add, small_add_cases, rules=[rule])
+    assert_not_solved(verdict, "broke a stated rule — the spec leaves its inputs as they were: the code changed x, y "
+                               "in place (x: 12 of 12; y: 12 of 12), first at x[0]:")
+    kept = check("add", torch.add, torch.add, small_add_cases, rules=[rule])
+    assert kept.solved and "rules kept: inputs left unchanged" in kept.message, kept.message
+    nan_input = [(torch.tensor([1.0, float("nan"), 3.0]), torch.ones(3))]  # NaN stays NaN: nothing changed
+    assert check("add", lambda x, y: x[:].view(3) + y, torch.add, nan_input, rules=[rule]).solved
+
+
 def test_an_out_kernel_storing_into_its_input_is_named_as_an_input_changed():
     def doubled_in_place(x, out):
         double_kernel[(triton.cdiv(x.numel(), 64),)](x, x, x.numel(), BLOCK=64, TWICE=False)
@@ -1798,7 +1815,7 @@ def test_an_out_kernel_storing_into_its_input_is_named_as_an_input_changed():
 
     cases = lambda gen: [(torch.randn(100, generator=gen),)]
     verdict = check("double", doubled_in_place, lambda x: 2 * x, cases, out=True)
-    assert_not_solved(verdict, "the code changed x in place (100 of 100 elements")
+    assert_not_solved(verdict, "the code changed x in place (100 of its 100 elements), first at [0]:")
 
 
 def nonzero_rows(x, y):

@@ -219,12 +219,26 @@ def _short(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _tensor_change(now: torch.Tensor, was: _TensorCopy) -> str | None:
-    """How a tensor changed (``'3 of 96 elements; first at [0, 2]: 0.25 → 0.5622'``), or None."""
+@dataclasses.dataclass(frozen=True)
+class _Changed:
+    """How an argument changed: ``summary`` alone (``'12 of its 96 elements'``), ``short`` beside other
+    arguments (``'12 of 96'``), and where a tensor's first changed element is (``'[0, 2]'``) with its
+    values (``'0.25 → 0.5622'``)."""
+
+    summary: str
+    short: str
+    at: str | None = None
+    values: str | None = None
+
+
+def _tensor_change(now: torch.Tensor, was: _TensorCopy) -> _Changed | None:
+    """How a tensor changed, or None."""
     if tuple(now.shape) != was.shape:
-        return f"its shape {was.shape} is now {tuple(now.shape)}"
+        said = f"its shape {was.shape} is now {tuple(now.shape)}"
+        return _Changed(said, said)
     if tuple(now.stride()) != was.stride:
-        return f"its strides {was.stride} are now {tuple(now.stride())}"
+        said = f"its strides {was.stride} are now {tuple(now.stride())}"
+        return _Changed(said, said)
     if was.values.numel() == 0:
         return None
     current = now.detach()
@@ -233,28 +247,32 @@ def _tensor_change(now: torch.Tensor, was: _TensorCopy) -> str | None:
         same |= current.isnan() & was.values.isnan()  # NaN stays NaN
     if bool(same.all()):
         return None
+    count, total = int((~same).sum()), was.values.numel()
     first = tuple(int(i) for i in (~same).nonzero()[0])
     before, after = was.values[first].item(), current[first].item()
     shown = (lambda v: f"{v:.4g}") if isinstance(before, float) else repr
-    return (
-        f"{int((~same).sum())} of {was.values.numel()} elements; first at [{', '.join(map(str, first))}]: "
-        f"{shown(before)} → {shown(after)}"
+    return _Changed(
+        f"{count} of its {total} elements",
+        f"{count} of {total}",
+        f"[{', '.join(map(str, first))}]",
+        f"{shown(before)} → {shown(after)}",
     )
 
 
-def _change(now: Any, was: Any) -> str | None:
-    """How an argument differs from its snapshot, in words; None if it does not (or cannot be seen)."""
+def _change(now: Any, was: Any) -> _Changed | None:
+    """How an argument differs from its snapshot; None if it does not (or cannot be seen)."""
     if was is _UNSEEN:
         return None
     if isinstance(was, _TensorCopy):
         return _tensor_change(now, was) if isinstance(now, torch.Tensor) else None
     if isinstance(was, _PLAIN_VALUES):
         try:
-            return None if bool(now == was) else "changed"
+            return None if bool(now == was) else _Changed("changed", "changed")
         except Exception:
             return None
     kind = type(was).__name__
-    whole = f"the {kind} {_short(_plain(was))} is now {_short(_plain(now) if type(now) is not set else now)}"
+    said = f"the {kind} {_short(_plain(was))} is now {_short(_plain(now) if type(now) is not set else now)}"
+    whole = _Changed(said, said)
     if type(now) is not type(was) or len(now) != len(was):
         return whole
     if type(was) is set:
@@ -268,11 +286,18 @@ def _change(now: Any, was: Any) -> str | None:
     for item_now, item_was in pairs:
         inner = _change(item_now, item_was)
         if inner is not None:
-            return f"a tensor in the {kind}: {inner}" if isinstance(item_was, _TensorCopy) else whole
+            if not isinstance(item_was, _TensorCopy):
+                return whole
+            return _Changed(
+                f"a tensor in the {kind}: {inner.summary}",
+                f"a tensor in the {kind}: {inner.short}",
+                inner.at,
+                inner.values,
+            )
     return None
 
 
-def _changed_inputs(args: tuple, snapshots: list, names: list[str]) -> list[tuple[str, str]]:
+def _changed_inputs(args: tuple, snapshots: list, names: list[str]) -> list[tuple[str, _Changed]]:
     """``(argument name, how it changed)`` for each argument the call changed in place."""
     changed = []
     for i, (arg, was) in enumerate(zip(args, snapshots)):
@@ -280,3 +305,17 @@ def _changed_inputs(args: tuple, snapshots: list, names: list[str]) -> list[tupl
         if how is not None:
             changed.append((names[i] if i < len(names) else f"argument {i + 1}", how))
     return changed
+
+
+def _changed_in_words(changed: list[tuple[str, _Changed]]) -> str:
+    """``'x in place (12 of its 12 elements), first at [0]: 1.7 → 1.6'``, or for several arguments
+    ``'q_nope, q_pe in place (q_nope: 12 of 96; q_pe: 4 of 32), first at q_nope[0, 0]: 1 → 2'``."""
+    labels = [label for label, _ in changed]
+    if len(changed) == 1:
+        said = f"{labels[0]} in place ({changed[0][1].summary})"
+    else:
+        said = f"{', '.join(labels)} in place ({'; '.join(f'{label}: {how.short}' for label, how in changed)})"
+    label, how = next(((label, how) for label, how in changed if how.at is not None), (None, None))
+    if how is not None:
+        said += f", first at {label if len(changed) > 1 else ''}{how.at}: {how.values}"
+    return said

@@ -21,6 +21,8 @@ a broken rule is a NOT SOLVED verdict whose line names the rule::
 * :func:`stable_sorts` — every sort the candidate runs is asked to be stable (``stable=True``);
 * :func:`stores_each_output_once` — no Triton launch stores to one output element twice (a
   program that stores, reloads and stores again; two programs on one element), from the tracer;
+* :func:`inputs_unchanged` — the arguments come back as they were, in the spec's words (every check
+  compares them anyway: listing the rule words its line and names it among the rules kept);
 * :func:`holds` — any property of one case's result, ``holds(lambda case, got: None or "what is wrong")``.
 """
 
@@ -41,8 +43,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["Rule", "RuleBroken", "bytes_read", "forbids", "holds", "no_python_loops", "stable_sorts",
-           "stores_each_output_once", "tensor_ops_only", "traced"]
+__all__ = ["Rule", "RuleBroken", "bytes_read", "forbids", "holds", "inputs_unchanged", "no_python_loops",
+           "stable_sorts", "stores_each_output_once", "tensor_ops_only", "traced"]
 
 #: What every broken rule's line starts with (a test or a notebook can look for it).
 BROKE_A_RULE = "broke a stated rule"
@@ -659,6 +661,28 @@ def stores_each_output_once(why: str) -> Rule:
         return None
 
     return Rule(name="each output stored once", why=why, problem=problem)
+
+
+# --------------------------------------------------------------------------------------------
+# inputs_unchanged: the check's own comparison of the arguments, in the spec's words
+# --------------------------------------------------------------------------------------------
+
+#: The name of :func:`inputs_unchanged`'s rule, and the words of the check's line where no exercise states it.
+INPUTS_UNCHANGED = "inputs left unchanged"
+INPUTS_UNCHANGED_WHY = "the inputs are the caller's and come back as they were"
+
+
+def inputs_unchanged(why: str) -> Rule:
+    """The rule that the candidate leaves its arguments as it got them, stated in the spec's words.
+
+    Every check holds every candidate to it, listed or not: :func:`~utils.exercises.check` compares each
+    argument before and after each call (tensors: values, NaN equal to NaN, shape and strides; lists,
+    tuples, dicts and sets) and a change is ``broke a stated rule — <why>: the code changed q_nope, q_pe
+    in place (...)``, whatever the values. Listing this rule gives that line the exercise's ``why``
+    instead of the general one, and names it among the rules a SOLVED verdict says were kept; the
+    comparison itself is the check's, so the rule has nothing more to find.
+    """
+    return Rule(name=INPUTS_UNCHANGED, why=why, problem=lambda context: None)
 
 
 # --------------------------------------------------------------------------------------------
