@@ -1018,6 +1018,9 @@ def grouped_topk_mistakes(*case) -> list[tuple[str, tuple[torch.Tensor, torch.Te
     if renormalize:
         mistakes.append(("the weights were scaled without being renormalized first: divide the k weights by their "
                          "sum, then multiply by scale", {"normalize": False}))
+    else:
+        mistakes.append(("the weights were renormalized although renormalize is False: then they are the chosen "
+                         "experts' scores as they are, times scale", {"normalize": True}))
     if scale != 1.0 and renormalize:
         mistakes.append(("the scale is missing (or was applied before the renormalization, which divides it out): "
                          "renormalize, then multiply by scale", {"scaled": False}))

@@ -825,6 +825,10 @@ def topk_scaled_only_when_renormalized(logits, bias, k, num_groups, topk_groups,
     return (weights * scale if renormalize else weights), ids
 
 
+def topk_always_renormalized(logits, bias, k, num_groups, topk_groups, renormalize, scale):
+    return _router(logits, bias, k, num_groups, topk_groups, True, scale)
+
+
 def topk_minus_one_fill(*case):
     return _router(*case, fill=-1.0)  # "the choices are sigmoid scores, in (0, 1)": not with a bias
 
@@ -937,6 +941,7 @@ def test_a_wrong_dtype_alone_gets_no_cause(wrong):
     (topk_float64_weights, "weights: wrong dtype torch.float64"),
     (topk_scaled_only_when_renormalized, "cause: the weights were not scaled when renormalize is False"),
     (topk_minus_one_fill, "cause: the dropped groups' experts were filled with a finite value"),
+    (topk_always_renormalized, "cause: the weights were renormalized although renormalize is False"),
     (topk_bias_before_the_sigmoid, "cause: the bias was added to the logits before the sigmoid, not to the scores"),
     (topk_groups_by_unbiased_scores, "cause: the groups were ranked by the unbiased scores"),
     (topk_through_nonzero, "broke a stated rule — the spec asks for tensor ops only: a router runs on the device, "
