@@ -324,7 +324,9 @@ def diagnose_routing(got, expected) -> str | None:
 def counting_sort(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Sort the ``(T, k)`` routing entries by expert, stably, without a comparison sort.
 
-    1. ``counts[e]`` = entries routed to ``e`` (a histogram, ``torch.bincount``);
+    1. ``counts[e]`` = entries routed to ``e`` (a histogram: the column sums of a one-hot ``(N, E)``
+       matrix of width ``E`` — ``torch.bincount`` would size its output by the largest id, which a GPU
+       must send to the host first);
     2. ``offsets = cumsum(counts)`` — each expert's end; its start is the previous end;
     3. each entry's position = its expert's start + how many entries of the same expert came
        before it (its rank within the expert, from a running count per expert).
@@ -333,10 +335,10 @@ def counting_sort(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Ten
     ``offsets`` (``E``, int32, cumulative ends: the grouped GEMM's convention).
     """
     flat = expert_ids.reshape(-1).long()
-    counts = torch.bincount(flat, minlength=num_experts)
+    one_hot = torch.nn.functional.one_hot(flat, num_experts)  # (N, E): its width given, no host sync
+    counts = one_hot.sum(dim=0)
     offsets = torch.cumsum(counts, dim=0)
     starts = offsets - counts
-    one_hot = torch.nn.functional.one_hot(flat, num_experts)  # (N, E)
     rank = (torch.cumsum(one_hot, dim=0) - 1).gather(1, flat[:, None])[:, 0]  # earlier entries of my expert
     position = starts[flat] + rank
     permutation = torch.empty_like(flat)
@@ -442,8 +444,8 @@ def diagnose_counting_sort(got, expected) -> str | None:
     if form:
         if (isinstance(offsets, torch.Tensor) and offsets.dim() == 1 and offsets.dtype == want_offsets.dtype
                 and len(offsets) < len(want_offsets)):
-            form.append(f"one end per expert, the empty ones too: {len(want_offsets)} of them "
-                        "(torch.bincount(..., minlength=num_experts))")
+            form.append(f"one end per expert, the empty ones too: {len(want_offsets)} of them (a one-hot of width "
+                        "num_experts: one_hot(flat, num_experts))")
         return "; ".join(form)
     permutation, offsets = permutation.detach().cpu().long(), offsets.detach().cpu().long()
     want_permutation, want_offsets = want_permutation.cpu().long(), want_offsets.cpu().long()
@@ -930,32 +932,37 @@ def _distinct_router(gen: torch.Generator, tokens: int, experts: int, num_groups
 
 def grouped_topk_cases(gen: torch.Generator) -> list[tuple]:
     """(logits, bias, k, num_groups, topk_groups, renormalize, scale): DeepSeek-V3-like routers of 16 to 64
-    experts in 3 to 8 groups, both renormalizations, scales 1 to 2.5; then two small routers made to tell
-    the likely mistakes apart: one whose best single expert sits in the group with the worse top-2 sum, and
-    one whose bias makes a kept group's choices negative (where a dropped group filled with 0 would win)."""
+    experts in 3 to 8 groups, both renormalizations, scales 1 to 2.5 (2 where the weights are not
+    renormalized: the scale applies either way); then two small routers made to tell the likely mistakes
+    apart: one whose best single expert sits in the group with the worse top-2 sum, and one whose bias makes
+    a kept group's choices as low as -1.8 (where a dropped group filled with 0, or -1, would win)."""
     device = kernel_ladder.runtime.DEVICE
     cases = []
     for tokens, experts, groups, kept, k, renormalize, scale in ((6, 16, 4, 2, 4, True, 2.5),
-                                                                 (5, 24, 3, 1, 3, False, 1.0),
+                                                                 (5, 24, 3, 1, 3, False, 2.0),
                                                                  (4, 64, 8, 3, 6, True, 1.5)):
         bias = torch.randint(-96, 97, (experts,), generator=gen).double() / 1024
         logits = _distinct_router(gen, tokens, experts, groups, bias)
         cases.append((logits.to(device), bias.float().to(device), k, groups, kept, renormalize, scale))
     max_vs_sum = torch.logit(torch.tensor([[0.9, 0.12, 0.11, 0.1, 0.8, 0.79, 0.13, 0.14]], dtype=torch.float64))
     cases.append((max_vs_sum.float().to(device), torch.zeros(8, device=device), 2, 2, 1, True, 1.0))
-    # Choices [0.1, -0.2 | 0.05, -0.3 | -0.5, -0.6]: groups 0 and 1 kept; filled with 0, group 2 would win twice.
-    negative = torch.logit(torch.tensor([[0.5, 0.5, 0.55, 0.5, 0.5, 0.5]], dtype=torch.float64)).float()
-    bias = torch.tensor([-0.4, -0.7, -0.5, -0.8, -1.0, -1.1])
+    # Choices [0.1, -1.7 | 0.05, -1.8 | -0.2, -3.0]: groups 0 and 1 kept (top-2 sums -1.6, -1.75, -3.2), all four of
+    # their experts chosen; filled with any finite value above -1.7 (0, -1), group 2 would win twice, and without
+    # the group limit its -0.2 would win once.
+    negative = torch.logit(torch.tensor([[0.6, 0.5, 0.55, 0.45, 0.5, 0.4]], dtype=torch.float64)).float()
+    bias = torch.tensor([-0.5, -2.2, -0.5, -2.25, -0.7, -3.4])
     cases.append((negative.to(device), bias.to(device), 4, 3, 2, True, 2.0))
     return cases
 
 
 def grouped_topk_rules() -> list:
-    """Exercise 6's stated rule: tensor ops only (no Python loop over tokens or groups, no ``.item()``)."""
+    """Exercise 6's stated rule: tensor ops only — no Python loop over tokens or groups (a loop of ``k`` rounds,
+    each over every token at once, is the kernel's own way), nothing that waits for the device (``.item()``,
+    ``nonzero``...), no library op doing it."""
     from utils.exercises import rules
 
     return [rules.tensor_ops_only(why="the spec asks for tensor ops only: a router runs on the device, every token "
-                                      "at once")]
+                                      "at once", loops_over=("k",))]
 
 
 def _by_id(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -965,14 +972,17 @@ def _by_id(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torc
 
 
 def _routed(logits, bias, k, num_groups, topk_groups, renormalize, scale, *, weigh_biased=False, group_max=False,
-            fill=float("-inf"), groups=True, normalize=None, scaled=True, scoring="sigmoid", rank_biased=True):
+            fill=float("-inf"), groups=True, normalize=None, scaled=True, scoring="sigmoid", rank_biased=True,
+            bias_in_logits=False, groups_unbiased=False):
     """The router in float64 with one knob turned (each knob a likely mistake)."""
     x, b = logits.detach().cpu().double(), bias.detach().cpu().double()
     tokens, experts = x.shape
     scores = torch.sigmoid(x) if scoring == "sigmoid" else torch.softmax(x, dim=-1)
     choice = scores + b if rank_biased else scores.clone()
+    if bias_in_logits:
+        choice = torch.sigmoid(x + b)
     if groups:
-        grouped = choice.view(tokens, num_groups, -1)
+        grouped = (scores if groups_unbiased else choice).view(tokens, num_groups, -1)
         group_scores = grouped.max(dim=-1).values if group_max else grouped.topk(2, dim=-1).values.sum(dim=-1)
         kept = torch.zeros_like(group_scores, dtype=torch.bool)
         kept.scatter_(1, group_scores.topk(topk_groups, dim=-1).indices, True)
@@ -992,10 +1002,15 @@ def grouped_topk_mistakes(*case) -> list[tuple[str, tuple[torch.Tensor, torch.Te
          "sigmoid scores (scores.gather(1, ids), not (scores + bias).gather(1, ids))", {"weigh_biased": True}),
         ("each group is scored by its largest choice: DeepSeek-V3 scores a group by the sum of its two largest "
          "(topk(2).values.sum(-1)), so one lucky expert does not carry its group", {"group_max": True}),
-        ("the dropped groups' experts were filled with 0, not -inf: a kept expert whose biased choice is negative "
-         "then loses to a dropped one — masked experts must never be chosen", {"fill": 0.0}),
+        ("the dropped groups' experts were filled with a finite value (0, -1, ...), not -inf: a kept expert whose "
+         "biased choice is below it (a negative bias) then loses to a dropped one — masked experts must never be "
+         "chosen", {"fill": 0.0}),
         ("the group limit is missing: the top k were taken over every expert, not only the kept groups' ones",
          {"groups": False}),
+        ("the bias was added to the logits before the sigmoid, not to the scores: the choice is sigmoid(logits) + "
+         "bias, not sigmoid(logits + bias)", {"bias_in_logits": True}),
+        ("the groups were ranked by the unbiased scores: a group's score is the sum of its two largest choices, "
+         "scores + bias, as the experts are chosen", {"groups_unbiased": True}),
         ("the bias was left out of the choice: experts and groups are ranked by scores + bias",
          {"rank_biased": False}),
         ("the scores are a softmax: DeepSeek-V3's router scores each expert with a sigmoid", {"scoring": "softmax"}),
@@ -1003,24 +1018,38 @@ def grouped_topk_mistakes(*case) -> list[tuple[str, tuple[torch.Tensor, torch.Te
     if renormalize:
         mistakes.append(("the weights were scaled without being renormalized first: divide the k weights by their "
                          "sum, then multiply by scale", {"normalize": False}))
-    if scale != 1.0:
+    else:
+        mistakes.append(("the weights were renormalized although renormalize is False: then they are the chosen "
+                         "experts' scores as they are, times scale", {"normalize": True}))
+    if scale != 1.0 and renormalize:
         mistakes.append(("the scale is missing (or was applied before the renormalization, which divides it out): "
                          "renormalize, then multiply by scale", {"scaled": False}))
+    elif scale != 1.0:
+        mistakes.append(("the weights were not scaled when renormalize is False: scale multiplies the weights "
+                         "whether or not they are renormalized", {"scaled": False}))
     return [(cause, _routed(*case, **knob)) for cause, knob in mistakes]
 
 
 def diagnose_grouped_topk_cause(case: tuple, got, expected) -> str | None:
-    """Exercise 6's cause: the first likely mistake (:func:`grouped_topk_mistakes`) whose router returns ``got``."""
+    """Exercise 6's cause: the likely mistake (:func:`grouped_topk_mistakes`) whose router returns ``got`` — each
+    one that does, where the case cannot tell them apart; none where ``got``'s values are right."""
     if not isinstance(got, (tuple, list)) or len(got) != 2 or not all(isinstance(t, torch.Tensor) for t in got):
         return None
     if got[0].shape != expected[0].shape or got[1].shape != expected[1].shape:
         return None
-    weights, ids = _by_id(got[0].detach().cpu().double(), got[1].detach().cpu().long())
-    for cause, (wrong_w, wrong_ids) in grouped_topk_mistakes(*case):
-        wrong_w, wrong_ids = _by_id(wrong_w, wrong_ids)
-        if torch.equal(ids, wrong_ids) and torch.allclose(weights, wrong_w, rtol=1e-4, atol=1e-6):
-            return cause
-    return None
+
+    def same(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]) -> bool:
+        return torch.equal(a[1], b[1]) and torch.allclose(a[0], b[0], rtol=1e-4, atol=1e-6)
+
+    routed = _by_id(got[0].detach().cpu().double(), got[1].detach().cpu().long())
+    right = _by_id(expected[0].detach().cpu().double(), expected[1].detach().cpu().long())
+    if same(routed, right):
+        return None  # the values are right (a wrong dtype, say): no mistake of the router's to name
+    from utils.exercises import one_or_all_causes
+
+    # A mistake that changes nothing on this case is not the cause; mistakes this case cannot tell apart are all named.
+    return one_or_all_causes([cause for cause, (wrong_w, wrong_ids) in grouped_topk_mistakes(*case)
+                              if same(routed, wrong := _by_id(wrong_w, wrong_ids)) and not same(wrong, right)])
 
 
 def diagnose_grouped_topk(got, expected) -> str | None:
