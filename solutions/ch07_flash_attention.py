@@ -13,6 +13,7 @@ traffic verdict — which the notebook's checks and ``tests/test_solutions_ch07.
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 import triton
@@ -59,6 +60,7 @@ __all__ = [
     "diagnose_varlen_tiles",
     "sink_reference",
     "sink_cases",
+    "sink_attention_rules",
     "diagnose_sink_attention",
 ]
 
@@ -1123,6 +1125,82 @@ def sink_cases(gen: torch.Generator) -> list[tuple]:
     scores[2, 8:] += 99.0  # scores right at the sink's level: both count
     cases.append((scores, torch.randn(24, 8, generator=gen), 100.0, [8, 8, 8], torch.randn(4, 8, generator=gen)))
     return cases
+
+
+def _update_calls(candidate, case: tuple) -> list[tuple]:
+    """The ``(scores, v)`` tiles that exercise 1's update folded while ``candidate`` ran once more on a copy
+    of ``case``, in call order. Any function named ``online_softmax_update`` counts (the given one, or the
+    learner's own from exercise 1), seen by a profile hook, whatever name the candidate calls it by; a call
+    made from inside another such call is not counted again."""
+    calls: list[tuple] = []
+    open_frames: set[int] = set()
+
+    def hook(frame, event, _arg):
+        if frame.f_code.co_name != "online_softmax_update":
+            return
+        if event == "call" and not open_frames:
+            code = frame.f_code
+            arguments = [frame.f_locals.get(n) for n in code.co_varnames[:code.co_argcount]]
+            calls.append(tuple(arguments[3:5]) if len(arguments) >= 5 else (None, None))
+            open_frames.add(id(frame))
+        elif event == "return":
+            open_frames.discard(id(frame))
+
+    copies = tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in case)
+    previous = sys.getprofile()
+    sys.setprofile(hook)
+    try:
+        candidate(*copies)
+    finally:
+        sys.setprofile(previous)
+    return calls
+
+
+def _key_tiles_folded_by_the_update(context) -> str | None:
+    """None when the candidate's run folded the key tiles with exercise 1's update, one call per tile, in
+    order (and at most one more call, before, between or after them: the sink as a tile of one key, value
+    0 — the fold's order does not change its result); else what it did instead."""
+    scores, v, sink, widths, _ = context.case
+    calls = _update_calls(context.candidate, context.case)
+    tiles = len(widths)
+    said = f"{tiles} key tile{'s' if tiles != 1 else ''} here (widths {list(widths)})"
+
+    def is_the_sink(call: tuple) -> bool:
+        tile_scores, tile_v = call
+        return (isinstance(tile_scores, torch.Tensor) and isinstance(tile_v, torch.Tensor)
+                and tile_scores.shape[-1] == 1 and bool((tile_scores == sink).all()) and not bool(tile_v.any()))
+
+    sink_calls = [i for i, call in enumerate(calls) if is_the_sink(call)]
+    if len(calls) == tiles + 1 and sink_calls:
+        calls = calls[:sink_calls[0]] + calls[sink_calls[0] + 1:]
+    if len(calls) != tiles:
+        times = "never ran" if not calls else f"ran {len(calls)} time{'s' if len(calls) != 1 else ''}"
+        return (f"exercise 1's update (online_softmax_update) {times}, for {said}: call it once per tile, on "
+                "that tile's scores and values, then fold the sink once")
+    start = 0
+    for index, (width, (tile_scores, tile_v)) in enumerate(zip(widths, calls)):
+        want = scores[:, start:start + width]
+        if not isinstance(tile_scores, torch.Tensor) or tuple(tile_scores.shape) != tuple(want.shape):
+            shape = tuple(tile_scores.shape) if isinstance(tile_scores, torch.Tensor) else type(tile_scores).__name__
+            return (f"call {index + 1} of exercise 1's update got scores of shape {shape}; tile {index + 1} of "
+                    f"{said} is {tuple(want.shape)}: one call per tile, on that tile's keys")
+        if not torch.equal(tile_scores.detach().to(want.dtype).cpu(), want.cpu()):
+            return (f"call {index + 1} of exercise 1's update got scores that are not keys [{start}, {start + width}) "
+                    f"of the rows (tile {index + 1} of {said})")
+        if not isinstance(tile_v, torch.Tensor) or tuple(tile_v.shape) != (width, v.shape[1]):
+            return f"call {index + 1} of exercise 1's update got values not shaped ({width}, {v.shape[1]}), its tile's"
+        start += width
+    return None
+
+
+def sink_attention_rules() -> list:
+    """The spec's "fold the key tiles with exercise 1's update": the candidate is run once more, and the
+    calls of the update are counted and compared with the tiles (a whole-row softmax or logsumexp, or all
+    the keys as one tile, gets the right values by another route)."""
+    from utils.exercises.rules import Rule
+
+    return [Rule(name="the key tiles folded with exercise 1's update (one call per tile)",
+                 why="fold the key tiles with exercise 1's update", problem=_key_tiles_folded_by_the_update)]
 
 
 def _sink_variants(case: tuple) -> dict[str, tuple]:

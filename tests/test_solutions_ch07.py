@@ -728,7 +728,7 @@ def test_launchers_refuse_what_the_chapter_kernels_do_not_take():
 
 def check_sinks(candidate) -> Verdict:
     return check("ch07_flash_attention.sink_attention", candidate, given.sink_reference, given.sink_cases,
-                 diagnose=given.diagnose_sink_attention)
+                 rules=given.sink_attention_rules(), diagnose=given.diagnose_sink_attention)
 
 
 def _fold(scores, v, widths, sink=None):
@@ -808,8 +808,55 @@ def sink_not_against_the_max(scores, v, sink, widths, do):
     return out, lse, -(torch.exp(sink - lse) * (do * out).sum(1)).sum()
 
 
+def sink_by_the_whole_row(scores, v, sink, widths, do):
+    # Right values by GPT-OSS's eager route: the sink's column concatenated, one logsumexp per row, no tiles.
+    column = torch.full((scores.shape[0], 1), float(sink), dtype=scores.dtype)
+    lse = torch.logsumexp(torch.cat([scores, column], dim=1), dim=1)
+    out = torch.exp(scores - lse[:, None]) @ v
+    return out, lse, -(torch.exp(sink - lse) * (do * out).sum(1)).sum()
+
+
+def sink_with_one_tile(scores, v, sink, widths, do):
+    # Right values with `widths` ignored: every key folded as one tile.
+    return _finish(*_fold_sink(*_fold(scores, v, [scores.shape[1]]), sink), sink, do)
+
+
+def sink_folded_by_the_update(scores, v, sink, widths, do):
+    # Right, by the spec's own picture: the sink is one more tile of one key, score `sink`, value 0.
+    m, l, acc = _fold(scores, v, widths)
+    column = torch.full((scores.shape[0], 1), float(sink), dtype=scores.dtype)
+    m, l, acc = solutions.online_softmax_update(m, l, acc, column, torch.zeros(1, v.shape[1], dtype=v.dtype))
+    return _finish(m, l, acc, sink, do)
+
+
 def test_sink_attention_solution_solves():
-    assert check_sinks(solutions.sink_attention).solved
+    verdict = check_sinks(solutions.sink_attention)
+    assert verdict.solved
+    assert "rules kept: the key tiles folded with exercise 1's update" in flat(verdict.message)
+
+
+def sink_folded_first(scores, v, sink, widths, do):
+    # Right too: the fold's order does not change its result, the sink may come first (once).
+    rows = scores.shape[0]
+    m = torch.full((rows,), float("-inf"), dtype=scores.dtype)
+    l, acc = torch.zeros(rows, dtype=scores.dtype), torch.zeros(rows, v.shape[1], dtype=scores.dtype)
+    column = torch.full((rows, 1), float(sink), dtype=scores.dtype)
+    m, l, acc = solutions.online_softmax_update(m, l, acc, column, torch.zeros(1, v.shape[1], dtype=v.dtype))
+    start = 0
+    for width in widths:
+        m, l, acc = solutions.online_softmax_update(m, l, acc, scores[:, start:start + width], v[start:start + width])
+        start += width
+    return _finish(m, l, acc, sink, do)
+
+
+@pytest.mark.parametrize("right", [sink_folded_by_the_update, sink_folded_first], ids=["last", "first"])
+def test_sink_attention_accepts_the_sink_folded_as_a_one_key_tile(right):
+    assert check_sinks(right).solved
+
+
+@pytest.mark.parametrize("wrong", [sink_by_the_whole_row, sink_with_one_tile], ids=["whole row", "one tile"])
+def test_sink_attention_holds_the_tiles_to_the_update(wrong):
+    assert_not_solved(check_sinks(wrong), "broke a stated rule", "exercise 1's update")
 
 
 @pytest.mark.parametrize(("wrong", "cause"), [
