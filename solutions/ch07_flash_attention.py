@@ -1163,7 +1163,7 @@ def _key_tiles_folded_by_the_update(context) -> str | None:
     scores, v, sink, widths, _ = context.case
     calls = _update_calls(context.candidate, context.case)
     tiles = len(widths)
-    said = f"{tiles} key tile{'s' if tiles != 1 else ''} here (widths {list(widths)})"
+    said = f"{tiles} key tile{'s' if tiles != 1 else ''} here, widths {list(widths)}"
 
     def is_the_sink(call: tuple) -> bool:
         tile_scores, tile_v = call
@@ -1183,10 +1183,10 @@ def _key_tiles_folded_by_the_update(context) -> str | None:
         if not isinstance(tile_scores, torch.Tensor) or tuple(tile_scores.shape) != tuple(want.shape):
             shape = tuple(tile_scores.shape) if isinstance(tile_scores, torch.Tensor) else type(tile_scores).__name__
             return (f"call {index + 1} of exercise 1's update got scores of shape {shape}; tile {index + 1} of "
-                    f"{said} is {tuple(want.shape)}: one call per tile, on that tile's keys")
+                    f"widths {list(widths)} is {tuple(want.shape)}: one call per tile, on that tile's keys")
         if not torch.equal(tile_scores.detach().to(want.dtype).cpu(), want.cpu()):
-            return (f"call {index + 1} of exercise 1's update got scores that are not keys [{start}, {start + width}) "
-                    f"of the rows (tile {index + 1} of {said})")
+            return (f"call {index + 1} of exercise 1's update got scores other than keys [{start}, {start + width}) "
+                    f"of the rows as given (tile {index + 1} of widths {list(widths)}): fold the tiles unchanged")
         if not isinstance(tile_v, torch.Tensor) or tuple(tile_v.shape) != (width, v.shape[1]):
             return f"call {index + 1} of exercise 1's update got values not shaped ({width}, {v.shape[1]}), its tile's"
         start += width
@@ -1203,33 +1203,57 @@ def sink_attention_rules() -> list:
                  why="fold the key tiles with exercise 1's update", problem=_key_tiles_folded_by_the_update)]
 
 
-def _sink_variants(case: tuple) -> dict[str, tuple]:
-    """The likely wrong answers of exercise 7, each computed in float64 from the case: ``(out, lse, d_sink)``,
-    ``d_sink`` None where the mistake is in the forward (whatever the backward made of it)."""
-    scores, v, sink, widths, do = (t.double() if isinstance(t, torch.Tensor) else t for t in case)
+def _unguarded_update(m, l, acc, scores, v):
+    """Exercise 1's update without its ``-inf`` guard: ``exp(-inf - (-inf))`` is NaN for a row that has
+    seen no key through a whole tile."""
+    m_new = torch.maximum(m, scores.amax(dim=1))
+    alpha = torch.exp(m - m_new)
+    p = torch.exp(scores - m_new[:, None])
+    return m_new, l * alpha + p.sum(dim=1), acc * alpha[:, None] + p @ v
+
+
+def _sink_fold(scores, v, sink, widths, update=online_softmax_update):
+    """``(m, l, acc)`` after the key tiles, then ``(m', l', acc')`` after the sink's fold, all in float64."""
     rows = scores.shape[0]
     m = torch.full((rows,), float("-inf"), dtype=torch.float64)
     l, acc = torch.zeros(rows, dtype=torch.float64), torch.zeros(rows, v.shape[1], dtype=torch.float64)
     start = 0
     for width in widths:
-        m, l, acc = online_softmax_update(m, l, acc, scores[:, start:start + width], v[start:start + width])
+        m, l, acc = update(m, l, acc, scores[:, start:start + width], v[start:start + width])
         start += width
     top = torch.maximum(m, torch.full_like(m, sink))
     alpha = torch.exp(m - top)
+    return (m, l, acc), (top, l * alpha + torch.exp(sink - top), acc * alpha[:, None])
+
+
+def _sink_variants(case: tuple) -> dict[str, tuple]:
+    """The likely wrong answers of exercise 7, each computed in float64 from the case: ``(out, lse, d_sink)``,
+    ``d_sink`` None where the mistake is in the forward (whatever the backward made of it). Some hold NaN or
+    inf where the mistake makes them (the comparison asks for the same non-finite places)."""
+    scores, v, sink, widths, do = (t.double() if isinstance(t, torch.Tensor) else t for t in case)
+    (m, l, acc), (top, l_sink, acc_top) = _sink_fold(scores, v, sink, widths)
+    alpha = torch.exp(m - top)
     e_sink = torch.exp(sink - top)
-    l_sink, acc_top = l * alpha + e_sink, acc * alpha[:, None]
     out = acc_top / l_sink[:, None]
     lse = top + torch.log(l_sink)
     delta = (do * out).sum(1)
     p_sink = torch.exp(sink - lse)
     d_sink = -(p_sink * delta).sum()
     seen = torch.isfinite(m)
+    m_seen = torch.where(seen, m, 0.0)
     l_seen = torch.where(seen, l, 1.0)
     plain_out = torch.where(seen[:, None], acc / l_seen[:, None], 0.0)
-    plain_lse = torch.where(seen, torch.where(seen, m, 0.0) + torch.log(l_seen), float("-inf"))
+    plain_lse = torch.where(seen, m_seen + torch.log(l_seen), float("-inf"))
     tiles = len(widths)
     per_tile_l = l * alpha + tiles * e_sink  # the sink folded into every tile: it weighs `tiles` times
+    l_unrescaled = l + e_sink  # l left relative to the keys' maximum when the maximum moves to the sink
+    weight_l = l + sink * torch.exp(-m_seen)  # `sink` itself in the denominator, not e^sink
+    shifted_weight_l = l + sink  # the same, added to the sum taken against the keys' maximum
+    _, (s_top, s_l, s_acc) = _sink_fold(scores, v, sink / math.sqrt(v.shape[1]), widths)
+    _, (n_top, n_l, n_acc) = _sink_fold(scores, v, sink, widths, update=_unguarded_update)
     zero = torch.zeros((), dtype=torch.float64)
+    as_a_weight = ("the sink is added as a weight, not as a logit ({}): its term in the denominator is e^sink — "
+                   "exp(sink − m') against the running maximum")
     return {
         f"the sink is counted once per key tile ({tiles} tiles here): fold it in once, after the last tile":
             (acc_top / per_tile_l[:, None], top + torch.log(per_tile_l), None),
@@ -1239,25 +1263,65 @@ def _sink_variants(case: tuple) -> dict[str, tuple]:
         "the end": (plain_out, plain_lse, None),
         "lse leaves the sink out: take lse = m + log(l) after the sink's fold, so that P_sink = exp(sink - lse) "
         "is its probability": (out, plain_lse, None),
+        "the sink is in lse but not in the output's denominator: out = acc' / l' after the sink's fold (the sink "
+        "takes its share of every row), not acc / l of the keys alone": (plain_out, lse, None),
+        "lse is taken from the maximum before the sink's fold: l' is relative to m' = max(m, sink), so "
+        "lse = m' + log l' (m is −inf for a row that sees no key)":
+            (out, m + torch.log(l_sink), None),
+        "acc is not rescaled when the maximum moves to the sink: acc' = acc · exp(m − m'), as l is":
+            (acc / l_sink[:, None], lse, None),
+        "l is not rescaled when the maximum moves to the sink: l' = l · exp(m − m') + exp(sink − m'), as acc is":
+            (acc_top / l_unrescaled[:, None], top + torch.log(l_unrescaled), None),
+        as_a_weight.format("l + sink · e^−m"): (acc / weight_l[:, None], m_seen + torch.log(weight_l), None),
+        as_a_weight.format("l + sink"): (acc / shifted_weight_l[:, None], m_seen + torch.log(shifted_weight_l), None),
+        "the sink is scaled like the scores (sink / √D): the scores come scaled, the sink is a logit as it is — "
+        "fold it unchanged": (s_acc / s_l[:, None], s_top + torch.log(s_l), None),
+        "NaN in rows that see no key through a whole tile: exp(−inf − (−inf)) in the update — guard it as "
+        "exercise 1's does (the exponentials taken against 0 while m_new = −inf)":
+            (n_acc / n_l[:, None], n_top + torch.log(n_l), None),
         "d_sink has the wrong sign: d_sink = -Σ_i P_sink,i · δ_i": (out, lse, -d_sink),
         "the sink is ignored in the backward (d_sink = 0): ∂out_i/∂sink = -P_sink,i · out_i, so "
         "d_sink = -Σ_i P_sink,i · δ_i with δ_i = Σ_d dO_id O_id": (out, lse, zero),
         "d_sink misses δ: d_sink = -Σ_i P_sink,i · δ_i, δ_i = Σ_d dO_id O_id": (out, lse, -p_sink.sum()),
+        f"d_sink is a mean over the rows (1/{scores.shape[0]} of the sum): d_sink = −Σ_i P_sink,i · δ_i sums "
+        "the rows' terms": (out, lse, d_sink / scores.shape[0]),
+        f"δ is a mean over the features (1/{v.shape[1]} of the sum): δ_i = Σ_d dO_id O_id":
+            (out, lse, d_sink / v.shape[1]),
+        "δ leaves the output out: δ_i = Σ_d dO_id · O_id, not Σ_d dO_id":
+            (out, lse, -(p_sink * do.sum(1)).sum()),
+        "δ is taken from the unnormalised acc: δ_i = Σ_d dO_id O_id with O = acc' / l', the output":
+            (out, lse, -(p_sink * (do * acc_top).sum(1)).sum()),
     }
 
 
 def diagnose_sink_attention(case: tuple, got: tuple, expected: tuple) -> str | None:
     """The common mistakes of exercise 7, each computed and compared (out and lse, and d_sink where the
-    mistake is in the backward)."""
+    mistake is in the backward); then, for NaN/inf that none of them explains, an overflow — only where the
+    sink is large enough to make one (``exp(sink)`` beyond float32's range, or ``exp(sink − m)`` for a row
+    whose scores lie that far below it)."""
     scores, _, sink, _, _ = case
     if not isinstance(got, (tuple, list)) or len(got) != 3:
         return None
-    if any(isinstance(t, torch.Tensor) and not bool(torch.isfinite(t).all()) for t in got):
-        top = float(scores[torch.isfinite(scores)].max())
-        return (f"NaN/inf: the sink is {sink:g} and the scores reach {top:.0f} here — exp(sink) alone overflows "
-                "float32; fold it against the running maximum: m' = max(m, sink), l = l · exp(m − m') + exp(sink − m')")
     dtypes = tuple(t.dtype if isinstance(t, torch.Tensor) else torch.float32 for t in expected)
     for cause, (out, lse, d_sink) in _sink_variants(case).items():
+        if d_sink is None and _all_close(expected[:2], (out, lse), dtypes[:2]):
+            continue  # a forward mistake that changes nothing in this case (no row's maximum moves to the sink)
         if _all_close(got[:2], (out, lse), dtypes[:2]) and (d_sink is None or _close(got[2], d_sink, dtypes[2])):
             return cause
+    if not any(isinstance(t, torch.Tensor) and not bool(torch.isfinite(t).all()) for t in got):
+        return None
+    limit = math.log(torch.finfo(scores.dtype).max)  # exp(x) overflows beyond it: 88.7 in float32
+    dtype = str(scores.dtype).removeprefix("torch.")
+    if sink > limit:
+        top = float(scores[torch.isfinite(scores)].max())
+        return (f"NaN/inf: the sink is {sink:g} and the scores reach {top:.0f} here — exp(sink) alone overflows "
+                f"{dtype} (beyond e^{limit:.1f}); fold it against the running maximum: m' = max(m, sink), "
+                "l = l · exp(m − m') + exp(sink − m')")
+    maxima = scores.amax(dim=1)
+    far = torch.isfinite(maxima) & (sink - maxima > limit)
+    if bool(far.any()):
+        row = int(far.nonzero()[0][0])
+        return (f"NaN/inf: the sink is {sink:g} and row {row}'s scores reach only {float(maxima[row]):.0f} — "
+                f"exp(sink − m) overflows {dtype} there; take the maximum with the sink first: m' = max(m, sink), "
+                "l = l · exp(m − m') + exp(sink − m')")
     return None
