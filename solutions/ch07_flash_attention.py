@@ -1104,18 +1104,24 @@ def sink_reference(scores: torch.Tensor, v: torch.Tensor, sink: float, widths: l
 
 
 def sink_cases(gen: torch.Generator) -> list[tuple]:
-    """Rows of one head with a sink: tiles whose maximum moves, masked keys, a row that sees no key at all
-    (only the sink: output 0, lse = the sink), three tiles with a sink as large as the scores (a sink folded
-    per tile weighs three times), and the adversarial case: scores near +200 in one row and near -250 in
-    another, and a sink of 100 (``exp(100)`` overflows float32: the sink must be taken against the max)."""
+    """Rows of one head with a sink: tiles whose maximum moves, masked keys; case 2, a row that sees no key
+    at all (only the sink: output 0, lse = the sink); case 3, three tiles and a sink as large as the scores
+    (a sink folded per tile weighs three times), one row peaking below it (the maximum moves to the sink:
+    l and acc rescaled) and one above, for every seed; and case 4, the adversarial one: scores near +200 in
+    one row and near -250 in another, and a sink of 100 (``exp(100)`` overflows float32: the sink must be
+    taken against the max)."""
     cases = []
-    for rows, widths, dims, sink in ((4, [8, 8], 8, 0.5), (6, [5, 16, 3], 16, -1.0), (5, [8, 8, 8], 8, 4.0)):
+    for number, (rows, widths, dims, sink) in enumerate(((4, [8, 8], 8, 0.5), (6, [5, 16, 3], 16, -1.0),
+                                                         (5, [8, 8, 8], 8, 4.0)), start=1):
         total = sum(widths)
         scores = torch.randn(rows, total, generator=gen) * 3
         scores[1, 1::3] = float("-inf")  # masked keys
         scores[2, :widths[0]] = float("-inf")  # no key in the first tile
         if rows > 5:
             scores[5] = float("-inf")  # no key at all: only the sink
+        if number == 3:  # the maximum of row 3 moves to the sink; row 0's stays above it
+            scores[3] += (sink - 1.5) - scores[3].max()
+            scores[0] += (sink + 1.5) - scores[0].max()
         cases.append((scores, torch.randn(total, dims, generator=gen), sink, widths,
                       torch.randn(rows, dims, generator=gen)))
     scores = torch.randn(4, 24, generator=gen)

@@ -953,6 +953,16 @@ def test_sink_attention_names_the_cause(wrong, cause):
     assert_not_solved(check_sinks(wrong), cause)
 
 
+def test_sink_cases_move_the_maximum_to_the_sink_in_three_tiles():
+    for seed in range(200):  # every seed: the check draws fresh ones
+        scores, _, sink, widths, _ = given.sink_cases(torch.Generator().manual_seed(seed))[2]
+        assert len(widths) == 3 and sink == 4.0
+        maxima = scores.amax(dim=1)
+        maxima = maxima[torch.isfinite(maxima)]
+        assert bool((maxima < sink).any()), f"seed {seed}: no row of case 3 has its maximum below the sink"
+        assert bool((maxima > sink).any()), f"seed {seed}: no row of case 3 has scores above the sink"
+
+
 @pytest.mark.parametrize(("wrong", "cause"), [
     (sink_folded_per_tile, "cause: the sink is counted once per key tile (2 tiles here)"),
     (sink_in_the_numerator, "cause: the sink is added to the numerator too"),
