@@ -13,6 +13,7 @@ traffic verdict — which the notebook's checks and ``tests/test_solutions_ch07.
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 import triton
@@ -59,6 +60,7 @@ __all__ = [
     "diagnose_varlen_tiles",
     "sink_reference",
     "sink_cases",
+    "sink_attention_rules",
     "diagnose_sink_attention",
 ]
 
@@ -1102,18 +1104,24 @@ def sink_reference(scores: torch.Tensor, v: torch.Tensor, sink: float, widths: l
 
 
 def sink_cases(gen: torch.Generator) -> list[tuple]:
-    """Rows of one head with a sink: tiles whose maximum moves, masked keys, a row that sees no key at all
-    (only the sink: output 0, lse = the sink), three tiles with a sink as large as the scores (a sink folded
-    per tile weighs three times), and the adversarial case: scores near +200 in one row and near -250 in
-    another, and a sink of 100 (``exp(100)`` overflows float32: the sink must be taken against the max)."""
+    """Rows of one head with a sink: tiles whose maximum moves, masked keys; case 2, a row that sees no key
+    at all (only the sink: output 0, lse = the sink); case 3, three tiles and a sink as large as the scores
+    (a sink folded per tile weighs three times), one row peaking below it (the maximum moves to the sink:
+    l and acc rescaled) and one above, for every seed; and case 4, the adversarial one: scores near +200 in
+    one row and near -250 in another, and a sink of 100 (``exp(100)`` overflows float32: the sink must be
+    taken against the max)."""
     cases = []
-    for rows, widths, dims, sink in ((4, [8, 8], 8, 0.5), (6, [5, 16, 3], 16, -1.0), (5, [8, 8, 8], 8, 4.0)):
+    for number, (rows, widths, dims, sink) in enumerate(((4, [8, 8], 8, 0.5), (6, [5, 16, 3], 16, -1.0),
+                                                         (5, [8, 8, 8], 8, 4.0)), start=1):
         total = sum(widths)
         scores = torch.randn(rows, total, generator=gen) * 3
         scores[1, 1::3] = float("-inf")  # masked keys
         scores[2, :widths[0]] = float("-inf")  # no key in the first tile
         if rows > 5:
             scores[5] = float("-inf")  # no key at all: only the sink
+        if number == 3:  # the maximum of row 3 moves to the sink; row 0's stays above it
+            scores[3] += (sink - 1.5) - scores[3].max()
+            scores[0] += (sink + 1.5) - scores[0].max()
         cases.append((scores, torch.randn(total, dims, generator=gen), sink, widths,
                       torch.randn(rows, dims, generator=gen)))
     scores = torch.randn(4, 24, generator=gen)
@@ -1125,33 +1133,133 @@ def sink_cases(gen: torch.Generator) -> list[tuple]:
     return cases
 
 
-def _sink_variants(case: tuple) -> dict[str, tuple]:
-    """The likely wrong answers of exercise 7, each computed in float64 from the case: ``(out, lse, d_sink)``,
-    ``d_sink`` None where the mistake is in the forward (whatever the backward made of it)."""
-    scores, v, sink, widths, do = (t.double() if isinstance(t, torch.Tensor) else t for t in case)
+def _update_calls(candidate, case: tuple) -> list[tuple]:
+    """The ``(scores, v)`` tiles that exercise 1's update folded while ``candidate`` ran once more on a copy
+    of ``case``, in call order. Any function named ``online_softmax_update`` counts (the given one, or the
+    learner's own from exercise 1), seen by a profile hook, whatever name the candidate calls it by; a call
+    made from inside another such call is not counted again."""
+    calls: list[tuple] = []
+    open_frames: set[int] = set()
+
+    def hook(frame, event, _arg):
+        if frame.f_code.co_name != "online_softmax_update":
+            return
+        if event == "call" and not open_frames:
+            code = frame.f_code
+            arguments = [frame.f_locals.get(n) for n in code.co_varnames[:code.co_argcount]]
+            calls.append(tuple(arguments[3:5]) if len(arguments) >= 5 else (None, None))
+            open_frames.add(id(frame))
+        elif event == "return":
+            open_frames.discard(id(frame))
+
+    copies = tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in case)
+    previous = sys.getprofile()
+    sys.setprofile(hook)
+    try:
+        candidate(*copies)
+    finally:
+        sys.setprofile(previous)
+    return calls
+
+
+def _key_tiles_folded_by_the_update(context) -> str | None:
+    """None when the candidate's run folded the key tiles with exercise 1's update, one call per tile, in
+    order (and at most one more call, before, between or after them: the sink as a tile of one key, value
+    0 — the fold's order does not change its result); else what it did instead."""
+    scores, v, sink, widths, _ = context.case
+    calls = _update_calls(context.candidate, context.case)
+    tiles = len(widths)
+    said = f"{tiles} key tile{'s' if tiles != 1 else ''} here, widths {list(widths)}"
+
+    def is_the_sink(call: tuple) -> bool:
+        tile_scores, tile_v = call
+        return (isinstance(tile_scores, torch.Tensor) and isinstance(tile_v, torch.Tensor)
+                and tile_scores.shape[-1] == 1 and bool((tile_scores == sink).all()) and not bool(tile_v.any()))
+
+    sink_calls = [i for i, call in enumerate(calls) if is_the_sink(call)]
+    if len(calls) == tiles + 1 and sink_calls:
+        calls = calls[:sink_calls[0]] + calls[sink_calls[0] + 1:]
+    if len(calls) != tiles:
+        times = "never ran" if not calls else f"ran {len(calls)} time{'s' if len(calls) != 1 else ''}"
+        return (f"exercise 1's update (online_softmax_update) {times}, for {said}: call it once per tile, on "
+                "that tile's scores and values, then fold the sink once")
+    start = 0
+    for index, (width, (tile_scores, tile_v)) in enumerate(zip(widths, calls)):
+        want = scores[:, start:start + width]
+        if not isinstance(tile_scores, torch.Tensor) or tuple(tile_scores.shape) != tuple(want.shape):
+            shape = tuple(tile_scores.shape) if isinstance(tile_scores, torch.Tensor) else type(tile_scores).__name__
+            return (f"call {index + 1} of exercise 1's update got scores of shape {shape}; tile {index + 1} of "
+                    f"widths {list(widths)} is {tuple(want.shape)}: one call per tile, on that tile's keys")
+        if not torch.equal(tile_scores.detach().to(want.dtype).cpu(), want.cpu()):
+            return (f"call {index + 1} of exercise 1's update got scores other than keys [{start}, {start + width}) "
+                    f"of the rows as given (tile {index + 1} of widths {list(widths)}): fold the tiles unchanged")
+        if not isinstance(tile_v, torch.Tensor) or tuple(tile_v.shape) != (width, v.shape[1]):
+            return f"call {index + 1} of exercise 1's update got values not shaped ({width}, {v.shape[1]}), its tile's"
+        start += width
+    return None
+
+
+def sink_attention_rules() -> list:
+    """The spec's "fold the key tiles with exercise 1's update": the candidate is run once more, and the
+    calls of the update are counted and compared with the tiles (a whole-row softmax or logsumexp, or all
+    the keys as one tile, gets the right values by another route)."""
+    from utils.exercises.rules import Rule
+
+    return [Rule(name="the key tiles folded with exercise 1's update (one call per tile)",
+                 why="fold the key tiles with exercise 1's update", problem=_key_tiles_folded_by_the_update)]
+
+
+def _unguarded_update(m, l, acc, scores, v):
+    """Exercise 1's update without its ``-inf`` guard: ``exp(-inf - (-inf))`` is NaN for a row that has
+    seen no key through a whole tile."""
+    m_new = torch.maximum(m, scores.amax(dim=1))
+    alpha = torch.exp(m - m_new)
+    p = torch.exp(scores - m_new[:, None])
+    return m_new, l * alpha + p.sum(dim=1), acc * alpha[:, None] + p @ v
+
+
+def _sink_fold(scores, v, sink, widths, update=online_softmax_update):
+    """``(m, l, acc)`` after the key tiles, then ``(m', l', acc')`` after the sink's fold, all in float64."""
     rows = scores.shape[0]
     m = torch.full((rows,), float("-inf"), dtype=torch.float64)
     l, acc = torch.zeros(rows, dtype=torch.float64), torch.zeros(rows, v.shape[1], dtype=torch.float64)
     start = 0
     for width in widths:
-        m, l, acc = online_softmax_update(m, l, acc, scores[:, start:start + width], v[start:start + width])
+        m, l, acc = update(m, l, acc, scores[:, start:start + width], v[start:start + width])
         start += width
     top = torch.maximum(m, torch.full_like(m, sink))
     alpha = torch.exp(m - top)
+    return (m, l, acc), (top, l * alpha + torch.exp(sink - top), acc * alpha[:, None])
+
+
+def _sink_variants(case: tuple) -> dict[str, tuple]:
+    """The likely wrong answers of exercise 7, each computed in float64 from the case: ``(out, lse, d_sink)``,
+    ``d_sink`` None where the mistake is in the forward (whatever the backward made of it). Some hold NaN or
+    inf where the mistake makes them (the comparison asks for the same non-finite places)."""
+    scores, v, sink, widths, do = (t.double() if isinstance(t, torch.Tensor) else t for t in case)
+    (m, l, acc), (top, l_sink, acc_top) = _sink_fold(scores, v, sink, widths)
+    alpha = torch.exp(m - top)
     e_sink = torch.exp(sink - top)
-    l_sink, acc_top = l * alpha + e_sink, acc * alpha[:, None]
     out = acc_top / l_sink[:, None]
     lse = top + torch.log(l_sink)
     delta = (do * out).sum(1)
     p_sink = torch.exp(sink - lse)
     d_sink = -(p_sink * delta).sum()
     seen = torch.isfinite(m)
+    m_seen = torch.where(seen, m, 0.0)
     l_seen = torch.where(seen, l, 1.0)
     plain_out = torch.where(seen[:, None], acc / l_seen[:, None], 0.0)
-    plain_lse = torch.where(seen, torch.where(seen, m, 0.0) + torch.log(l_seen), float("-inf"))
+    plain_lse = torch.where(seen, m_seen + torch.log(l_seen), float("-inf"))
     tiles = len(widths)
     per_tile_l = l * alpha + tiles * e_sink  # the sink folded into every tile: it weighs `tiles` times
+    l_unrescaled = l + e_sink  # l left relative to the keys' maximum when the maximum moves to the sink
+    weight_l = l + sink * torch.exp(-m_seen)  # `sink` itself in the denominator, not e^sink
+    shifted_weight_l = l + sink  # the same, added to the sum taken against the keys' maximum
+    _, (s_top, s_l, s_acc) = _sink_fold(scores, v, sink / math.sqrt(v.shape[1]), widths)
+    _, (n_top, n_l, n_acc) = _sink_fold(scores, v, sink, widths, update=_unguarded_update)
     zero = torch.zeros((), dtype=torch.float64)
+    as_a_weight = ("the sink is added as a weight, not as a logit ({}): its term in the denominator is e^sink — "
+                   "exp(sink − m') against the running maximum")
     return {
         f"the sink is counted once per key tile ({tiles} tiles here): fold it in once, after the last tile":
             (acc_top / per_tile_l[:, None], top + torch.log(per_tile_l), None),
@@ -1161,25 +1269,65 @@ def _sink_variants(case: tuple) -> dict[str, tuple]:
         "the end": (plain_out, plain_lse, None),
         "lse leaves the sink out: take lse = m + log(l) after the sink's fold, so that P_sink = exp(sink - lse) "
         "is its probability": (out, plain_lse, None),
+        "the sink is in lse but not in the output's denominator: out = acc' / l' after the sink's fold (the sink "
+        "takes its share of every row), not acc / l of the keys alone": (plain_out, lse, None),
+        "lse is taken from the maximum before the sink's fold: l' is relative to m' = max(m, sink), so "
+        "lse = m' + log l' (m is −inf for a row that sees no key)":
+            (out, m + torch.log(l_sink), None),
+        "acc is not rescaled when the maximum moves to the sink: acc' = acc · exp(m − m'), as l is":
+            (acc / l_sink[:, None], lse, None),
+        "l is not rescaled when the maximum moves to the sink: l' = l · exp(m − m') + exp(sink − m'), as acc is":
+            (acc_top / l_unrescaled[:, None], top + torch.log(l_unrescaled), None),
+        as_a_weight.format("l + sink · e^−m"): (acc / weight_l[:, None], m_seen + torch.log(weight_l), None),
+        as_a_weight.format("l + sink"): (acc / shifted_weight_l[:, None], m_seen + torch.log(shifted_weight_l), None),
+        "the sink is scaled like the scores (sink / √D): the scores come scaled, the sink is a logit as it is — "
+        "fold it unchanged": (s_acc / s_l[:, None], s_top + torch.log(s_l), None),
+        "NaN in rows that see no key through a whole tile: exp(−inf − (−inf)) in the update — guard it as "
+        "exercise 1's does (the exponentials taken against 0 while m_new = −inf)":
+            (n_acc / n_l[:, None], n_top + torch.log(n_l), None),
         "d_sink has the wrong sign: d_sink = -Σ_i P_sink,i · δ_i": (out, lse, -d_sink),
         "the sink is ignored in the backward (d_sink = 0): ∂out_i/∂sink = -P_sink,i · out_i, so "
         "d_sink = -Σ_i P_sink,i · δ_i with δ_i = Σ_d dO_id O_id": (out, lse, zero),
         "d_sink misses δ: d_sink = -Σ_i P_sink,i · δ_i, δ_i = Σ_d dO_id O_id": (out, lse, -p_sink.sum()),
+        f"d_sink is a mean over the rows (1/{scores.shape[0]} of the sum): d_sink = −Σ_i P_sink,i · δ_i sums "
+        "the rows' terms": (out, lse, d_sink / scores.shape[0]),
+        f"δ is a mean over the features (1/{v.shape[1]} of the sum): δ_i = Σ_d dO_id O_id":
+            (out, lse, d_sink / v.shape[1]),
+        "δ leaves the output out: δ_i = Σ_d dO_id · O_id, not Σ_d dO_id":
+            (out, lse, -(p_sink * do.sum(1)).sum()),
+        "δ is taken from the unnormalised acc: δ_i = Σ_d dO_id O_id with O = acc' / l', the output":
+            (out, lse, -(p_sink * (do * acc_top).sum(1)).sum()),
     }
 
 
 def diagnose_sink_attention(case: tuple, got: tuple, expected: tuple) -> str | None:
     """The common mistakes of exercise 7, each computed and compared (out and lse, and d_sink where the
-    mistake is in the backward)."""
+    mistake is in the backward); then, for NaN/inf that none of them explains, an overflow — only where the
+    sink is large enough to make one (``exp(sink)`` beyond float32's range, or ``exp(sink − m)`` for a row
+    whose scores lie that far below it)."""
     scores, _, sink, _, _ = case
     if not isinstance(got, (tuple, list)) or len(got) != 3:
         return None
-    if any(isinstance(t, torch.Tensor) and not bool(torch.isfinite(t).all()) for t in got):
-        top = float(scores[torch.isfinite(scores)].max())
-        return (f"NaN/inf: the sink is {sink:g} and the scores reach {top:.0f} here — exp(sink) alone overflows "
-                "float32; fold it against the running maximum: m' = max(m, sink), l = l · exp(m − m') + exp(sink − m')")
     dtypes = tuple(t.dtype if isinstance(t, torch.Tensor) else torch.float32 for t in expected)
     for cause, (out, lse, d_sink) in _sink_variants(case).items():
+        if d_sink is None and _all_close(expected[:2], (out, lse), dtypes[:2]):
+            continue  # a forward mistake that changes nothing in this case (no row's maximum moves to the sink)
         if _all_close(got[:2], (out, lse), dtypes[:2]) and (d_sink is None or _close(got[2], d_sink, dtypes[2])):
             return cause
+    if not any(isinstance(t, torch.Tensor) and not bool(torch.isfinite(t).all()) for t in got):
+        return None
+    limit = math.log(torch.finfo(scores.dtype).max)  # exp(x) overflows beyond it: 88.7 in float32
+    dtype = str(scores.dtype).removeprefix("torch.")
+    if sink > limit:
+        top = float(scores[torch.isfinite(scores)].max())
+        return (f"NaN/inf: the sink is {sink:g} and the scores reach {top:.0f} here — exp(sink) alone overflows "
+                f"{dtype} (beyond e^{limit:.1f}); fold it against the running maximum: m' = max(m, sink), "
+                "l = l · exp(m − m') + exp(sink − m')")
+    maxima = scores.amax(dim=1)
+    far = torch.isfinite(maxima) & (sink - maxima > limit)
+    if bool(far.any()):
+        row = int(far.nonzero()[0][0])
+        return (f"NaN/inf: the sink is {sink:g} and row {row}'s scores reach only {float(maxima[row]):.0f} — "
+                f"exp(sink − m) overflows {dtype} there; take the maximum with the sink first: m' = max(m, sink), "
+                "l = l · exp(m − m') + exp(sink − m')")
     return None

@@ -1,5 +1,5 @@
 """Solutions to chapter 09, sparse ops and mixture of experts: the routing kernel, the counting sort,
-the grouped GEMM's tile map, the weighted combine, block skipping.
+the grouped GEMM's tile map, the weighted combine, block skipping, DeepSeek-V3's group-limited top-k.
 
 One solution per exercise of ``chapters/09_moe/09_moe.ipynb``, written for reading, and what the
 chapter gives: each exercise's cases, its reference (written apart from the solution), the rules
@@ -9,6 +9,8 @@ its traffic verdict against the library's op, which the notebook's checks and
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -49,6 +51,13 @@ __all__ = [
     "diagnose_visited_blocks",
     "visited_rules",
     "diagnose_visited_cause",
+    "grouped_topk",
+    "grouped_topk_reference",
+    "grouped_topk_cases",
+    "grouped_topk_rules",
+    "grouped_topk_mistakes",
+    "diagnose_grouped_topk",
+    "diagnose_grouped_topk_cause",
     "experts_loop",
     "moe_unfused",
 ]
@@ -315,7 +324,9 @@ def diagnose_routing(got, expected) -> str | None:
 def counting_sort(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Sort the ``(T, k)`` routing entries by expert, stably, without a comparison sort.
 
-    1. ``counts[e]`` = entries routed to ``e`` (a histogram, ``torch.bincount``);
+    1. ``counts[e]`` = entries routed to ``e`` (a histogram: the column sums of a one-hot ``(N, E)``
+       matrix of width ``E`` — ``torch.bincount`` would size its output by the largest id, which a GPU
+       must send to the host first);
     2. ``offsets = cumsum(counts)`` — each expert's end; its start is the previous end;
     3. each entry's position = its expert's start + how many entries of the same expert came
        before it (its rank within the expert, from a running count per expert).
@@ -324,10 +335,10 @@ def counting_sort(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Ten
     ``offsets`` (``E``, int32, cumulative ends: the grouped GEMM's convention).
     """
     flat = expert_ids.reshape(-1).long()
-    counts = torch.bincount(flat, minlength=num_experts)
+    one_hot = torch.nn.functional.one_hot(flat, num_experts)  # (N, E): its width given, no host sync
+    counts = one_hot.sum(dim=0)
     offsets = torch.cumsum(counts, dim=0)
     starts = offsets - counts
-    one_hot = torch.nn.functional.one_hot(flat, num_experts)  # (N, E)
     rank = (torch.cumsum(one_hot, dim=0) - 1).gather(1, flat[:, None])[:, 0]  # earlier entries of my expert
     position = starts[flat] + rank
     permutation = torch.empty_like(flat)
@@ -433,8 +444,8 @@ def diagnose_counting_sort(got, expected) -> str | None:
     if form:
         if (isinstance(offsets, torch.Tensor) and offsets.dim() == 1 and offsets.dtype == want_offsets.dtype
                 and len(offsets) < len(want_offsets)):
-            form.append(f"one end per expert, the empty ones too: {len(want_offsets)} of them "
-                        "(torch.bincount(..., minlength=num_experts))")
+            form.append(f"one end per expert, the empty ones too: {len(want_offsets)} of them (a one-hot of width "
+                        "num_experts: one_hot(flat, num_experts))")
         return "; ".join(form)
     permutation, offsets = permutation.detach().cpu().long(), offsets.detach().cpu().long()
     want_permutation, want_offsets = want_permutation.cpu().long(), want_offsets.cpu().long()
@@ -861,6 +872,204 @@ def diagnose_visited_blocks(got, expected) -> str | None:
     if all(torch.equal(indices[r, : int(want_counts[r])] - 1, want_indices[r, : int(want_counts[r])]) for r in wrong):
         return text + ": every one is one too high — key blocks are numbered from 0"
     return text + f" ({len(wrong)} of {len(want_counts)} rows wrong; a row lists its allowed blocks first)"
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 6: DeepSeek-V3's group-limited top-k with bias correction
+# ----------------------------------------------------------------------------------------------
+
+
+def grouped_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, num_groups: int, topk_groups: int,
+                 renormalize: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's router in torch ops: sigmoid scores; the choice ``scores + bias`` (the bias balances the
+    load and is used for choosing only); each group of ``E / num_groups`` consecutive experts scored by its
+    two largest choices' sum; the ``topk_groups`` best groups kept, the others' experts masked out (``-inf``:
+    never chosen); the top ``k`` choices; their *unbiased* scores as the weights, renormalized if asked,
+    then times ``scale`` (``routed_scaling_factor``). Returns ``(weights (T, k), ids (T, k) int64)``."""
+    tokens, experts = logits.shape
+    scores = torch.sigmoid(logits)
+    choice = scores + bias
+    group_scores = choice.view(tokens, num_groups, -1).topk(2, dim=-1).values.sum(dim=-1)
+    kept = torch.zeros_like(group_scores, dtype=torch.bool)
+    kept.scatter_(1, group_scores.topk(topk_groups, dim=-1).indices, True)
+    choice = choice.masked_fill(~kept.repeat_interleave(experts // num_groups, dim=1), float("-inf"))
+    ids = choice.topk(k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights * scale, ids
+
+
+def grouped_topk_reference(logits: torch.Tensor, bias: torch.Tensor, k: int, num_groups: int, topk_groups: int,
+                           renormalize: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token by token in Python (the check's reference), ids in decreasing order of choice."""
+    size = logits.shape[1] // num_groups
+    all_weights, all_ids = [], []
+    for row in logits.tolist():
+        scores = [1.0 / (1.0 + math.exp(-x)) for x in row]
+        choice = [s + b for s, b in zip(scores, bias.tolist())]
+        group_score = [sum(sorted(choice[g * size:(g + 1) * size], reverse=True)[:2]) for g in range(num_groups)]
+        kept = sorted(range(num_groups), key=lambda g: -group_score[g])[:topk_groups]
+        eligible = [e for g in kept for e in range(g * size, (g + 1) * size)]
+        ids = sorted(eligible, key=lambda e: -choice[e])[:k]
+        weights = [scores[e] for e in ids]
+        total = sum(weights) if renormalize else 1.0
+        all_weights.append([w / total * scale for w in weights])
+        all_ids.append(ids)
+    return torch.tensor(all_weights, dtype=logits.dtype), torch.tensor(all_ids, dtype=torch.int64)
+
+
+def _distinct_router(gen: torch.Generator, tokens: int, experts: int, num_groups: int,
+                     bias: torch.Tensor) -> torch.Tensor:
+    """Logits whose choice scores ``sigmoid(logit) + bias`` are distinct values of a 1/128 grid in [0.2, 0.8],
+    shifted by 2^-14 per group: no two experts' choices, nor two groups' top-2 sums, tie or come within float32's
+    rounding of each other, so float32 and float64 choose the same experts."""
+    grid = torch.stack([torch.randperm(77, generator=gen)[:experts] for _ in range(tokens)]).double()
+    group = torch.arange(experts).double() // (experts // num_groups)
+    choice = 0.2 + grid / 128 + group * 2.0 ** -14
+    return torch.logit(choice - bias.double()).float()
+
+
+def grouped_topk_cases(gen: torch.Generator) -> list[tuple]:
+    """(logits, bias, k, num_groups, topk_groups, renormalize, scale): DeepSeek-V3-like routers of 16 to 64
+    experts in 3 to 8 groups, both renormalizations, scales 1 to 2.5 (2 where the weights are not
+    renormalized: the scale applies either way); then two small routers made to tell the likely mistakes
+    apart: one whose best single expert sits in the group with the worse top-2 sum, and one whose bias makes
+    a kept group's choices as low as -1.8 (where a dropped group filled with 0, or -1, would win)."""
+    device = kernel_ladder.runtime.DEVICE
+    cases = []
+    for tokens, experts, groups, kept, k, renormalize, scale in ((6, 16, 4, 2, 4, True, 2.5),
+                                                                 (5, 24, 3, 1, 3, False, 2.0),
+                                                                 (4, 64, 8, 3, 6, True, 1.5)):
+        bias = torch.randint(-96, 97, (experts,), generator=gen).double() / 1024
+        logits = _distinct_router(gen, tokens, experts, groups, bias)
+        cases.append((logits.to(device), bias.float().to(device), k, groups, kept, renormalize, scale))
+    max_vs_sum = torch.logit(torch.tensor([[0.9, 0.12, 0.11, 0.1, 0.8, 0.79, 0.13, 0.14]], dtype=torch.float64))
+    cases.append((max_vs_sum.float().to(device), torch.zeros(8, device=device), 2, 2, 1, True, 1.0))
+    # Choices [0.1, -1.7 | 0.05, -1.8 | -0.2, -3.0]: groups 0 and 1 kept (top-2 sums -1.6, -1.75, -3.2), all four of
+    # their experts chosen; filled with any finite value above -1.7 (0, -1), group 2 would win twice, and without
+    # the group limit its -0.2 would win once.
+    negative = torch.logit(torch.tensor([[0.6, 0.5, 0.55, 0.45, 0.5, 0.4]], dtype=torch.float64)).float()
+    bias = torch.tensor([-0.5, -2.2, -0.5, -2.25, -0.7, -3.4])
+    cases.append((negative.to(device), bias.to(device), 4, 3, 2, True, 2.0))
+    return cases
+
+
+def grouped_topk_rules() -> list:
+    """Exercise 6's stated rule: tensor ops only — no Python loop over tokens or groups (a loop of ``k`` rounds,
+    each over every token at once, is the kernel's own way), nothing that waits for the device (``.item()``,
+    ``nonzero``...), no library op doing it."""
+    from utils.exercises import rules
+
+    return [rules.tensor_ops_only(why="the spec asks for tensor ops only: a router runs on the device, every token "
+                                      "at once", loops_over=("k",))]
+
+
+def _by_id(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's (weights, ids) ordered by expert id: the order of the k winners is not part of the answer."""
+    order = ids.argsort(dim=-1)
+    return weights.gather(1, order), ids.gather(1, order)
+
+
+def _routed(logits, bias, k, num_groups, topk_groups, renormalize, scale, *, weigh_biased=False, group_max=False,
+            fill=float("-inf"), groups=True, normalize=None, scaled=True, scoring="sigmoid", rank_biased=True,
+            bias_in_logits=False, groups_unbiased=False):
+    """The router in float64 with one knob turned (each knob a likely mistake)."""
+    x, b = logits.detach().cpu().double(), bias.detach().cpu().double()
+    tokens, experts = x.shape
+    scores = torch.sigmoid(x) if scoring == "sigmoid" else torch.softmax(x, dim=-1)
+    choice = scores + b if rank_biased else scores.clone()
+    if bias_in_logits:
+        choice = torch.sigmoid(x + b)
+    if groups:
+        grouped = (scores if groups_unbiased else choice).view(tokens, num_groups, -1)
+        group_scores = grouped.max(dim=-1).values if group_max else grouped.topk(2, dim=-1).values.sum(dim=-1)
+        kept = torch.zeros_like(group_scores, dtype=torch.bool)
+        kept.scatter_(1, group_scores.topk(topk_groups, dim=-1).indices, True)
+        choice = choice.masked_fill(~kept.repeat_interleave(experts // num_groups, dim=1), fill)
+    ids = choice.topk(k, dim=-1).indices
+    weights = (scores + b if weigh_biased else scores).gather(1, ids)
+    if renormalize if normalize is None else normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return (weights * scale if scaled else weights), ids
+
+
+def grouped_topk_mistakes(*case) -> list[tuple[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """Likely wrong routers, each ``(cause, (weights, ids))``, in float64."""
+    renormalize, scale = case[5], case[6]
+    mistakes = [
+        ("the bias is in the weights: it only steers the choice — weigh the chosen experts by their unbiased "
+         "sigmoid scores (scores.gather(1, ids), not (scores + bias).gather(1, ids))", {"weigh_biased": True}),
+        ("each group is scored by its largest choice: DeepSeek-V3 scores a group by the sum of its two largest "
+         "(topk(2).values.sum(-1)), so one lucky expert does not carry its group", {"group_max": True}),
+        ("the dropped groups' experts were filled with a finite value (0, -1, ...), not -inf: a kept expert whose "
+         "biased choice is below it (a negative bias) then loses to a dropped one — masked experts must never be "
+         "chosen", {"fill": 0.0}),
+        ("the group limit is missing: the top k were taken over every expert, not only the kept groups' ones",
+         {"groups": False}),
+        ("the bias was added to the logits before the sigmoid, not to the scores: the choice is sigmoid(logits) + "
+         "bias, not sigmoid(logits + bias)", {"bias_in_logits": True}),
+        ("the groups were ranked by the unbiased scores: a group's score is the sum of its two largest choices, "
+         "scores + bias, as the experts are chosen", {"groups_unbiased": True}),
+        ("the bias was left out of the choice: experts and groups are ranked by scores + bias",
+         {"rank_biased": False}),
+        ("the scores are a softmax: DeepSeek-V3's router scores each expert with a sigmoid", {"scoring": "softmax"}),
+    ]
+    if renormalize:
+        mistakes.append(("the weights were scaled without being renormalized first: divide the k weights by their "
+                         "sum, then multiply by scale", {"normalize": False}))
+    else:
+        mistakes.append(("the weights were renormalized although renormalize is False: then they are the chosen "
+                         "experts' scores as they are, times scale", {"normalize": True}))
+    if scale != 1.0 and renormalize:
+        mistakes.append(("the scale is missing (or was applied before the renormalization, which divides it out): "
+                         "renormalize, then multiply by scale", {"scaled": False}))
+    elif scale != 1.0:
+        mistakes.append(("the weights were not scaled when renormalize is False: scale multiplies the weights "
+                         "whether or not they are renormalized", {"scaled": False}))
+    return [(cause, _routed(*case, **knob)) for cause, knob in mistakes]
+
+
+def diagnose_grouped_topk_cause(case: tuple, got, expected) -> str | None:
+    """Exercise 6's cause: the likely mistake (:func:`grouped_topk_mistakes`) whose router returns ``got`` — each
+    one that does, where the case cannot tell them apart; none where ``got``'s values are right."""
+    if not isinstance(got, (tuple, list)) or len(got) != 2 or not all(isinstance(t, torch.Tensor) for t in got):
+        return None
+    if got[0].shape != expected[0].shape or got[1].shape != expected[1].shape:
+        return None
+
+    def same(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]) -> bool:
+        return torch.equal(a[1], b[1]) and torch.allclose(a[0], b[0], rtol=1e-4, atol=1e-6)
+
+    routed = _by_id(got[0].detach().cpu().double(), got[1].detach().cpu().long())
+    right = _by_id(expected[0].detach().cpu().double(), expected[1].detach().cpu().long())
+    if same(routed, right):
+        return None  # the values are right (a wrong dtype, say): no mistake of the router's to name
+    from utils.exercises import one_or_all_causes
+
+    # A mistake that changes nothing on this case is not the cause; mistakes this case cannot tell apart are all named.
+    return one_or_all_causes([cause for cause, (wrong_w, wrong_ids) in grouped_topk_mistakes(*case)
+                              if same(routed, wrong := _by_id(wrong_w, wrong_ids)) and not same(wrong, right)])
+
+
+def diagnose_grouped_topk(got, expected) -> str | None:
+    """The check's comparison for exercise 6: per token the same experts (in any order) with the same weights
+    (float32's tolerance), ids int64; else what differs."""
+    if not isinstance(got, (tuple, list)) or len(got) != 2:
+        return f"returned {type(got).__name__}, expected a tuple (weights, ids)"
+    form = [_differences(label, g, e) for label, g, e in (("weights", got[0], expected[0]), ("ids", got[1],
+                                                                                            expected[1]))]
+    form = [p for p in form if p and "wrong values" not in p]
+    if form:
+        return "; ".join(form)
+    weights, ids = _by_id(got[0].detach().cpu().double(), got[1].detach().cpu())
+    want_weights, want_ids = _by_id(expected[0].cpu().double(), expected[1].cpu())
+    wrong_ids = (ids != want_ids).any(dim=-1)
+    if wrong_ids.any():
+        t = int(wrong_ids.nonzero()[0, 0])
+        return (f"token {t} is routed to experts {sorted(ids[t].tolist())}, expected {sorted(want_ids[t].tolist())} "
+                f"({int(wrong_ids.sum())} of {len(wrong_ids)} tokens routed wrong)")
+    return _differences("weights (each token's ordered by expert id)", weights, want_weights, rtol=1e-5, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------------------------

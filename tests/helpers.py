@@ -13,6 +13,10 @@
   gathered from the paged cache (``kernel_ladder.ops.paged_attention.gather_kv``), scores, mask, softmax.
 * :func:`make_input` — a tensor of a logical shape in a given memory layout (transposed, sliced,
   expanded, permuted), never a hidden copy.
+* :func:`assert_equals_hugging_face` — a ``kernel_ladder.models`` model against the Hugging Face model it was
+  built from: logits, loss and every parameter's gradient (:func:`rel_error` of each);
+  :func:`random_prompts` and :func:`hf_greedy` — prompts, and HF's greedy continuation of one, for the
+  ``Engine``'s generation to equal.
 
 The fixtures (``gen``: a seeded generator whose seed is printed and can be replayed with
 ``KERNEL_LADDER_SEED``; ``poisoned``: every buffer the ops allocate starts as NaN) live in
@@ -25,8 +29,8 @@ import torch
 
 import kernel_ladder
 
-__all__ = ["DEVICE", "DTYPES", "LAYOUTS", "TOLERANCES", "assert_matches", "make_input", "paged_attention_reference",
-           "tolerance"]
+__all__ = ["DEVICE", "DTYPES", "LAYOUTS", "TOLERANCES", "assert_equals_hugging_face", "assert_matches", "hf_greedy",
+           "make_input", "paged_attention_reference", "random_prompts", "rel_error", "tolerance"]
 
 DEVICE = kernel_ladder.runtime.DEVICE
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -199,3 +203,45 @@ def paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, softm
         p = torch.softmax(s, -1).nan_to_num(0.0)
         out[rows] = torch.einsum("hts,shd->thd", p.to(dtype), v)
     return out
+
+
+def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest absolute difference of ``a`` from ``b``, relative to ``b``'s largest magnitude."""
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+def assert_equals_hugging_face(hf: torch.nn.Module, ours: torch.nn.Module, ids: torch.Tensor, ignored: int = 3) -> None:
+    """``ours`` computes what the Hugging Face model ``hf`` does on ``ids`` ``(B, T)``: logits within 1e-4 (relative
+    to the largest), the mean next-token loss with ``ids`` as labels (the first ``ignored`` of row 0 set to -100)
+    within 1e-4, and every parameter's gradient within 1e-3, under the same names. Both models' gradients are
+    cleared first (a model built once per module is compared more than once)."""
+    labels = ids.clone()
+    labels[0, :ignored] = -100
+    with torch.no_grad():
+        assert rel_error(ours(ids), hf(ids).logits) < 1e-4
+    hf.zero_grad()
+    ours.zero_grad()
+    theirs = hf(ids, labels=labels).loss
+    mine = ours(ids, labels=labels)
+    torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-6)
+    theirs.backward()
+    mine.backward()
+    hf_params, our_params = dict(hf.named_parameters()), dict(ours.named_parameters())
+    assert set(hf_params) == set(our_params)
+    for name, p in hf_params.items():
+        assert rel_error(our_params[name].grad, p.grad) < 1e-3, name
+
+
+def random_prompts(lengths, vocab: int, seed: int = 1) -> list[list[int]]:
+    """One prompt of each length, tokens drawn from ``[3, vocab)`` (clear of the usual special ids 0-2)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def hf_greedy(hf: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    """The ``n`` tokens Hugging Face's greedy ``generate`` appends to ``prompt``: no stop token (the Engine's
+    default), every prompt token attended (one equal to the pad id is not padding)."""
+    ids = torch.tensor([prompt])
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                      pad_token_id=0)
+    return out[0, len(prompt):].tolist()

@@ -1396,6 +1396,32 @@ def test_holds_with_the_expected_result_and_a_raising_property():
                       "broke a stated rule — a property: checking it raised AttributeError")
 
 
+def test_inputs_unchanged_names_the_arguments_changed_in_place():
+    rule = exercises.rules.inputs_unchanged(why="the spec leaves its inputs as they were")
+
+    def add_into_x(x, y):
+        return x.add_(y)  # the right sum, in x's memory
+
+    def add_into_y_and_back(x, y):
+        y.add_(x)
+        result = y.clone()
+        y.sub_(x)  # put back, but rounded: y + x - x is not y in floating point
+        return result
+
+    verdict = check("add", add_into_x, torch.add, small_add_cases, rules=[rule])
+    assert_not_solved(verdict, "broke a stated rule — the spec leaves its inputs as they were: the code changed x "
+                               "in place (12 of its 12 elements)")
+    assert_not_solved(check("add", add_into_y_and_back, torch.add, small_add_cases, rules=[rule]), "changed y in place")
+    kept = check("add", torch.add, torch.add, small_add_cases, rules=[rule])
+    assert kept.solved and "rules kept: inputs left unchanged" in kept.message, kept.message
+
+
+def test_inputs_unchanged_keeps_nan_inputs_and_views_that_write_nothing():
+    rule = exercises.rules.inputs_unchanged(why="x")
+    cases = [(torch.tensor([1.0, float("nan"), 3.0]), torch.ones(3))]
+    assert check("add", lambda x, y: x[:].view(3) + y, torch.add, cases, rules=[rule]).solved
+
+
 # ----------------------------------------------------------------------------------------------
 # Exact types: a Python int (or bool) reference wants exactly that
 
@@ -1742,3 +1768,197 @@ def test_a_head_stride_one_row_short_is_still_the_mapping():
     verdict = check_heads_rows(2)
     assert_not_solved(verdict, f"{MAPPING} sends two programs to the same elements")
     assert_not_in(verdict, "not masked", "missing store mask")
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs changed in place (every check), host syncs and library ops (tensor ops only), loops of k rounds
+
+
+def add_into_x(x, y):
+    return x.add_(y)  # the right sum, written into the caller's x
+
+
+def add_then_clear_y(x, y):
+    out = x + y
+    y.zero_()
+    return out
+
+
+def add_then_transpose_x(x, y):
+    out = x + y
+    x.t_()
+    return out
+
+
+def test_a_candidate_that_changes_an_input_in_place_is_not_solved_and_the_argument_is_named():
+    verdict = check("add", add_into_x, torch.add, small_add_cases)
+    assert_not_solved(verdict, "broke a stated rule — the inputs are the caller's and come back as they were: the "
+                               "code changed x in place (12 of its 12 elements), first at [0]:")
+    assert_not_in(verdict, "y in place")
+    verdict = check("add", add_then_clear_y, torch.add, small_add_cases)
+    assert_not_solved(verdict, "the code changed y in place (", "→ 0")
+    matrices = lambda gen: [(torch.randn(3, 4, generator=gen), torch.randn(3, 4, generator=gen))]
+    assert_not_solved(check("add", add_then_transpose_x, torch.add, matrices),
+                      "the code changed x in place (its shape (3, 4) is now (4, 3))")
+
+
+def test_inputs_left_alone_keep_the_check_quiet_and_a_list_changed_in_place_is_named():
+    assert check("add", lambda x, y: x + y, torch.add, small_add_cases).solved
+    assert check("add", lambda x, y: torch.add(x, y, out=torch.empty_like(x)), torch.add, small_add_cases).solved
+
+    def total_popping(values):
+        total = 0
+        while values:
+            total += values.pop()
+        return total
+
+    verdict = check("total", total_popping, sum, [([1, 2, 3],)])
+    assert_not_solved(verdict, "the code changed values in place (the list [1, 2, 3] is now [])")
+
+
+def add_into_both(x, y):
+    x.add_(y)
+    y.copy_(x)
+    return x.clone()
+
+
+def test_the_inputs_rule_words_the_line_in_the_spec_s_terms_and_is_listed_as_kept():
+    rule = exercises.rules.inputs_unchanged(why="the spec leaves its inputs as they were")
+    verdict = check("add", add_into_both, torch.add, small_add_cases, rules=[rule])
+    assert_not_solved(verdict, "broke a stated rule — the spec leaves its inputs as they were: the code changed x, y "
+                               "in place (x: 12 of 12; y: 12 of 12), first at x[0]:")
+    kept = check("add", torch.add, torch.add, small_add_cases, rules=[rule])
+    assert kept.solved and "rules kept: inputs left unchanged" in kept.message, kept.message
+    nan_input = [(torch.tensor([1.0, float("nan"), 3.0]), torch.ones(3))]  # NaN stays NaN: nothing changed
+    assert check("add", lambda x, y: x[:].view(3) + y, torch.add, nan_input, rules=[rule]).solved
+
+
+def test_an_out_kernel_storing_into_its_input_is_named_as_an_input_changed():
+    def doubled_in_place(x, out):
+        double_kernel[(triton.cdiv(x.numel(), 64),)](x, x, x.numel(), BLOCK=64, TWICE=False)
+        out.copy_(x)
+        return out
+
+    cases = lambda gen: [(torch.randn(100, generator=gen),)]
+    verdict = check("double", doubled_in_place, lambda x: 2 * x, cases, out=True)
+    assert_not_solved(verdict, "the code changed x in place (100 of its 100 elements), first at [0]:")
+
+
+def nonzero_rows(x, y):
+    rows = torch.nonzero(torch.ones_like(x, dtype=torch.bool))[:, 0]  # every index: the values, by a sync
+    return x[rows] + y[rows]
+
+
+def masked_sum(x, y):
+    out = x + y
+    keep = out == out
+    return out.masked_select(keep)
+
+
+def by_a_boolean_mask(x, y):
+    return (x + y)[torch.ones_like(x, dtype=torch.bool)]
+
+
+def repeated_by_a_tensor(x, y):
+    return torch.repeat_interleave(x + y, torch.ones_like(x, dtype=torch.long))
+
+
+def through_unique(x, y):
+    return (x + y)[torch.unique(torch.arange(len(x)))]
+
+
+def counted_with_bincount(x, y):
+    ones = torch.bincount(torch.arange(len(x)), minlength=len(x))
+    return (x + y) * ones
+
+
+def one_hot_of_the_ids_width(x, y):
+    ids = torch.arange(len(x))
+    return (x + y) * torch.nn.functional.one_hot(ids).sum(dim=1)  # its width from the largest id
+
+
+def histogram_over_the_values_range(x, y):
+    return (x + y) + 0 * torch.histc(x, bins=4).sum()  # min == max: the range read from x
+
+
+def compared_with_equal(x, y):
+    return (x + y) if torch.equal(x, x) else (x - y)
+
+
+def with_fixed_shapes(x, y):
+    """Tensor ops whose output shapes the host knows: none of them waits for the device."""
+    keep = torch.ones_like(x, dtype=torch.bool)
+    out = torch.where(keep, x + y, 0.0)
+    out[~keep] = 0.0  # a scalar through a mask is a masked_fill on the device
+    twice = out.repeat_interleave(2)[::2]  # an int repeat: a fixed size
+    return twice + torch.nn.functional.one_hot(torch.zeros(len(x), dtype=torch.long), 3)[:, 1]
+
+
+@pytest.mark.parametrize(("candidate", "named"), [
+    (nonzero_rows, "nonzero"),
+    (masked_sum, "masked_select"),
+    (by_a_boolean_mask, "indexing with a boolean mask (x[mask])"),
+    (repeated_by_a_tensor, "repeat_interleave with tensor repeats"),
+    (through_unique, "unique"),
+    (counted_with_bincount, "bincount"),
+    (compared_with_equal, "torch.equal"),
+    (one_hot_of_the_ids_width, "one_hot without num_classes"),
+    (histogram_over_the_values_range, "histc without a range"),
+])
+def test_tensor_ops_only_rules_out_ops_that_sync_with_the_device(candidate, named):
+    rule = exercises.rules.tensor_ops_only(why=TENSOR_OPS)
+    verdict = check("add", candidate, torch.add, small_add_cases, rules=[rule])
+    assert_not_solved(verdict, f"broke a stated rule — {TENSOR_OPS}: the code made the host wait for the device: "
+                               f"{named}")
+
+
+def test_tensor_ops_only_keeps_fixed_shape_ops():
+    rule = exercises.rules.tensor_ops_only(why=TENSOR_OPS)
+    verdict = check("add", with_fixed_shapes, torch.add, small_add_cases, rules=[rule])
+    assert verdict.solved, verdict.message
+
+
+def add_by_the_library(x, y):
+    return kernel_ladder.add(x, y)
+
+
+def add_by_a_triton_launch(x, y):
+    out = torch.empty_like(x)
+    add_kernel[(triton.cdiv(x.numel(), BLOCK),)](x, y, out, x.numel(), BLOCK=BLOCK)
+    return out
+
+
+def test_tensor_ops_only_rules_out_a_library_op_and_a_triton_launch():
+    rule = exercises.rules.tensor_ops_only(why=TENSOR_OPS)
+    verdict = check("add", add_by_the_library, torch.add, small_add_cases, rules=[rule])
+    assert_not_solved(verdict, f"broke a stated rule — {TENSOR_OPS}: the code called kernel_ladder's op "
+                               "kernel_ladder::add")
+    if kernel_ladder.runtime.INTERPRETER:  # the tracer sees launches in the interpreter only
+        verdict = check("add", add_by_a_triton_launch, torch.add, small_add_cases, rules=[rule])
+        assert_not_solved(verdict, f"broke a stated rule — {TENSOR_OPS}: the code launched the Triton kernel "
+                                   "add_kernel")
+
+
+def top2_by_rounds(x, k):
+    picks = []
+    for _ in range(k):  # k rounds, each over every row at once
+        best = x.argmax(dim=-1, keepdim=True)
+        picks.append(best)
+        x = x.scatter(1, best, float("-inf"))
+    return torch.cat(picks, dim=1)
+
+
+def top2_row_by_row(x, k):
+    return torch.stack([row.topk(k).indices for row in x])
+
+
+def test_a_loop_over_an_allowed_argument_is_structure():
+    cases = lambda gen: [(torch.randperm(40, generator=gen).float().view(5, 8), 3)]
+    reference = lambda x, k: x.topk(k, dim=-1).indices
+    allowed = exercises.rules.tensor_ops_only(why=TENSOR_OPS, loops_over=("k",))
+    verdict = check("rounds", top2_by_rounds, reference, cases, rules=[allowed])
+    assert verdict.solved, verdict.message
+    verdict = check("rounds", top2_by_rounds, reference, cases, rules=[exercises.rules.tensor_ops_only(why=TENSOR_OPS)])
+    assert_not_solved(verdict, "a Python for loop at line", "of top2_by_rounds (over range(k))")
+    verdict = check("rounds", top2_row_by_row, reference, cases, rules=[allowed])
+    assert_not_solved(verdict, "a list comprehension at line", "of top2_row_by_row (over x)")

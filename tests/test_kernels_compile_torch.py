@@ -209,6 +209,22 @@ def _moe_args(size, gen):
             _r(gen, experts, hidden, ffn, grad=True, scale=0.3))
 
 
+def _gpt_oss_moe_args(size, gen):
+    """GPT-OSS's experts: gate_up (E, H, 2F) interleaved, both biases."""
+    experts, hidden, ffn = _EXPERTS[size], 16, 8
+    return (_r(gen, _ROWS[size], hidden, grad=True), _r(gen, _ROWS[size], experts, grad=True),
+            _r(gen, experts, hidden, 2 * ffn, grad=True), _r(gen, experts, 2 * ffn, grad=True),
+            _r(gen, experts, ffn, hidden, grad=True, scale=0.3), _r(gen, experts, hidden, grad=True))
+
+
+def _gpt_oss_moe(x, logits, w_gate_up, gate_up_bias, w_down, down_bias):
+    return kernel_ladder.moe(x, logits, w_gate_up, w_down, 2, activation="swiglu_oai", limit=1.0,
+                             gate_up_bias=gate_up_bias, down_bias=down_bias, gate_up_layout="gpt_oss")
+
+
+_GROUPED_EXPERTS = (4, 6, 8)  # four groups of 4, 6 and 8
+
+
 def _expert_ids(size, gen):
     rows, experts = _ROWS[size], _EXPERTS[size]
     return torch.stack([torch.randperm(experts, generator=gen)[:2] for _ in range(rows)]).to(DEVICE)
@@ -301,6 +317,13 @@ CASES: dict[str, Case] = {
                          lambda logits: kernel_ladder.topk_routing(logits, 2), ("topk_routing",)),
     "moe": Case(_moe_args, lambda x, logits, w1, w2: kernel_ladder.moe(x, logits, w1, w2, top_k=2),
                 ("topk_routing", "moe_permute", "moe_gate_up", "grouped_matmul", "moe_combine")),
+    "topk_routing_grouped": Case(lambda s, g: (_r(g, _ROWS[s], 4 * _GROUPED_EXPERTS[s], grad=True),
+                                               _r(g, 4 * _GROUPED_EXPERTS[s], scale=0.1)),
+                                 lambda logits, bias: kernel_ladder.topk_routing(
+                                     logits, 3, True, "sigmoid", bias=bias, num_groups=4, topk_groups=2, scale=2.5),
+                                 ("topk_routing",)),
+    "moe_gpt_oss": Case(_gpt_oss_moe_args, _gpt_oss_moe,
+                        ("topk_routing", "moe_permute", "moe_gate_up", "grouped_matmul", "moe_combine")),
     "moe_load_balancing_loss": Case(_routing_args, lambda logits, ids: kernel_ladder.moe_load_balancing_loss(
         logits, ids, logits.shape[-1]), ()),
     "moe_permute": Case(lambda s, g: (_expert_ids(s, g), _EXPERTS[s]), kernel_ladder.moe_permute, ("moe_permute",)),

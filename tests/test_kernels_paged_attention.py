@@ -420,6 +420,20 @@ def test_negative_control_per_query_head_programs_read_the_group_times_more(gen)
     torch.testing.assert_close(runs[False][0], runs[True][0], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("packed", [False, True], ids=["decode", "packed"])
+def test_value_checks_read_the_host_memory_not_torch_ops(packed, gen):
+    """With the value checks on (the CPU's default), seq_lens, the table entries and cu_seqlens_q are checked on
+    the tensors' memory: a trace of the op holds its kernel's bytes and no torch op's (as mla_attention's)."""
+    k, v, table, lens, _ = make_cache([20, 9], 2, 16, 8, gen)
+    cu = torch.tensor([0, 3, 5], dtype=torch.int32, device=DEVICE) if packed else None
+    q = rand(5 if packed else 2, 4, 16, gen=gen)
+    with kernel_ladder.runtime.check_values(True), trace() as tr:
+        kernel_ladder.paged_attention(q, k, v, table, lens, cu_seqlens_q=cu, num_splits=1)
+    (launch,) = tr.launches
+    assert tr.bytes == launch.bytes, tr.table()
+
+
 # ----------------------------------------------------------------------------- the plan
 
 

@@ -12,6 +12,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from kernel_ladder.models import CausalLM, CausalLMConfig  # noqa: E402
+from tests.helpers import assert_equals_hugging_face, rel_error  # noqa: E402
 
 VOCAB = 64
 
@@ -37,28 +38,12 @@ def hf_model(family: str, seed: int = 0):
 FAMILIES = ["llama", "mistral", "qwen2"]
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_loss_and_gradients_equal_hugging_face(family):
     hf = hf_model(family)
     ours = CausalLM.from_hf(hf)
     ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(1))  # 11 > every window
-    labels = ids.clone()
-    labels[0, :3] = -100  # ignored positions
-    with torch.no_grad():
-        assert _rel(ours(ids), hf(ids).logits) < 1e-4
-    theirs = hf(ids, labels=labels).loss
-    mine = ours(ids, labels=labels)
-    torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-6)
-    theirs.backward()
-    mine.backward()
-    hf_params, our_params = dict(hf.named_parameters()), dict(ours.named_parameters())
-    assert set(hf_params) == set(our_params)
-    for name, p in hf_params.items():
-        assert _rel(our_params[name].grad, p.grad) < 1e-3, name
+    assert_equals_hugging_face(hf, ours, ids)
 
 
 def test_the_config_reads_each_family():
@@ -76,7 +61,7 @@ def test_a_window_that_is_not_applied_is_caught():  # negative control: the comp
         layer.self_attn.window = None
     ids = torch.randint(0, VOCAB, (1, 11), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        assert _rel(ours(ids), hf(ids).logits) > 1e-3
+        assert rel_error(ours(ids), hf(ids).logits) > 1e-3
 
 
 def test_a_safetensors_checkpoint_saved_by_hugging_face_loads(tmp_path):
@@ -86,7 +71,7 @@ def test_a_safetensors_checkpoint_saved_by_hugging_face_loads(tmp_path):
     ours = CausalLM.from_pretrained(tmp_path)
     ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        assert _rel(ours(ids), hf(ids).logits) < 1e-4
+        assert rel_error(ours(ids), hf(ids).logits) < 1e-4
 
 
 def test_unsupported_models_and_wrong_checkpoints_are_refused(tmp_path):

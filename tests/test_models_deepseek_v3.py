@@ -16,6 +16,7 @@ from kernel_ladder.models.deepseek_v3 import (  # noqa: E402
     DeepseekV3ForCausalLM,
     cache_bytes_per_token,
 )
+from tests.helpers import assert_equals_hugging_face, hf_greedy, rel_error  # noqa: E402
 
 VOCAB = 64
 
@@ -34,26 +35,6 @@ def hf_model(seed: int = 0, **overrides):
     return transformers.AutoModelForCausalLM.from_config(_config(**overrides)).float().eval()
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
-
-
-def _compare(hf, ours, ids: torch.Tensor) -> None:
-    labels = ids.clone()
-    labels[0, :2] = -100  # ignored positions
-    with torch.no_grad():
-        assert _rel(ours(ids), hf(ids).logits) < 1e-4
-    theirs = hf(ids, labels=labels).loss
-    mine = ours(ids, labels=labels)
-    torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-6)
-    theirs.backward()
-    mine.backward()
-    hf_params, our_params = dict(hf.named_parameters()), dict(ours.named_parameters())
-    assert set(hf_params) == set(our_params)
-    for name, p in hf_params.items():
-        assert _rel(our_params[name].grad, p.grad) < 1e-3, name
-
-
 DENSE = {
     "low-rank q, interleaved rope": dict(),
     "q_proj, rotate-half rope": dict(q_lora_rank=None, rope_interleave=False),
@@ -66,7 +47,8 @@ def test_dense_layers_equal_hugging_face(overrides):
     ours = CausalLM.from_hf(hf)
     assert isinstance(ours, DeepseekV3ForCausalLM)
     assert hasattr(ours.model.layers[0].self_attn, "q_proj") == (overrides.get("q_lora_rank", 24) is None)
-    _compare(hf, ours, torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1)))
+    assert_equals_hugging_face(hf, ours, torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1)),
+                               ignored=2)
 
 
 # Everything at once: MoE layers after a dense one (grouped, bias-corrected sigmoid routing, shared
@@ -93,7 +75,8 @@ def test_moe_layers_wide_keys_and_yarn_equal_hugging_face():
     hf = full_model()
     ours = CausalLM.from_hf(hf)
     assert ours.config.rope_scaling["rope_type"] == "yarn" and ours.config.softmax_scale != 16 ** -0.5
-    _compare(hf, ours, torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1)))
+    assert_equals_hugging_face(hf, ours, torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1)),
+                               ignored=2)
 
 
 def test_bf16_runs_the_same_model():  # the router stays in fp32; attention, experts and cache in bf16
@@ -102,7 +85,7 @@ def test_bf16_runs_the_same_model():  # the router stays in fp32; attention, exp
     ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         logits = ours(ids)
-        assert logits.dtype == torch.bfloat16 and _rel(logits.float(), hf(ids).logits) < 3e-2
+        assert logits.dtype == torch.bfloat16 and rel_error(logits.float(), hf(ids).logits) < 3e-2
 
 
 def test_the_selection_bias_is_seen():  # negative control: routing without e_score_correction_bias differs
@@ -112,7 +95,7 @@ def test_the_selection_bias_is_seen():  # negative control: routing without e_sc
         layer.mlp.gate.e_score_correction_bias.zero_()
     ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        assert _rel(ours(ids), hf(ids).logits) > 1e-3
+        assert rel_error(ours(ids), hf(ids).logits) > 1e-3
 
 
 def test_engine_serves_the_latent_cache_token_for_token_as_hugging_face_generates():
@@ -127,9 +110,7 @@ def test_engine_serves_the_latent_cache_token_for_token_as_hugging_face_generate
     assert engine.cache.bytes_per_token() == cache_bytes_per_token(c, dtype=torch.float32) == 3 * (16 + 8) * 4
     out = engine.generate([first, second], max_new_tokens=5)
     assert engine.stats.cached_prompt_tokens == 16
-    for prompt, tokens in zip([first, second], out):
-        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=False)[0, len(prompt):]
-        assert tokens == expected.tolist()
+    assert out == [hf_greedy(hf, prompt, 5) for prompt in (first, second)]
 
 
 def test_the_rope_layout_is_seen():  # negative control: the comparison sees which features are paired
@@ -138,7 +119,7 @@ def test_the_rope_layout_is_seen():  # negative control: the comparison sees whi
     ours.config.rope_interleave = False
     ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        assert _rel(ours(ids), hf(ids).logits) > 1e-3
+        assert rel_error(ours(ids), hf(ids).logits) > 1e-3
 
 
 def test_the_config_reads_hugging_face_names():
@@ -184,7 +165,7 @@ def test_a_saved_checkpoint_loads_through_causal_lm_from_pretrained(tmp_path):
     assert isinstance(ours, DeepseekV3ForCausalLM)
     ids = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
-        assert _rel(ours(ids), hf(ids).logits) < 1e-4
+        assert rel_error(ours(ids), hf(ids).logits) < 1e-4
 
 
 def test_multi_token_prediction_layers_in_a_checkpoint_are_ignored():
@@ -198,7 +179,7 @@ def test_multi_token_prediction_layers_in_a_checkpoint_are_ignored():
     ours.load_hf_state_dict(state)
     ids = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(8))
     with torch.no_grad():
-        assert _rel(ours(ids), hf(ids).logits) < 1e-4
+        assert rel_error(ours(ids), hf(ids).logits) < 1e-4
     state["model.extra.weight"] = torch.zeros(1)
     with pytest.raises(ValueError, match=r"unexpected model\.extra\.weight"):
         ours.load_hf_state_dict(state)

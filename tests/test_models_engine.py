@@ -11,6 +11,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from kernel_ladder.models import CausalLM, Engine  # noqa: E402
+from tests.helpers import hf_greedy, random_prompts  # noqa: E402
 
 VOCAB = 64
 SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=4,
@@ -25,16 +26,6 @@ def _hf(family: str = "llama", layers: int = 2, seed: int = 0):
     return t.AutoModelForCausalLM.from_config(config).float().eval()
 
 
-def _prompts(lengths, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
-
-
-def _hf_greedy(hf, prompt, n):
-    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
 @pytest.fixture(scope="module")
 def llama():
     hf = _hf()
@@ -44,17 +35,17 @@ def llama():
 @pytest.mark.parametrize("family", ["llama", "mistral"])
 def test_greedy_batched_generation_equals_hugging_face(family, llama):
     hf, model = llama if family == "llama" else (lambda h: (h, CausalLM.from_hf(h)))(_hf("mistral"))
-    prompts = _prompts((5, 13, 2))
+    prompts = random_prompts((5, 13, 2), VOCAB)
     engine = Engine(model, num_blocks=16, block_size=8, max_tokens_per_step=10)  # the 13-token prompt in chunks
     ours = engine.generate(prompts, max_new_tokens=7)
     assert engine.stats.max_batch == 3 and engine.stats.steps < 3 * 7  # batched: fewer steps than one by one
     for prompt, tokens in zip(prompts, ours):
-        assert tokens == _hf_greedy(hf, prompt, 7)
+        assert tokens == hf_greedy(hf, prompt, 7)
 
 
 def test_streaming_yields_every_token_as_it_comes(llama):
     _, model = llama
-    prompts = _prompts((4, 6))
+    prompts = random_prompts((4, 6), VOCAB)
     engine = Engine(model, num_blocks=16, block_size=8)
     streamed = list(engine.stream(prompts, max_new_tokens=3))
     assert sorted(i for i, _ in streamed) == [0, 0, 0, 1, 1, 1]
@@ -63,7 +54,7 @@ def test_streaming_yields_every_token_as_it_comes(llama):
 
 def test_prefix_caching_reuses_a_shared_prompt(llama):
     hf, model = llama
-    shared = _prompts((16,), seed=5)[0]
+    shared = random_prompts((16,), VOCAB, seed=5)[0]
     first, second = shared + [7, 8], shared + [9]
     engine = Engine(model, num_blocks=16, block_size=8)
     engine.generate([first], max_new_tokens=2)
@@ -71,12 +62,12 @@ def test_prefix_caching_reuses_a_shared_prompt(llama):
     out = engine.generate([second], max_new_tokens=4)
     assert engine.stats.cached_prompt_tokens == 16  # the two full blocks of the shared prefix
     assert engine.stats.tokens_computed == 1 + 3  # only the new prompt token, then the decodes
-    assert out[0] == _hf_greedy(hf, second, 4)
+    assert out[0] == hf_greedy(hf, second, 4)
 
 
 def test_stop_tokens_end_a_prompt_and_are_kept(llama):
     _, model = llama
-    prompts = _prompts((5, 7))
+    prompts = random_prompts((5, 7), VOCAB)
     engine = Engine(model, num_blocks=16, block_size=8)
     full = engine.generate(prompts, max_new_tokens=6)
     stop = full[0][2]
@@ -88,7 +79,7 @@ def test_stop_tokens_end_a_prompt_and_are_kept(llama):
 
 def test_sampling_is_seeded_and_top_p_narrows_it(llama):
     _, model = llama
-    prompts = _prompts((4,))
+    prompts = random_prompts((4,), VOCAB)
     engine = Engine(model, num_blocks=8, block_size=8)
     a = engine.generate(prompts, max_new_tokens=6, temperature=1.0, seed=1)
     assert a == engine.generate(prompts, max_new_tokens=6, temperature=1.0, seed=1)
@@ -107,7 +98,7 @@ def test_the_nucleus_keeps_the_smallest_set_reaching_top_p():
 @pytest.fixture(scope="module")
 def plain_greedy(llama):
     """Two prompts and the target's plain greedy continuation of each (computed once for the module)."""
-    prompts = _prompts((5, 9))
+    prompts = random_prompts((5, 9), VOCAB)
     return prompts, Engine(llama[1], num_blocks=16, block_size=8).generate(prompts, max_new_tokens=6)
 
 
@@ -210,19 +201,19 @@ def test_a_step_of_partial_prompt_chunks_only_still_runs_the_model(llama, spy):
     """Budget 2, a 3-token prompt: the first step holds only a chunk that ends mid-prompt (nothing
     samples); its K/V must still be computed, or the next steps attend to zeros."""
     hf, model = llama
-    prompt = _prompts((3,), seed=11)[0]
+    prompt = random_prompts((3,), VOCAB, seed=11)[0]
     engine = Engine(model, num_blocks=8, block_size=8, max_tokens_per_step=2)
     out = engine.generate([prompt], max_new_tokens=4)
     assert not spy.steps[0].sample_request_ids, "the first step was meant to sample nothing"
     assert spy.processed == spy.scheduled == [2, 1, 1, 1, 1]
-    assert out[0] == _hf_greedy(hf, prompt, 4)
+    assert out[0] == hf_greedy(hf, prompt, 4)
 
 
 @pytest.fixture(scope="module")
 def chunk_prompts(llama):
     """Four prompts of different lengths and HF's greedy continuations (computed once)."""
-    prompts = _prompts((11, 4, 17, 2), seed=12)
-    return prompts, [_hf_greedy(llama[0], p, 4) for p in prompts]
+    prompts = random_prompts((11, 4, 17, 2), VOCAB, seed=12)
+    return prompts, [hf_greedy(llama[0], p, 4) for p in prompts]
 
 
 @pytest.mark.parametrize("budget", [3, 8, 16])
@@ -245,13 +236,13 @@ def test_a_later_request_reuses_correct_blocks_of_a_chunked_prefix(llama, spy):
     cache; a later request (same call, admitted once the first finished its prompt) and one in a
     later call reuse them, and their outputs still equal Hugging Face's."""
     hf, model = llama
-    shared = _prompts((16,), seed=13)[0]
+    shared = random_prompts((16,), VOCAB, seed=13)[0]
     first, second, third = shared + [7, 8], shared + [9, 10, 11], shared + [12]
     engine = Engine(model, num_blocks=24, block_size=8, max_tokens_per_step=4)
     out = engine.generate([first, second], max_new_tokens=3)
     assert engine.stats.cached_prompt_tokens == 16, "the second request found the first's two full blocks"
-    assert out == [_hf_greedy(hf, first, 3), _hf_greedy(hf, second, 3)]
-    assert engine.generate([third], max_new_tokens=3) == [_hf_greedy(hf, third, 3)]
+    assert out == [hf_greedy(hf, first, 3), hf_greedy(hf, second, 3)]
+    assert engine.generate([third], max_new_tokens=3) == [hf_greedy(hf, third, 3)]
     assert engine.stats.cached_prompt_tokens == 16 and engine.stats.tokens_computed == 1 + 2
     assert spy.processed == spy.scheduled
 
@@ -265,11 +256,11 @@ def test_a_prompt_longer_than_the_default_budget_runs_every_token(monkeypatch):
     model = CausalLM.from_hf(hf)
     spy = _TokenSpy(model, monkeypatch)
     try:
-        prompt = _prompts((300,), seed=14)[0]
+        prompt = random_prompts((300,), VOCAB, seed=14)[0]
         engine = Engine(model, num_blocks=24, block_size=16)
         out = engine.generate([prompt], max_new_tokens=2)
         assert spy.processed == spy.scheduled == [256, 44, 1]
-        assert out[0] == _hf_greedy(hf, prompt, 2)
+        assert out[0] == hf_greedy(hf, prompt, 2)
     finally:
         spy.close()
 
@@ -278,7 +269,7 @@ def test_a_failed_model_step_leaves_no_unwritten_block_in_the_prefix_cache(llama
     """Full blocks are keyed when the scheduler hands out their slots; if the model step that was to
     write them fails, they must not stay findable, or the next request with that prefix reuses them."""
     hf, model = llama
-    prompt = _prompts((18,), seed=15)[0]
+    prompt = random_prompts((18,), VOCAB, seed=15)[0]
     engine = Engine(model, num_blocks=16, block_size=8)
 
     class StepFailed(Exception):
@@ -293,16 +284,16 @@ def test_a_failed_model_step_leaves_no_unwritten_block_in_the_prefix_cache(llama
     del engine.forward_step
     assert engine.cache.num_free_blocks == engine.num_blocks and not engine.cache.seq_ids
     assert engine.cache.allocator.num_evictable == 0, "blocks that were never written stay in the prefix cache"
-    assert engine.generate([prompt], max_new_tokens=3) == [_hf_greedy(hf, prompt, 3)]
+    assert engine.generate([prompt], max_new_tokens=3) == [hf_greedy(hf, prompt, 3)]
     assert engine.stats.cached_prompt_tokens == 0
     engine.cache.check_invariants()
 
 
 def test_requests_with_different_cache_salts_share_no_prefix(llama, spy):
     hf, model = llama
-    shared = _prompts((16,), seed=16)[0]
+    shared = random_prompts((16,), VOCAB, seed=16)[0]
     first, second = shared + [5], shared + [6, 7]
-    expected = [_hf_greedy(hf, first, 2), _hf_greedy(hf, second, 2)]
+    expected = [hf_greedy(hf, first, 2), hf_greedy(hf, second, 2)]
     engine = Engine(model, num_blocks=24, block_size=8)
     assert engine.generate([first], max_new_tokens=2, cache_salt="alice") == expected[:1]
     assert engine.generate([second], max_new_tokens=2, cache_salt="bob") == expected[1:]

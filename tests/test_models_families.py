@@ -14,6 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from kernel_ladder.models import CausalLM, CausalLMConfig, Engine  # noqa: E402
+from tests.helpers import assert_equals_hugging_face, hf_greedy, random_prompts, rel_error  # noqa: E402
 
 VOCAB = 64
 SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -70,39 +71,11 @@ def models(family: str):
     return _MODELS[family]
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_loss_and_gradients_equal_hugging_face(family):
     hf, ours = models(family)
     ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(1))  # 11 > every window
-    labels = ids.clone()
-    labels[0, :3] = -100
-    with torch.no_grad():
-        assert _rel(ours(ids), hf(ids).logits) < 1e-4
-    hf.zero_grad()
-    ours.zero_grad()
-    theirs = hf(ids, labels=labels).loss
-    mine = ours(ids, labels=labels)
-    torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-6)
-    theirs.backward()
-    mine.backward()
-    hf_params, our_params = dict(hf.named_parameters()), dict(ours.named_parameters())
-    assert set(hf_params) == set(our_params)
-    for name, p in hf_params.items():
-        assert _rel(our_params[name].grad, p.grad) < 1e-3, name
-
-
-def _prompts(lengths, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
-
-
-def _hf_greedy(hf, prompt, n):
-    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    assert_equals_hugging_face(hf, ours, ids)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -110,11 +83,11 @@ def test_greedy_generation_equals_hugging_face(family):
     """Three prompts batched; the 13-token one is longer than the step budget (8: prefilled in chunks) and than
     every sliding window (4), and the decodes run past the windows too."""
     hf, ours = models(family)
-    prompts = _prompts((5, 13, 2), seed=3)
+    prompts = random_prompts((5, 13, 2), VOCAB, seed=3)
     engine = Engine(ours, num_blocks=16, block_size=8, max_tokens_per_step=8)
     out = engine.generate(prompts, max_new_tokens=6)
     assert engine.stats.max_batch == 3 and engine.stats.preemptions == 0
-    assert out == [_hf_greedy(hf, p, 6) for p in prompts]
+    assert out == [hf_greedy(hf, p, 6) for p in prompts]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -156,7 +129,7 @@ def test_a_feature_left_out_is_caught(family, breaks):
     breaks(ours)
     ids = torch.randint(0, VOCAB, (1, 11), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        assert _rel(ours(ids), hf(ids).logits) > 1e-3
+        assert rel_error(ours(ids), hf(ids).logits) > 1e-3
 
 
 # ----------------------------------------------------------------------------------------------

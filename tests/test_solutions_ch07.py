@@ -728,17 +728,17 @@ def test_launchers_refuse_what_the_chapter_kernels_do_not_take():
 
 def check_sinks(candidate) -> Verdict:
     return check("ch07_flash_attention.sink_attention", candidate, given.sink_reference, given.sink_cases,
-                 diagnose=given.diagnose_sink_attention)
+                 rules=given.sink_attention_rules(), diagnose=given.diagnose_sink_attention)
 
 
-def _fold(scores, v, widths, sink=None):
+def _fold(scores, v, widths, sink=None, update=solutions.online_softmax_update):
     """Exercise 1's fold; with ``sink``, the sink folded after every tile (the per-tile mistake)."""
     rows = scores.shape[0]
     m = torch.full((rows,), float("-inf"), dtype=scores.dtype)
     l, acc = torch.zeros(rows, dtype=scores.dtype), torch.zeros(rows, v.shape[1], dtype=scores.dtype)
     start = 0
     for width in widths:
-        m, l, acc = solutions.online_softmax_update(m, l, acc, scores[:, start:start + width], v[start:start + width])
+        m, l, acc = update(m, l, acc, scores[:, start:start + width], v[start:start + width])
         if sink is not None:
             m, l, acc = _fold_sink(m, l, acc, sink)
         start += width
@@ -808,8 +808,159 @@ def sink_not_against_the_max(scores, v, sink, widths, do):
     return out, lse, -(torch.exp(sink - lse) * (do * out).sum(1)).sum()
 
 
+def _after_the_sink(m, l, acc, sink):
+    """The state after the sink's fold, and the maximum before it."""
+    m_new, l_new, acc_new = _fold_sink(m, l, acc, sink)
+    return m, m_new, l_new, acc_new
+
+
+def sink_by_the_whole_row(scores, v, sink, widths, do):
+    # Right values by GPT-OSS's eager route: the sink's column concatenated, one logsumexp per row, no tiles.
+    column = torch.full((scores.shape[0], 1), float(sink), dtype=scores.dtype)
+    lse = torch.logsumexp(torch.cat([scores, column], dim=1), dim=1)
+    out = torch.exp(scores - lse[:, None]) @ v
+    return out, lse, -(torch.exp(sink - lse) * (do * out).sum(1)).sum()
+
+
+def sink_with_one_tile(scores, v, sink, widths, do):
+    # Right values with `widths` ignored: every key folded as one tile.
+    return _finish(*_fold_sink(*_fold(scores, v, [scores.shape[1]]), sink), sink, do)
+
+
+def sink_folded_by_the_update(scores, v, sink, widths, do):
+    # Right, by the spec's own picture: the sink is one more tile of one key, score `sink`, value 0.
+    m, l, acc = _fold(scores, v, widths)
+    column = torch.full((scores.shape[0], 1), float(sink), dtype=scores.dtype)
+    m, l, acc = solutions.online_softmax_update(m, l, acc, column, torch.zeros(1, v.shape[1], dtype=v.dtype))
+    return _finish(m, l, acc, sink, do)
+
+
 def test_sink_attention_solution_solves():
-    assert check_sinks(solutions.sink_attention).solved
+    verdict = check_sinks(solutions.sink_attention)
+    assert verdict.solved
+    assert "rules kept: the key tiles folded with exercise 1's update" in flat(verdict.message)
+
+
+def sink_folded_first(scores, v, sink, widths, do):
+    # Right too: the fold's order does not change its result, the sink may come first (once).
+    rows = scores.shape[0]
+    m = torch.full((rows,), float("-inf"), dtype=scores.dtype)
+    l, acc = torch.zeros(rows, dtype=scores.dtype), torch.zeros(rows, v.shape[1], dtype=scores.dtype)
+    column = torch.full((rows, 1), float(sink), dtype=scores.dtype)
+    m, l, acc = solutions.online_softmax_update(m, l, acc, column, torch.zeros(1, v.shape[1], dtype=v.dtype))
+    start = 0
+    for width in widths:
+        m, l, acc = solutions.online_softmax_update(m, l, acc, scores[:, start:start + width], v[start:start + width])
+        start += width
+    return _finish(m, l, acc, sink, do)
+
+
+@pytest.mark.parametrize("right", [sink_folded_by_the_update, sink_folded_first], ids=["last", "first"])
+def test_sink_attention_accepts_the_sink_folded_as_a_one_key_tile(right):
+    assert check_sinks(right).solved
+
+
+@pytest.mark.parametrize("wrong", [sink_by_the_whole_row, sink_with_one_tile], ids=["whole row", "one tile"])
+def test_sink_attention_holds_the_tiles_to_the_update(wrong):
+    assert_not_solved(check_sinks(wrong), "broke a stated rule", "exercise 1's update")
+
+
+def lse_from_the_old_maximum(scores, v, sink, widths, do):
+    # lse = m + log(l') with m the maximum from before the sink's fold: -inf for a row that sees no key.
+    m, _, l, acc = _after_the_sink(*_fold(scores, v, widths), sink)
+    return _finish(m, l, acc, sink, do)
+
+
+def sink_after_an_unguarded_update(scores, v, sink, widths, do):
+    # Exercise 1's update without its -inf guard: a row masked through a whole tile computes exp(-inf - -inf).
+    return _finish(*_fold_sink(*_fold(scores, v, widths, update=update_without_the_infinity_guard), sink), sink, do)
+
+
+@pytest.mark.parametrize(("wrong", "cause"), [
+    (lse_from_the_old_maximum, "cause: lse is taken from the maximum before the sink's fold"),
+    (sink_after_an_unguarded_update, "cause: NaN in rows that see no key through a whole tile"),
+], ids=["lse old maximum", "unguarded update"])
+def test_sink_attention_nan_is_not_called_an_overflow_when_the_sink_is_small(wrong, cause):
+    verdict = check_sinks(wrong)
+    assert_not_solved(verdict, cause)
+    assert "overflows" not in verdict.message
+
+
+def d_sink_mean_over_rows(scores, v, sink, widths, do):
+    out, lse, _ = solutions.sink_attention(scores, v, sink, widths, do)
+    return out, lse, -(torch.exp(sink - lse) * (do * out).sum(1)).mean()
+
+
+def delta_mean_over_features(scores, v, sink, widths, do):
+    out, lse, _ = solutions.sink_attention(scores, v, sink, widths, do)
+    return out, lse, -(torch.exp(sink - lse) * (do * out).mean(1)).sum()
+
+
+def delta_without_the_output(scores, v, sink, widths, do):
+    out, lse, _ = solutions.sink_attention(scores, v, sink, widths, do)
+    return out, lse, -(torch.exp(sink - lse) * do.sum(1)).sum()
+
+
+def delta_from_the_unnormalised_acc(scores, v, sink, widths, do):
+    _, m, l, acc = _after_the_sink(*_fold(scores, v, widths), sink)
+    out, lse = acc / l[:, None], m + torch.log(l)
+    return out, lse, -(torch.exp(sink - lse) * (do * acc).sum(1)).sum()
+
+
+def acc_not_rescaled_for_the_sink(scores, v, sink, widths, do):
+    m, l, acc = _fold(scores, v, widths)
+    _, m_new, l_new, _ = _after_the_sink(m, l, acc, sink)
+    return _finish(m_new, l_new, acc, sink, do)  # acc still relative to the keys' maximum
+
+
+def l_not_rescaled_for_the_sink(scores, v, sink, widths, do):
+    m, l, acc = _fold(scores, v, widths)
+    _, m_new, _, acc_new = _after_the_sink(m, l, acc, sink)
+    return _finish(m_new, l + torch.exp(sink - m_new), acc_new, sink, do)  # l still relative to the keys' maximum
+
+
+def sink_in_lse_only(scores, v, sink, widths, do):
+    m, l, acc = _fold(scores, v, widths)
+    lse = torch.logaddexp(m + torch.log(l), torch.full_like(m, sink))
+    out = torch.nan_to_num(acc / l[:, None])  # softmax over the keys alone: the sink missing from its denominator
+    return out, lse, -(torch.exp(sink - lse) * (do * out).sum(1)).sum()
+
+
+def sink_as_a_weight(scores, v, sink, widths, do):
+    m, l, acc = _fold(scores, v, widths)
+    m = torch.where(torch.isfinite(m), m, 0.0)
+    l = l + sink * torch.exp(-m)  # `sink` added to the denominator, not e^sink
+    return _finish(m, l, acc, sink, do)
+
+
+def sink_scaled_like_the_scores(scores, v, sink, widths, do):
+    return solutions.sink_attention(scores, v, sink / math.sqrt(v.shape[1]), widths, do)
+
+
+@pytest.mark.parametrize(("wrong", "cause"), [
+    (d_sink_mean_over_rows, "cause: d_sink is a mean over the rows"),
+    (delta_mean_over_features, "cause: δ is a mean over the features"),
+    (delta_without_the_output, "cause: δ leaves the output out"),
+    (delta_from_the_unnormalised_acc, "cause: δ is taken from the unnormalised acc"),
+    (acc_not_rescaled_for_the_sink, "cause: acc is not rescaled when the maximum moves to the sink"),
+    (l_not_rescaled_for_the_sink, "cause: l is not rescaled when the maximum moves to the sink"),
+    (sink_in_lse_only, "cause: the sink is in lse but not in the output's denominator"),
+    (sink_as_a_weight, "cause: the sink is added as a weight"),
+    (sink_scaled_like_the_scores, "cause: the sink is scaled like the scores"),
+], ids=["d_sink mean", "delta mean", "delta no O", "delta acc", "acc alpha", "l alpha", "lse only", "weight",
+        "scaled"])
+def test_sink_attention_names_the_cause(wrong, cause):
+    assert_not_solved(check_sinks(wrong), cause)
+
+
+def test_sink_cases_move_the_maximum_to_the_sink_in_three_tiles():
+    for seed in range(200):  # every seed: the check draws fresh ones
+        scores, _, sink, widths, _ = given.sink_cases(torch.Generator().manual_seed(seed))[2]
+        assert len(widths) == 3 and sink == 4.0
+        maxima = scores.amax(dim=1)
+        maxima = maxima[torch.isfinite(maxima)]
+        assert bool((maxima < sink).any()), f"seed {seed}: no row of case 3 has its maximum below the sink"
+        assert bool((maxima > sink).any()), f"seed {seed}: no row of case 3 has scores above the sink"
 
 
 @pytest.mark.parametrize(("wrong", "cause"), [

@@ -253,6 +253,17 @@ def sort_expert_by_expert(expert_ids, num_experts):
     return permutation.to(torch.int32), torch.cumsum(torch.bincount(flat, minlength=num_experts), 0).to(torch.int32)
 
 
+def sort_counting_with_bincount(expert_ids, num_experts):
+    # right, but bincount sizes its output by the largest id: on a GPU the host reads it first
+    flat = expert_ids.reshape(-1).long()
+    counts = torch.bincount(flat, minlength=num_experts)
+    one_hot = torch.nn.functional.one_hot(flat, num_experts)
+    rank = (torch.cumsum(one_hot, dim=0) - 1).gather(1, flat[:, None])[:, 0]
+    permutation = torch.empty_like(flat)
+    permutation[torch.cumsum(counts, 0)[flat] - counts[flat] + rank] = torch.arange(flat.numel())
+    return permutation.to(torch.int32), torch.cumsum(counts, 0).to(torch.int32)
+
+
 def sort_with_ranks_counting_the_entry_itself(expert_ids, num_experts):
     flat = expert_ids.reshape(-1).long()
     counts = torch.bincount(flat, minlength=num_experts)
@@ -263,9 +274,18 @@ def sort_with_ranks_counting_the_entry_itself(expert_ids, num_experts):
     return permutation[:-1].to(torch.int32), ends.to(torch.int32)
 
 
-def check_counting_sort(candidate):
+def library_checked(rules: list) -> list:
+    """An exercise's rules less "tensor ops only": a library op passes the rest of the check (its values, its
+    traffic), while tensor ops only rejects it as the learner's answer (the exercise asks for the computation)."""
+    kept = [rule for rule in rules if rule.name != "tensor ops only"]
+    assert len(kept) == len(rules) - 1
+    return kept
+
+
+def check_counting_sort(candidate, library: bool = False):
+    rules = given.counting_sort_rules()
     return check("ch09_moe.counting_sort", candidate, given.counting_sort_reference, given.counting_sort_cases,
-                 compare=given.diagnose_counting_sort, rules=given.counting_sort_rules(),
+                 compare=given.diagnose_counting_sort, rules=library_checked(rules) if library else rules,
                  traffic=given.counting_sort_traffic())
 
 
@@ -284,7 +304,7 @@ def test_counting_sort_solution_solves():
     (sort_by_token, "is not a permutation of the"),
     (sort_with_ranks_counting_the_entry_itself, "each entry sits one position after its place: an entry's rank "
                                                 "counts itself"),
-    (sort_without_minlength, "the empty ones too"),
+    (sort_without_minlength, "the code made the host wait for the device: bincount"),  # its width, from the ids
     (sort_by_comparison, "broke a stated rule — the spec asks for a counting sort (a histogram, a prefix sum and "
                          "ranks), no comparison sort: the code called torch.sort"),
     (sort_by_argsort, "no comparison sort: the code called Tensor.argsort"),
@@ -296,6 +316,8 @@ def test_counting_sort_solution_solves():
     (sort_by_builtin_sorted, "a call of the builtin sorted (Python data, not tensor ops) at line"),
     (sort_expert_by_expert, "a list comprehension at line"),
     (sort_expert_by_expert, "of sort_expert_by_expert (over range(num_experts))"),
+    (sort_counting_with_bincount, "tensor ops only (a Python loop or a round trip through the host runs on the CPU "
+                                  "while a GPU waits): the code made the host wait for the device: bincount"),
 ])
 def test_counting_sort_negative_controls(wrong, diagnosis):
     verdict = check_counting_sort(wrong)
@@ -305,7 +327,7 @@ def test_counting_sort_negative_controls(wrong, diagnosis):
 def sort_ranking_by_an_equality_matrix(expert_ids, num_experts):
     # right, with no one-hot: an entry's rank is how many earlier entries share its expert, from a (T·k, T·k) matrix
     flat = expert_ids.reshape(-1).long()
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = (flat[:, None] == torch.arange(num_experts)).sum(dim=0)
     offsets = torch.cumsum(counts, 0)
     earlier = torch.ones(flat.numel(), flat.numel(), dtype=torch.bool).tril(-1)
     rank = ((flat[:, None] == flat[None, :]) & earlier).sum(dim=1)
@@ -322,14 +344,17 @@ def test_the_counting_sort_traffic_line_says_what_was_measured():
     verdict = check_counting_sort(sort_ranking_by_an_equality_matrix)
     message = " ".join(verdict.message.split())
     assert verdict.solved and "one-hot" not in message and "aten.eq.Tensor" in message, message
-    kernels = " ".join(check_counting_sort(kernel_ladder.moe_permute).message.split())
-    assert "each torch op" not in kernels and "one-hot" not in kernels, kernels
+    kernels = check_counting_sort(kernel_ladder.moe_permute, library=True)
+    message = " ".join(kernels.message.split())
+    assert kernels.solved and "each torch op" not in message and "one-hot" not in message, message
 
 
 def test_the_production_permute_passes_the_same_check():
-    verdict = check_counting_sort(kernel_ladder.moe_permute)
+    verdict = check_counting_sort(kernel_ladder.moe_permute, library=True)
     assert verdict.solved and verdict.traffic.ratio < 1.5 * verdict.traffic.top / verdict.traffic.ideal, \
         verdict.message
+    assert rejected(check_counting_sort(kernel_ladder.moe_permute), "the code called kernel_ladder's op "
+                                                                    "kernel_ladder::moe_permute")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -484,9 +509,11 @@ def combine_by_index_put_accumulating(y_sorted, permutation, weights):
     return out.index_put_((permutation.long() // k,), y_sorted * w[:, None], accumulate=True)
 
 
-def check_combine(candidate):
+def check_combine(candidate, library: bool = False):
+    rules = given.combine_rules()
     return check("ch09_moe.combine", candidate, given.combine_reference, given.combine_cases,
-                 rules=given.combine_rules(), diagnose=given.diagnose_combine, traffic=given.combine_traffic())
+                 rules=library_checked(rules) if library else rules, diagnose=given.diagnose_combine,
+                 traffic=given.combine_traffic())
 
 
 def test_combine_solution_solves():
@@ -497,8 +524,10 @@ def test_combine_solution_solves():
 
 
 def test_the_production_combine_passes_the_same_check():
-    verdict = check_combine(kernel_ladder.moe_combine)
+    verdict = check_combine(kernel_ladder.moe_combine, library=True)
     assert verdict.solved and verdict.traffic.ratio < 1.2, verdict.message
+    assert rejected(check_combine(kernel_ladder.moe_combine), "the code called kernel_ladder's op "
+                                                              "kernel_ladder::moe_combine")
 
 
 def combine_by_a_weight_matrix(y_sorted, permutation, weights):
@@ -516,8 +545,9 @@ def test_the_combine_traffic_line_says_what_was_measured():
     message = " ".join(verdict.message.split())
     assert verdict.solved and "aten.mm.default" in message and "y_sorted[inverse]" not in message, message
     assert "a dense (T, T·k) matrix" in message, message
-    kernels = " ".join(check_combine(kernel_ladder.moe_combine).message.split())
-    assert "each torch op" not in kernels and "gather" not in kernels, kernels
+    kernels = check_combine(kernel_ladder.moe_combine, library=True)
+    message = " ".join(kernels.message.split())
+    assert kernels.solved and "each torch op" not in message and "gather" not in message, message
 
 
 @pytest.mark.parametrize(("wrong", "diagnosis"), [
@@ -685,6 +715,8 @@ _VISITED = (_i32([2, 1, 0]), _i32([[0, 3, -1, -1], [2, -1, -1, -1], [-1, -1, -1,
     (given.diagnose_counting_sort, (_i32([1, 0, 3, 2]), _SORTED[1]), _SORTED,
      "permutation: wrong values in 2 of 4 elements, first at index 1: got 0, expected 3"),
     (given.diagnose_counting_sort, (_SORTED[0].long(), _SORTED[1]), _SORTED, "permutation: wrong dtype"),
+    (given.diagnose_counting_sort, (_SORTED[0], _i32([2, 3])), _SORTED,  # the last expert's end left out
+     "one end per expert, the empty ones too: 3 of them (a one-hot of width num_experts"),
     (given.diagnose_tile_map, [[0, 0, 4]], [(0, 0, 4)], None),  # lists for tuples are fine
     (given.diagnose_tile_map, 5, [(0, 0, 4)], "expected a list of (group, first row, end row) tuples"),
     (given.diagnose_tile_map, [(0, 0, 4), (0, 4, 4)], [(0, 0, 4)], "the tile (0, 4, 4) holds no rows"),
@@ -708,3 +740,222 @@ def test_the_diagnoses_on_hand_made_answers(diagnose, got, expected, diagnosis):
         assert said is None, said
     else:
         assert said is not None and diagnosis in said, said
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 6: DeepSeek-V3's group-limited top-k with bias correction
+# ----------------------------------------------------------------------------------------------
+
+
+def _router(logits, bias, k, num_groups, topk_groups, renormalize, scale, *, weigh=None, group_score=None,
+            fill=float("-inf"), limit=True, rank_bias=True, scores=None, normalize_first=True, normalize=True,
+            choose=None, groups_by_scores=False):
+    """A torch-ops router with parts swapped for wrong ones (the negative controls below)."""
+    tokens, experts = logits.shape
+    scores = torch.sigmoid(logits) if scores is None else scores(logits)
+    choice = choose(logits, bias) if choose else (scores + bias if rank_bias else scores)
+    if limit:
+        grouped = (scores if groups_by_scores else choice).view(tokens, num_groups, -1)
+        ranked = group_score(grouped) if group_score else grouped.topk(2, dim=-1).values.sum(dim=-1)
+        kept = torch.zeros_like(ranked, dtype=torch.bool).scatter_(1, ranked.topk(topk_groups, dim=-1).indices, True)
+        choice = choice.masked_fill(~kept.repeat_interleave(experts // num_groups, dim=1), fill)
+    ids = choice.topk(k, dim=-1).indices
+    weights = (weigh(scores, bias) if weigh else scores).gather(1, ids)
+    if not normalize_first:
+        weights = weights * scale
+    if renormalize and normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return (weights * scale if normalize_first else weights), ids
+
+
+def topk_bias_in_the_weights(*case):
+    return _router(*case, weigh=lambda s, b: s + b)
+
+
+def topk_group_max(*case):
+    return _router(*case, group_score=lambda g: g.max(dim=-1).values)
+
+
+def topk_scaled_not_renormalized(*case):
+    return _router(*case, normalize=False)
+
+
+def topk_scaled_then_renormalized(*case):
+    return _router(*case, normalize_first=False)
+
+
+def topk_zero_fill(*case):
+    return _router(*case, fill=0.0)
+
+
+def topk_without_the_group_limit(*case):
+    return _router(*case, limit=False)
+
+
+def topk_bias_not_in_the_choice(*case):
+    return _router(*case, rank_bias=False)
+
+
+def topk_softmax_scores(*case):
+    return _router(*case, scores=lambda x: torch.softmax(x, dim=-1))
+
+
+def topk_token_by_token(logits, bias, *rest):
+    rows = [given.grouped_topk(logits[t:t + 1], bias, *rest) for t in range(logits.shape[0])]  # a Python loop
+    return torch.cat([w for w, _ in rows]), torch.cat([i for _, i in rows])
+
+
+def topk_with_item(logits, bias, k, num_groups, topk_groups, renormalize, scale):
+    weights, ids = given.grouped_topk(logits, bias, k, num_groups, topk_groups, renormalize, scale)
+    return weights * (weights.sum() / weights.sum()).item(), ids  # a host sync
+
+
+def topk_int32_ids(*case):
+    weights, ids = given.grouped_topk(*case)
+    return weights, ids.to(torch.int32)
+
+
+def topk_float64_weights(*case):
+    weights, ids = given.grouped_topk(*case)
+    return weights.double(), ids
+
+
+def topk_scaled_only_when_renormalized(logits, bias, k, num_groups, topk_groups, renormalize, scale):
+    weights, ids = _router(logits, bias, k, num_groups, topk_groups, renormalize, 1.0)
+    return (weights * scale if renormalize else weights), ids
+
+
+def topk_always_renormalized(logits, bias, k, num_groups, topk_groups, renormalize, scale):
+    return _router(logits, bias, k, num_groups, topk_groups, True, scale)
+
+
+def topk_minus_one_fill(*case):
+    return _router(*case, fill=-1.0)  # "the choices are sigmoid scores, in (0, 1)": not with a bias
+
+
+def topk_bias_before_the_sigmoid(*case):
+    return _router(*case, choose=lambda logits, bias: torch.sigmoid(logits + bias))
+
+
+def topk_groups_by_unbiased_scores(*case):
+    return _router(*case, groups_by_scores=True)
+
+
+def topk_through_nonzero(logits, bias, k, num_groups, topk_groups, renormalize, scale):
+    weights, ids = given.grouped_topk(logits, bias, k, num_groups, topk_groups, renormalize, scale)
+    every = torch.nonzero(torch.ones_like(ids, dtype=torch.bool))  # all of them: the right ids, after a sync
+    return weights, ids[every[:, 0], every[:, 1]].view_as(ids)
+
+
+def topk_by_the_library(logits, bias, k, num_groups, topk_groups, renormalize, scale):
+    return kernel_ladder.topk_routing(logits, k, renormalize, "sigmoid", bias=bias, num_groups=num_groups,
+                                      topk_groups=topk_groups, scale=scale)
+
+
+def topk_sigmoid_in_place(logits, bias, *rest):
+    logits.sigmoid_()  # the scores, over the caller's logits
+    return given.grouped_topk(torch.logit(logits.double()).float(), bias, *rest)
+
+
+def topk_clearing_the_bias(*case):
+    weights, ids = given.grouped_topk(*case)
+    case[1].zero_()  # the caller's bias, reset
+    return weights, ids
+
+
+def topk_in_k_argmax_rounds(logits, bias, k, num_groups, topk_groups, renormalize, scale):
+    """Right, as the kernel does it: k argmax rounds, each over every token at once."""
+    tokens, experts = logits.shape
+    scores = torch.sigmoid(logits)
+    choice = scores + bias
+    ranked = choice.view(tokens, num_groups, -1).topk(2, dim=-1).values.sum(dim=-1)
+    kept = torch.zeros_like(ranked, dtype=torch.bool).scatter_(1, ranked.topk(topk_groups, dim=-1).indices, True)
+    choice = choice.masked_fill(~kept.repeat_interleave(experts // num_groups, dim=1), float("-inf"))
+    picks = []
+    for _ in range(k):
+        best = choice.argmax(dim=-1, keepdim=True)
+        picks.append(best)
+        choice = choice.scatter(1, best, float("-inf"))
+    ids = torch.cat(picks, dim=1)
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights * scale, ids
+
+
+def check_grouped_topk(candidate):
+    return check("ch09_moe.grouped_topk", candidate, given.grouped_topk_reference, given.grouped_topk_cases,
+                 compare=given.diagnose_grouped_topk, rules=given.grouped_topk_rules(),
+                 diagnose=given.diagnose_grouped_topk_cause)
+
+
+def test_grouped_topk_solution_solves():
+    assert check_grouped_topk(given.grouped_topk).solved
+
+
+def test_k_argmax_rounds_in_a_python_loop_solve():
+    """The spec allows a loop over range(k): k rounds, each over every token, as the kernel does them."""
+    verdict = check_grouped_topk(topk_in_k_argmax_rounds)
+    assert verdict.solved, verdict.message
+
+
+def test_the_cases_tell_the_scale_and_the_fill_apart():
+    """A case without renormalization has a scale other than 1; a kept expert's biased choice is below -1.5."""
+    cases = given.grouped_topk_cases(torch.Generator().manual_seed(0))
+    assert any(not renormalize and scale != 1.0 for *_, renormalize, scale in cases)
+    lowest_kept = []
+    for logits, bias, k, num_groups, topk_groups, renormalize, scale in cases:
+        choice = torch.sigmoid(logits.double()) + bias.double()
+        _, ids = given.grouped_topk_reference(logits, bias, k, num_groups, topk_groups, renormalize, scale)
+        lowest_kept.append(float(choice.gather(1, ids).min()))
+    assert min(lowest_kept) < -1.5, lowest_kept
+
+
+def test_the_production_grouped_router_passes_the_same_check():
+    """The library's router gives the check's values; it is not tensor ops, so that rule alone rejects it."""
+    verdict = check("ch09_moe.grouped_topk", topk_by_the_library, given.grouped_topk_reference,
+                    given.grouped_topk_cases, compare=given.diagnose_grouped_topk,
+                    rules=library_checked(given.grouped_topk_rules()), diagnose=given.diagnose_grouped_topk_cause)
+    assert verdict.solved, verdict.message
+
+
+@pytest.mark.parametrize("wrong", [topk_int32_ids, topk_float64_weights])
+def test_a_wrong_dtype_alone_gets_no_cause(wrong):
+    verdict = check_grouped_topk(wrong)
+    assert rejected(verdict, "wrong dtype") and "cause:" not in verdict.message, verdict.message
+
+
+@pytest.mark.parametrize(("wrong", "diagnosis"), [
+    (topk_bias_in_the_weights, "cause: the bias is in the weights"),
+    (topk_group_max, "cause: each group is scored by its largest choice"),
+    (topk_scaled_not_renormalized, "cause: the weights were scaled without being renormalized first"),
+    (topk_scaled_then_renormalized, "cause: the scale is missing (or was applied before the renormalization"),
+    (topk_zero_fill, "cause: the dropped groups' experts were filled with a finite value (0, -1, ...), not -inf"),
+    (topk_without_the_group_limit, "cause: the group limit is missing"),
+    (topk_bias_not_in_the_choice, "cause: the bias was left out of the choice"),
+    (topk_softmax_scores, "cause: the scores are a softmax"),
+    (topk_token_by_token, "broke a stated rule — the spec asks for tensor ops only: a router runs on the device, "
+                          "every token at once"),
+    (topk_with_item, "the code took values to the host: .item()"),
+    (topk_int32_ids, "ids: wrong dtype torch.int32"),
+    (topk_float64_weights, "weights: wrong dtype torch.float64"),
+    (topk_scaled_only_when_renormalized, "cause: the weights were not scaled when renormalize is False"),
+    (topk_minus_one_fill, "cause: the dropped groups' experts were filled with a finite value"),
+    (topk_always_renormalized, "cause: the weights were renormalized although renormalize is False"),
+    (topk_bias_before_the_sigmoid, "cause: the bias was added to the logits before the sigmoid, not to the scores"),
+    (topk_groups_by_unbiased_scores, "cause: the groups were ranked by the unbiased scores"),
+    (topk_through_nonzero, "broke a stated rule — the spec asks for tensor ops only: a router runs on the device, "
+                           "every token at once"),
+    (topk_through_nonzero, "the code made the host wait for the device: nonzero"),
+    (topk_by_the_library, "the code called kernel_ladder's op kernel_ladder::topk_routing"),
+    (topk_sigmoid_in_place, "the code changed logits in place"),
+    (topk_clearing_the_bias, "the code changed bias in place"),
+])
+def test_grouped_topk_negative_controls(wrong, diagnosis):
+    verdict = check_grouped_topk(wrong)
+    if diagnosis.startswith("cause: "):  # the cause named, alone or among the ones its failing case cannot tell apart
+        message = " ".join(verdict.message.split())
+        assert not verdict.solved and "cause: " in message, verdict.message
+        assert diagnosis.removeprefix("cause: ") in message[message.index("cause: "):], verdict.message
+    else:
+        assert rejected(verdict, diagnosis), verdict.message

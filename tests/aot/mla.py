@@ -54,7 +54,7 @@ def report(label, kernel, dots=True):
 def variant(what, dtype, heads, block_size, varlen=False, split=False, index_64=False, rank=512, rope=64):
     config = mla.GPU_CONFIG
     plan = mla._Launch(1024, 8, heads, varlen, config, dtype == "fp32")
-    pages, block_n = config.step(block_size, dtype == "fp32")
+    pages, block_n = config.step(block_size, dtype == "fp32", index_64)
     constexprs = dict(VARLEN=varlen, SPLIT=split, INDEX_64=index_64,
                       INPUT_PRECISION="tf32" if dtype == "fp32" else "ieee", BLOCK_SIZE=block_size,
                       PAGES=pages, BLOCK_N=block_n, BLOCK_R=plan.block_rows, GROUP_P=plan.group_p,

@@ -30,7 +30,10 @@ How the checker sees what went wrong:
   outside every tensor argument, and a missing mask lands in the guard instead of in someone
   else's memory;
 * the reference runs in float64 where the inputs are floating point, and the result is rounded
-  to the output's dtype, so a correct kernel matches within a tolerance set by its dtype.
+  to the output's dtype, so a correct kernel matches within a tolerance set by its dtype;
+* every argument is compared before and after each call (tensors: values, shape and strides; lists,
+  tuples, dicts and sets of them or of plain values): an input changed in place is NOT SOLVED, the
+  argument named, however right the result.
 
 How it says where and why:
 

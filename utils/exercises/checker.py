@@ -24,9 +24,17 @@ import torch
 from .. import exercises as _package  # the verdict registry lives there, read at each use
 from .compare import _custom_problems, _reference_result, _value_mismatch
 from .diagnosis import _store_resolver
-from .guards import _guard_case, _Guarded, _guarded_output, _has_unwritten
+from .guards import (
+    _changed_in_words,
+    _changed_inputs,
+    _guard_case,
+    _Guarded,
+    _guarded_output,
+    _has_unwritten,
+    _snapshot,
+)
 from .marker import _solution_used, _solutions_watched, _unsolved_helpers
-from .rules import Rule, RunContext, _CallRecorder
+from .rules import BROKE_A_RULE, INPUTS_UNCHANGED, INPUTS_UNCHANGED_WHY, Rule, RunContext, _CallRecorder
 from .running import _describe_error, _run_traced
 from .traffic import Traffic, TrafficReport, measure
 from .verdict import NOT_SOLVED_MARK, SOLVED_MARK, Verdict, _wrapped
@@ -119,6 +127,20 @@ def _diagnosis(diagnose: Callable[[tuple, Any, Any], str | None], case: tuple, g
     return [f"cause: {cause}"] if cause else []
 
 
+def _inputs_changed(changed: list[tuple[str, Any]], args: tuple, names: list[str], rules: Sequence[Rule]) -> str:
+    """The verdict line for inputs the candidate changed in place: which, and how — in the words of the
+    exercise's :func:`~utils.exercises.rules.inputs_unchanged` rule where it states one."""
+    labels = [label for label, _ in changed]
+    said = _changed_in_words(changed)
+    tensors = any(isinstance(arg, torch.Tensor) for i, arg in enumerate(args)
+                  if (names[i] if i < len(names) else f"argument {i + 1}") in labels)
+    advice = ("compute into new tensors: an in-place op (sigmoid_(), zero_(), masked_fill_(), x += ..., out=) on an "
+              "argument writes into the caller's tensor" if tensors else
+              "copy what you change (list(values), dict(values)) and return the copy")
+    stated = next((rule.why for rule in rules if rule.name == INPUTS_UNCHANGED), INPUTS_UNCHANGED_WHY)
+    return f"{BROKE_A_RULE} — {stated}: the code changed {said} — {advice}"
+
+
 def _check_case(
     name: str,
     candidate: Callable[..., Any],
@@ -134,6 +156,7 @@ def _check_case(
     rtol, atol = options.for_case(case)
     expected = _reference_result(reference, case)
     args, input_guards = _guard_case(case, names)
+    snapshots = [_snapshot(arg) for arg in args]  # every argument as it was: the call must leave it so
     recorder = _CallRecorder() if any(rule.records_calls for rule in options.rules) else None
     counted: list[Any] = []
     watched: list[str] = []  # the exercise's own solutions the candidate called (learner mode)
@@ -195,6 +218,9 @@ def _check_case(
         # The exercise's own cause is the most specific line: it goes first, before the generic ones
         # (an out-of-bounds access is the symptom of an int32 offset that wrapped, say).
         problems = _diagnosis(options.diagnose, case, got, expected) + problems
+    changed = _changed_inputs(args, snapshots, names)
+    if changed:
+        problems.append(_inputs_changed(changed, args, names, options.rules))
     if not problems and options.rules:
         # The values are right: now the rules the spec states, each named in the verdict.
         context = RunContext(candidate=candidate, case=case, got=got, expected=expected,

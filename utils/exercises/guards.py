@@ -11,6 +11,7 @@ instead of in someone else's memory.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
 
@@ -134,7 +135,8 @@ def _guarded_input(label: str, t: torch.Tensor) -> _Guarded | None:
 
 
 def _guard_case(case: tuple, names: list[str]) -> tuple[tuple, list[_Guarded]]:
-    """The case with every tensor argument replaced by a guarded copy (same shape and strides)."""
+    """The case with every tensor argument replaced by a guarded copy (same shape and strides), and every
+    list, dict or set by a copy: what the candidate changes in place is its own, the case stays as drawn."""
     guarded_args = []
     guards: list[_Guarded] = []
     for i, value in enumerate(case):
@@ -145,6 +147,11 @@ def _guard_case(case: tuple, names: list[str]) -> tuple[tuple, list[_Guarded]]:
                 guards.append(guarded)
                 guarded_args.append(guarded.tensor)
                 continue
+        elif type(value) in (list, dict, set):
+            try:
+                value = copy.deepcopy(value)
+            except Exception:  # something in it that cannot be copied: the candidate gets the case's own
+                pass
         guarded_args.append(value)
     return tuple(guarded_args), guards
 
@@ -159,3 +166,156 @@ def _has_unwritten(value: Any) -> bool:
     if isinstance(value, (tuple, list)):
         return any(_has_unwritten(v) for v in value)
     return False
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs changed in place
+# --------------------------------------------------------------------------------------------
+
+_UNSEEN = object()  # what a snapshot holds for a value it cannot compare (an object of the learner's, a model)
+_PLAIN_VALUES = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device)
+
+
+@dataclasses.dataclass(frozen=True)
+class _TensorCopy:
+    """A tensor argument as it was before the call: its values, shape and strides."""
+
+    values: torch.Tensor
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+def _snapshot(value: Any, depth: int = 0) -> Any:
+    """A copy of an argument, to compare it with after the call: tensors, and lists, tuples, dicts and sets
+    of them or of plain values; anything else (an object of the learner's, a model) is not seen."""
+    if isinstance(value, torch.Tensor):
+        if value.layout != torch.strided or value.is_quantized:
+            return _UNSEEN
+        return _TensorCopy(value.detach().clone(), tuple(value.shape), tuple(value.stride()))
+    if isinstance(value, _PLAIN_VALUES):
+        return value
+    if depth < 4 and type(value) in (list, tuple):
+        return type(value)(_snapshot(item, depth + 1) for item in value)
+    if depth < 4 and type(value) is dict:
+        return {key: _snapshot(item, depth + 1) for key, item in value.items()}
+    if type(value) is set:
+        return set(value)
+    return _UNSEEN
+
+
+def _plain(value: Any) -> Any:
+    """A snapshot as the learner would print the value."""
+    if isinstance(value, _TensorCopy):
+        return value.values
+    if type(value) in (list, tuple):
+        return type(value)(_plain(v) for v in value)
+    if type(value) is dict:
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+@dataclasses.dataclass(frozen=True)
+class _Changed:
+    """How an argument changed: ``summary`` alone (``'12 of its 96 elements'``), ``short`` beside other
+    arguments (``'12 of 96'``), and where a tensor's first changed element is (``'[0, 2]'``) with its
+    values (``'0.25 → 0.5622'``)."""
+
+    summary: str
+    short: str
+    at: str | None = None
+    values: str | None = None
+
+
+def _tensor_change(now: torch.Tensor, was: _TensorCopy) -> _Changed | None:
+    """How a tensor changed, or None."""
+    if tuple(now.shape) != was.shape:
+        said = f"its shape {was.shape} is now {tuple(now.shape)}"
+        return _Changed(said, said)
+    if tuple(now.stride()) != was.stride:
+        said = f"its strides {was.stride} are now {tuple(now.stride())}"
+        return _Changed(said, said)
+    if was.values.numel() == 0:
+        return None
+    current = now.detach()
+    same = current == was.values
+    if current.dtype.is_floating_point or current.dtype.is_complex:
+        same |= current.isnan() & was.values.isnan()  # NaN stays NaN
+    if bool(same.all()):
+        return None
+    count, total = int((~same).sum()), was.values.numel()
+    first = tuple(int(i) for i in (~same).nonzero()[0])
+    before, after = was.values[first].item(), current[first].item()
+    shown = (lambda v: f"{v:.4g}") if isinstance(before, float) else repr
+    return _Changed(
+        f"{count} of its {total} elements",
+        f"{count} of {total}",
+        f"[{', '.join(map(str, first))}]",
+        f"{shown(before)} → {shown(after)}",
+    )
+
+
+def _change(now: Any, was: Any) -> _Changed | None:
+    """How an argument differs from its snapshot; None if it does not (or cannot be seen)."""
+    if was is _UNSEEN:
+        return None
+    if isinstance(was, _TensorCopy):
+        return _tensor_change(now, was) if isinstance(now, torch.Tensor) else None
+    if isinstance(was, _PLAIN_VALUES):
+        try:
+            return None if bool(now == was) else _Changed("changed", "changed")
+        except Exception:
+            return None
+    kind = type(was).__name__
+    said = f"the {kind} {_short(_plain(was))} is now {_short(_plain(now) if type(now) is not set else now)}"
+    whole = _Changed(said, said)
+    if type(now) is not type(was) or len(now) != len(was):
+        return whole
+    if type(was) is set:
+        return None if now == was else whole
+    if type(was) is dict:
+        if list(now) != list(was):
+            return whole
+        pairs = list(zip(now.values(), was.values()))
+    else:
+        pairs = list(zip(now, was))
+    for item_now, item_was in pairs:
+        inner = _change(item_now, item_was)
+        if inner is not None:
+            if not isinstance(item_was, _TensorCopy):
+                return whole
+            return _Changed(
+                f"a tensor in the {kind}: {inner.summary}",
+                f"a tensor in the {kind}: {inner.short}",
+                inner.at,
+                inner.values,
+            )
+    return None
+
+
+def _changed_inputs(args: tuple, snapshots: list, names: list[str]) -> list[tuple[str, _Changed]]:
+    """``(argument name, how it changed)`` for each argument the call changed in place."""
+    changed = []
+    for i, (arg, was) in enumerate(zip(args, snapshots)):
+        how = _change(arg, was)
+        if how is not None:
+            changed.append((names[i] if i < len(names) else f"argument {i + 1}", how))
+    return changed
+
+
+def _changed_in_words(changed: list[tuple[str, _Changed]]) -> str:
+    """``'x in place (12 of its 12 elements), first at [0]: 1.7 → 1.6'``, or for several arguments
+    ``'q_nope, q_pe in place (q_nope: 12 of 96; q_pe: 4 of 32), first at q_nope[0, 0]: 1 → 2'``."""
+    labels = [label for label, _ in changed]
+    if len(changed) == 1:
+        said = f"{labels[0]} in place ({changed[0][1].summary})"
+    else:
+        said = f"{', '.join(labels)} in place ({'; '.join(f'{label}: {how.short}' for label, how in changed)})"
+    label, how = next(((label, how) for label, how in changed if how.at is not None), (None, None))
+    if how is not None:
+        said += f", first at {label if len(changed) > 1 else ''}{how.at}: {how.values}"
+    return said

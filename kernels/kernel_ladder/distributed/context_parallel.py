@@ -124,7 +124,7 @@ class _RingAttention(torch.autograd.Function):
             owner = (r - step) % p
             kb, vb, dk, dv = travelling
             for qs, ks, diagonal in _pairs(q_ids, chunk_ids(owner, p, layout), causal, q.shape[2], k.shape[2]):
-                dq_part, dk_part, dv_part = torch.ops.kernel_ladder.flash_attention_backward(
+                dq_part, dk_part, dv_part, _no_sinks = torch.ops.kernel_ladder.flash_attention_backward(
                     grad_out[:, :, qs], None, q[:, :, qs], kb[:, :, ks], vb[:, :, ks], out[:, :, qs], lse[:, :, qs],
                     diagonal, scale, None, None)
                 dq[:, :, qs] += dq_part.float()

@@ -44,8 +44,9 @@ from __future__ import annotations
 
 import json
 import pathlib
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -455,11 +456,14 @@ class _Norm(torch.nn.Module):
 
 
 class _Body(torch.nn.Module):
-    def __init__(self, config: CausalLMConfig) -> None:
+    """HF's ``model``: the token embedding, ``config.num_hidden_layers`` layers (``layer(config, index)``), the
+    final norm."""
+
+    def __init__(self, config, layer: Callable[[Any, int], torch.nn.Module], norm_offset: float = 0.0) -> None:
         super().__init__()
         self.embed_tokens = torch.nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = torch.nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = _Norm(config.hidden_size, config.norm_offset)
+        self.layers = torch.nn.ModuleList(layer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = _Norm(config.hidden_size, norm_offset)
 
 
 class CausalLM(DecoderLM):
@@ -474,10 +478,16 @@ class CausalLM(DecoderLM):
     def __init__(self, config: CausalLMConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = _Body(config)
+        self.model = self._body(config)
         self.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @staticmethod
+    def _body(config: CausalLMConfig) -> torch.nn.Module:
+        """HF's ``model`` of ``config``: the embedding, this family's decoder layers, the final norm (a subclass
+        of another family builds its own layers here)."""
+        return _Body(config, DecoderLayer, config.norm_offset)
 
     # -- building ------------------------------------------------------------------------------
 

@@ -69,7 +69,7 @@ import kernel_ladder
 from kernel_ladder.ops.moe import experts_forward
 
 from ..serving.paged_cache import CacheSpec
-from .causal_lm import CausalLM, _Norm
+from .causal_lm import CausalLM, _Body, _Norm
 from .protocol import RopeTables
 
 if TYPE_CHECKING:
@@ -392,25 +392,14 @@ class DecoderLayer(torch.nn.Module):
         return kernel_ladder.add(h, self.mlp(kernel_ladder.rms_norm(h, self.post_attention_layernorm.weight, self.eps)))
 
 
-class _Body(torch.nn.Module):
-    def __init__(self, config: DeepseekV3Config) -> None:
-        super().__init__()
-        self.embed_tokens = torch.nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = torch.nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = _Norm(config.hidden_size)
-
-
 class DeepseekV3ForCausalLM(CausalLM):
     """DeepSeek-V3 from ``kernel_ladder`` ops, in HF's parameter layout (a :class:`CausalLM`: the same
-    ``forward(input_ids, labels=None)``, ``from_hf``, ``load_hf_state_dict``)."""
+    ``forward(input_ids, labels=None)``, ``from_hf``, ``load_hf_state_dict``), built from a
+    :class:`DeepseekV3Config`."""
 
-    def __init__(self, config: DeepseekV3Config) -> None:
-        torch.nn.Module.__init__(self)
-        self.config = config
-        self.model = _Body(config)
-        self.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+    @staticmethod
+    def _body(config: DeepseekV3Config) -> torch.nn.Module:
+        return _Body(config, DecoderLayer)
 
     @classmethod
     def from_hf(cls, hf_model: torch.nn.Module) -> DeepseekV3ForCausalLM:

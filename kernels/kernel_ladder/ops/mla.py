@@ -48,16 +48,27 @@ import math
 import numbers
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from .. import _autocast, _launch, runtime
 from .._launch import next_power_of_2
-from .._validate import FLOAT_DTYPES, check_tensor, check_values, schema_types
+from .._validate import FLOAT_DTYPES, check_tensor, schema_types
 from .._validate import is_int as _is_int
-from .paged_attention import BLOCK_SIZES, _find_sequence, _index_64, paged_attention_merge_kernel, plan_paged_attention
+from .paged_attention import (
+    _index_64,
+    cache_block,
+    check_block_size,
+    check_block_table_values,
+    check_block_tables,
+    check_num_splits,
+    merge_splits,
+    plan_paged_attention,
+    query_tile,
+    split_partials,
+)
+from .write_kv_cache import check_slot_mapping, check_slot_values, max_offset, token_slots, tokens_per_program
 
 __all__ = [
     "DEEPSEEK_V3",
@@ -146,18 +157,7 @@ def mla_attention_kernel(
     pid_q = tl.program_id(0)
     pid_h = tl.program_id(1)
     split = tl.program_id(2)
-    if VARLEN:
-        seq = _find_sequence(cu_seqlens_q_ptr, pid_q, num_seqs, BLOCK_Q)
-        found = seq >= 0
-        seq = tl.maximum(seq, 0)
-        q_start = tl.load(cu_seqlens_q_ptr + seq)
-        q_len = tl.where(found, tl.load(cu_seqlens_q_ptr + seq + 1) - q_start, 0)
-        tile = pid_q - (q_start // BLOCK_Q + seq)
-    else:
-        seq = pid_q
-        q_start = pid_q
-        q_len = 1
-        tile = 0
+    seq, q_start, q_len, tile = query_tile(cu_seqlens_q_ptr, pid_q, num_seqs, BLOCK_Q, VARLEN)
     seq_len = tl.minimum(tl.maximum(tl.load(seq_lens_ptr + seq * stride_sl), 0), max_blocks * BLOCK_SIZE)
     m0 = tile * BLOCK_Q
     if m0 < q_len:
@@ -202,10 +202,8 @@ def mla_attention_kernel(
             slot = offs_n % BLOCK_SIZE
             for page0 in range(start_page, end_page, PAGES):
                 pages = page0 + offs_p
-                physical = tl.load(table_row + pages * stride_btp, mask=pages < end_page, other=0)
-                physical = tl.minimum(tl.maximum(physical, 0), num_blocks - 1)  # into the cache, whatever the table
-                if INDEX_64:
-                    physical = physical.to(tl.int64)
+                physical = cache_block(tl.load(table_row + pages * stride_btp, mask=pages < end_page, other=0),
+                                       num_blocks, INDEX_64)
                 block_of_key = tl.reshape(tl.broadcast_to(physical[:, None], (PAGES, BLOCK_SIZE)), (BLOCK_N,))
                 keys = page0 * BLOCK_SIZE + offs_n
                 acc, m_i, l_i = _attend(cache_ptr + block_of_key * stride_cb + slot * stride_cs,
@@ -213,10 +211,7 @@ def mla_attention_kernel(
                                         l_mask, r_mask, kv_lora_rank, stride_cd, sm_scale, INPUT_PRECISION)
         else:  # a block larger than a step: one table entry, then the block in steps of BLOCK_N tokens
             for page in range(start_page, end_page):
-                physical = tl.load(table_row + page * stride_btp)
-                physical = tl.minimum(tl.maximum(physical, 0), num_blocks - 1)
-                if INDEX_64:
-                    physical = physical.to(tl.int64)
+                physical = cache_block(tl.load(table_row + page * stride_btp), num_blocks, INDEX_64)
                 block_ptr = cache_ptr + physical * stride_cb
                 for sub in range(0, BLOCK_SIZE, BLOCK_N):
                     keys = page * BLOCK_SIZE + sub + offs_n
@@ -248,17 +243,8 @@ def write_latent_cache_kernel(
 ):
     """``cache[slot // bs, slot % bs] = [c_kv[t] | k_rope[t]]`` for ``BLOCK_T`` tokens, one store of the
     whole ``L + R`` row; slots < 0 (padding) or past the cache are skipped."""
-    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    token_mask = tokens < n_tokens
-    slots = tl.load(slot_ptr + tokens * stride_slot, mask=token_mask, other=-1)
-    write = token_mask & (slots >= 0) & (slots < num_slots)
-    if INDEX_64:
-        slots = slots.to(tl.int64)
-        tokens = tokens.to(tl.int64)
-    else:
-        slots = tl.where(write, slots, 0).to(tl.int32)
-    block = slots // block_size
-    offset = slots % block_size
+    tokens, write, block, offset = token_slots(slot_ptr, stride_slot, n_tokens, num_slots, block_size, BLOCK_T,
+                                               INDEX_64)
     w = tl.arange(0, BLOCK_W)
     is_c = w < kv_lora_rank
     is_r = (w >= kv_lora_rank) & (w < kv_lora_rank + rope_dim)
@@ -292,10 +278,11 @@ class MLAConfig:
         """Query heads per program (rows per program with ``cu_seqlens_q``): half for an fp32 tile on a GPU."""
         return self.max_heads // 2 if fp32 and self is GPU_CONFIG else self.max_heads
 
-    def step(self, block_size: int, fp32: bool = False) -> tuple[int, int]:
+    def step(self, block_size: int, fp32: bool = False, index_64: bool = False) -> tuple[int, int]:
         """``(PAGES, BLOCK_N)``: whole blocks per step and the step's tokens; ``PAGES = 0`` when a block is
-        larger than a step (the kernel walks it in steps of ``BLOCK_N``). An fp32 tile takes half the tokens."""
-        block_n = self.block_n // 2 if fp32 and self is GPU_CONFIG else self.block_n
+        larger than a step (the kernel walks it in steps of ``BLOCK_N``). On a GPU an fp32 tile, or int64
+        offsets (whose address arithmetic takes twice the registers), take half the tokens."""
+        block_n = self.block_n // 2 if (fp32 or index_64) and self is GPU_CONFIG else self.block_n
         if block_n >= block_size:
             return block_n // block_size, block_n
         return 0, block_n
@@ -361,16 +348,10 @@ def _forward(q_latent, q_rope, latent_cache, block_tables, seq_lens, cu_seqlens_
     config = _config()
     plan = _Launch(rows, seq_lens.shape[0], heads, varlen, config, q_latent.dtype == torch.float32)
     split = num_splits > 1
-    if split:
-        partial_out = _launch.empty((num_splits, rows, heads, kv_lora_rank), torch.float32, q_latent.device)
-        partial_lse = _launch.empty((num_splits, rows, heads), torch.float32, q_latent.device)
-    else:
-        partial_out, partial_lse = out, out  # never touched
+    partial_out, partial_lse, pstrides, lstrides = split_partials(out, num_splits)
     index_64 = _index_64(q_latent, q_rope, latent_cache, out, block_tables, *((partial_out,) if split else ()))
     block_l = max(16, next_power_of_2(kv_lora_rank))
-    pages, block_n = config.step(block_size, q_latent.dtype == torch.float32)
-    pstrides = partial_out.stride() if split else (0, 0, 0, 0)
-    lstrides = partial_lse.stride() if split else (0, 0, 0)
+    pages, block_n = config.step(block_size, q_latent.dtype == torch.float32, index_64)
     mla_attention_kernel[(plan.query_programs, plan.head_programs, num_splits)](
         q_latent, q_rope, latent_cache, out, partial_out, partial_lse,
         block_tables, seq_lens, cu_seqlens_q if varlen else seq_lens,
@@ -384,14 +365,7 @@ def _forward(q_latent, q_rope, latent_cache, block_tables, seq_lens, cu_seqlens_
         num_stages=config.num_stages,
     )
     if split:
-        block_s = next_power_of_2(num_splits)
-        block_h = max(1, min(next_power_of_2(heads), 8192 // (block_s * block_l)))
-        paged_attention_merge_kernel[(rows, triton.cdiv(heads, block_h))](
-            partial_out, partial_lse, out, partial_lse, 0,  # no sinks (HAS_SINKS off: never read)
-            *partial_out.stride(), *partial_lse.stride(), *out.stride(),
-            heads, kv_lora_rank, num_splits,
-            INDEX_64=index_64, HAS_SINKS=False, BLOCK_H=block_h, BLOCK_S=block_s, BLOCK_D=block_l, num_warps=4,
-        )
+        merge_splits(partial_out, partial_lse, out, index_64)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -437,9 +411,7 @@ def _check(q_latent, q_rope, latent_cache, block_tables, seq_lens, softmax_scale
             raise ValueError(f"{op}: q_latent and {name} must be on the same device, got {q_latent.device} and "
                              f"{t.device}")
     num_blocks, block_size, width = latent_cache.shape
-    if block_size not in BLOCK_SIZES:
-        raise ValueError(f"{op}: the cache block size (latent_cache.shape[1]) must be a power of two from 8 to 128, "
-                         f"got {block_size}")
+    check_block_size(op, "latent_cache", block_size)
     if q_latent.shape[-1] != kv_lora_rank:
         raise ValueError(f"{op}: q_latent's last dim must be kv_lora_rank = {kv_lora_rank} (q_nope absorbed "
                          f"through W_UK), got {q_latent.shape[-1]}")
@@ -453,88 +425,8 @@ def _check(q_latent, q_rope, latent_cache, block_tables, seq_lens, softmax_scale
     if q_rope.shape[:2] != q_latent.shape[:2]:
         raise ValueError(f"{op}: q_rope and q_latent must have the same (rows, H), got {tuple(q_rope.shape[:2])} "
                          f"and {tuple(q_latent.shape[:2])}")
-    if block_tables.dtype != torch.int32:
-        raise TypeError(f"{op}: block_tables must be int32, got {block_tables.dtype}; convert with .to(torch.int32)")
-    if block_tables.dim() != 2:
-        raise ValueError(f"{op}: block_tables must be 2-D (B, max_blocks), got shape {tuple(block_tables.shape)}")
-    batch = block_tables.shape[0]
-    if seq_lens.dtype != torch.int32:
-        raise TypeError(f"{op}: seq_lens must be int32, got {seq_lens.dtype}; convert with .to(torch.int32)")
-    if seq_lens.shape != (batch,):
-        raise ValueError(f"{op}: seq_lens must have shape (B,) = ({batch},) (one length per block_tables row), got "
-                         f"{tuple(seq_lens.shape)}")
-    if cu_seqlens_q is None:
-        if q_latent.shape[0] != batch:
-            raise ValueError(f"{op}: decoding (no cu_seqlens_q) takes one query token per sequence: q_latent.shape[0] "
-                             f"must be B = {batch} (block_tables.shape[0]), got {q_latent.shape[0]}")
-    else:
-        check_tensor(op, "cu_seqlens_q", cu_seqlens_q)
-        if cu_seqlens_q.dtype != torch.int32:
-            raise TypeError(f"{op}: cu_seqlens_q must be int32, got {cu_seqlens_q.dtype}")
-        if cu_seqlens_q.shape != (batch + 1,):
-            raise ValueError(f"{op}: cu_seqlens_q must have shape (B + 1,) = ({batch + 1},): 0, then each sequence's "
-                             f"end in q_latent; got {tuple(cu_seqlens_q.shape)}")
-        if cu_seqlens_q.device != q_latent.device:
-            raise ValueError(f"{op}: q_latent and cu_seqlens_q must be on the same device, got {q_latent.device} and "
-                             f"{cu_seqlens_q.device}")
-    if num_splits is not None:
-        if not _is_int(num_splits):
-            raise TypeError(f"{op}: num_splits must be a positive int or None (chosen automatically), got "
-                            f"{type(num_splits).__name__}")
-        if num_splits < 1:
-            raise ValueError(f"{op}: num_splits must be >= 1, got {num_splits}")
-
-
-def _check_values(q_latent, block_tables, seq_lens, cu_seqlens_q, block_size, num_blocks) -> None:
-    """seq_lens in [0, max_blocks * block_size]; the table entries a sequence uses in [0, num_blocks);
-    cu_seqlens_q from 0, non-decreasing, ending at total_q, with q_len_b <= seq_lens[b]."""
-    capacity = block_tables.shape[1] * block_size
-    lens_message = (f"{_OP}: seq_lens must be in [0, max_blocks * block_size] = [0, {capacity}] "
-                    "(block_tables has max_blocks entries per sequence)")
-    check_values((seq_lens,), lambda: ((seq_lens >= 0) & (seq_lens <= capacity)).all(), lens_message,
-                 lambda: f"{lens_message}; got {seq_lens.tolist()}",
-                 host_ok=lambda: bool(((seq_lens.numpy() >= 0) & (seq_lens.numpy() <= capacity)).all()))
-
-    def used() -> torch.Tensor:
-        columns = torch.arange(block_tables.shape[1], device=block_tables.device, dtype=torch.int32)
-        return columns[None, :] * block_size < seq_lens[:, None]
-
-    def bad_entries() -> torch.Tensor:
-        return ~((block_tables >= 0) & (block_tables < num_blocks)) & used()
-
-    tables_message = (f"{_OP}: every block_tables entry a sequence uses (the first cdiv(seq_lens[b], "
-                      f"block_size = {block_size})) must be a block of the cache, in [0, num_blocks = {num_blocks})")
-
-    def tables_error() -> str:
-        b, e = bad_entries().nonzero()[0].tolist()
-        return (f"{tables_message}; got block_tables[{b}, {e}] = {int(block_tables[b, e])} "
-                f"(sequence {b} has seq_len {int(seq_lens[b])})")
-
-    def tables_host_ok() -> bool:
-        tables, lens = block_tables.numpy(), seq_lens.numpy()
-        used_np = np.arange(tables.shape[1])[None, :] * block_size < lens[:, None]
-        return bool((((tables >= 0) & (tables < num_blocks)) | ~used_np).all())
-
-    check_values((block_tables, seq_lens), lambda: ~bad_entries().any(), tables_message, tables_error,
-                 host_ok=tables_host_ok, device_assert=False)
-    if cu_seqlens_q is None:
-        return
-
-    def cu_ok() -> torch.Tensor:
-        q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
-        return ((cu_seqlens_q[0] == 0) & (cu_seqlens_q[-1] == q_latent.shape[0]) & (q_lens >= 0).all()
-                & (q_lens <= seq_lens).all())
-
-    cu_message = (f"{_OP}: cu_seqlens_q must start at 0, never decrease, end at total_q = {q_latent.shape[0]}, and "
-                  "no sequence may have more new tokens than seq_lens (the new tokens are in the cache)")
-    def cu_host_ok() -> bool:
-        cu, lens = cu_seqlens_q.numpy(), seq_lens.numpy()
-        q_lens = cu[1:] - cu[:-1]
-        return bool(cu[0] == 0 and cu[-1] == q_latent.shape[0] and (q_lens >= 0).all() and (q_lens <= lens).all())
-
-    check_values((cu_seqlens_q, seq_lens), cu_ok, cu_message,
-                 lambda: f"{cu_message}; got cu_seqlens_q {cu_seqlens_q.tolist()} and seq_lens {seq_lens.tolist()}",
-                 host_ok=cu_host_ok)
+    check_block_tables(op, "q_latent", q_latent, block_tables, seq_lens, cu_seqlens_q)
+    check_num_splits(op, num_splits)
 
 
 def _check_write(c_kv, k_rope, latent_cache, slot_mapping) -> None:
@@ -559,29 +451,10 @@ def _check_write(c_kv, k_rope, latent_cache, slot_mapping) -> None:
     if c_kv.shape[1] + k_rope.shape[1] != latent_cache.shape[2]:
         raise ValueError(f"{op}: the cache's last dim must be kv_lora_rank + rope_dim = {c_kv.shape[1]} + "
                          f"{k_rope.shape[1]} (c_kv's and k_rope's widths), got {latent_cache.shape[2]}")
-    if slot_mapping.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"{op}: slot_mapping must be int32 or int64 (one flat slot per token), got "
-                        f"{slot_mapping.dtype}")
-    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != c_kv.shape[0]:
-        raise ValueError(f"{op}: slot_mapping must be 1-D (T,) with T = {c_kv.shape[0]} (c_kv's tokens), got shape "
-                         f"{tuple(slot_mapping.shape)}")
+    check_slot_mapping(op, slot_mapping, "c_kv", c_kv.shape[0])
     for name, t in (("k_rope", k_rope), ("latent_cache", latent_cache), ("slot_mapping", slot_mapping)):
         if t.device != c_kv.device:
             raise ValueError(f"{op}: c_kv and {name} must be on the same device, got {c_kv.device} and {t.device}")
-
-
-def _check_slot_values(slot_mapping: torch.Tensor, num_slots: int) -> None:
-    if slot_mapping.numel() == 0:
-        return
-    message = (f"{_WRITE_OP}: slot_mapping must hold slots below num_blocks * block_size = {num_slots} "
-               "(or a negative slot for padding)")
-
-    def error() -> str:
-        bad = (slot_mapping >= num_slots).nonzero()[0, 0].item()
-        return f"{message}; got slot_mapping[{bad}] = {slot_mapping[bad].item()}"
-
-    check_values((slot_mapping,), lambda: (slot_mapping < num_slots).all(), message, error,
-                 host_ok=lambda: bool((slot_mapping.numpy() < num_slots).all()), device_assert=False)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -596,7 +469,8 @@ def _mla_attention_op(q_latent: torch.Tensor, q_rope: torch.Tensor, latent_cache
     _check(q_latent, q_rope, latent_cache, block_tables, seq_lens, softmax_scale, kv_lora_rank, cu_seqlens_q,
            num_splits)
     runtime.require_launchable(_OP, q_latent, q_rope, latent_cache, block_tables, seq_lens)
-    _check_values(q_latent, block_tables, seq_lens, cu_seqlens_q, latent_cache.shape[1], latent_cache.shape[0])
+    check_block_table_values(_OP, q_latent, block_tables, seq_lens, cu_seqlens_q, latent_cache.shape[1],
+                             latent_cache.shape[0])
     out = _launch.empty_output(q_latent.shape, q_latent)
     _forward(q_latent, q_rope, latent_cache, block_tables, seq_lens, cu_seqlens_q, out, softmax_scale, kv_lora_rank,
              num_splits)
@@ -630,17 +504,16 @@ def _write_latent_cache_op(c_kv: torch.Tensor, k_rope: torch.Tensor, latent_cach
     _check_write(c_kv, k_rope, latent_cache, slot_mapping)
     runtime.require_launchable(_WRITE_OP, c_kv, k_rope, latent_cache, slot_mapping)
     num_blocks, block_size, width = latent_cache.shape
-    _check_slot_values(slot_mapping, num_blocks * block_size)
+    check_slot_values(_WRITE_OP, slot_mapping, num_blocks * block_size)
     n_tokens = c_kv.shape[0]
     if n_tokens == 0 or num_blocks == 0:
         return
     block_w = next_power_of_2(width)
-    elements = 16384 if runtime.INTERPRETER else 4096
-    block_t = max(1, min(elements // block_w, next_power_of_2(n_tokens)))
-    extent = lambda t: sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()) if s > 0)  # noqa: E731
-    index_64 = _launch.needs_int64(extent(latent_cache), num_blocks * block_size,
-                                   extent(c_kv) + block_t * abs(c_kv.stride(0)),
-                                   extent(k_rope) + block_t * abs(k_rope.stride(0)))
+    block_t = tokens_per_program(n_tokens, width)
+    # The largest offsets written (a valid slot's) and read (the last program's padding tokens included).
+    index_64 = _launch.needs_int64(max_offset(latent_cache), num_blocks * block_size,
+                                   max_offset(c_kv) + block_t * abs(c_kv.stride(0)),
+                                   max_offset(k_rope) + block_t * abs(k_rope.stride(0)))
     write_latent_cache_kernel[(triton.cdiv(n_tokens, block_t),)](
         c_kv, k_rope, latent_cache, slot_mapping,
         n_tokens, num_blocks * block_size, block_size, c_kv.shape[1], k_rope.shape[1],

@@ -149,6 +149,36 @@ def _find_sequence(cu_seqlens_q_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
     return left - 1
 
 
+@triton.jit
+def query_tile(cu_seqlens_q_ptr, pid_q, num_seqs, BLOCK_Q: tl.constexpr, VARLEN: tl.constexpr):
+    """Query program ``pid_q``'s ``(sequence, its first row in q, its query tokens, the tile of BLOCK_Q of them)``:
+    decoding, sequence ``pid_q``'s one token; packed (``VARLEN``), found by :func:`_find_sequence`."""
+    if VARLEN:
+        seq = _find_sequence(cu_seqlens_q_ptr, pid_q, num_seqs, BLOCK_Q)
+        found = seq >= 0  # -1 only when cu_seqlens_q[0] > 0: values a check would reject
+        seq = tl.maximum(seq, 0)
+        q_start = tl.load(cu_seqlens_q_ptr + seq)
+        q_len = tl.where(found, tl.load(cu_seqlens_q_ptr + seq + 1) - q_start, 0)
+        tile = pid_q - (q_start // BLOCK_Q + seq)
+    else:
+        seq = pid_q
+        q_start = pid_q
+        q_len = 1
+        tile = 0
+    return seq, q_start, q_len, tile
+
+
+@triton.jit
+def cache_block(entry, num_blocks, INDEX_64: tl.constexpr):
+    """The physical block a block table entry names, clamped into ``[0, num_blocks)`` whatever the table holds
+    (an entry a value check would reject reads the first or the last block, never past the cache); int64 with
+    ``INDEX_64``."""
+    block = tl.minimum(tl.maximum(entry, 0), num_blocks - 1)
+    if INDEX_64:
+        block = block.to(tl.int64)
+    return block
+
+
 @triton.jit(do_not_specialize=["num_seqs", "group_size", "heads_per_program", "num_splits", "window", "num_rows",
                                "num_blocks", "max_blocks"])
 def paged_attention_kernel(
@@ -179,18 +209,7 @@ def paged_attention_kernel(
     pid_q = tl.program_id(0)
     pid_h = tl.program_id(1)
     split = tl.program_id(2)
-    if VARLEN:
-        seq = _find_sequence(cu_seqlens_q_ptr, pid_q, num_seqs, BLOCK_Q)
-        found = seq >= 0  # -1 only when cu_seqlens_q[0] > 0: values a check would reject
-        seq = tl.maximum(seq, 0)
-        q_start = tl.load(cu_seqlens_q_ptr + seq)
-        q_len = tl.where(found, tl.load(cu_seqlens_q_ptr + seq + 1) - q_start, 0)
-        tile = pid_q - (q_start // BLOCK_Q + seq)
-    else:
-        seq = pid_q
-        q_start = pid_q
-        q_len = 1
-        tile = 0
+    seq, q_start, q_len, tile = query_tile(cu_seqlens_q_ptr, pid_q, num_seqs, BLOCK_Q, VARLEN)
     # Values a check would reject never reach outside a tensor (with value checks off, a GPU's default):
     # seq_len is clamped to the table's capacity, rows outside q are masked, and a block table entry is
     # clamped into [0, num_blocks) (see the module docstring).
@@ -258,10 +277,8 @@ def paged_attention_kernel(
         l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
         for page0 in range(start_page, end_page, PAGES):
             pages = page0 + offs_p
-            physical = tl.load(table_row + pages * stride_btp, mask=pages < end_page, other=0)
-            physical = tl.minimum(tl.maximum(physical, 0), num_blocks - 1)  # into the cache, whatever the table
-            if INDEX_64:
-                physical = physical.to(tl.int64)
+            physical = cache_block(tl.load(table_row + pages * stride_btp, mask=pages < end_page, other=0),
+                                   num_blocks, INDEX_64)
             # each key's physical block: the PAGES entries broadcast over their block_size slots
             block_of_key = tl.reshape(tl.broadcast_to(physical[:, None], (PAGES, BLOCK_SIZE)), (BLOCK_N,))
             keys = page0 * BLOCK_SIZE + offs_n
@@ -482,6 +499,34 @@ def _index_64(*tensors: torch.Tensor) -> bool:
     return _launch.needs_int64(*extents)
 
 
+def split_partials(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor, tuple, tuple]:
+    """Split-KV's float32 partial outputs ``(splits, rows, H, Dv)`` and log-sum-exps ``(splits, rows, H)`` for
+    ``out`` ``(rows, H, Dv)``, and their strides; with one split ``out`` in their place (never touched), strides 0."""
+    if num_splits <= 1:
+        return out, out, (0, 0, 0, 0), (0, 0, 0)
+    rows, heads, width = out.shape
+    partial_out = _launch.empty((num_splits, rows, heads, width), torch.float32, out.device)
+    partial_lse = _launch.empty((num_splits, rows, heads), torch.float32, out.device)
+    return partial_out, partial_lse, partial_out.stride(), partial_lse.stride()
+
+
+def merge_splits(partial_out: torch.Tensor, partial_lse: torch.Tensor, out: torch.Tensor, index_64: bool,
+                 sinks: torch.Tensor | None = None) -> None:
+    """Launch :func:`paged_attention_merge_kernel`: the splits' partials (:func:`split_partials`) into ``out``,
+    ``sinks`` (one logit per head) counted here once."""
+    num_splits, rows, heads, head_dim = partial_out.shape
+    block_d = max(16, next_power_of_2(head_dim))
+    block_s = next_power_of_2(num_splits)
+    block_h = max(1, min(next_power_of_2(heads), 8192 // (block_s * block_d)))
+    sink_args = (partial_lse, 0) if sinks is None else (sinks, sinks.stride(0))  # no sinks: never read
+    paged_attention_merge_kernel[(rows, triton.cdiv(heads, block_h))](
+        partial_out, partial_lse, out, *sink_args, *partial_out.stride(), *partial_lse.stride(), *out.stride(),
+        heads, head_dim, num_splits,
+        INDEX_64=index_64, HAS_SINKS=sinks is not None, BLOCK_H=block_h, BLOCK_S=block_s, BLOCK_D=block_d,
+        num_warps=4,
+    )
+
+
 def _forward(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, k_scale, v_scale, out, softmax_scale,
              window, softcap, num_splits, group_query_heads=True, sinks=None) -> None:
     """Launch the attention kernel (and the merge when ``num_splits > 1``) into ``out``."""
@@ -497,19 +542,13 @@ def _forward(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, k_scale,
                    varlen)
     config = _config()
     split = num_splits > 1
-    if split:
-        partial_out = _launch.empty((num_splits, rows, heads_q, head_dim_v), torch.float32, q.device)
-        partial_lse = _launch.empty((num_splits, rows, heads_q), torch.float32, q.device)
-    else:
-        partial_out, partial_lse = out, out  # never touched
+    partial_out, partial_lse, pstrides, lstrides = split_partials(out, num_splits)
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     index_64 = _index_64(q, k_cache, v_cache, out, block_tables, *((partial_out,) if split else ()))
     block_d = max(16, next_power_of_2(head_dim))
     block_dv = max(16, next_power_of_2(head_dim_v))
     dummy = seq_lens
     sink_args = (dummy, 0) if sinks is None else (sinks, sinks.stride(0))
-    pstrides = partial_out.stride() if split else (0, 0, 0, 0)
-    lstrides = partial_lse.stride() if split else (0, 0, 0)
     grid = (plan.query_programs, plan.head_programs, num_splits)
     paged_attention_kernel[grid](
         q, k_cache, v_cache, out, partial_out, partial_lse,
@@ -529,20 +568,12 @@ def _forward(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, k_scale,
         num_stages=config.num_stages,
     )
     if split:
-        block_s = next_power_of_2(num_splits)
-        block_h = max(1, min(next_power_of_2(heads_q), 8192 // (block_s * block_dv)))
-        paged_attention_merge_kernel[(rows, triton.cdiv(heads_q, block_h))](
-            partial_out, partial_lse, out, *sink_args, *partial_out.stride(), *partial_lse.stride(), *out.stride(),
-            heads_q, head_dim_v, num_splits,
-            INDEX_64=index_64, HAS_SINKS=sinks is not None, BLOCK_H=block_h, BLOCK_S=block_s, BLOCK_D=block_dv,
-            num_warps=4,
-        )
+        merge_splits(partial_out, partial_lse, out, index_64, sinks)
 
 
 # ----------------------------------------------------------------------------------------------
 # Checks
 # ----------------------------------------------------------------------------------------------
-
 
 
 def _check_caches(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -580,9 +611,7 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, window, s
         if t.device != q.device:
             raise ValueError(f"{op}: q and {name} must be on the same device, got {q.device} and {t.device}")
     num_blocks, block_size, heads_kv, head_dim = k_cache.shape
-    if block_size not in BLOCK_SIZES:
-        raise ValueError(f"{op}: the cache block size (k_cache.shape[1]) must be a power of two from 8 to 128, "
-                         f"got {block_size}")
+    check_block_size(op, "k_cache", block_size)
     if q.shape[-1] != head_dim:
         raise ValueError(f"{op}: q and the caches must share the head dim D (the last dim), got {q.shape[-1]} and "
                          f"{head_dim}")
@@ -593,30 +622,7 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, window, s
     if heads_kv == 0 or heads_q % heads_kv:
         raise ValueError(f"{op}: the query heads ({heads_q}) must be a multiple of the cache's key/value heads "
                          f"({heads_kv}): grouped-query attention gives each kv head Hq // Hkv query heads")
-    if block_tables.dtype != torch.int32:
-        raise TypeError(f"{op}: block_tables must be int32, got {block_tables.dtype}; convert with .to(torch.int32)")
-    if block_tables.dim() != 2:
-        raise ValueError(f"{op}: block_tables must be 2-D (B, max_blocks), got shape {tuple(block_tables.shape)}")
-    batch = block_tables.shape[0]
-    if seq_lens.dtype != torch.int32:
-        raise TypeError(f"{op}: seq_lens must be int32, got {seq_lens.dtype}; convert with .to(torch.int32)")
-    if seq_lens.shape != (batch,):
-        raise ValueError(f"{op}: seq_lens must have shape (B,) = ({batch},) (one length per block_tables row), got "
-                         f"{tuple(seq_lens.shape)}")
-    if cu_seqlens_q is None:
-        if q.shape[0] != batch:
-            raise ValueError(f"{op}: decoding (no cu_seqlens_q) takes one query token per sequence: q.shape[0] must "
-                             f"be B = {batch} (block_tables.shape[0]), got {q.shape[0]}")
-    else:
-        check_tensor(op, "cu_seqlens_q", cu_seqlens_q)
-        if cu_seqlens_q.dtype != torch.int32:
-            raise TypeError(f"{op}: cu_seqlens_q must be int32, got {cu_seqlens_q.dtype}")
-        if cu_seqlens_q.shape != (batch + 1,):
-            raise ValueError(f"{op}: cu_seqlens_q must have shape (B + 1,) = ({batch + 1},): 0, then each sequence's "
-                             f"end in q; got {tuple(cu_seqlens_q.shape)}")
-        if cu_seqlens_q.device != q.device:
-            raise ValueError(f"{op}: q and cu_seqlens_q must be on the same device, got {q.device} and "
-                             f"{cu_seqlens_q.device}")
+    check_block_tables(op, "q", q, block_tables, seq_lens, cu_seqlens_q)
     for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
         if not fp8:
             if scale is not None:
@@ -641,38 +647,87 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, window, s
                              f"{tuple(sinks.shape)}")
         if sinks.device != q.device:
             raise ValueError(f"{op}: q and sinks must be on the same device, got {q.device} and {sinks.device}")
-    if num_splits is not None:
-        if not _is_int(num_splits):
-            raise TypeError(f"{op}: num_splits must be a positive int or None (chosen automatically), got "
-                            f"{type(num_splits).__name__}")
-        if num_splits < 1:
-            raise ValueError(f"{op}: num_splits must be >= 1, got {num_splits}")
+    check_num_splits(op, num_splits)
 
 
-def _check_values(q, block_tables, seq_lens, cu_seqlens_q, block_size, num_blocks) -> None:
+def check_block_size(op: str, cache_name: str, block_size: int) -> None:
+    """A paged cache's block size (``cache.shape[1]``): one of :data:`BLOCK_SIZES`."""
+    if block_size not in BLOCK_SIZES:
+        raise ValueError(f"{op}: the cache block size ({cache_name}.shape[1]) must be a power of two from 8 to 128, "
+                         f"got {block_size}")
+
+
+def check_block_tables(op: str, q_name: str, q: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                       cu_seqlens_q: torch.Tensor | None) -> None:
+    """The paging arguments of an attention over a paged cache (their dtypes and shapes; the values are
+    :func:`check_block_table_values`'): int32 ``block_tables (B, max_blocks)`` and ``seq_lens (B,)``, and the
+    query rows ``q_name`` holds: one per sequence when decoding, else packed by an int32 ``cu_seqlens_q (B + 1,)``
+    on q's device."""
+    if block_tables.dtype != torch.int32:
+        raise TypeError(f"{op}: block_tables must be int32, got {block_tables.dtype}; convert with .to(torch.int32)")
+    if block_tables.dim() != 2:
+        raise ValueError(f"{op}: block_tables must be 2-D (B, max_blocks), got shape {tuple(block_tables.shape)}")
+    batch = block_tables.shape[0]
+    if seq_lens.dtype != torch.int32:
+        raise TypeError(f"{op}: seq_lens must be int32, got {seq_lens.dtype}; convert with .to(torch.int32)")
+    if seq_lens.shape != (batch,):
+        raise ValueError(f"{op}: seq_lens must have shape (B,) = ({batch},) (one length per block_tables row), got "
+                         f"{tuple(seq_lens.shape)}")
+    if cu_seqlens_q is None:
+        if q.shape[0] != batch:
+            raise ValueError(f"{op}: decoding (no cu_seqlens_q) takes one query token per sequence: {q_name}.shape[0] "
+                             f"must be B = {batch} (block_tables.shape[0]), got {q.shape[0]}")
+        return
+    check_tensor(op, "cu_seqlens_q", cu_seqlens_q)
+    if cu_seqlens_q.dtype != torch.int32:
+        raise TypeError(f"{op}: cu_seqlens_q must be int32, got {cu_seqlens_q.dtype}")
+    if cu_seqlens_q.shape != (batch + 1,):
+        raise ValueError(f"{op}: cu_seqlens_q must have shape (B + 1,) = ({batch + 1},): 0, then each sequence's "
+                         f"end in {q_name}; got {tuple(cu_seqlens_q.shape)}")
+    if cu_seqlens_q.device != q.device:
+        raise ValueError(f"{op}: {q_name} and cu_seqlens_q must be on the same device, got {q.device} and "
+                         f"{cu_seqlens_q.device}")
+
+
+def check_num_splits(op: str, num_splits: object) -> None:
+    """``num_splits``: a positive int, or None (:func:`plan_paged_attention` chooses)."""
+    if num_splits is None:
+        return
+    if not _is_int(num_splits):
+        raise TypeError(f"{op}: num_splits must be a positive int or None (chosen automatically), got "
+                        f"{type(num_splits).__name__}")
+    if num_splits < 1:
+        raise ValueError(f"{op}: num_splits must be >= 1, got {num_splits}")
+
+
+def check_block_table_values(op: str, q: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                             cu_seqlens_q: torch.Tensor | None, block_size: int, num_blocks: int) -> None:
     """seq_lens in [0, max_blocks * block_size]; the block table entries a sequence uses in
-    [0, num_blocks); cu_seqlens_q from 0, non-decreasing, ending at total_q, and no sequence with
-    more new tokens than cached ones. By the value-check policy (no host synchronization on CUDA)."""
+    [0, num_blocks); cu_seqlens_q from 0, non-decreasing, ending at total_q = ``q.shape[0]``, and no sequence
+    with more new tokens than cached ones. By the value-check policy (no host synchronization on CUDA); on the
+    CPU computed on the tensors' memory (numpy), so that a trace of the op counts only its kernels."""
     capacity = block_tables.shape[1] * block_size
-    lens_message = (f"{_OP}: seq_lens must be in [0, max_blocks * block_size] = [0, {capacity}] "
+    lens_message = (f"{op}: seq_lens must be in [0, max_blocks * block_size] = [0, {capacity}] "
                     "(block_tables has max_blocks entries per sequence)")
     check_values((seq_lens,), lambda: ((seq_lens >= 0) & (seq_lens <= capacity)).all(), lens_message,
-                 lambda: f"{lens_message}; got {seq_lens.tolist()}")
+                 lambda: f"{lens_message}; got {seq_lens.tolist()}",
+                 host_ok=lambda: bool(((seq_lens.numpy() >= 0) & (seq_lens.numpy() <= capacity)).all()))
 
     def used() -> torch.Tensor:  # the entries each sequence reads: the first cdiv(seq_len, block_size)
         columns = torch.arange(block_tables.shape[1], device=block_tables.device, dtype=torch.int32)
         return columns[None, :] * block_size < seq_lens[:, None]
 
-    def tables_ok() -> torch.Tensor:
-        return (((block_tables >= 0) & (block_tables < num_blocks)) | ~used()).all()
+    def bad_entries() -> torch.Tensor:
+        return ~((block_tables >= 0) & (block_tables < num_blocks)) & used()
+
+    tables_message = (f"{op}: every block_tables entry a sequence uses (the first cdiv(seq_lens[b], "
+                      f"block_size = {block_size})) must be a block of the cache, in [0, num_blocks = {num_blocks})")
 
     def tables_error() -> str:
-        bad = (~((block_tables >= 0) & (block_tables < num_blocks)) & used()).nonzero()[0].tolist()
-        return (f"{tables_message}; got block_tables[{bad[0]}, {bad[1]}] = {int(block_tables[bad[0], bad[1]])} "
-                f"(sequence {bad[0]} has seq_len {int(seq_lens[bad[0]])})")
+        b, e = bad_entries().nonzero()[0].tolist()
+        return (f"{tables_message}; got block_tables[{b}, {e}] = {int(block_tables[b, e])} "
+                f"(sequence {b} has seq_len {int(seq_lens[b])})")
 
-    tables_message = (f"{_OP}: every block_tables entry a sequence uses (the first cdiv(seq_lens[b], "
-                      f"block_size = {block_size})) must be a block of the cache, in [0, num_blocks = {num_blocks})")
     def tables_host_ok() -> bool:
         tables, lens = block_tables.numpy(), seq_lens.numpy()
         used_np = np.arange(tables.shape[1])[None, :] * block_size < lens[:, None]
@@ -680,8 +735,8 @@ def _check_values(q, block_tables, seq_lens, cu_seqlens_q, block_size, num_block
 
     # No device assertion by default (the runtime's rule for CUDA: only when asked): a decode step
     # would pay several launches for it.
-    check_values((block_tables, seq_lens), tables_ok, tables_message, tables_error, host_ok=tables_host_ok,
-                 device_assert=False)
+    check_values((block_tables, seq_lens), lambda: ~bad_entries().any(), tables_message, tables_error,
+                 host_ok=tables_host_ok, device_assert=False)
     if cu_seqlens_q is None:
         return
 
@@ -690,10 +745,16 @@ def _check_values(q, block_tables, seq_lens, cu_seqlens_q, block_size, num_block
         return ((cu_seqlens_q[0] == 0) & (cu_seqlens_q[-1] == q.shape[0]) & (q_lens >= 0).all()
                 & (q_lens <= seq_lens).all())
 
-    cu_message = (f"{_OP}: cu_seqlens_q must start at 0, never decrease, end at total_q = {q.shape[0]}, and no "
+    def cu_host_ok() -> bool:
+        cu, lens = cu_seqlens_q.numpy(), seq_lens.numpy()
+        q_lens = cu[1:] - cu[:-1]
+        return bool(cu[0] == 0 and cu[-1] == q.shape[0] and (q_lens >= 0).all() and (q_lens <= lens).all())
+
+    cu_message = (f"{op}: cu_seqlens_q must start at 0, never decrease, end at total_q = {q.shape[0]}, and no "
                   "sequence may have more new tokens than seq_lens (the new tokens are in the cache)")
     check_values((cu_seqlens_q, seq_lens), cu_ok, cu_message,
-                 lambda: f"{cu_message}; got cu_seqlens_q {cu_seqlens_q.tolist()} and seq_lens {seq_lens.tolist()}")
+                 lambda: f"{cu_message}; got cu_seqlens_q {cu_seqlens_q.tolist()} and seq_lens {seq_lens.tolist()}",
+                 host_ok=cu_host_ok)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -711,7 +772,7 @@ def _paged_attention_op(
     _check(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, window, softcap, cu_seqlens_q, num_splits,
            k_scale, v_scale, sinks)
     runtime.require_launchable(_OP, q, k_cache, v_cache, block_tables, seq_lens)
-    _check_values(q, block_tables, seq_lens, cu_seqlens_q, k_cache.shape[1], k_cache.shape[0])
+    check_block_table_values(_OP, q, block_tables, seq_lens, cu_seqlens_q, k_cache.shape[1], k_cache.shape[0])
     out = _launch.empty_output((*q.shape[:2], v_cache.shape[-1]), q)
     _forward(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, k_scale, v_scale, out, softmax_scale,
              window, softcap, num_splits, sinks=sinks)

@@ -75,18 +75,10 @@ _GPU_BLOCK_ELEMENTS = 4096
 
 
 @triton.jit
-def write_kv_cache_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,  # inputs, caches, slots, scales
-    n_tokens, num_slots, block_size, head_dim, hd,                                # sizes (hd = Hkv * D)
-    stride_kt, stride_kh, stride_kd,                                              # k (T, Hkv, D)
-    stride_vt, stride_vh, stride_vd,                                              # v (T, Hkv, D)
-    stride_kcb, stride_kco, stride_kch, stride_kcd,                               # k_cache (blocks, offset, Hkv, D)
-    stride_vcb, stride_vco, stride_vch, stride_vcd,                               # v_cache
-    stride_slot,
-    FP8: tl.constexpr, HAS_SCALE: tl.constexpr, INDEX_64: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_HD: tl.constexpr,
-):
-    """``cache[slot // bs, slot % bs] = k[t]`` (and v) for ``BLOCK_T`` tokens; slots < 0 or past the cache skipped."""
+def token_slots(slot_ptr, stride_slot, n_tokens, num_slots, block_size, BLOCK_T: tl.constexpr,
+                INDEX_64: tl.constexpr):
+    """This program's ``BLOCK_T`` tokens, which of them are written, and the ``(block, offset)`` of their slots
+    (``slot // block_size``, ``slot % block_size``): the prologue of every cache write."""
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     token_mask = tokens < n_tokens
     slots = tl.load(slot_ptr + tokens * stride_slot, mask=token_mask, other=-1)
@@ -99,8 +91,24 @@ def write_kv_cache_kernel(
         tokens = tokens.to(tl.int64)
     else:
         slots = tl.where(write, slots, 0).to(tl.int32)
-    block = slots // block_size
-    offset = slots % block_size
+    return tokens, write, slots // block_size, slots % block_size
+
+
+@triton.jit
+def write_kv_cache_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,  # inputs, caches, slots, scales
+    n_tokens, num_slots, block_size, head_dim, hd,                                # sizes (hd = Hkv * D)
+    stride_kt, stride_kh, stride_kd,                                              # k (T, Hkv, D)
+    stride_vt, stride_vh, stride_vd,                                              # v (T, Hkv, D)
+    stride_kcb, stride_kco, stride_kch, stride_kcd,                               # k_cache (blocks, offset, Hkv, D)
+    stride_vcb, stride_vco, stride_vch, stride_vcd,                               # v_cache
+    stride_slot,
+    FP8: tl.constexpr, HAS_SCALE: tl.constexpr, INDEX_64: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_HD: tl.constexpr,
+):
+    """``cache[slot // bs, slot % bs] = k[t]`` (and v) for ``BLOCK_T`` tokens; slots < 0 or past the cache skipped."""
+    tokens, write, block, offset = token_slots(slot_ptr, stride_slot, n_tokens, num_slots, block_size, BLOCK_T,
+                                               INDEX_64)
     hd_index = tl.arange(0, BLOCK_HD)
     head = hd_index // head_dim
     dim = hd_index % head_dim
@@ -130,9 +138,16 @@ def write_kv_cache_kernel(
 # --------------------------------------------------------------------------- launcher
 
 
-def _max_offset(t: torch.Tensor) -> int:
+def max_offset(t: torch.Tensor) -> int:
     """The largest element offset a tensor's view reaches (its last element), from its storage start."""
     return sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()) if size > 0)
+
+
+def tokens_per_program(n_tokens: int, row_elements: int) -> int:
+    """``BLOCK_T`` of a cache write whose tokens are ``row_elements`` wide (padded to a power of two): about
+    16384 elements per program in the interpreter (each program costs about a millisecond), 4096 on a GPU."""
+    elements = _INTERPRETER_BLOCK_ELEMENTS if runtime.INTERPRETER else _GPU_BLOCK_ELEMENTS
+    return max(1, min(elements // triton.next_power_of_2(row_elements), triton.next_power_of_2(n_tokens)))
 
 
 def _launch_write(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> None:
@@ -142,12 +157,11 @@ def _launch_write(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> Non
         return
     hd = heads * head_dim
     block_hd = triton.next_power_of_2(hd)
-    elements = _INTERPRETER_BLOCK_ELEMENTS if runtime.INTERPRETER else _GPU_BLOCK_ELEMENTS
-    block_t = max(1, min(elements // block_hd, triton.next_power_of_2(n_tokens)))
+    block_t = tokens_per_program(n_tokens, hd)
     # The largest offsets written (a valid slot's) and read (the last block's padding tokens included).
     index_64 = _launch.needs_int64(
-        _max_offset(k_cache), _max_offset(v_cache), num_blocks * block_size,
-        _max_offset(k) + block_t * abs(k.stride(0)), _max_offset(v) + block_t * abs(v.stride(0)),
+        max_offset(k_cache), max_offset(v_cache), num_blocks * block_size,
+        max_offset(k) + block_t * abs(k.stride(0)), max_offset(v) + block_t * abs(v.stride(0)),
     )
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     has_scale = k_scale is not None
@@ -190,12 +204,7 @@ def _check_args(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> None:
     if k_cache.shape[2:] != k.shape[1:]:
         raise ValueError(f"{_OP}: the caches' (Hkv, D) = {tuple(k_cache.shape[2:])} must match k's and v's "
                          f"(T, Hkv, D) = {tuple(k.shape)}")
-    if slot_mapping.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"{_OP}: slot_mapping must be int32 or int64 (one flat slot per token), "
-                        f"got {slot_mapping.dtype}")
-    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != k.shape[0]:
-        raise ValueError(f"{_OP}: slot_mapping must be 1-D (T,) with T = {k.shape[0]} (k's tokens), "
-                         f"got shape {tuple(slot_mapping.shape)}")
+    check_slot_mapping(_OP, slot_mapping, "k", k.shape[0])
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     if (k_scale is None) != (v_scale is None):
         raise ValueError(f"{_OP}: give both k_scale and v_scale or neither")
@@ -245,11 +254,21 @@ def _check_scale_values(k_scale: torch.Tensor | None, v_scale: torch.Tensor | No
                  device_assert=False)
 
 
-def _check_slot_values(slot_mapping: torch.Tensor, num_slots: int) -> None:
+def check_slot_mapping(op: str, slot_mapping: torch.Tensor, tokens_of: str, n_tokens: int) -> None:
+    """``slot_mapping``: int32 or int64 ``(T,)``, one slot per token of the tensor ``tokens_of`` (``T = n_tokens``)."""
+    if slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{op}: slot_mapping must be int32 or int64 (one flat slot per token), "
+                        f"got {slot_mapping.dtype}")
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != n_tokens:
+        raise ValueError(f"{op}: slot_mapping must be 1-D (T,) with T = {n_tokens} ({tokens_of}'s tokens), "
+                         f"got shape {tuple(slot_mapping.shape)}")
+
+
+def check_slot_values(op: str, slot_mapping: torch.Tensor, num_slots: int) -> None:
     """Every slot below ``num_slots`` (negative ones are padding), by the value-check policy."""
     if slot_mapping.numel() == 0:
         return
-    message = (f"{_OP}: slot_mapping must hold slots below num_blocks * block_size = {num_slots} "
+    message = (f"{op}: slot_mapping must hold slots below num_blocks * block_size = {num_slots} "
                "(or a negative slot for padding)")
 
     def error() -> str:
@@ -272,7 +291,7 @@ def _write_kv_cache_op(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, 
     _check_args(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     _check_no_overlap(k_cache, v_cache)
     runtime.require_launchable(_OP, k, v, k_cache, v_cache, slot_mapping)
-    _check_slot_values(slot_mapping, k_cache.shape[0] * k_cache.shape[1])
+    check_slot_values(_OP, slot_mapping, k_cache.shape[0] * k_cache.shape[1])
     _check_scale_values(k_scale, v_scale)
     _launch_write(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
