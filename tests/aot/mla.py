@@ -83,8 +83,8 @@ for what, dtype, heads, block_size, flags in VARIANTS[:3] if quick else VARIANTS
 try:  # the merge at the launcher's tiles for 16 heads, 4 splits, 512-wide partials
     block_s, block_d = 4, 512
     merge = compile_one(pa.paged_attention_merge_kernel, "bf16",
-                        dict(INDEX_64=False, HAS_SINKS=False, BLOCK_H=max(1, min(16, 8192 // (block_s * block_d))), BLOCK_S=block_s,
-                             BLOCK_D=block_d), 4, None, unit=UNIT | {"stride_oh"} - {"stride_oh"})
+                        dict(INDEX_64=False, HAS_SINKS=False, BLOCK_H=max(1, min(16, 8192 // (block_s * block_d))),
+                             BLOCK_S=block_s, BLOCK_D=block_d), 4, None, unit=UNIT | {"stride_oh"} - {"stride_oh"})
     report("merge (512-wide partials)", merge, dots=False)
 except Exception as error:  # noqa: BLE001
     failures.append(f"merge: does not compile: {error}")
