@@ -189,7 +189,9 @@ def cases(gen, device, low):
         return lambda: kernel_ladder.add_rms_norm(x, residual, w), reference
 
     def topk_routing():
-        logits = r(4, 8, dtype=low, scale=2.0)
+        # distinct logits in every row (a tie in bf16 may be broken either way: torch.topk does not say which)
+        ranks = torch.stack([torch.randperm(8, generator=gen) for _ in range(4)])
+        logits = (ranks.to(F32) * 0.5 - 2.0 + r(4, 8, scale=0.01)).to(device=d, dtype=low)
 
         def reference():  # Mixtral's routing: the softmax in float32, then top-k
             weights, ids = torch.topk(F.softmax(logits, dim=-1, dtype=torch.float), 2, dim=-1)
