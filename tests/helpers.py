@@ -210,6 +210,19 @@ def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
+def assert_grads_close(ref: torch.nn.Module, other: torch.nn.Module) -> None:
+    """Every parameter's gradient of ``other`` within 1e-3 relative of ``ref``'s (the same parameters in the same
+    order); a gradient that is zero in exact arithmetic (a key bias, which the softmax cancels) is compared
+    against the model's largest gradient instead (``atol = 1e-5 x`` that)."""
+    scale = max(float(p.grad.abs().max()) for p in ref.parameters() if p.grad is not None)
+    for (name, p), q in zip(ref.named_parameters(), other.parameters()):
+        if p.grad is None:
+            assert q.grad is None, name
+            continue
+        assert q.grad is not None, name
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-3, atol=1e-5 * scale, msg=name)
+
+
 def assert_equals_hugging_face(hf: torch.nn.Module, ours: torch.nn.Module, ids: torch.Tensor, ignored: int = 3) -> None:
     """``ours`` computes what the Hugging Face model ``hf`` does on ``ids`` ``(B, T)``: logits within 1e-4 (relative
     to the largest), the mean next-token loss with ``ids`` as labels (the first ``ignored`` of row 0 set to -100)

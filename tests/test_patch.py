@@ -13,6 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import kernel_ladder.patch as kp  # noqa: E402
+from tests.helpers import assert_grads_close  # noqa: E402
 from utils.trace import OpLog  # noqa: E402
 
 VOCAB = 64
@@ -45,17 +46,6 @@ def _encoder(family: str):
     return t.CLIPVisionModel(t.CLIPVisionConfig(**VISION, hidden_act="gelu")).eval()
 
 
-def _assert_grads_close(ref: torch.nn.Module, patched: torch.nn.Module) -> None:
-    scale = max(float(p.grad.abs().max()) for p in ref.parameters() if p.grad is not None)
-    for (name, p), q in zip(ref.named_parameters(), patched.parameters()):
-        if p.grad is None:
-            assert q.grad is None, name
-            continue
-        # 1e-3 relative; a gradient that is exactly zero in exact arithmetic (a key bias, which the
-        # softmax cancels) is compared against the model's largest gradient instead
-        torch.testing.assert_close(q.grad, p.grad, rtol=1e-3, atol=1e-5 * scale, msg=name)
-
-
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max().detach() / b.abs().max().detach())
 
@@ -80,7 +70,7 @@ def test_patched_decoder_equals_the_original_and_unpatches(family):
     torch.testing.assert_close(out.loss, theirs, rtol=1e-4, atol=1e-6)
     theirs.backward()
     out.loss.backward()
-    _assert_grads_close(ref, model)
+    assert_grads_close(ref, model)
     assert kp.unpatch_model(model) is model
     with torch.no_grad():
         assert torch.equal(model(ids).logits, ref(ids).logits)  # the original code path, bit for bit
@@ -99,7 +89,7 @@ def test_patched_vision_encoder_equals_the_original(family):
     w = torch.randn(a.shape, generator=torch.Generator().manual_seed(3))
     (a * w).sum().backward()
     (b * w).sum().backward()
-    _assert_grads_close(ref, model)
+    assert_grads_close(ref, model)
 
 
 def _dispatched(model, ids) -> set[str]:
@@ -224,7 +214,7 @@ def _assert_same_as_transformers(ref, model, ids, labels=None, real=None, **call
     model.zero_grad()
     theirs.backward()
     ours.loss.backward()
-    _assert_grads_close(ref, model)
+    assert_grads_close(ref, model)
 
 
 def test_a_gated_mlp_with_biases_keeps_them():

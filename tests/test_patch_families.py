@@ -17,6 +17,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import kernel_ladder.patch as kp  # noqa: E402
+from tests.helpers import assert_grads_close  # noqa: E402
 from tests.hf_families import FAMILIES, VOCAB, tiny_model  # noqa: E402
 from utils.trace import OpLog  # noqa: E402
 
@@ -53,17 +54,6 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max().detach() / b.abs().max().detach())
 
 
-def _assert_grads_close(ref: torch.nn.Module, patched: torch.nn.Module) -> None:
-    scale = max(float(p.grad.abs().max()) for p in ref.parameters() if p.grad is not None)
-    for (name, p), q in zip(ref.named_parameters(), patched.parameters()):
-        if p.grad is None:
-            assert q.grad is None, name
-            continue
-        assert q.grad is not None, name
-        # 1e-3 relative; a gradient that is zero in exact arithmetic is compared against the model's largest
-        torch.testing.assert_close(q.grad, p.grad, rtol=1e-3, atol=1e-5 * scale, msg=name)
-
-
 def _patch(model) -> dict[str, int]:
     """patch_model, which must leave nothing on torch here and say nothing."""
     with warnings.catch_warnings():
@@ -98,7 +88,7 @@ def test_a_patched_family_equals_transformers_and_unpatches_exactly(family):
         torch.testing.assert_close(ours.aux_loss, theirs.aux_loss, rtol=1e-4, atol=1e-6)
     theirs.loss.backward()
     ours.loss.backward()
-    _assert_grads_close(ref, model)
+    assert_grads_close(ref, model)
     assert kp.unpatch_model(model) is model
     assert model.config._attn_implementation == ref.config._attn_implementation == "eager"
     with torch.no_grad():
