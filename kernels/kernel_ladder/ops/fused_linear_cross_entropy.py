@@ -624,8 +624,9 @@ def fused_linear_cross_entropy(
         ignore_index, reduction, label_smoothing, softcap, z_loss: as :func:`kernel_ladder.cross_entropy`
             (``softcap``: Gemma-2's ``softcap * tanh(z / softcap)`` of the logits; ``z_loss``: PaLM's
             ``z_loss * mean(logsumexp**2)``).
-        chunk_size: rows per chunk; None for :func:`chunk_rows` (the logits buffer about x's size),
-            computed inside the op from the real sizes (so a dynamic shape under ``torch.compile`` never
+        chunk_size: rows per chunk; None for :func:`chunk_rows` (enough rows that the fp32 weight gradient's
+            traffic stays under 1/8 of the FLOP time, within a memory budget), computed inside the op from the
+            real sizes (so a dynamic shape under ``torch.compile`` never
             turns it into a symbolic expression).
         ce_weight: per-class weights ``(V,)``, torch's ``cross_entropy(weight=...)`` (any float dtype, not
             differentiable): row ``i``'s loss is scaled by ``ce_weight[target_i]`` (the smoothing term by each
