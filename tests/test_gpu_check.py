@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import bench
+import kernel_ladder
 from bench import gpu_check
 from bench.gpu import Check, Timing
 
@@ -90,3 +91,85 @@ def test_mfu_round_trains_and_reports(monkeypatch):
     assert "MFU" in line and "tokens/s" in line
     monkeypatch.setitem(gpu_check.MFU_CONFIGS, "smoke", {**config, "num_attention_heads": 5})  # a broken config
     assert gpu_check.run_mfu({}, torch.device("cpu"), smoke=True)[0].startswith("mfu: ValueError")
+
+
+# ----------------------------------------------------------------------------------------------
+# The candidate limit (kernel_ladder.autotune.limit_candidates): what --quick tunes
+# ----------------------------------------------------------------------------------------------
+
+
+def _counting_bench(benched):
+    def bench(kernel_call, quantiles):
+        kernel_call()
+        benched.append(1)
+        return [1.0 + len(benched)] * 3  # the first candidate benchmarked is the fastest
+
+    return bench
+
+
+@pytest.mark.parametrize("k", [1, 2, None])
+def test_a_matmul_tuned_under_the_limit_benchmarks_only_its_first_k_candidates(monkeypatch, k):
+    from kernel_ladder import autotune as at
+    from kernel_ladder.autotune import MatmulConfig
+    from kernel_ladder.ops import matmul as mm
+
+    benched = []
+    candidates = [MatmulConfig(32, 32, 32, 8, 4, 2), MatmulConfig(16, 16, 16, 1, 4, 2),
+                  MatmulConfig(16, 32, 16, 1, 4, 2)]
+    monkeypatch.setattr(at, "autotune_supports_disk_cache", lambda: False)
+    tuned = at.make_autotuned(mm.matmul_kernel, candidates, do_bench=_counting_bench(benched))
+    monkeypatch.setattr(mm, "_autotuned_matmul_kernel", lambda: tuned)
+    a, b = torch.randn(40, 50), torch.randn(50, 30)
+    c = torch.full((40, 30), float("nan"))
+    (launch,) = mm._plan_launches(a, b, c, None, None)
+    with at.limit_candidates(k):
+        assert at.candidate_limit() == k
+        mm._run_tiled(launch, None, "none")
+    assert at.candidate_limit() is None  # the block restored it
+    torch.testing.assert_close(c, a @ b, rtol=1e-4, atol=1e-4)
+    kept = 3 if k is None else k
+    # one candidate left is launched without benchmarking; otherwise exactly the first k are benchmarked
+    assert len(benched) == (0 if kept == 1 else kept)
+    if kept > 1:
+        assert [cfg.kwargs for cfg in tuned.configs_timings] == [cfg.meta for cfg in candidates[:kept]]
+    assert tuned.best_config.kwargs == candidates[0].meta
+
+
+def test_the_limit_comes_from_the_environment_and_bad_values_are_refused(monkeypatch):
+    from kernel_ladder import autotune as at
+
+    monkeypatch.setenv(at.AUTOTUNE_LIMIT_ENV, "2")
+    assert at.candidate_limit() == 2
+    assert at.limited(lambda configs, named_args, **kw: configs)(["a", "b", "c"], {}) == ["a", "b"]
+    with at.limit_candidates(None):  # an explicit block wins over the environment
+        assert at.candidate_limit() is None
+    monkeypatch.setenv(at.AUTOTUNE_LIMIT_ENV, "two")
+    with pytest.raises(ValueError, match="kernel_ladder.autotune.limit_candidates: KERNEL_LADDER_AUTOTUNE_LIMIT"):
+        at.candidate_limit()
+    with pytest.raises(ValueError, match=r"kernel_ladder.autotune.limit_candidates: k must be .* got 0"):
+        with at.limit_candidates(0):
+            pass
+
+
+def test_flash_attention_tuned_under_the_limit_benchmarks_k_candidates_per_kernel(monkeypatch):
+    from kernel_ladder.autotune import limit_candidates
+    from kernel_ladder.ops import attention
+
+    benched = []
+    candidates = tuple(attention.configs.AttentionConfig(m, n, 4, 1) for m, n in ((32, 32), (16, 16), (16, 32)))
+    monkeypatch.setattr(attention.configs, "autotune_supports_disk_cache", lambda: False)
+    tuned = {kind: attention.configs.make_autotuned(kind, candidates, do_bench=_counting_bench(benched))
+             for kind in ("forward", "dkdv", "dq")}
+    monkeypatch.setattr(attention.configs, "_fixed_config", lambda: None)
+    monkeypatch.setattr(attention.configs, "_autotuned", tuned.__getitem__)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, 20, 16, generator=gen).requires_grad_() for _ in range(3))
+    with limit_candidates(2):
+        out = kernel_ladder.flash_attention(q, k, v, causal=True)
+        out.backward(torch.ones_like(out))
+    assert len(benched) == 6  # 3 kernels x their first 2 candidates
+    for kernel in tuned.values():
+        assert [cfg.kwargs for cfg in kernel.configs_timings] == [{"BLOCK_M": 32, "BLOCK_N": 32},
+                                                                   {"BLOCK_M": 16, "BLOCK_N": 16}]
+    ref = torch.nn.functional.scaled_dot_product_attention(q.detach(), k.detach(), v.detach(), is_causal=True)
+    torch.testing.assert_close(out.detach(), ref, rtol=1e-4, atol=1e-4)
