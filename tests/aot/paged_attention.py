@@ -25,6 +25,7 @@ import torch
 
 from kernel_ladder.ops import paged_attention as pa
 from utils.aot import record_launches, resource_usage
+from utils.sass import features
 
 quick = "--quick" in sys.argv
 failures, rows = [], []
@@ -88,8 +89,8 @@ def variant(what, q_dtype, cache_dtype, head_dim, block_size, group, **flags):
         failures.append(f"{label}: spills {spilled} bytes")
     if c["USE_DOT"] and "mma" not in ptx:
         failures.append(f"{label}: the block products are not on tensor cores")
-    if c["USE_DOT"] and q_dtype != "fp32" and not CP_ASYNC_16.search(ptx):
-        failures.append(f"{label}: K and V are not streamed by 16-byte cp.async copies")
+    if c["USE_DOT"] and q_dtype != "fp32" and not (CP_ASYNC_16.search(ptx) and features(kernel).cp_async):
+        failures.append(f"{label}: K and V are not streamed by 16-byte cp.async copies (LDGSTS in the SASS)")
     if (what.startswith("decode, GQA 4") and usage is not None and usage.registers > DECODE_REGISTER_BOUND):
         failures.append(f"{label}: {usage.registers} registers > {DECODE_REGISTER_BOUND}")
     for merge in merges:
