@@ -24,6 +24,7 @@ help:
 	@echo "make report     set up, then run every ladder step, the host-overhead table, the collectives (chapter 11) and the training run (chapter 12) into docs/results.md"
 	@echo "make notebooks  run every chapter notebook in both modes, save the learner-mode outputs"
 	@echo "make gpu-check  on a GPU machine, with its own python3: correctness at real sizes + timings"
+	@echo "                (quick round by default; FULL=1: every timing and autotune candidate; BUDGET_S=seconds)"
 	@echo "                (PROFILE=1: also a torch.profiler trace of a training step under \$$OUT/profile)"
 	@echo "make lint       ruff"
 
@@ -88,10 +89,16 @@ notebooks: setup
 	$(PY) -m utils.notebooks execute chapters
 
 # Runs with the GPU machine's own python3 (no venv, nothing installed): the repository on PYTHONPATH.
+# The quick round by default: every op checked at real sizes, the headline timings, each autotuned kernel tuned
+# over its first candidate only, no new entry started after BUDGET_S seconds (default 450). FULL=1: every timing
+# (torch.compile included) over every candidate, no budget unless BUDGET_S is set.
 # PROFILE=1 adds a torch.profiler trace of a training step under $$OUT/profile (bench.profile_step).
 PROFILE ?= 0
+FULL ?= 0
+BUDGET_S ?=
 gpu-check:
-	PYTHONPATH=$(CURDIR) python3 -m bench.gpu_check $(if $(filter 1,$(PROFILE)),--profile,)
+	PYTHONPATH=$(CURDIR) python3 -m bench.gpu_check $(if $(filter 1,$(FULL)),,--quick) \
+	  $(if $(BUDGET_S),--budget-s $(BUDGET_S),) $(if $(filter 1,$(PROFILE)),--profile,)
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -13,6 +13,10 @@ in flight in shared memory). No single choice is best for every shape, dtype and
   memory, or that are far larger than the problem, are pruned before benchmarking. Results are
   cached on disk across runs (``cache_results=True``, Triton >= 3.2; older versions tune once
   per process, see :func:`autotune_supports_disk_cache`).
+* **A candidate limit** (:func:`limit_candidates`, or ``KERNEL_LADDER_AUTOTUNE_LIMIT=k`` in the
+  environment) keeps only the first ``k`` candidates of every autotuned kernel after pruning, so a cold
+  cache compiles at most ``k`` configs per kernel specialization instead of all of them (``make gpu-check``'s
+  quick round). The candidate lists are ordered best-first, so the first ``k`` are the likeliest winners.
 * **In the interpreter** there is no driver to time anything with (multi-config autotuning needs
   one) and times would not mean GPU speed anyway, so one fixed, sensible configuration is used:
   :data:`INTERPRETER_CONFIG`, its blocks shrunk to the problem (a 1-row matmul does not need 64
@@ -24,11 +28,13 @@ in flight in shared memory). No single choice is best for every shape, dtype and
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+import os
 import statistics
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -49,6 +55,10 @@ __all__ = [
     "autotune_supports_disk_cache",
     "prune_configs",
     "make_autotuned",
+    "AUTOTUNE_LIMIT_ENV",
+    "candidate_limit",
+    "limit_candidates",
+    "limited",
     "CpuTiming",
     "CpuAutotuneReport",
     "autotune_cpu",
@@ -242,6 +252,65 @@ def prune_configs(configs: Sequence[triton.Config], named_args: dict[str, Any], 
     return [min(configs, key=lambda c: c.num_stages * c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
 
 
+#: The environment variable that limits every autotuned kernel to its first ``k`` candidates after pruning.
+AUTOTUNE_LIMIT_ENV = "KERNEL_LADDER_AUTOTUNE_LIMIT"
+_limit_stack: list[int | None] = []
+
+
+def _check_limit(k: object, where: str) -> int | None:
+    if k is None:
+        return None
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"kernel_ladder.autotune.limit_candidates: {where} must be an int >= 1 or None, got {k!r}")
+    return k
+
+
+def candidate_limit() -> int | None:
+    """How many candidates each autotuned kernel keeps after pruning: the innermost :func:`limit_candidates`,
+    else ``KERNEL_LADDER_AUTOTUNE_LIMIT`` from the environment, else None (all of them)."""
+    if _limit_stack:
+        return _limit_stack[-1]
+    raw = os.environ.get(AUTOTUNE_LIMIT_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = raw
+    return _check_limit(value, AUTOTUNE_LIMIT_ENV)
+
+
+@contextlib.contextmanager
+def limit_candidates(k: int | None) -> Iterator[None]:
+    """Within the block, every autotuned kernel tunes only its first ``k`` candidates after pruning (None: all).
+
+    The candidate lists are ordered best-first, so ``k = 1`` compiles the likeliest winner alone (no
+    benchmarking), ``k = 2`` benchmarks the two likeliest. It applies when a tuning key is first met: a key
+    tuned under a limit keeps its pick in that autotuner's in-process cache after the block ends (Triton's
+    on-disk tuning cache is keyed by the candidates benchmarked, so a limited tuning never answers a full one).
+    """
+    _limit_stack.append(_check_limit(k, "k"))
+    try:
+        yield
+    finally:
+        _limit_stack.pop()
+
+
+def limited(prune: Callable[..., list]) -> Callable[..., list]:
+    """``prune`` (an ``early_config_prune`` function) followed by the candidate limit (:func:`candidate_limit`).
+
+    Every autotuned kernel of the package wraps its pruner with this, so one switch limits them all.
+    """
+
+    @functools.wraps(prune)
+    def prune_and_limit(configs, named_args, **kwargs):
+        kept = list(prune(configs, named_args, **kwargs))
+        k = candidate_limit()
+        return kept if k is None else kept[:k]
+
+    return prune_and_limit
+
+
 def _even_k(args: dict[str, Any]) -> bool:
     return args["K"] % args["BLOCK_K"] == 0
 
@@ -261,7 +330,7 @@ def make_autotuned(
     replaces Triton's GPU benchmarker (``fn(kernel_call, quantiles) -> timings``), e.g. to
     exercise the tuning loop in the interpreter.
     """
-    options: dict[str, Any] = {"prune_configs_by": {"early_config_prune": prune_configs}}
+    options: dict[str, Any] = {"prune_configs_by": {"early_config_prune": limited(prune_configs)}}
     if autotune_supports_disk_cache():
         options["cache_results"] = True
     if do_bench is not None:
