@@ -923,7 +923,7 @@ def bias_grad_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t, stride_d,
     col_mask = cols < D
     rows = tl.arange(0, BLOCK_R)
     tile = rows.to(tl.int64)[:, None] * stride_t + cols.to(tl.int64)[None, :] * stride_d
-    step = tl.full((), BLOCK_R, tl.int64) * stride_t  # one tile down, in 64 bits
+    step = BLOCK_R * stride_t  # one tile down (an i32 offset: a pointer plus it is one IMAD.WIDE)
     whole = T - T % BLOCK_R  # the rows of each b that fill whole tiles
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
     batch_ptr = x_ptr
@@ -975,8 +975,9 @@ class LoopBound:
     adds: int
 
 
-#: The bound: the given loop spends about ten times this (count it in the chapter's table).
-BIAS_GRAD_BOUND = LoopBound(overhead=24, adds=ADDS_PER_TILE)
+#: The bound: two integer or control instructions per element added (32 per tile); the given loop
+#: spends about ten per element.
+BIAS_GRAD_BOUND = LoopBound(overhead=2 * ADDS_PER_TILE, adds=ADDS_PER_TILE)
 
 
 def bias_grad_cases(gen: torch.Generator) -> list[tuple]:
@@ -1019,16 +1020,19 @@ def bias_grad_checked(kernel: Any) -> Any:
 _DIVISION = ("I2F", "F2I", "MUFU.RCP", "IMAD.HI", "IABS")
 
 
-def _loop_causes(opcodes: dict[str, int], adds: int) -> list[str]:
+def _loop_causes(opcodes: dict[str, int]) -> list[str]:
     causes = []
     names = " ".join(opcodes)
     if any(marker in names for marker in _DIVISION):
         causes.append("a runtime division or modulo (`//`, `%` by a value only known at run time compile to "
                       "I2F/MUFU.RCP/IMAD.HI sequences, per row)")
-    wide = sum(n for opcode, n in opcodes.items() if opcode.startswith(("IMAD.WIDE", "LEA.HI.X", "IADD3.X")))
-    if wide > adds // 2:
-        causes.append(f"64-bit address arithmetic rebuilt each iteration ({wide} IMAD.WIDE/LEA.HI.X/IADD3.X): "
-                      "compute the offsets once and advance a pointer")
+    # Sign extensions, 32x32->64 multiplies and the high halves of 64-bit adds (a pointer advanced by an
+    # i32 offset is one IMAD.WIDE, which is not counted here).
+    wide = sum(n for opcode, n in opcodes.items()
+               if opcode.startswith(("SHF.R.S32.HI", "IMAD.WIDE.U32", "LEA.HI.X", "IMAD.X", "IADD3.X")))
+    if wide > 4:
+        causes.append(f"64-bit address arithmetic rebuilt each iteration ({wide} SHF.R.S32.HI/IMAD.WIDE.U32/"
+                      "LEA.HI.X/IMAD.X/IADD3.X): compute the tile's offsets once and advance a pointer")
     compares = sum(n for opcode, n in opcodes.items() if opcode.startswith(("ISETP", "PLOP3", "SEL")))
     if compares > 4:
         causes.append(f"a mask evaluated every iteration ({compares} ISETP/PLOP3/SEL): only the last, partial "
@@ -1068,15 +1072,15 @@ def explain_bias_grad(case: tuple, got: Any, expected: Any) -> str | None:
         return None
     x64 = x.double().cpu()
     whole = x64.shape[1] - x64.shape[1] % BIAS_GRAD_BLOCK_R
-    got = got.double().cpu()
+    got, reference = got.double().cpu(), expected.double().cpu()
 
     def same(value: torch.Tensor) -> bool:
-        return bool(torch.allclose(got, value, rtol=1e-5, atol=1e-5)) and not torch.allclose(value, expected.cpu())
+        return bool(torch.allclose(got, value, rtol=1e-5, atol=1e-5)) and not torch.allclose(value, reference)
 
     if same(x64[:, :whole].sum(dim=(0, 1))):
         return (f"the last, partial tile of each b is missing (its T % BLOCK_R = {x64.shape[1] - whole} rows): "
                 "add it after the loop over whole tiles, with the row mask")
-    if same(x64.sum(dim=(0, 1)) + x64[:, whole:].sum(dim=(0, 1))):
+    if same(reference + x64[:, whole:].sum(dim=(0, 1))):
         return "the partial tile of each b is added twice: once in the loop, once after it"
     return None
 
@@ -1119,7 +1123,7 @@ def diagnose_loop(report: Any, bound: LoopBound) -> str | None:
     listed = ", ".join(f"{op} ×{n}" for op, n in list(opcodes.items())[:6])
     heavy = sorted((line for line in report.lines if line.overhead), key=lambda line: -line.overhead)[:3]
     where = "; ".join(f"line {line.number} `{line.text[:60]}`: {line.overhead}" for line in heavy)
-    causes = _loop_causes(opcodes, bound.adds)
+    causes = _loop_causes(opcodes)
     text = (f"the steady loop spends {per_tile:g} integer and control instructions per tile (at most "
             f"{bound.overhead}) beside its {bound.adds} FP32 adds: {listed}")
     if where:
