@@ -45,6 +45,7 @@ __all__ = [
     "size_bucket",
     "fit_config",
     "default_config",
+    "SPLIT_K_DECODE_ROWS",
     "autotune_supports_disk_cache",
     "prune_configs",
     "make_autotuned",
@@ -161,18 +162,31 @@ def fit_config(config: MatmulConfig, M: int, N: int, K: int) -> MatmulConfig:
                    BLOCK_K=_shrink(config.BLOCK_K, K))
 
 
-def default_config(M: int, N: int, K: int, dtype: torch.dtype, kind: str = "tiled") -> MatmulConfig:
+#: Split-K problems of at most this many rows are decode-shaped (64 x 64 tiles on a GPU); wider ones (short-M,
+#: long-K: a fused linear cross-entropy's ``grad_x``) get the tiled kernel's 128 x 128 tiles.
+SPLIT_K_DECODE_ROWS: int = 64
+
+
+def default_config(M: int, N: int, K: int, dtype: torch.dtype, kind: str = "tiled",
+                   interpreter: bool | None = None) -> MatmulConfig:
     """The fixed configuration a launcher uses when none is given and nothing is autotuned.
 
     ``kind`` is ``"tiled"``, ``"split_k"`` or ``"persistent"``. In the interpreter it is
     :data:`INTERPRETER_CONFIG` fitted to the problem; on a GPU a choice per kernel (split-K: short
-    row tiles, since its problems have small M; persistent: 128x128 tiles, two warp groups).
+    row tiles for decode-shaped problems of at most :data:`SPLIT_K_DECODE_ROWS` rows, 128x128 tiles with two
+    warp groups for wider ones; persistent: 128x128 tiles, two warp groups). ``interpreter`` None is
+    the current mode; True/False asks what that mode would use (a launch plan made on the other machine).
     """
-    if runtime.INTERPRETER:
+    if runtime.INTERPRETER if interpreter is None else interpreter:
         return fit_config(INTERPRETER_CONFIG, M, N, K)
     wide = dtype == torch.float32
-    if kind == "split_k":
+    if kind == "split_k" and M <= SPLIT_K_DECODE_ROWS:
         base = MatmulConfig(64, 64, 32 if wide else 64, 8, 4, 4)
+    elif kind == "split_k":
+        # A ragged K (masked loads) takes BLOCK_K 32 and 4 stages: at 64, its int64-offset variant spills
+        # registers on sm_90 (tests/aot/matmul.py); a K of whole 64-slices (V = 128,256) keeps 64.
+        block_k = 32 if wide or K % 64 else 64
+        base = MatmulConfig(128, 128, block_k, 8, 8, 4 if block_k == 32 else 3)
     elif kind == "persistent":
         base = MatmulConfig(128, 128, 32 if wide else 64, 8, 8, 3)
     else:
