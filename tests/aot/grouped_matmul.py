@@ -10,20 +10,21 @@ weight gradient gathered, with and without the bias's column sums; float32 (TF32
 the int64-offset forward once.
 
 ``--quick`` (what ``make test`` runs): the default table's entries at Mixtral's sizes, the H200-class pairs with
-GPT-OSS's interleaved columns, the float32 entries. Without it: every candidate of every kind.
+GPT-OSS's interleaved columns, the float32 entries. Without it: every candidate of every kind. ``--count``
+instead prints the steady loop's counts and cycle model (utils.sass) of the gate/up and down GEMMs at Mixtral's
+sizes, the 64-row tiles the kernels had before against the default table's (docs/architecture.md).
 
 Run by tests/test_kernels_compile_grouped_matmul.py in a compiled-mode child process (utils.aot.run_compiled).
 """
 
-import os
-import subprocess
+import re
 import sys
-import tempfile
 
 import torch
 
 from kernel_ladder.ops import grouped_matmul as gm
 from kernel_ladder.ops import moe_configs as mc
+from utils import sass
 from utils.aot import compile_kernel, resource_usage
 
 TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -35,26 +36,8 @@ quick = "--quick" in sys.argv
 failures, count = [], 0
 
 
-def sass(compiled) -> str:
-    """The cubin's SASS (Triton's bundled nvdisasm)."""
-    try:
-        from utils.sass import disassemble
-    except ImportError:
-        import triton.backends.nvidia as nvidia
-
-        nvdisasm = os.path.join(os.path.dirname(nvidia.__file__), "bin", "nvdisasm")
-        with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
-            f.write(compiled.asm["cubin"])
-        try:
-            return subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
-        finally:
-            os.unlink(f.name)
-    return disassemble(compiled)
-
-
-def check(kind, config, dtype, constexprs):
-    """Compile ``kind``'s kernel at ``config`` with these switches; record spills and a missing tensor-core op."""
-    global count
+def compile_for(kind, config, dtype, constexprs):
+    """``kind``'s kernel compiled for sm_90 at ``config`` with these switches (what the launcher specializes)."""
     kernel = gm.grouped_matmul_dw_kernel if kind == "dw" else gm.grouped_matmul_kernel
     epilogue = {"matmul": 0, "gate_up": 1, "gate_up_backward": 2, "dw": None}[kind]
 
@@ -73,21 +56,27 @@ def check(kind, config, dtype, constexprs):
         defaults.update(EPILOGUE=epilogue, BLOCK_E=8, EVEN_K=True)
     constexprs = {**{k: v for k, v in defaults.items() if k in kernel.arg_names}, **constexprs,
                   "BLOCK_M": config.BLOCK_M, "BLOCK_N": config.BLOCK_N, "BLOCK_K": config.BLOCK_K}
-    what = f"{kind} {config} {TYPES[dtype]} {constexprs}"
     compiled = compile_kernel(kernel, types, constexprs, ones=[n for n in kernel.arg_names if n in UNIT],
                               divisible=lambda name: name not in UNIT and name not in RUNTIME,
                               num_warps=config.num_warps, num_stages=config.num_stages)
+    return compiled, f"{kind} {config} {TYPES[dtype]} {constexprs}"
+
+
+def check(kind, config, dtype, constexprs):
+    """Compile ``kind``'s kernel at ``config`` with these switches; record spills and a missing tensor-core op."""
+    global count
+    compiled, what = compile_for(kind, config, dtype, constexprs)
     count += 1
     usage = resource_usage(compiled)
     if usage is not None and usage.spilled_bytes:
         failures.append(f"{what}: spills {usage.spilled_bytes} bytes ({usage.registers} registers)")
     if "cubin" not in compiled.asm:
         return
-    text = sass(compiled)
+    tensor_op = sass.features(compiled).tensor_op
     dot_rows = config.BLOCK_K if kind == "dw" else config.BLOCK_M
-    if dtype != torch.float32 and dot_rows >= 64 and "HGMMA" not in text:
-        failures.append(f"{what}: no wgmma (HGMMA) in the SASS")
-    elif dtype != torch.float32 and "HGMMA" not in text and "HMMA" not in text:
+    if dtype != torch.float32 and dot_rows >= 64 and tensor_op != "wgmma":
+        failures.append(f"{what}: no wgmma (HGMMA) in the SASS, {tensor_op}")
+    elif dtype != torch.float32 and tensor_op is None:
         failures.append(f"{what}: no tensor-core op in the SASS")
 
 
@@ -123,6 +112,47 @@ def table_entries(wide):
                          key=str) for kind in mc.KINDS}
 
 
+def steady_loop_table(cases):
+    """The steady loop of each (label, kind, config, FLOPs of the launch) at Mixtral's sizes in bf16, counted
+    with utils.sass: warp-instructions and tensor FMA per warp per K step, and the cycle model (a **model**),
+    plain and with its shared-memory term extended to the bytes the loop's wgmma read from shared memory
+    (A and B, when the descriptor says so) and its cp.async write into it, 128 bytes per clock."""
+    print("| kernel | tile | warp-instr / warp / K step | tensor FMA / warp | instr per 1,000 FMA | tensor cycles "
+          "| issue cycles | utils.sass tensor use | shared cycles (wgmma operands + cp.async) | tensor use with them "
+          "| launch at 790 TFLOP/s (model) |")
+    print("|---" * 11 + "|")
+    for label, kind, config, flops in cases:
+        compiled, _ = compile_for(kind, config, torch.bfloat16, MIXTRAL[kind])
+        loop = sass.steady_loop(sass.parse(sass.disassemble(compiled)))
+        mix = sass.mix(loop.instructions)
+        cycles = sass.cycle_model(mix, config.num_warps)
+        shared = 0  # bytes per warp per K step
+        for instr in loop.instructions:
+            if instr.predicate == "!PT":
+                continue
+            shape = re.search(r"GMMA\.(\d+)x(\d+)x(\d+)", instr.opcode)
+            if shape:  # one warpgroup's operands, a quarter per warp; A from shared memory when it is a descriptor
+                m, n, k = (int(g) for g in shape.groups())
+                a_shared = instr.operands.split(",")[1].strip().startswith("gdesc")
+                shared += ((m * k if a_shared else 0) + k * n) * 2 // 4
+            elif instr.base == "LDGSTS":
+                shared += 32 * (16 if "128" in instr.opcode.split(".") else 8 if "64" in instr.opcode.split(".") else 4)
+        shared_cycles = cycles.shared + shared * config.num_warps / sass.SM90.shared_bytes_per_clock
+        use = cycles.tensor / max(cycles.bound, shared_cycles)
+        print(f"| {label} | {config} | {mix.total} | {mix.tensor_fma:,} | {1000 * mix.total / mix.tensor_fma:.3f} "
+              f"| {cycles.tensor:,.0f} | {cycles.issue:,.0f} | {cycles.tensor_use:.0%} ({cycles.limiter}) "
+              f"| {shared_cycles:,.0f} | {use:.0%} | {flops / sass.SM90.sustained_flops / use * 1e3:.2f} ms |")
+
+
+if "--count" in sys.argv:  # Mixtral 8x7B's experts, 4,096 tokens, top-2: 8,192 rows, 1,024 per expert
+    rows, H, F = 8192, 4096, 14336
+    before = {"gate_up": mc.GroupedConfig(64, 64, 64, 4, 3), "matmul": mc.GroupedConfig(64, 128, 64, 4, 3)}
+    after = {kind: mc.default_config(kind, rows // 8, 0, 0, torch.bfloat16) for kind in before}
+    steady_loop_table([("gate/up + SwiGLU, before", "gate_up", before["gate_up"], 2 * rows * H * 2 * F),
+           ("gate/up + SwiGLU, after", "gate_up", after["gate_up"], 2 * rows * H * 2 * F),
+           ("down, before", "matmul", before["matmul"], 2 * rows * F * H),
+           ("down, after", "matmul", after["matmul"], 2 * rows * F * H)])
+    sys.exit(0)
 if quick:
     for kind, entries in table_entries(False).items():
         for config in entries:

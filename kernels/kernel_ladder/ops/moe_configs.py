@@ -28,9 +28,10 @@ the autotuner's first candidate. Its entries are static, modelled choices — **
 run them):
 
 * *rows per expert <= 16* (decode: a few tokens over many experts): 16-row tiles, 4 warps, long
-  ``BLOCK_K`` steps (128) and 3-4 stages, so a program streams its expert's weight with few loop
-  iterations; a 64-row tile would compute 4x the rows it keeps. (vLLM's tuned H200 table for Mixtral's
-  experts uses 16-32-row tiles with ``BLOCK_K`` 128-256 and 4 warps at these sizes.)
+  ``BLOCK_K`` steps (128; 64 for the gate's backward, which keeps more live) and 3-4 stages, so a program
+  streams its expert's weight with few loop iterations; a 64-row tile would compute 4x the rows it keeps.
+  (vLLM's tuned H200 table for Mixtral's experts uses 16-32-row tiles with ``BLOCK_K`` 128-256 and 4 warps
+  at these sizes.)
 * *<= 32*: the same with 32-row tiles.
 * *<= 128*: 64-row tiles with 4 warps (one warp group, Hopper's ``wgmma.m64``): a group's partial last
   tile wastes at most 63 rows.
