@@ -13,7 +13,7 @@ from utils.aot import run_compiled
 
 SCRIPT = Path(__file__).parent / "aot" / "grouped_matmul.py"  # run in a compiled-mode child process
 
-#: Set to 1 to compile every candidate of every kind at each of its sizes (about 150 variants, 4 minutes on 2
+#: Set to 1 to compile every candidate of every kind at each of its sizes (145 variants, 2-6 minutes on 2
 #: cores); by default the default table's entries (what ``make test`` can afford).
 FULL_ENV = "KERNEL_LADDER_AOT_FULL"
 
