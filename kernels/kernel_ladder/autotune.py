@@ -54,6 +54,7 @@ __all__ = [
     "SPLIT_K_DECODE_ROWS",
     "autotune_supports_disk_cache",
     "prune_configs",
+    "prune_to_fit",
     "make_autotuned",
     "AUTOTUNE_LIMIT_ENV",
     "candidate_limit",
@@ -225,19 +226,22 @@ def _shared_memory_limit() -> int:
     return 163 * 1024  # A100's opt-in limit, a safe default
 
 
-def prune_configs(configs: Sequence[triton.Config], named_args: dict[str, Any], **kwargs: Any) -> list[triton.Config]:
-    """Drop candidates that cannot fit in shared memory or are far larger than the problem.
+def prune_to_fit(configs: Sequence[triton.Config], M: int, N: int, K: int,
+                 shared_memory: Callable[[triton.Config], int]) -> list[triton.Config]:
+    """The candidates that fit in shared memory and are not far larger than an ``M x N x K`` problem.
 
-    A tile is kept if each block is at most ``max(64, next_pow2(dim))`` (64 rows of tile for a
-    16-row problem wastes 3/4 of the work, 256 would waste 15/16). At least one config survives.
+    ``shared_memory(config)`` is the bytes a candidate's pipelined tiles take (each kernel knows its
+    own: matmul holds one A and one B tile per stage). A tile is kept if each block is at most
+    ``max(64, next_pow2(dim))`` (``max(32, ...)`` for BLOCK_K): 64 rows of tile for a 16-row problem
+    wastes 3/4 of the work, 256 would waste 15/16. At least one config survives: the one with the
+    least shared memory among those that fit, or else the smallest. The rule of every autotuned
+    matmul-like kernel of the package (matmul, the grouped GEMMs of ``kernel_ladder.ops.moe_configs``).
     """
-    M, N, K = named_args["M"], named_args["N"], named_args["K"]
-    element_size = named_args["a_ptr"].element_size()
     limit = _shared_memory_limit()
     kept, fallback = [], None
     for cfg in configs:
         meta = cfg.kwargs
-        smem = cfg.num_stages * (meta["BLOCK_M"] * meta["BLOCK_K"] + meta["BLOCK_K"] * meta["BLOCK_N"]) * element_size
+        smem = shared_memory(cfg)
         if smem > limit:
             continue
         if fallback is None or smem < fallback[0]:
@@ -311,32 +315,49 @@ def limited(prune: Callable[..., list]) -> Callable[..., list]:
     return prune_and_limit
 
 
+def prune_configs(configs: Sequence[triton.Config], named_args: dict[str, Any], **kwargs: Any) -> list[triton.Config]:
+    """Drop matmul candidates that cannot fit in shared memory or are far larger than the problem
+    (:func:`prune_to_fit` with matmul's pipelined A and B tiles)."""
+    element_size = named_args["a_ptr"].element_size()
+
+    def shared_memory(cfg: triton.Config) -> int:
+        meta = cfg.kwargs
+        return cfg.num_stages * (meta["BLOCK_M"] * meta["BLOCK_K"] + meta["BLOCK_K"] * meta["BLOCK_N"]) * element_size
+
+    return prune_to_fit(configs, named_args["M"], named_args["N"], named_args["K"], shared_memory)
+
+
 def _even_k(args: dict[str, Any]) -> bool:
     return args["K"] % args["BLOCK_K"] == 0
 
 
 def make_autotuned(
     kernel,
-    configs: Iterable[MatmulConfig] = GPU_CONFIGS,
+    configs: Iterable[MatmulConfig | triton.Config] = GPU_CONFIGS,
     key: Sequence[str] = TUNING_KEY,
     do_bench: Callable | None = None,
+    prune: Callable[..., list[triton.Config]] = prune_configs,
+    even_k: bool = True,
 ):
     """``kernel`` wrapped for the GPU: ``triton.autotune`` over ``configs`` around a heuristic for EVEN_K.
 
     ``EVEN_K`` (K divisible by BLOCK_K: no K masks) depends on the config, so it is computed per
-    candidate by ``triton.heuristics``. The result is an ordinary Triton launcher
-    (``wrapped[grid](...)``) that takes every kernel argument except the tile constexprs,
-    ``EVEN_K``, ``num_warps`` and ``num_stages``. Constructing it needs no GPU. ``do_bench``
-    replaces Triton's GPU benchmarker (``fn(kernel_call, quantiles) -> timings``), e.g. to
+    candidate by ``triton.heuristics`` (``even_k=False``: for a kernel without that parameter). The
+    result is an ordinary Triton launcher (``wrapped[grid](...)``) that takes every kernel argument
+    except the tile constexprs, ``EVEN_K``, ``num_warps`` and ``num_stages``. Constructing it needs no
+    GPU. ``configs`` are :class:`MatmulConfig` or ready ``triton.Config`` (for kernels without
+    ``GROUP_M``); ``prune`` is the early pruning (default: matmul's, :func:`prune_configs`);
+    ``do_bench`` replaces Triton's GPU benchmarker (``fn(kernel_call, quantiles) -> timings``), e.g. to
     exercise the tuning loop in the interpreter.
     """
-    options: dict[str, Any] = {"prune_configs_by": {"early_config_prune": limited(prune_configs)}}
+    options: dict[str, Any] = {"prune_configs_by": {"early_config_prune": limited(prune)}}
     if autotune_supports_disk_cache():
         options["cache_results"] = True
     if do_bench is not None:
         options["do_bench"] = do_bench
-    heuristic = triton.heuristics({"EVEN_K": _even_k})(kernel)
-    return triton.autotune(configs=[c.to_triton() for c in configs], key=list(key), **options)(heuristic)
+    target = triton.heuristics({"EVEN_K": _even_k})(kernel) if even_k else kernel
+    candidates = [c if isinstance(c, triton.Config) else c.to_triton() for c in configs]
+    return triton.autotune(configs=candidates, key=list(key), **options)(target)
 
 
 # ----------------------------------------------------------------------------------------------
