@@ -27,7 +27,10 @@ the pre-activation for the backward pass).
 
 Operands are read through their strides — a transposed or sliced view costs no copy — and
 batch dimensions broadcast like ``torch.matmul`` (a stride-0 batch dim re-reads the same matrix).
-Offsets are computed in int64 when some offset can pass 2**31 (``INDEX_64``). fp32 inputs use
+Offsets are computed in int64 when some offset can pass 2**31 (``INDEX_64``). The tile loop keeps one
+offset per loaded element, fixed for the whole loop, and two scalar base pointers that advance one K
+slice per step (not a 64-bit pointer per element advanced every step): fewer registers and integer
+instructions per K step (counts in docs/architecture.md). fp32 inputs use
 TF32 tensor cores on a GPU exactly when ``torch.backends.cuda.matmul.allow_tf32`` is set
 (``INPUT_PRECISION``); the interpreter always computes in IEEE fp32.
 
@@ -134,34 +137,40 @@ def accumulate(
 ):
     """fp32 sum over k in [k_start, k_start + k_len) of A[tile rows, k] * B[k, tile cols]."""
     # Rows/cols past M/N wrap around (% M): those loads stay in bounds and need no mask; their
-    # results land in rows/cols that the store masks off.
-    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
-    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+    # results land in rows/cols that the store masks off. (arange + start, not the epilogue's start +
+    # arange: common-subexpression elimination would otherwise compute the epilogue's row and column
+    # indices before the K loop and keep them live, or spilled, across it.)
+    offs_m = (tl.arange(0, BLOCK_M) + pid_m * BLOCK_M) % M
+    offs_n = (tl.arange(0, BLOCK_N) + pid_n * BLOCK_N) % N
     offs_k = tl.arange(0, BLOCK_K)
     if INDEX_64:
         offs_m = offs_m.to(tl.int64)
         offs_n = offs_n.to(tl.int64)
         offs_k = offs_k.to(tl.int64)
+        k_start = k_start + tl.full((), 0, tl.int64)  # k_start * stride_ak below in int64
         step = tl.full((), BLOCK_K, tl.int64)
     else:
         step = tl.full((), BLOCK_K, tl.int32)
-    a_ptrs = a_ptr + offs_m[:, None] * stride_am + (k_start + offs_k)[None, :] * stride_ak
-    b_ptrs = b_ptr + (k_start + offs_k)[:, None] * stride_bk + offs_n[None, :] * stride_bn
-    a_step = step * stride_ak
-    b_step = step * stride_bk
+    # Loop-invariant offset tensors and scalar bases that advance by one K slice per step: the K loop
+    # carries one int32 (int64 under INDEX_64) offset per loaded element and two scalar pointers, not
+    # a 64-bit pointer per element.
+    a_offs = offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_offs = offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    a_base = a_ptr + k_start * stride_ak
+    b_base = b_ptr + k_start * stride_bk
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(k_len, BLOCK_K)):
         if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
+            a = tl.load(a_base + a_offs)
+            b = tl.load(b_base + b_offs)
         else:
             k_left = k_len - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            a = tl.load(a_base + a_offs, mask=offs_k[None, :] < k_left, other=0.0)
+            b = tl.load(b_base + b_offs, mask=offs_k[:, None] < k_left, other=0.0)
         # Operands go to tl.dot in their storage dtype (fp16/bf16 tensor cores; TF32 or IEEE for fp32).
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-        a_ptrs += a_step
-        b_ptrs += b_step
+        a_base += step * stride_ak
+        b_base += step * stride_bk
     return acc
 
 
