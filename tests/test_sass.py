@@ -177,6 +177,12 @@ def test_a_jump_back_from_an_out_of_line_wait_is_not_a_loop():
     # the TMA copies of one stage: the mbarrier's expected bytes (0x8000), once per CTA however many warps
     assert (m.tma_bytes, m.copy_bytes, m.shared_bytes) == (0x8000, 0, 0)
     assert m.operand_bytes == 2 * (64 * 16 + 16 * 128) * 2 // 4
+    # the count set only before the loop (hoisted): found in the kernel, not in the loop
+    hoisted = [i for i in instrs if i.address != 0x160]
+    prologue = sass.parse("        /*0010*/                   MOV R4, 0x4000 ;")
+    loop = next(x for x in sass.loops(hoisted) if x.start == 0x100)
+    assert sass.mix(loop.instructions).tma_bytes == 0
+    assert sass.mix(loop.instructions, kernel=prologue + hoisted).tma_bytes == 0x4000
 
 
 def test_mix_counts_wgmma_operand_and_copy_bytes_into_the_shared_term():

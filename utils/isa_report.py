@@ -358,7 +358,7 @@ def _analyze(case: str, launch: Launch, seen: dict) -> Row:
         row.blocks_per_sm, row.occupancy_limiter = occ.blocks_per_sm, occ.limiter
     loop = sass.steady_loop(instrs)
     if loop is not None:
-        m = sass.mix(loop.instructions)
+        m = sass.mix(loop.instructions, kernel=instrs)
         row.loop = {
             "total": m.total,
             "tensor": m["tensor"],
@@ -443,8 +443,9 @@ them; *tensor*: the tensor-core instruction (wgmma = Hopper's warp-group `HGMMA`
 or cp.async (`LDGSTS`) copies into shared memory; *128b*: 128-bit global loads/stores. *steady loop*: the innermost
 loop with the most tensor-core work (else memory traffic) — warp-instructions per iteration, one warp's stream:
 total = tensor / FP32 / MUFU / integer+control / shared (the rest are global, async-copy, sync and other).
-*model*: the cycle model of one iteration of one CTA on one SM — its bound in clocks, what bounds it, and the
-share of that bound the tensor cores are busy (tensor use). A row "same as" compiles to a kernel already listed.
+*model*: the cycle model of one iteration of one CTA on one SM — its bound in clocks, what bounds it (tensor cores,
+instruction issue, MUFU, or shared memory: explicit loads and stores, wgmma's operand reads, cp.async/TMA writes),
+and the share of that bound the tensor cores are busy (tensor use). A row "same as" compiles to a kernel already listed.
 Straight-line kernels (one tile per program) have no loop: their rows stop at the 128b column."""
 
 ASSUMPTIONS = """\

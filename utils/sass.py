@@ -477,9 +477,13 @@ def _copy_bytes(instr: Instruction) -> int:
 _IMMEDIATE = re.compile(r"^-?0x[0-9a-fA-F]+$|^-?\d+$")
 
 
-def _immediate_of(register: str, before: list[Instruction]) -> int | None:
+_UNWRITTEN = object()
+
+
+def _immediate_of(register: str, before: list[Instruction]):
     """The constant the nearest preceding instruction of ``before`` (searched backwards) moved into
-    ``register`` (``MOV``, ``IMAD.MOV``, ``UMOV`` of an immediate); None if the last write is anything else."""
+    ``register`` (``MOV``, ``IMAD.MOV``, ``UMOV`` of an immediate); None if the last write is anything else,
+    ``_UNWRITTEN`` if nothing in ``before`` writes it."""
     for instr in reversed(before):
         operands = [o.strip() for o in instr.operands.split(",")]
         if not operands or operands[0] != register:
@@ -487,20 +491,22 @@ def _immediate_of(register: str, before: list[Instruction]) -> int | None:
         if instr.opcode.startswith(("MOV", "IMAD.MOV", "UMOV")) and _IMMEDIATE.match(operands[-1]):
             return int(operands[-1], 0)
         return None
-    return None
+    return _UNWRITTEN
 
 
-def _tma_bytes(instrs: list[Instruction]) -> int:
+def _tma_bytes(instrs: list[Instruction], kernel: list[Instruction] | None = None) -> int:
     """Bytes the TMA copies of a pass write into shared memory, per CTA.
 
     A TMA load (``UTMALDG``) names only its descriptor, not its size: the size is the transaction count the
     mbarrier it completes is told to expect (``SYNCS.ARRIVE.TRANS64 ..., Rn`` / an immediate), which the CTA's one
     elected thread sets once per stage. Read from the constant last moved into that register inside the pass
-    (the loop is searched cyclically: a value set at the bottom serves the next iteration); 0 when the pass has
-    no TMA load or the count is not a constant there.
+    (the loop is searched cyclically: a value set at the bottom serves the next iteration), else, when the pass
+    never writes it and ``kernel`` (the whole kernel's instructions) is given, before the pass; 0 when the pass
+    has no TMA load or the count is not such a constant.
     """
     if not any(i.base in ("UTMALDG", "UBLKCP") and i.predicate != "!PT" for i in instrs):
         return 0
+    start = instrs[0].address if instrs else 0
     total = 0
     for index, instr in enumerate(instrs):
         parts = instr.opcode.split(".")
@@ -511,16 +517,20 @@ def _tma_bytes(instrs: list[Instruction]) -> int:
             total += int(count, 0)
             continue
         value = _immediate_of(count, instrs[index + 1 :] + instrs[:index])
-        total += value or 0
+        if value is _UNWRITTEN and kernel is not None:
+            value = _immediate_of(count, [i for i in kernel if i.address < start])
+        total += value if isinstance(value, int) else 0
     return total
 
 
-def mix(instrs) -> Mix:
+def mix(instrs, kernel=None) -> Mix:
     """Count instructions by category; FMA per warp of the tensor instructions; bytes through shared memory.
 
     Shared-memory bytes of one pass, four kinds: the explicit loads/stores of one warp (``shared_bytes``); the
     operands one warp's share of each wgmma reads from shared memory (``operand_bytes``, :func:`_operand_bytes`);
     one warp's cp.async writes (``copy_bytes``); the CTA's TMA writes (``tma_bytes``, :func:`_tma_bytes`).
+    ``kernel``: the whole kernel's instructions, where ``instrs`` is a loop of it (a TMA stage's byte count may be
+    set before the loop).
     """
     instrs = list(instrs)
     counts = Counter(classify(i) for i in instrs)
@@ -531,7 +541,7 @@ def mix(instrs) -> Mix:
         shared_bytes=sum(_shared_bytes(i) for i in instrs),
         operand_bytes=sum(_operand_bytes(i) for i in instrs),
         copy_bytes=sum(_copy_bytes(i) for i in instrs),
-        tma_bytes=_tma_bytes(instrs),
+        tma_bytes=_tma_bytes(instrs, None if kernel is None else sorted(kernel, key=lambda i: i.address)),
     )
 
 
