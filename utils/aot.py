@@ -27,7 +27,16 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["HOPPER", "Usage", "compile_kernel", "resource_usage", "run_compiled", "vectorized"]
+__all__ = [
+    "HOPPER",
+    "Occupancy",
+    "Usage",
+    "compile_kernel",
+    "occupancy",
+    "resource_usage",
+    "run_compiled",
+    "vectorized",
+]
 
 #: (backend, compute capability, warp size) of an H100/H200.
 HOPPER = ("cuda", 90, 32)
@@ -146,3 +155,50 @@ def vectorized(ptx: str, loads: bool = True, stores: bool = True) -> bool:
     return (not loads or any(v in ptx for v in _VECTOR_LOADS)) and (
         not stores or any(v in ptx for v in _VECTOR_STORES)
     )
+
+
+@dataclass(frozen=True)
+class Occupancy:
+    """Resident blocks and warps per SM, and which limit set them."""
+
+    blocks_per_sm: int
+    warps_per_sm: int
+    limiter: str  # "registers", "shared memory", "warps" or "blocks"
+
+
+def occupancy(registers: int, shared_bytes: int, num_warps: int, machine=None) -> Occupancy:
+    """How many blocks of ``num_warps`` warps fit on one SM (sm_90 unless ``machine`` says otherwise).
+
+    The CUDA occupancy calculator's rules for compute capability 9.0 (``utils.sass.SM90`` holds the figures):
+    registers are allocated per warp in units of 256 (``registers`` per thread x 32, rounded up) from 65,536;
+    shared memory per block is rounded up to 128 bytes plus the runtime's 1 KiB, from 228 KiB (a block over
+    227 KiB cannot launch: 0 blocks); at most 64 warps and 32 blocks. The limiter is the smallest of the four;
+    on a tie the fixed limits (warps, then blocks) are named before the resources (registers, shared memory).
+    """
+    from utils.sass import SM90
+
+    m = machine or SM90
+    if num_warps < 1:
+        raise ValueError(f"kernel_ladder.occupancy: num_warps must be >= 1, got {num_warps}")
+    if not 0 <= registers <= m.max_registers_per_thread:
+        raise ValueError(
+            f"kernel_ladder.occupancy: registers must be in [0, {m.max_registers_per_thread}], got {registers}"
+        )
+    if shared_bytes < 0:
+        raise ValueError(f"kernel_ladder.occupancy: shared_bytes must be >= 0, got {shared_bytes}")
+    per_warp = -(-registers * 32 // m.register_unit) * m.register_unit
+    by_registers = (m.registers // per_warp) // num_warps if per_warp else m.max_blocks
+    if shared_bytes > m.max_shared_per_block:
+        by_shared = 0
+    else:
+        per_block = -(-shared_bytes // m.shared_unit) * m.shared_unit + m.shared_reserved_per_block
+        by_shared = m.shared_bytes // per_block
+    limits = {
+        "warps": m.max_warps // num_warps,
+        "blocks": m.max_blocks,
+        "registers": by_registers,
+        "shared memory": by_shared,
+    }
+    limiter = min(limits, key=limits.get)
+    blocks = limits[limiter]
+    return Occupancy(blocks_per_sm=blocks, warps_per_sm=blocks * num_warps, limiter=limiter)
