@@ -76,11 +76,12 @@ def _key_range(m0, m_last, seqlen_k, diagonal, window, CAUSAL: tl.constexpr, HAS
 
 @triton.jit
 def _query_range(n0, n_last, seqlen_q, diagonal, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                 BLOCK_M: tl.constexpr, INDEX_64: tl.constexpr):
+                 BLOCK_M: tl.constexpr):
     """The query blocks that see keys ``n0 .. n_last``: ``(lo, full_lo, full_hi, hi)`` as in :func:`_key_range`.
 
-    Key ``j`` is seen by rows ``[j - diagonal, j - diagonal + W)``. The unmasked blocks ``[full_lo, full_hi)``
-    are whole blocks inside ``seqlen_q`` (a last, partial block is masked: it loads no row past the end).
+    Key ``j`` is seen by rows ``[j - diagonal, j - diagonal + W)``. Rows past ``seqlen_q`` (the last
+    block's padding) need no mask: they load ``lse2 = +inf``, so their ``P`` is 0. int32 bounds: the
+    dK/dV loop widens its row offsets to int64 itself where needed.
     """
     if CAUSAL:
         lo = tl.maximum(n0 - diagonal, 0) // BLOCK_M * BLOCK_M
@@ -95,10 +96,8 @@ def _query_range(n0, n_last, seqlen_q, diagonal, window, CAUSAL: tl.constexpr, H
     else:
         hi = seqlen_q
         full_hi = seqlen_q
-    full_hi = tl.maximum(tl.minimum(tl.minimum(full_hi, hi), seqlen_q // BLOCK_M * BLOCK_M), lo)
+    full_hi = tl.maximum(tl.minimum(full_hi, hi), lo)
     full_lo = tl.minimum(tl.maximum(full_lo, lo), full_hi)
-    if INDEX_64:  # the loops multiply these by strides
-        lo, full_lo, full_hi, hi = lo.to(tl.int64), full_lo.to(tl.int64), full_hi.to(tl.int64), hi.to(tl.int64)
     return lo, full_lo, full_hi, hi
 
 
