@@ -3,14 +3,14 @@
 **Tiles.** On a GPU each kernel is autotuned (``triton.autotune``, :func:`make_autotuned`) over its own
 list of tile configurations — the forward over 64/128-row query blocks and 32-128-key blocks with 4 or
 8 warps and 2-3 pipeline stages; the backward kernels over smaller blocks (16-128), because the dK/dV
-program holds four tiles of its key block (K, V, dK, dV) and the dQ program three, and the register
-file, not shared memory, is what runs out first. Each config carries the widest head dim at which
-ptxas fits it in registers for sm_90 without spilling (measured by ``tests/aot/flash_attention.py``;
-separately for fp32 inputs and for soft-capping, which keeps more live), and the pruner keeps the
-configs that fit the launch's head dim, dtype and shared memory. The key is the head-dim tile, the
-switches and power-of-two buckets of the lengths. In the interpreter, which cannot autotune, one
-small configuration runs (:data:`INTERPRETER_CONFIG`). Head dims up to 256 are supported, any value
-(48, 80, 96, ...): the tile is padded to the next power of two with masks.
+program holds its key block's fp32 dK and dV in registers (K and V in shared memory) and the dQ program
+its fp32 dQ, and the register file, not shared memory, is what runs out first. Each config carries the
+widest head dim at which ptxas fits it in registers for sm_90 without spilling (measured by
+``tests/aot/flash_attention.py``; separately for fp32 inputs and for soft-capping, which keeps more
+live), and the pruner keeps the configs that fit the launch's head dim, dtype and shared memory. The
+key is the head-dim tile, the switches and power-of-two buckets of the lengths. In the interpreter,
+which cannot autotune, one small configuration runs (:data:`INTERPRETER_CONFIG`). Head dims up to 256
+are supported, any value (48, 80, 96, ...): the tile is padded to the next power of two with masks.
 """
 
 from __future__ import annotations
