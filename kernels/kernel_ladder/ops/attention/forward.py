@@ -55,7 +55,7 @@ __all__ = ["flash_attention_forward_kernel"]
 
 @triton.jit
 def _forward_blocks(
-    acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, last_key, first_key, d_mask, dv_mask,
+    acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, stride_kn, stride_vn, last_key, first_key, d_mask, dv_mask,
     start, end, seqlen_k, sm_scale, qk_scale, softcap, block_list_ptr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SPARSE: tl.constexpr, SAME_DV: tl.constexpr,
@@ -66,26 +66,31 @@ def _forward_blocks(
     step, from the int32 list at ``block_list_ptr`` (block indices, in units of ``BLOCK_N`` keys;
     ``None`` and never read for consecutive blocks).
 
-    ``k_ptrs``/``v_ptrs`` point at key 0 of the block's columns (``[BLOCK_N, BLOCK_D]``); row ``i``
-    sees keys ``first_key[i] <= j <= last_key[i]`` (``i + diagonal - W + 1`` and ``i + diagonal``).
+    ``k_base``/``v_base`` point at key 0 of the head (scalars); ``k_offs``/``v_offs`` are a block's
+    element offsets (``[BLOCK_N, BLOCK_D]``), the same for every block: each step advances the scalar
+    base by ``BLOCK_N`` rows, so the per-element addresses cost one add per load and nothing else.
+    Row ``i`` sees keys ``first_key[i] <= j <= last_key[i]`` (``i + diagonal - W + 1`` and ``i + diagonal``).
     Unmasked blocks (``MASKED`` False) are inside ``seqlen_k`` and visible to every row: no mask.
+    The scores stay unscaled until the exponent: the row maximum is taken of ``Q K^T`` and scaled once
+    per row (``qk_scale > 0``, so ``max(s * c) = max(s) * c`` exactly), and ``exp2``'s argument
+    ``s * qk_scale - m`` is one fused multiply-add per score.
     The loop body is written out (no helper calls): it is the hot loop, also in the interpreter.
     """
     cols = start + tl.arange(0, BLOCK_N)
-    k_ptrs += start * stride_kn
-    v_ptrs += start * stride_vn
     step_k = BLOCK_N * stride_kn
     step_v = BLOCK_N * stride_vn
+    k_base += start * stride_kn
+    v_base += start * stride_vn
     for _ in range(start, end, BLOCK_N):
         if BLOCK_SPARSE:  # the next listed block: its keys and their K/V rows
             block = tl.load(block_list_ptr)
             block_list_ptr += 1
             cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
-            k_tile = k_ptrs + block.to(tl.int64) * step_k
-            v_tile = v_ptrs + block.to(tl.int64) * step_v
+            k_tile = k_base + block.to(tl.int64) * step_k
+            v_tile = v_base + block.to(tl.int64) * step_v
         else:
-            k_tile = k_ptrs
-            v_tile = v_ptrs
+            k_tile = k_base
+            v_tile = v_base
         if MASKED:
             k_mask = (cols < seqlen_k)[:, None] & d_mask[None, :]
         else:
@@ -96,12 +101,10 @@ def _forward_blocks(
             v_mask = (cols < seqlen_k)[:, None] & dv_mask[None, :]
         else:
             v_mask = dv_mask[None, :]
-        k = tl.load(k_tile, mask=k_mask, other=0.0)
-        qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
-        if SOFTCAP:  # Gemma-2: scale, then cap, then base 2
-            s = softcapped(qk * sm_scale, softcap) * _LOG2E
-        else:
-            s = qk * qk_scale
+        k = tl.load(k_tile + k_offs, mask=k_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
+        if SOFTCAP:  # Gemma-2: scale, then cap, then base 2 (the scale is in the scores: qk_scale unused)
+            s = softcapped(s * sm_scale, softcap) * _LOG2E
         if MASKED:
             visible = (cols < seqlen_k)[None, :]
             if CAUSAL:
@@ -110,16 +113,20 @@ def _forward_blocks(
                 visible = visible & (cols[None, :] >= first_key[:, None])
             s = tl.where(visible, s, float("-inf"))
             cols += BLOCK_N
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if SOFTCAP:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp2(s - m_new[:, None])
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            p = tl.exp2(s * qk_scale - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)  # the rescale of everything accumulated so far
-        p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_tile, mask=v_mask, other=0.0)
+        v = tl.load(v_tile + v_offs, mask=v_mask, other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=INPUT_PRECISION)
         m_i = m_new
         if not BLOCK_SPARSE:
-            k_ptrs += step_k
-            v_ptrs += step_v
+            k_base += step_k
+            v_base += step_v
     return acc, m_i, l_i
 
 
@@ -180,10 +187,11 @@ def flash_attention_forward_kernel(
         q_base = q_ptr + batch * stride_qb + head * stride_qh + q_start * stride_qm
         q = tl.load(q_base + rows[:, None] * stride_qm + offs_d[None, :] * stride_qd,
                     mask=row_mask[:, None] & d_mask[None, :], other=0.0)
-        k_ptrs = (k_ptr + batch * stride_kb + kv_head * stride_kh + k_start * stride_kn
-                  + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd)
-        v_ptrs = (v_ptr + batch * stride_vb + kv_head * stride_vh + k_start * stride_vn
-                  + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd)
+        # scalar bases (advanced per key block) and one block's element offsets (loop-invariant)
+        k_base = k_ptr + batch * stride_kb + kv_head * stride_kh + k_start * stride_kn
+        v_base = v_ptr + batch * stride_vb + kv_head * stride_vh + k_start * stride_vn
+        k_offs = offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
+        v_offs = offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd
 
         diagonal = _diagonal(seqlen_q=seqlen_q, seqlen_k=seqlen_k)
         m_last = tl.minimum(m0 + BLOCK_M, seqlen_q) - 1
@@ -201,30 +209,34 @@ def flash_attention_forward_kernel(
                 stride_ch=stride_ch, stride_cm=stride_cm, stride_ib=stride_ib, stride_ih=stride_ih,
                 stride_im=stride_im, batch=batch, head=head, row=pid_m)
             acc, m_i, l_i = _forward_blocks(
-                acc=acc, m_i=m_i, l_i=l_i, q=q, k_ptrs=k_ptrs, v_ptrs=v_ptrs, stride_kn=stride_kn,
-                stride_vn=stride_vn, last_key=last_key, first_key=first_key, d_mask=d_mask, dv_mask=dv_mask,
+                acc=acc, m_i=m_i, l_i=l_i, q=q, k_base=k_base, v_base=v_base, k_offs=k_offs, v_offs=v_offs,
+                stride_kn=stride_kn, stride_vn=stride_vn, last_key=last_key, first_key=first_key, d_mask=d_mask,
+                dv_mask=dv_mask,
                 start=0, end=n_blocks * BLOCK_N, seqlen_k=seqlen_k, sm_scale=sm_scale, qk_scale=qk_scale,
                 softcap=softcap, block_list_ptr=block_list, MASKED=True, CAUSAL=False, HAS_WINDOW=False,
                 SOFTCAP=SOFTCAP, INPUT_PRECISION=INPUT_PRECISION, BLOCK_N=BLOCK_N, BLOCK_SPARSE=True,
                 SAME_DV=SAME_DV)
         else:  # the window's edge (masked), the blocks every row sees whole, the diagonal and the end (masked)
             acc, m_i, l_i = _forward_blocks(
-                acc=acc, m_i=m_i, l_i=l_i, q=q, k_ptrs=k_ptrs, v_ptrs=v_ptrs, stride_kn=stride_kn,
-                stride_vn=stride_vn, last_key=last_key, first_key=first_key, d_mask=d_mask, dv_mask=dv_mask,
+                acc=acc, m_i=m_i, l_i=l_i, q=q, k_base=k_base, v_base=v_base, k_offs=k_offs, v_offs=v_offs,
+                stride_kn=stride_kn, stride_vn=stride_vn, last_key=last_key, first_key=first_key, d_mask=d_mask,
+                dv_mask=dv_mask,
                 start=lo, end=full_lo, seqlen_k=seqlen_k, sm_scale=sm_scale, qk_scale=qk_scale,
                 softcap=softcap, block_list_ptr=None, MASKED=True, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW,
                 SOFTCAP=SOFTCAP, INPUT_PRECISION=INPUT_PRECISION, BLOCK_N=BLOCK_N, BLOCK_SPARSE=False,
                 SAME_DV=SAME_DV)
             acc, m_i, l_i = _forward_blocks(
-                acc=acc, m_i=m_i, l_i=l_i, q=q, k_ptrs=k_ptrs, v_ptrs=v_ptrs, stride_kn=stride_kn,
-                stride_vn=stride_vn, last_key=last_key, first_key=first_key, d_mask=d_mask, dv_mask=dv_mask,
+                acc=acc, m_i=m_i, l_i=l_i, q=q, k_base=k_base, v_base=v_base, k_offs=k_offs, v_offs=v_offs,
+                stride_kn=stride_kn, stride_vn=stride_vn, last_key=last_key, first_key=first_key, d_mask=d_mask,
+                dv_mask=dv_mask,
                 start=full_lo, end=full_hi, seqlen_k=seqlen_k, sm_scale=sm_scale, qk_scale=qk_scale,
                 softcap=softcap, block_list_ptr=None, MASKED=False, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW,
                 SOFTCAP=SOFTCAP, INPUT_PRECISION=INPUT_PRECISION, BLOCK_N=BLOCK_N, BLOCK_SPARSE=False,
                 SAME_DV=SAME_DV)
             acc, m_i, l_i = _forward_blocks(
-                acc=acc, m_i=m_i, l_i=l_i, q=q, k_ptrs=k_ptrs, v_ptrs=v_ptrs, stride_kn=stride_kn,
-                stride_vn=stride_vn, last_key=last_key, first_key=first_key, d_mask=d_mask, dv_mask=dv_mask,
+                acc=acc, m_i=m_i, l_i=l_i, q=q, k_base=k_base, v_base=v_base, k_offs=k_offs, v_offs=v_offs,
+                stride_kn=stride_kn, stride_vn=stride_vn, last_key=last_key, first_key=first_key, d_mask=d_mask,
+                dv_mask=dv_mask,
                 start=full_hi, end=hi, seqlen_k=seqlen_k, sm_scale=sm_scale, qk_scale=qk_scale,
                 softcap=softcap, block_list_ptr=None, MASKED=True, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW,
                 SOFTCAP=SOFTCAP, INPUT_PRECISION=INPUT_PRECISION, BLOCK_N=BLOCK_N, BLOCK_SPARSE=False,
