@@ -109,15 +109,17 @@ class AttentionConfig:
 _c = AttentionConfig
 #: Forward candidates on a GPU: 128- and 64-row query blocks; 32-key blocks for head dim 256. (A sliding window
 #: without soft-capping keeps more live at the limits: ``max_head_dim_window``, measured.) 128 x 128 takes head
-#: dim 128 when K and V come through tensor descriptors (no address registers), 64 with ``cp.async``.
+#: dim 128 when K and V come through tensor descriptors (no address registers), 64 with ``cp.async``; 128 x 32
+#: takes 256 with them, 128 without (where 64 x 32 serves 256).
 FORWARD_GPU_CONFIGS: tuple[AttentionConfig, ...] = (
     _c(128, 128, 8, 2, max_head_dim=64, max_head_dim_window=32, max_head_dim_tma=128),
-    _c(128, 64, 8, 3, max_head_dim=128, max_head_dim_window=64),
+    _c(128, 64, 8, 3, max_head_dim=128, max_head_dim_fp32=32, max_head_dim_window=64),
     _c(128, 64, 8, 2, max_head_dim=128),
     _c(64, 128, 8, 2, max_head_dim=128, max_head_dim_fp32=32, max_head_dim_softcap=64, max_head_dim_window=64),
     _c(64, 64, 4, 3, max_head_dim=128, max_head_dim_fp32=32, max_head_dim_softcap=64, max_head_dim_window=64),
     _c(64, 64, 8, 2, max_head_dim=128),
-    _c(128, 32, 8, 2, max_head_dim=256, max_head_dim_softcap=128, max_head_dim_window=128),
+    _c(128, 32, 8, 2, max_head_dim=128, max_head_dim_fp32=128, max_head_dim_softcap=128, max_head_dim_narrow_v=256,
+       max_head_dim_window=128, max_head_dim_tma=256),
     _c(64, 32, 8, 2, max_head_dim=256),
 )
 #: dK/dV candidates: a key block (K, V and fp32 dK, dV) held in registers, query blocks streamed. This
