@@ -644,6 +644,19 @@ def test_tensor_descriptor_and_cp_async_loads_give_the_same_bits(options, gen, m
         assert_matches(tma, reference(q, k, v, **options)[0], torch.float32)
 
 
+def test_varlen_tensor_descriptor_and_cp_async_loads_give_the_same_bits(gen, monkeypatch):
+    """Packed sequences of 0 to 40 keys, each its own descriptor or its masked loads: the same bits."""
+    q, cu_q = pack([5, 0, 33, 17], 4, 40, gen)
+    k, cu_k = pack([9, 3, 40, 6], 2, 40, gen)
+    v = rand(*k.shape, gen=gen)
+    chosen = _spy_tma(monkeypatch)
+    tma = kernel_ladder.flash_attention_varlen(q, k, v, cu_q, cu_k, 33, 40, causal=True, window=7)
+    _spy_tma(monkeypatch, force=False)
+    masked = kernel_ladder.flash_attention_varlen(q, k, v, cu_q, cu_k, 33, 40, causal=True, window=7)
+    assert chosen == [TMA]
+    assert torch.equal(tma, masked)
+
+
 def test_tensor_descriptors_read_nothing_past_a_sequence_or_a_head(gen, monkeypatch):
     """A packed sequence's descriptor ends at its own last key and at the head dim: an infinite next sequence
     (keys 20.. of the first one's last block) and an infinite next head (the columns past D = 48 in the tile of
