@@ -21,9 +21,10 @@ PYTEST_FLAGS ?=
 help:
 	@echo "make lab        set up, then open the course in JupyterLab"
 	@echo "make test       set up, then run every test (kernels, utils, solutions, notebooks)"
-	@echo "make report     set up, then run every ladder step, the host-overhead table, the collectives (chapter 11) and the training run (chapter 12) into docs/results.md"
+	@echo "make report     set up, then run every ladder step, the host-overhead table, the collectives (chapter 11), the training run (chapter 12) and the sm_90 instruction-level view into docs/results.md"
 	@echo "make notebooks  run every chapter notebook in both modes, save the learner-mode outputs"
 	@echo "make gpu-check  on a GPU machine, with its own python3: correctness at real sizes + timings"
+	@echo "                (quick round by default; FULL=1: every timing and autotune candidate; BUDGET_S=seconds)"
 	@echo "                (PROFILE=1: also a torch.profiler trace of a training step under \$$OUT/profile)"
 	@echo "make lint       ruff"
 
@@ -81,6 +82,7 @@ report: setup
 	$(PY) -m bench.overhead
 	$(PY) -m bench.ch11_distributed
 	$(PY) -m bench.ch12_train
+	$(PY) -m utils.isa_report
 
 # Each notebook in solution mode (every check solved), then in learner mode (none solved, everything else
 # the same); the learner-mode run is saved: what a learner sees on first open.
@@ -88,10 +90,16 @@ notebooks: setup
 	$(PY) -m utils.notebooks execute chapters
 
 # Runs with the GPU machine's own python3 (no venv, nothing installed): the repository on PYTHONPATH.
+# The quick round by default: every op checked at real sizes, the headline timings, each autotuned kernel tuned
+# over its first candidate only, no new entry started after BUDGET_S seconds (default 450). FULL=1: every timing
+# (torch.compile included) over every candidate, no budget unless BUDGET_S is set.
 # PROFILE=1 adds a torch.profiler trace of a training step under $$OUT/profile (bench.profile_step).
 PROFILE ?= 0
+FULL ?= 0
+BUDGET_S ?=
 gpu-check:
-	PYTHONPATH=$(CURDIR) python3 -m bench.gpu_check $(if $(filter 1,$(PROFILE)),--profile,)
+	PYTHONPATH=$(CURDIR) python3 -m bench.gpu_check $(if $(filter 1,$(FULL)),,--quick) \
+	  $(if $(BUDGET_S),--budget-s $(BUDGET_S),) $(if $(filter 1,$(PROFILE)),--profile,)
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -57,6 +57,9 @@ class Timing:
     #: Why this implementation cannot run here (say, an op this torch lacks): recorded with the reason
     #: instead of a time, not a failure. Empty: time it.
     unavailable: str = ""
+    #: Whether ``--quick`` times it; None: the rule of :func:`bench.gpu_check.is_headline` (the op's baseline,
+    #: implementations with a target, else the ladder's top; never torch.compile).
+    headline: bool | None = None
 
 
 @dataclass

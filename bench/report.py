@@ -21,6 +21,7 @@ import torch
 import kernel_ladder
 from bench import Figure, Ladder, Step, figures, ladders
 from utils.exercises import default_tolerance
+from utils.results import write_between
 from utils.roofline import dtype_key, predict
 from utils.trace import format_bytes, trace
 
@@ -252,17 +253,6 @@ def write_results(rows: list[Row], stamp: str, images: list[pathlib.Path], path:
         END,
     ])
     write_between(path, BEGIN, END, generated)
-
-
-def write_between(path: pathlib.Path, begin: str, end: str, generated: str) -> None:
-    """Put ``generated`` (which starts with ``begin`` and ends with ``end``) in place of the part of
-    ``path`` between those markers; append it if the file has none (a new file starts ``# Results``)."""
-    old = path.read_text() if path.exists() else "# Results\n\n"
-    if begin in old and end in old:
-        new = old[: old.index(begin)] + generated + old[old.index(end) + len(end):]
-    else:
-        new = old.rstrip() + "\n\n" + generated + "\n"
-    path.write_text(new)
 
 
 def summary_table(rows: list[Row]) -> str:

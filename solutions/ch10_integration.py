@@ -868,3 +868,266 @@ def without_syncs(function: Callable[..., Any]) -> Callable[..., Any]:
     guarded.__name__ = getattr(function, "__name__", "guarded")
     guarded.__wrapped__ = function
     return guarded
+
+
+# ----------------------------------------------------------------------------------------------
+# Op 4 (exercise 5, the instruction level): a loop's integer overhead, read from its sm_90 SASS
+# ----------------------------------------------------------------------------------------------
+
+#: The tile both kernels add per iteration, and the launch the check compiles: 32 x 64 fp32 over
+#: 4 warps is 16 elements — 16 FP32 adds — per thread per tile.
+BIAS_GRAD_BLOCK_R = 32
+BIAS_GRAD_BLOCK_D = 64
+BIAS_GRAD_WARPS = 4
+ADDS_PER_TILE = BIAS_GRAD_BLOCK_R * BIAS_GRAD_BLOCK_D // (32 * BIAS_GRAD_WARPS)
+
+
+@triton.jit
+def bias_grad_flat_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t, stride_d,
+                          BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``out[d] = Σ_{b,t} x[b, t, d]``: the bias gradient of a ``(B, T, D)`` output gradient, any strides.
+
+    One program per ``BLOCK_D`` columns; its loop walks the ``B·T`` rows as one flat range,
+    ``BLOCK_R`` rows at a time, and adds each tile into a ``BLOCK_R × BLOCK_D`` fp32 accumulator.
+    Given to exercise 5: right, and its steady loop is mostly integer instructions.
+    """
+    cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    for start in range(0, B * T, BLOCK_R):
+        rows = start + tl.arange(0, BLOCK_R)
+        b = rows // T
+        t = rows % T
+        offsets = (b.to(tl.int64)[:, None] * stride_b + t.to(tl.int64)[:, None] * stride_t
+                   + cols.to(tl.int64)[None, :] * stride_d)
+        mask = (rows[:, None] < B * T) & (cols[None, :] < D)
+        acc += tl.load(x_ptr + offsets, mask=mask, other=0.0)
+    tl.store(out_ptr + cols, tl.sum(acc, axis=0), mask=cols < D)
+
+
+@triton.jit
+def bias_grad_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t, stride_d,
+                     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Exercise 5's solution: the same sums, with the integer work taken out of the steady loop.
+
+    Teaches reading a loop's SASS for what it costs besides its work. The given loop recovers
+    ``(b, t)`` from a flat row index with a runtime ``//`` and ``%`` per row (I2F, MUFU.RCP,
+    IMAD.HI...), rebuilds every address from the strides in 64 bits (IMAD.WIDE) and compares every
+    row against the end (ISETP) — for a mask only the last tile needs. Here the loops follow the
+    data instead: one over ``b``, one over the tiles of ``t``; the tile's offsets are computed once,
+    the pointers advance by one tile's stride per iteration, whole tiles load with the column mask
+    alone (loop-invariant: a predicate set once), and the one partial tile of each ``b`` is added
+    after the loop, masked. The steady loop keeps the same work — one tile loaded, 16 FP32 adds per
+    thread — with a few integer instructions left: the pointer increments and the loop's counter.
+    """
+    cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_mask = cols < D
+    rows = tl.arange(0, BLOCK_R)
+    tile = rows.to(tl.int64)[:, None] * stride_t + cols.to(tl.int64)[None, :] * stride_d
+    step = BLOCK_R * stride_t  # one tile down (an i32 offset: a pointer plus it is one IMAD.WIDE)
+    whole = T - T % BLOCK_R  # the rows of each b that fill whole tiles
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    batch_ptr = x_ptr
+    for _ in range(0, B):
+        ptrs = batch_ptr + tile
+        for _ in range(0, whole, BLOCK_R):
+            acc += tl.load(ptrs, mask=col_mask[None, :], other=0.0)
+            ptrs += step
+        if whole < T:  # the partial last tile: the only one that needs a row mask
+            acc += tl.load(ptrs, mask=(rows[:, None] < T - whole) & col_mask[None, :], other=0.0)
+        batch_ptr += stride_b
+    tl.store(out_ptr + cols, tl.sum(acc, axis=0), mask=col_mask)
+
+
+def bias_grad(x: torch.Tensor, kernel: Any = bias_grad_kernel) -> torch.Tensor:
+    """``x.sum(dim=(0, 1))`` in float32 for ``x`` of shape ``(B, T, D)``, any strides, by ``kernel``
+    (one program per 64 columns, 32-row tiles: the launch the check compiles)."""
+    if x.dim() != 3 or x.dtype != torch.float32:
+        raise ValueError(f"ch10.bias_grad: expected x float32 of shape (B, T, D), got {x.dtype} {tuple(x.shape)}")
+    batch, length, width = x.shape
+    out = torch.full((width,), float("nan"), dtype=torch.float32, device=x.device)  # unwritten shows as NaN
+    if width and batch * length:
+        kernel[(triton.cdiv(width, BIAS_GRAD_BLOCK_D),)](x, out, batch, length, width, *x.stride(),
+                                                         BLOCK_R=BIAS_GRAD_BLOCK_R, BLOCK_D=BIAS_GRAD_BLOCK_D,
+                                                         num_warps=BIAS_GRAD_WARPS)
+    elif width:
+        out.zero_()
+    return out
+
+
+def _bias_grad_spec() -> Any:
+    from utils.exercises.sass_loop import CompileSpec
+
+    # What Triton's launcher builds for a contiguous (8, 1000, 4096) float32 gradient: stride_d = 1 a
+    # constant, D and the two outer strides multiples of 16; T = 1000 and B = 8 are not.
+    types = {"x_ptr": "*fp32", "out_ptr": "*fp32", "B": "i32", "T": "i32", "D": "i32", "stride_b": "i32",
+             "stride_t": "i32", "stride_d": "i32"}
+    return CompileSpec(label="x (8, 1000, 4096) fp32", types=types,
+                       constexprs={"BLOCK_R": BIAS_GRAD_BLOCK_R, "BLOCK_D": BIAS_GRAD_BLOCK_D},
+                       ones=("stride_d",), divisible=("D", "stride_t", "stride_b"), num_warps=BIAS_GRAD_WARPS)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopBound:
+    """What exercise 5's steady loop may spend per tile of ``BLOCK_R × BLOCK_D`` rows it adds:
+    at most ``overhead`` integer and control instructions, beside the tile's ``adds`` FP32 adds."""
+
+    overhead: int
+    adds: int
+
+
+#: The bound: two integer or control instructions per element added (32 per tile); the given loop
+#: spends about ten per element.
+BIAS_GRAD_BOUND = LoopBound(overhead=2 * ADDS_PER_TILE, adds=ADDS_PER_TILE)
+
+
+def bias_grad_cases(gen: torch.Generator) -> list[tuple]:
+    """``(x,)`` for five awkward shapes — a partial last tile, ``T`` under one tile, whole tiles only,
+    a transposed and column-strided view, ``T = 1`` — then ``(spec,)``: the sm_90 compile whose
+    steady loop is counted."""
+    device = kernel_ladder.runtime.DEVICE
+    cases = []
+    for shape in ((2, 37, 70), (3, 5, 33), (1, 64, 64)):
+        cases.append((torch.randn(*shape, generator=gen).to(device),))
+    strided = torch.randn(19, 4, 200, generator=gen).to(device).transpose(0, 1)[:, :, ::2]  # (4, 19, 100)
+    cases.append((strided,))
+    cases.append((torch.randn(5, 1, 20, generator=gen).to(device),))
+    cases.append((_bias_grad_spec(),))
+    return cases
+
+
+def bias_grad_reference(x: Any) -> Any:
+    """The column sums in float64 — or, for the compile case, the bound its loop must keep."""
+    if isinstance(x, torch.Tensor):
+        return x.double().sum(dim=(0, 1))
+    return BIAS_GRAD_BOUND
+
+
+def bias_grad_checked(kernel: Any) -> Any:
+    """The candidate for exercise 5: ``kernel`` launched on a tensor case; on the compile case, its
+    sm_90 steady loop (:func:`utils.exercises.sass_loop.loop_report`)."""
+    from utils.exercises.sass_loop import CompileSpec, loop_report
+
+    def run(x: Any) -> Any:
+        if isinstance(x, CompileSpec):
+            return loop_report(kernel, x)
+        return bias_grad(x, kernel)
+
+    run.__name__ = getattr(kernel, "__name__", "run")
+    return run
+
+
+# What each kind of overhead compiles to: how a verdict names it from the opcodes left in the loop.
+_DIVISION = ("I2F", "F2I", "MUFU.RCP", "IMAD.HI", "IABS")
+
+
+def _loop_causes(opcodes: dict[str, int]) -> list[str]:
+    causes = []
+    names = " ".join(opcodes)
+    if any(marker in names for marker in _DIVISION):
+        causes.append("a runtime division or modulo (`//`, `%` by a value only known at run time compile to "
+                      "I2F/MUFU.RCP/IMAD.HI sequences, per row)")
+    # Sign extensions, 32x32->64 multiplies and the high halves of 64-bit adds (a pointer advanced by an
+    # i32 offset is one IMAD.WIDE, which is not counted here).
+    wide = sum(n for opcode, n in opcodes.items()
+               if opcode.startswith(("SHF.R.S32.HI", "IMAD.WIDE.U32", "LEA.HI.X", "IMAD.X", "IADD3.X")))
+    if wide > 4:
+        causes.append(f"64-bit address arithmetic rebuilt each iteration ({wide} SHF.R.S32.HI/IMAD.WIDE.U32/"
+                      "LEA.HI.X/IMAD.X/IADD3.X): compute the tile's offsets once and advance a pointer")
+    compares = sum(n for opcode, n in opcodes.items() if opcode.startswith(("ISETP", "PLOP3", "SEL")))
+    if compares > 4:
+        causes.append(f"a mask evaluated every iteration ({compares} ISETP/PLOP3/SEL): only the last, partial "
+                      "tile needs the row mask")
+    return causes
+
+
+def diagnose_bias_grad(got: Any, expected: Any) -> str | None:
+    """None if ``got`` is right: the column sums (values), or a steady loop within the bound (compile case)."""
+    from utils.exercises.sass_loop import LoopReport
+
+    if isinstance(expected, LoopBound):
+        if not isinstance(got, LoopReport):
+            return f"expected the loop report, got {type(got).__name__}"
+        return diagnose_loop(got, expected)
+    if not isinstance(got, torch.Tensor):
+        return f"expected a tensor of column sums, got {type(got).__name__}"
+    if tuple(got.shape) != tuple(expected.shape):
+        return f"shape {tuple(got.shape)}, expected {tuple(expected.shape)} (one sum per column d)"
+    got, expected = got.double().cpu(), expected.cpu()
+    unwritten = torch.nonzero(got.isnan()).flatten().tolist()
+    if unwritten:
+        return f"columns {_spans(unwritten)} never written (still NaN): the store's mask, or the grid"
+    tolerance = 1e-5 * expected.abs().clamp_min(1.0) + 1e-5
+    wrong = torch.nonzero((got - expected).abs() > tolerance).flatten().tolist()
+    if wrong:
+        first = wrong[0]
+        return (f"columns {_spans(wrong)} wrong (column {first}: got {float(got[first]):.6g}, expected "
+                f"{float(expected[first]):.6g})")
+    return None
+
+
+def explain_bias_grad(case: tuple, got: Any, expected: Any) -> str | None:
+    """The common wrong answers, recomputed in float64: the partial tile of each ``b`` dropped, or added twice."""
+    (x,) = case
+    if not isinstance(x, torch.Tensor) or not isinstance(got, torch.Tensor) or got.shape != expected.shape:
+        return None
+    x64 = x.double().cpu()
+    whole = x64.shape[1] - x64.shape[1] % BIAS_GRAD_BLOCK_R
+    got, reference = got.double().cpu(), expected.double().cpu()
+
+    def same(value: torch.Tensor) -> bool:
+        return bool(torch.allclose(got, value, rtol=1e-5, atol=1e-5)) and not torch.allclose(value, reference)
+
+    if same(x64[:, :whole].sum(dim=(0, 1))):
+        return (f"the last, partial tile of each b is missing (its T % BLOCK_R = {x64.shape[1] - whole} rows): "
+                "add it after the loop over whole tiles, with the row mask")
+    if same(reference + x64[:, whole:].sum(dim=(0, 1))):
+        return "the partial tile of each b is added twice: once in the loop, once after it"
+    return None
+
+
+def _spans(indices: list[int]) -> str:
+    """``[0, 1, 2, 5]`` → ``"0–2, 5"`` (at most four spans)."""
+    spans: list[list[int]] = []
+    for i in indices:
+        if spans and i == spans[-1][1] + 1:
+            spans[-1][1] = i
+        else:
+            spans.append([i, i])
+    text = ", ".join(f"{a}–{b}" if a != b else f"{a}" for a, b in spans[:4])
+    return text + (", ..." if len(spans) > 4 else "")
+
+
+def diagnose_loop(report: Any, bound: LoopBound) -> str | None:
+    """None if the steady loop keeps the tile's work and spends at most ``bound.overhead`` integer and
+    control instructions per tile; else what is wrong, and which lines of the kernel the overhead is."""
+    if report.error is not None:
+        return (f"the kernel does not compile alone for sm_90 ({report.error}): it must stand alone — "
+                "triton and tl only, no helper or global from the notebook — with the given arguments")
+    if not report.loop_found:
+        return ("no loop in the kernel's SASS: the rows must still be walked by a loop (B and T are known "
+                "at run time only)")
+    shared = report.counts.get("shared", 0) + report.counts.get("sync", 0)
+    if shared:
+        return (f"the steady loop has {shared} shared-memory/synchronization instructions: a reduction "
+                "inside the loop (tl.sum)? Keep adding the tile into a BLOCK_R × BLOCK_D accumulator in "
+                "registers and reduce once, after the loop")
+    adds = report.counts.get("fp32", 0)
+    if adds < bound.adds:
+        return (f"the steady loop does {adds} FP32 instructions per pass; adding one BLOCK_R × BLOCK_D tile is "
+                f"{bound.adds} per thread: keep the tile's work in the loop, one tile (or more) per iteration")
+    tiles = adds // bound.adds
+    per_tile = report.integer_control / tiles
+    if per_tile <= bound.overhead:
+        return None
+    opcodes = report.overhead_opcodes()
+    listed = ", ".join(f"{op} ×{n}" for op, n in list(opcodes.items())[:6])
+    heavy = sorted((line for line in report.lines if line.overhead), key=lambda line: -line.overhead)[:3]
+    where = "; ".join(f"line {line.number} `{line.text[:60]}`: {line.overhead}" for line in heavy)
+    causes = _loop_causes(opcodes)
+    text = (f"the steady loop spends {per_tile:g} integer and control instructions per tile (at most "
+            f"{bound.overhead}) beside its {bound.adds} FP32 adds: {listed}")
+    if where:
+        text += f" — by line of your kernel: {where}"
+    if causes:
+        text += " — that is " + "; and ".join(causes)
+    return text

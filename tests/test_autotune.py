@@ -77,7 +77,7 @@ def test_gpu_autotuner_wiring_is_built_without_a_gpu(monkeypatch):
     assert set(at.TUNING_KEY) <= set(mm.matmul_kernel.arg_names)
     assert [(c.kwargs, c.num_warps, c.num_stages) for c in tuned.configs] == [
         (c.meta, c.num_warps, c.num_stages) for c in GPU_CONFIGS]
-    assert tuned.early_config_prune is at.prune_configs
+    assert tuned.early_config_prune.__wrapped__ is at.prune_configs  # followed by the candidate limit
     heuristic = tuned.fn
     assert isinstance(heuristic, triton.runtime.Heuristics) and heuristic.fn is mm.matmul_kernel
     assert heuristic.values["EVEN_K"]({"K": 64, "BLOCK_K": 32}) is True

@@ -1962,3 +1962,74 @@ def test_a_loop_over_an_allowed_argument_is_structure():
     assert_not_solved(verdict, "a Python for loop at line", "of top2_by_rounds (over range(k))")
     verdict = check("rounds", top2_row_by_row, reference, cases, rules=[allowed])
     assert_not_solved(verdict, "a list comprehension at line", "of top2_row_by_row (over x)")
+
+
+# --------------------------------------------------------------------------------------------
+# The instruction-level part of a check (chapter 10): a candidate compiled alone for sm_90
+# --------------------------------------------------------------------------------------------
+
+needs_sm90 = pytest.mark.skipif(not __import__("importlib.util").util.find_spec("triton.backends.nvidia"),
+                                reason="Triton's NVIDIA backend (ptxas, nvdisasm) is needed to compile for sm_90")
+
+
+@triton.jit
+def _ch10_scale_loop_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, n, BLOCK):
+        acc += tl.load(x_ptr + start + offsets, mask=start + offsets < n, other=0.0) * 3.0
+    tl.store(out_ptr + offsets, acc)
+
+
+@triton.jit
+def _ch10_helper(x):
+    return x * 3.0
+
+
+@triton.jit
+def _ch10_uses_helper_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.arange(0, BLOCK)
+    tl.store(out_ptr + offsets, _ch10_helper(tl.load(x_ptr + offsets)))
+
+
+def _ch10_spec():
+    from utils.exercises.sass_loop import CompileSpec
+
+    return CompileSpec(label="n = 4096", types={"x_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32"},
+                       constexprs={"BLOCK": 512}, divisible=("n",))
+
+
+def test_ch10_kernel_source_starts_at_def_for_interpreted_and_plain_functions():
+    from utils.exercises.sass_loop import kernel_source
+
+    name, source = kernel_source(_ch10_scale_loop_kernel)
+    assert name == "_ch10_scale_loop_kernel" and source.startswith("def _ch10_scale_loop_kernel(")
+    assert "@triton.jit" not in source and source.rstrip().endswith("tl.store(out_ptr + offsets, acc)")
+    with pytest.raises(TypeError, match="utils.exercises.sass_loop: kernel must be a @triton.jit function"):
+        kernel_source(len)
+
+
+@needs_sm90
+def test_ch10_loop_report_counts_the_steady_loop_by_line_and_is_kept(monkeypatch):
+    from utils.exercises import sass_loop
+
+    report = sass_loop.loop_report(_ch10_scale_loop_kernel, _ch10_spec())
+    assert report.error is None and report.loop_found and report.loops >= 1, report
+    assert report.counts.get("global", 0) >= 1 and report.counts.get("fp32", 0) >= 1  # the load, the FFMA/FADD
+    assert report.integer_control == report.counts.get("integer", 0) + report.counts.get("control", 0)
+    by_line = {line.number: line for line in report.lines}
+    assert "tl.load" in by_line[5].text and by_line[5].categories.get("fp32", 0) >= 1, report.lines
+    assert sum(line.overhead for line in report.lines) <= report.integer_control
+    # Kept: the same source and spec again compiles nothing (a child process would be needed to).
+    monkeypatch.setattr("utils.aot.run_compiled", lambda *args, **kwargs: pytest.fail("compiled again"))
+    assert sass_loop.loop_report(_ch10_scale_loop_kernel, _ch10_spec()) == report
+    sass_loop._MEMORY.clear()  # and from the disk copy, in a fresh process
+    assert sass_loop.loop_report(_ch10_scale_loop_kernel, _ch10_spec()) == report
+
+
+@needs_sm90
+def test_ch10_loop_report_carries_the_error_of_a_kernel_that_does_not_stand_alone():
+    from utils.exercises import sass_loop
+
+    report = sass_loop.loop_report(_ch10_uses_helper_kernel, _ch10_spec())
+    assert report.error is not None and "_ch10_helper" in report.error and not report.loop_found, report

@@ -5,6 +5,8 @@ the interpreter cannot: that each variant (tile loop with and without K masks, e
 offsets, split-K partials and their reduction, the persistent loop) is valid compiled Triton, that
 fp16/bf16 tiles become Hopper warp-group MMAs (``wgmma``), that fp32 with ``input_precision="tf32"``
 uses tensor cores too, and that ``"ieee"`` fp32 does not (exact fp32 products need the FMA units).
+Each variant is compiled at the specialization a launch gives it (which strides are 1), and none may spill
+registers; the launched layouts keep a margin under the 255-register limit.
 """
 
 from __future__ import annotations

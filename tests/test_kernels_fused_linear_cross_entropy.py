@@ -252,10 +252,167 @@ def test_peak_memory_is_a_chunk_of_logits_not_all_of_them(gen):
 
 
 def test_chunk_rows_rule():
-    assert flce.chunk_rows(8192, 128256, 4096) == 256  # ceil(128256 / 4096) = 32 chunks' worth
-    assert flce.chunk_rows(10, 100, 1000) == 10  # V < H: the whole batch at once
-    assert flce.chunk_rows(4096, 128256, 512) == 64  # 16 rows by the rule: a tile's 64 at least
+    # Llama-3-8B's head: grad_W's traffic share (8 / 6) * 184 / chunk <= 1/8 takes 2048 rows (Liger's rule: 256)
+    assert flce.chunk_rows(8192, 128256, 4096) == 2048
+    assert (8 / 6) * flce.MACHINE_BALANCE / 2048 <= flce.GRAD_W_TRAFFIC_SHARE < (8 / 6) * flce.MACHINE_BALANCE / 1024
+    assert flce.chunk_rows(8192, 128256, 4096, element_size=4) == 2048  # fp32 logits: the budget's 2 H / 4 rows
+    assert flce.chunk_rows(8192, 151936, 896) == 512  # a small head: the budget, 2 * 896 / 2 -> 512 rows
+    assert flce.chunk_rows(8192, 151936, 896) * 151936 * 2 <= flce.LOGITS_BUDGET_SHARE * 151936 * 896 * 4
+    assert flce.chunk_rows(4096, 128256, 512) == 512  # was 64 (16 by Liger's rule, a tile's 64 at least)
+    assert flce.chunk_rows(4096, 128256, 16) == 64  # a tiny head: the budget's 16 rows, a tile's 64 at least
+    assert flce.chunk_rows(262144, 32000, 4096) == 32768  # Liger's rule asks more than the traffic: never below it
+    assert flce.chunk_rows(10, 100, 1000) == 10  # at most the batch: one chunk
+    assert flce.chunk_rows(1500, 128256, 4096) == 1500
     assert flce.chunk_rows(0, 10, 10) == 1
+
+
+# ----------------------------------------------------------------------------- the launch plan and its model
+
+# (rows, vocab, hidden, dtype, bias, reduction, chunk_size, grad): several chunks with a short last one; a bias
+# (its GEMM reads a broadcast row of ones); "sum"; no gradient; a vocabulary past the interpreter's one-block row
+# (the cross-entropy reads each row twice); fp16's casts of the fp32 gradients.
+PLAN_CASES = [
+    (70, 300, 40, torch.float32, False, "mean", 32, True),
+    (70, 300, 40, torch.bfloat16, True, "sum", 32, True),
+    (45, 130, 24, torch.float16, True, "mean", None, True),
+    (45, 130, 24, torch.float32, False, "mean", 16, False),
+    (33, 20000, 24, torch.float32, False, "mean", None, True),
+]
+
+
+def _traced_and_planned(rows, vocab, hidden, dtype, bias, reduction, chunk_size, grad, gen):
+    from utils.trace import trace
+
+    x = rand(rows, hidden, gen=gen, dtype=dtype).requires_grad_(grad)
+    weight = rand(vocab, hidden, gen=gen, dtype=dtype, scale=0.3).requires_grad_(grad)
+    b = rand(vocab, gen=gen, dtype=dtype).requires_grad_(grad) if bias else None
+    target = targets((rows,), vocab, gen, ignore_fraction=0.0)  # the plan counts every row as a class
+    with trace() as t:
+        kernel_ladder.fused_linear_cross_entropy(x, weight, target, bias=b, reduction=reduction, chunk_size=chunk_size)
+    plan = flce.launch_plan(rows, vocab, hidden, dtype, chunk_size=chunk_size, bias=bias, reduction=reduction,
+                            compute_grad=grad)
+    return t, plan
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("case", PLAN_CASES, ids=lambda c: f"{c[0]}x{c[2]}->{c[1]} {c[3]} bias={c[4]} {c[5]} "
+                                                             f"chunk={c[6]} grad={c[7]}")
+def test_launch_plan_counts_what_the_tracer_counts(case, gen):
+    """The plan, computed from the sizes alone, lists the op's launches in order with the bytes and FLOPs the
+    tracer counts for them, exactly: what makes its figures at a GPU's sizes counts rather than guesses."""
+    t, plan = _traced_and_planned(*case, gen)
+    traced = [(x.kernel, x.programs, x.bytes, x.flops) for x in t.launches]
+    assert traced == [(p.kernel, p.programs, p.bytes, p.flops) for p in plan if p.programs]
+    torch_ops = sorted((op.name, op.bytes) for op in t.torch_ops if op.launches)
+    assert torch_ops == sorted((p.kernel, p.bytes) for p in plan if not p.programs)
+    assert t.bytes == sum(p.bytes for p in plan) and t.flops == sum(p.flops for p in plan)
+    # the DRAM model counts each element once: never more than the lanes move, at least the operands once
+    assert all(p.dram_bytes <= p.bytes for p in plan)
+
+
+@pytest.mark.interpreter
+def test_launch_plan_counts_a_split_k_grad_x_too(gen, monkeypatch):
+    """With the short-M, long-K rule forced (each split keeps >= 64 of K), the 80-row chunks' grad_x GEMMs run
+    split-K on the interpreter's 4 SMs: the plan has the partials' kernel and their reduction, as traced."""
+    from kernel_ladder.ops import matmul as mm
+
+    monkeypatch.setattr(mm, "SPLIT_K_WIDE_MIN_K_PER_SPLIT", 64)
+    t, plan = _traced_and_planned(150, 300, 40, torch.float32, True, "mean", 80, True, gen)
+    kernels = [x.kernel for x in t.launches]
+    assert kernels.count("matmul_split_k_kernel") == kernels.count("matmul_split_k_reduce_kernel") == 2
+    assert [(x.kernel, x.programs, x.bytes, x.flops) for x in t.launches] == [
+        (p.kernel, p.programs, p.bytes, p.flops) for p in plan if p.programs]
+
+
+H200_SIZES = (8192, 128256, 4096)  # Llama-3-8B's head at 8k tokens
+
+
+def _h200(**kwargs):
+    return flce.launch_plan(*H200_SIZES, torch.bfloat16, interpreter=False, num_sms=132, **kwargs)
+
+
+def _total(plan, step=None, field="dram_bytes"):
+    return sum(getattr(p, field) for p in plan if step is None or p.step == step)
+
+
+def _model(plan, **kwargs):
+    return sum(flce.modelled_seconds(p, **kwargs) for p in plan)
+
+
+def test_h200_model_before_and_after_the_chunk_rule(monkeypatch):
+    """At V = 128,256, H = 4096, N = 8192 (bf16, an H200, the model's 790 TFLOP/s and 4.3 TB/s): Liger's 256-row
+    chunks without a split grad_x (the old rule) model at about twice the FLOP floor; the default chunk within
+    1.25 times it."""
+    from kernel_ladder.ops import matmul as mm
+
+    n, vocab, hidden = H200_SIZES
+    floor = flce.flop_floor_seconds(n, vocab, hidden)
+    assert floor == pytest.approx(6 * n * vocab * hidden / 790e12) and 32.6e-3 < floor < 32.8e-3
+    grad_w = vocab * hidden * 4  # the fp32 accumulator: written by the first chunk, read and written by the others
+
+    with monkeypatch.context() as m:
+        m.setattr(mm, "SPLIT_K_WIDE_MIN_K_PER_SPLIT", 10**12)  # the old rule: no split-K above 64 rows
+        before = _h200(chunk_size=256)
+    chunks = n // 256
+    assert _total(before, "grad_W GEMM") == (2 * chunks - 1) * grad_w + chunks * (256 * vocab + 256 * hidden) * 2
+    (grad_x,) = {(p.kernel, p.programs) for p in before if p.step == "grad_x GEMM"}
+    assert grad_x == ("matmul_kernel", 64)  # 64 of 132 SMs, each walking all of K
+    assert _model(before) > 1.9 * floor
+
+    after = _h200()
+    chunks = n // flce.chunk_rows(n, vocab, hidden)
+    assert chunks == 4
+    assert _total(after, "grad_W GEMM") == (2 * chunks - 1) * grad_w + chunks * (2048 * vocab + 2048 * hidden) * 2
+    assert _total(after, field="flops") == _total(before, field="flops") == 6 * n * vocab * hidden  # no padding
+    assert _model(after) <= 1.25 * floor
+    assert _model(after, overlap=False) <= 1.3 * floor  # even with no overlap of bytes and FLOPs at all
+
+
+def test_h200_model_split_k_halves_a_short_chunks_grad_x():
+    """Forced to 256-row chunks, the grad_x GEMM (M = 256, N = 4096, K = 128,256) runs split-K in two: 128 of
+    132 SMs busy instead of 64, at the cost of its fp32 partials (2 x 256 x 4096 x 4 bytes each way)."""
+    plan = _h200(chunk_size=256)
+    grad_x = [p for p in plan if p.step == "grad_x GEMM" and p.chunk == 0]
+    assert [(p.kernel, p.programs) for p in grad_x] == [("matmul_split_k_kernel", 128),
+                                                        ("matmul_split_k_reduce_kernel", 1024)]
+    one_wave = 2 * 128 * 128 * 128256 / 2 / (790e12 / 132)  # a 128 x 128 tile over half of K
+    assert flce.modelled_seconds(grad_x[0]) == pytest.approx(one_wave)
+    assert grad_x[1].bytes == 2 * 256 * 4096 * 4 + 256 * 4096 * 2
+
+
+def test_modelled_seconds_quantizes_waves_and_takes_the_larger_bound():
+    machine = flce.Machine("test", sms=4, flops_per_s=4e12, bytes_per_s=1e12)
+    launch = flce.PlannedLaunch("x", "k", programs=5, flops=5 * 10**9, bytes=0, dram_bytes=10**9)
+    assert flce.modelled_seconds(launch, machine) == pytest.approx(2 * 1e-3)  # 2 waves of 1 ms > 1 ms of bytes
+    assert flce.modelled_seconds(launch, machine, overlap=False) == pytest.approx(3e-3)
+    memory_bound = flce.PlannedLaunch("x", "k", programs=4, flops=4 * 10**9, bytes=0, dram_bytes=5 * 10**9)
+    assert flce.modelled_seconds(memory_bound, machine) == pytest.approx(5e-3)
+
+
+def test_launch_plan_bad_input():
+    with pytest.raises(ValueError, match=r"kernel_ladder.fused_linear_cross_entropy: launch_plan needs n_rows"):
+        flce.launch_plan(0, 10, 10)
+    with pytest.raises(ValueError, match=r"launch_plan plans reduction 'mean' or 'sum', got 'none'"):
+        flce.launch_plan(4, 10, 10, reduction="none")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_split_k_grad_x_gives_the_same_answer(dtype, gen, monkeypatch):
+    """The short-M, long-K split forced onto the grad_x GEMM (two 70-row chunks): loss and gradients still match
+    float64."""
+    from kernel_ladder.ops import matmul as mm
+
+    monkeypatch.setattr(mm, "SPLIT_K_WIDE_MIN_K_PER_SPLIT", 64)
+    assert mm.plan_matmul(70, 24, 260, dtype).method == "split_k"
+    x, weight = rand(140, 24, gen=gen, dtype=dtype), rand(260, 24, gen=gen, dtype=dtype, scale=0.3)
+    target = targets((140,), 260, gen)
+    loss, grads = grads_of(lambda a, w: kernel_ladder.fused_linear_cross_entropy(a, w, target, chunk_size=70),
+                           [x, weight], None)
+    want, want_grads = grads_of(lambda a, w: reference(a, w, target), [x.double(), weight.double()], None)
+    _, lowp_grads = grads_of(lambda a, w: F.cross_entropy(F.linear(a, w), target), [x, weight], None)
+    assert_matches(loss, want, torch.float32, lowp=F.cross_entropy(F.linear(x, weight).float(), target), slack=2.0)
+    for got, expected, theirs in zip(grads, want_grads, lowp_grads):
+        assert_matches(got, expected, dtype, lowp=theirs, slack=2.0)
 
 
 # ----------------------------------------------------------------------------- plumbing

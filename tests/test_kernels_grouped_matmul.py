@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 from helpers import DTYPES
 from helpers import assert_matches as _assert_matches
 
@@ -16,6 +17,7 @@ import kernel_ladder
 from kernel_ladder import _launch
 from kernel_ladder.autotune import MatmulConfig
 from kernel_ladder.ops import grouped_matmul as gm
+from kernel_ladder.ops import moe_configs as mc
 
 pytestmark = pytest.mark.usefixtures("poisoned")  # every buffer the ops allocate starts as NaN
 
@@ -318,6 +320,127 @@ def test_bad_offset_values(ends):
     with pytest.raises(ValueError, match=r"kernel_ladder\.grouped_matmul: offsets must be non-negative, non-decreasing "
                                          r"and at most x's rows M = 6.*got \[" + ", ".join(map(str, ends))):
         kernel_ladder.grouped_matmul(args["x"], args["w"], args["offsets"])
+
+
+# --------------------------------------------------------------------------- tiles: candidates, table, pruning
+
+
+def _smem_limit(monkeypatch, kib):
+    monkeypatch.setattr(kernel_ladder.autotune, "_shared_memory_limit", lambda: kib * 1024)
+
+
+def test_default_table_holds_candidates_from_decode_to_prefill():
+    for (kind, wide), rows in mc.DEFAULT_TABLE.items():
+        candidates = (mc.GPU_CANDIDATES_FP32 if wide else mc.GPU_CANDIDATES)[kind]
+        bounds = [bound for bound, _ in rows]
+        assert bounds == sorted(bounds) and bounds[-1] >= 2 ** 40, (kind, wide)  # ascending, the last is "any"
+        assert all(config in candidates for _, config in rows), (kind, wide)
+        tiles = [config.BLOCK_M for _, config in rows]
+        assert tiles == sorted(tiles), (kind, wide)  # more rows per expert, no fewer rows per tile
+    bf16 = torch.bfloat16
+    for kind in ("matmul", "gate_up"):  # decode: 16-row tiles; prefill: H200-class 128-row tiles, two warp groups
+        assert mc.default_config(kind, 3, 4096, 14336, bf16).BLOCK_M == 16
+        big = mc.default_config(kind, 1024, 14336, 4096, bf16)
+        assert (big.BLOCK_M, big.BLOCK_K, big.num_warps) == (128, 64, 8) and big.num_stages >= 3
+        assert big.BLOCK_N * (2 if kind == "gate_up" else 1) == 256  # 128 x 256 outputs per program
+    assert mc.default_config("matmul", 100, 64, 64, bf16).BLOCK_M == 64  # <= 128 rows: a partial tile wastes < 64
+    # GPT-OSS's interleaved gate/up columns: never a tile measured to spill with them, still the most rows allowed.
+    for rows in (1, 20, 100, 1000):
+        for kind in ("gate_up", "gate_up_backward"):
+            plain = mc.default_config(kind, rows, 2880, 2880, bf16)
+            config = mc.default_config(kind, rows, 2880, 2880, bf16, interleaved=True)
+            assert config.interleaved and config in mc.GPU_CANDIDATES[kind] and config.BLOCK_M == plain.BLOCK_M
+    assert mc.default_config("gate_up", 1000, 2880, 2880, bf16, interleaved=True) != mc.default_config(
+        "gate_up", 1000, 2880, 2880, bf16)
+    with pytest.raises(ValueError, match=r"^kernel_ladder\.grouped_matmul: kind must be one of .* got 'up'"):
+        mc.default_config("up", 16, 64, 64, bf16)
+
+
+def test_every_candidate_fits_hopper_shared_memory_and_the_pair_counts_twice():
+    for table, element_size in ((mc.GPU_CANDIDATES, 2), (mc.GPU_CANDIDATES_FP32, 4)):
+        for kind, candidates in table.items():
+            assert len(set(candidates)) == len(candidates)
+            assert all(c.shared_memory_bytes(kind, element_size) <= 227 * 1024 for c in candidates), kind
+            assert any(c.BLOCK_M <= 16 for c in candidates), kind  # decode has a tile
+    pair = mc.GroupedConfig(128, 128, 64, 8, 4)
+    assert pair.shared_memory_bytes("gate_up", 2) == 4 * (128 * 64 + 2 * 64 * 128) * 2  # 192 KiB
+    assert pair.shared_memory_bytes("matmul", 2) == 4 * (128 * 64 + 64 * 128) * 2
+    assert mc.GroupedConfig(64, 128, 128, 8, 3).shared_memory_bytes("dw", 2) == 3 * 64 * (128 + 128) * 2
+    assert any(c.BLOCK_M == 128 and c.BLOCK_N == 256 for c in mc.GPU_CANDIDATES["matmul"])
+
+
+@pytest.mark.skipif(not kernel_ladder.runtime.INTERPRETER, reason="the interpreter's configuration")
+def test_interpreter_keeps_its_one_small_config(monkeypatch):
+    assert mc.INTERPRETER_CONFIG == MatmulConfig(64, 64, 32, 1, 4, 2)
+    monkeypatch.setattr(mc, "autotuned", lambda *a: pytest.fail("autotuner used in the interpreter"))
+    for kind in mc.KINDS:
+        assert mc.fixed_config(kind, 1000, 8, 14336, 4096, torch.bfloat16) == mc.INTERPRETER_CONFIG
+        assert mc.fixed_config(kind, 5, 8, 40, 20, torch.float32) == MatmulConfig(16, 64, 32, 1, 4, 2)
+
+
+def test_gpu_launch_config_autotuned_or_the_table(monkeypatch):
+    monkeypatch.setattr(mc.runtime, "INTERPRETER", False)  # the choice alone, nothing launched
+    assert mc.fixed_config("gate_up", 8192, 8, 14336, 4096, torch.bfloat16) is None  # autotuned
+    monkeypatch.setattr(mc, "AUTOTUNE", False)
+    assert mc.fixed_config("gate_up", 8192, 8, 14336, 4096, torch.bfloat16) == MatmulConfig(128, 128, 64, 1, 8, 4)
+    assert mc.fixed_config("matmul", 8, 8, 4096, 14336, torch.bfloat16) == MatmulConfig(16, 128, 128, 1, 4, 4)
+    assert mc.fixed_config("matmul", 8192, 8, 40, 20, torch.bfloat16) == MatmulConfig(128, 64, 32, 1, 8, 4)  # fitted
+
+
+def _named(rows_per_expert, N, K, dtype=torch.bfloat16):
+    return {"x_ptr": torch.empty(0, dtype=dtype), "ROWS_BUCKET": mc.rows_bucket(rows_per_expert * 8, 8), "N": N,
+            "K": K}
+
+
+def _prune(kind, named, wide=False, **flags):
+    candidates = (mc.GPU_CANDIDATES_FP32 if wide else mc.GPU_CANDIDATES)[kind]
+    kept = mc._pruner(kind, candidates)([c.to_triton() for c in candidates], named, **flags)
+    by_key = {c.key: c for c in candidates}
+    return [by_key[(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages)]
+            for c in kept]
+
+
+def test_pruning_keeps_what_fits_with_the_table_first(monkeypatch):
+    _smem_limit(monkeypatch, 227)
+    assert [mc.rows_bucket(r, 8) for r in (1, 8 * 16, 8 * 17, 8192)] == [16, 16, 32, 1024]
+    prefill = _prune("gate_up", _named(1024, 14336, 4096))
+    assert prefill[0] == mc.default_config("gate_up", 1024, 14336, 4096, torch.bfloat16)
+    assert len(prefill) == len(mc.GPU_CANDIDATES["gate_up"])  # everything fits at 227 KiB
+    decode = _prune("matmul", _named(2, 4096, 14336))
+    assert decode[0] == mc.default_config("matmul", 2, 4096, 14336, torch.bfloat16)
+    assert all(c.BLOCK_M <= 64 for c in decode)  # no 128-row tile for 2 rows per expert
+    gpt_oss = _prune("gate_up", _named(1024, 2880, 2880), INTERLEAVED=True)
+    assert gpt_oss and all(c.interleaved for c in gpt_oss)
+    assert gpt_oss[0] == mc.default_config("gate_up", 1024, 2880, 2880, torch.bfloat16, interleaved=True)
+    dw = _prune("dw", _named(1024, 28672, 4096))
+    assert dw[0] == mc.default_config("dw", 1024, 28672, 4096, torch.bfloat16)
+    _smem_limit(monkeypatch, 163)  # an A100: the 192 KiB pipelines go
+    smaller = _prune("matmul", _named(1024, 4096, 14336))
+    assert smaller and all(c.shared_memory_bytes("matmul", 2) <= 163 * 1024 for c in smaller)
+    assert len(smaller) < len(mc.GPU_CANDIDATES["matmul"])
+    fp32 = _prune("gate_up", _named(1024, 14336, 4096, torch.float32), wide=True)
+    assert fp32 and all(c.shared_memory_bytes("gate_up", 4) <= 163 * 1024 for c in fp32)
+
+
+def test_autotuner_wiring_is_built_without_a_gpu(monkeypatch):
+    recorded, real = {}, triton.autotune
+
+    def spy(*args, **kwargs):
+        recorded.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(triton, "autotune", spy)
+    monkeypatch.setattr(kernel_ladder.autotune, "autotune_supports_disk_cache", lambda: True)
+    for kind in mc.KINDS:
+        recorded.clear()
+        tuned = mc.make_grouped_autotuned(kind)
+        kernel = gm.grouped_matmul_dw_kernel if kind == "dw" else gm.grouped_matmul_kernel
+        assert set(tuned.keys) <= set(kernel.arg_names) and {"ROWS_BUCKET", "N", "K", "E"} <= set(tuned.keys)
+        assert [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages)
+                for c in tuned.configs] == [c.key for c in mc.GPU_CANDIDATES[kind]]
+        assert recorded["cache_results"] is True  # tunings kept on disk across runs (matmul's wrapper)
+        assert tuned.early_config_prune is not kernel_ladder.autotune.prune_configs  # the grouped kernels' own
+        assert isinstance(tuned.fn, triton.runtime.Heuristics) == (kind != "dw")  # EVEN_K per candidate
 
 
 # --------------------------------------------------------------------------- real sizes (GPU only)

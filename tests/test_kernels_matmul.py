@@ -186,7 +186,7 @@ def test_dispatch_rule():
     # Decode-shaped: one row, long K -> split so that ~2 programs per SM run.
     split = mm.choose_split_k(1, 64, 4096, 1, cfg, sms)
     assert split == min(2 * sms // (64 // cfg.BLOCK_N), 4096 // mm.SPLIT_K_MIN_K_PER_SPLIT, mm.SPLIT_K_MAX) >= 2
-    assert mm.choose_split_k(128, 64, 4096, 1, cfg, sms) == 1  # M too large
+    assert mm.choose_split_k(128, 64, 4096, 1, cfg, sms) == 1  # 128 rows: K too short for the wide rule's splits
     assert mm.choose_split_k(1, 64, 256, 1, cfg, sms) == 1  # K too short to split
     assert mm.choose_split_k(1, 64 * sms, 4096, 1, cfg, sms) == 1  # the tile grid fills the GPU
     assert mm.choose_split_k(16, 64, 4096, 8 * sms, cfg, sms) == 1  # so does the batch
@@ -200,6 +200,72 @@ def test_dispatch_rule():
         assert mm.plan_matmul(5, 300, 20).config.BLOCK_M == 16
     else:
         assert plan.config is None  # autotuned
+
+
+def test_split_k_rule_for_short_m_long_k_on_an_h200():
+    """The wide rule at an H200's 132 SMs, with the split-K config a GPU uses for each problem."""
+    def choose(M, N, K):
+        cfg = mm.default_config(M, N, K, torch.bfloat16, "split_k", interpreter=False)
+        return cfg, mm.choose_split_k(M, N, K, 1, cfg, 132)
+
+    # A fused linear cross-entropy's grad_x at Liger's 256-row chunks: 64 tiles of 128 x 128 unsplit (64 of 132
+    # SMs); split two ways, 128 programs in one wave (the fewest splits among the best-filled).
+    cfg, split = choose(256, 4096, 128256)
+    tiles = (256 // cfg.BLOCK_M) * (4096 // cfg.BLOCK_N)
+    assert (cfg.BLOCK_M, cfg.BLOCK_N, tiles) == (128, 128, 64)
+    assert split == 2 and 128 <= tiles * split <= 132
+    assert mm.wave_efficiency(tiles * split, 132) > 0.96 > 0.49 > mm.wave_efficiency(tiles, 132)
+    plan = mm.plan_matmul(256, 4096, 128256, torch.bfloat16, num_sms=132, interpreter=False)
+    assert (plan.method, plan.split_k, plan.config) == ("split_k", 2, cfg)
+    assert choose(4096, 4096, 4096)[1] == 1  # square: 1024 tiles fill the GPU
+    assert mm.plan_matmul(4096, 4096, 4096, torch.bfloat16, num_sms=132, interpreter=False).method == "tiled"
+    assert choose(256, 4096, 4096)[1] == 1  # 64 tiles, but K too short for partials to pay (< 2 x 8192)
+    assert choose(2048, 4096, 128256)[1] == 1  # the default chunk's grad_x: 512 tiles, 3.9 waves
+    assert choose(1, 4096, 4096)[1] == 4  # decode-shaped: the 64 x 64 rule, two programs per SM, unchanged
+    # 40 tiles: three splits fill 120 of 132 SMs, more would start a mostly empty second wave
+    assert choose(128, 5120, 65536)[1] == 3
+
+
+def test_wave_efficiency():
+    assert mm.wave_efficiency(132, 132) == 1.0
+    assert mm.wave_efficiency(133, 132) == pytest.approx(133 / 264)
+    assert mm.wave_efficiency(64, 132) == pytest.approx(64 / 132)
+    assert mm.wave_efficiency(0, 132) == 0.0
+
+
+def _wide_case(gen, M, N, K, dtype, layout):
+    if layout == "transposed":
+        return rand(gen, K, M, dtype=dtype).t(), rand(gen, N, K, dtype=dtype).t()
+    if layout == "sliced":
+        return rand(gen, M + 3, 2 * K, dtype=dtype)[2:-1, ::2], rand(gen, K, N + 5, dtype=dtype)[:, 3:-2]
+    return rand(gen, M, K, dtype=dtype), rand(gen, K, N, dtype=dtype)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("M, N, K, layout", [(70, 20, 300, "contiguous"), (97, 33, 257, "transposed"),
+                                             (65, 1, 200, "sliced")], ids=str)
+def test_matmul_splits_short_m_long_k_with_the_rule_forced(M, N, K, layout, dtype, gen, monkeypatch):
+    """More than 64 rows, few tiles, a long K: with each split keeping >= 64 of K (not 8192), the interpreter's
+    4-SM GPU runs the chosen split; values match float64, the partials are summed in a fixed order (bitwise
+    the same result twice), and C += A @ B accumulates through the same path."""
+    from utils.trace import trace
+
+    monkeypatch.setattr(mm, "SPLIT_K_WIDE_MIN_K_PER_SPLIT", 64)
+    a, b = _wide_case(gen, M, N, K, dtype, layout)
+    plan = mm.plan_matmul(M, N, K, dtype)
+    assert plan.method == "split_k" and plan.split_k >= 2
+    with trace() as t:
+        out = mm.matmul(a, b)
+    assert [x.kernel for x in t.launches] == ["matmul_split_k_kernel", "matmul_split_k_reduce_kernel"]
+    tiles = -(-M // plan.config.BLOCK_M) * -(-N // plan.config.BLOCK_N)
+    assert t.launches[0].grid == (tiles, plan.split_k, 1)
+    assert_matches(out, reference(a, b), dtype)
+    assert torch.equal(out, mm.matmul(a, b))
+    c = rand(gen, M, N)
+    expected = c.double() + reference(a, b)
+    mm.launch_matmul(a, b, c, accumulate=True)  # a float32 c, as a gradient accumulator
+    assert_matches(c, expected, torch.float32)
 
 
 @pytest.mark.interpreter

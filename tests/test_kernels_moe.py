@@ -18,6 +18,7 @@ from kernel_ladder import _launch
 from kernel_ladder.autotune import MatmulConfig
 from kernel_ladder.ops import grouped_matmul as gm
 from kernel_ladder.ops import moe as moe_mod
+from kernel_ladder.ops import moe_configs
 
 pytestmark = pytest.mark.usefixtures("poisoned")  # every buffer the ops allocate starts as NaN
 
@@ -230,6 +231,43 @@ def test_gradient_of_the_weights_only(gen):
     ref = loop_reference(*f64(x, logits), ref_wg, f64(wd)[0], 2)
     (want,) = torch.autograd.grad(ref.sum(), [ref_wg])
     assert_matches(grad, want, torch.float32, slack=4.0)
+
+
+def test_autotuned_launch_path_in_the_interpreter(gen, monkeypatch):
+    """The GPU launch path of all four grouped GEMMs (autotuner, pruner, the grid from the chosen tiles), forward
+    and backward, with a stand-in benchmarker: the "faster" tile wins, each kind tunes once per key."""
+    benched = []
+
+    def bench(kernel_call, quantiles):
+        kernel_call()
+        benched.append(1)
+        t = 2.0 if len(benched) % 2 else 1.0  # the second candidate is "faster"
+        return [t, t, t]
+
+    candidates = (moe_configs.GroupedConfig(16, 16, 16, 4, 1), moe_configs.GroupedConfig(32, 32, 32, 4, 1))
+    monkeypatch.setattr(kernel_ladder.autotune, "autotune_supports_disk_cache", lambda: False)
+    tuned = {kind: moe_configs.make_grouped_autotuned(kind, True, candidates, do_bench=bench)
+             for kind in moe_configs.KINDS}
+    monkeypatch.setattr(moe_configs, "fixed_config", lambda *args, **kwargs: None)  # as on a GPU
+    monkeypatch.setattr(moe_configs, "autotuned", lambda kind, wide: tuned[kind])
+    x, logits, wg, wd = block(gen, 23, 16, 24, 5, skew=1.0)
+    g = rand(gen, 23, 16)
+    for call in range(2):  # the second call is served from the tuning caches
+        inputs = [t.clone().requires_grad_() for t in (x, logits, wg, wd)]
+        out = kernel_ladder.moe(*inputs, 2)
+        got = _grads(out, inputs, g)
+        if call == 0:
+            first = len(benched)
+    keys = sum(len(t.cache) for t in tuned.values())
+    assert len(benched) == first == 2 * keys  # each key tuned once, over both candidates
+    assert all(t.cache for t in tuned.values())  # gate/up, its backward, the plain products and dw all tuned
+    assert {c.kwargs["BLOCK_M"] for t in tuned.values() for c in t.cache.values()} == {32}
+    ref_inputs = [t.requires_grad_() for t in f64(x, logits, wg, wd)]
+    ref = loop_reference(*ref_inputs, 2)
+    assert_matches(out, ref, torch.float32, slack=2.0)
+    want = _grads(ref, ref_inputs, g.double().cpu())
+    for name, a, b in zip(("x", "router_logits", "w_gate_up", "w_down"), got, want):
+        assert_matches(a, b, torch.float32, slack=4.0, what=f"d {name}")
 
 
 # --------------------------------------------------------------------------- launches and traffic

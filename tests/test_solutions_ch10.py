@@ -8,8 +8,12 @@ with the diagnosis it must give.
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from solutions import ch10_integration as given
 from utils.exercises import check
@@ -371,3 +375,225 @@ def test_the_sync_free_version_still_reports_bad_ids_on_the_device():
     assert int(bad) == 2 and torch.equal(out[1], torch.zeros(3)) and torch.equal(out[3], table[4])
     with pytest.raises(ValueError, match=r"ch10.embedding_rows: ids must lie in \[0, 5\)"):
         given.embedding_rows(table, torch.tensor([0, 7]))
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 5: remove the integer overhead of a loop, read from its sm_90 SASS
+# ----------------------------------------------------------------------------------------------
+
+needs_sm90 = pytest.mark.skipif(not importlib.util.find_spec("triton.backends.nvidia"),
+                                reason="Triton's NVIDIA backend (ptxas, nvdisasm) is needed to compile for sm_90")
+
+
+def check_bias_grad(kernel, values_only=False):
+    cases = (lambda gen: given.bias_grad_cases(gen)[:-1]) if values_only else given.bias_grad_cases
+    return check("ch10.bias_grad_kernel", given.bias_grad_checked(kernel), given.bias_grad_reference, cases,
+                 compare=given.diagnose_bias_grad, diagnose=given.explain_bias_grad)
+
+
+def sm90_loop(kernel):
+    from utils.exercises.sass_loop import loop_report
+
+    return loop_report(kernel, given.bias_grad_cases(torch.Generator().manual_seed(0))[-1][0])
+
+
+@triton.jit
+def hoisted_but_masked_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t, stride_d,
+                              BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    # No division, pointers advanced; but the row mask is evaluated on every tile.
+    cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    rows = tl.arange(0, BLOCK_R)
+    tile = rows[:, None] * stride_t + cols[None, :] * stride_d
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    batch_ptr = x_ptr
+    for _ in range(0, B):
+        ptrs = batch_ptr + tile
+        for start in range(0, T, BLOCK_R):
+            acc += tl.load(ptrs, mask=((start + rows)[:, None] < T) & (cols[None, :] < D), other=0.0)
+            ptrs += BLOCK_R * stride_t
+        batch_ptr += stride_b
+    tl.store(out_ptr + cols, tl.sum(acc, axis=0), mask=cols < D)
+
+
+@triton.jit
+def addresses_rebuilt_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t, stride_d,
+                             BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    # No division (a loop per b), but every address rebuilt from the strides in 64 bits, every tile masked.
+    cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    rows = tl.arange(0, BLOCK_R)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    for b in range(0, B):
+        for start in range(0, T, BLOCK_R):
+            t = start + rows
+            offsets = (tl.full((), 0, tl.int64) + b) * stride_b + t.to(tl.int64)[:, None] * stride_t \
+                + cols.to(tl.int64)[None, :] * stride_d
+            acc += tl.load(x_ptr + offsets, mask=(t[:, None] < T) & (cols[None, :] < D), other=0.0)
+    tl.store(out_ptr + cols, tl.sum(acc, axis=0), mask=cols < D)
+
+
+@triton.jit
+def no_row_mask_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t, stride_d,
+                       BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    # The lean loop, with the partial tile loaded whole: rows past T read the next b (or past the end).
+    cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    rows = tl.arange(0, BLOCK_R)
+    tile = rows[:, None] * stride_t + cols[None, :] * stride_d
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    batch_ptr = x_ptr
+    for _ in range(0, B):
+        ptrs = batch_ptr + tile
+        for _ in range(0, T, BLOCK_R):
+            acc += tl.load(ptrs, mask=cols[None, :] < D, other=0.0)
+            ptrs += BLOCK_R * stride_t
+        batch_ptr += stride_b
+    tl.store(out_ptr + cols, tl.sum(acc, axis=0), mask=cols < D)
+
+
+@triton.jit
+def tail_dropped_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t, stride_d,
+                        BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    # Whole tiles only: the T % BLOCK_R last rows of each b are never added.
+    cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    rows = tl.arange(0, BLOCK_R)
+    tile = rows[:, None] * stride_t + cols[None, :] * stride_d
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    batch_ptr = x_ptr
+    for _ in range(0, B):
+        ptrs = batch_ptr + tile
+        for _ in range(0, T - T % BLOCK_R, BLOCK_R):
+            acc += tl.load(ptrs, mask=cols[None, :] < D, other=0.0)
+            ptrs += BLOCK_R * stride_t
+        batch_ptr += stride_b
+    tl.store(out_ptr + cols, tl.sum(acc, axis=0), mask=cols < D)
+
+
+@triton.jit
+def sum_in_the_loop_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t, stride_d,
+                           BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    # Right, few integer instructions, but each tile is reduced across warps inside the loop.
+    cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    rows = tl.arange(0, BLOCK_R)
+    tile = rows[:, None] * stride_t + cols[None, :] * stride_d
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    whole = T - T % BLOCK_R
+    batch_ptr = x_ptr
+    for _ in range(0, B):
+        ptrs = batch_ptr + tile
+        for _ in range(0, whole, BLOCK_R):
+            acc += tl.sum(tl.load(ptrs, mask=cols[None, :] < D, other=0.0), axis=0)
+            ptrs += BLOCK_R * stride_t
+        acc += tl.sum(tl.load(ptrs, mask=(rows[:, None] < T - whole) & (cols[None, :] < D), other=0.0), axis=0)
+        batch_ptr += stride_b
+    tl.store(out_ptr + cols, acc, mask=cols < D)
+
+
+@triton.jit
+def _tile_sum(ptrs, mask):
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def uses_a_helper_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t, stride_d,
+                         BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    # Right in the interpreter; compiled alone, _tile_sum is not there.
+    cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    rows = tl.arange(0, BLOCK_R)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    for b in range(0, B):
+        for start in range(0, T, BLOCK_R):
+            ptrs = x_ptr + b * stride_b + (start + rows)[:, None] * stride_t + cols[None, :] * stride_d
+            acc += _tile_sum(ptrs, ((start + rows)[:, None] < T) & (cols[None, :] < D))
+    tl.store(out_ptr + cols, tl.sum(acc, axis=0), mask=cols < D)
+
+
+@triton.jit
+def one_tile_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t, stride_d,
+                    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    # No loop at all: the first tile of the first b only.
+    cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    rows = tl.arange(0, BLOCK_R)
+    tile = tl.load(x_ptr + rows[:, None] * stride_t + cols[None, :] * stride_d,
+                   mask=(rows[:, None] < T) & (cols[None, :] < D), other=0.0)
+    tl.store(out_ptr + cols, tl.sum(tile, axis=0), mask=cols < D)
+
+
+@triton.jit
+def bias_grad_stub(x_ptr, out_ptr, B, T, D, stride_b, stride_t, stride_d,
+                   BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    pass
+
+
+@needs_sm90
+def test_bias_grad_solved():
+    verdict = check_bias_grad(given.bias_grad_kernel)
+    assert verdict.solved, verdict.message
+
+
+@needs_sm90
+def test_pointers_advanced_with_the_mask_kept_on_every_tile_is_also_solved():
+    # The bound asks for the division and the rebuilt addresses gone; the mask on every tile may stay.
+    verdict = check_bias_grad(hoisted_but_masked_kernel)
+    assert verdict.solved, verdict.message
+
+
+@needs_sm90
+def test_the_given_kernel_is_right_but_its_loop_is_named_line_by_line():
+    assert check_bias_grad(given.bias_grad_flat_kernel, values_only=True).solved
+    verdict = check_bias_grad(given.bias_grad_flat_kernel)
+    assert rejected(verdict, "case 6 of 6: x=sm_90 compile of x (8, 1000, 4096) fp32"), verdict.message
+    for said in ("integer and control instructions per tile (at most 32)", "line 13 `b = rows // T`",
+                 "a runtime division or modulo", "64-bit address arithmetic rebuilt each iteration",
+                 "a mask evaluated every iteration"):
+        assert rejected(verdict, said), (said, verdict.message)
+
+
+@needs_sm90
+def test_the_loop_counts_of_the_given_kernel_and_the_solution():
+    before, after = sm90_loop(given.bias_grad_flat_kernel), sm90_loop(given.bias_grad_kernel)
+    assert before.error is None and after.error is None, (before.error, after.error)
+    bound = given.BIAS_GRAD_BOUND
+    # The same work per pass (one 32 x 64 tile: four 128-bit loads, sixteen adds per thread)...
+    assert after.counts["fp32"] == bound.adds == 16 and after.counts["global"] == 4
+    assert before.counts["global"] == 4 and before.counts["fp32"] >= 16
+    # ...and the overhead: the given loop spends several times the bound, the solution keeps it.
+    assert before.integer_control > 4 * bound.overhead, before.counts
+    assert after.integer_control <= bound.overhead, after.overhead_opcodes()
+    assert any(op.startswith("MUFU.RCP") for op in before.opcodes.get("mufu", {}))  # the division's reciprocal
+    assert "mufu" not in after.counts
+    assert before.spilled_bytes == 0 == after.spilled_bytes
+
+
+@needs_sm90
+@pytest.mark.parametrize("kernel, diagnosis", [
+    (addresses_rebuilt_kernel, "64-bit address arithmetic rebuilt each iteration"),
+    (sum_in_the_loop_kernel, "shared-memory/synchronization instructions"),
+    (uses_a_helper_kernel, "does not compile alone for sm_90"),
+], ids=lambda value: getattr(value, "__name__", ""))
+def test_right_values_with_a_loop_that_breaks_the_spec_are_not_solved(kernel, diagnosis):
+    assert check_bias_grad(kernel, values_only=True).solved  # the values alone would pass
+    verdict = check_bias_grad(kernel)
+    assert rejected(verdict, "case 6 of 6") and rejected(verdict, diagnosis), verdict.message
+
+
+@needs_sm90
+@pytest.mark.parametrize("kernel, loop_diagnosis, diagnosis", [
+    (no_row_mask_kernel, None, "case 1 of 6"),
+    (tail_dropped_kernel, None, "the last, partial tile of each b is missing"),
+    (one_tile_kernel, "no loop in the kernel's SASS", "wrong"),
+], ids=lambda value: getattr(value, "__name__", ""))
+def test_a_lean_loop_with_wrong_values_is_not_solved(kernel, loop_diagnosis, diagnosis):
+    # Its loop alone would pass (or, without a loop, is named): the values catch it.
+    assert given.diagnose_loop(sm90_loop(kernel), given.BIAS_GRAD_BOUND) == loop_diagnosis or (
+        loop_diagnosis and loop_diagnosis in given.diagnose_loop(sm90_loop(kernel), given.BIAS_GRAD_BOUND))
+    verdict = check_bias_grad(kernel)
+    assert rejected(verdict, diagnosis), verdict.message
+
+
+def test_no_row_mask_reads_past_the_rows():
+    verdict = check_bias_grad(no_row_mask_kernel, values_only=True)
+    assert not verdict.solved and "wrong" in verdict.message, verdict.message
+
+
+def test_the_stub_is_never_written():
+    verdict = check_bias_grad(bias_grad_stub)
+    assert rejected(verdict, "never written (still NaN)"), verdict.message

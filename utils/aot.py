@@ -27,7 +27,21 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["HOPPER", "Usage", "compile_kernel", "resource_usage", "run_compiled", "vectorized"]
+__all__ = [
+    "HOPPER",
+    "Launch",
+    "Occupancy",
+    "Specialization",
+    "Usage",
+    "compile_kernel",
+    "compile_launched",
+    "launch_specialization",
+    "occupancy",
+    "record_launches",
+    "resource_usage",
+    "run_compiled",
+    "vectorized",
+]
 
 #: (backend, compute capability, warp size) of an H100/H200.
 HOPPER = ("cuda", 90, 32)
@@ -112,6 +126,136 @@ def compile_kernel(
     return triton.compile(source, target=GPUTarget(*target), options=options)
 
 
+# ----------------------------------------------------------------------------------------------
+# The launcher's specialization, from the values a real launch passes
+# ----------------------------------------------------------------------------------------------
+
+#: torch dtypes as Triton's signature spells a pointer to them (what the launcher writes for a tensor).
+_POINTER_TYPES = {
+    "float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64", "float8_e4m3fn": "fp8e4nv",
+    "float8_e5m2": "fp8e5", "int8": "i8", "int16": "i16", "int32": "i32", "int64": "i64", "uint8": "u8",
+    "bool": "i1",
+}
+
+
+@dataclass(frozen=True)
+class Specialization:
+    """What Triton's launcher makes of a call's runtime arguments: each one's type, the integers equal to 1
+    (turned into constants), and the arguments marked divisible by 16 (integers that are, 16-byte aligned
+    pointers) — the arguments of :func:`compile_kernel` that reproduce the launched variant."""
+
+    types: dict[str, str]
+    ones: frozenset[str]
+    divisible: frozenset[str]
+
+
+def launch_specialization(fn, values: Mapping[str, object]) -> Specialization:
+    """The specialization Triton's launcher derives from ``values``, one example value per runtime argument of ``fn``.
+
+    The launcher's rules (``triton.runtime.jit``): an ``int`` equal to 1 becomes a constant; an ``int``
+    divisible by 16 (0 included) gets the divisibility attribute; an ``int`` outside int32 is ``i64``; a
+    ``float`` is ``fp32``; a ``bool`` is ``i1``; a tensor is a pointer to its dtype, divisible when its
+    address is a multiple of 16 (a fresh torch allocation). Parameters in ``do_not_specialize`` get neither
+    the constant nor the attribute; those in ``do_not_specialize_on_alignment`` no pointer alignment. A value
+    may also be a pointer's type written as a string (``"*bf16"``: a 16-byte aligned allocation of that
+    dtype). Every runtime argument needs a value (constexpr parameters are left to ``constexprs``): one
+    forgotten would silently compile a variant no launch builds.
+    """
+    types, ones, divisible = {}, set(), set()
+    missing = [p.name for p in fn.params if not p.is_constexpr and p.name not in values]
+    if missing:
+        raise ValueError(f"utils.aot.launch_specialization: values must hold every runtime argument of "
+                         f"{fn.__name__}; missing {missing}")
+    for param in fn.params:
+        if param.is_constexpr:
+            continue
+        name, value = param.name, values[param.name]
+        specialize = not param.do_not_specialize
+        if isinstance(value, str):
+            if not value.startswith("*"):
+                raise TypeError(f"utils.aot.launch_specialization: a string value is a pointer type like '*bf16'; "
+                                f"{name} got {value!r}")
+            types[name] = value
+            if specialize and not param.do_not_specialize_on_alignment:
+                divisible.add(name)
+        elif isinstance(value, bool):
+            types[name] = "i1"
+        elif isinstance(value, int):
+            types[name] = "i32" if -(2**31) <= value < 2**31 else ("i64" if -(2**63) <= value < 2**63 else "u64")
+            if specialize and value == 1:
+                ones.add(name)
+            elif specialize and value % 16 == 0:
+                divisible.add(name)
+        elif isinstance(value, float):
+            types[name] = "fp32"
+        elif hasattr(value, "data_ptr") and hasattr(value, "dtype"):
+            types[name] = "*" + _POINTER_TYPES[str(value.dtype).removeprefix("torch.")]
+            if specialize and not param.do_not_specialize_on_alignment and value.data_ptr() % 16 == 0:
+                divisible.add(name)
+        else:
+            raise TypeError(f"utils.aot.launch_specialization: {name} must be an int, float, bool, tensor or "
+                            f"pointer type string; got {type(value).__name__}")
+    return Specialization(types, frozenset(ones), frozenset(divisible))
+
+
+def compile_launched(fn, values: Mapping[str, object], constexprs: Mapping[str, object] | None = None, *,
+                     num_warps: int = 4, num_stages: int | None = None, target: tuple[str, int, int] = HOPPER):
+    """:func:`compile_kernel` at the specialization a launch with ``values`` builds (:func:`launch_specialization`).
+
+    ``values`` holds the launch's runtime arguments by name (the recorded ones of :func:`record_launches`, or
+    examples: ``{"head_dim": 128, "q_ptr": "*bf16", ...}``); ``constexprs`` its constexpr arguments.
+    """
+    spec = launch_specialization(fn, values)
+    return compile_kernel(fn, spec.types, constexprs, ones=spec.ones, divisible=spec.divisible,
+                          aligned_pointers=False, num_warps=num_warps, num_stages=num_stages, target=target)
+
+
+@dataclass
+class Launch:
+    """One recorded ``kernel[grid](...)`` call: its runtime arguments and constexprs by name, and its options."""
+
+    grid: object
+    values: dict[str, object]
+    constexprs: dict[str, object]
+    num_warps: int = 4
+    num_stages: int | None = None
+
+    def compile(self, fn, target: tuple[str, int, int] = HOPPER):
+        """The launched variant, compiled for ``target`` (:func:`compile_launched`)."""
+        return compile_launched(fn, self.values, self.constexprs, num_warps=self.num_warps,
+                                num_stages=self.num_stages, target=target)
+
+
+class record_launches:  # noqa: N801  (a context manager used like a function)
+    """Within ``with record_launches(module, "kernel_name") as launches:``, ``module.kernel_name[grid](...)``
+    records a :class:`Launch` in ``launches`` instead of running: the exact arguments a launcher passes
+    (call it with CPU tensors of real shapes; nothing executes, so no GPU is needed)."""
+
+    def __init__(self, module, name: str):
+        self.module, self.name, self.launches = module, name, []
+
+    def __enter__(self) -> list[Launch]:
+        self.kernel = getattr(self.module, self.name)
+        kernel, launches = self.kernel, self.launches
+
+        class Recorder:
+            def __getitem__(self, grid):
+                def call(*args, **kwargs):
+                    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+                    bound = dict(zip(kernel.arg_names, args)) | kwargs
+                    constexpr = {p.name for p in kernel.params if p.is_constexpr}
+                    launches.append(Launch(grid, {k: v for k, v in bound.items() if k not in constexpr},
+                                           {k: v for k, v in bound.items() if k in constexpr}, **options))
+
+                return call
+
+        setattr(self.module, self.name, Recorder())
+        return launches
+
+    def __exit__(self, *exc) -> None:
+        setattr(self.module, self.name, self.kernel)
+
+
 @dataclass(frozen=True)
 class Usage:
     """What ptxas allocated per thread: registers, and bytes spilled to stack/local memory."""
@@ -146,3 +290,50 @@ def vectorized(ptx: str, loads: bool = True, stores: bool = True) -> bool:
     return (not loads or any(v in ptx for v in _VECTOR_LOADS)) and (
         not stores or any(v in ptx for v in _VECTOR_STORES)
     )
+
+
+@dataclass(frozen=True)
+class Occupancy:
+    """Resident blocks and warps per SM, and which limit set them."""
+
+    blocks_per_sm: int
+    warps_per_sm: int
+    limiter: str  # "registers", "shared memory", "warps" or "blocks"
+
+
+def occupancy(registers: int, shared_bytes: int, num_warps: int, machine=None) -> Occupancy:
+    """How many blocks of ``num_warps`` warps fit on one SM (sm_90 unless ``machine`` says otherwise).
+
+    The CUDA occupancy calculator's rules for compute capability 9.0 (``utils.sass.SM90`` holds the figures):
+    registers are allocated per warp in units of 256 (``registers`` per thread x 32, rounded up) from 65,536;
+    shared memory per block is rounded up to 128 bytes plus the runtime's 1 KiB, from 228 KiB (a block over
+    227 KiB cannot launch: 0 blocks); at most 64 warps and 32 blocks. The limiter is the smallest of the four;
+    on a tie the fixed limits (warps, then blocks) are named before the resources (registers, shared memory).
+    """
+    from utils.sass import SM90
+
+    m = machine or SM90
+    if num_warps < 1:
+        raise ValueError(f"kernel_ladder.occupancy: num_warps must be >= 1, got {num_warps}")
+    if not 0 <= registers <= m.max_registers_per_thread:
+        raise ValueError(
+            f"kernel_ladder.occupancy: registers must be in [0, {m.max_registers_per_thread}], got {registers}"
+        )
+    if shared_bytes < 0:
+        raise ValueError(f"kernel_ladder.occupancy: shared_bytes must be >= 0, got {shared_bytes}")
+    per_warp = -(-registers * 32 // m.register_unit) * m.register_unit
+    by_registers = (m.registers // per_warp) // num_warps if per_warp else m.max_blocks
+    if shared_bytes > m.max_shared_per_block:
+        by_shared = 0
+    else:
+        per_block = -(-shared_bytes // m.shared_unit) * m.shared_unit + m.shared_reserved_per_block
+        by_shared = m.shared_bytes // per_block
+    limits = {
+        "warps": m.max_warps // num_warps,
+        "blocks": m.max_blocks,
+        "registers": by_registers,
+        "shared memory": by_shared,
+    }
+    limiter = min(limits, key=limits.get)
+    blocks = limits[limiter]
+    return Occupancy(blocks_per_sm=blocks, warps_per_sm=blocks * num_warps, limiter=limiter)

@@ -13,6 +13,10 @@ in flight in shared memory). No single choice is best for every shape, dtype and
   memory, or that are far larger than the problem, are pruned before benchmarking. Results are
   cached on disk across runs (``cache_results=True``, Triton >= 3.2; older versions tune once
   per process, see :func:`autotune_supports_disk_cache`).
+* **A candidate limit** (:func:`limit_candidates`, or ``KERNEL_LADDER_AUTOTUNE_LIMIT=k`` in the
+  environment) keeps only the first ``k`` candidates of every autotuned kernel after pruning, so a cold
+  cache compiles at most ``k`` configs per kernel specialization instead of all of them (``make gpu-check``'s
+  quick round). The candidate lists are ordered best-first, so the first ``k`` are the likeliest winners.
 * **In the interpreter** there is no driver to time anything with (multi-config autotuning needs
   one) and times would not mean GPU speed anyway, so one fixed, sensible configuration is used:
   :data:`INTERPRETER_CONFIG`, its blocks shrunk to the problem (a 1-row matmul does not need 64
@@ -24,11 +28,13 @@ in flight in shared memory). No single choice is best for every shape, dtype and
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+import os
 import statistics
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -45,9 +51,15 @@ __all__ = [
     "size_bucket",
     "fit_config",
     "default_config",
+    "SPLIT_K_DECODE_ROWS",
     "autotune_supports_disk_cache",
     "prune_configs",
+    "prune_to_fit",
     "make_autotuned",
+    "AUTOTUNE_LIMIT_ENV",
+    "candidate_limit",
+    "limit_candidates",
+    "limited",
     "CpuTiming",
     "CpuAutotuneReport",
     "autotune_cpu",
@@ -161,18 +173,31 @@ def fit_config(config: MatmulConfig, M: int, N: int, K: int) -> MatmulConfig:
                    BLOCK_K=_shrink(config.BLOCK_K, K))
 
 
-def default_config(M: int, N: int, K: int, dtype: torch.dtype, kind: str = "tiled") -> MatmulConfig:
+#: Split-K problems of at most this many rows are decode-shaped (64 x 64 tiles on a GPU); wider ones (short-M,
+#: long-K: a fused linear cross-entropy's ``grad_x``) get the tiled kernel's 128 x 128 tiles.
+SPLIT_K_DECODE_ROWS: int = 64
+
+
+def default_config(M: int, N: int, K: int, dtype: torch.dtype, kind: str = "tiled",
+                   interpreter: bool | None = None) -> MatmulConfig:
     """The fixed configuration a launcher uses when none is given and nothing is autotuned.
 
     ``kind`` is ``"tiled"``, ``"split_k"`` or ``"persistent"``. In the interpreter it is
     :data:`INTERPRETER_CONFIG` fitted to the problem; on a GPU a choice per kernel (split-K: short
-    row tiles, since its problems have small M; persistent: 128x128 tiles, two warp groups).
+    row tiles for decode-shaped problems of at most :data:`SPLIT_K_DECODE_ROWS` rows, 128x128 tiles with two
+    warp groups for wider ones; persistent: 128x128 tiles, two warp groups). ``interpreter`` None is
+    the current mode; True/False asks what that mode would use (a launch plan made on the other machine).
     """
-    if runtime.INTERPRETER:
+    if runtime.INTERPRETER if interpreter is None else interpreter:
         return fit_config(INTERPRETER_CONFIG, M, N, K)
     wide = dtype == torch.float32
-    if kind == "split_k":
+    if kind == "split_k" and M <= SPLIT_K_DECODE_ROWS:
         base = MatmulConfig(64, 64, 32 if wide else 64, 8, 4, 4)
+    elif kind == "split_k":
+        # A ragged K (masked loads) takes BLOCK_K 32 and 4 stages: at 64, its int64-offset variant spills
+        # registers on sm_90 (tests/aot/matmul.py); a K of whole 64-slices (V = 128,256) keeps 64.
+        block_k = 32 if wide or K % 64 else 64
+        base = MatmulConfig(128, 128, block_k, 8, 8, 4 if block_k == 32 else 3)
     elif kind == "persistent":
         base = MatmulConfig(128, 128, 32 if wide else 64, 8, 8, 3)
     else:
@@ -201,19 +226,22 @@ def _shared_memory_limit() -> int:
     return 163 * 1024  # A100's opt-in limit, a safe default
 
 
-def prune_configs(configs: Sequence[triton.Config], named_args: dict[str, Any], **kwargs: Any) -> list[triton.Config]:
-    """Drop candidates that cannot fit in shared memory or are far larger than the problem.
+def prune_to_fit(configs: Sequence[triton.Config], M: int, N: int, K: int,
+                 shared_memory: Callable[[triton.Config], int]) -> list[triton.Config]:
+    """The candidates that fit in shared memory and are not far larger than an ``M x N x K`` problem.
 
-    A tile is kept if each block is at most ``max(64, next_pow2(dim))`` (64 rows of tile for a
-    16-row problem wastes 3/4 of the work, 256 would waste 15/16). At least one config survives.
+    ``shared_memory(config)`` is the bytes a candidate's pipelined tiles take (each kernel knows its
+    own: matmul holds one A and one B tile per stage). A tile is kept if each block is at most
+    ``max(64, next_pow2(dim))`` (``max(32, ...)`` for BLOCK_K): 64 rows of tile for a 16-row problem
+    wastes 3/4 of the work, 256 would waste 15/16. At least one config survives: the one with the
+    least shared memory among those that fit, or else the smallest. The rule of every autotuned
+    matmul-like kernel of the package (matmul, the grouped GEMMs of ``kernel_ladder.ops.moe_configs``).
     """
-    M, N, K = named_args["M"], named_args["N"], named_args["K"]
-    element_size = named_args["a_ptr"].element_size()
     limit = _shared_memory_limit()
     kept, fallback = [], None
     for cfg in configs:
         meta = cfg.kwargs
-        smem = cfg.num_stages * (meta["BLOCK_M"] * meta["BLOCK_K"] + meta["BLOCK_K"] * meta["BLOCK_N"]) * element_size
+        smem = shared_memory(cfg)
         if smem > limit:
             continue
         if fallback is None or smem < fallback[0]:
@@ -228,32 +256,108 @@ def prune_configs(configs: Sequence[triton.Config], named_args: dict[str, Any], 
     return [min(configs, key=lambda c: c.num_stages * c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
 
 
+#: The environment variable that limits every autotuned kernel to its first ``k`` candidates after pruning.
+AUTOTUNE_LIMIT_ENV = "KERNEL_LADDER_AUTOTUNE_LIMIT"
+_limit_stack: list[int | None] = []
+
+
+def _check_limit(k: object, where: str) -> int | None:
+    if k is None:
+        return None
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"kernel_ladder.autotune.limit_candidates: {where} must be an int >= 1 or None, got {k!r}")
+    return k
+
+
+def candidate_limit() -> int | None:
+    """How many candidates each autotuned kernel keeps after pruning: the innermost :func:`limit_candidates`,
+    else ``KERNEL_LADDER_AUTOTUNE_LIMIT`` from the environment, else None (all of them)."""
+    if _limit_stack:
+        return _limit_stack[-1]
+    raw = os.environ.get(AUTOTUNE_LIMIT_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = raw
+    return _check_limit(value, AUTOTUNE_LIMIT_ENV)
+
+
+@contextlib.contextmanager
+def limit_candidates(k: int | None) -> Iterator[None]:
+    """Within the block, every autotuned kernel tunes only its first ``k`` candidates after pruning (None: all).
+
+    The candidate lists are ordered best-first, so ``k = 1`` compiles the likeliest winner alone (no
+    benchmarking), ``k = 2`` benchmarks the two likeliest. It applies when a tuning key is first met: a key
+    tuned under a limit keeps its pick in that autotuner's in-process cache after the block ends (Triton's
+    on-disk tuning cache is keyed by the candidates benchmarked, so a limited tuning never answers a full one).
+    """
+    _limit_stack.append(_check_limit(k, "k"))
+    try:
+        yield
+    finally:
+        _limit_stack.pop()
+
+
+def limited(prune: Callable[..., list]) -> Callable[..., list]:
+    """``prune`` (an ``early_config_prune`` function) followed by the candidate limit (:func:`candidate_limit`).
+
+    Every autotuned kernel of the package wraps its pruner with this, so one switch limits them all.
+    """
+
+    @functools.wraps(prune)
+    def prune_and_limit(configs, named_args, **kwargs):
+        kept = list(prune(configs, named_args, **kwargs))
+        k = candidate_limit()
+        return kept if k is None else kept[:k]
+
+    return prune_and_limit
+
+
+def prune_configs(configs: Sequence[triton.Config], named_args: dict[str, Any], **kwargs: Any) -> list[triton.Config]:
+    """Drop matmul candidates that cannot fit in shared memory or are far larger than the problem
+    (:func:`prune_to_fit` with matmul's pipelined A and B tiles)."""
+    element_size = named_args["a_ptr"].element_size()
+
+    def shared_memory(cfg: triton.Config) -> int:
+        meta = cfg.kwargs
+        return cfg.num_stages * (meta["BLOCK_M"] * meta["BLOCK_K"] + meta["BLOCK_K"] * meta["BLOCK_N"]) * element_size
+
+    return prune_to_fit(configs, named_args["M"], named_args["N"], named_args["K"], shared_memory)
+
+
 def _even_k(args: dict[str, Any]) -> bool:
     return args["K"] % args["BLOCK_K"] == 0
 
 
 def make_autotuned(
     kernel,
-    configs: Iterable[MatmulConfig] = GPU_CONFIGS,
+    configs: Iterable[MatmulConfig | triton.Config] = GPU_CONFIGS,
     key: Sequence[str] = TUNING_KEY,
     do_bench: Callable | None = None,
+    prune: Callable[..., list[triton.Config]] = prune_configs,
+    even_k: bool = True,
 ):
     """``kernel`` wrapped for the GPU: ``triton.autotune`` over ``configs`` around a heuristic for EVEN_K.
 
     ``EVEN_K`` (K divisible by BLOCK_K: no K masks) depends on the config, so it is computed per
-    candidate by ``triton.heuristics``. The result is an ordinary Triton launcher
-    (``wrapped[grid](...)``) that takes every kernel argument except the tile constexprs,
-    ``EVEN_K``, ``num_warps`` and ``num_stages``. Constructing it needs no GPU. ``do_bench``
-    replaces Triton's GPU benchmarker (``fn(kernel_call, quantiles) -> timings``), e.g. to
+    candidate by ``triton.heuristics`` (``even_k=False``: for a kernel without that parameter). The
+    result is an ordinary Triton launcher (``wrapped[grid](...)``) that takes every kernel argument
+    except the tile constexprs, ``EVEN_K``, ``num_warps`` and ``num_stages``. Constructing it needs no
+    GPU. ``configs`` are :class:`MatmulConfig` or ready ``triton.Config`` (for kernels without
+    ``GROUP_M``); ``prune`` is the early pruning (default: matmul's, :func:`prune_configs`);
+    ``do_bench`` replaces Triton's GPU benchmarker (``fn(kernel_call, quantiles) -> timings``), e.g. to
     exercise the tuning loop in the interpreter.
     """
-    options: dict[str, Any] = {"prune_configs_by": {"early_config_prune": prune_configs}}
+    options: dict[str, Any] = {"prune_configs_by": {"early_config_prune": limited(prune)}}
     if autotune_supports_disk_cache():
         options["cache_results"] = True
     if do_bench is not None:
         options["do_bench"] = do_bench
-    heuristic = triton.heuristics({"EVEN_K": _even_k})(kernel)
-    return triton.autotune(configs=[c.to_triton() for c in configs], key=list(key), **options)(heuristic)
+    target = triton.heuristics({"EVEN_K": _even_k})(kernel) if even_k else kernel
+    candidates = [c if isinstance(c, triton.Config) else c.to_triton() for c in configs]
+    return triton.autotune(configs=candidates, key=list(key), **options)(target)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,18 +1,31 @@
-"""Compile the grouped-GEMM kernels for sm_90 at the tiles grouped_config picks: the forward (the in-kernel
-tile search over offsets, at 8 and 128 experts) and the weight gradient, in bf16, fp16 and fp32 (TF32),
-with no register spills and the 16-bit dots on tensor cores; the int64-offset forward once; and kernel_ladder.moe's
-variants (rows gathered through the permutation, the SwiGLU epilogue and its backward, the gathered dw), and its
-GPT-OSS and DeepSeek-V3 variants at their sizes: interleaved gate/up weights (a column stride of 2) with biases and
-the clamped SwiGLU, forward and backward, the dw kernel with the bias's column sums, the down GEMM with its bias.
+"""Compile the grouped-GEMM kernels for sm_90 at every GPU tile of kernel_ladder.ops.moe_configs, with no register
+spills, and the 16-bit dots on tensor cores: ``wgmma`` (HGMMA in the SASS) wherever the dot has 64 rows or more
+(the gate/up and plain kernels' BLOCK_M, the weight gradient's BLOCK_K), ``mma.sync`` (HMMA) below.
+
+Each kind at its sizes: the plain product at Mixtral's down projection (K = 14,336, N = 4,096) and, with its bias,
+GPT-OSS's (fp32 biases, 128 experts) and DeepSeek-V3's expert count (256); the gate/up pair with the SwiGLU, and its
+backward, at Mixtral's (H = 4,096, F = 14,336, rows gathered through the top-2 permutation) and, for the tiles
+marked ``interleaved``, GPT-OSS's (interleaved gate/up columns with a stride of 2, biases, the clamped SwiGLU); the
+weight gradient gathered, with and without the bias's column sums; float32 (TF32) candidates at Mixtral's sizes;
+the int64-offset forward once.
+
+``--quick`` (what ``make test`` runs): the default table's entries at Mixtral's sizes, the H200-class pairs with
+GPT-OSS's interleaved columns, the float32 entries. Without it: every candidate of every kind. ``--count``
+instead prints the steady loop's counts and cycle model (utils.sass) of the gate/up and down GEMMs at Mixtral's
+sizes, the 64-row tiles the kernels had before against the default table's (docs/architecture.md), and the
+rows as a last JSON line (tests/test_sass.py checks the modelled tensor use).
 
 Run by tests/test_kernels_compile_grouped_matmul.py in a compiled-mode child process (utils.aot.run_compiled).
 """
 
+import json
 import sys
 
 import torch
 
 from kernel_ladder.ops import grouped_matmul as gm
+from kernel_ladder.ops import moe_configs as mc
+from utils import sass
 from utils.aot import compile_kernel, resource_usage
 
 TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -20,11 +33,14 @@ TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 UNIT = {"stride_xk", "stride_wn", "stride_on", "stride_yn", "stride_dn", "stride_bn", "stride_dbn"}
 RUNTIME = {"M", "E"}  # the token count changes with every batch; E is small
 
+quick = "--quick" in sys.argv
 failures, count = [], 0
 
 
-def check(kernel, dtype, constexprs, config):
-    global count
+def compile_for(kind, config, dtype, constexprs):
+    """``kind``'s kernel compiled for sm_90 at ``config`` with these switches (what the launcher specializes)."""
+    kernel = gm.grouped_matmul_dw_kernel if kind == "dw" else gm.grouped_matmul_kernel
+    epilogue = {"matmul": 0, "gate_up": 1, "gate_up_backward": 2, "dw": None}[kind]
 
     def types(name):
         if name in ("offs_ptr", "idx_ptr"):
@@ -35,69 +51,121 @@ def check(kernel, dtype, constexprs, config):
             return "*fp32" if constexprs.get("HAS_BIAS") else "*" + TYPES[dtype]  # GPT-OSS keeps biases in fp32
         return "*" + TYPES[dtype] if name.endswith("_ptr") else "i32"
 
-    defaults = {"GATHER_K": 0, "EPILOGUE": 0, "HAS_BIAS": False, "CLAMPED": False, "INTERLEAVED": False}
-    constexprs = {**{k: v for k, v in defaults.items() if k in kernel.arg_names}, **constexprs}
-    what = f"{kernel.__name__} {TYPES[dtype]} {constexprs} {config}"
+    defaults = {"GATHER_K": 0, "HAS_BIAS": False, "CLAMPED": False, "INTERLEAVED": False, "INDEX_64": False,
+                "INPUT_PRECISION": "tf32" if dtype == torch.float32 else "ieee"}
+    if kind != "dw":
+        defaults.update(EPILOGUE=epilogue, BLOCK_E=8, EVEN_K=True)
+    constexprs = {**{k: v for k, v in defaults.items() if k in kernel.arg_names}, **constexprs,
+                  "BLOCK_M": config.BLOCK_M, "BLOCK_N": config.BLOCK_N, "BLOCK_K": config.BLOCK_K}
     compiled = compile_kernel(kernel, types, constexprs, ones=[n for n in kernel.arg_names if n in UNIT],
                               divisible=lambda name: name not in UNIT and name not in RUNTIME,
-                              **config.launch_options)
+                              num_warps=config.num_warps, num_stages=config.num_stages)
+    return compiled, f"{kind} {config} {TYPES[dtype]} {constexprs}"
+
+
+def check(kind, config, dtype, constexprs):
+    """Compile ``kind``'s kernel at ``config`` with these switches; record spills and a missing tensor-core op."""
+    global count
+    compiled, what = compile_for(kind, config, dtype, constexprs)
     count += 1
     usage = resource_usage(compiled)
     if usage is not None and usage.spilled_bytes:
-        failures.append(f"{what}: spills {usage.spilled_bytes} bytes")
-    ptx = compiled.asm["ptx"]
-    if dtype != torch.float32 and "wgmma.mma_async" not in ptx and "mma.sync" not in ptx:
-        failures.append(f"{what}: no tensor-core dot")
+        failures.append(f"{what}: spills {usage.spilled_bytes} bytes ({usage.registers} registers)")
+    if "cubin" not in compiled.asm:
+        return
+    tensor_op = sass.features(compiled).tensor_op
+    dot_rows = config.BLOCK_K if kind == "dw" else config.BLOCK_M
+    if dtype != torch.float32 and dot_rows >= 64 and tensor_op != "wgmma":
+        failures.append(f"{what}: no wgmma (HGMMA) in the SASS, {tensor_op}")
+    elif dtype != torch.float32 and tensor_op is None:
+        failures.append(f"{what}: no tensor-core op in the SASS")
 
 
-for dtype in (torch.bfloat16, torch.float16, torch.float32):
-    precision = "tf32" if dtype == torch.float32 else "ieee"
-    config = gm.grouped_config(8192, 2048, 7168, dtype)  # a DeepSeek-V3-sized expert up projection
-    tiles = {"BLOCK_M": config.BLOCK_M, "BLOCK_N": config.BLOCK_N, "BLOCK_K": config.BLOCK_K}
-    for experts in (8, 128):
-        check(gm.grouped_matmul_kernel, dtype, {"BLOCK_E": experts, "EVEN_K": True, "INPUT_PRECISION": precision,
-                                                "INDEX_64": False, **tiles}, config)
-    dw = gm.grouped_config(8192, 2048, 7168, dtype, backward=True)
-    check(gm.grouped_matmul_dw_kernel, dtype, {"INPUT_PRECISION": precision, "INDEX_64": False,
-                                               "BLOCK_M": dw.BLOCK_M, "BLOCK_N": dw.BLOCK_N, "BLOCK_K": dw.BLOCK_K},
-          dw)
-config = gm.grouped_config(8192, 2048, 7168, torch.bfloat16)
-check(gm.grouped_matmul_kernel, torch.bfloat16, {"BLOCK_E": 16, "EVEN_K": False, "INPUT_PRECISION": "ieee",
-                                                 "INDEX_64": True, "BLOCK_M": config.BLOCK_M,
-                                                 "BLOCK_N": config.BLOCK_N, "BLOCK_K": config.BLOCK_K}, config)
-for dtype in (torch.bfloat16, torch.float16):  # kernel_ladder.moe at Mixtral's sizes: H = 4096, F = 14336
-    config = gm.grouped_config(8192, 14336, 4096, dtype, paired=True)
-    tiles = {"BLOCK_M": config.BLOCK_M, "BLOCK_N": config.BLOCK_N, "BLOCK_K": config.BLOCK_K}
-    for epilogue in (1, 2):  # the SwiGLU, its backward
-        check(gm.grouped_matmul_kernel, dtype, {"BLOCK_E": 8, "EVEN_K": True, "INPUT_PRECISION": "ieee",
-                                                "INDEX_64": False, "GATHER_K": 2, "EPILOGUE": epilogue, **tiles},
-              config)
-    dw = gm.grouped_config(8192, 28672, 4096, dtype, backward=True)
-    check(gm.grouped_matmul_dw_kernel, dtype, {"INPUT_PRECISION": "ieee", "INDEX_64": False, "GATHER_K": 2,
-                                               "BLOCK_M": dw.BLOCK_M, "BLOCK_N": dw.BLOCK_N, "BLOCK_K": dw.BLOCK_K},
-          dw)
-for dtype in (torch.bfloat16, torch.float16):
-    # GPT-OSS-120b's experts: H = 2880, F = 2880, 128 experts; gate_up_proj (E, H, 2F) interleaved, biases in fp32.
-    for epilogue in (1, 2):
-        config = gm.grouped_config(8192, 2880, 2880, dtype, paired=True, interleaved=epilogue == 2)
-        tiles = {"BLOCK_M": config.BLOCK_M, "BLOCK_N": config.BLOCK_N, "BLOCK_K": config.BLOCK_K}
-        check(gm.grouped_matmul_kernel, dtype, {"BLOCK_E": 128, "EVEN_K": True, "INPUT_PRECISION": "ieee",
-                                                "INDEX_64": False, "GATHER_K": 4, "EPILOGUE": epilogue,
-                                                "HAS_BIAS": True, "CLAMPED": True, "INTERLEAVED": True, **tiles},
-              config)
-    down = gm.grouped_config(8192, 2880, 2880, dtype)
-    check(gm.grouped_matmul_kernel, dtype, {"BLOCK_E": 128, "EVEN_K": True, "INPUT_PRECISION": "ieee",
-                                            "INDEX_64": False, "HAS_BIAS": True, "BLOCK_M": down.BLOCK_M,
-                                            "BLOCK_N": down.BLOCK_N, "BLOCK_K": down.BLOCK_K}, down)
-    dw = gm.grouped_config(8192, 5760, 2880, dtype, backward=True)
-    check(gm.grouped_matmul_dw_kernel, dtype, {"INPUT_PRECISION": "ieee", "INDEX_64": False, "GATHER_K": 4,
-                                               "HAS_BIAS": True, "BLOCK_M": dw.BLOCK_M, "BLOCK_N": dw.BLOCK_N,
-                                               "BLOCK_K": dw.BLOCK_K}, dw)
-    # DeepSeek-V3's routed experts: H = 7168, F = 2048, 256 experts, top-8 (the Mixtral layout, SwiGLU).
-    config = gm.grouped_config(8192, 2048, 7168, dtype, paired=True)
-    check(gm.grouped_matmul_kernel, dtype, {"BLOCK_E": 256, "EVEN_K": True, "INPUT_PRECISION": "ieee",
-                                            "INDEX_64": False, "GATHER_K": 8, "EPILOGUE": 1, "BLOCK_M": config.BLOCK_M,
-                                            "BLOCK_N": config.BLOCK_N, "BLOCK_K": config.BLOCK_K}, config)
+# The sizes of each kind: (dtype, constexprs) variants. GPT-OSS-120b: H = F = 2,880, 128 experts, top-4,
+# interleaved gate/up columns, fp32 biases, the clamped SwiGLU. DeepSeek-V3: H = 7,168, F = 2,048, 256 experts, top-8.
+MIXTRAL = {
+    "matmul": {"BLOCK_E": 8},
+    "gate_up": {"BLOCK_E": 8, "GATHER_K": 2},
+    "gate_up_backward": {"BLOCK_E": 8, "GATHER_K": 2},
+    "dw": {"GATHER_K": 2},
+}
+GPT_OSS = {
+    "matmul": {"BLOCK_E": 128, "HAS_BIAS": True},
+    "gate_up": {"BLOCK_E": 128, "GATHER_K": 4, "HAS_BIAS": True, "CLAMPED": True, "INTERLEAVED": True},
+    "gate_up_backward": {"BLOCK_E": 128, "GATHER_K": 4, "HAS_BIAS": True, "CLAMPED": True, "INTERLEAVED": True},
+    "dw": {"GATHER_K": 4, "HAS_BIAS": True},
+}
+DEEPSEEK = {"matmul": {"BLOCK_E": 256}, "gate_up": {"BLOCK_E": 256, "GATHER_K": 8}, "dw": {}}
+
+
+def variants(kind, config):
+    """Every (dtype, constexprs) a 16-bit candidate of ``kind`` must compile at."""
+    yield torch.bfloat16, MIXTRAL[kind]
+    if kind in GPT_OSS and (config.interleaved or not kind.startswith("gate_up")):
+        yield torch.bfloat16, GPT_OSS[kind]
+    if kind in DEEPSEEK:
+        yield torch.bfloat16, DEEPSEEK[kind]
+    yield torch.float16, MIXTRAL[kind]
+
+
+def table_entries(wide):
+    return {kind: sorted({c for (k, w), rows in mc.DEFAULT_TABLE.items() if k == kind and w == wide for _, c in rows},
+                         key=str) for kind in mc.KINDS}
+
+
+def steady_loop_table(cases):
+    """The steady loop of each (label, kind, config, FLOPs of the launch) at Mixtral's sizes in bf16, counted
+    with utils.sass: warp-instructions and tensor FMA per warp per K step, and utils.sass.cycle_model (a
+    **model**; its shared term counts the bytes the loop's wgmma read from shared memory and its cp.async write
+    into it). Prints the table, then its rows as one JSON line."""
+    print("| kernel | tile | warp-instr / warp / K step | tensor FMA / warp | instr per 1,000 FMA | tensor cycles "
+          "| issue cycles | shared cycles (wgmma operands + cp.async) | tensor use (model) "
+          "| launch at 790 TFLOP/s (model) |")
+    print("|---" * 10 + "|")
+    rows = []
+    for label, kind, config, flops in cases:
+        compiled, _ = compile_for(kind, config, torch.bfloat16, MIXTRAL[kind])
+        loop = sass.steady_loop(sass.parse(sass.disassemble(compiled)))
+        mix = sass.mix(loop.instructions)
+        cycles = sass.cycle_model(mix, config.num_warps)
+        print(f"| {label} | {config} | {mix.total} | {mix.tensor_fma:,} | {1000 * mix.total / mix.tensor_fma:.3f} "
+              f"| {cycles.tensor:,.0f} | {cycles.issue:,.0f} | {cycles.shared:,.0f} "
+              f"| {cycles.tensor_use:.0%} ({cycles.limiter}) "
+              f"| {flops / sass.SM90.sustained_flops / cycles.tensor_use * 1e3:.2f} ms |")
+        rows.append({"label": label, "total": mix.total, "tensor_fma": mix.tensor_fma, "tensor": cycles.tensor,
+                     "issue": cycles.issue, "shared": cycles.shared, "limiter": cycles.limiter,
+                     "tensor_use": cycles.tensor_use})
+    print(json.dumps(rows))
+
+
+if "--count" in sys.argv:  # Mixtral 8x7B's experts, 4,096 tokens, top-2: 8,192 rows, 1,024 per expert
+    rows, H, F = 8192, 4096, 14336
+    before = {"gate_up": mc.GroupedConfig(64, 64, 64, 4, 3), "matmul": mc.GroupedConfig(64, 128, 64, 4, 3)}
+    after = {kind: mc.default_config(kind, rows // 8, 0, 0, torch.bfloat16) for kind in before}
+    steady_loop_table([("gate/up + SwiGLU, before", "gate_up", before["gate_up"], 2 * rows * H * 2 * F),
+           ("gate/up + SwiGLU, after", "gate_up", after["gate_up"], 2 * rows * H * 2 * F),
+           ("down, before", "matmul", before["matmul"], 2 * rows * F * H),
+           ("down, after", "matmul", after["matmul"], 2 * rows * F * H)])
+    sys.exit(0)
+if quick:
+    for kind, entries in table_entries(False).items():
+        for config in entries:
+            check(kind, config, torch.bfloat16, MIXTRAL[kind])
+    for kind in ("gate_up", "gate_up_backward"):  # what the table gives GPT-OSS's interleaved columns at prefill
+        config = mc.default_config(kind, 1024, 2880, 2880, torch.bfloat16, interleaved=True)
+        check(kind, config, torch.bfloat16, GPT_OSS[kind])
+    for kind, entries in table_entries(True).items():
+        for config in entries:
+            check(kind, config, torch.float32, MIXTRAL[kind])
+else:
+    for kind in mc.KINDS:
+        for config in mc.GPU_CANDIDATES[kind]:
+            for dtype, constexprs in variants(kind, config):
+                check(kind, config, dtype, constexprs)
+        for config in mc.GPU_CANDIDATES_FP32[kind]:
+            check(kind, config, torch.float32, MIXTRAL[kind])
+big = mc.default_config("matmul", 1024, 4096, 14336, torch.bfloat16)
+check("matmul", big, torch.bfloat16, {"BLOCK_E": 16, "EVEN_K": False, "INDEX_64": True})
 print(f"{count} variants compiled")
 print("\n".join(failures) or "ok")
 sys.exit(1 if failures else 0)

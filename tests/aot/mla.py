@@ -10,9 +10,11 @@ Run by tests/test_kernels_mla.py in a compiled-mode child process (utils.aot.run
 
 import sys
 
+import torch
+
 from kernel_ladder.ops import mla
 from kernel_ladder.ops import paged_attention as pa
-from utils.aot import compile_kernel, resource_usage
+from utils.aot import compile_kernel, record_launches, resource_usage
 
 FLOATS = {"sm_scale"}
 FP32_POINTERS = {"partial_out_ptr", "partial_lse_ptr"}
@@ -52,17 +54,29 @@ def report(label, kernel, dots=True):
 
 
 def variant(what, dtype, heads, block_size, varlen=False, split=False, index_64=False, rank=512, rope=64):
-    config = mla.GPU_CONFIG
-    plan = mla._Launch(1024, 8, heads, varlen, config, dtype == "fp32")
-    pages, block_n = config.step(block_size, dtype == "fp32", index_64)
-    constexprs = dict(VARLEN=varlen, SPLIT=split, INDEX_64=index_64,
-                      INPUT_PRECISION="tf32" if dtype == "fp32" else "ieee", BLOCK_SIZE=block_size,
-                      PAGES=pages, BLOCK_N=block_n, BLOCK_R=plan.block_rows, GROUP_P=plan.group_p,
-                      BLOCK_L=rank, BLOCK_RD=rope)
-    label = (f"{what:30s} {dtype} L={rank} R={rope} H={heads} bs={block_size} n={block_n} rows={plan.block_rows} "
-             f"w{config.num_warps}")
+    """The launch the op's launcher (``mla._forward``) makes at real sizes (a decode batch of 32 sequences of up to
+    4,096 tokens, CPU tensors that are never read), recorded and compiled at the launcher's specialization."""
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    lengths = [1, 700, 33, 1500, 257, 64, 2000, 5] if varlen else [1] * 32
+    rows_q, max_blocks = sum(lengths), 4096 // block_size
+    num_blocks = (2**31 // (block_size * (rank + rope)) + 1) if index_64 else len(lengths) * max_blocks
+    q_latent = torch.empty(rows_q, heads, rank, dtype=torch_dtype)
+    q_rope = torch.empty(rows_q, heads, rope, dtype=torch_dtype)
+    cache = torch.empty(num_blocks, block_size, rank + rope, dtype=torch_dtype)
+    out = torch.empty(rows_q, heads, rank, dtype=torch_dtype)
+    tables = torch.zeros(len(lengths), max_blocks, dtype=torch.int32)
+    seq_lens = torch.full((len(lengths),), 4096, dtype=torch.int32)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32) if varlen else None
+    torch.backends.cuda.matmul.allow_tf32 = dtype == "fp32"  # the fp32 variant: a caller who allows TF32
+    with record_launches(mla, "mla_attention_kernel") as launches, record_launches(pa, "paged_attention_merge_kernel"):
+        mla._forward(q_latent, q_rope, cache, tables, seq_lens, cu, out, 0.1, rank, 4 if split else 1)
+    (launch,) = launches
+    c = launch.constexprs
+    assert c["INDEX_64"] or not index_64
+    label = (f"{what:30s} {dtype} L={rank} R={rope} H={heads} bs={block_size} n={c['BLOCK_N']} rows={c['BLOCK_R']} "
+             f"w{launch.num_warps}")
     try:
-        kernel = compile_one(mla.mla_attention_kernel, dtype, constexprs, config.num_warps, config.num_stages)
+        kernel = launch.compile(mla.mla_attention_kernel)
     except Exception as error:  # noqa: BLE001  (report every variant)
         failures.append(f"{label}: does not compile: {error}")
         return

@@ -28,17 +28,34 @@ backward runs the chunks again with the rows scaled.
 
 **Memory.** Beyond the inputs and the gradients themselves, the op holds one ``(chunk, V)``
 buffer, one float per row, and the fp32 ``grad_W`` accumulator (``V x H x 4`` bytes; with a
-bf16 weight, its cast is the gradient): O(chunk x V) instead of O(N x V). The default chunk makes
-the logits buffer about as large as ``x`` (``chunk = N / ceil(V / H)``, a power of two), Liger-
-Kernel's rule; :func:`chunk_rows` computes it.
+bf16 weight, its cast is the gradient): O(chunk x V) instead of O(N x V).
+
+**The chunk** (:func:`chunk_rows`) trades that buffer against traffic: every chunk reads and writes the
+whole fp32 ``grad_W`` (``8 V H`` bytes), so ``ceil(N / chunk)`` chunks move ``8 V H ceil(N / chunk)``
+bytes against the op's ``6 N V H`` FLOPs — a share of the FLOP time of about
+``(8 / 6) x (FLOP/s / bytes/s) / chunk``. The default is the smallest power of two that keeps that share
+under :data:`GRAD_W_TRAFFIC_SHARE` (1/8) at :data:`MACHINE_BALANCE` (an H200's sustained 790 TFLOP/s
+dense bf16 over 4.3 TB/s: 184 FLOP/B), so 2048 rows; capped so that the logits buffer stays within
+:data:`LOGITS_BUDGET_SHARE` (half) of the fp32 ``grad_W`` the op holds anyway (``chunk <= 2 H /
+element size``); never below the memory-saving rule of Liger-Kernel, a logits buffer about as large as
+``x`` (``N / ceil(V / H)`` rows, at least :data:`MIN_CHUNK_ROWS`); at most ``N``.
+
+At Llama-3-8B's head (V = 128,256, H = 4096, N = 8192, bf16, an H200), :func:`launch_plan` counts
+what each launch moves and :func:`modelled_seconds` turns it into a time (a launch-level **model**:
+790 TFLOP/s, 4.3 TB/s, one 128 x 128 tile per SM per wave over 132 SMs, perfect L2 reuse): Liger's
+rule alone gives 32 chunks of 256 rows, whose ``grad_W`` GEMMs move 134.6 GB of DRAM traffic, and the
+op models at 67.0 ms; the default's 4 chunks of 2048 move 16.9 GB and model at 34.8 ms, against a
+32.7 ms FLOP floor (``6 N V H`` at 790 TFLOP/s). ``chunk_size=`` overrides the rule.
 
 No host synchronization: the target check is a device assertion, the counts live on the device.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -53,10 +70,24 @@ from .._validate import (
     check_tensor,
     schema_types,
 )
+from ..autotune import default_config
 from . import cross_entropy as ce
-from .matmul import launch_matmul
+from .matmul import _reduce_block, launch_matmul, plan_matmul
 
-__all__ = ["MIN_CHUNK_ROWS", "chunk_rows", "fused_linear_cross_entropy"]
+__all__ = [
+    "GRAD_W_TRAFFIC_SHARE",
+    "H200_MODEL",
+    "LOGITS_BUDGET_SHARE",
+    "MACHINE_BALANCE",
+    "MIN_CHUNK_ROWS",
+    "Machine",
+    "PlannedLaunch",
+    "chunk_rows",
+    "flop_floor_seconds",
+    "fused_linear_cross_entropy",
+    "launch_plan",
+    "modelled_seconds",
+]
 
 _OP = "kernel_ladder.fused_linear_cross_entropy"
 
@@ -66,17 +97,44 @@ _OP = "kernel_ladder.fused_linear_cross_entropy"
 MIN_CHUNK_ROWS: int = 64
 
 
-def chunk_rows(n_rows: int, vocab: int, hidden: int) -> int:
-    """The default chunk: ``next_power_of_2(ceil(n_rows / ceil(vocab / hidden)))``, at least
-    :data:`MIN_CHUNK_ROWS`, at most ``n_rows``.
+#: The share of the op's FLOP time that the default chunk lets the fp32 ``grad_W`` traffic take.
+GRAD_W_TRAFFIC_SHARE: float = 1 / 8
 
-    The ``(chunk, V)`` logits buffer is then about the size of ``x`` (``n_rows x hidden``): the
-    loss costs no more memory than one more activation of the model (Liger-Kernel's rule).
+#: FLOPs per byte of DRAM traffic at which the GPU is balanced: an H200's sustained 790 TFLOP/s dense bf16
+#: over 4.3 TB/s (about 80% and 90% of the datasheet's). The fastest dense rate: the largest chunk any dtype needs.
+MACHINE_BALANCE: float = 790e12 / 4.3e12
+
+#: The ``(chunk, V)`` logits buffer's budget, as a share of the fp32 ``grad_W`` accumulator (``V x H x 4``
+#: bytes) the op holds anyway: the op's own memory grows by at most half.
+LOGITS_BUDGET_SHARE: float = 1 / 2
+
+
+def _floor_power_of_2(n: int) -> int:
+    return 1 << (max(1, int(n)).bit_length() - 1)
+
+
+def chunk_rows(n_rows: int, vocab: int, hidden: int, element_size: int = 2) -> int:
+    """The default chunk for ``n_rows`` rows, a ``(vocab, hidden)`` head and ``element_size``-byte logits.
+
+    ``max(memory, min(traffic, budget))``, at most ``n_rows``, all powers of two:
+
+    * ``traffic``: the smallest chunk with ``(8 / 6) x MACHINE_BALANCE / chunk <= GRAD_W_TRAFFIC_SHARE``:
+      each chunk reads and writes the fp32 ``grad_W`` (``8 V H`` bytes) for ``6 chunk V H`` FLOPs, so
+      this bounds that traffic's share of the FLOP time (2048 rows: 12%);
+    * ``budget``: the largest chunk whose logits, ``chunk x V x element_size`` bytes, fit in
+      ``LOGITS_BUDGET_SHARE`` of the fp32 ``grad_W``'s ``V x H x 4`` (``2 H / element_size`` rows);
+    * ``memory``: Liger-Kernel's rule, ``next_power_of_2(ceil(n_rows / ceil(vocab / hidden)))`` (a logits
+      buffer about the size of ``x``), at least :data:`MIN_CHUNK_ROWS` — the chunk is never smaller.
+
+    At V = 128,256, H = 4096, N = 8192, bf16: 2048 (the memory rule alone: 256).
     """
     if n_rows <= 0:
         return 1
-    chunk = triton.next_power_of_2(max(1, math.ceil(n_rows / max(1, math.ceil(vocab / max(1, hidden))))))
-    return max(1, min(max(chunk, MIN_CHUNK_ROWS), n_rows))
+    memory = triton.next_power_of_2(max(1, math.ceil(n_rows / max(1, math.ceil(vocab / max(1, hidden))))))
+    traffic = triton.next_power_of_2(math.ceil((8 / 6) * MACHINE_BALANCE / GRAD_W_TRAFFIC_SHARE))
+    budget = _floor_power_of_2(int(LOGITS_BUDGET_SHARE * 4 * max(1, hidden)) // max(1, element_size))
+    chunk = max(memory, MIN_CHUNK_ROWS, min(traffic, budget))
+    return max(1, min(chunk, n_rows))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -147,7 +205,185 @@ def _finish_grads(grads, x, weight, bias, n_rows):
 
 def _chunk(chunk_size, n_rows: int, weight: torch.Tensor) -> int:
     """The op's ``chunk_size`` (0: the default rule, resolved here on the real sizes) as rows per chunk."""
-    return int(chunk_size) if chunk_size else chunk_rows(n_rows, weight.shape[0], weight.shape[1])
+    return int(chunk_size) if chunk_size else chunk_rows(n_rows, weight.shape[0], weight.shape[1],
+                                                         weight.element_size())
+
+
+# ----------------------------------------------------------------------------------------------
+# The launch plan (counted from the sizes) and its time model
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlannedLaunch:
+    """One launch of the op, counted from the sizes alone: a Triton kernel, or an aten op that runs one.
+
+    ``flops`` are the tracer's (``2 x BLOCK_M x BLOCK_N x BLOCK_K`` per ``tl.dot``: tile padding included),
+    ``bytes`` what the masked-in lanes of its loads and stores move (what :mod:`utils.trace` counts; a tile
+    re-read by several programs counts each time), ``dram_bytes`` each element it reads and each it writes
+    once (the traffic with perfect L2 reuse: what the time model charges).
+    """
+
+    step: str  # "logits GEMM", "cross-entropy", "grad_x GEMM", "grad_W GEMM", ... (a split-K pair shares one)
+    kernel: str  # the Triton kernel's name, or the aten op's ("aten._to_copy")
+    programs: int  # the grid's programs; 0 for an aten op
+    flops: int
+    bytes: int
+    dram_bytes: int
+    chunk: int = -1  # the chunk it belongs to; -1 for once per call
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What :func:`modelled_seconds` assumes of a GPU (sustained rates, not a datasheet's peaks)."""
+
+    name: str
+    sms: int
+    flops_per_s: float  # dense tensor-core rate for the op's dtype
+    bytes_per_s: float  # DRAM bandwidth
+
+
+#: An H200 (sm_90, 132 SMs) at the sustained 790 TFLOP/s dense bf16 and 4.3 TB/s the model assumes.
+H200_MODEL = Machine("H200 (model: 790 TFLOP/s, 4.3 TB/s)", 132, 790e12, 4.3e12)
+
+#: cross_entropy's row tile on a GPU (its MAX_BLOCK and TILE_ELEMENTS there): a plan for a GPU made in the
+#: interpreter, whose own constants differ.
+_CE_GPU_MAX_BLOCK = 4096
+_CE_GPU_TILE_ELEMENTS = 4096
+
+
+def _ce_tile(rows: int, vocab: int, interpreter: bool) -> tuple[int, bool]:
+    """(rows per program, chunked) of the cross-entropy kernel over ``rows`` rows of ``vocab`` logits."""
+    if interpreter == runtime.INTERPRETER:
+        config = ce.cross_entropy_launch_config(rows, vocab)
+        return config.rows_per_program, config.chunked
+    block = min(triton.next_power_of_2(vocab), _CE_GPU_MAX_BLOCK)
+    return max(1, min(_CE_GPU_TILE_ELEMENTS // block, triton.next_power_of_2(rows))), vocab > block
+
+
+def _gemm(step, chunk, M, N, K, sizes, *, dtype, interpreter, num_sms, bias=0, accumulate=False, a_distinct=None):
+    """``launch_matmul``'s launches for ``C (+)= A @ B`` (M x K @ K x N) as :class:`PlannedLaunch` es.
+
+    ``sizes``: the element sizes of A, B and C; ``bias``: the bias's element size (0: none); ``a_distinct``:
+    A's distinct bytes when it is a broadcast view. On a GPU the autotuned tiled kernel is counted at its
+    default config (128 x 128 tiles): the autotuner may pick another.
+    """
+    a_size, b_size, c_size = sizes
+    plan = plan_matmul(M, N, K, dtype, num_sms=num_sms, interpreter=interpreter)
+    config = plan.config or default_config(M, N, K, dtype, "tiled", interpreter=False)
+    tiles_m, tiles_n = triton.cdiv(M, config.BLOCK_M), triton.cdiv(N, config.BLOCK_N)
+    tiles = tiles_m * tiles_n
+    flops = tiles * triton.cdiv(K, config.BLOCK_K) * 2 * config.BLOCK_M * config.BLOCK_N * config.BLOCK_K
+    # Rows/cols past M/N wrap around (unmasked loads of whole tiles); K is masked.
+    operand_bytes = tiles_m * config.BLOCK_M * K * tiles_n * a_size + tiles_n * config.BLOCK_N * K * tiles_m * b_size
+    operand_dram = (M * K * a_size if a_distinct is None else a_distinct) + K * N * b_size
+    out = M * N * c_size * (2 if accumulate else 1)  # C read first when accumulating
+    if plan.method == "tiled":
+        return [PlannedLaunch(step, "matmul_kernel", tiles, flops, operand_bytes + tiles_m * N * bias + out,
+                              operand_dram + N * bias + out, chunk)]
+    k_per_split = triton.cdiv(triton.cdiv(K, plan.split_k), config.BLOCK_K) * config.BLOCK_K
+    split = triton.cdiv(K, k_per_split)
+    partials = split * M * N * 4
+    reduce_m, reduce_n = _reduce_block(M, N)
+    reduce_tiles_m = triton.cdiv(M, reduce_m)
+    return [
+        PlannedLaunch(step, "matmul_split_k_kernel", tiles * split, flops, operand_bytes + partials,
+                      operand_dram + partials, chunk),
+        PlannedLaunch(step, "matmul_split_k_reduce_kernel", reduce_tiles_m * triton.cdiv(N, reduce_n), 0,
+                      partials + reduce_tiles_m * N * bias + out, partials + N * bias + out, chunk),
+    ]
+
+
+def launch_plan(
+    n_rows: int,
+    vocab: int,
+    hidden: int,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    chunk_size: int | None = None,
+    bias: bool = False,
+    reduction: str = "mean",
+    compute_grad: bool = True,
+    target_dtype: torch.dtype = torch.int64,
+    interpreter: bool | None = None,
+    num_sms: int | None = None,
+) -> list[PlannedLaunch]:
+    """Every launch of one ``fused_linear_cross_entropy`` call, in order, from the sizes alone (no tensors).
+
+    For ``x`` ``(n_rows, hidden)`` and a ``(vocab, hidden)`` weight of ``dtype``, every target a class
+    (none ignored), no class weights, smoothing, softcap or z-loss; ``reduction`` "mean" or "sum", with the
+    gradients (``compute_grad``: x or the weight requires grad) or without. ``chunk_size`` None is
+    :func:`chunk_rows`. ``interpreter`` / ``num_sms`` (None: this process's) say which machine's configs to
+    count with: ``interpreter=False, num_sms=132`` is an H200 (the tiled GEMMs at their default 128 x 128
+    tiles, where a GPU autotunes). In the interpreter the plan's ``bytes`` and ``flops`` are what
+    :mod:`utils.trace` counts, launch by launch (tested), so at a GPU's sizes they are counts too.
+    Launches that repeat per chunk carry its index; the aten ops are the targets' check, the ones of the
+    bias gradient and the casts of the fp32 gradients to ``dtype``.
+    """
+    if n_rows < 1 or vocab < 1 or hidden < 1:
+        raise ValueError(f"{_OP}: launch_plan needs n_rows, vocab and hidden >= 1, got {n_rows}, {vocab}, {hidden}")
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"{_OP}: launch_plan plans reduction 'mean' or 'sum', got {reduction!r}")
+    interpreter = runtime.INTERPRETER if interpreter is None else bool(interpreter)
+    size = torch.empty((), dtype=dtype).element_size()
+    t_size = torch.empty((), dtype=target_dtype).element_size()
+    chunk = int(chunk_size) if chunk_size else chunk_rows(n_rows, vocab, hidden, size)
+    gemm = functools.partial(_gemm, dtype=dtype, interpreter=interpreter, num_sms=num_sms)
+    plan = [
+        # one program reads every target; writes the check (3 int64) and the scales (3 float32)
+        PlannedLaunch("targets", "cross_entropy_targets_kernel", 1, 0, n_rows * t_size + 36, n_rows * t_size + 36),
+        PlannedLaunch("target check", "aten._assert_async.msg", 0, 0, 8, 8),
+        PlannedLaunch("ones (grad_b's row)", "aten.ones.default", 0, 0, size, size),
+    ]
+    for index, start in enumerate(range(0, n_rows, chunk)):
+        rows = min(chunk, n_rows - start)
+        plan += gemm("logits GEMM", index, rows, vocab, hidden, (size, size, size), bias=size if bias else 0)
+        per_program, chunked = _ce_tile(rows, vocab, interpreter)
+        programs = triton.cdiv(rows, per_program)
+        passes = 2 if chunked and compute_grad else 1  # a long row: statistics first, then the gradient
+        logits = rows * vocab * size
+        read = rows * t_size + rows * size + programs * 12  # targets, each row's target logit, the 3 scales
+        written = rows * 4 + (logits if compute_grad else 0)  # the row losses, the gradient over the logits
+        plan.append(PlannedLaunch("cross-entropy", "cross_entropy_forward_kernel", programs, 0,
+                                  read + passes * logits + written, rows * t_size + 12 + logits + written, index))
+        if not compute_grad:
+            continue
+        plan += gemm("grad_x GEMM", index, rows, hidden, vocab, (size, size, size))
+        plan += gemm("grad_W GEMM", index, vocab, hidden, rows, (size, size, 4), accumulate=start > 0)
+        if bias:
+            plan += gemm("grad_b GEMM", index, 1, vocab, rows, (size, size, 4), accumulate=start > 0,
+                         a_distinct=size)
+    mean = 8 if reduction == "mean" else 0  # the two scales, read to make the loss NaN when they are
+    plan.append(PlannedLaunch("loss sum", "cross_entropy_reduce_kernel", 1, 0, n_rows * 4 + mean + 4,
+                              n_rows * 4 + mean + 4))
+    if compute_grad and dtype != torch.float32:
+        cast = vocab * hidden * (4 + size)  # the fp32 accumulator read, the gradient written in x's dtype
+        plan.append(PlannedLaunch("grad_W cast", "aten._to_copy.default", 0, 0, cast, cast))
+        if bias:
+            cast = vocab * (4 + size)
+            plan.append(PlannedLaunch("grad_b cast", "aten._to_copy.default", 0, 0, cast, cast))
+    return plan
+
+
+def modelled_seconds(launch: PlannedLaunch, machine: Machine = H200_MODEL, overlap: bool = True) -> float:
+    """A **model** of one launch's time: its FLOPs in whole waves, against its DRAM bytes at the bandwidth.
+
+    Compute: ``ceil(programs / sms)`` waves, one program per SM at a time, each as long as one program's
+    FLOPs at ``flops_per_s / sms`` (wave quantization: a last wave of 4 programs costs a whole wave).
+    Memory: ``dram_bytes / bytes_per_s``. The launch takes the larger (``overlap``; the roofline), or the sum
+    (``overlap=False``: no overlap at all, an upper bound). Launch latency is not modelled.
+    """
+    compute = 0.0
+    if launch.flops and launch.programs:
+        waves = triton.cdiv(launch.programs, machine.sms)
+        compute = waves * (launch.flops / launch.programs) / (machine.flops_per_s / machine.sms)
+    memory = launch.dram_bytes / machine.bytes_per_s
+    return max(compute, memory) if overlap else compute + memory
+
+
+def flop_floor_seconds(n_rows: int, vocab: int, hidden: int, machine: Machine = H200_MODEL) -> float:
+    """The op's useful FLOPs with its gradients, ``6 N V H`` (three GEMMs), at the machine's FLOP rate."""
+    return 6 * n_rows * vocab * hidden / machine.flops_per_s
 
 
 # ----------------------------------------------------------------------------------------------
@@ -388,8 +624,9 @@ def fused_linear_cross_entropy(
         ignore_index, reduction, label_smoothing, softcap, z_loss: as :func:`kernel_ladder.cross_entropy`
             (``softcap``: Gemma-2's ``softcap * tanh(z / softcap)`` of the logits; ``z_loss``: PaLM's
             ``z_loss * mean(logsumexp**2)``).
-        chunk_size: rows per chunk; None for :func:`chunk_rows` (the logits buffer about x's size),
-            computed inside the op from the real sizes (so a dynamic shape under ``torch.compile`` never
+        chunk_size: rows per chunk; None for :func:`chunk_rows` (enough rows that the fp32 weight gradient's
+            traffic stays under 1/8 of the FLOP time, within a memory budget), computed inside the op from the
+            real sizes (so a dynamic shape under ``torch.compile`` never
             turns it into a symbolic expression).
         ce_weight: per-class weights ``(V,)``, torch's ``cross_entropy(weight=...)`` (any float dtype, not
             differentiable): row ``i``'s loss is scaled by ``ce_weight[target_i]`` (the smoothing term by each

@@ -42,10 +42,10 @@ import triton.language as tl
 
 from .. import _activations, _launch, runtime
 from .._validate import check_float_dtype, check_same_device, check_same_dtype, check_tensor, check_values, schema_types
-from ..autotune import MatmulConfig, fit_config
+from ..autotune import MatmulConfig
+from . import moe_configs
 
 __all__ = [
-    "grouped_config",
     "grouped_matmul",
     "grouped_matmul_dw_kernel",
     "grouped_matmul_ideal_bytes",
@@ -116,6 +116,7 @@ def grouped_matmul_kernel(
     dh_ptr,                                  # EPILOGUE_SWIGLU_BACKWARD: the gradient of the gate's output
     bias_ptr,                                # HAS_BIAS: (E, N), or (E, 2N) gate/up biases in w's column layout
     M, N, K, E,
+    ROWS_BUCKET,                             # not used: the autotuner's key (moe_configs.rows_bucket)
     stride_xm, stride_xk,                    # x (M, K), or (tokens, K) when gathering
     stride_we, stride_wk, stride_wn,         # w (E, K, N), or (E, K, 2N) with a gate epilogue
     stride_om, stride_on,                    # out (M, N), or (M, 2N) for the gate's backward
@@ -240,6 +241,7 @@ def grouped_matmul_dw_kernel(
     idx_ptr,                                 # GATHER_K > 0: row r of x is x[idx[r] // GATHER_K]
     db_ptr,                                  # HAS_BIAS: db (E, N), each expert's column sums of dy
     M, N, K,
+    E, ROWS_BUCKET,                          # not used (the grid has E programs on axis 0): the autotuner's key
     stride_xm, stride_xk,                    # x (M, K)
     stride_ym, stride_yn,                    # dy (M, N)
     stride_we, stride_wk, stride_wn,         # dw (E, K, N)
@@ -336,29 +338,6 @@ def grouped_matmul_ideal_bytes(x: torch.Tensor, w: torch.Tensor, offsets: torch.
 # ----------------------------------------------------------------------------------------------
 
 
-def grouped_config(M: int, N: int, K: int, dtype: torch.dtype, *, backward: bool = False,
-                   paired: bool = False, interleaved: bool = False) -> MatmulConfig:
-    """The tile of the grouped kernels.
-
-    MoE groups are short (a few to a few hundred rows per expert), so row tiles are 64 on a GPU
-    (a partial last tile per group wastes at most 63 rows) and 128 columns wide; the interpreter
-    takes 64 x 64 x 32, shrunk to the problem. For the weight gradient the "M" block is the
-    reduction slice over a group's rows and the tile is BLOCK_K x BLOCK_N of dw. ``paired`` (the
-    SwiGLU epilogues: a gate tile and an up tile per program, two fp32 accumulators) halves the
-    tile's width on a GPU, so the pair holds the registers of one 128-wide tile (at 128 wide the
-    backward's epilogue spills on sm_90). ``interleaved`` (the gate's backward on GPT-OSS's interleaved
-    weights, whose stride-2 columns load without vector accesses and hold more registers) also halves
-    BLOCK_K on a GPU: at 64 it spills 40 bytes on sm_90, at 32 none (tests/aot/grouped_matmul.py).
-    """
-    if runtime.INTERPRETER:
-        base = MatmulConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=1, num_warps=4, num_stages=2)
-        return fit_config(base, M, N, K)
-    wide = dtype == torch.float32
-    if backward:
-        return fit_config(MatmulConfig(32 if wide else 64, 64, 64, 1, 4, 3), M, N, K)
-    return fit_config(MatmulConfig(64, 64 if paired else 128, 32 if wide or interleaved else 64, 1, 4, 3), M, N, K)
-
-
 def _index_64(*tensors: torch.Tensor) -> bool:
     return _launch.needs_int64(*(sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()) if s > 0) + 1024
                                  for t in tensors))
@@ -391,22 +370,28 @@ def launch_grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tenso
     if E == 0 or (K == 0 and bias is None):
         out.zero_()  # no expert, or an empty reduction: every row is zero (for the SwiGLU and its
         return       # backward too: gate = up = 0 gives silu(0) * 0 = 0 and zero gradients)
+    kind = "gate_up_backward" if epilogue.endswith("_backward") else "gate_up" if gated else "matmul"
     if config is None:
-        config = grouped_config(M, N, K, x.dtype, paired=gated,
-                                interleaved=gated and interleaved and epilogue.endswith("_backward"))
-    grid = (triton.cdiv(M, config.BLOCK_M) + E, triton.cdiv(N, config.BLOCK_N))
+        config = moe_configs.fixed_config(kind, M, E, N, K, x.dtype, interleaved=gated and interleaved)
     idx = offsets if gather is None else gather
     dh_ = out if dh is None else dh
     bias_ = out if bias is None else bias
-    grouped_matmul_kernel[grid](
-        x, w, out, offsets, idx, dh_, bias_, M, N, K, E, *x.stride(), *w.stride(), *out.stride(), *dh_.stride(),
-        *((0, 0) if bias is None else bias.stride()), float(alpha), float(limit),
-        BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
-        BLOCK_E=max(2, _launch.next_power_of_2(E)), EVEN_K=K % config.BLOCK_K == 0,
-        INPUT_PRECISION=_launch.dot_input_precision(x.dtype), INDEX_64=_index_64(x, w, out, dh_, bias_),
-        GATHER_K=0 if gather is None else gather_k, EPILOGUE=_EPILOGUES[epilogue], HAS_BIAS=bias is not None,
-        CLAMPED=epilogue.startswith("swiglu_oai"), INTERLEAVED=gated and interleaved, **config.launch_options,
+    args = (x, w, out, offsets, idx, dh_, bias_, M, N, K, E, moe_configs.rows_bucket(M, E), *x.stride(),
+            *w.stride(), *out.stride(), *dh_.stride(), *((0, 0) if bias is None else bias.stride()), float(alpha),
+            float(limit))
+    constexprs = dict(
+        BLOCK_E=max(2, _launch.next_power_of_2(E)), INPUT_PRECISION=_launch.dot_input_precision(x.dtype),
+        INDEX_64=_index_64(x, w, out, dh_, bias_), GATHER_K=0 if gather is None else gather_k,
+        EPILOGUE=_EPILOGUES[epilogue], HAS_BIAS=bias is not None, CLAMPED=epilogue.startswith("swiglu_oai"),
+        INTERLEAVED=gated and interleaved,
     )
+    if config is None:  # on a GPU: autotuned (moe_configs), the grid from the chosen tile
+        grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) + E, triton.cdiv(N, meta["BLOCK_N"]))  # noqa: E731
+        moe_configs.autotuned(kind, x.dtype == torch.float32)[grid](*args, **constexprs)
+        return
+    grid = (triton.cdiv(M, config.BLOCK_M) + E, triton.cdiv(N, config.BLOCK_N))
+    grouped_matmul_kernel[grid](*args, BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
+                                EVEN_K=K % config.BLOCK_K == 0, **constexprs, **config.launch_options)
 
 
 def launch_grouped_dw(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, dw: torch.Tensor,
@@ -429,17 +414,19 @@ def launch_grouped_dw(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, 
                                   gather=gather, gather_k=gather_k, db=db)
         return
     if config is None:
-        config = grouped_config(M, N, K, x.dtype, backward=True)
-    grid = (E, triton.cdiv(K, config.BLOCK_K), triton.cdiv(N, config.BLOCK_N))
+        config = moe_configs.fixed_config("dw", M, E, N, K, x.dtype)
     db_ = dw if db is None else db
-    grouped_matmul_dw_kernel[grid](
-        x, dy, dw, offsets, offsets if gather is None else gather, db_, M, N, K, *x.stride(), *dy.stride(),
-        *dw.stride(), *(db.stride() if db is not None else (0, 0)),
-        BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
-        INPUT_PRECISION=_launch.dot_input_precision(x.dtype), INDEX_64=_index_64(x, dy, dw, db_),
-        GATHER_K=0 if gather is None else gather_k, HAS_BIAS=db is not None,
-        **config.launch_options,
-    )
+    args = (x, dy, dw, offsets, offsets if gather is None else gather, db_, M, N, K, E, moe_configs.rows_bucket(M, E),
+            *x.stride(), *dy.stride(), *dw.stride(), *(db.stride() if db is not None else (0, 0)))
+    constexprs = dict(INPUT_PRECISION=_launch.dot_input_precision(x.dtype), INDEX_64=_index_64(x, dy, dw, db_),
+                      GATHER_K=0 if gather is None else gather_k, HAS_BIAS=db is not None)
+    if config is None:  # on a GPU: autotuned (moe_configs)
+        grid = lambda meta: (E, triton.cdiv(K, meta["BLOCK_K"]), triton.cdiv(N, meta["BLOCK_N"]))  # noqa: E731
+        moe_configs.autotuned("dw", x.dtype == torch.float32)[grid](*args, **constexprs)
+        return
+    grid = (E, triton.cdiv(K, config.BLOCK_K), triton.cdiv(N, config.BLOCK_N))
+    grouped_matmul_dw_kernel[grid](*args, BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
+                                   **constexprs, **config.launch_options)
 
 
 # ----------------------------------------------------------------------------------------------

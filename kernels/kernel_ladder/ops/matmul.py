@@ -27,15 +27,26 @@ the pre-activation for the backward pass).
 
 Operands are read through their strides — a transposed or sliced view costs no copy — and
 batch dimensions broadcast like ``torch.matmul`` (a stride-0 batch dim re-reads the same matrix).
-Offsets are computed in int64 when some offset can pass 2**31 (``INDEX_64``). fp32 inputs use
+Offsets are computed in int64 when some offset can pass 2**31 (``INDEX_64``). The tile loop keeps one
+offset per loaded element, fixed for the whole loop, and two scalar base pointers that advance one K
+slice per step (not a 64-bit pointer per element advanced every step): fewer registers and integer
+instructions per K step (counts in docs/architecture.md). fp32 inputs use
 TF32 tensor cores on a GPU exactly when ``torch.backends.cuda.matmul.allow_tf32`` is set
 (``INPUT_PRECISION``); the interpreter always computes in IEEE fp32.
 
-**Dispatch** (:func:`plan_matmul`): split-K when the problem is skinny — M <= 64 and the tiled
-grid has fewer tiles than the GPU has SMs — with ``SPLIT_K = min(2 * SMs // tiles, K // 256, 16)``
-(each split keeps >= 256 of K), if that is at least 2; otherwise the tiled kernel, autotuned on
+**Dispatch** (:func:`plan_matmul`): split-K when the tiled grid has fewer tiles than the GPU has SMs
+and K is long enough to share out (:func:`choose_split_k`); otherwise the tiled kernel, autotuned on
 a GPU, with :data:`kernel_ladder.autotune.INTERPRETER_CONFIG` in the interpreter (where "SMs" is
-:data:`kernel_ladder._launch.INTERPRETER_SMS`).
+:data:`kernel_ladder._launch.INTERPRETER_SMS`). Two cases:
+
+* decode-shaped, M <= 64 (64 x 64 tiles on a GPU): ``SPLIT_K = min(2 * SMs // tiles, K // 256, 16)``
+  (about two programs per SM; each split keeps >= 256 of K), if that is at least 2;
+* short-M, long-K, M > 64 (128 x 128 tiles; a fused linear cross-entropy's ``grad_x = G @ W``, M the
+  chunk's rows, K the vocabulary): the split in ``2 .. min(16, K // 8192)`` whose ``tiles * SPLIT_K``
+  programs fill the last wave best (the fewest splits among equals), if that beats the unsplit grid.
+  Each split keeps >= 8192 of K, so the fp32 partials' round trip (``8 M N`` bytes per split) costs at
+  most ``4 * 184 / 8192`` = 9% of the GEMM's FLOP time at an H200's sustained 790 TFLOP/s over 4.3 TB/s.
+  At M = 256, N = 4096, K = 128,256: 64 tiles on 132 SMs unsplit, 128 programs split two ways.
 """
 
 from __future__ import annotations
@@ -54,6 +65,7 @@ import triton.language as tl
 from .. import _activations, _launch, runtime
 from .._validate import check_float_dtype, check_same_device, check_same_dtype, check_tensor
 from ..autotune import (
+    SPLIT_K_DECODE_ROWS,
     MatmulConfig,
     default_config,
     make_autotuned,
@@ -72,6 +84,7 @@ __all__ = [
     "matmul_persistent",
     "plan_matmul",
     "choose_split_k",
+    "wave_efficiency",
     "matmul_kernel",
     "matmul_split_k_kernel",
     "matmul_split_k_reduce_kernel",
@@ -81,11 +94,16 @@ __all__ = [
 #: What the epilogue can apply (:mod:`kernel_ladder._activations`; ``"none"`` for plain matmul).
 EPILOGUE_ACTIVATIONS: tuple[str, ...] = ("none", *_activations.ACTIVATIONS)
 
-#: Split-K applies only to problems with at most this many rows (decode-shaped).
-SPLIT_K_MAX_M = 64
+#: The decode-shaped split-K rule applies to problems with at most this many rows; wider ones take the
+#: short-M, long-K rule (:func:`choose_split_k`).
+SPLIT_K_MAX_M = SPLIT_K_DECODE_ROWS
 #: Each split keeps at least this much of K (several BLOCK_K iterations), and at most this many splits.
 SPLIT_K_MIN_K_PER_SPLIT = 256
 SPLIT_K_MAX = 16
+#: Each split of a wider (M > SPLIT_K_MAX_M) problem keeps at least this much of K: its fp32 partial tile's
+#: round trip, 8 bytes per output, then costs at most 4 * 184 / 8192 = 9% of its FLOP time (184 FLOP/B: an
+#: H200's sustained 790 TFLOP/s dense bf16 over 4.3 TB/s).
+SPLIT_K_WIDE_MIN_K_PER_SPLIT = 8192
 
 _MAX_GRID_YZ = 65535  # CUDA's limit on grid dims 1 and 2
 
@@ -119,34 +137,40 @@ def accumulate(
 ):
     """fp32 sum over k in [k_start, k_start + k_len) of A[tile rows, k] * B[k, tile cols]."""
     # Rows/cols past M/N wrap around (% M): those loads stay in bounds and need no mask; their
-    # results land in rows/cols that the store masks off.
-    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
-    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+    # results land in rows/cols that the store masks off. (arange + start, not the epilogue's start +
+    # arange: common-subexpression elimination would otherwise compute the epilogue's row and column
+    # indices before the K loop and keep them live, or spilled, across it.)
+    offs_m = (tl.arange(0, BLOCK_M) + pid_m * BLOCK_M) % M
+    offs_n = (tl.arange(0, BLOCK_N) + pid_n * BLOCK_N) % N
     offs_k = tl.arange(0, BLOCK_K)
     if INDEX_64:
         offs_m = offs_m.to(tl.int64)
         offs_n = offs_n.to(tl.int64)
         offs_k = offs_k.to(tl.int64)
+        k_start = k_start + tl.full((), 0, tl.int64)  # k_start * stride_ak below in int64
         step = tl.full((), BLOCK_K, tl.int64)
     else:
         step = tl.full((), BLOCK_K, tl.int32)
-    a_ptrs = a_ptr + offs_m[:, None] * stride_am + (k_start + offs_k)[None, :] * stride_ak
-    b_ptrs = b_ptr + (k_start + offs_k)[:, None] * stride_bk + offs_n[None, :] * stride_bn
-    a_step = step * stride_ak
-    b_step = step * stride_bk
+    # Loop-invariant offset tensors and scalar bases that advance by one K slice per step: the K loop
+    # carries one int32 (int64 under INDEX_64) offset per loaded element and two scalar pointers, not
+    # a 64-bit pointer per element.
+    a_offs = offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_offs = offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    a_base = a_ptr + k_start * stride_ak
+    b_base = b_ptr + k_start * stride_bk
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(k_len, BLOCK_K)):
         if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
+            a = tl.load(a_base + a_offs)
+            b = tl.load(b_base + b_offs)
         else:
             k_left = k_len - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            a = tl.load(a_base + a_offs, mask=offs_k[None, :] < k_left, other=0.0)
+            b = tl.load(b_base + b_offs, mask=offs_k[:, None] < k_left, other=0.0)
         # Operands go to tl.dot in their storage dtype (fp16/bf16 tensor cores; TF32 or IEEE for fp32).
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-        a_ptrs += a_step
-        b_ptrs += b_step
+        a_base += step * stride_ak
+        b_base += step * stride_bk
     return acc
 
 
@@ -446,35 +470,58 @@ class MatmulPlan:
     split_k: int = 1
 
 
+def wave_efficiency(programs: int, num_sms: int) -> float:
+    """The share of ``ceil(programs / num_sms)`` full waves that ``programs`` equal programs keep busy."""
+    if programs <= 0:
+        return 0.0
+    return programs / (triton.cdiv(programs, num_sms) * num_sms)
+
+
 def choose_split_k(M: int, N: int, K: int, batch: int, config: MatmulConfig, num_sms: int) -> int:
     """How many ways to split K for a (batch, M, N, K) problem: 1 means "use the tiled kernel".
 
-    Split only skinny problems: M <= 64 and fewer output tiles than SMs, so the tiled grid would
-    leave the GPU partly idle while each program walks a long K. Aim for about two programs per
-    SM, keep at least 256 of K per split, split at most 16 ways.
+    Split only when the tiled grid, ``batch * ceil(M / BLOCK_M) * ceil(N / BLOCK_N)`` tiles of
+    ``config``, has fewer tiles than SMs, so it would leave the GPU partly idle while each program
+    walks a long K. Then:
+
+    * M <= :data:`SPLIT_K_MAX_M` (decode-shaped, memory-bound): about two programs per SM, at least
+      :data:`SPLIT_K_MIN_K_PER_SPLIT` of K per split, at most :data:`SPLIT_K_MAX` splits;
+    * wider (short-M, long-K, compute-bound): the split ``s`` in ``2 .. min(SPLIT_K_MAX, K //``
+      :data:`SPLIT_K_WIDE_MIN_K_PER_SPLIT` ``)`` with the best :func:`wave_efficiency` of ``tiles * s``
+      programs, the smallest among equals (fewer partials), if it beats the unsplit grid's.
     """
-    if M > SPLIT_K_MAX_M or K < 2 * SPLIT_K_MIN_K_PER_SPLIT:
-        return 1
     tiles = max(1, batch) * triton.cdiv(M, config.BLOCK_M) * triton.cdiv(N, config.BLOCK_N)
     if tiles >= num_sms:
         return 1
-    split = min(2 * num_sms // tiles, K // SPLIT_K_MIN_K_PER_SPLIT, SPLIT_K_MAX)
-    return split if split >= 2 else 1
+    if M <= SPLIT_K_MAX_M:
+        if K < 2 * SPLIT_K_MIN_K_PER_SPLIT:
+            return 1
+        split = min(2 * num_sms // tiles, K // SPLIT_K_MIN_K_PER_SPLIT, SPLIT_K_MAX)
+        return split if split >= 2 else 1
+    best, best_efficiency = 1, wave_efficiency(tiles, num_sms)
+    for split in range(2, min(SPLIT_K_MAX, K // SPLIT_K_WIDE_MIN_K_PER_SPLIT) + 1):
+        efficiency = wave_efficiency(tiles * split, num_sms)
+        if efficiency > best_efficiency:
+            best, best_efficiency = split, efficiency
+    return best
 
 
-def plan_matmul(M: int, N: int, K: int, dtype: torch.dtype = torch.float32, batch: int = 1) -> MatmulPlan:
+def plan_matmul(M: int, N: int, K: int, dtype: torch.dtype = torch.float32, batch: int = 1, *,
+                num_sms: int | None = None, interpreter: bool | None = None) -> MatmulPlan:
     """The kernel and configuration :func:`matmul` uses for a (batch of) M x K @ K x N problem(s).
 
     Split-K for skinny problems (see :func:`choose_split_k`, with the split-K default config),
     else the tiled kernel: autotuned on a GPU (``config`` None), the fixed interpreter config
-    (fitted to the problem) in the interpreter.
+    (fitted to the problem) in the interpreter. ``num_sms`` and ``interpreter`` (None: this
+    process's) ask what another machine would run, e.g. an H200 (132 SMs, compiled) from the CPU.
     """
-    split_config = default_config(M, N, K, dtype, "split_k")
-    split = choose_split_k(M, N, K, batch, split_config, _launch.num_sms())
+    interpreter = runtime.INTERPRETER if interpreter is None else interpreter
+    split_config = default_config(M, N, K, dtype, "split_k", interpreter=interpreter)
+    split = choose_split_k(M, N, K, batch, split_config, _launch.num_sms() if num_sms is None else num_sms)
     if split > 1:
         return MatmulPlan("split_k", split_config, split)
-    if runtime.INTERPRETER:
-        return MatmulPlan("tiled", default_config(M, N, K, dtype, "tiled"))
+    if interpreter:
+        return MatmulPlan("tiled", default_config(M, N, K, dtype, "tiled", interpreter=True))
     return MatmulPlan("tiled", None)
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import triton
 
 from ... import runtime
-from ...autotune import _shared_memory_limit, autotune_supports_disk_cache
+from ...autotune import _shared_memory_limit, autotune_supports_disk_cache, limited
 from .backward import flash_attention_backward_dkdv_kernel, flash_attention_backward_dq_kernel
 from .forward import flash_attention_forward_kernel
 
@@ -206,7 +206,7 @@ def make_autotuned(kind: str, configs: tuple[AttentionConfig, ...] | None = None
     tuning loop in the interpreter with a stand-in). Building it needs no GPU.
     """
     configs = _GPU_CONFIGS[kind] if configs is None else tuple(configs)
-    options = {"prune_configs_by": {"early_config_prune": _pruner(kind, configs)}}
+    options = {"prune_configs_by": {"early_config_prune": limited(_pruner(kind, configs))}}
     if autotune_supports_disk_cache():
         options["cache_results"] = True
     if do_bench is not None:
