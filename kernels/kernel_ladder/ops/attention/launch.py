@@ -61,7 +61,7 @@ def _use_tma(k: torch.Tensor, v: torch.Tensor) -> bool:
             return False
         if t.stride(-2 if t.dim() == 4 else 0) == 0:  # keys broadcast along their axis: no descriptor's rows
             return False
-    if runtime.INTERPRETER:
+    if runtime.INTERPRETER or k.device.type != "cuda":  # (compiled with CPU tensors: a plan for sm_90, no launch)
         return True
     return torch.cuda.get_device_capability(k.device)[0] >= 9 and _ensure_allocator()
 
