@@ -20,7 +20,7 @@ from utils.aot import run_compiled
 SCRIPT = Path(__file__).parent / "aot" / "flash_attention.py"  # run in a compiled-mode child process
 
 
-#: Set to 1 to compile every tile configuration and switch (about 4 minutes on 2 cores); by default one
+#: Set to 1 to compile every tile configuration and switch (about 5 minutes on 2 cores); by default one
 #: configuration per kernel at head dims 64 and 128 (what ``make test`` can afford).
 FULL_ENV = "KERNEL_LADDER_AOT_FULL"
 

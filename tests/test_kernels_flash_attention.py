@@ -600,6 +600,96 @@ def test_bad_cu_seqlens_unchecked_never_access_outside_the_tensors(bad_q, bad_k,
     assert tr.out_of_bounds == 0, tr.table()
 
 
+# ----------------------------------------------------------------------------- K and V through tensor descriptors
+
+
+#: Whether aligned K and V go through tensor descriptors here (the interpreter, or a GPU of sm_90 or later).
+TMA = attention.launch._tma_supported() and (kernel_ladder.runtime.INTERPRETER
+                                             or torch.cuda.get_device_capability()[0] >= 9)
+
+
+def _spy_tma(monkeypatch, force=None):
+    """Record each forward launch's choice of K/V loads (``force``: make that choice instead)."""
+    chosen = []
+    decide = attention.launch._use_tma
+
+    def spy(k, v):
+        chosen.append(decide(k, v) if force is None else force)
+        return chosen[-1]
+
+    monkeypatch.setattr(attention.launch, "_use_tma", spy)
+    return chosen
+
+
+@pytest.mark.parametrize("options", [
+    {"causal": True},
+    {"causal": True, "window": 9, "softcap": 8.0},
+    {"sinks": True, "dv": 16},
+], ids=str)
+def test_tensor_descriptor_and_cp_async_loads_give_the_same_bits(options, gen, monkeypatch):
+    """The forward reads K and V through tensor descriptors (the TMA) where their layout allows, else with masked
+    loads: the same tiles (zeros past the keys' end and past the head dim), so the same bits; odd lengths and a
+    head dim (40) below its tile (64)."""
+    options = dict(options)
+    dv = options.pop("dv", 40)
+    sinks = rand(4, gen=gen) if options.pop("sinks", False) else None
+    q, k, v = rand(1, 4, 45, 40, gen=gen), rand(1, 2, 70, 40, gen=gen), rand(1, 2, 70, dv, gen=gen)
+    chosen = _spy_tma(monkeypatch)
+    tma = kernel_ladder.flash_attention(q, k, v, sinks=sinks, **options)
+    _spy_tma(monkeypatch, force=False)
+    masked = kernel_ladder.flash_attention(q, k, v, sinks=sinks, **options)
+    assert chosen == [TMA]
+    assert torch.equal(tma, masked)
+    if sinks is None:
+        assert_matches(tma, reference(q, k, v, **options)[0], torch.float32)
+
+
+def test_varlen_tensor_descriptor_and_cp_async_loads_give_the_same_bits(gen, monkeypatch):
+    """Packed sequences of 0 to 40 keys, each its own descriptor or its masked loads: the same bits."""
+    q, cu_q = pack([5, 0, 33, 17], 4, 40, gen)
+    k, cu_k = pack([9, 3, 40, 6], 2, 40, gen)
+    v = rand(*k.shape, gen=gen)
+    chosen = _spy_tma(monkeypatch)
+    tma = kernel_ladder.flash_attention_varlen(q, k, v, cu_q, cu_k, 33, 40, causal=True, window=7)
+    _spy_tma(monkeypatch, force=False)
+    masked = kernel_ladder.flash_attention_varlen(q, k, v, cu_q, cu_k, 33, 40, causal=True, window=7)
+    assert chosen == [TMA]
+    assert torch.equal(tma, masked)
+
+
+def test_tensor_descriptors_read_nothing_past_a_sequence_or_a_head(gen, monkeypatch):
+    """A packed sequence's descriptor ends at its own last key and at the head dim: an infinite next sequence
+    (keys 20.. of the first one's last block) and an infinite next head (the columns past D = 48 in the tile of
+    64) leave the first sequence's head 0 exact, where a bound at the packed length or the tile would give NaN."""
+    lengths = [20, 30]
+    q, cu = pack(lengths, 2, 48, gen)
+    k, v = rand(*q.shape, gen=gen), rand(*q.shape, gen=gen)
+    for t in (k, v):
+        t[20:] = float("inf")  # the second sequence
+        t[:20, 1] = float("inf")  # the first sequence's head 1, right after head 0's 48 columns
+    chosen = _spy_tma(monkeypatch)
+    out = kernel_ladder.flash_attention_varlen(q, k, v, cu, cu, 30, 30, causal=True)
+    assert chosen == [TMA]
+    first = (t[:20, :1].transpose(0, 1)[None] for t in (q, k, v))
+    assert_matches(out[:20, :1].transpose(0, 1)[None].contiguous(), reference(*first, causal=True)[0],
+                   torch.float32)
+
+
+def test_tensor_descriptors_only_for_aligned_unit_stride_rows():
+    """A descriptor needs a unit feature stride and 16-byte aligned rows: anything else keeps the masked loads."""
+    use = attention.launch._use_tma
+    k = torch.zeros(1, 2, 64, 128, dtype=torch.bfloat16, device=DEVICE)
+    assert use(k, k) == TMA
+    assert not use(k[..., 1:65], k[..., :64])  # 2 bytes off alignment
+    assert not use(k[..., ::2], k[..., ::2])  # feature stride 2
+    odd = torch.zeros(1, 2, 64, 36, dtype=torch.bfloat16, device=DEVICE)  # rows of 72 bytes
+    assert not use(odd, odd)
+    broadcast = k[:, :, :1].expand(1, 2, 64, 128)  # every key the same row: stride 0
+    assert not use(broadcast, broadcast)
+    packed = torch.zeros(50, 2, 48, dtype=torch.float32, device=DEVICE)  # varlen (total, H, D)
+    assert use(packed, packed) == TMA
+
+
 # ----------------------------------------------------------------------------- properties
 
 
@@ -834,6 +924,15 @@ def test_gpu_configs_fit_every_head_dim():
     assert not attention.configs.fits(wide, "forward", 64, 2, shared_memory=smem, window=True)
     assert any(attention.configs.fits(c, "forward", 64, 2, shared_memory=smem, window=True)
                for c in attention.configs.FORWARD_GPU_CONFIGS)
+    # with K and V through tensor descriptors (no address registers) it takes head dim 128 (sm_90)
+    assert attention.configs.fits(wide, "forward", 128, 2, shared_memory=smem, tma=True)
+    assert not attention.configs.fits(wide, "forward", 128, 2, shared_memory=smem)
+    assert not attention.configs.fits(wide, "forward", 128, 2, shared_memory=smem, tma=True, window=True)
+    prune = attention.configs._pruner("forward")
+    triton_configs = [c.to_triton() for c in attention.configs.FORWARD_GPU_CONFIGS]
+    bf16 = {"q_ptr": torch.empty(1, dtype=torch.bfloat16)}
+    assert triton_configs[0] in prune(triton_configs, bf16, BLOCK_D=128, SOFTCAP=False, USE_TMA=True)
+    assert triton_configs[0] not in prune(triton_configs, bf16, BLOCK_D=128, SOFTCAP=False, USE_TMA=False)
     narrow = attention.configs.BACKWARD_DQ_GPU_CONFIGS[1]  # 128x32: fits 256/256, spills at 256/128 (sm_90)
     assert (narrow.BLOCK_M, narrow.BLOCK_N) == (128, 32)
     assert attention.configs.fits(narrow, "dq", 256, 2, shared_memory=smem)

@@ -5,11 +5,14 @@ has 64 rows or more); soft-capping (with a window) and fp32 (TF32 products) at e
 limits for them; the other switches (non-causal, varlen, int64 offsets) once at head dim 128; the
 attention sinks (GPT-OSS: head dim 64, with a window) and v's own head dim (DeepSeek-V3's MLA prefill:
 q/k 192, padded to a 256 tile, and v 128) at every config that the pruner keeps for them.
-Prints each variant's registers, spills and shared memory.
+The forward compiles each variant twice, with K and V through ``cp.async`` (masked loads) and through tensor
+descriptors (``USE_TMA``, the TMA), each at its own limits. Prints each variant's registers, spills and shared
+memory.
 
 Run by tests/test_kernels_compile_flash_attention.py in a compiled-mode child process (utils.aot.run_compiled).
 ``--quick`` (what ``make test`` runs) compiles one configuration per kernel at head dims 64 and 128, and
-the preprocess, and the sinks and MLA-prefill specializations once per kernel;
+the preprocess, and the sinks and MLA-prefill specializations once per kernel, and the forward's 128 x 128 tiles
+at head dim 128 with tensor descriptors;
 ``KERNEL_LADDER_AOT_FULL=1`` runs everything.
 """
 
@@ -56,15 +59,16 @@ quick = "--quick" in sys.argv
 failures, rows = [], []
 
 
-def run(kind, dtype, head_dim, config, flags, head_dim_v=None, sinks=False):
+def run(kind, dtype, head_dim, config, flags, head_dim_v=None, sinks=False, tma=False):
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     constexprs = {**flags, "BLOCK_D": head_dim, "BLOCK_DV": head_dim_v, "SAME_DV": head_dim_v == head_dim,
                   "BLOCK_M": config.BLOCK_M, "BLOCK_N": config.BLOCK_N}
-    if kind == "forward":  # the sinks are the forward's switch (the backward reads lse as it is)
+    if kind == "forward":  # the sinks and the K/V tensor descriptors are the forward's switches
         constexprs["HAS_SINKS"] = sinks
+        constexprs["USE_TMA"] = tma
     what = (f"{kind:7s} {dtype} D={head_dim:3d}" + (f"/{head_dim_v}" if head_dim_v != head_dim else "")
             + f" {str(config):16s} " + " ".join(name.lower() for name, on in flags.items() if on is True)
-            + (" sinks" if sinks else ""))
+            + (" sinks" if sinks else "") + (" tma" if tma else ""))
     try:
         kernel = compile_one(KERNELS[kind], dtype, constexprs, config.num_warps, config.num_stages)
     except Exception as error:  # noqa: BLE001  (report every variant)
@@ -84,14 +88,47 @@ def run(kind, dtype, head_dim, config, flags, head_dim_v=None, sinks=False):
         failures.append(f"{what}: the block products are not wgmma")
     if "mma" not in ptx:
         failures.append(f"{what}: the block products are not on tensor cores")
+    if tma and "cp.async.bulk.tensor" not in ptx:
+        failures.append(f"{what}: K and V are not loaded through tensor descriptors")
 
 
-def kept_for(kind, block_d, block_dv=None, window=False):
+def kept_for(kind, block_d, block_dv=None, window=False, tma=False):
     """The configs the pruner keeps for a 16-bit launch at head-dim tiles ``block_d``, ``block_dv`` (no soft-cap)."""
     return [c for c in _GPU_CONFIGS[kind]
-            if fits(c, kind, block_d, 2, shared_memory=227 * 1024, block_dv=block_dv, window=window)]
+            if fits(c, kind, block_d, 2, shared_memory=227 * 1024, block_dv=block_dv, window=window, tma=tma)]
 
 
+def forward_with_tma():
+    """The forward's own limits with K and V through tensor descriptors (``USE_TMA``, what aligned inputs get): each
+    config where that raises its bf16 limit (quick: the first such), and in full every variant again with TMA."""
+    widened = [c for c in _GPU_CONFIGS["forward"] if c.head_dim_limit(2, tma=True) > c.max_head_dim]
+    for config in widened[:1] if quick else widened:
+        run("forward", "bf16", config.head_dim_limit(2, tma=True), config, switches(), tma=True)
+    if quick:
+        return
+    for head_dim in (64, 128, 256):
+        for config in _GPU_CONFIGS["forward"]:
+            if head_dim <= config.head_dim_limit(2, tma=True):
+                run("forward", "bf16", head_dim, config, switches(), tma=True)
+    for config in kept_for("forward", 256, 128, tma=True):
+        run("forward", "bf16", 256, config, switches(), head_dim_v=128, sinks=True, tma=True)
+    for config in kept_for("forward", 64, window=True, tma=True):
+        run("forward", "bf16", 64, config, switches(window=True), sinks=True, tma=True)
+    for config in _GPU_CONFIGS["forward"]:
+        run("forward", "bf16", config.head_dim_limit(2, window=True, tma=True), config, switches(window=True),
+            tma=True)
+        limit = config.head_dim_limit(2, softcap=True, tma=True)
+        if limit >= 64:
+            run("forward", "bf16", limit, config, switches(window=True, softcap=True), tma=True)
+        if config.head_dim_limit(4, tma=True) >= 64:
+            run("forward", "fp32", config.head_dim_limit(4, tma=True), config, switches(precision="tf32"), tma=True)
+        if config.head_dim_limit(2, tma=True) >= 128:
+            for flags in (switches(causal=False), switches(varlen=True), switches(index_64=True),
+                          switches(causal=False, block_sparse=True)):
+                run("forward", "bf16", 128, config, flags, tma=True)
+
+
+forward_with_tma()
 for kind in ("forward", "dkdv", "dq"):
     # DeepSeek-V3's MLA prefill: q/k 192 (a 256 tile), v 128 (every config kept for it: ptxas allocates the
     # mixed tiles differently, see AttentionConfig.max_head_dim_narrow_v); GPT-OSS: sinks at head dim 64

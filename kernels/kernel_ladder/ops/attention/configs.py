@@ -49,9 +49,12 @@ class AttentionConfig:
     registers; the backward kernels also keep the cap's derivative, one more score-sized tile, live;
     0: never with soft-capping); ``max_head_dim_narrow_v`` when v's tile is narrower than q's and k's
     (``Dv < D``, DeepSeek's MLA prefill: ptxas allocates that mix differently; None: ``max_head_dim``);
-    ``max_head_dim_window`` with a sliding window (without soft-capping; None: ``max_head_dim``).
-    Measured, not modelled: ``tests/aot/flash_attention.py`` compiles every GPU config at its limits (and at head
-    dims 64 and 128 below them) and fails on any spill.
+    ``max_head_dim_window`` with a sliding window (without soft-capping; None: ``max_head_dim``);
+    ``max_head_dim_tma`` for 16-bit inputs whose K and V tiles stream through tensor descriptors (the forward's
+    ``USE_TMA``: no per-thread addresses, so wider tiles fit; without a window, soft-capping or a narrower v;
+    None: ``max_head_dim``). Measured, not modelled: ``tests/aot/flash_attention.py`` compiles every GPU config at
+    its limits (and at head dims 64 and 128 below them), the forward's with and without tensor descriptors, and
+    fails on any spill.
     """
 
     BLOCK_M: int
@@ -63,13 +66,17 @@ class AttentionConfig:
     max_head_dim_softcap: int | None = None  # None: max_head_dim
     max_head_dim_narrow_v: int | None = None  # None: max_head_dim
     max_head_dim_window: int | None = None  # None: max_head_dim
+    max_head_dim_tma: int | None = None  # None: max_head_dim
 
     def head_dim_limit(self, element_size: int, softcap: bool = False, narrow_v: bool = False,
-                       window: bool = False) -> int:
+                       window: bool = False, tma: bool = False) -> int:
         """The widest head-dim tile this config takes for inputs of ``element_size`` bytes (with soft-capping;
-        with ``narrow_v``, a v tile narrower than q's and k's; with a sliding ``window``)."""
+        with ``narrow_v``, a v tile narrower than q's and k's; with a sliding ``window``; with ``tma``, K and V
+        loaded through tensor descriptors)."""
         if element_size <= 2:
             limit = self.max_head_dim
+            if tma and not (softcap or narrow_v or window) and self.max_head_dim_tma is not None:
+                limit = self.max_head_dim_tma
             if narrow_v and self.max_head_dim_narrow_v is not None:
                 limit = self.max_head_dim_narrow_v
             if window and not softcap and self.max_head_dim_window is not None:
@@ -101,15 +108,18 @@ class AttentionConfig:
 
 _c = AttentionConfig
 #: Forward candidates on a GPU: 128- and 64-row query blocks; 32-key blocks for head dim 256. (A sliding window
-#: without soft-capping keeps more live at the limits: ``max_head_dim_window``, measured.)
+#: without soft-capping keeps more live at the limits: ``max_head_dim_window``, measured.) 128 x 128 takes head
+#: dim 128 when K and V come through tensor descriptors (no address registers), 64 with ``cp.async``; 128 x 32
+#: takes 256 with them, 128 without (where 64 x 32 serves 256).
 FORWARD_GPU_CONFIGS: tuple[AttentionConfig, ...] = (
-    _c(128, 128, 8, 2, max_head_dim=64, max_head_dim_window=32),
-    _c(128, 64, 8, 3, max_head_dim=128, max_head_dim_window=64),
+    _c(128, 128, 8, 2, max_head_dim=64, max_head_dim_window=32, max_head_dim_tma=128),
+    _c(128, 64, 8, 3, max_head_dim=128, max_head_dim_fp32=32, max_head_dim_window=64),
     _c(128, 64, 8, 2, max_head_dim=128),
     _c(64, 128, 8, 2, max_head_dim=128, max_head_dim_fp32=32, max_head_dim_softcap=64, max_head_dim_window=64),
     _c(64, 64, 4, 3, max_head_dim=128, max_head_dim_fp32=32, max_head_dim_softcap=64, max_head_dim_window=64),
     _c(64, 64, 8, 2, max_head_dim=128),
-    _c(128, 32, 8, 2, max_head_dim=256, max_head_dim_softcap=128, max_head_dim_window=128),
+    _c(128, 32, 8, 2, max_head_dim=128, max_head_dim_fp32=128, max_head_dim_softcap=128, max_head_dim_narrow_v=256,
+       max_head_dim_window=128, max_head_dim_tma=256),
     _c(64, 32, 8, 2, max_head_dim=256),
 )
 #: dK/dV candidates: a key block (K, V in shared memory, fp32 dK, dV in registers) and the query blocks
@@ -147,14 +157,17 @@ INTERPRETER_CONFIG: AttentionConfig = AttentionConfig(32, 32, 4, 1)
 
 
 def fits(config: AttentionConfig, kind: str, block_d: int, element_size: int, softcap: bool = False,
-         shared_memory: int | None = None, block_dv: int | None = None, window: bool = False) -> bool:
+         shared_memory: int | None = None, block_dv: int | None = None, window: bool = False,
+         tma: bool = False) -> bool:
     """Whether ``config`` suits kernel ``kind`` (``"forward"``, ``"dkdv"``, ``"dq"``) at head-dim tile ``block_d``
-    (and v's ``block_dv``, default the same) of ``element_size``-byte inputs: within its register limit and the
-    GPU's shared memory. The wider of the two tiles is what is checked."""
+    (and v's ``block_dv``, default the same) of ``element_size``-byte inputs (``tma``: the forward's K and V through
+    tensor descriptors): within its register limit and the GPU's shared memory. The wider of the two tiles is what
+    is checked."""
     limit = _shared_memory_limit() if shared_memory is None else shared_memory
     block_dv = block_d if block_dv is None else block_dv
     widest = max(block_d, block_dv)
-    return (widest <= config.head_dim_limit(element_size, softcap, narrow_v=block_dv < block_d, window=window)
+    return (widest <= config.head_dim_limit(element_size, softcap, narrow_v=block_dv < block_d, window=window,
+                                            tma=tma)
             and config.shared_memory_bytes(kind, widest, element_size) <= limit)
 
 
@@ -168,8 +181,9 @@ def _pruner(kind: str, candidates: tuple[AttentionConfig, ...] | None = None):
         element_size = named_args["q_ptr"].element_size()
         pairs = [(mine[(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)], c) for c in configs]
         window = bool(kwargs.get("HAS_WINDOW", False))
+        tma = bool(kwargs.get("USE_TMA", False))
         kept = [c for config, c in pairs
-                if fits(config, kind, block_d, element_size, softcap, block_dv=block_dv, window=window)]
+                if fits(config, kind, block_d, element_size, softcap, block_dv=block_dv, window=window, tma=tma)]
         if kept:
             return kept
         # Nothing fits (fp32 at head dim 256, soft-capping at 256 in dQ): the smallest tiles spill least.
@@ -178,9 +192,9 @@ def _pruner(kind: str, candidates: tuple[AttentionConfig, ...] | None = None):
     return prune
 
 
-#: What the autotuner keys on (Triton adds the pointers' dtypes).
+#: What the autotuner keys on (Triton adds the pointers' dtypes); each kernel on those of its arguments.
 TUNING_KEY: tuple[str, ...] = ("BUCKET_Q", "BUCKET_K", "BLOCK_D", "BLOCK_DV", "CAUSAL", "HAS_WINDOW", "SOFTCAP",
-                               "VARLEN", "INPUT_PRECISION", "BLOCK_SPARSE")
+                               "VARLEN", "INPUT_PRECISION", "BLOCK_SPARSE", "USE_TMA")
 
 _KERNELS = {
     "forward": flash_attention_forward_kernel,
@@ -201,7 +215,9 @@ def make_autotuned(kind: str, configs: tuple[AttentionConfig, ...] | None = None
         options["cache_results"] = True
     if do_bench is not None:
         options["do_bench"] = do_bench
-    return triton.autotune(configs=[c.to_triton() for c in configs], key=list(TUNING_KEY), **options)(_KERNELS[kind])
+    kernel = _KERNELS[kind]
+    key = [name for name in TUNING_KEY if name in kernel.arg_names]  # USE_TMA is the forward's alone
+    return triton.autotune(configs=[c.to_triton() for c in configs], key=key, **options)(kernel)
 
 
 @functools.cache

@@ -35,6 +35,17 @@ at the end of the keys compute the mask. Causal attention with ``Tq = Tk`` thus 
 tests). When ``Tq > Tk``, the first ``Tq - Tk`` queries see no key at all: their output is 0 and
 their ``lse`` is ``-inf``, as in flash-attn (a softmax over an all-``-inf`` row in torch gives NaN).
 
+**K and V loads.** Where K's and V's layout suits a tensor descriptor (unit feature stride, 16-byte
+aligned rows) on a GPU of sm_90 or later with Triton >= 3.6, and in the interpreter, the launcher sets
+``USE_TMA``: each program describes its head's ``(Tk, D)`` keys and values (``tl.make_tensor_descriptor``)
+and each block is one copy by the tensor-memory accelerator into shared memory, with zeros past the
+sequence's last key and past ``D`` (a packed sequence's descriptor ends at its own length). The loop then
+holds no per-thread address or load mask, which frees the registers that let 128 x 128 tiles fit at
+``D = 128``. Otherwise (a misaligned or strided layout, an older Triton or GPU) the masked loads read from a
+scalar base advanced by one block per step over loop-invariant offsets (``cp.async`` on sm_90). A
+descriptor built in a kernel lives in scratch memory from Triton's allocator: the launcher sets one (torch's)
+where the caller has set none.
+
 **Grouped-query attention without copies.** The grid is ``(query blocks, Hq, B)``; the program of
 query head ``h`` reads key/value head ``h // (Hq // Hkv)``. K and V are never repeated in memory;
 each query head's programs stream their group's K/V themselves (on a GPU the group's repeated reads
@@ -55,9 +66,9 @@ __all__ = ["flash_attention_forward_kernel"]
 
 @triton.jit
 def _forward_blocks(
-    acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, last_key, first_key, d_mask, dv_mask,
-    start, end, seqlen_k, sm_scale, qk_scale, softcap, block_list_ptr,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, stride_kn, stride_vn, last_key, first_key, d_mask, dv_mask,
+    start, end, seqlen_k, sm_scale, qk_scale, softcap, block_list_ptr, k_desc, v_desc,
+    USE_TMA: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SPARSE: tl.constexpr, SAME_DV: tl.constexpr,
 ):
     """Fold key blocks ``[start, end)`` into the running ``(acc, m, l)`` of one query block.
@@ -66,26 +77,33 @@ def _forward_blocks(
     step, from the int32 list at ``block_list_ptr`` (block indices, in units of ``BLOCK_N`` keys;
     ``None`` and never read for consecutive blocks).
 
-    ``k_ptrs``/``v_ptrs`` point at key 0 of the block's columns (``[BLOCK_N, BLOCK_D]``); row ``i``
-    sees keys ``first_key[i] <= j <= last_key[i]`` (``i + diagonal - W + 1`` and ``i + diagonal``).
+    ``k_base``/``v_base`` point at key 0 of the head (scalars); ``k_offs``/``v_offs`` are a block's
+    element offsets (``[BLOCK_N, BLOCK_D]``), the same for every block: each step advances the scalar
+    base by ``BLOCK_N`` rows, so the per-element addresses cost one add per load and nothing else.
+    Row ``i`` sees keys ``first_key[i] <= j <= last_key[i]`` (``i + diagonal - W + 1`` and ``i + diagonal``).
     Unmasked blocks (``MASKED`` False) are inside ``seqlen_k`` and visible to every row: no mask.
+    The scores stay unscaled until the exponent: the row maximum is taken of ``Q K^T`` and scaled once
+    per row (``qk_scale > 0``, so ``max(s * c) = max(s) * c`` exactly), and ``exp2``'s argument
+    ``s * qk_scale - m`` is one fused multiply-add per score.
     The loop body is written out (no helper calls): it is the hot loop, also in the interpreter.
     """
     cols = start + tl.arange(0, BLOCK_N)
-    k_ptrs += start * stride_kn
-    v_ptrs += start * stride_vn
+    key0 = start.to(tl.int32)  # USE_TMA: the block's first key, a coordinate of the descriptors
     step_k = BLOCK_N * stride_kn
     step_v = BLOCK_N * stride_vn
+    k_base += start * stride_kn
+    v_base += start * stride_vn
     for _ in range(start, end, BLOCK_N):
         if BLOCK_SPARSE:  # the next listed block: its keys and their K/V rows
             block = tl.load(block_list_ptr)
             block_list_ptr += 1
             cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
-            k_tile = k_ptrs + block.to(tl.int64) * step_k
-            v_tile = v_ptrs + block.to(tl.int64) * step_v
+            key0 = block * BLOCK_N
+            k_tile = k_base + block.to(tl.int64) * step_k
+            v_tile = v_base + block.to(tl.int64) * step_v
         else:
-            k_tile = k_ptrs
-            v_tile = v_ptrs
+            k_tile = k_base
+            v_tile = v_base
         if MASKED:
             k_mask = (cols < seqlen_k)[:, None] & d_mask[None, :]
         else:
@@ -96,12 +114,13 @@ def _forward_blocks(
             v_mask = (cols < seqlen_k)[:, None] & dv_mask[None, :]
         else:
             v_mask = dv_mask[None, :]
-        k = tl.load(k_tile, mask=k_mask, other=0.0)
-        qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
-        if SOFTCAP:  # Gemma-2: scale, then cap, then base 2
-            s = softcapped(qk * sm_scale, softcap) * _LOG2E
+        if USE_TMA:  # one copy per block by the tensor-memory accelerator: keys past Tk, columns past D read as 0
+            k = k_desc.load([key0, 0])
         else:
-            s = qk * qk_scale
+            k = tl.load(k_tile + k_offs, mask=k_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
+        if SOFTCAP:  # Gemma-2: scale, then cap, then base 2 (the scale is in the scores: qk_scale unused)
+            s = softcapped(s * sm_scale, softcap) * _LOG2E
         if MASKED:
             visible = (cols < seqlen_k)[None, :]
             if CAUSAL:
@@ -110,16 +129,24 @@ def _forward_blocks(
                 visible = visible & (cols[None, :] >= first_key[:, None])
             s = tl.where(visible, s, float("-inf"))
             cols += BLOCK_N
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if SOFTCAP:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp2(s - m_new[:, None])
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            p = tl.exp2(s * qk_scale - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)  # the rescale of everything accumulated so far
-        p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_tile, mask=v_mask, other=0.0)
+        if USE_TMA:
+            v = v_desc.load([key0, 0])
+        else:
+            v = tl.load(v_tile + v_offs, mask=v_mask, other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=INPUT_PRECISION)
         m_i = m_new
         if not BLOCK_SPARSE:
-            k_ptrs += step_k
-            v_ptrs += step_v
+            k_base += step_k
+            v_base += step_v
+            key0 += BLOCK_N
     return acc, m_i, l_i
 
 
@@ -141,7 +168,7 @@ def flash_attention_forward_kernel(
     BUCKET_Q, BUCKET_K,                             # the autotuner's key only (powers of two of the lengths)
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
     INDEX_64: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr, HAS_SINKS: tl.constexpr,
-    SAME_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    SAME_DV: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
     """``out`` and ``lse`` of one block of ``BLOCK_M`` queries of one head; grid ``(query blocks, Hq, B)``.
@@ -180,11 +207,21 @@ def flash_attention_forward_kernel(
         q_base = q_ptr + batch * stride_qb + head * stride_qh + q_start * stride_qm
         q = tl.load(q_base + rows[:, None] * stride_qm + offs_d[None, :] * stride_qd,
                     mask=row_mask[:, None] & d_mask[None, :], other=0.0)
-        k_ptrs = (k_ptr + batch * stride_kb + kv_head * stride_kh + k_start * stride_kn
-                  + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd)
-        v_ptrs = (v_ptr + batch * stride_vb + kv_head * stride_vh + k_start * stride_vn
-                  + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd)
+        # scalar bases (advanced per key block) and one block's element offsets (loop-invariant)
+        k_base = k_ptr + batch * stride_kb + kv_head * stride_kh + k_start * stride_kn
+        v_base = v_ptr + batch * stride_vb + kv_head * stride_vh + k_start * stride_vn
+        k_offs = offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
+        v_offs = offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd
 
+        if USE_TMA:
+            # this head's keys as a (Tk, D) tensor (the launcher checked: unit feature stride, 16-byte aligned
+            # rows); a varlen sequence's own length bounds it, so its blocks never read the next sequence's keys
+            n_keys = tl.maximum(seqlen_k, 1)  # (a descriptor's dims are positive; no block is read when Tk = 0)
+            k_tma = tl.make_tensor_descriptor(k_base, [n_keys, head_dim], [stride_kn, 1], [BLOCK_N, BLOCK_D])
+            v_tma = tl.make_tensor_descriptor(v_base, [n_keys, head_dim_v], [stride_vn, 1], [BLOCK_N, BLOCK_DV])
+        else:
+            k_tma = None
+            v_tma = None
         diagonal = _diagonal(seqlen_q=seqlen_q, seqlen_k=seqlen_k)
         m_last = tl.minimum(m0 + BLOCK_M, seqlen_q) - 1
         lo, full_lo, full_hi, hi = _key_range(m0=m0, m_last=m_last, seqlen_k=seqlen_k, diagonal=diagonal,
@@ -201,32 +238,40 @@ def flash_attention_forward_kernel(
                 stride_ch=stride_ch, stride_cm=stride_cm, stride_ib=stride_ib, stride_ih=stride_ih,
                 stride_im=stride_im, batch=batch, head=head, row=pid_m)
             acc, m_i, l_i = _forward_blocks(
-                acc=acc, m_i=m_i, l_i=l_i, q=q, k_ptrs=k_ptrs, v_ptrs=v_ptrs, stride_kn=stride_kn,
-                stride_vn=stride_vn, last_key=last_key, first_key=first_key, d_mask=d_mask, dv_mask=dv_mask,
-                start=0, end=n_blocks * BLOCK_N, seqlen_k=seqlen_k, sm_scale=sm_scale, qk_scale=qk_scale,
-                softcap=softcap, block_list_ptr=block_list, MASKED=True, CAUSAL=False, HAS_WINDOW=False,
+                acc=acc, m_i=m_i, l_i=l_i, q=q, k_base=k_base, v_base=v_base, k_offs=k_offs, v_offs=v_offs,
+                stride_kn=stride_kn, stride_vn=stride_vn, last_key=last_key, first_key=first_key, d_mask=d_mask,
+                dv_mask=dv_mask,
+                start=n_blocks * 0, end=n_blocks * BLOCK_N, seqlen_k=seqlen_k, sm_scale=sm_scale, qk_scale=qk_scale,
+                softcap=softcap, block_list_ptr=block_list, k_desc=k_tma, v_desc=v_tma,
+                USE_TMA=USE_TMA, MASKED=True, CAUSAL=False, HAS_WINDOW=False,
                 SOFTCAP=SOFTCAP, INPUT_PRECISION=INPUT_PRECISION, BLOCK_N=BLOCK_N, BLOCK_SPARSE=True,
                 SAME_DV=SAME_DV)
         else:  # the window's edge (masked), the blocks every row sees whole, the diagonal and the end (masked)
             acc, m_i, l_i = _forward_blocks(
-                acc=acc, m_i=m_i, l_i=l_i, q=q, k_ptrs=k_ptrs, v_ptrs=v_ptrs, stride_kn=stride_kn,
-                stride_vn=stride_vn, last_key=last_key, first_key=first_key, d_mask=d_mask, dv_mask=dv_mask,
+                acc=acc, m_i=m_i, l_i=l_i, q=q, k_base=k_base, v_base=v_base, k_offs=k_offs, v_offs=v_offs,
+                stride_kn=stride_kn, stride_vn=stride_vn, last_key=last_key, first_key=first_key, d_mask=d_mask,
+                dv_mask=dv_mask,
                 start=lo, end=full_lo, seqlen_k=seqlen_k, sm_scale=sm_scale, qk_scale=qk_scale,
-                softcap=softcap, block_list_ptr=None, MASKED=True, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW,
+                softcap=softcap, block_list_ptr=None, k_desc=k_tma, v_desc=v_tma,
+                USE_TMA=USE_TMA, MASKED=True, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW,
                 SOFTCAP=SOFTCAP, INPUT_PRECISION=INPUT_PRECISION, BLOCK_N=BLOCK_N, BLOCK_SPARSE=False,
                 SAME_DV=SAME_DV)
             acc, m_i, l_i = _forward_blocks(
-                acc=acc, m_i=m_i, l_i=l_i, q=q, k_ptrs=k_ptrs, v_ptrs=v_ptrs, stride_kn=stride_kn,
-                stride_vn=stride_vn, last_key=last_key, first_key=first_key, d_mask=d_mask, dv_mask=dv_mask,
+                acc=acc, m_i=m_i, l_i=l_i, q=q, k_base=k_base, v_base=v_base, k_offs=k_offs, v_offs=v_offs,
+                stride_kn=stride_kn, stride_vn=stride_vn, last_key=last_key, first_key=first_key, d_mask=d_mask,
+                dv_mask=dv_mask,
                 start=full_lo, end=full_hi, seqlen_k=seqlen_k, sm_scale=sm_scale, qk_scale=qk_scale,
-                softcap=softcap, block_list_ptr=None, MASKED=False, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW,
+                softcap=softcap, block_list_ptr=None, k_desc=k_tma, v_desc=v_tma,
+                USE_TMA=USE_TMA, MASKED=False, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW,
                 SOFTCAP=SOFTCAP, INPUT_PRECISION=INPUT_PRECISION, BLOCK_N=BLOCK_N, BLOCK_SPARSE=False,
                 SAME_DV=SAME_DV)
             acc, m_i, l_i = _forward_blocks(
-                acc=acc, m_i=m_i, l_i=l_i, q=q, k_ptrs=k_ptrs, v_ptrs=v_ptrs, stride_kn=stride_kn,
-                stride_vn=stride_vn, last_key=last_key, first_key=first_key, d_mask=d_mask, dv_mask=dv_mask,
+                acc=acc, m_i=m_i, l_i=l_i, q=q, k_base=k_base, v_base=v_base, k_offs=k_offs, v_offs=v_offs,
+                stride_kn=stride_kn, stride_vn=stride_vn, last_key=last_key, first_key=first_key, d_mask=d_mask,
+                dv_mask=dv_mask,
                 start=full_hi, end=hi, seqlen_k=seqlen_k, sm_scale=sm_scale, qk_scale=qk_scale,
-                softcap=softcap, block_list_ptr=None, MASKED=True, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW,
+                softcap=softcap, block_list_ptr=None, k_desc=k_tma, v_desc=v_tma,
+                USE_TMA=USE_TMA, MASKED=True, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW,
                 SOFTCAP=SOFTCAP, INPUT_PRECISION=INPUT_PRECISION, BLOCK_N=BLOCK_N, BLOCK_SPARSE=False,
                 SAME_DV=SAME_DV)
         if HAS_SINKS:  # the sink: one more column of score `sink` and value 0, folded in once, at the end

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
 
-from ... import _launch
+from ... import _launch, runtime
 from ..._launch import next_power_of_2
 from .backward import flash_attention_backward_preprocess_kernel
 from .configs import _launch_kernel
@@ -20,6 +21,49 @@ from .problem import BlockLists, _block_d, _index_64, _no_block_lists, _Problem
 def _sink_args(sinks: torch.Tensor | None, dummy: torch.Tensor) -> tuple:
     """The sinks' pointer and stride (a dummy, never read, without sinks)."""
     return (dummy, 0) if sinks is None else (sinks, sinks.stride(0))
+
+
+def _tma_supported() -> bool:
+    """Whether this Triton builds tensor descriptors in a kernel (``tl.make_tensor_descriptor``, Triton >= 3.6 here)."""
+    major, minor = (int(part) for part in triton.__version__.split(".")[:2])
+    return (major, minor) >= (3, 6) and hasattr(tl, "make_tensor_descriptor")
+
+
+def _descriptor_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global memory for the descriptors a kernel builds (128 bytes each), on the current device."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_allocator() -> bool:
+    """A kernel that builds tensor descriptors needs Triton's allocator; set one if none is (a caller's stays).
+    False where this Triton keeps its allocator elsewhere (then no descriptors)."""
+    try:
+        from triton.runtime import _allocation
+
+        current = _allocation._allocator.get()
+        null = _allocation.NullAllocator
+    except (ImportError, AttributeError):
+        return False
+    if isinstance(current, null):
+        triton.set_allocator(_descriptor_scratch)
+    return True
+
+
+def _use_tma(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """K and V stream through tensor descriptors (the TMA on sm_90+): where Triton builds them in a kernel, the
+    device has one (or the interpreter runs), each head's rows are 16-byte aligned with unit feature stride (a
+    descriptor's rule), and a descriptor's scratch memory can be allocated. Else the masked ``cp.async`` loads."""
+    if not _tma_supported():
+        return False
+    for t in (k, v):
+        step = 16 // t.element_size()
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s % step for s in t.stride()[:-1]):
+            return False
+        if t.stride(-2 if t.dim() == 4 else 0) == 0:  # keys broadcast along their axis: no descriptor's rows
+            return False
+    if runtime.INTERPRETER or k.device.type != "cuda":  # (compiled with CPU tensors: a plan for sm_90, no launch)
+        return True
+    return torch.cuda.get_device_capability(k.device)[0] >= 9 and _ensure_allocator()
 
 
 def _forward(problem: _Problem, q, k, v, out, lse, cu_q, cu_k, blocks: BlockLists | None = None,
@@ -34,6 +78,7 @@ def _forward(problem: _Problem, q, k, v, out, lse, cu_q, cu_k, blocks: BlockList
             *problem.strides4(out), *problem.strides3(lse), *problem.scalars())
     constexprs = problem.constexprs(q.dtype, q, k, v, out, lse)
     constexprs["BLOCK_SPARSE"] = blocks is not None
+    constexprs["USE_TMA"] = _use_tma(k, v)
     _launch_kernel("forward", lambda bm, bn: (triton.cdiv(problem.seqlen_q, bm), problem.heads_q, problem.batch),
                    args, constexprs, None if blocks is None else blocks.config)
 
