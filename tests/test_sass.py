@@ -66,6 +66,31 @@ def test_loops_and_the_steady_loop_skip_a_spin_wait():
     assert sass.steady_loop(sass.parse("        /*0000*/                   EXIT ;")) is None
 
 
+# Two loops with the same product and the same copy: the second also evaluates a mask (boundary tiles).
+SPLIT_LOOP_SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4].tnspB, R24, gsb0 ;
+        /*0020*/                   LDGSTS.E.BYPASS.128 [R55], desc[UR26][R24.64] ;
+        /*0030*/                   ISETP.GE.AND P0, PT, R8, UR4, PT ;
+        /*0040*/               @P0 BRA `(.L_x_1) ;
+        /*0050*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4].tnspB, R24, gsb0 ;
+        /*0060*/                   LDGSTS.E.BYPASS.128 [R55], desc[UR26][R24.64] ;
+        /*0070*/                   ISETP.GT.AND P1, PT, R9, R10, PT ;
+        /*0080*/                   FSEL R30, R30, -INF , !P1 ;
+        /*0090*/                   ISETP.GE.AND P0, PT, R8, UR5, PT ;
+        /*00a0*/               @P0 BRA `(.L_x_2) ;
+        /*00b0*/                   EXIT ;
+"""
+
+
+def test_the_steady_loop_of_a_split_loop_is_the_unmasked_interior():
+    text = SPLIT_LOOP_SASS.replace("`(.L_x_1)", "0x10").replace("`(.L_x_2)", "0x50")
+    instrs = sass.parse(text)
+    assert {(loop.start, loop.end) for loop in sass.loops(instrs)} == {(0x10, 0x40), (0x50, 0xA0)}
+    steady = sass.steady_loop(instrs)
+    assert (steady.start, steady.end) == (0x10, 0x40)  # equal work: the leaner copy, not the masked one
+
+
 @pytest.mark.parametrize(
     "text, category",
     [

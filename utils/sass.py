@@ -578,14 +578,18 @@ def loops(instrs) -> list[Loop]:
 
 def steady_loop(instrs) -> Loop | None:
     """The innermost loop doing the kernel's main work: most tensor-core work, else most global/shared
-    traffic (instruction count), else the longest. None for straight-line code."""
+    traffic (instruction count); among loops equal in both, the leanest. None for straight-line code.
+
+    The last rule is for kernels that split a loop into unmasked interior tiles and masked boundary tiles
+    (flash attention's forward: the diagonal, a window's edge, the end of the keys): both do the same work, the
+    masked copy carries the masks on top, and the interior copy is the one that runs for all but a few tiles."""
     candidates = [loop for loop in loops(instrs) if loop.innermost and _has_work(loop.instructions)]
     if not candidates:
         return None
 
     def key(loop):
         m = mix(loop.instructions)
-        return (m.tensor_fma, m["global"] + m["shared"] + m["async_copy"], m.total)
+        return (m.tensor_fma, m["global"] + m["shared"] + m["async_copy"], -m.total)
 
     return max(candidates, key=key)
 
