@@ -137,6 +137,103 @@ def test_cycle_model_bound_and_limiter_on_a_hand_built_mix():
         sass.cycle_model(softmax, 4, dtype="int4")
 
 
+# A TMA loop as ptxas lays it out: the mbarrier spin-wait's slow path is moved out of line, after the EXIT, and
+# jumps back into the loop (an unconditional backward branch that is no loop of its own); the epilogue between
+# them stores through shared memory.
+OUT_OF_LINE_WAIT_SASS = """
+.L_x_10:
+        /*0100*/                   UIADD3 UR23, UR23, 0x1, URZ ;
+        /*0110*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR12+0x18000], R4 ;
+        /*0120*/              @!P0 BRA `(.L_x_9) ;
+.L_x_11:
+        /*0130*/                   WARPGROUP.ARRIVE ;
+        /*0140*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR24].tnspB, R24 ;
+        /*0150*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR24].tnspB, R24, gsb0 ;
+        /*0160*/               @P0 IMAD.MOV.U32 R4, RZ, RZ, 0x8000 ;
+        /*0170*/               @P0 SYNCS.ARRIVE.TRANS64 RZ, [UR19+0x18000], R4 ;
+        /*0180*/                   @UP1 UTMALDG.2D [UR12], [UR20] ;
+        /*0190*/                   @UP2 UTMALDG.2D [UR16], [UR10] ;
+        /*01a0*/              @!P0 BRA `(.L_x_10) ;
+        /*01b0*/                   STS.128 [R21+UR8], R8 ;
+        /*01c0*/                   LDSM.16.M88.4 R4, [R50+UR8] ;
+        /*01d0*/                   STG.E.128 desc[UR28][R36.64], R4 ;
+        /*01e0*/                   STG.E.128 desc[UR28][R38.64], R8 ;
+        /*01f0*/                   EXIT ;
+.L_x_9:
+        /*0200*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR12+0x18000], R4 ;
+        /*0210*/              @!P0 BRA `(.L_x_9) ;
+        /*0220*/                   BRA `(.L_x_11) ;
+"""
+
+
+def test_a_jump_back_from_an_out_of_line_wait_is_not_a_loop():
+    instrs = sass.parse(OUT_OF_LINE_WAIT_SASS)
+    spans = {(loop.start, loop.end) for loop in sass.loops(instrs)}
+    assert (0x130, 0x220) not in spans  # the slow path's jump back into the loop
+    assert {(0x100, 0x1A0), (0x200, 0x210)} <= spans
+    steady = sass.steady_loop(instrs)
+    assert (steady.start, steady.end) == (0x100, 0x1A0)
+    m = sass.mix(steady.instructions)
+    # the TMA copies of one stage: the mbarrier's expected bytes (0x8000), once per CTA however many warps
+    assert (m.tma_bytes, m.copy_bytes, m.shared_bytes) == (0x8000, 0, 0)
+    assert m.operand_bytes == 2 * (64 * 16 + 16 * 128) * 2 // 4
+    # the count set only before the loop (hoisted): found in the kernel, not in the loop
+    hoisted = [i for i in instrs if i.address != 0x160]
+    prologue = sass.parse("        /*0010*/                   MOV R4, 0x4000 ;")
+    loop = next(x for x in sass.loops(hoisted) if x.start == 0x100)
+    assert sass.mix(loop.instructions).tma_bytes == 0
+    assert sass.mix(loop.instructions, kernel=prologue + hoisted).tma_bytes == 0x4000
+
+
+def test_mix_counts_wgmma_operand_and_copy_bytes_into_the_shared_term():
+    lines = [
+        # A and B from shared memory (a descriptor as the A operand): (64 x 16 + 16 x 128) bf16 per warpgroup
+        "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4].tnspB, R24",
+        # A from registers: only B (16 x 64) from shared memory
+        "HGMMA.64x64x16.F32.BF16 R88, R152, gdesc[UR8], R88",
+        # fp8 operands are one byte: A 64 x 32, B 32 x 64
+        "QGMMA.64x64x32.F32.E4M3.E4M3 R24, gdesc[UR12], R24",
+        "LDGSTS.E.BYPASS.LTC128B.128 [R55], desc[UR26][R24.64], P0",  # 16 bytes per lane
+        "LDGSTS.E.64 [R57], desc[UR26][R26.64]",  # 8 bytes per lane
+        "LDGSTS.E [R59], desc[UR26][R28.64]",  # 4 bytes per lane
+        "LDS.128 R4, [R2]",
+        "@!PT LDS RZ, [RZ]",  # never executed
+        "IMAD.MOV.U32 R7, RZ, RZ, 0x4000",
+        "SYNCS.ARRIVE.TRANS64 RZ, [UR19+0x18000], R7",
+        "UTMALDG.2D [UR12], [UR20]",
+    ]
+    m = sass.mix(instr(line) for line in lines)
+    per_warp_operands = ((64 * 16 + 16 * 128) * 2 + 16 * 64 * 2 + (64 * 32 + 32 * 64) * 1) // 4
+    assert m.operand_bytes == per_warp_operands == 3072
+    assert m.copy_bytes == 32 * (16 + 8 + 4) == 896
+    assert (m.shared_bytes, m.tma_bytes) == (32 * 16, 0x4000)
+    # 8 warps: per-warp bytes x 8, the TMA stage once: (512 + 3072 + 896) x 8 + 16384 = 52,224 B at 128 B/clk
+    c = sass.cycle_model(m, num_warps=8)
+    assert c.shared == (512 + 3072 + 896) * 8 / 128 + 16384 / 128 == 408
+    # tensor: (64 x 128 x 16 + 64 x 64 x 16 + 64 x 64 x 32) / 4 FMA per warp, 8 warps, 2,048 FMA per clock
+    assert m.tensor_fma == 81920 and c.tensor == 81920 * 8 / 2048 == 320
+    assert (c.limiter, c.bound, c.tensor_use) == ("shared", 408, 320 / 408)
+
+
+@pytest.mark.slow
+def test_moe_tiles_modelled_tensor_use_from_their_compiles(tmp_path):
+    """The grouped GEMM's steady loops at Mixtral's sizes (tests/aot/grouped_matmul.py --count): the shared term
+    with wgmma's operand reads and cp.async's writes gives 57% / 89% (gate/up, 64- and 128-row tiles) and
+    67% / 100% (down)."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    script = Path(__file__).parent / "aot" / "grouped_matmul.py"
+    result = run_compiled(script, tmp_path, timeout=900, args=("--count",))
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = json.loads(result.stdout.strip().splitlines()[-1])
+    got = {r["label"]: (r["tensor"], r["shared"], r["limiter"], round(100 * r["tensor_use"])) for r in rows}
+    assert got == {
+        "gate/up + SwiGLU, before": (256, 448, "shared", 57),
+        "gate/up + SwiGLU, after": (1024, 1152, "shared", 89),
+        "down, before": (256, 384, "shared", 67),
+        "down, after": (1024, 1024, "tensor", 100),
+    }
+
+
 @pytest.mark.parametrize(
     "registers, shared, warps, blocks, limiter",
     [

@@ -358,7 +358,7 @@ def _analyze(case: str, launch: Launch, seen: dict) -> Row:
         row.blocks_per_sm, row.occupancy_limiter = occ.blocks_per_sm, occ.limiter
     loop = sass.steady_loop(instrs)
     if loop is not None:
-        m = sass.mix(loop.instructions)
+        m = sass.mix(loop.instructions, kernel=instrs)
         row.loop = {
             "total": m.total,
             "tensor": m["tensor"],
@@ -443,18 +443,23 @@ them; *tensor*: the tensor-core instruction (wgmma = Hopper's warp-group `HGMMA`
 or cp.async (`LDGSTS`) copies into shared memory; *128b*: 128-bit global loads/stores. *steady loop*: the innermost
 loop with the most tensor-core work (else memory traffic) — warp-instructions per iteration, one warp's stream:
 total = tensor / FP32 / MUFU / integer+control / shared (the rest are global, async-copy, sync and other).
-*model*: the cycle model of one iteration of one CTA on one SM — its bound in clocks, what bounds it, and the
-share of that bound the tensor cores are busy (tensor use). A row "same as" compiles to a kernel already listed.
+*model*: the cycle model of one iteration of one CTA on one SM — its bound in clocks, what bounds it (tensor cores,
+instruction issue, MUFU, or shared memory: explicit loads and stores, wgmma's operand reads, cp.async/TMA writes),
+and the share of that bound the tensor cores are busy (tensor use). A row "same as" compiles to a kernel already listed.
 Straight-line kernels (one tile per program) have no loop: their rows stop at the 128b column."""
 
 ASSUMPTIONS = """\
 Model assumptions (a **model**, not a measurement): one SM of an H200 (sm_90, 132 SMs); four schedulers each issue
 one warp-instruction per clock, a CTA's warps spread evenly over them; dense tensor-core rate 2,048 bf16 FMA per
 clock per SM (989 TFLOP/s at 132 SMs, 1.83 GHz), mma.sync counted at the same rate; MUFU 16 lanes per clock; shared
-memory 128 bytes per clock through explicit LDS/STS/LDSM (a wgmma's own operand reads from shared memory and bank
-conflicts not counted). The four terms overlap perfectly; latency, dependency stalls, global-memory bandwidth
-(a launch-level question: 4.3 TB/s, 790 TFLOP/s sustained assumed elsewhere in this file) and other resident CTAs
-are not modelled. Each instruction of the loop body counts once per iteration (both sides of a branch inside it).
+memory 128 bytes per clock per SM, for every byte the loop moves through it: explicit LDS/STS/LDSM (32 lanes x their
+width; LDSM 128 bytes per 8x8 matrix), each wgmma `HGMMA.MxNxK`'s operand reads (its B tile, K x N elements, and its
+A tile, M x K, when A is a shared-memory descriptor rather than registers; once per warp group), cp.async (`LDGSTS`)
+writes (32 lanes x the width its modifier names: `.128` 16 bytes) and TMA (`UTMALDG`) writes (the bytes the stage's
+mbarrier expects); no bank conflicts. The four terms overlap perfectly; latency, dependency stalls, global-memory
+bandwidth (a launch-level question: 4.3 TB/s, 790 TFLOP/s sustained assumed elsewhere in this file), occupancy and
+other resident CTAs are not modelled. Each instruction of the loop body counts once per iteration (both sides of a
+branch inside it).
 Occupancy: 65,536 registers in units of 256 per warp, 228 KiB of shared memory with 1 KiB reserved per block,
 64 warps and 32 blocks per SM."""
 

@@ -131,12 +131,16 @@ class Loop:
 
 @dataclass(frozen=True)
 class Mix:
-    """Instructions counted by category (warp-instructions of one warp's pass over the code)."""
+    """Instructions counted by category (warp-instructions of one warp's pass over the code), and the bytes
+    that pass moves through shared memory (see :func:`mix`)."""
 
     counts: dict
     total: int
     tensor_fma: int  # FMA per warp per pass
-    shared_bytes: int = 0  # bytes one warp's explicit shared-memory instructions move per pass
+    shared_bytes: int = 0  # bytes one warp's explicit shared-memory instructions (LDS/STS/LDSM/...) move per pass
+    operand_bytes: int = 0  # bytes of wgmma operands read from shared memory, per warp (a warpgroup's / 4)
+    copy_bytes: int = 0  # bytes one warp's cp.async (LDGSTS) writes into shared memory per pass
+    tma_bytes: int = 0  # bytes the TMA copies (UTMALDG) write into shared memory per pass, per CTA
 
     def __getitem__(self, category: str) -> int:
         return self.counts.get(category, 0)
@@ -438,8 +442,96 @@ def _tensor_fma(instr: Instruction) -> int:
     return per_group // 4 if instr.base.endswith("GMMA") else per_group
 
 
-def mix(instrs) -> Mix:
-    """Count instructions by category; FMA per warp of the tensor instructions; bytes of shared accesses."""
+#: Bytes per element of a wgmma operand, by the input type its opcode names last (HGMMA.64x128x16.F32.BF16).
+_OPERAND_BYTES = {"BF16": 2, "F16": 2, "TF32": 4, "E4M3": 1, "E5M2": 1, "S8": 1, "U8": 1}
+
+
+def _operand_bytes(instr: Instruction) -> int:
+    """Bytes of its operands one warp's share of a wgmma reads from shared memory (0 for other instructions).
+
+    ``xGMMA.MxNxK`` is one warpgroup's (4 warps') product: it reads its B tile (K x N elements) from shared
+    memory, and its A tile (M x K) too when the A operand is a descriptor (``gdesc[...]``) rather than registers;
+    a quarter of that is counted per warp.
+    """
+    if classify(instr) != "tensor" or not instr.base.endswith("GMMA"):
+        return 0
+    shape = re.search(r"\.(\d+)x(\d+)x(\d+)", instr.opcode)
+    if not shape:
+        return 0
+    m, n, k = (int(g) for g in shape.groups())
+    element = _OPERAND_BYTES.get(instr.opcode.split(".")[-1], 2)
+    operands = [o.strip() for o in instr.operands.split(",")]
+    a_shared = len(operands) > 1 and operands[1].startswith("gdesc")
+    return ((m * k if a_shared else 0) + k * n) * element // 4
+
+
+def _copy_bytes(instr: Instruction) -> int:
+    """Bytes one warp's cp.async (``LDGSTS``) writes into shared memory: 32 lanes x the width its modifier names
+    (``.128``: 16 bytes, ``.64``: 8, none: 4)."""
+    if instr.base != "LDGSTS" or instr.predicate == "!PT":
+        return 0
+    parts = instr.opcode.split(".")
+    return 32 * (16 if "128" in parts else 8 if "64" in parts else 4)
+
+
+_IMMEDIATE = re.compile(r"^-?0x[0-9a-fA-F]+$|^-?\d+$")
+
+
+_UNWRITTEN = object()
+
+
+def _immediate_of(register: str, before: list[Instruction]):
+    """The constant the nearest preceding instruction of ``before`` (searched backwards) moved into
+    ``register`` (``MOV``, ``IMAD.MOV``, ``UMOV`` of an immediate); None if the last write is anything else,
+    ``_UNWRITTEN`` if nothing in ``before`` writes it."""
+    for instr in reversed(before):
+        operands = [o.strip() for o in instr.operands.split(",")]
+        if not operands or operands[0] != register:
+            continue
+        if instr.opcode.startswith(("MOV", "IMAD.MOV", "UMOV")) and _IMMEDIATE.match(operands[-1]):
+            return int(operands[-1], 0)
+        return None
+    return _UNWRITTEN
+
+
+def _tma_bytes(instrs: list[Instruction], kernel: list[Instruction] | None = None) -> int:
+    """Bytes the TMA copies of a pass write into shared memory, per CTA.
+
+    A TMA load (``UTMALDG``) names only its descriptor, not its size: the size is the transaction count the
+    mbarrier it completes is told to expect (``SYNCS.ARRIVE.TRANS64 ..., Rn`` / an immediate), which the CTA's one
+    elected thread sets once per stage. Read from the constant last moved into that register inside the pass
+    (the loop is searched cyclically: a value set at the bottom serves the next iteration), else, when the pass
+    never writes it and ``kernel`` (the whole kernel's instructions) is given, before the pass; 0 when the pass
+    has no TMA load or the count is not such a constant.
+    """
+    if not any(i.base in ("UTMALDG", "UBLKCP") and i.predicate != "!PT" for i in instrs):
+        return 0
+    start = instrs[0].address if instrs else 0
+    total = 0
+    for index, instr in enumerate(instrs):
+        parts = instr.opcode.split(".")
+        if instr.base != "SYNCS" or "ARRIVE" not in parts or "TRANS64" not in parts or instr.predicate == "!PT":
+            continue
+        count = instr.operands.split(",")[-1].strip()
+        if _IMMEDIATE.match(count):
+            total += int(count, 0)
+            continue
+        value = _immediate_of(count, instrs[index + 1 :] + instrs[:index])
+        if value is _UNWRITTEN and kernel is not None:
+            value = _immediate_of(count, [i for i in kernel if i.address < start])
+        total += value if isinstance(value, int) else 0
+    return total
+
+
+def mix(instrs, kernel=None) -> Mix:
+    """Count instructions by category; FMA per warp of the tensor instructions; bytes through shared memory.
+
+    Shared-memory bytes of one pass, four kinds: the explicit loads/stores of one warp (``shared_bytes``); the
+    operands one warp's share of each wgmma reads from shared memory (``operand_bytes``, :func:`_operand_bytes`);
+    one warp's cp.async writes (``copy_bytes``); the CTA's TMA writes (``tma_bytes``, :func:`_tma_bytes`).
+    ``kernel``: the whole kernel's instructions, where ``instrs`` is a loop of it (a TMA stage's byte count may be
+    set before the loop).
+    """
     instrs = list(instrs)
     counts = Counter(classify(i) for i in instrs)
     return Mix(
@@ -447,6 +539,9 @@ def mix(instrs) -> Mix:
         total=len(instrs),
         tensor_fma=sum(_tensor_fma(i) for i in instrs),
         shared_bytes=sum(_shared_bytes(i) for i in instrs),
+        operand_bytes=sum(_operand_bytes(i) for i in instrs),
+        copy_bytes=sum(_copy_bytes(i) for i in instrs),
+        tma_bytes=_tma_bytes(instrs, None if kernel is None else sorted(kernel, key=lambda i: i.address)),
     )
 
 
@@ -456,17 +551,24 @@ def _has_work(loop_instrs) -> bool:
 
 
 def loops(instrs) -> list[Loop]:
-    """One :class:`Loop` per backward branch (a branch to an address at or before its own).
+    """One :class:`Loop` per backward branch (a branch to an address at or before its own), except a branch from
+    past a loop's end back into its middle (an out-of-line slow path returning, not a loop).
 
     ``innermost``: no other loop that does work (any tensor, float, MUFU, memory instruction) lies inside
     it — a spin-wait on an mbarrier (``SYNCS`` + branch) does not make its enclosing loop an outer one.
     """
     instrs = sorted(instrs, key=lambda i: i.address)
+    backward = [
+        (i.target, i.address) for i in instrs if i.base in _BRANCHES and i.target is not None and i.target <= i.address
+    ]
     found = []
-    for i in instrs:
-        if i.base in _BRANCHES and i.target is not None and i.target <= i.address:
-            body = tuple(x for x in instrs if i.target <= x.address <= i.address)
-            found.append((i.target, i.address, body))
+    for start, end in backward:
+        # A branch back into the middle of a loop that ends before it is no loop of its own: ptxas moves slow
+        # paths (an mbarrier's spin-wait) past the kernel's EXIT, and they jump back to where they left.
+        if any(s < start <= e < end for s, e in backward):
+            continue
+        body = tuple(x for x in instrs if start <= x.address <= end)
+        found.append((start, end, body))
     out = []
     for start, end, body in found:
         nested = any(s >= start and e <= end and (s, e) != (start, end) and _has_work(b) for s, e, b in found)
@@ -491,16 +593,26 @@ def steady_loop(instrs) -> Loop | None:
 def cycle_model(loop_mix: Mix, num_warps: int, dtype: str = "bf16", machine: Machine = SM90) -> Cycles:
     """Modelled SM clocks for one loop iteration of one CTA of ``num_warps`` warps (a **model**).
 
-    * tensor = FMA of all warps / the SM's dense tensor rate for ``dtype`` (mma.sync at the wgmma rate);
+    * tensor = FMA of all warps / the SM's dense tensor rate for ``dtype`` (2,048 bf16/fp16 FMA per clock on
+      sm_90; mma.sync counted at the wgmma rate);
     * issue = warp-instructions of all warps / 4 schedulers (each warp is bound to one sub-partition, so a
       CTA of fewer than 4 warps still takes one clock per instruction of its busiest warp);
     * mufu = lanes of all MUFU instructions / 16 lanes per clock;
-    * shared = bytes of explicit shared loads/stores / 128 bytes per clock (operands a wgmma reads from
-      shared memory itself are not counted; nor are bank conflicts);
-    * bound = the largest of the four (they overlap perfectly); tensor_use = tensor / bound.
+    * shared = every byte the iteration moves through shared memory / 128 bytes per clock per SM:
+      - explicit loads/stores (LDS, STS, LDSM, STSM, ...): 32 lanes x their width per warp (LDSM: 128 bytes per
+        8x8 matrix), times the warps;
+      - wgmma operand reads: each ``xGMMA.MxNxK`` (one warpgroup's product) reads its B tile, K x N elements,
+        and its A tile, M x K, when A is a shared-memory descriptor (``gdesc``) rather than registers; elements
+        of the input type the opcode names (bf16/fp16 2 bytes, tf32 4, fp8/int8 1); once per warpgroup;
+      - cp.async (``LDGSTS``) writes: 32 lanes x the width its modifier names (``.128`` 16 bytes, ``.64`` 8,
+        none 4) per warp, times the warps;
+      - TMA (``UTMALDG``) writes: the bytes the stage's mbarrier is told to expect (``SYNCS.ARRIVE.TRANS64``),
+        once per CTA;
+      no bank conflicts (every access at the full 128 bytes per clock), no multicast;
+    * bound = the largest of the four: the pipes are assumed to overlap perfectly; tensor_use = tensor / bound.
 
     Not modelled: memory latency and bandwidth (global traffic is a launch-level question), dependency
-    stalls, other CTAs on the SM (they scale all four terms alike).
+    stalls and wgmma's own latency, occupancy (other CTAs on the SM scale all four terms alike).
     """
     if num_warps < 1:
         raise ValueError(f"kernel_ladder.cycle_model: num_warps must be >= 1, got {num_warps}")
@@ -511,7 +623,8 @@ def cycle_model(loop_mix: Mix, num_warps: int, dtype: str = "bf16", machine: Mac
     tensor = loop_mix.tensor_fma * num_warps / machine.tensor_fma_per_clock[dtype]
     issue = loop_mix.total * math.ceil(num_warps / machine.sub_partitions)
     mufu = loop_mix["mufu"] * 32 * num_warps / machine.mufu_lanes_per_clock
-    shared = loop_mix.shared_bytes * num_warps / machine.shared_bytes_per_clock
+    per_warp = loop_mix.shared_bytes + loop_mix.operand_bytes + loop_mix.copy_bytes
+    shared = (per_warp * num_warps + loop_mix.tma_bytes) / machine.shared_bytes_per_clock
     terms = {"tensor": tensor, "issue": issue, "mufu": mufu, "shared": shared}
     limiter = max(terms, key=terms.get)
     bound = terms[limiter]

@@ -20,7 +20,7 @@ from kernel_ladder.ops.attention.configs import _GPU_CONFIGS, fits
 from utils.aot import compile_kernel, resource_usage
 
 FLOATS = {"sm_scale", "qk_scale", "softcap"}
-STATS = {"lse_ptr", "delta_ptr", "dlse_ptr", "sinks_ptr", "dsink_ptr"}
+STATS = {"lse_ptr", "lse2_ptr", "delta_ptr", "dlse_ptr", "sinks_ptr", "dsink_ptr"}
 CU = {"cu_seqlens_q_ptr", "cu_seqlens_k_ptr", "check_ptr", "block_count_ptr", "block_index_ptr"}
 # Unit feature strides become constants (Triton's launcher specializes 1); strides and head dims of
 # real shapes are multiples of 16. Lengths, the group size and the window are runtime values.

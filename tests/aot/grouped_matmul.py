@@ -12,12 +12,13 @@ the int64-offset forward once.
 ``--quick`` (what ``make test`` runs): the default table's entries at Mixtral's sizes, the H200-class pairs with
 GPT-OSS's interleaved columns, the float32 entries. Without it: every candidate of every kind. ``--count``
 instead prints the steady loop's counts and cycle model (utils.sass) of the gate/up and down GEMMs at Mixtral's
-sizes, the 64-row tiles the kernels had before against the default table's (docs/architecture.md).
+sizes, the 64-row tiles the kernels had before against the default table's (docs/architecture.md), and the
+rows as a last JSON line (tests/test_sass.py checks the modelled tensor use).
 
 Run by tests/test_kernels_compile_grouped_matmul.py in a compiled-mode child process (utils.aot.run_compiled).
 """
 
-import re
+import json
 import sys
 
 import torch
@@ -114,34 +115,27 @@ def table_entries(wide):
 
 def steady_loop_table(cases):
     """The steady loop of each (label, kind, config, FLOPs of the launch) at Mixtral's sizes in bf16, counted
-    with utils.sass: warp-instructions and tensor FMA per warp per K step, and the cycle model (a **model**),
-    plain and with its shared-memory term extended to the bytes the loop's wgmma read from shared memory
-    (A and B, when the descriptor says so) and its cp.async write into it, 128 bytes per clock."""
+    with utils.sass: warp-instructions and tensor FMA per warp per K step, and utils.sass.cycle_model (a
+    **model**; its shared term counts the bytes the loop's wgmma read from shared memory and its cp.async write
+    into it). Prints the table, then its rows as one JSON line."""
     print("| kernel | tile | warp-instr / warp / K step | tensor FMA / warp | instr per 1,000 FMA | tensor cycles "
-          "| issue cycles | utils.sass tensor use | shared cycles (wgmma operands + cp.async) | tensor use with them "
+          "| issue cycles | shared cycles (wgmma operands + cp.async) | tensor use (model) "
           "| launch at 790 TFLOP/s (model) |")
-    print("|---" * 11 + "|")
+    print("|---" * 10 + "|")
+    rows = []
     for label, kind, config, flops in cases:
         compiled, _ = compile_for(kind, config, torch.bfloat16, MIXTRAL[kind])
         loop = sass.steady_loop(sass.parse(sass.disassemble(compiled)))
         mix = sass.mix(loop.instructions)
         cycles = sass.cycle_model(mix, config.num_warps)
-        shared = 0  # bytes per warp per K step
-        for instr in loop.instructions:
-            if instr.predicate == "!PT":
-                continue
-            shape = re.search(r"GMMA\.(\d+)x(\d+)x(\d+)", instr.opcode)
-            if shape:  # one warpgroup's operands, a quarter per warp; A from shared memory when it is a descriptor
-                m, n, k = (int(g) for g in shape.groups())
-                a_shared = instr.operands.split(",")[1].strip().startswith("gdesc")
-                shared += ((m * k if a_shared else 0) + k * n) * 2 // 4
-            elif instr.base == "LDGSTS":
-                shared += 32 * (16 if "128" in instr.opcode.split(".") else 8 if "64" in instr.opcode.split(".") else 4)
-        shared_cycles = cycles.shared + shared * config.num_warps / sass.SM90.shared_bytes_per_clock
-        use = cycles.tensor / max(cycles.bound, shared_cycles)
         print(f"| {label} | {config} | {mix.total} | {mix.tensor_fma:,} | {1000 * mix.total / mix.tensor_fma:.3f} "
-              f"| {cycles.tensor:,.0f} | {cycles.issue:,.0f} | {cycles.tensor_use:.0%} ({cycles.limiter}) "
-              f"| {shared_cycles:,.0f} | {use:.0%} | {flops / sass.SM90.sustained_flops / use * 1e3:.2f} ms |")
+              f"| {cycles.tensor:,.0f} | {cycles.issue:,.0f} | {cycles.shared:,.0f} "
+              f"| {cycles.tensor_use:.0%} ({cycles.limiter}) "
+              f"| {flops / sass.SM90.sustained_flops / cycles.tensor_use * 1e3:.2f} ms |")
+        rows.append({"label": label, "total": mix.total, "tensor_fma": mix.tensor_fma, "tensor": cycles.tensor,
+                     "issue": cycles.issue, "shared": cycles.shared, "limiter": cycles.limiter,
+                     "tensor_use": cycles.tensor_use})
+    print(json.dumps(rows))
 
 
 if "--count" in sys.argv:  # Mixtral 8x7B's experts, 4,096 tokens, top-2: 8,192 rows, 1,024 per expert

@@ -3,14 +3,14 @@
 **Tiles.** On a GPU each kernel is autotuned (``triton.autotune``, :func:`make_autotuned`) over its own
 list of tile configurations — the forward over 64/128-row query blocks and 32-128-key blocks with 4 or
 8 warps and 2-3 pipeline stages; the backward kernels over smaller blocks (16-128), because the dK/dV
-program holds four tiles of its key block (K, V, dK, dV) and the dQ program three, and the register
-file, not shared memory, is what runs out first. Each config carries the widest head dim at which
-ptxas fits it in registers for sm_90 without spilling (measured by ``tests/aot/flash_attention.py``;
-separately for fp32 inputs and for soft-capping, which keeps more live), and the pruner keeps the
-configs that fit the launch's head dim, dtype and shared memory. The key is the head-dim tile, the
-switches and power-of-two buckets of the lengths. In the interpreter, which cannot autotune, one
-small configuration runs (:data:`INTERPRETER_CONFIG`). Head dims up to 256 are supported, any value
-(48, 80, 96, ...): the tile is padded to the next power of two with masks.
+program holds its key block's fp32 dK and dV in registers (K and V in shared memory) and the dQ program
+its fp32 dQ, and the register file, not shared memory, is what runs out first. Each config carries the
+widest head dim at which ptxas fits it in registers for sm_90 without spilling (measured by
+``tests/aot/flash_attention.py``; separately for fp32 inputs and for soft-capping, which keeps more
+live), and the pruner keeps the configs that fit the launch's head dim, dtype and shared memory. The
+key is the head-dim tile, the switches and power-of-two buckets of the lengths. In the interpreter,
+which cannot autotune, one small configuration runs (:data:`INTERPRETER_CONFIG`). Head dims up to 256
+are supported, any value (48, 80, 96, ...): the tile is padded to the next power of two with masks.
 """
 
 from __future__ import annotations
@@ -112,15 +112,19 @@ FORWARD_GPU_CONFIGS: tuple[AttentionConfig, ...] = (
     _c(128, 32, 8, 2, max_head_dim=256, max_head_dim_softcap=128, max_head_dim_window=128),
     _c(64, 32, 8, 2, max_head_dim=256),
 )
-#: dK/dV candidates: a key block (K, V and fp32 dK, dV) held in registers, query blocks streamed. This
-#: kernel holds four tiles of the key block, so its blocks are smaller than the others'.
+#: dK/dV candidates: a key block (K, V in shared memory, fp32 dK, dV in registers) and the query blocks
+#: streamed. Every product has the key block as its M side (computed transposed); with 8 warps Triton gives
+#: a chain of products all warps along M, so a 128-key block is two warp groups of 64 rows and each product
+#: a warp-group MMA (``wgmma``): 32x128 at D = 128 issues m64n32k16 for ``S^T``, ``dP^T`` and m64n128k16 for
+#: ``dV``, ``dK`` (64x128 at D <= 64: n64 and n64). dK and dV alone take ``2 * BLOCK_N * D / threads``
+#: registers (128 of 255 at 32x128, D = 128), so the query block stays at 32 rows there.
 BACKWARD_DKDV_GPU_CONFIGS: tuple[AttentionConfig, ...] = (
-    _c(32, 128, 8, 3, max_head_dim=64, max_head_dim_softcap=0),
-    _c(32, 128, 8, 2, max_head_dim=64, max_head_dim_softcap=0),
-    _c(32, 64, 4, 3, max_head_dim=64, max_head_dim_softcap=0, max_head_dim_window=32),
-    _c(64, 32, 8, 2, max_head_dim=64),
-    _c(16, 64, 8, 2, max_head_dim=128, max_head_dim_softcap=64),
-    _c(32, 32, 8, 2, max_head_dim=128),
+    _c(64, 128, 8, 2, max_head_dim=64, max_head_dim_fp32=64, max_head_dim_softcap=0),
+    _c(32, 128, 8, 3, max_head_dim=128, max_head_dim_fp32=128, max_head_dim_softcap=64),
+    _c(32, 128, 8, 2, max_head_dim=128, max_head_dim_fp32=128, max_head_dim_softcap=64),
+    _c(32, 64, 4, 3, max_head_dim=128, max_head_dim_softcap=64, max_head_dim_window=64),
+    _c(64, 32, 8, 2, max_head_dim=128, max_head_dim_fp32=128),
+    _c(32, 32, 8, 2, max_head_dim=256, max_head_dim_softcap=64),
     _c(16, 32, 8, 2, max_head_dim=256),
 )
 #: dQ candidates: a query block (Q, dO, fp32 dQ) held, key blocks streamed.

@@ -38,9 +38,10 @@ def _forward(problem: _Problem, q, k, v, out, lse, cu_q, cu_k, blocks: BlockList
                    args, constexprs, None if blocks is None else blocks.config)
 
 
-def _preprocess(problem: _Problem, out, grad_out, grad_lse, delta, lse, sinks=None, dsink_rows=None) -> None:
-    """delta = rowsum(dO * O) - dlse (and, with sinks, each row's -P_sink * delta into ``dsink_rows``, laid out
-    as ``delta``); a varlen problem runs as one sequence of all the packed rows."""
+def _preprocess(problem: _Problem, out, grad_out, grad_lse, delta, lse, lse2, sinks=None, dsink_rows=None) -> None:
+    """delta = rowsum(dO * O) - dlse, lse2 = lse in base 2 (+inf for a row that sees no key), and, with sinks,
+    each row's -P_sink * delta into ``dsink_rows``, all laid out as ``delta``; a varlen problem runs as one
+    sequence of all the packed rows."""
     if problem.varlen:
         n_rows, batch = out.shape[0], 1
     else:
@@ -52,7 +53,7 @@ def _preprocess(problem: _Problem, out, grad_out, grad_lse, delta, lse, sinks=No
     dlse = grad_lse if grad_lse is not None else delta  # without a gradient for lse: never read
     preprocess_index_64 = _index_64(out, grad_out, delta, *([grad_lse] if grad_lse is not None else []))
     flash_attention_backward_preprocess_kernel[(triton.cdiv(n_rows, block_m), problem.heads_q, batch)](
-        out, grad_out, dlse, delta, lse,
+        out, grad_out, dlse, delta, lse, lse2,
         *((delta, delta, 0) if sinks is None else (sinks, dsink_rows, sinks.stride(0))),
         n_rows, problem.heads_q, problem.dv,
         *problem.strides4(out), *problem.strides4(grad_out), *problem.strides3(dlse), *problem.strides3(delta),
@@ -73,26 +74,27 @@ def _backward(problem: _Problem, grad_out, grad_lse, q, k, v, out, lse, cu_q, cu
     delta = _launch.empty(lse.shape, torch.float32, lse.device)
     if lse.stride() != delta.stride():  # the kernels read both with one set of strides (lse is ours: contiguous)
         lse = lse.contiguous()
+    lse2 = _launch.empty(lse.shape, torch.float32, lse.device)
     dsink_rows = None if sinks is None else _launch.empty(lse.shape, torch.float32, lse.device)
-    _preprocess(problem, out, grad_out, grad_lse, delta, lse, sinks, dsink_rows)
-    tensors = (q, k, v, grad_out, lse, dq, dk, dv)
+    _preprocess(problem, out, grad_out, grad_lse, delta, lse, lse2, sinks, dsink_rows)
+    tensors = (q, k, v, grad_out, lse2, dq, dk, dv)
     constexprs = problem.constexprs(q.dtype, *tensors)
-    del constexprs["HAS_SINKS"]  # the sinks change lse, which dK/dV and dQ read as it is: no switch there
+    del constexprs["HAS_SINKS"]  # the sinks change lse, which dK/dV and dQ read (as lse2) as it is: no switch
     constexprs["BLOCK_SPARSE"] = rows is not None
     common = (*problem.strides4(q), *problem.strides4(k), *problem.strides4(v), *problem.strides4(grad_out),
-              *problem.strides3(lse))
+              *problem.strides3(lse2))
     if dk.numel():
         _launch_kernel(
             "dkdv", lambda bm, bn: (triton.cdiv(problem.seqlen_k, bn), problem.heads_kv, problem.batch),
-            (q, k, v, grad_out, lse, delta, dk, dv, cu_q, cu_k,
-             *(_no_block_lists(lse) if cols is None else cols.args()), *common, *problem.strides4(dk),
+            (q, k, v, grad_out, lse2, delta, dk, dv, cu_q, cu_k,
+             *(_no_block_lists(lse2) if cols is None else cols.args()), *common, *problem.strides4(dk),
              *problem.strides4(dv), *problem.scalars()),
             constexprs, None if cols is None else cols.config,
         )
     if dq.numel():
         _launch_kernel(
             "dq", lambda bm, bn: (triton.cdiv(problem.seqlen_q, bm), problem.heads_q, problem.batch),
-            (q, k, v, grad_out, lse, delta, dq, cu_q, cu_k, *(_no_block_lists(lse) if rows is None else rows.args()),
+            (q, k, v, grad_out, lse2, delta, dq, cu_q, cu_k, *(_no_block_lists(lse2) if rows is None else rows.args()),
              *common, *problem.strides4(dq), *problem.scalars()),
             constexprs, None if rows is None else rows.config,
         )

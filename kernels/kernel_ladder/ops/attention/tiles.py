@@ -4,8 +4,7 @@ Each program first finds its sequence (:func:`_sequence`: fixed lengths, or a pa
 and length from ``cu_seqlens``), then the blocks of the other side it visits: a range of consecutive
 blocks cut where the causal diagonal and the sliding window start and stop being masked
 (:func:`_key_range` for a query block, :func:`_query_range` for a key block, both around
-:func:`_diagonal`), or a block-sparse row's list (:func:`_block_list`). The backward reads the
-forward's log-sum-exp in base 2 (:func:`_load_lse2`).
+:func:`_diagonal`), or a block-sparse row's list (:func:`_block_list`).
 
 The kernels call these by keyword, so that a reader sees which value is which bound and which switch.
 """
@@ -77,11 +76,12 @@ def _key_range(m0, m_last, seqlen_k, diagonal, window, CAUSAL: tl.constexpr, HAS
 
 @triton.jit
 def _query_range(n0, n_last, seqlen_q, diagonal, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                 BLOCK_M: tl.constexpr, INDEX_64: tl.constexpr):
+                 BLOCK_M: tl.constexpr):
     """The query blocks that see keys ``n0 .. n_last``: ``(lo, full_lo, full_hi, hi)`` as in :func:`_key_range`.
 
     Key ``j`` is seen by rows ``[j - diagonal, j - diagonal + W)``. Rows past ``seqlen_q`` (the last
-    block's padding) need no mask: they load ``lse = +inf``, so their ``P`` is 0.
+    block's padding) need no mask: they load ``lse2 = +inf``, so their ``P`` is 0. int32 bounds: the
+    dK/dV loop widens its row offsets to int64 itself where needed.
     """
     if CAUSAL:
         lo = tl.maximum(n0 - diagonal, 0) // BLOCK_M * BLOCK_M
@@ -98,17 +98,7 @@ def _query_range(n0, n_last, seqlen_q, diagonal, window, CAUSAL: tl.constexpr, H
         full_hi = seqlen_q
     full_hi = tl.maximum(tl.minimum(full_hi, hi), lo)
     full_lo = tl.minimum(tl.maximum(full_lo, lo), full_hi)
-    if INDEX_64:  # the loops multiply these by strides
-        lo, full_lo, full_hi, hi = lo.to(tl.int64), full_lo.to(tl.int64), full_hi.to(tl.int64), hi.to(tl.int64)
     return lo, full_lo, full_hi, hi
-
-
-@triton.jit
-def _load_lse2(lse_ptr, offsets, mask):
-    """The saved lse in base 2; ``+inf`` for rows that see no key (lse = -inf) and for padding rows,
-    so that their recomputed ``P = exp2(S - lse)`` is 0, never ``exp2(-inf + inf)``."""
-    lse = tl.load(lse_ptr + offsets, mask=mask, other=float("inf"))
-    return tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
 
 
 @triton.jit
