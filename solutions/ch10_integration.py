@@ -918,12 +918,15 @@ def bias_grad_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t, stride_d,
     alone (loop-invariant: a predicate set once), and the one partial tile of each ``b`` is added
     after the loop, masked. The steady loop keeps the same work — one tile loaded, 16 FP32 adds per
     thread — with a few integer instructions left: the pointer increments and the loop's counter.
+
+    Nothing grows with the tensor in 32 bits: the pointers (64-bit) advance by ``stride_b`` and by
+    one tile's rows; the 32-bit offsets span one tile, never the tensor.
     """
     cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     col_mask = cols < D
     rows = tl.arange(0, BLOCK_R)
-    tile = rows.to(tl.int64)[:, None] * stride_t + cols.to(tl.int64)[None, :] * stride_d
-    step = BLOCK_R * stride_t  # one tile down (an i32 offset: a pointer plus it is one IMAD.WIDE)
+    tile = rows[:, None] * stride_t + cols[None, :] * stride_d  # one tile's offsets, computed once
+    step = BLOCK_R * stride_t  # one tile down
     whole = T - T % BLOCK_R  # the rows of each b that fill whole tiles
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
     batch_ptr = x_ptr
@@ -954,62 +957,106 @@ def bias_grad(x: torch.Tensor, kernel: Any = bias_grad_kernel) -> torch.Tensor:
     return out
 
 
+_BIAS_GRAD_TYPES = {"x_ptr": "*fp32", "out_ptr": "*fp32", "B": "i32", "T": "i32", "D": "i32", "stride_b": "i32",
+                    "stride_t": "i32", "stride_d": "i32"}
+
+
 def _bias_grad_spec() -> Any:
+    """The compile the check counts first: what Triton's launcher builds for a contiguous
+    ``(8, 1000, 4096)`` float32 gradient — ``stride_d = 1`` a constant, ``D`` and the two outer
+    strides multiples of 16; ``T = 1000`` and ``B = 8`` are not."""
     from utils.exercises.sass_loop import CompileSpec
 
-    # What Triton's launcher builds for a contiguous (8, 1000, 4096) float32 gradient: stride_d = 1 a
-    # constant, D and the two outer strides multiples of 16; T = 1000 and B = 8 are not.
-    types = {"x_ptr": "*fp32", "out_ptr": "*fp32", "B": "i32", "T": "i32", "D": "i32", "stride_b": "i32",
-             "stride_t": "i32", "stride_d": "i32"}
-    return CompileSpec(label="x (8, 1000, 4096) fp32", types=types,
+    return CompileSpec(label="x (8, 1000, 4096) fp32", types=_BIAS_GRAD_TYPES,
                        constexprs={"BLOCK_R": BIAS_GRAD_BLOCK_R, "BLOCK_D": BIAS_GRAD_BLOCK_D},
                        ones=("stride_d",), divisible=("D", "stride_t", "stride_b"), num_warps=BIAS_GRAD_WARPS)
 
 
+def _bias_grad_strided_spec() -> Any:
+    """The second compile: a column-strided view, ``x[:, :, ::2]`` of an ``(8, 1000, 8192)`` gradient —
+    ``stride_d = 2`` a runtime value, so a kernel cannot keep a lean path for ``stride_d == 1`` alone."""
+    from utils.exercises.sass_loop import CompileSpec
+
+    return CompileSpec(label="x[:, :, ::2] of (8, 1000, 8192) fp32 (stride_d = 2, known at run time only)",
+                       types=_BIAS_GRAD_TYPES, constexprs={"BLOCK_R": BIAS_GRAD_BLOCK_R, "BLOCK_D": BIAS_GRAD_BLOCK_D},
+                       divisible=("D", "stride_t", "stride_b"), num_warps=BIAS_GRAD_WARPS)
+
+
 @dataclasses.dataclass(frozen=True)
 class LoopBound:
-    """What exercise 5's steady loop may spend per tile of ``BLOCK_R × BLOCK_D`` rows it adds:
-    at most ``overhead`` integer and control instructions, beside the tile's ``adds`` FP32 adds."""
+    """What exercise 5's loops may spend, per ``BLOCK_R × BLOCK_D`` tile they load, beside the work.
 
-    overhead: int
+    The work of a tile is its loads and ``adds`` FP32 adds per thread; everything else a loop issues
+    — integer and control instructions, int/float conversions (I2F, F2I, FRND), MUFU, and FP32
+    instructions beyond the adds — is overhead. An innermost loop that loads may spend ``inner`` per
+    tile; a loop around one (over ``b``) is counted as one pass of itself with each loop inside it
+    run once — the check cannot know how often they run — and may spend ``nest`` per tile loaded in
+    that pass. ``vector``: the tile's loads must be 128-bit (``LDG.E.128``).
+    """
+
+    inner: int
+    nest: int
     adds: int
+    tile_bytes: int  # one tile, per thread
+    vector: bool
+    layout: str  # what the compile's loads are, for the verdict
+
+    @property
+    def overhead(self) -> int:  # the innermost loop's bound, as the prose states it
+        return self.inner
 
 
-#: The bound: two integer or control instructions per element added (32 per tile); the given loop
-#: spends about ten per element.
-BIAS_GRAD_BOUND = LoopBound(overhead=2 * ADDS_PER_TILE, adds=ADDS_PER_TILE)
+_TILE_BYTES = BIAS_GRAD_BLOCK_R * BIAS_GRAD_BLOCK_D * 4 // (32 * BIAS_GRAD_WARPS)
+
+#: The bounds, per compile. Contiguous: a lean loop spends about 20 per tile — one 64-bit address
+#: advance per 128-bit load (4 loads, 1-2 instructions each), zeroing the registers a masked load may
+#: leave unwritten (8 CS2R), the counter, compare and branch; 40 (2.5 per element) is twice that, and
+#: the given loop spends about 160. Column-strided: sixteen 32-bit loads per thread, each with its own
+#: 64-bit address: a lean loop spends about 35-70 (one address advance, and with a row mask one
+#: predicate, per element); 96 (6 per element) allows that, the given loop spends about 560. An outer
+#: loop gets twice its innermost loop's bound per tile: room to set up the pointers and add the
+#: partial tile once per ``b``, not to rebuild an index per row.
+BIAS_GRAD_BOUND = LoopBound(inner=40, nest=80, adds=ADDS_PER_TILE, tile_bytes=_TILE_BYTES, vector=True,
+                            layout="four 128-bit loads per thread")
+BIAS_GRAD_STRIDED_BOUND = LoopBound(inner=96, nest=192, adds=ADDS_PER_TILE, tile_bytes=_TILE_BYTES, vector=False,
+                                    layout="sixteen 32-bit loads per thread")
 
 
 def bias_grad_cases(gen: torch.Generator) -> list[tuple]:
-    """``(x,)`` for five awkward shapes — a partial last tile, ``T`` under one tile, whole tiles only,
-    a transposed and column-strided view, ``T = 1`` — then ``(spec,)``: the sm_90 compile whose
-    steady loop is counted."""
+    """``(x,)`` for six awkward shapes — square ``T = D`` (a transposed read stays in bounds and shows),
+    a partial last tile, ``T`` under one tile, a transposed and column-strided view twice (``T = 19``
+    and ``T = 41``), ``T = 1`` — then ``(spec,)`` twice: the sm_90 compiles whose loops are counted,
+    contiguous and column-strided."""
     device = kernel_ladder.runtime.DEVICE
     cases = []
-    for shape in ((2, 37, 70), (3, 5, 33), (1, 64, 64)):
+    for shape in ((1, 64, 64), (2, 37, 70), (3, 5, 33)):
         cases.append((torch.randn(*shape, generator=gen).to(device),))
-    strided = torch.randn(19, 4, 200, generator=gen).to(device).transpose(0, 1)[:, :, ::2]  # (4, 19, 100)
-    cases.append((strided,))
+    for batch, length, width in ((4, 19, 100), (3, 41, 70)):  # (B, T, D) views of a (T, B, 2D) tensor
+        x = torch.randn(length, batch, 2 * width, generator=gen).to(device).transpose(0, 1)[:, :, ::2]
+        cases.append((x,))
     cases.append((torch.randn(5, 1, 20, generator=gen).to(device),))
     cases.append((_bias_grad_spec(),))
+    cases.append((_bias_grad_strided_spec(),))
     return cases
 
 
 def bias_grad_reference(x: Any) -> Any:
-    """The column sums in float64 — or, for the compile case, the bound its loop must keep."""
+    """The column sums in float64 — or, for a compile case, the bound its loops must keep."""
     if isinstance(x, torch.Tensor):
         return x.double().sum(dim=(0, 1))
-    return BIAS_GRAD_BOUND
+    return BIAS_GRAD_STRIDED_BOUND if "stride_d" not in x.ones else BIAS_GRAD_BOUND
 
 
 def bias_grad_checked(kernel: Any) -> Any:
-    """The candidate for exercise 5: ``kernel`` launched on a tensor case; on the compile case, its
-    sm_90 steady loop (:func:`utils.exercises.sass_loop.loop_report`)."""
-    from utils.exercises.sass_loop import CompileSpec, loop_report
+    """The candidate for exercise 5: ``kernel`` launched on a tensor case; on a compile case, its sm_90
+    loops (:func:`utils.exercises.sass_loop.loop_reports`: both compiles in one child process)."""
+    from utils.exercises.sass_loop import CompileSpec, loop_reports
 
     def run(x: Any) -> Any:
         if isinstance(x, CompileSpec):
-            return loop_report(kernel, x)
+            specs = (_bias_grad_spec(), _bias_grad_strided_spec())
+            reports = loop_reports(kernel, specs)
+            return next(report for spec, report in zip(specs, reports, strict=True) if spec == x)
         return bias_grad(x, kernel)
 
     run.__name__ = getattr(kernel, "__name__", "run")
@@ -1017,31 +1064,33 @@ def bias_grad_checked(kernel: Any) -> Any:
 
 
 # What each kind of overhead compiles to: how a verdict names it from the opcodes left in the loop.
-_DIVISION = ("I2F", "F2I", "MUFU.RCP", "IMAD.HI", "IABS")
+_DIVISION = ("I2F", "F2I", "MUFU.RCP", "IMAD.HI", "IABS", "FRND")
 
 
-def _loop_causes(opcodes: dict[str, int]) -> list[str]:
+def _loop_causes(opcodes: dict[str, int], loads: int) -> list[str]:
     causes = []
     names = " ".join(opcodes)
     if any(marker in names for marker in _DIVISION):
-        causes.append("a runtime division or modulo (`//`, `%` by a value only known at run time compile to "
-                      "I2F/MUFU.RCP/IMAD.HI sequences, per row)")
-    # Sign extensions, 32x32->64 multiplies and the high halves of 64-bit adds (a pointer advanced by an
-    # i32 offset is one IMAD.WIDE, which is not counted here).
+        causes.append("a runtime division or modulo, in integers or in floats (`//`, `%` by a value only known at "
+                      "run time compile to I2F/MUFU.RCP/IMAD.HI sequences per row; a float reciprocal to "
+                      "FMUL/FRND/F2I)")
+    # Sign extensions, 32x32->64 multiplies and high halves of 64-bit adds. A pointer advanced by a step is
+    # one 64-bit add per load (IADD3 + IADD3.X, or one IMAD.WIDE): up to two high halves per load are that.
     wide = sum(n for opcode, n in opcodes.items()
                if opcode.startswith(("SHF.R.S32.HI", "IMAD.WIDE.U32", "LEA.HI.X", "IMAD.X", "IADD3.X")))
-    if wide > 4:
+    if wide > 2 * loads + 2:
         causes.append(f"64-bit address arithmetic rebuilt each iteration ({wide} SHF.R.S32.HI/IMAD.WIDE.U32/"
-                      "LEA.HI.X/IMAD.X/IADD3.X): compute the tile's offsets once and advance a pointer")
-    compares = sum(n for opcode, n in opcodes.items() if opcode.startswith(("ISETP", "PLOP3", "SEL")))
+                      f"LEA.HI.X/IMAD.X/IADD3.X for {loads} loads): compute the tile's offsets once and advance "
+                      "a pointer")
+    compares = sum(n for opcode, n in opcodes.items() if opcode.startswith(("ISETP", "PLOP3", "SEL", "FSETP", "FSEL")))
     if compares > 4:
-        causes.append(f"a mask evaluated every iteration ({compares} ISETP/PLOP3/SEL): only the last, partial "
-                      "tile needs the row mask")
+        causes.append(f"a mask or a comparison evaluated every iteration ({compares} ISETP/PLOP3/SEL/FSETP/FSEL): "
+                      "only the last, partial tile needs the row mask")
     return causes
 
 
 def diagnose_bias_grad(got: Any, expected: Any) -> str | None:
-    """None if ``got`` is right: the column sums (values), or a steady loop within the bound (compile case)."""
+    """None if ``got`` is right: the column sums (values), or loops within the bound (compile case)."""
     from utils.exercises.sass_loop import LoopReport
 
     if isinstance(expected, LoopBound):
@@ -1082,6 +1131,9 @@ def explain_bias_grad(case: tuple, got: Any, expected: Any) -> str | None:
                 "add it after the loop over whole tiles, with the row mask")
     if same(reference + x64[:, whole:].sum(dim=(0, 1))):
         return "the partial tile of each b is added twice: once in the loop, once after it"
+    if x64.shape[1] == x64.shape[2] and same(x64.transpose(1, 2).sum(dim=(0, 1))):
+        return ("these are the sums over d, not over t: the strides of t and d are swapped (rows of a tile step by "
+                "stride_t, its columns by stride_d, and the pointer advances by BLOCK_R * stride_t)")
     return None
 
 
@@ -1097,37 +1149,129 @@ def _spans(indices: list[int]) -> str:
     return text + (", ..." if len(spans) > 4 else "")
 
 
+def _overhead(view: Any, tiles: float, bound: LoopBound) -> dict[str, int]:
+    """A loop's overhead by opcode: everything but its loads and the tiles' FP32 adds (see :class:`LoopBound`)."""
+    from utils.exercises.sass_loop import CONVERSIONS
+
+    counted: dict[str, int] = {}
+    adds = 0
+    for op in view.ops:
+        if op.category in ("integer", "control", "mufu") or op.base in CONVERSIONS:
+            counted[op.opcode] = counted.get(op.opcode, 0) + 1
+        elif op.category == "fp32":
+            adds += 1
+    extra = adds - round(bound.adds * tiles)
+    if extra > 0:
+        counted["FP32 beyond the tile's adds"] = extra
+    return dict(sorted(counted.items(), key=lambda item: -item[1]))
+
+
+def _by_line(view: Any, report: Any, opcodes: dict[str, int]) -> str:
+    """The overhead of a loop by line of the kernel (1 = its ``def`` line), with where each line is in the source."""
+    import ast
+
+    from utils.exercises.sass_loop import CONVERSIONS
+
+    in_loop: set[int] = set()
+    try:
+        for node in ast.walk(ast.parse("\n".join(report.source))):
+            if isinstance(node, ast.For | ast.While):
+                in_loop.update(range(node.body[0].lineno, (node.end_lineno or node.lineno) + 1))
+    except SyntaxError:
+        pass
+    per_line: dict[int, dict[str, int]] = {}
+    for op in view.ops:
+        if op.line and op.line <= len(report.source) and (op.category in ("integer", "control", "mufu")
+                                                          or op.base in CONVERSIONS):
+            per_line.setdefault(op.line, {})
+            per_line[op.line][op.opcode] = per_line[op.line].get(op.opcode, 0) + 1
+    heavy = sorted(per_line.items(), key=lambda item: -sum(item[1].values()))[:3]
+    unattributed = sum(opcodes.values()) - sum(sum(ops.values()) for ops in per_line.values())
+    parts = []
+    for number, ops in heavy:
+        text = report.source[number - 1].strip() if number <= len(report.source) else "?"
+        listed = ", ".join(f"{op} ×{n}" for op, n in sorted(ops.items(), key=lambda item: -item[1])[:3])
+        where = "" if number in in_loop else (" (a line outside every loop of your source: the line table puts "
+                                              "these loop instructions on it)")
+        parts.append(f"line {number} `{text[:60]}`: {sum(ops.values())} ({listed}){where}")
+    if parts and unattributed > 0:
+        parts.append(f"{unattributed} from no line of yours (Triton's own code, e.g. the zeros a masked load's "
+                     "`other` fills, or FP32 beyond the adds)")
+    return "; ".join(parts)
+
+
 def diagnose_loop(report: Any, bound: LoopBound) -> str | None:
-    """None if the steady loop keeps the tile's work and spends at most ``bound.overhead`` integer and
-    control instructions per tile; else what is wrong, and which lines of the kernel the overhead is."""
+    """None if every loop that loads ``x`` keeps the bound (:class:`LoopBound`); else what is wrong, and
+    which lines of the kernel the overhead comes from."""
     if report.error is not None:
         return (f"the kernel does not compile alone for sm_90 ({report.error}): it must stand alone — "
                 "triton and tl only, no helper or global from the notebook — with the given arguments")
     if not report.loop_found:
         return ("no loop in the kernel's SASS: the rows must still be walked by a loop (B and T are known "
                 "at run time only)")
-    shared = report.counts.get("shared", 0) + report.counts.get("sync", 0)
-    if shared:
-        return (f"the steady loop has {shared} shared-memory/synchronization instructions: a reduction "
-                "inside the loop (tl.sum)? Keep adding the tile into a BLOCK_R × BLOCK_D accumulator in "
-                "registers and reduce once, after the loop")
-    adds = report.counts.get("fp32", 0)
-    if adds < bound.adds:
-        return (f"the steady loop does {adds} FP32 instructions per pass; adding one BLOCK_R × BLOCK_D tile is "
-                f"{bound.adds} per thread: keep the tile's work in the loop, one tile (or more) per iteration")
-    tiles = adds // bound.adds
-    per_tile = report.integer_control / tiles
-    if per_tile <= bound.overhead:
-        return None
-    opcodes = report.overhead_opcodes()
-    listed = ", ".join(f"{op} ×{n}" for op, n in list(opcodes.items())[:6])
-    heavy = sorted((line for line in report.lines if line.overhead), key=lambda line: -line.overhead)[:3]
-    where = "; ".join(f"line {line.number} `{line.text[:60]}`: {line.overhead}" for line in heavy)
-    causes = _loop_causes(opcodes)
-    text = (f"the steady loop spends {per_tile:g} integer and control instructions per tile (at most "
-            f"{bound.overhead}) beside its {bound.adds} FP32 adds: {listed}")
-    if where:
-        text += f" — by line of your kernel: {where}"
-    if causes:
-        text += " — that is " + "; and ".join(causes)
-    return text
+    loading = report.loading_loops()
+    if not loading:
+        return ("no loop of the kernel's SASS loads x: the loop must walk the rows and load them, one tile "
+                "(or more) per pass")
+    problems = []
+    if report.narrow_products:
+        lines = ", ".join(f"line {n} `{report.source[n - 1].strip()[:60]}`" for n in report.narrow_products
+                          if n <= len(report.source))
+        problems.append(f"{lines}: a loop's index times a stride in 32 bits, an offset that grows with the tensor "
+                        "and wraps past 2^31 elements (an fp32 gradient of 8 GiB) — compute it in 64 bits "
+                        "(`b.to(tl.int64) * stride_b`) or advance a pointer by the stride instead")
+    failures = []
+    for view in loading:
+        counts = view.counts
+        if counts.get("async_copy", 0):
+            problems.append("a loop copies x into shared memory with cp.async (LDGSTS), reads it back (LDS) and "
+                            "waits for it (DEPBAR/BAR): software pipelining (`tl.range(..., num_stages=n)`). "
+                            "This exercise does not use it: a streaming sum keeps its loads in flight without it, "
+                            "and its stage bookkeeping is more integer work per tile — use `range` (or `tl.range` "
+                            "without num_stages)")
+            continue
+        if counts.get("shared", 0) or counts.get("sync", 0):
+            problems.append("a loop has shared-memory/synchronization instructions (STS/LDS/BAR): a reduction "
+                            "inside the loop (tl.sum)? Keep adding the tile into a BLOCK_R × BLOCK_D accumulator "
+                            "in registers and reduce once, after the loop")
+            continue
+        if bound.vector:
+            narrow = {op.opcode: 0 for op in view.loads if op.load_bytes < 16}
+            for op in view.loads:
+                if op.opcode in narrow:
+                    narrow[op.opcode] += 1
+            if narrow:
+                listed = ", ".join(f"{op} ×{n}" for op, n in narrow.items())
+                problems.append(f"a loop loads x with narrower than 128-bit loads ({listed}; {bound.layout} are "
+                                "expected): the compiler can no longer prove a row's columns contiguous and "
+                                "16-byte aligned — build each address as a tile of offsets `rows[:, None] * "
+                                "stride_t + cols[None, :] * stride_d` plus a pointer, not per-row offsets "
+                                "computed in the loop")
+                continue
+        tiles = view.load_bytes / bound.tile_bytes
+        fp32 = counts.get("fp32", 0)
+        if view.innermost and fp32 < bound.adds * tiles - 0.5 * bound.adds:
+            problems.append(f"a loop loads {tiles:g} tile(s) per pass but issues only {fp32} FP32 instructions: "
+                            f"adding a tile is {bound.adds} per thread — add every tile it loads into the accumulator")
+            continue
+        overhead = _overhead(view, tiles, bound)
+        limit = bound.inner if view.innermost else bound.nest
+        per_tile = sum(overhead.values()) / tiles
+        if per_tile > limit:
+            failures.append((per_tile / limit, per_tile, limit, view, overhead))
+    if failures:
+        _, per_tile, limit, view, overhead = max(failures, key=lambda failure: failure[0])
+        tiles = view.load_bytes / bound.tile_bytes
+        which = ("the innermost loop" if view.innermost else
+                 "an outer loop (one pass of it, each loop inside it run once)")
+        listed = ", ".join(f"{op} ×{n}" for op, n in list(overhead.items())[:6])
+        text = (f"{which} spends {per_tile:.3g} instructions of overhead per tile it loads (at most {limit}; "
+                f"{tiles:g} tile(s) per pass, {bound.layout}, beside {bound.adds} FP32 adds per tile): {listed}")
+        where = _by_line(view, report, overhead)
+        if where:
+            text += f" — by line of your kernel (1 = its `def` line): {where}"
+        causes = _loop_causes(overhead, len(view.loads))
+        if causes:
+            text += " — that is " + "; and ".join(causes)
+        problems.append(text)
+    return "; ".join(dict.fromkeys(problems)) if problems else None
