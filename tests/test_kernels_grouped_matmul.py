@@ -405,7 +405,8 @@ def test_pruning_keeps_what_fits_with_the_table_first(monkeypatch):
     assert [mc.rows_bucket(r, 8) for r in (1, 8 * 16, 8 * 17, 8192)] == [16, 16, 32, 1024]
     prefill = _prune("gate_up", _named(1024, 14336, 4096))
     assert prefill[0] == mc.default_config("gate_up", 1024, 14336, 4096, torch.bfloat16)
-    assert len(prefill) == len(mc.GPU_CANDIDATES["gate_up"])  # everything fits at 227 KiB
+    # everything fits at 227 KiB; tiles of fewer than 64 rows (mma.sync on sm_90) only for short problems
+    assert prefill == [c for c in mc.GPU_CANDIDATES["gate_up"] if c.BLOCK_M >= 64]
     decode = _prune("matmul", _named(2, 4096, 14336))
     assert decode[0] == mc.default_config("matmul", 2, 4096, 14336, torch.bfloat16)
     assert all(c.BLOCK_M <= 64 for c in decode)  # no 128-row tile for 2 rows per expert

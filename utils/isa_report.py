@@ -448,6 +448,12 @@ instruction issue, MUFU, or shared memory: explicit loads and stores, wgmma's op
 and the share of that bound the tensor cores are busy (tensor use). A row "same as" compiles to a kernel already listed.
 Straight-line kernels (one tile per program) have no loop: their rows stop at the 128b column."""
 
+FIRST_CANDIDATES = """\
+The first candidate of each autotuned kernel, against the best the model finds among the candidates its pruner
+keeps. `make gpu-check`'s quick round compiles only the first (one compile per kernel and key on a cold cache), so
+the candidate lists are ordered best-first by this static view, and a kept candidate that spills is a pruning
+defect (`python -m utils.isa_report --check` fails on either)."""
+
 ASSUMPTIONS = """\
 Model assumptions (a **model**, not a measurement): one SM of an H200 (sm_90, 132 SMs); four schedulers each issue
 one warp-instruction per clock, a CTA's warps spread evenly over them; dense tensor-core rate 2,048 bf16 FMA per
@@ -501,6 +507,44 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def candidate_summary(rows: list[Row]) -> list[dict]:
+    """For each autotuned launch: its first candidate against the best the cycle model finds among the kept ones,
+    and any kept candidate that spills (the pruner should have dropped it).
+
+    ``make gpu-check``'s quick round compiles only the first candidate of every autotuned kernel
+    (``kernel_ladder.autotune.limit_candidates``), so the candidate lists are ordered best-first by this static
+    view; this summary is what shows that they are."""
+    groups: dict = {}
+    for r in rows:
+        if r.choice.startswith("autotuned: candidate") and not r.same_as and not r.error:
+            groups.setdefault((r.case, r.kernel, r.extra.get("group")), []).append(r)
+    out = []
+    for (case, kernel, _), group in groups.items():
+        modelled = [r for r in group if r.model]
+        if not modelled:
+            continue
+        first = group[0]
+        best = max(modelled, key=lambda r: r.model["tensor_use"])
+        out.append({
+            "case": case, "kernel": kernel, "first": first.config, "first_use": (first.model or {}).get("tensor_use"),
+            "best": best.config, "best_use": best.model["tensor_use"],
+            "spilling": [r.config for r in group if r.spilled],
+        })
+    return out
+
+
+def summary_table(rows: list[Row]) -> str:
+    lines = ["| op | kernel | first candidate | its tensor use (model) | best kept (model) "
+             "| kept candidates that spill |",
+             "|---|---|---|---|---|---|"]
+    for s in candidate_summary(rows):
+        first_use = "no loop" if s["first_use"] is None else f"{100 * s['first_use']:.0f}%"
+        best = "the first" if s["best"] == s["first"] else f"{100 * s['best_use']:.0f}%: {s['best']}"
+        spilling = ", ".join(s["spilling"]) or "none"
+        lines.append(f"| {s['case']} | {s['kernel']} | {s['first']} | {first_use} | {best} | {spilling} |")
+    return "\n".join(lines)
+
+
 def stamp() -> str:
     import triton
 
@@ -511,7 +555,8 @@ def stamp() -> str:
 
 
 def section(rows: list[Row]) -> str:
-    return "\n".join([BEGIN, TITLE, "", stamp(), "", HOW_TO_READ, "", table(rows), "", ASSUMPTIONS, END])
+    return "\n".join([BEGIN, TITLE, "", stamp(), "", HOW_TO_READ, "", table(rows), "", FIRST_CANDIDATES,
+                      "", summary_table(rows), "", ASSUMPTIONS, END])
 
 
 def _write(text: str, path: Path) -> None:
@@ -526,6 +571,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also write the rows as JSON to this path")
     parser.add_argument("--no-write", action="store_true", help="print the section; leave docs/results.md alone")
     parser.add_argument("--results", type=Path, default=ROOT / "docs" / "results.md")
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 if a kept autotune candidate spills or a first candidate is not the model's best")
     args = parser.parse_args(argv)
     if os.environ.get("KERNEL_LADDER_INTERPRET") != "0":  # compile in a compiled-mode child
         from utils.aot import run_compiled
@@ -544,6 +591,15 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1))
     if not args.no_write:
         _write(text, args.results)
+    if args.check:
+        problems = [f"{s['case']}: {s['kernel']}: kept candidates spill: {', '.join(s['spilling'])}"
+                    for s in candidate_summary(rows) if s["spilling"]]
+        problems += [f"{s['case']}: {s['kernel']}: first candidate {s['first']} models at "
+                     f"{100 * (s['first_use'] or 0):.0f}%, {s['best']} at {100 * s['best_use']:.0f}%"
+                     for s in candidate_summary(rows) if (s["first_use"] or 0) < s["best_use"] - 1e-9]
+        for line in problems:
+            print(f"isa_report --check: {line}", file=sys.stderr)
+        return 1 if problems else 0
     return 0
 
 

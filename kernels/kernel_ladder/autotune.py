@@ -55,6 +55,7 @@ __all__ = [
     "autotune_supports_disk_cache",
     "prune_configs",
     "prune_to_fit",
+    "SHORT_TILE_MAX_M",
     "make_autotuned",
     "AUTOTUNE_LIMIT_ENV",
     "candidate_limit",
@@ -226,6 +227,10 @@ def _shared_memory_limit() -> int:
     return 163 * 1024  # A100's opt-in limit, a safe default
 
 
+#: From this many rows on, the pruner drops tiles of fewer than 64 rows (:func:`prune_to_fit`).
+SHORT_TILE_MAX_M: int = 1024
+
+
 def prune_to_fit(configs: Sequence[triton.Config], M: int, N: int, K: int,
                  shared_memory: Callable[[triton.Config], int]) -> list[triton.Config]:
     """The candidates that fit in shared memory and are not far larger than an ``M x N x K`` problem.
@@ -236,6 +241,12 @@ def prune_to_fit(configs: Sequence[triton.Config], M: int, N: int, K: int,
     wastes 3/4 of the work, 256 would waste 15/16. At least one config survives: the one with the
     least shared memory among those that fit, or else the smallest. The rule of every autotuned
     matmul-like kernel of the package (matmul, the grouped GEMMs of ``kernel_ladder.ops.moe_configs``).
+
+    Tiles of fewer than 64 rows are for short problems only: when ``M`` is at least :data:`SHORT_TILE_MAX_M`
+    they are dropped. Read from the sm_90 compiles (``python -m utils.isa_report``): a 16- or 32-row tile
+    cannot use Hopper's warp-group ``wgmma`` (64 rows per warp group) and compiles to ``mma.sync``, modelled
+    at 15-38% tensor-core use against 80-100% for the 64- to 256-row tiles, and re-reads B once per 16 or 32
+    rows; it never wins there, and each such candidate costs a compile on a cold cache.
     """
     limit = _shared_memory_limit()
     kept, fallback = [], None
@@ -247,7 +258,8 @@ def prune_to_fit(configs: Sequence[triton.Config], M: int, N: int, K: int,
         if fallback is None or smem < fallback[0]:
             fallback = (smem, cfg)
         if (meta["BLOCK_M"] <= max(64, size_bucket(M)) and meta["BLOCK_N"] <= max(64, size_bucket(N))
-                and meta["BLOCK_K"] <= max(32, size_bucket(K))):
+                and meta["BLOCK_K"] <= max(32, size_bucket(K))
+                and not (meta["BLOCK_M"] < 64 and M >= SHORT_TILE_MAX_M)):
             kept.append(cfg)
     if kept:
         return kept
