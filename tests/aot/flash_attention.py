@@ -13,16 +13,21 @@ Each variant is the one a launch builds: the op's public function (``flash_atten
 ``flash_attention_varlen``, ``block_sparse_attention``, and autograd for the backward) runs on CPU tensors of
 real sizes (one sequence, 32 query heads over 8 KV heads) with the tile config under test forced and its kernels
 replaced by recorders (``utils.aot.record_launches``); each recorded call is compiled at the specialization
-Triton's launcher derives from its values (``utils.aot.compile_launched``). The lengths decide that
-specialization, so each variant stands for one of two sets of launches:
+Triton's launcher derives from its values (``utils.aot.compile_launched``) with the constexprs the launcher
+chose. The length decides that specialization (the lengths and buckets themselves are never specialized: the
+kernels' ``do_not_specialize``), so each variant stands for one of two sets of launches:
 
-* ``T=8192``: lengths divisible by 16 (an 8k context; every power-of-two context, and packed totals that
-  are multiples of 16): ``seqlen_q``, ``seqlen_k`` (the preprocess's ``n_rows``) get the divisibility attribute,
-  as do the window (4,096, Mistral's; 0 without a window) and the buckets;
-* ``T=1000``: lengths not divisible by 16 (and a window of 300): those are plain runtime values.
+* ``T=8192``, lengths divisible by 16 (an 8k context; every power-of-two context): the window argument (4,096,
+  Mistral's; 0 without a window), the lse rows' stride and the preprocess's row count get the divisibility
+  attribute; and the int64 offsets are on (``INDEX_64``, marked "int64 offsets"), because the launcher's bound
+  on a tile's overrun (256 times the largest stride, here the batch stride of 32 x 8192 x D) passes 2**31;
+* ``T=1000``, lengths not divisible by 16 (and a window of 300): those are plain runtime values, and the
+  offsets 32-bit.
 
-ptxas allocates the two differently: with the divisible lengths (which the earlier, hand-listed signature never
-had) the dK/dV 32 x 64 w4 s3 tiles spilled 32 bytes at head dim 128, and the forward's 64 x 128 w8 s2 144 bytes.
+ptxas allocates int64 offsets in more registers: the hand-listed signature this replaced compiled them once (the
+first config at head dim 128), and missed that the dK/dV 32 x 64 w4 s3 tiles at head dim 128 spill 32 bytes at
+255 registers when an 8k context launches them (238 registers, no spill, with 32-bit offsets), and the forward's
+64 x 128 w8 s2 with ``cp.async`` 112 bytes.
 
 Run by tests/test_kernels_compile_flash_attention.py in a compiled-mode child process (utils.aot.run_compiled).
 ``--quick`` (what ``make test`` runs) compiles, at ``T=8192``, one configuration per kernel at head dims 64 and
@@ -153,6 +158,7 @@ def compile_launch(what, fn, launch_):
     registers = "?" if usage is None else usage.registers
     spilled = 0 if usage is None else usage.spilled_bytes
     rows.append(f"{what:70s} registers {registers:>3}  spilled {spilled} B  shared {kernel.metadata.shared} B")
+    print(rows[-1], flush=True)  # (the full run takes minutes: each row as it comes)
     if spilled:
         failures.append(f"{what}: spills {spilled} bytes")
     return kernel
@@ -226,9 +232,9 @@ def forward_with_tma():
         run("forward", "bf16", config.head_dim_limit(2, window=True, tma=True), config, switches(window=True),
             tma=True)
         limit = config.head_dim_limit(2, softcap=True, tma=True)
-        if limit >= 64:
+        if limit:
             run("forward", "bf16", limit, config, switches(window=True, softcap=True), tma=True)
-        if config.head_dim_limit(4, tma=True) >= 64:
+        if config.head_dim_limit(4, tma=True):
             run("forward", "fp32", config.head_dim_limit(4, tma=True), config, switches(precision="tf32"), tma=True)
         if config.head_dim_limit(2, tma=True) >= 128:
             for flags in (switches(causal=False), switches(varlen=True), switches(index_64=True),
@@ -260,12 +266,12 @@ for kind in ("forward", "dkdv", "dq"):
         continue
     for config in configs_:  # soft-capping (with a window) at each config's limit for it
         limit = config.head_dim_limit(2, softcap=True)
-        if limit >= 64:
+        if limit:  # (0: never with soft-capping)
             run(kind, "bf16", limit, config, switches(window=True, softcap=True))
     for config in configs_:  # a sliding window without soft-capping (Mistral, GPT-OSS) at each config's limit for it
         run(kind, "bf16", config.head_dim_limit(2, window=True), config, switches(window=True))
     for config in configs_:  # fp32 operands (TF32 products) at their own limit
-        if config.head_dim_limit(4) >= 64:
+        if config.head_dim_limit(4):
             run(kind, "fp32", config.head_dim_limit(4), config, switches(precision="tf32"))
     config = next(c for c in configs_ if c.max_head_dim >= 128)  # the other switches once, at D = 128
     for flags in (switches(causal=False), switches(varlen=True), switches(index_64=True),
@@ -286,7 +292,6 @@ for dtype in ("bf16",) if quick else ("bf16", "fp32"):
 recorded = launches(False, "bf16", 128, 128, 8192, _GPU_CONFIGS["forward"][0], varlen=True)
 for check in recorded["cu_seqlens"]:
     compile_launch("cu_seqlens check", problem.flash_attention_cu_seqlens_kernel, check)
-print("\n".join(rows))
 print(f"{len(rows)} variants compiled")
 print("\n".join(failures) or "ok")
 sys.exit(1 if failures else 0)
