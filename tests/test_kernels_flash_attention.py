@@ -939,6 +939,34 @@ def test_gpu_configs_fit_every_head_dim():
     assert not attention.configs.fits(narrow, "dq", 256, 2, shared_memory=smem, block_dv=128)
 
 
+def test_gpu_configs_spilling_with_int64_offsets_are_pruned():
+    """The limits hold for the launches of an 8k context (int64 offsets: the tile-overrun bound passes 2**31 at 32
+    heads), measured by tests/aot/flash_attention.py at sm_90: dK/dV 32x64 w4 s3 spills 32 bytes at head dim 128
+    (bf16), 32x128 w8 72 and 32 bytes in fp32 at 128; the forward's 64x128 w8 s2 112 bytes at 128 with cp.async
+    (not with tensor descriptors), and with 128x128 24-160 bytes in fp32 at 32; dQ 64x64 w4 s3 56 bytes soft-capped
+    at 64. The first candidates at 128 stay."""
+    smem = 227 * 1024
+
+    def kept(kind, block_d, element_size=2, **switches):
+        prune = attention.configs._pruner(kind)
+        configs = attention.configs._GPU_CONFIGS[kind]
+        q = {"q_ptr": torch.empty(1, dtype=torch.bfloat16 if element_size == 2 else torch.float32)}
+        chosen = prune([c.to_triton() for c in configs], q, BLOCK_D=block_d, SOFTCAP=switches.pop("softcap", False),
+                       **switches)
+        return {str(c) for c in configs if c.to_triton() in chosen}
+
+    assert attention.configs.fits(attention.configs.BACKWARD_DKDV_GPU_CONFIGS[3], "dkdv", 64, 2, shared_memory=smem)
+    assert "32x64 w4 s3" not in kept("dkdv", 128)
+    assert {"32x128 w8 s3", "32x128 w8 s2"} <= kept("dkdv", 128)
+    assert not {"32x128 w8 s3", "32x128 w8 s2"} & kept("dkdv", 128, 4)
+    assert "64x128 w8 s2" not in kept("forward", 128, USE_TMA=False)
+    assert not {"128x128 w8 s2", "64x128 w8 s2"} & kept("forward", 32, 4)  # fp32: 24-160 bytes at 32
+    assert {"128x128 w8 s2", "64x128 w8 s2"} <= kept("forward", 128, USE_TMA=True)
+    assert "64x64 w4 s3" not in kept("dq", 64, softcap=True)
+    assert {"64x64 w4 s3", "128x64 w8 s2"} <= kept("dq", 64)
+    assert "128x64 w8 s2" in kept("dq", 128)
+
+
 def test_autotuned_launch_path_in_the_interpreter(gen, monkeypatch):
     """The GPU launch path end to end (autotuner, pruner, the grid from the chosen tiles), forward and
     backward, with a stand-in benchmarker: the "faster" config wins, each kernel tunes once per key."""

@@ -45,7 +45,7 @@ class AttentionConfig:
     smallest shape); ``num_warps`` and ``num_stages`` (software pipelining of the streamed K/V or
     Q/dO tiles) are launch options. ``max_head_dim``: the widest head-dim tile of 16-bit inputs
     at which ptxas fits the kernel in registers for sm_90 without spilling; ``max_head_dim_fp32``
-    for float32 inputs (by default half), ``max_head_dim_softcap`` with soft-capping (``tanh`` takes
+    for float32 inputs (by default half; 0: never in fp32), ``max_head_dim_softcap`` with soft-capping (``tanh`` takes
     registers; the backward kernels also keep the cap's derivative, one more score-sized tile, live;
     0: never with soft-capping); ``max_head_dim_narrow_v`` when v's tile is narrower than q's and k's
     (``Dv < D``, DeepSeek's MLA prefill: ptxas allocates that mix differently; None: ``max_head_dim``);
@@ -53,8 +53,9 @@ class AttentionConfig:
     ``max_head_dim_tma`` for 16-bit inputs whose K and V tiles stream through tensor descriptors (the forward's
     ``USE_TMA``: no per-thread addresses, so wider tiles fit; without a window, soft-capping or a narrower v;
     None: ``max_head_dim``). Measured, not modelled: ``tests/aot/flash_attention.py`` compiles every GPU config at
-    its limits (and at head dims 64 and 128 below them), the forward's with and without tensor descriptors, and
-    fails on any spill.
+    its limits (and at head dims 64 and 128 below them), the forward's with and without tensor descriptors, as the
+    launcher builds them for an 8k context (int64 offsets: 32 heads x 8192 x D with a tile's overrun passes 2**31;
+    the tighter case) and for 1000 tokens (32-bit offsets), and fails on any spill.
     """
 
     BLOCK_M: int
@@ -110,12 +111,15 @@ _c = AttentionConfig
 #: Forward candidates on a GPU: 128- and 64-row query blocks; 32-key blocks for head dim 256. (A sliding window
 #: without soft-capping keeps more live at the limits: ``max_head_dim_window``, measured.) 128 x 128 takes head
 #: dim 128 when K and V come through tensor descriptors (no address registers), 64 with ``cp.async``; 128 x 32
-#: takes 256 with them, 128 without (where 64 x 32 serves 256).
+#: takes 256 with them, 128 without (where 64 x 32 serves 256). 64 x 128 takes 128 with them, 64 without (at 128
+#: with ``cp.async`` and int64 offsets it spills 112 bytes). Neither takes fp32 (at head dim 32 with ``cp.async``
+#: they spill 24-160 bytes).
 FORWARD_GPU_CONFIGS: tuple[AttentionConfig, ...] = (
-    _c(128, 128, 8, 2, max_head_dim=64, max_head_dim_window=32, max_head_dim_tma=128),
+    _c(128, 128, 8, 2, max_head_dim=64, max_head_dim_fp32=0, max_head_dim_window=32, max_head_dim_tma=128),
     _c(128, 64, 8, 3, max_head_dim=128, max_head_dim_fp32=32, max_head_dim_window=64),
     _c(128, 64, 8, 2, max_head_dim=128),
-    _c(64, 128, 8, 2, max_head_dim=128, max_head_dim_fp32=32, max_head_dim_softcap=64, max_head_dim_window=64),
+    _c(64, 128, 8, 2, max_head_dim=64, max_head_dim_fp32=0, max_head_dim_softcap=64, max_head_dim_narrow_v=128,
+       max_head_dim_window=64, max_head_dim_tma=128),
     _c(64, 64, 4, 3, max_head_dim=128, max_head_dim_fp32=32, max_head_dim_softcap=64, max_head_dim_window=64),
     _c(64, 64, 8, 2, max_head_dim=128),
     _c(128, 32, 8, 2, max_head_dim=128, max_head_dim_fp32=128, max_head_dim_softcap=128, max_head_dim_narrow_v=256,
@@ -130,9 +134,9 @@ FORWARD_GPU_CONFIGS: tuple[AttentionConfig, ...] = (
 #: registers (128 of 255 at 32x128, D = 128), so the query block stays at 32 rows there.
 BACKWARD_DKDV_GPU_CONFIGS: tuple[AttentionConfig, ...] = (
     _c(64, 128, 8, 2, max_head_dim=64, max_head_dim_fp32=64, max_head_dim_softcap=0),
-    _c(32, 128, 8, 3, max_head_dim=128, max_head_dim_fp32=128, max_head_dim_softcap=64),
-    _c(32, 128, 8, 2, max_head_dim=128, max_head_dim_fp32=128, max_head_dim_softcap=64),
-    _c(32, 64, 4, 3, max_head_dim=128, max_head_dim_softcap=64, max_head_dim_window=64),
+    _c(32, 128, 8, 3, max_head_dim=128, max_head_dim_fp32=64, max_head_dim_softcap=64),
+    _c(32, 128, 8, 2, max_head_dim=128, max_head_dim_fp32=64, max_head_dim_softcap=64),
+    _c(32, 64, 4, 3, max_head_dim=64, max_head_dim_fp32=64, max_head_dim_softcap=64, max_head_dim_narrow_v=128),
     _c(64, 32, 8, 2, max_head_dim=128, max_head_dim_fp32=128),
     _c(32, 32, 8, 2, max_head_dim=256, max_head_dim_softcap=64),
     _c(16, 32, 8, 2, max_head_dim=256),
@@ -141,7 +145,7 @@ BACKWARD_DKDV_GPU_CONFIGS: tuple[AttentionConfig, ...] = (
 BACKWARD_DQ_GPU_CONFIGS: tuple[AttentionConfig, ...] = (
     _c(128, 64, 8, 2, max_head_dim=128, max_head_dim_softcap=64),
     _c(128, 32, 8, 2, max_head_dim=256, max_head_dim_softcap=128, max_head_dim_narrow_v=128, max_head_dim_window=128),
-    _c(64, 64, 4, 3, max_head_dim=64),
+    _c(64, 64, 4, 3, max_head_dim=64, max_head_dim_softcap=32),
     _c(64, 64, 8, 2, max_head_dim=128, max_head_dim_softcap=64),
     _c(64, 32, 4, 3, max_head_dim=128),
     _c(64, 32, 8, 2, max_head_dim=128),
