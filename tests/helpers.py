@@ -258,3 +258,17 @@ def hf_greedy(hf: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
     out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, eos_token_id=None,
                       pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+def alternating_bench(benched: list):
+    """A stand-in for Triton's GPU benchmarker (``fn(kernel_call, quantiles) -> timings``) that runs in the
+    interpreter: each call runs the candidate, appends to ``benched`` and reports every second candidate as
+    the faster one, so a test can see the autotuner keep the "faster" config."""
+
+    def bench(kernel_call, quantiles):
+        kernel_call()
+        benched.append(1)
+        t = 2.0 if len(benched) % 2 else 1.0  # the second candidate is "faster"
+        return [t, t, t]
+
+    return bench

@@ -18,7 +18,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from helpers import assert_matches
+from helpers import alternating_bench, assert_matches
 
 import kernel_ladder
 from kernel_ladder.ops import attention
@@ -971,12 +971,7 @@ def test_autotuned_launch_path_in_the_interpreter(gen, monkeypatch):
     """The GPU launch path end to end (autotuner, pruner, the grid from the chosen tiles), forward and
     backward, with a stand-in benchmarker: the "faster" config wins, each kernel tunes once per key."""
     benched = []
-
-    def bench(kernel_call, quantiles):
-        kernel_call()
-        benched.append(1)
-        t = 2.0 if len(benched) % 2 else 1.0  # the second candidate is "faster"
-        return [t, t, t]
+    bench = alternating_bench(benched)
 
     candidates = (attention.configs.AttentionConfig(16, 16, 4, 1), attention.configs.AttentionConfig(32, 32, 4, 1))
     # a GPU run would reuse its disk cache

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import DTYPES, assert_matches, tolerance
+from helpers import DTYPES, alternating_bench, assert_matches, tolerance
 
 import kernel_ladder
 from kernel_ladder import _launch
@@ -237,12 +237,7 @@ def test_autotuned_launch_path_in_the_interpreter(gen, monkeypatch):
     """The GPU launch path of all four grouped GEMMs (autotuner, pruner, the grid from the chosen tiles), forward
     and backward, with a stand-in benchmarker: the "faster" tile wins, each kind tunes once per key."""
     benched = []
-
-    def bench(kernel_call, quantiles):
-        kernel_call()
-        benched.append(1)
-        t = 2.0 if len(benched) % 2 else 1.0  # the second candidate is "faster"
-        return [t, t, t]
+    bench = alternating_bench(benched)
 
     candidates = (moe_configs.GroupedConfig(16, 16, 16, 4, 1), moe_configs.GroupedConfig(32, 32, 32, 4, 1))
     monkeypatch.setattr(kernel_ladder.autotune, "autotune_supports_disk_cache", lambda: False)
