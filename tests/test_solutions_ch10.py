@@ -876,3 +876,253 @@ def test_no_row_mask_reads_past_the_rows():
 def test_the_stub_is_never_written():
     verdict = check_bias_grad(bias_grad_stub)
     assert rejected(verdict, "never written (still NaN)"), verdict.message
+
+
+# A second learner's attempts, each passing (or wrongly failing) the check before it counted per path and
+# per distinct address, ran B > 5 and T > 128 in the interpreter, and held products with a stride to 64 bits.
+
+
+@triton.jit
+def four_tiles_unrolled_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t, stride_d,
+                               BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    # The tiles of t unrolled four times with tl.static_range: right for T <= 4 * BLOCK_R only.
+    cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    rows = tl.arange(0, BLOCK_R)
+    tile = rows.to(tl.int64)[:, None] * stride_t + cols.to(tl.int64)[None, :] * stride_d
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    batch_ptr = x_ptr + tile
+    for _ in range(0, B):
+        for i in tl.static_range(4):
+            acc += tl.load(batch_ptr + i * BLOCK_R * stride_t.to(tl.int64),
+                           mask=(rows[:, None] + i * BLOCK_R < T) & (cols[None, :] < D), other=0.0)
+        batch_ptr += stride_b.to(tl.int64)
+    tl.store(out_ptr + cols, tl.sum(acc, axis=0), mask=cols < D)
+
+
+@triton.jit
+def five_batches_unrolled_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t, stride_d,
+                                 BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    # The loop over b unrolled five times with tl.static_range: right for B <= 5 only.
+    cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    rows = tl.arange(0, BLOCK_R)
+    tile = rows.to(tl.int64)[:, None] * stride_t + cols.to(tl.int64)[None, :] * stride_d
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    whole = T - T % BLOCK_R
+    batch_ptr = x_ptr
+    for b in tl.static_range(5):
+        if b < B:
+            ptrs = batch_ptr + tile
+            for _ in range(0, whole, BLOCK_R):
+                acc += tl.load(ptrs, mask=cols[None, :] < D, other=0.0)
+                ptrs += BLOCK_R * stride_t.to(tl.int64)
+            acc += tl.load(ptrs, mask=(rows[:, None] < T - whole) & (cols[None, :] < D), other=0.0)
+        batch_ptr += stride_b.to(tl.int64)
+    tl.store(out_ptr + cols, tl.sum(acc, axis=0), mask=cols < D)
+
+
+@triton.jit
+def same_address_reloaded_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t, stride_d,
+                                 BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    # The given loop, plus eight loads of the same tile under masks that are never true: nine "tiles" a pass.
+    cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    for start in range(0, B * T, BLOCK_R):
+        rows = start + tl.arange(0, BLOCK_R)
+        offsets = ((rows // T).to(tl.int64)[:, None] * stride_b + (rows % T).to(tl.int64)[:, None] * stride_t
+                   + cols.to(tl.int64)[None, :] * stride_d)
+        mask = (rows[:, None] < B * T) & (cols[None, :] < D)
+        acc += tl.load(x_ptr + offsets, mask=mask, other=0.0)
+        for k in tl.static_range(1, 9):
+            acc += tl.load(x_ptr + offsets, mask=mask & (rows[:, None] >= (k + 1) * B * T), other=0.0)
+    tl.store(out_ptr + cols, tl.sum(acc, axis=0), mask=cols < D)
+
+
+@triton.jit
+def never_taken_branch_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t, stride_d,
+                              BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    # The given loop, plus a branch no real call takes, holding eight more tiles.
+    cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    for start in range(0, B * T, BLOCK_R):
+        rows = start + tl.arange(0, BLOCK_R)
+        offsets = ((rows // T).to(tl.int64)[:, None] * stride_b + (rows % T).to(tl.int64)[:, None] * stride_t
+                   + cols.to(tl.int64)[None, :] * stride_d)
+        mask = (rows[:, None] < B * T) & (cols[None, :] < D)
+        acc += tl.load(x_ptr + offsets, mask=mask, other=0.0)
+        if start == B * D + 1:
+            for k in tl.static_range(8):
+                acc += tl.load(x_ptr + offsets + 4 * k, mask=mask, other=0.0)
+    tl.store(out_ptr + cols, tl.sum(acc, axis=0), mask=cols < D)
+
+
+@triton.jit
+def flat_counters_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t, stride_d,
+                         BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    # Right and lean: one flat loop over the (b, tile) pairs, the tile counter wrapped by hand, a whole tile
+    # loaded with the column mask alone and the last one of each b with the row mask — an if/else per pass.
+    cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    rows = tl.arange(0, BLOCK_R)
+    col_mask = cols[None, :] < D
+    tile = rows.to(tl.int64)[:, None] * stride_t + cols.to(tl.int64)[None, :] * stride_d
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    step = BLOCK_R * stride_t.to(tl.int64)
+    batch_ptr = x_ptr
+    ptr = x_ptr
+    start = 0
+    for _ in range(0, B * tl.cdiv(T, BLOCK_R)):
+        left = T - start
+        if left >= BLOCK_R:
+            acc += tl.load(ptr + tile, mask=col_mask, other=0.0)
+        else:
+            acc += tl.load(ptr + tile, mask=(rows[:, None] < left) & col_mask, other=0.0)
+        start += BLOCK_R
+        ptr += step
+        if start >= T:
+            start = 0
+            batch_ptr += stride_b.to(tl.int64)
+            ptr = batch_ptr
+    tl.store(out_ptr + cols, tl.sum(acc, axis=0), mask=cols < D)
+
+
+@triton.jit
+def offsets_in_32_bits_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t, stride_d,
+                              BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    # Lean, but the tile's offsets and the step are i32 products of a stride: cols * stride_d passes 2^31 once
+    # a column lies 2^31 elements from the first (a D-major layout), BLOCK_R * stride_t once rows are far apart.
+    cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    rows = tl.arange(0, BLOCK_R)
+    col_mask = cols[None, :] < D
+    tile = rows[:, None] * stride_t + cols[None, :] * stride_d
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    whole = T - T % BLOCK_R
+    batch_ptr = x_ptr
+    for _ in range(0, B):
+        ptrs = batch_ptr + tile
+        for _ in range(0, whole, BLOCK_R):
+            acc += tl.load(ptrs, mask=col_mask, other=0.0)
+            ptrs += BLOCK_R * stride_t
+        acc += tl.load(ptrs, mask=(rows[:, None] < T - whole) & col_mask, other=0.0)
+        batch_ptr += stride_b
+    tl.store(out_ptr + cols, tl.sum(acc, axis=0), mask=cols < D)
+
+
+@triton.jit
+def read_by_atomics_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t, stride_d,
+                           BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    # x read by adding zero to it atomically: a read-modify-write of the gradient, not a load.
+    cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    rows = tl.arange(0, BLOCK_R)
+    tile = rows.to(tl.int64)[:, None] * stride_t + cols.to(tl.int64)[None, :] * stride_d
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    for b in range(0, B):
+        for start in range(0, T, BLOCK_R):
+            mask = (rows[:, None] < T - start) & (cols[None, :] < D)
+            ptrs = x_ptr + b * stride_b.to(tl.int64) + start * stride_t.to(tl.int64) + tile
+            acc += tl.where(mask, tl.atomic_add(ptrs, tl.zeros([BLOCK_R, BLOCK_D], tl.float32), mask=mask,
+                                                sem="relaxed"), 0.0)
+    tl.store(out_ptr + cols, tl.sum(acc, axis=0), mask=cols < D)
+
+
+@triton.jit
+def scalar_condition_in_a_mask_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t, stride_d,
+                                      BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    # Valid Triton (compiled, the scalar broadcasts), but the interpreter cannot broadcast it.
+    cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    rows = tl.arange(0, BLOCK_R)
+    col_mask = cols[None, :] < D
+    tile = rows.to(tl.int64)[:, None] * stride_t + cols.to(tl.int64)[None, :] * stride_d
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    batch_ptr = x_ptr
+    for _ in range(0, B):
+        ptrs = batch_ptr + tile
+        for start in range(0, T, BLOCK_R):
+            acc += tl.load(ptrs, mask=(rows[:, None] < T - start) & col_mask & (T > 0), other=0.0)
+            ptrs += BLOCK_R * stride_t.to(tl.int64)
+        batch_ptr += stride_b.to(tl.int64)
+    tl.store(out_ptr + cols, tl.sum(acc, axis=0), mask=cols < D)
+
+
+@triton.jit
+def loop_variable_cast_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t, stride_d,
+                              BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    # Right when compiled; in the interpreter a range() loop's variable is a Python int, with no .to().
+    cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    rows = tl.arange(0, BLOCK_R)
+    tile = rows.to(tl.int64)[:, None] * stride_t + cols.to(tl.int64)[None, :] * stride_d
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    for b in range(0, B):
+        ptrs = x_ptr + b.to(tl.int64) * stride_b + tile
+        for start in range(0, T, BLOCK_R):
+            acc += tl.load(ptrs, mask=(rows[:, None] < T - start) & (cols[None, :] < D), other=0.0)
+            ptrs += BLOCK_R * stride_t.to(tl.int64)
+    tl.store(out_ptr + cols, tl.sum(acc, axis=0), mask=cols < D)
+
+
+@pytest.mark.parametrize("kernel, said", [
+    (four_tiles_unrolled_kernel, "only the first 128 rows of each b are added"),
+    (five_batches_unrolled_kernel, "only the first 5 of the B = 17 b's are added"),
+], ids=lambda value: getattr(value, "__name__", ""))
+def test_a_fixed_unroll_fails_on_values_with_t_past_four_tiles_and_b_past_eight(kernel, said):
+    verdict = check_bias_grad(kernel, values_only=True)
+    assert rejected(verdict, "wrong") and rejected(verdict, said), verdict.message
+
+
+@needs_sm90
+@pytest.mark.parametrize("kernel, said", [
+    # the same address loaded nine times is one tile; the eight extra adds are FP32 beyond the tile's
+    (same_address_reloaded_kernel, "FP32 beyond the tile's adds"),
+    # a branch no call takes is a path of its own: the path a pass really takes loads one tile
+    (never_taken_branch_kernel, "on its costliest path through one pass"),
+], ids=lambda value: getattr(value, "__name__", ""))
+def test_loads_a_pass_does_not_really_make_do_not_count_as_tiles(kernel, said):
+    assert check_bias_grad(kernel, values_only=True).solved  # right values
+    verdict = check_bias_grad(kernel)
+    assert rejected(verdict, "case 9 of 10") and rejected(verdict, said), verdict.message
+
+
+@needs_sm90
+def test_a_flat_loop_with_an_if_else_per_tile_is_solved():
+    verdict = check_bias_grad(flat_counters_kernel)
+    assert verdict.solved, verdict.message
+
+
+@needs_sm90
+def test_offsets_that_scale_a_stride_in_32_bits_are_named_by_line():
+    assert check_bias_grad(offsets_in_32_bits_kernel, values_only=True).solved
+    verdict = check_bias_grad(offsets_in_32_bits_kernel)
+    first = offsets_in_32_bits_kernel.fn.__code__.co_firstlineno  # the @triton.jit line; the def is the next
+    for line, text in ((first + 7, "tile = rows[:, None] * stride_t + cols[None, :] * stride_d"),
+                       (first + 15, "ptrs += BLOCK_R * stride_t")):
+        assert rejected(verdict, f"line {line} of offsets_in_32_bits_kernel `{text}`"), (line, verdict.message)
+    assert rejected(verdict, "a stride times an offset in 32 bits"), verdict.message
+
+
+@needs_sm90
+def test_the_solution_multiplies_strides_in_64_bits():
+    for spec in (given._bias_grad_spec(), given._bias_grad_strided_spec()):
+        report = loop_report(given.bias_grad_kernel, spec)
+        assert report.error is None and not report.narrow_products and not report.stride_products, report
+
+
+@needs_sm90
+def test_x_read_by_atomics_is_named():
+    verdict = check_bias_grad(read_by_atomics_kernel)
+    assert rejected(verdict, "atomic"), verdict.message
+    assert "no loop of the kernel's SASS loads x" not in verdict.message
+
+
+@pytest.mark.parametrize("kernel, said", [
+    (scalar_condition_in_a_mask_kernel, "a scalar condition in a mask"),
+    (loop_variable_cast_kernel, "the interpreter runs a range() loop with a Python int"),
+], ids=lambda value: getattr(value, "__name__", ""))
+def test_interpreter_only_errors_are_explained(kernel, said):
+    verdict = check_bias_grad(kernel, values_only=True)
+    assert rejected(verdict, said), verdict.message
+
+
+@needs_sm90
+def test_sass_lines_are_numbered_as_tracebacks_number_them():
+    # The same numbering as an interpreter error's "(line N of fn)": the line in the file (or cell).
+    verdict = check_bias_grad(given.bias_grad_flat_kernel)
+    line = given.bias_grad_flat_kernel.fn.__code__.co_firstlineno + 13  # the @triton.jit line + 13
+    assert rejected(verdict, f"line {line} of bias_grad_flat_kernel `b = rows // T`"), verdict.message
