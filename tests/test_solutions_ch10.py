@@ -405,14 +405,14 @@ def hoisted_but_masked_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t, strid
     # No division, pointers advanced; but the row mask is evaluated on every tile.
     cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     rows = tl.arange(0, BLOCK_R)
-    tile = rows[:, None] * stride_t + cols[None, :] * stride_d
+    tile = rows.to(tl.int64)[:, None] * stride_t + cols.to(tl.int64)[None, :] * stride_d
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
     batch_ptr = x_ptr
     for _ in range(0, B):
         ptrs = batch_ptr + tile
         for start in range(0, T, BLOCK_R):
             acc += tl.load(ptrs, mask=((start + rows)[:, None] < T) & (cols[None, :] < D), other=0.0)
-            ptrs += BLOCK_R * stride_t
+            ptrs += BLOCK_R * stride_t.to(tl.int64)
         batch_ptr += stride_b
     tl.store(out_ptr + cols, tl.sum(acc, axis=0), mask=cols < D)
 
@@ -439,14 +439,14 @@ def no_row_mask_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t, stride_d,
     # The lean loop, with the partial tile loaded whole: rows past T read the next b (or past the end).
     cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     rows = tl.arange(0, BLOCK_R)
-    tile = rows[:, None] * stride_t + cols[None, :] * stride_d
+    tile = rows.to(tl.int64)[:, None] * stride_t + cols.to(tl.int64)[None, :] * stride_d
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
     batch_ptr = x_ptr
     for _ in range(0, B):
         ptrs = batch_ptr + tile
         for _ in range(0, T, BLOCK_R):
             acc += tl.load(ptrs, mask=cols[None, :] < D, other=0.0)
-            ptrs += BLOCK_R * stride_t
+            ptrs += BLOCK_R * stride_t.to(tl.int64)
         batch_ptr += stride_b
     tl.store(out_ptr + cols, tl.sum(acc, axis=0), mask=cols < D)
 
@@ -457,14 +457,14 @@ def tail_dropped_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t, stride_d,
     # Whole tiles only: the T % BLOCK_R last rows of each b are never added.
     cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     rows = tl.arange(0, BLOCK_R)
-    tile = rows[:, None] * stride_t + cols[None, :] * stride_d
+    tile = rows.to(tl.int64)[:, None] * stride_t + cols.to(tl.int64)[None, :] * stride_d
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
     batch_ptr = x_ptr
     for _ in range(0, B):
         ptrs = batch_ptr + tile
         for _ in range(0, T - T % BLOCK_R, BLOCK_R):
             acc += tl.load(ptrs, mask=cols[None, :] < D, other=0.0)
-            ptrs += BLOCK_R * stride_t
+            ptrs += BLOCK_R * stride_t.to(tl.int64)
         batch_ptr += stride_b
     tl.store(out_ptr + cols, tl.sum(acc, axis=0), mask=cols < D)
 
@@ -475,7 +475,7 @@ def sum_in_the_loop_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t, stride_d
     # Right, few integer instructions, but each tile is reduced across warps inside the loop.
     cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     rows = tl.arange(0, BLOCK_R)
-    tile = rows[:, None] * stride_t + cols[None, :] * stride_d
+    tile = rows.to(tl.int64)[:, None] * stride_t + cols.to(tl.int64)[None, :] * stride_d
     acc = tl.zeros([BLOCK_D], tl.float32)
     whole = T - T % BLOCK_R
     batch_ptr = x_ptr
@@ -483,7 +483,7 @@ def sum_in_the_loop_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t, stride_d
         ptrs = batch_ptr + tile
         for _ in range(0, whole, BLOCK_R):
             acc += tl.sum(tl.load(ptrs, mask=cols[None, :] < D, other=0.0), axis=0)
-            ptrs += BLOCK_R * stride_t
+            ptrs += BLOCK_R * stride_t.to(tl.int64)
         acc += tl.sum(tl.load(ptrs, mask=(rows[:, None] < T - whole) & (cols[None, :] < D), other=0.0), axis=0)
         batch_ptr += stride_b
     tl.store(out_ptr + cols, acc, mask=cols < D)
@@ -533,7 +533,7 @@ def never_run_lean_loop_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t, stri
     lean = x_ptr + tl.arange(0, BLOCK_R)[:, None] * stride_t + cols[None, :] * stride_d
     for _ in range(0, (D > 2000000000) * T, BLOCK_R):
         acc += tl.load(lean) + tl.load(lean + stride_b) + tl.load(lean + 2 * stride_b)
-        lean += BLOCK_R * stride_t
+        lean += BLOCK_R * stride_t.to(tl.int64)
     for start in range(0, B * T, BLOCK_R):
         rows = start + tl.arange(0, BLOCK_R)
         offsets = ((rows // T).to(tl.int64)[:, None] * stride_b + (rows % T).to(tl.int64)[:, None] * stride_t
@@ -629,10 +629,10 @@ def lean_only_for_unit_stride_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t
         rows = tl.arange(0, BLOCK_R)
         batch_ptr = x_ptr
         for _ in range(0, B):
-            ptrs = batch_ptr + rows[:, None] * stride_t + cols[None, :]
+            ptrs = batch_ptr + rows.to(tl.int64)[:, None] * stride_t + cols[None, :]
             for start in range(0, T, BLOCK_R):
                 acc += tl.load(ptrs, mask=(rows[:, None] < T - start) & (cols[None, :] < D), other=0.0)
-                ptrs += BLOCK_R * stride_t
+                ptrs += BLOCK_R * stride_t.to(tl.int64)
             batch_ptr += stride_b
     else:
         for start in range(0, B * T, BLOCK_R):
@@ -650,14 +650,14 @@ def batch_offset_in_32_bits_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t, 
     cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     rows = tl.arange(0, BLOCK_R)
     col_mask = cols < D
-    tile = rows[:, None] * stride_t + cols[None, :] * stride_d
+    tile = rows.to(tl.int64)[:, None] * stride_t + cols.to(tl.int64)[None, :] * stride_d
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
     whole = T - T % BLOCK_R
     for b in range(0, B):
         ptrs = x_ptr + (b * stride_b + tile)
         for _ in range(0, whole, BLOCK_R):
             acc += tl.load(ptrs, mask=col_mask[None, :], other=0.0)
-            ptrs += BLOCK_R * stride_t
+            ptrs += BLOCK_R * stride_t.to(tl.int64)
         acc += tl.load(ptrs, mask=(rows[:, None] < T - whole) & col_mask[None, :], other=0.0)
     tl.store(out_ptr + cols, tl.sum(acc, axis=0), mask=col_mask)
 
@@ -669,7 +669,7 @@ def swapped_strides_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t, stride_d
     cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     rows = tl.arange(0, BLOCK_R)
     col_mask = cols < D
-    tile = rows[:, None] * stride_d + cols[None, :] * stride_t
+    tile = rows.to(tl.int64)[:, None] * stride_d + cols.to(tl.int64)[None, :] * stride_t
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
     whole = T - T % BLOCK_R
     batch_ptr = x_ptr
@@ -677,7 +677,7 @@ def swapped_strides_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t, stride_d
         ptrs = batch_ptr + tile
         for _ in range(0, whole, BLOCK_R):
             acc += tl.load(ptrs, mask=col_mask[None, :], other=0.0)
-            ptrs += BLOCK_R * stride_d
+            ptrs += BLOCK_R * stride_d.to(tl.int64)
         acc += tl.load(ptrs, mask=(rows[:, None] < T - whole) & col_mask[None, :], other=0.0)
         batch_ptr += stride_b
     tl.store(out_ptr + cols, tl.sum(acc, axis=0), mask=col_mask)
@@ -711,7 +711,7 @@ def pipelined_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t, stride_d,
     cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     rows = tl.arange(0, BLOCK_R)
     col_mask = cols < D
-    tile = rows[:, None] * stride_t + cols[None, :] * stride_d
+    tile = rows.to(tl.int64)[:, None] * stride_t + cols.to(tl.int64)[None, :] * stride_d
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
     whole = T - T % BLOCK_R
     batch_ptr = x_ptr
@@ -719,7 +719,7 @@ def pipelined_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t, stride_d,
         ptrs = batch_ptr + tile
         for _ in tl.range(0, whole, BLOCK_R, num_stages=3):
             acc += tl.load(ptrs, mask=col_mask[None, :], other=0.0)
-            ptrs += BLOCK_R * stride_t
+            ptrs += BLOCK_R * stride_t.to(tl.int64)
         acc += tl.load(ptrs, mask=(rows[:, None] < T - whole) & col_mask[None, :], other=0.0)
         batch_ptr += stride_b
     tl.store(out_ptr + cols, tl.sum(acc, axis=0), mask=col_mask)
@@ -748,9 +748,9 @@ def test_pointers_advanced_with_the_mask_kept_on_every_tile_is_also_solved():
 def test_the_given_kernel_is_right_but_its_loop_is_named_line_by_line():
     assert check_bias_grad(given.bias_grad_flat_kernel, values_only=True).solved
     verdict = check_bias_grad(given.bias_grad_flat_kernel)
-    assert rejected(verdict, "case 7 of 8: x=sm_90 compile of x (8, 1000, 4096) fp32"), verdict.message
-    for said in ("instructions of overhead per tile it loads (at most 40;", "line 13 `b = rows // T`",
-                 "(1 = its `def` line)", "a runtime division or modulo",
+    assert rejected(verdict, "case 9 of 10: x=sm_90 compile of x (8, 1000, 4096) fp32"), verdict.message
+    for said in ("instructions of overhead per tile it loads (at most 40;", "of bias_grad_flat_kernel `b = rows // T`",
+                 "a runtime division or modulo",
                  "64-bit address arithmetic rebuilt each iteration",
                  "a mask or a comparison evaluated every iteration"):
         assert rejected(verdict, said), (said, verdict.message)
@@ -769,7 +769,7 @@ def test_the_loop_counts_of_the_given_kernel_and_the_solution():
     assert all(op.opcode == "LDG.E.128" for op in before.steady.loads + after.steady.loads)
     # ...and the overhead: the given loop spends several times the bound, the solution well under it.
     assert before.integer_control > 3 * bound.inner, before.counts
-    assert after.integer_control / tiles <= bound.inner / 2, after.overhead_opcodes()
+    assert after.integer_control / tiles <= bound.inner - 5, after.overhead_opcodes()
     assert any(op.startswith("MUFU.RCP") for op in before.opcodes.get("mufu", {}))  # the division's reciprocal
     assert "mufu" not in after.counts
     assert before.spilled_bytes == 0 == after.spilled_bytes
@@ -787,7 +787,7 @@ def test_the_loop_counts_of_the_given_kernel_and_the_solution():
 def test_right_values_with_a_loop_that_breaks_the_spec_are_not_solved(kernel, diagnosis):
     assert check_bias_grad(kernel, values_only=True).solved  # the values alone would pass
     verdict = check_bias_grad(kernel)
-    assert rejected(verdict, "case 7 of 8") and rejected(verdict, diagnosis), verdict.message
+    assert rejected(verdict, "case 9 of 10") and rejected(verdict, diagnosis), verdict.message
 
 
 @needs_sm90
@@ -801,10 +801,10 @@ def test_right_values_with_a_loop_that_breaks_the_spec_are_not_solved(kernel, di
     # the division done in floats (right below 2^24 rows): per-row offsets, no 128-bit loads
     (float_division_corrected_kernel, "narrower than 128-bit loads"),
     # the given loop kept for stride_d != 1: the column-strided compile keeps it
-    (lean_only_for_unit_stride_kernel, "case 8 of 8: x=sm_90 compile of x[:, :, ::2]"),
+    (lean_only_for_unit_stride_kernel, "case 10 of 10: x=sm_90 compile of x[:, :, ::2]"),
     # b * stride_b in 32 bits: wraps past 2^31 elements
-    (batch_offset_in_32_bits_kernel, "line 11 `ptrs = x_ptr + (b * stride_b + tile)`: a loop's index times a "
-                                     "stride in 32 bits"),
+    (batch_offset_in_32_bits_kernel, "of batch_offset_in_32_bits_kernel `ptrs = x_ptr + (b * stride_b + tile)`: "
+                                     "a loop's index times a stride in 32 bits"),
 ], ids=lambda value: getattr(value, "__name__", ""))
 def test_right_values_that_game_the_loop_count_are_not_solved(kernel, said):
     assert check_bias_grad(kernel, values_only=True).solved  # right values
@@ -819,7 +819,7 @@ def test_a_float_reciprocal_for_the_division_is_caught_by_a_strided_t_of_41():
 
 def test_swapped_strides_are_named():
     verdict = check_bias_grad(swapped_strides_kernel, values_only=True)
-    assert rejected(verdict, "case 1 of 6") and rejected(verdict, "the strides of t and d are swapped"), verdict.message
+    assert rejected(verdict, "case 1 of 8") and rejected(verdict, "the strides of t and d are swapped"), verdict.message
     assert "is a mask missing" not in verdict.message
 
 
@@ -851,12 +851,12 @@ def test_lines_of_the_loop_are_the_kernels_own_and_a_line_outside_every_loop_is_
     where = given._by_line(view, report, given._overhead(view, 1, given.BIAS_GRAD_BOUND))
     for line in report.lines:
         if line.text.startswith("tl.store") and line.overhead:
-            assert f"line {line.number} `tl.store" in where and "a line outside every loop of your source" in where
+            assert f"{report.where(line.number)}" in where and "a line outside every loop of your source" in where
 
 
 @needs_sm90
 @pytest.mark.parametrize("kernel, loop_diagnosis, diagnosis", [
-    (no_row_mask_kernel, None, "case 2 of 8"),
+    (no_row_mask_kernel, None, "case 2 of 10"),
     (tail_dropped_kernel, None, "the last, partial tile of each b is missing"),
     (one_tile_kernel, "no loop in the kernel's SASS", "wrong"),
 ], ids=lambda value: getattr(value, "__name__", ""))
@@ -1091,8 +1091,8 @@ def test_offsets_that_scale_a_stride_in_32_bits_are_named_by_line():
     assert check_bias_grad(offsets_in_32_bits_kernel, values_only=True).solved
     verdict = check_bias_grad(offsets_in_32_bits_kernel)
     first = offsets_in_32_bits_kernel.fn.__code__.co_firstlineno  # the @triton.jit line; the def is the next
-    for line, text in ((first + 7, "tile = rows[:, None] * stride_t + cols[None, :] * stride_d"),
-                       (first + 15, "ptrs += BLOCK_R * stride_t")):
+    for line, text in ((first + 8, "tile = rows[:, None] * stride_t + cols[None, :] * stride_d"),
+                       (first + 16, "ptrs += BLOCK_R * stride_t")):
         assert rejected(verdict, f"line {line} of offsets_in_32_bits_kernel `{text}`"), (line, verdict.message)
     assert rejected(verdict, "a stride times an offset in 32 bits"), verdict.message
 
