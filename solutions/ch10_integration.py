@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import os
 import platform
+import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -919,14 +920,16 @@ def bias_grad_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t, stride_d,
     after the loop, masked. The steady loop keeps the same work — one tile loaded, 16 FP32 adds per
     thread — with a few integer instructions left: the pointer increments and the loop's counter.
 
-    Nothing grows with the tensor in 32 bits: the pointers (64-bit) advance by ``stride_b`` and by
-    one tile's rows; the 32-bit offsets span one tile, never the tensor.
+    Nothing that scales a stride is computed in 32 bits: a tile's offsets and the step reach as far
+    as the tensor does (a column ``(D - 1) · stride_d`` elements from the first, rows ``BLOCK_R · stride_t``
+    apart), so they are products in 64 bits, once, before the loops; the pointers (64-bit) advance by
+    ``stride_b`` and by the step.
     """
     cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     col_mask = cols < D
     rows = tl.arange(0, BLOCK_R)
-    tile = rows[:, None] * stride_t + cols[None, :] * stride_d  # one tile's offsets, computed once
-    step = BLOCK_R * stride_t  # one tile down
+    tile = rows.to(tl.int64)[:, None] * stride_t + cols.to(tl.int64)[None, :] * stride_d  # computed once
+    step = BLOCK_R * stride_t.to(tl.int64)  # one tile down
     whole = T - T % BLOCK_R  # the rows of each b that fill whole tiles
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
     batch_ptr = x_ptr
@@ -988,10 +991,13 @@ class LoopBound:
 
     The work of a tile is its loads and ``adds`` FP32 adds per thread; everything else a loop issues
     — integer and control instructions, int/float conversions (I2F, F2I, FRND), MUFU, and FP32
-    instructions beyond the adds — is overhead. An innermost loop that loads may spend ``inner`` per
-    tile; a loop around one (over ``b``) is counted as one pass of itself with each loop inside it
-    run once — the check cannot know how often they run — and may spend ``nest`` per tile loaded in
-    that pass. ``vector``: the tile's loads must be 128-bit (``LDG.E.128``).
+    instructions beyond the adds — is overhead. Each path through one pass of a loop is counted apart
+    (an if/else, a branch no call takes), its tiles the distinct addresses it loads (the same address
+    twice is one tile; of loads under complementary predicates, one side). An innermost loop's leanest
+    path — its steady pass — may spend ``inner`` per tile; its other paths, and every path of a loop
+    around one (over ``b``: one pass of it with each loop inside run once — the check cannot know how
+    often they run), ``nest`` per tile loaded on that path. ``vector``: the tile's loads must be 128-bit
+    (``LDG.E.128``).
     """
 
     inner: int
@@ -1008,25 +1014,29 @@ class LoopBound:
 
 _TILE_BYTES = BIAS_GRAD_BLOCK_R * BIAS_GRAD_BLOCK_D * 4 // (32 * BIAS_GRAD_WARPS)
 
-#: The bounds, per compile. Contiguous: a lean loop spends about 20 per tile — one 64-bit address
-#: advance per 128-bit load (4 loads, 1-2 instructions each), zeroing the registers a masked load may
-#: leave unwritten (8 CS2R), the counter, compare and branch; 40 (2.5 per element) is twice that, and
-#: the given loop spends about 160. Column-strided: sixteen 32-bit loads per thread, each with its own
-#: 64-bit address: a lean loop spends about 35-70 (one address advance, and with a row mask one
-#: predicate, per element); 96 (6 per element) allows that, the given loop spends about 560. An outer
-#: loop gets twice its innermost loop's bound per tile: room to set up the pointers and add the
-#: partial tile once per ``b``, not to rebuild an index per row.
-BIAS_GRAD_BOUND = LoopBound(inner=40, nest=80, adds=ADDS_PER_TILE, tile_bytes=_TILE_BYTES, vector=True,
+#: The bounds, per compile. Contiguous: a lean loop spends about 20-30 per tile — one 64-bit address
+#: advance per 128-bit load (4 loads, 2 instructions each), zeroing the registers a masked load may
+#: leave unwritten (8 CS2R), the counter, compare and branch; 40 (2.5 per element) allows that with
+#: room, and the given loop spends about 160. Column-strided: sixteen 32-bit loads per thread, each with
+#: its own 64-bit address: a lean loop spends about 35-100 (one 64-bit address advance, two instructions,
+#: and with a row mask on every tile a predicate or two, per element); 112 (7 per element) allows that, the
+#: given loop spends about 560. The loop's
+#: other paths (a flat loop's partial tile and wrapped counters) and a loop around one get three times
+#: the innermost bound per tile on their path: room to set up a row pointer per load in 64 bits and add
+#: the partial tile once per ``b`` (the solution's outer pass, its inner loop run once and no partial
+#: tile, spends about 90 on its one tile), not to rebuild an index per row.
+BIAS_GRAD_BOUND = LoopBound(inner=40, nest=120, adds=ADDS_PER_TILE, tile_bytes=_TILE_BYTES, vector=True,
                             layout="four 128-bit loads per thread")
-BIAS_GRAD_STRIDED_BOUND = LoopBound(inner=96, nest=192, adds=ADDS_PER_TILE, tile_bytes=_TILE_BYTES, vector=False,
+BIAS_GRAD_STRIDED_BOUND = LoopBound(inner=112, nest=336, adds=ADDS_PER_TILE, tile_bytes=_TILE_BYTES, vector=False,
                                     layout="sixteen 32-bit loads per thread")
 
 
 def bias_grad_cases(gen: torch.Generator) -> list[tuple]:
-    """``(x,)`` for six awkward shapes — square ``T = D`` (a transposed read stays in bounds and shows),
+    """``(x,)`` for eight awkward shapes — square ``T = D`` (a transposed read stays in bounds and shows),
     a partial last tile, ``T`` under one tile, a transposed and column-strided view twice (``T = 19``
-    and ``T = 41``), ``T = 1`` — then ``(spec,)`` twice: the sm_90 compiles whose loops are counted,
-    contiguous and column-strided."""
+    and ``T = 41``), ``T = 1``, ``T = 300`` (past four tiles: an unroll of the tiles by a fixed count
+    shows) and ``B = 17`` (an unroll of the ``b`` loop shows) — then ``(spec,)`` twice: the sm_90
+    compiles whose loops are counted, contiguous and column-strided. Narrow ``D``: one program each."""
     device = kernel_ladder.runtime.DEVICE
     cases = []
     for shape in ((1, 64, 64), (2, 37, 70), (3, 5, 33)):
@@ -1035,6 +1045,8 @@ def bias_grad_cases(gen: torch.Generator) -> list[tuple]:
         x = torch.randn(length, batch, 2 * width, generator=gen).to(device).transpose(0, 1)[:, :, ::2]
         cases.append((x,))
     cases.append((torch.randn(5, 1, 20, generator=gen).to(device),))
+    cases.append((torch.randn(2, 300, 24, generator=gen).to(device),))
+    cases.append((torch.randn(17, 3, 20, generator=gen).to(device),))
     cases.append((_bias_grad_spec(),))
     cases.append((_bias_grad_strided_spec(),))
     return cases
@@ -1057,13 +1069,41 @@ def bias_grad_checked(kernel: Any) -> Any:
             specs = (_bias_grad_spec(), _bias_grad_strided_spec())
             reports = loop_reports(kernel, specs)
             return next(report for spec, report in zip(specs, reports, strict=True) if spec == x)
-        return bias_grad(x, kernel)
+        try:
+            return bias_grad(x, kernel)
+        except Exception as error:  # an error only the interpreter makes: say so, then let the check report it
+            _explain_interpreter_error(error)
+            raise
 
     run.__name__ = getattr(kernel, "__name__", "run")
     return run
 
 
+def _explain_interpreter_error(error: BaseException) -> None:
+    """Add a note (shown after the error in the verdict) to the two errors Triton's interpreter raises for
+    code that compiles: a scalar condition in a mask, and ``.to()`` on a ``range`` loop's variable."""
+    root = error
+    while type(root).__name__ == "InterpreterError" and root.__cause__ is not None:
+        root = root.__cause__
+    text = str(root)
+    frames = [f for f in traceback.extract_tb(root.__traceback__) if "site-packages" not in f.filename
+              and "/triton/" not in f.filename.replace("\\", "/") and "/utils/" not in f.filename.replace("\\", "/")]
+    quoted = f" (`{frames[-1].line.strip()[:70]}`)" if frames and frames[-1].line else ""
+    note = None
+    if isinstance(root, ValueError) and "could not be broadcast" in text:
+        note = (f"cause{quoted}: a scalar condition in a mask (`mask & (T > 0)`)? Compiled, Triton broadcasts "
+                "a scalar into a mask; the interpreter cannot — put the condition in an `if`, or broadcast it "
+                "yourself (`(rows[:, None] < T) & ...`)")
+    elif isinstance(root, AttributeError) and "'int' object has no attribute" in text:
+        note = (f"cause{quoted}: the interpreter runs a range() loop with a Python int as its variable (compiled, "
+                "it is a tensor): `b.to(tl.int64)` fails here — widen the stride instead "
+                "(`b * stride_b.to(tl.int64)`), or advance a pointer by `stride_b` each pass")
+    if note is not None and hasattr(root, "add_note") and note not in getattr(root, "__notes__", ()):
+        root.add_note(note)
+
+
 # What each kind of overhead compiles to: how a verdict names it from the opcodes left in the loop.
+_CONVERSION_BASES = ("I2F", "F2I", "I2FP", "F2IP", "FRND")
 _DIVISION = ("I2F", "F2I", "MUFU.RCP", "IMAD.HI", "IABS", "FRND")
 
 
@@ -1131,6 +1171,16 @@ def explain_bias_grad(case: tuple, got: Any, expected: Any) -> str | None:
                 "add it after the loop over whole tiles, with the row mask")
     if same(reference + x64[:, whole:].sum(dim=(0, 1))):
         return "the partial tile of each b is added twice: once in the loop, once after it"
+    batch, length = x64.shape[0], x64.shape[1]
+    for first in range(1, batch):
+        if same(x64[:first].sum(dim=(0, 1))):
+            return (f"only the first {first} of the B = {batch} b's are added: a loop over b unrolled a fixed number "
+                    f"of times (`tl.static_range({first})`)? B is known at run time only: loop with `range(0, B)`")
+    for rows in range(BIAS_GRAD_BLOCK_R, length, BIAS_GRAD_BLOCK_R):
+        if same(x64[:, :rows].sum(dim=(0, 1))):
+            return (f"only the first {rows} rows of each b are added ({rows // BIAS_GRAD_BLOCK_R} tiles of the T = "
+                    f"{length} rows): the tiles of t unrolled a fixed number of times (`tl.static_range`)? T is known "
+                    "at run time only: loop over the tiles with `range`")
     if x64.shape[1] == x64.shape[2] and same(x64.transpose(1, 2).sum(dim=(0, 1))):
         return ("these are the sums over d, not over t: the strides of t and d are swapped (rows of a tile step by "
                 "stride_t, its columns by stride_d, and the pointer advances by BLOCK_R * stride_t)")
@@ -1149,13 +1199,14 @@ def _spans(indices: list[int]) -> str:
     return text + (", ..." if len(spans) > 4 else "")
 
 
-def _overhead(view: Any, tiles: float, bound: LoopBound) -> dict[str, int]:
-    """A loop's overhead by opcode: everything but its loads and the tiles' FP32 adds (see :class:`LoopBound`)."""
+def _overhead(ops: Any, tiles: float, bound: LoopBound) -> dict[str, int]:
+    """The overhead of a path through a loop (its instructions ``ops``), by opcode: everything but its loads and
+    the tiles' FP32 adds (see :class:`LoopBound`)."""
     from utils.exercises.sass_loop import CONVERSIONS
 
     counted: dict[str, int] = {}
     adds = 0
-    for op in view.ops:
+    for op in getattr(ops, "ops", ops):
         if op.category in ("integer", "control", "mufu") or op.base in CONVERSIONS:
             counted[op.opcode] = counted.get(op.opcode, 0) + 1
         elif op.category == "fp32":
@@ -1167,7 +1218,8 @@ def _overhead(view: Any, tiles: float, bound: LoopBound) -> dict[str, int]:
 
 
 def _by_line(view: Any, report: Any, opcodes: dict[str, int]) -> str:
-    """The overhead of a loop by line of the kernel (1 = its ``def`` line), with where each line is in the source."""
+    """The overhead of a loop (or of a path through it: ``view`` may be its instructions) by line of the kernel,
+    numbered as tracebacks number it (:meth:`LoopReport.where`), with where each line is in the source."""
     import ast
 
     from utils.exercises.sass_loop import CONVERSIONS
@@ -1180,7 +1232,7 @@ def _by_line(view: Any, report: Any, opcodes: dict[str, int]) -> str:
     except SyntaxError:
         pass
     per_line: dict[int, dict[str, int]] = {}
-    for op in view.ops:
+    for op in getattr(view, "ops", view):
         if op.line and op.line <= len(report.source) and (op.category in ("integer", "control", "mufu")
                                                           or op.base in CONVERSIONS):
             per_line.setdefault(op.line, {})
@@ -1189,11 +1241,10 @@ def _by_line(view: Any, report: Any, opcodes: dict[str, int]) -> str:
     unattributed = sum(opcodes.values()) - sum(sum(ops.values()) for ops in per_line.values())
     parts = []
     for number, ops in heavy:
-        text = report.source[number - 1].strip() if number <= len(report.source) else "?"
         listed = ", ".join(f"{op} ×{n}" for op, n in sorted(ops.items(), key=lambda item: -item[1])[:3])
         where = "" if number in in_loop else (" (a line outside every loop of your source: the line table puts "
                                               "these loop instructions on it)")
-        parts.append(f"line {number} `{text[:60]}`: {sum(ops.values())} ({listed}){where}")
+        parts.append(f"{report.where(number)}: {sum(ops.values())} ({listed}){where}")
     if parts and unattributed > 0:
         parts.append(f"{unattributed} from no line of yours (Triton's own code, e.g. the zeros a masked load's "
                      "`other` fills, or FP32 beyond the adds)")
@@ -1209,17 +1260,31 @@ def diagnose_loop(report: Any, bound: LoopBound) -> str | None:
     if not report.loop_found:
         return ("no loop in the kernel's SASS: the rows must still be walked by a loop (B and T are known "
                 "at run time only)")
+    from utils.exercises.sass_loop import path_load_bytes
+
     loading = report.loading_loops()
     if not loading:
+        atomics = sorted({op.opcode for view in report.all_loops() for op in view.ops
+                          if op.base.startswith("ATOM") or op.base.startswith("RED")})
+        if atomics:
+            return (f"a loop reads x with an atomic ({', '.join(atomics)}: `tl.atomic_add` or another `tl.atomic_*`), "
+                    "not a load: an atomic is a read-modify-write of the gradient in memory, serialized per "
+                    "address — read x with `tl.load` and add into the accumulator in registers")
         return ("no loop of the kernel's SASS loads x: the loop must walk the rows and load them, one tile "
                 "(or more) per pass")
     problems = []
     if report.narrow_products:
-        lines = ", ".join(f"line {n} `{report.source[n - 1].strip()[:60]}`" for n in report.narrow_products
-                          if n <= len(report.source))
+        lines = ", ".join(report.where(n) for n in report.narrow_products)
         problems.append(f"{lines}: a loop's index times a stride in 32 bits, an offset that grows with the tensor "
                         "and wraps past 2^31 elements (an fp32 gradient of 8 GiB) — compute it in 64 bits "
-                        "(`b.to(tl.int64) * stride_b`) or advance a pointer by the stride instead")
+                        "(`b * stride_b.to(tl.int64)`) or advance a pointer by the stride instead")
+    if report.stride_products:
+        lines = ", ".join(report.where(n) for n in report.stride_products)
+        problems.append(f"{lines}: a stride times an offset in 32 bits (`cols * stride_d`, `BLOCK_R * stride_t`): "
+                        "it reaches as far as the tensor does — a column (D - 1) · stride_d elements from the "
+                        "first, rows BLOCK_R · stride_t apart — and wraps past 2^31 elements; multiply in 64 bits "
+                        "(`cols.to(tl.int64)[None, :] * stride_d`, `BLOCK_R * stride_t.to(tl.int64)`), once, "
+                        "before the loops")
     failures = []
     for view in loading:
         counts = view.counts
@@ -1248,29 +1313,45 @@ def diagnose_loop(report: Any, bound: LoopBound) -> str | None:
                                 "stride_t + cols[None, :] * stride_d` plus a pointer, not per-row offsets "
                                 "computed in the loop")
                 continue
-        tiles = view.load_bytes / bound.tile_bytes
-        fp32 = counts.get("fp32", 0)
-        if view.innermost and fp32 < bound.adds * tiles - 0.5 * bound.adds:
-            problems.append(f"a loop loads {tiles:g} tile(s) per pass but issues only {fp32} FP32 instructions: "
-                            f"adding a tile is {bound.adds} per thread — add every tile it loads into the accumulator")
+        # Each path through one pass is held apart (an if/else, a branch no call takes): its tiles are the
+        # distinct addresses it loads, its overhead what it issues besides their loads and adds.
+        # An innermost loop's leanest path is its steady pass, held to the innermost bound; its other paths
+        # (a partial tile, counters wrapped once per b) and every path of an outer loop, to the outer bound.
+        paths = view.paths() or [view.ops]
+        short, measured = None, []
+        for path in paths:
+            tiles = path_load_bytes(path) / bound.tile_bytes
+            adds = sum(op.category == "fp32" and op.base not in _CONVERSION_BASES for op in path)
+            if view.innermost and tiles and adds < bound.adds * tiles - 0.5 * bound.adds:
+                short = (tiles, adds)
+            overhead = _overhead(path, tiles, bound)
+            measured.append((sum(overhead.values()) / max(tiles, 1), tiles, path, overhead))
+        if short is not None:
+            problems.append(f"a loop loads {short[0]:g} tile(s) on a path through one pass but issues only "
+                            f"{short[1]} FP32 adds on it: adding a tile is {bound.adds} per thread — add every tile "
+                            "it loads into the accumulator")
             continue
-        overhead = _overhead(view, tiles, bound)
-        limit = bound.inner if view.innermost else bound.nest
-        per_tile = sum(overhead.values()) / tiles
-        if per_tile > limit:
-            failures.append((per_tile / limit, per_tile, limit, view, overhead))
+        measured.sort(key=lambda entry: entry[0])
+        for rank, entry in enumerate(measured):
+            limit = bound.inner if view.innermost and rank == 0 else bound.nest
+            if entry[0] > limit:
+                failures.append((entry[0] / limit, limit, view, len(paths), rank, entry))
     if failures:
-        _, per_tile, limit, view, overhead = max(failures, key=lambda failure: failure[0])
-        tiles = view.load_bytes / bound.tile_bytes
+        _, limit, view, count, rank, (per_tile, tiles, path, overhead) = max(failures, key=lambda f: f[0])
         which = ("the innermost loop" if view.innermost else
                  "an outer loop (one pass of it, each loop inside it run once)")
+        if count > 1:
+            which += (f", on its leanest path through one pass (of {count} paths; the others may spend up to "
+                      f"{bound.nest}),") if rank == 0 and view.innermost else (
+                      f", on its costliest path through one pass (of {count} paths),")
         listed = ", ".join(f"{op} ×{n}" for op, n in list(overhead.items())[:6])
         text = (f"{which} spends {per_tile:.3g} instructions of overhead per tile it loads (at most {limit}; "
-                f"{tiles:g} tile(s) per pass, {bound.layout}, beside {bound.adds} FP32 adds per tile): {listed}")
-        where = _by_line(view, report, overhead)
+                f"{tiles:g} tile(s) on that path — distinct addresses, {bound.layout} — beside {bound.adds} FP32 "
+                f"adds per tile): {listed}")
+        where = _by_line(path, report, overhead)
         if where:
-            text += f" — by line of your kernel (1 = its `def` line): {where}"
-        causes = _loop_causes(overhead, len(view.loads))
+            text += f" — by line of your kernel: {where}"
+        causes = _loop_causes(overhead, sum(1 for op in path if op.load_bytes))
         if causes:
             text += " — that is " + "; and ".join(causes)
         problems.append(text)

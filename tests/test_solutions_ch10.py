@@ -405,14 +405,14 @@ def hoisted_but_masked_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t, strid
     # No division, pointers advanced; but the row mask is evaluated on every tile.
     cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     rows = tl.arange(0, BLOCK_R)
-    tile = rows[:, None] * stride_t + cols[None, :] * stride_d
+    tile = rows.to(tl.int64)[:, None] * stride_t + cols.to(tl.int64)[None, :] * stride_d
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
     batch_ptr = x_ptr
     for _ in range(0, B):
         ptrs = batch_ptr + tile
         for start in range(0, T, BLOCK_R):
             acc += tl.load(ptrs, mask=((start + rows)[:, None] < T) & (cols[None, :] < D), other=0.0)
-            ptrs += BLOCK_R * stride_t
+            ptrs += BLOCK_R * stride_t.to(tl.int64)
         batch_ptr += stride_b
     tl.store(out_ptr + cols, tl.sum(acc, axis=0), mask=cols < D)
 
@@ -439,14 +439,14 @@ def no_row_mask_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t, stride_d,
     # The lean loop, with the partial tile loaded whole: rows past T read the next b (or past the end).
     cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     rows = tl.arange(0, BLOCK_R)
-    tile = rows[:, None] * stride_t + cols[None, :] * stride_d
+    tile = rows.to(tl.int64)[:, None] * stride_t + cols.to(tl.int64)[None, :] * stride_d
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
     batch_ptr = x_ptr
     for _ in range(0, B):
         ptrs = batch_ptr + tile
         for _ in range(0, T, BLOCK_R):
             acc += tl.load(ptrs, mask=cols[None, :] < D, other=0.0)
-            ptrs += BLOCK_R * stride_t
+            ptrs += BLOCK_R * stride_t.to(tl.int64)
         batch_ptr += stride_b
     tl.store(out_ptr + cols, tl.sum(acc, axis=0), mask=cols < D)
 
@@ -457,14 +457,14 @@ def tail_dropped_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t, stride_d,
     # Whole tiles only: the T % BLOCK_R last rows of each b are never added.
     cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     rows = tl.arange(0, BLOCK_R)
-    tile = rows[:, None] * stride_t + cols[None, :] * stride_d
+    tile = rows.to(tl.int64)[:, None] * stride_t + cols.to(tl.int64)[None, :] * stride_d
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
     batch_ptr = x_ptr
     for _ in range(0, B):
         ptrs = batch_ptr + tile
         for _ in range(0, T - T % BLOCK_R, BLOCK_R):
             acc += tl.load(ptrs, mask=cols[None, :] < D, other=0.0)
-            ptrs += BLOCK_R * stride_t
+            ptrs += BLOCK_R * stride_t.to(tl.int64)
         batch_ptr += stride_b
     tl.store(out_ptr + cols, tl.sum(acc, axis=0), mask=cols < D)
 
@@ -475,7 +475,7 @@ def sum_in_the_loop_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t, stride_d
     # Right, few integer instructions, but each tile is reduced across warps inside the loop.
     cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     rows = tl.arange(0, BLOCK_R)
-    tile = rows[:, None] * stride_t + cols[None, :] * stride_d
+    tile = rows.to(tl.int64)[:, None] * stride_t + cols.to(tl.int64)[None, :] * stride_d
     acc = tl.zeros([BLOCK_D], tl.float32)
     whole = T - T % BLOCK_R
     batch_ptr = x_ptr
@@ -483,7 +483,7 @@ def sum_in_the_loop_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t, stride_d
         ptrs = batch_ptr + tile
         for _ in range(0, whole, BLOCK_R):
             acc += tl.sum(tl.load(ptrs, mask=cols[None, :] < D, other=0.0), axis=0)
-            ptrs += BLOCK_R * stride_t
+            ptrs += BLOCK_R * stride_t.to(tl.int64)
         acc += tl.sum(tl.load(ptrs, mask=(rows[:, None] < T - whole) & (cols[None, :] < D), other=0.0), axis=0)
         batch_ptr += stride_b
     tl.store(out_ptr + cols, acc, mask=cols < D)
@@ -533,7 +533,7 @@ def never_run_lean_loop_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t, stri
     lean = x_ptr + tl.arange(0, BLOCK_R)[:, None] * stride_t + cols[None, :] * stride_d
     for _ in range(0, (D > 2000000000) * T, BLOCK_R):
         acc += tl.load(lean) + tl.load(lean + stride_b) + tl.load(lean + 2 * stride_b)
-        lean += BLOCK_R * stride_t
+        lean += BLOCK_R * stride_t.to(tl.int64)
     for start in range(0, B * T, BLOCK_R):
         rows = start + tl.arange(0, BLOCK_R)
         offsets = ((rows // T).to(tl.int64)[:, None] * stride_b + (rows % T).to(tl.int64)[:, None] * stride_t
@@ -629,10 +629,10 @@ def lean_only_for_unit_stride_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t
         rows = tl.arange(0, BLOCK_R)
         batch_ptr = x_ptr
         for _ in range(0, B):
-            ptrs = batch_ptr + rows[:, None] * stride_t + cols[None, :]
+            ptrs = batch_ptr + rows.to(tl.int64)[:, None] * stride_t + cols[None, :]
             for start in range(0, T, BLOCK_R):
                 acc += tl.load(ptrs, mask=(rows[:, None] < T - start) & (cols[None, :] < D), other=0.0)
-                ptrs += BLOCK_R * stride_t
+                ptrs += BLOCK_R * stride_t.to(tl.int64)
             batch_ptr += stride_b
     else:
         for start in range(0, B * T, BLOCK_R):
@@ -650,14 +650,14 @@ def batch_offset_in_32_bits_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t, 
     cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     rows = tl.arange(0, BLOCK_R)
     col_mask = cols < D
-    tile = rows[:, None] * stride_t + cols[None, :] * stride_d
+    tile = rows.to(tl.int64)[:, None] * stride_t + cols.to(tl.int64)[None, :] * stride_d
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
     whole = T - T % BLOCK_R
     for b in range(0, B):
         ptrs = x_ptr + (b * stride_b + tile)
         for _ in range(0, whole, BLOCK_R):
             acc += tl.load(ptrs, mask=col_mask[None, :], other=0.0)
-            ptrs += BLOCK_R * stride_t
+            ptrs += BLOCK_R * stride_t.to(tl.int64)
         acc += tl.load(ptrs, mask=(rows[:, None] < T - whole) & col_mask[None, :], other=0.0)
     tl.store(out_ptr + cols, tl.sum(acc, axis=0), mask=col_mask)
 
@@ -669,7 +669,7 @@ def swapped_strides_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t, stride_d
     cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     rows = tl.arange(0, BLOCK_R)
     col_mask = cols < D
-    tile = rows[:, None] * stride_d + cols[None, :] * stride_t
+    tile = rows.to(tl.int64)[:, None] * stride_d + cols.to(tl.int64)[None, :] * stride_t
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
     whole = T - T % BLOCK_R
     batch_ptr = x_ptr
@@ -677,7 +677,7 @@ def swapped_strides_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t, stride_d
         ptrs = batch_ptr + tile
         for _ in range(0, whole, BLOCK_R):
             acc += tl.load(ptrs, mask=col_mask[None, :], other=0.0)
-            ptrs += BLOCK_R * stride_d
+            ptrs += BLOCK_R * stride_d.to(tl.int64)
         acc += tl.load(ptrs, mask=(rows[:, None] < T - whole) & col_mask[None, :], other=0.0)
         batch_ptr += stride_b
     tl.store(out_ptr + cols, tl.sum(acc, axis=0), mask=col_mask)
@@ -711,7 +711,7 @@ def pipelined_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t, stride_d,
     cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     rows = tl.arange(0, BLOCK_R)
     col_mask = cols < D
-    tile = rows[:, None] * stride_t + cols[None, :] * stride_d
+    tile = rows.to(tl.int64)[:, None] * stride_t + cols.to(tl.int64)[None, :] * stride_d
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
     whole = T - T % BLOCK_R
     batch_ptr = x_ptr
@@ -719,7 +719,7 @@ def pipelined_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t, stride_d,
         ptrs = batch_ptr + tile
         for _ in tl.range(0, whole, BLOCK_R, num_stages=3):
             acc += tl.load(ptrs, mask=col_mask[None, :], other=0.0)
-            ptrs += BLOCK_R * stride_t
+            ptrs += BLOCK_R * stride_t.to(tl.int64)
         acc += tl.load(ptrs, mask=(rows[:, None] < T - whole) & col_mask[None, :], other=0.0)
         batch_ptr += stride_b
     tl.store(out_ptr + cols, tl.sum(acc, axis=0), mask=col_mask)
@@ -748,9 +748,9 @@ def test_pointers_advanced_with_the_mask_kept_on_every_tile_is_also_solved():
 def test_the_given_kernel_is_right_but_its_loop_is_named_line_by_line():
     assert check_bias_grad(given.bias_grad_flat_kernel, values_only=True).solved
     verdict = check_bias_grad(given.bias_grad_flat_kernel)
-    assert rejected(verdict, "case 7 of 8: x=sm_90 compile of x (8, 1000, 4096) fp32"), verdict.message
-    for said in ("instructions of overhead per tile it loads (at most 40;", "line 13 `b = rows // T`",
-                 "(1 = its `def` line)", "a runtime division or modulo",
+    assert rejected(verdict, "case 9 of 10: x=sm_90 compile of x (8, 1000, 4096) fp32"), verdict.message
+    for said in ("instructions of overhead per tile it loads (at most 40;", "of bias_grad_flat_kernel `b = rows // T`",
+                 "a runtime division or modulo",
                  "64-bit address arithmetic rebuilt each iteration",
                  "a mask or a comparison evaluated every iteration"):
         assert rejected(verdict, said), (said, verdict.message)
@@ -769,7 +769,7 @@ def test_the_loop_counts_of_the_given_kernel_and_the_solution():
     assert all(op.opcode == "LDG.E.128" for op in before.steady.loads + after.steady.loads)
     # ...and the overhead: the given loop spends several times the bound, the solution well under it.
     assert before.integer_control > 3 * bound.inner, before.counts
-    assert after.integer_control / tiles <= bound.inner / 2, after.overhead_opcodes()
+    assert after.integer_control / tiles <= bound.inner - 5, after.overhead_opcodes()
     assert any(op.startswith("MUFU.RCP") for op in before.opcodes.get("mufu", {}))  # the division's reciprocal
     assert "mufu" not in after.counts
     assert before.spilled_bytes == 0 == after.spilled_bytes
@@ -787,7 +787,7 @@ def test_the_loop_counts_of_the_given_kernel_and_the_solution():
 def test_right_values_with_a_loop_that_breaks_the_spec_are_not_solved(kernel, diagnosis):
     assert check_bias_grad(kernel, values_only=True).solved  # the values alone would pass
     verdict = check_bias_grad(kernel)
-    assert rejected(verdict, "case 7 of 8") and rejected(verdict, diagnosis), verdict.message
+    assert rejected(verdict, "case 9 of 10") and rejected(verdict, diagnosis), verdict.message
 
 
 @needs_sm90
@@ -801,10 +801,10 @@ def test_right_values_with_a_loop_that_breaks_the_spec_are_not_solved(kernel, di
     # the division done in floats (right below 2^24 rows): per-row offsets, no 128-bit loads
     (float_division_corrected_kernel, "narrower than 128-bit loads"),
     # the given loop kept for stride_d != 1: the column-strided compile keeps it
-    (lean_only_for_unit_stride_kernel, "case 8 of 8: x=sm_90 compile of x[:, :, ::2]"),
+    (lean_only_for_unit_stride_kernel, "case 10 of 10: x=sm_90 compile of x[:, :, ::2]"),
     # b * stride_b in 32 bits: wraps past 2^31 elements
-    (batch_offset_in_32_bits_kernel, "line 11 `ptrs = x_ptr + (b * stride_b + tile)`: a loop's index times a "
-                                     "stride in 32 bits"),
+    (batch_offset_in_32_bits_kernel, "of batch_offset_in_32_bits_kernel `ptrs = x_ptr + (b * stride_b + tile)`: "
+                                     "a loop's index times a stride in 32 bits"),
 ], ids=lambda value: getattr(value, "__name__", ""))
 def test_right_values_that_game_the_loop_count_are_not_solved(kernel, said):
     assert check_bias_grad(kernel, values_only=True).solved  # right values
@@ -819,7 +819,7 @@ def test_a_float_reciprocal_for_the_division_is_caught_by_a_strided_t_of_41():
 
 def test_swapped_strides_are_named():
     verdict = check_bias_grad(swapped_strides_kernel, values_only=True)
-    assert rejected(verdict, "case 1 of 6") and rejected(verdict, "the strides of t and d are swapped"), verdict.message
+    assert rejected(verdict, "case 1 of 8") and rejected(verdict, "the strides of t and d are swapped"), verdict.message
     assert "is a mask missing" not in verdict.message
 
 
@@ -851,12 +851,12 @@ def test_lines_of_the_loop_are_the_kernels_own_and_a_line_outside_every_loop_is_
     where = given._by_line(view, report, given._overhead(view, 1, given.BIAS_GRAD_BOUND))
     for line in report.lines:
         if line.text.startswith("tl.store") and line.overhead:
-            assert f"line {line.number} `tl.store" in where and "a line outside every loop of your source" in where
+            assert f"{report.where(line.number)}" in where and "a line outside every loop of your source" in where
 
 
 @needs_sm90
 @pytest.mark.parametrize("kernel, loop_diagnosis, diagnosis", [
-    (no_row_mask_kernel, None, "case 2 of 8"),
+    (no_row_mask_kernel, None, "case 2 of 10"),
     (tail_dropped_kernel, None, "the last, partial tile of each b is missing"),
     (one_tile_kernel, "no loop in the kernel's SASS", "wrong"),
 ], ids=lambda value: getattr(value, "__name__", ""))
@@ -876,3 +876,253 @@ def test_no_row_mask_reads_past_the_rows():
 def test_the_stub_is_never_written():
     verdict = check_bias_grad(bias_grad_stub)
     assert rejected(verdict, "never written (still NaN)"), verdict.message
+
+
+# A second learner's attempts, each passing (or wrongly failing) the check before it counted per path and
+# per distinct address, ran B > 5 and T > 128 in the interpreter, and held products with a stride to 64 bits.
+
+
+@triton.jit
+def four_tiles_unrolled_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t, stride_d,
+                               BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    # The tiles of t unrolled four times with tl.static_range: right for T <= 4 * BLOCK_R only.
+    cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    rows = tl.arange(0, BLOCK_R)
+    tile = rows.to(tl.int64)[:, None] * stride_t + cols.to(tl.int64)[None, :] * stride_d
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    batch_ptr = x_ptr + tile
+    for _ in range(0, B):
+        for i in tl.static_range(4):
+            acc += tl.load(batch_ptr + i * BLOCK_R * stride_t.to(tl.int64),
+                           mask=(rows[:, None] + i * BLOCK_R < T) & (cols[None, :] < D), other=0.0)
+        batch_ptr += stride_b.to(tl.int64)
+    tl.store(out_ptr + cols, tl.sum(acc, axis=0), mask=cols < D)
+
+
+@triton.jit
+def five_batches_unrolled_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t, stride_d,
+                                 BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    # The loop over b unrolled five times with tl.static_range: right for B <= 5 only.
+    cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    rows = tl.arange(0, BLOCK_R)
+    tile = rows.to(tl.int64)[:, None] * stride_t + cols.to(tl.int64)[None, :] * stride_d
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    whole = T - T % BLOCK_R
+    batch_ptr = x_ptr
+    for b in tl.static_range(5):
+        if b < B:
+            ptrs = batch_ptr + tile
+            for _ in range(0, whole, BLOCK_R):
+                acc += tl.load(ptrs, mask=cols[None, :] < D, other=0.0)
+                ptrs += BLOCK_R * stride_t.to(tl.int64)
+            acc += tl.load(ptrs, mask=(rows[:, None] < T - whole) & (cols[None, :] < D), other=0.0)
+        batch_ptr += stride_b.to(tl.int64)
+    tl.store(out_ptr + cols, tl.sum(acc, axis=0), mask=cols < D)
+
+
+@triton.jit
+def same_address_reloaded_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t, stride_d,
+                                 BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    # The given loop, plus eight loads of the same tile under masks that are never true: nine "tiles" a pass.
+    cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    for start in range(0, B * T, BLOCK_R):
+        rows = start + tl.arange(0, BLOCK_R)
+        offsets = ((rows // T).to(tl.int64)[:, None] * stride_b + (rows % T).to(tl.int64)[:, None] * stride_t
+                   + cols.to(tl.int64)[None, :] * stride_d)
+        mask = (rows[:, None] < B * T) & (cols[None, :] < D)
+        acc += tl.load(x_ptr + offsets, mask=mask, other=0.0)
+        for k in tl.static_range(1, 9):
+            acc += tl.load(x_ptr + offsets, mask=mask & (rows[:, None] >= (k + 1) * B * T), other=0.0)
+    tl.store(out_ptr + cols, tl.sum(acc, axis=0), mask=cols < D)
+
+
+@triton.jit
+def never_taken_branch_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t, stride_d,
+                              BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    # The given loop, plus a branch no real call takes, holding eight more tiles.
+    cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    for start in range(0, B * T, BLOCK_R):
+        rows = start + tl.arange(0, BLOCK_R)
+        offsets = ((rows // T).to(tl.int64)[:, None] * stride_b + (rows % T).to(tl.int64)[:, None] * stride_t
+                   + cols.to(tl.int64)[None, :] * stride_d)
+        mask = (rows[:, None] < B * T) & (cols[None, :] < D)
+        acc += tl.load(x_ptr + offsets, mask=mask, other=0.0)
+        if start == B * D + 1:
+            for k in tl.static_range(8):
+                acc += tl.load(x_ptr + offsets + 4 * k, mask=mask, other=0.0)
+    tl.store(out_ptr + cols, tl.sum(acc, axis=0), mask=cols < D)
+
+
+@triton.jit
+def flat_counters_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t, stride_d,
+                         BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    # Right and lean: one flat loop over the (b, tile) pairs, the tile counter wrapped by hand, a whole tile
+    # loaded with the column mask alone and the last one of each b with the row mask — an if/else per pass.
+    cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    rows = tl.arange(0, BLOCK_R)
+    col_mask = cols[None, :] < D
+    tile = rows.to(tl.int64)[:, None] * stride_t + cols.to(tl.int64)[None, :] * stride_d
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    step = BLOCK_R * stride_t.to(tl.int64)
+    batch_ptr = x_ptr
+    ptr = x_ptr
+    start = 0
+    for _ in range(0, B * tl.cdiv(T, BLOCK_R)):
+        left = T - start
+        if left >= BLOCK_R:
+            acc += tl.load(ptr + tile, mask=col_mask, other=0.0)
+        else:
+            acc += tl.load(ptr + tile, mask=(rows[:, None] < left) & col_mask, other=0.0)
+        start += BLOCK_R
+        ptr += step
+        if start >= T:
+            start = 0
+            batch_ptr += stride_b.to(tl.int64)
+            ptr = batch_ptr
+    tl.store(out_ptr + cols, tl.sum(acc, axis=0), mask=cols < D)
+
+
+@triton.jit
+def offsets_in_32_bits_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t, stride_d,
+                              BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    # Lean, but the tile's offsets and the step are i32 products of a stride: cols * stride_d passes 2^31 once
+    # a column lies 2^31 elements from the first (a D-major layout), BLOCK_R * stride_t once rows are far apart.
+    cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    rows = tl.arange(0, BLOCK_R)
+    col_mask = cols[None, :] < D
+    tile = rows[:, None] * stride_t + cols[None, :] * stride_d
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    whole = T - T % BLOCK_R
+    batch_ptr = x_ptr
+    for _ in range(0, B):
+        ptrs = batch_ptr + tile
+        for _ in range(0, whole, BLOCK_R):
+            acc += tl.load(ptrs, mask=col_mask, other=0.0)
+            ptrs += BLOCK_R * stride_t
+        acc += tl.load(ptrs, mask=(rows[:, None] < T - whole) & col_mask, other=0.0)
+        batch_ptr += stride_b
+    tl.store(out_ptr + cols, tl.sum(acc, axis=0), mask=cols < D)
+
+
+@triton.jit
+def read_by_atomics_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t, stride_d,
+                           BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    # x read by adding zero to it atomically: a read-modify-write of the gradient, not a load.
+    cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    rows = tl.arange(0, BLOCK_R)
+    tile = rows.to(tl.int64)[:, None] * stride_t + cols.to(tl.int64)[None, :] * stride_d
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    for b in range(0, B):
+        for start in range(0, T, BLOCK_R):
+            mask = (rows[:, None] < T - start) & (cols[None, :] < D)
+            ptrs = x_ptr + b * stride_b.to(tl.int64) + start * stride_t.to(tl.int64) + tile
+            acc += tl.where(mask, tl.atomic_add(ptrs, tl.zeros([BLOCK_R, BLOCK_D], tl.float32), mask=mask,
+                                                sem="relaxed"), 0.0)
+    tl.store(out_ptr + cols, tl.sum(acc, axis=0), mask=cols < D)
+
+
+@triton.jit
+def scalar_condition_in_a_mask_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t, stride_d,
+                                      BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    # Valid Triton (compiled, the scalar broadcasts), but the interpreter cannot broadcast it.
+    cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    rows = tl.arange(0, BLOCK_R)
+    col_mask = cols[None, :] < D
+    tile = rows.to(tl.int64)[:, None] * stride_t + cols.to(tl.int64)[None, :] * stride_d
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    batch_ptr = x_ptr
+    for _ in range(0, B):
+        ptrs = batch_ptr + tile
+        for start in range(0, T, BLOCK_R):
+            acc += tl.load(ptrs, mask=(rows[:, None] < T - start) & col_mask & (T > 0), other=0.0)
+            ptrs += BLOCK_R * stride_t.to(tl.int64)
+        batch_ptr += stride_b.to(tl.int64)
+    tl.store(out_ptr + cols, tl.sum(acc, axis=0), mask=cols < D)
+
+
+@triton.jit
+def loop_variable_cast_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t, stride_d,
+                              BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    # Right when compiled; in the interpreter a range() loop's variable is a Python int, with no .to().
+    cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    rows = tl.arange(0, BLOCK_R)
+    tile = rows.to(tl.int64)[:, None] * stride_t + cols.to(tl.int64)[None, :] * stride_d
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    for b in range(0, B):
+        ptrs = x_ptr + b.to(tl.int64) * stride_b + tile
+        for start in range(0, T, BLOCK_R):
+            acc += tl.load(ptrs, mask=(rows[:, None] < T - start) & (cols[None, :] < D), other=0.0)
+            ptrs += BLOCK_R * stride_t.to(tl.int64)
+    tl.store(out_ptr + cols, tl.sum(acc, axis=0), mask=cols < D)
+
+
+@pytest.mark.parametrize("kernel, said", [
+    (four_tiles_unrolled_kernel, "only the first 128 rows of each b are added"),
+    (five_batches_unrolled_kernel, "only the first 5 of the B = 17 b's are added"),
+], ids=lambda value: getattr(value, "__name__", ""))
+def test_a_fixed_unroll_fails_on_values_with_t_past_four_tiles_and_b_past_eight(kernel, said):
+    verdict = check_bias_grad(kernel, values_only=True)
+    assert rejected(verdict, "wrong") and rejected(verdict, said), verdict.message
+
+
+@needs_sm90
+@pytest.mark.parametrize("kernel, said", [
+    # the same address loaded nine times is one tile; the eight extra adds are FP32 beyond the tile's
+    (same_address_reloaded_kernel, "FP32 beyond the tile's adds"),
+    # a branch no call takes is a path of its own: the path a pass really takes loads one tile
+    (never_taken_branch_kernel, "on its costliest path through one pass"),
+], ids=lambda value: getattr(value, "__name__", ""))
+def test_loads_a_pass_does_not_really_make_do_not_count_as_tiles(kernel, said):
+    assert check_bias_grad(kernel, values_only=True).solved  # right values
+    verdict = check_bias_grad(kernel)
+    assert rejected(verdict, "case 9 of 10") and rejected(verdict, said), verdict.message
+
+
+@needs_sm90
+def test_a_flat_loop_with_an_if_else_per_tile_is_solved():
+    verdict = check_bias_grad(flat_counters_kernel)
+    assert verdict.solved, verdict.message
+
+
+@needs_sm90
+def test_offsets_that_scale_a_stride_in_32_bits_are_named_by_line():
+    assert check_bias_grad(offsets_in_32_bits_kernel, values_only=True).solved
+    verdict = check_bias_grad(offsets_in_32_bits_kernel)
+    first = offsets_in_32_bits_kernel.fn.__code__.co_firstlineno  # the @triton.jit line; the def is the next
+    for line, text in ((first + 8, "tile = rows[:, None] * stride_t + cols[None, :] * stride_d"),
+                       (first + 16, "ptrs += BLOCK_R * stride_t")):
+        assert rejected(verdict, f"line {line} of offsets_in_32_bits_kernel `{text}`"), (line, verdict.message)
+    assert rejected(verdict, "a stride times an offset in 32 bits"), verdict.message
+
+
+@needs_sm90
+def test_the_solution_multiplies_strides_in_64_bits():
+    for spec in (given._bias_grad_spec(), given._bias_grad_strided_spec()):
+        report = loop_report(given.bias_grad_kernel, spec)
+        assert report.error is None and not report.narrow_products and not report.stride_products, report
+
+
+@needs_sm90
+def test_x_read_by_atomics_is_named():
+    verdict = check_bias_grad(read_by_atomics_kernel)
+    assert rejected(verdict, "atomic"), verdict.message
+    assert "no loop of the kernel's SASS loads x" not in verdict.message
+
+
+@pytest.mark.parametrize("kernel, said", [
+    (scalar_condition_in_a_mask_kernel, "a scalar condition in a mask"),
+    (loop_variable_cast_kernel, "the interpreter runs a range() loop with a Python int"),
+], ids=lambda value: getattr(value, "__name__", ""))
+def test_interpreter_only_errors_are_explained(kernel, said):
+    verdict = check_bias_grad(kernel, values_only=True)
+    assert rejected(verdict, said), verdict.message
+
+
+@needs_sm90
+def test_sass_lines_are_numbered_as_tracebacks_number_them():
+    # The same numbering as an interpreter error's "(line N of fn)": the line in the file (or cell).
+    verdict = check_bias_grad(given.bias_grad_flat_kernel)
+    line = given.bias_grad_flat_kernel.fn.__code__.co_firstlineno + 13  # the @triton.jit line + 13
+    assert rejected(verdict, f"line {line} of bias_grad_flat_kernel `b = rows // T`"), verdict.message

@@ -153,5 +153,7 @@ def _describe_error(error: BaseException, name: str | None = None, candidate: An
         text = "\n".join(lines[:6]) + "\n…"
     if len(text) > 600:
         text = text[:600] + "…"
+    for note in getattr(root, "__notes__", ()):  # what an exercise's own wrapper knows of the error (add_note)
+        text += "\n" + str(note)
     text = text.replace("\n", "\n     ")
     return f"raised {type(root).__name__}{_where(root)}: {text}" if text else f"raised {type(root).__name__}"

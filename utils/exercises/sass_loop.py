@@ -31,7 +31,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CompileSpec", "LoopReport", "LoopView", "Op", "SourceLine", "kernel_source", "loop_report", "loop_reports"]
+__all__ = ["CompileSpec", "LoopReport", "LoopView", "Op", "SourceLine", "def_line", "kernel_source", "loop_report",
+           "loop_reports", "path_load_bytes"]
 
 #: The categories counted as loop overhead by :attr:`LoopReport.integer_control` (:data:`utils.sass.CATEGORIES`).
 OVERHEAD = ("integer", "control")
@@ -96,6 +97,8 @@ class Op:
     base: str
     category: str
     line: int | None
+    operands: str = ""
+    target: int | None = None  # a branch's target address
 
     @property
     def load_bytes(self) -> int:
@@ -106,6 +109,55 @@ class Op:
         for part in self.opcode.split(".")[1:]:
             width = {"128": 16, "64": 8, "U8": 1, "S8": 1, "U16": 2, "S16": 2}.get(part, width)
         return width
+
+    @property
+    def address_operand(self) -> str:
+        """A load's address as the SASS writes it (``desc[UR4][R2.64+0x10]``): its operands after the first."""
+        return self.operands.split(",", 1)[1].strip() if "," in self.operands else ""
+
+    def written(self) -> set[str]:
+        """The registers this instruction writes (its first operand, the width its opcode says), as far as
+        this reading needs: whether a load's address register changed between two loads."""
+        first = re.match(r"\s*R(\d+)\b", self.operands)
+        if first is None or self.base.startswith(("ST", "RED", "ATOM")) or self.base in _BRANCH_BASES:
+            return set()
+        width = 4 if ".128" in self.opcode else 2 if (".64" in self.opcode or ".WIDE" in self.opcode) else 1
+        return {f"R{int(first.group(1)) + i}" for i in range(width)}
+
+
+_BRANCH_BASES = ("BRA", "JMP", "BRX", "JMX")
+_PATH_LIMIT = 256  # paths through one pass enumerated at most; past that, the pass is counted whole
+
+
+def _registers_of(address: str) -> set[str]:
+    """The registers an address operand reads: ``[R2.64+0x10]`` reads R2 and R3."""
+    found = set()
+    for number, wide in re.findall(r"\bR(\d+)(\.64)?", address):
+        found.update(f"R{int(number) + i}" for i in range(2 if wide else 1))
+    return found
+
+
+def path_load_bytes(ops: tuple[Op, ...] | list[Op]) -> int:
+    """Bytes one thread loads from global memory on one path through a pass: a load of an address already
+    loaded on the path (the same address operand, its registers unchanged since) counts once, and of loads
+    under complementary predicates (``@P0`` / ``@!P0``: an if/else the compiler predicated) only the larger
+    side counts — at most one of them runs."""
+    seen: dict[str, int] = {}  # address operand -> its bytes, while its registers are unchanged
+    by_predicate: dict[str, int] = collections.Counter()
+    for op in ops:
+        if op.load_bytes:
+            address = op.address_operand
+            if address not in seen:
+                seen[address] = op.load_bytes
+                by_predicate[(op.predicate or "PT")] += op.load_bytes
+        written = op.written()
+        for address in [a for a in seen if _registers_of(a) & written]:
+            del seen[address]
+    total = by_predicate.pop("PT", 0)
+    registers = {p.lstrip("!") for p in by_predicate}
+    for register in registers:
+        total += max(by_predicate.get(register, 0), by_predicate.get("!" + register, 0))
+    return total
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +171,44 @@ class LoopView:
     ops: tuple[Op, ...]
     depth: int
     innermost: bool
+    inner: tuple[tuple[int, int], ...] = ()  # the spans of the loops inside it
+
+    def paths(self) -> list[tuple[Op, ...]] | None:
+        """Every path through one pass, from the loop's first instruction to its backward branch: a forward
+        branch taken or not (both, if predicated), each loop inside run once (its backward branch falls
+        through, and a branch that skips a whole inner loop is not taken). A path that leaves the loop or
+        exits is no pass. None if there are more than a few hundred paths, or a branch with no known target."""
+        index = {op.address: i for i, op in enumerate(self.ops)}
+        done: list[tuple[Op, ...]] = []
+        pending: list[tuple[int, tuple[Op, ...]]] = [(0, ())]
+        while pending:
+            i, path = pending.pop()
+            while i < len(self.ops):
+                op = self.ops[i]
+                path += (op,)
+                conditional = op.predicate not in (None, "PT")
+                if op.base in ("EXIT", "RET") and not conditional:
+                    break
+                if op.base in _BRANCH_BASES:
+                    if op.address == self.end:
+                        done.append(path)
+                        break
+                    if op.target is None:
+                        return None
+                    if op.target <= op.address or (op.target > self.end and conditional):
+                        i += 1  # an inner loop's back edge (run once), or a conditional exit not taken
+                        continue
+                    if op.target > self.end or op.target not in index:
+                        break  # leaves the loop: no pass
+                    skips_inner = any(op.address < s and e < op.target for s, e in self.inner)
+                    if conditional and not skips_inner:
+                        pending.append((index[op.target], path))
+                    i = i + 1 if conditional else index[op.target]
+                    continue
+                i += 1
+            if len(done) + len(pending) > _PATH_LIMIT:
+                return None
+        return done or None
 
     @property
     def counts(self) -> dict[str, int]:
@@ -172,6 +262,13 @@ class LoopReport:
     ops: tuple[Op, ...] = ()
     spans: tuple[tuple[int, int], ...] = ()
     narrow_products: tuple[int, ...] = ()  # lines with a 32-bit product of a loop's index and a stride
+    stride_products: tuple[int, ...] = ()  # lines with another 32-bit product of a stride (cols * stride_d)
+    first_line: int = 1  # the line of the ``def`` in the file (or notebook cell) that holds the kernel
+
+    def where(self, number: int) -> str:
+        """``line N of kernel `text```: source line ``number`` (1 = the ``def``) as tracebacks number it."""
+        text = self.source[number - 1].strip() if 1 <= number <= len(self.source) else "?"
+        return f"line {self.first_line + number - 1} of {self.kernel} `{text[:70]}`"
 
     def all_loops(self) -> list[LoopView]:
         """Every loop, outermost first."""
@@ -182,7 +279,8 @@ class LoopReport:
             ops = tuple(op for op in self.ops if start <= op.address <= end)
             if all(op.category == "control" for op in ops):
                 continue  # the branch-to-itself after EXIT, or a spin: no loop of the kernel's
-            views.append(LoopView(start, end, ops, depth, not inner))
+            nested = tuple((s, e) for s, e in self.spans if start <= s and e <= end and (s, e) != (start, end))
+            views.append(LoopView(start, end, ops, depth, not inner, nested))
         return sorted(views, key=lambda view: (view.start, -view.end))
 
     def loading_loops(self) -> list[LoopView]:
@@ -233,7 +331,7 @@ class LoopReport:
         return {"kernel": self.kernel, "error": self.error, "registers": self.registers,
                 "spilled_bytes": self.spilled_bytes, "source": list(self.source),
                 "ops": [list(dataclasses.astuple(op)) for op in self.ops], "spans": [list(s) for s in self.spans],
-                "narrow_products": list(self.narrow_products)}
+                "narrow_products": list(self.narrow_products), "stride_products": list(self.stride_products)}
 
     @staticmethod
     def from_json(data: dict[str, Any]) -> LoopReport:
@@ -241,7 +339,8 @@ class LoopReport:
                           spilled_bytes=data.get("spilled_bytes"), source=tuple(data.get("source", ())),
                           ops=tuple(Op(*op) for op in data.get("ops", ())),
                           spans=tuple(tuple(span) for span in data.get("spans", ())),
-                          narrow_products=tuple(data.get("narrow_products", ())))
+                          narrow_products=tuple(data.get("narrow_products", ())),
+                          stride_products=tuple(data.get("stride_products", ())))
 
 
 def kernel_source(kernel: Any) -> tuple[str, str]:
@@ -258,6 +357,17 @@ def kernel_source(kernel: Any) -> tuple[str, str]:
         raise TypeError("utils.exercises.sass_loop: kernel must be a @triton.jit function, got "
                         f"{type(kernel).__name__}")
     return function.__name__, src[start.start():]
+
+
+def def_line(kernel: Any) -> int:
+    """The line of a ``@triton.jit`` function's ``def`` in the file (or notebook cell) holding it, as Python's
+    tracebacks number it; 1 if its source cannot be found."""
+    function = getattr(kernel, "fn", kernel)
+    try:
+        lines, start = inspect.getsourcelines(function)
+    except (TypeError, OSError):
+        return 1
+    return start + next((i for i, line in enumerate(lines) if re.match(r"\s*def\s", line)), 0)
 
 
 # The child's script: the kernel's source first (line numbers are counted from it), then the reading.
@@ -297,15 +407,18 @@ def _read(compiled, first_line):
         found = re.match(r"\s*/\*([0-9a-f]+)\*/\s", row)
         if found:
             line_of[int(found.group(1), 16)] = current
-    ops = [[i.address, i.predicate, i.opcode, i.base, sass.classify(i), line_of.get(i.address)] for i in instructions]
+    ops = [[i.address, i.predicate, i.opcode, i.base, sass.classify(i), line_of.get(i.address), i.operands,
+            i.target] for i in instructions]
     spans = sorted({(loop.start, loop.end) for loop in sass.loops(instructions)})
-    return dict(ops=ops, spans=spans, narrow_products=_narrow_products(compiled.asm["ttir"], first_line))
+    narrow, scaled = _narrow_products(compiled.asm["ttir"], first_line)
+    return dict(ops=ops, spans=spans, narrow_products=narrow, stride_products=scaled)
 
 
 def _narrow_products(ttir, first_line):
-    # Lines of the kernel where a value derived from a loop's index (an scf.for induction variable)
-    # is multiplied by a value derived from a stride argument in 32 bits: an offset that grows with
-    # the tensor and wraps past 2**31 elements. Read from Triton's IR, which names both.
+    # Lines of the kernel where a value derived from a stride argument is multiplied in 32 bits: an
+    # offset that grows with the tensor and wraps past 2**31 elements. Read from Triton's IR, which
+    # names both. Two lists: the products with a value derived from a loop's index (an scf.for
+    # induction variable: b * stride_b), and the others (cols * stride_d, BLOCK_R * stride_t).
     import re
 
     locs = {}
@@ -320,7 +433,7 @@ def _narrow_products(ttir, first_line):
         inner = re.findall(r"#(loc\d*)", body)
         return line_of(inner[-1], depth + 1) if inner and depth < 20 else None
 
-    loop_derived, stride_derived, found = set(), set(), set()
+    loop_derived, stride_derived, found, scaled = set(), set(), set(), set()
     for row in ttir.splitlines():
         induction = re.search(r"scf\.for (%[\w.]+) = ", row)
         if induction:
@@ -336,13 +449,13 @@ def _narrow_products(ttir, first_line):
             if any(o.startswith("%stride") for o in operands) or operands & stride_derived:
                 stride_derived.add(result)
         narrow = re.search(r": (?:i32|tensor<[\dx]*xi32>)\s*loc", rest)
-        if op == "arith.muli" and narrow and operands & loop_derived and (
+        if op == "arith.muli" and narrow and (
                 operands & stride_derived or any(o.startswith("%stride") for o in operands)):
             loc = re.search(r"loc\(#(loc\d*)\)", rest)
             number = line_of(loc.group(1)) if loc else None
             if number is not None:
-                found.add(number)
-    return sorted(found)
+                (found if operands & loop_derived else scaled).add(number)
+    return sorted(found), sorted(scaled - found)
 
 
 def _main():
@@ -430,4 +543,5 @@ def loop_reports(kernel: Any, specs: tuple[CompileSpec, ...], timeout: float = 3
             else:
                 report = LoopReport(kernel=name, error=last[:300], source=lines)
             _MEMORY[key] = report
-    return [_MEMORY[key] for key in keys]
+    first = def_line(kernel)
+    return [dataclasses.replace(_MEMORY[key], first_line=first) for key in keys]
