@@ -15,6 +15,7 @@ breaks a later cell.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import os
@@ -993,7 +994,8 @@ class LoopBound:
     — integer and control instructions, int/float conversions (I2F, F2I, FRND), MUFU, and FP32
     instructions beyond the adds — is overhead. Each path through one pass of a loop is counted apart
     (an if/else, a branch no call takes), its tiles the distinct addresses it loads (the same address
-    twice is one tile; of loads under complementary predicates, one side). An innermost loop's leanest
+    twice is one tile; of loads under complementary predicates, one side; a load of a line whose ``tl.load``
+    never loaded an element in the interpreted cases — masked off every time — none). An innermost loop's leanest
     path — its steady pass — may spend ``inner`` per tile; its other paths, and every path of a loop
     around one (over ``b``: one pass of it with each loop inside run once — the check cannot know how
     often they run), ``nest`` per tile loaded on that path. ``vector``: the tile's loads must be 128-bit
@@ -1061,16 +1063,28 @@ def bias_grad_reference(x: Any) -> Any:
 
 def bias_grad_checked(kernel: Any) -> Any:
     """The candidate for exercise 5: ``kernel`` launched on a tensor case; on a compile case, its sm_90
-    loops (:func:`utils.exercises.sass_loop.loop_reports`: both compiles in one child process)."""
-    from utils.exercises.sass_loop import CompileSpec, loop_reports
+    loops (:func:`utils.exercises.sass_loop.loop_reports`: both compiles in one child process), with the
+    lines whose ``tl.load`` loaded an element in the tensor cases run before it
+    (:func:`utils.exercises.sass_loop.recorded_loads`): only their loads count as tiles."""
+    from utils.exercises.sass_loop import CompileSpec, loop_reports, recorded_loads
+
+    loaded: collections.Counter = collections.Counter()  # elements loaded per line, over the tensor cases run
+    ran = False
 
     def run(x: Any) -> Any:
+        nonlocal ran
         if isinstance(x, CompileSpec):
             specs = (_bias_grad_spec(), _bias_grad_strided_spec())
             reports = loop_reports(kernel, specs)
-            return next(report for spec, report in zip(specs, reports, strict=True) if spec == x)
+            report = next(report for spec, report in zip(specs, reports, strict=True) if spec == x)
+            lines = frozenset(line for line, elements in loaded.items() if elements) if ran else None
+            return dataclasses.replace(report, loaded_lines=lines)
         try:
-            return bias_grad(x, kernel)
+            with recorded_loads(kernel) as counts:
+                result = bias_grad(x, kernel)
+            loaded.update(counts)
+            ran = True
+            return result
         except Exception as error:  # an error only the interpreter makes: say so, then let the check report it
             _explain_interpreter_error(error)
             raise
@@ -1314,13 +1328,14 @@ def diagnose_loop(report: Any, bound: LoopBound) -> str | None:
                                 "computed in the loop")
                 continue
         # Each path through one pass is held apart (an if/else, a branch no call takes): its tiles are the
-        # distinct addresses it loads, its overhead what it issues besides their loads and adds.
+        # distinct addresses it loads (of lines that loaded an element in the interpreted cases: a load masked
+        # off in every case loads nothing), its overhead what it issues besides their loads and adds.
         # An innermost loop's leanest path is its steady pass, held to the innermost bound; its other paths
         # (a partial tile, counters wrapped once per b) and every path of an outer loop, to the outer bound.
         paths = view.paths() or [view.ops]
         short, measured = None, []
         for path in paths:
-            tiles = path_load_bytes(path) / bound.tile_bytes
+            tiles = path_load_bytes(path, report.loads_elements) / bound.tile_bytes
             adds = sum(op.category == "fp32" and op.base not in _CONVERSION_BASES for op in path)
             if view.innermost and tiles and adds < bound.adds * tiles - 0.5 * bound.adds:
                 short = (tiles, adds)
@@ -1348,10 +1363,14 @@ def diagnose_loop(report: Any, bound: LoopBound) -> str | None:
         text = (f"{which} spends {per_tile:.3g} instructions of overhead per tile it loads (at most {limit}; "
                 f"{tiles:g} tile(s) on that path — distinct addresses, {bound.layout} — beside {bound.adds} FP32 "
                 f"adds per tile): {listed}")
+        idle = report.idle_load_lines(view.ops)
+        if idle:
+            text += " — " + "; ".join(f"{report.where(n)} never loads an element in any case: it is not a tile"
+                                      for n in idle)
         where = _by_line(path, report, overhead)
         if where:
             text += f" — by line of your kernel: {where}"
-        causes = _loop_causes(overhead, sum(1 for op in path if op.load_bytes))
+        causes = _loop_causes(overhead, sum(1 for op in path if report.loads_elements(op)))
         if causes:
             text += " — that is " + "; and ".join(causes)
         problems.append(text)

@@ -956,6 +956,24 @@ def never_taken_branch_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t, strid
 
 
 @triton.jit
+def phantom_loads_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t, stride_d,
+                         BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    # The given loop, plus eight loads of other addresses under a mask no call makes true: read statically,
+    # nine distinct tiles a pass; run, the eight never load an element.
+    cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    for start in range(0, B * T, BLOCK_R):
+        rows = start + tl.arange(0, BLOCK_R)
+        offsets = ((rows // T).to(tl.int64)[:, None] * stride_b + (rows % T).to(tl.int64)[:, None] * stride_t
+                   + cols.to(tl.int64)[None, :] * stride_d)
+        mask = (rows[:, None] < B * T) & (cols[None, :] < D)
+        acc += tl.load(x_ptr + offsets, mask=mask, other=0.0)
+        for j in tl.static_range(1, 9):
+            acc += tl.load(x_ptr + offsets + 4 * j, mask=mask & (rows[:, None] >= 2 * B * T), other=0.0)
+    tl.store(out_ptr + cols, tl.sum(acc, axis=0), mask=cols < D)
+
+
+@triton.jit
 def flat_counters_kernel(x_ptr, out_ptr, B, T, D, stride_b, stride_t, stride_d,
                          BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     # Right and lean: one flat loop over the (b, tile) pairs, the tile counter wrapped by hand, a whole tile
@@ -1071,13 +1089,26 @@ def test_a_fixed_unroll_fails_on_values_with_t_past_four_tiles_and_b_past_eight(
 @pytest.mark.parametrize("kernel, said", [
     # the same address loaded nine times is one tile; the eight extra adds are FP32 beyond the tile's
     (same_address_reloaded_kernel, "FP32 beyond the tile's adds"),
-    # a branch no call takes is a path of its own: the path a pass really takes loads one tile
-    (never_taken_branch_kernel, "on its costliest path through one pass"),
+    # a branch no call takes is a path of its own, and its loads never load an element: the path a pass
+    # really takes loads one tile, and it is the leanest
+    (never_taken_branch_kernel, "on its leanest path through one pass"),
+    (never_taken_branch_kernel, "never loads an element in any case: it is not a tile"),
 ], ids=lambda value: getattr(value, "__name__", ""))
 def test_loads_a_pass_does_not_really_make_do_not_count_as_tiles(kernel, said):
     assert check_bias_grad(kernel, values_only=True).solved  # right values
     verdict = check_bias_grad(kernel)
     assert rejected(verdict, "case 9 of 10") and rejected(verdict, said), verdict.message
+
+
+@needs_sm90
+def test_loads_that_never_load_an_element_in_any_case_are_not_tiles():
+    assert check_bias_grad(phantom_loads_kernel, values_only=True).solved  # right values
+    verdict = check_bias_grad(phantom_loads_kernel)
+    line = phantom_loads_kernel.fn.__code__.co_firstlineno + 14  # the @triton.jit line + 14: the masked-off loads
+    assert rejected(verdict, "case 9 of 10") and rejected(verdict, "a runtime division or modulo"), verdict.message
+    assert rejected(verdict, f"line {line} of phantom_loads_kernel `acc += tl.load(x_ptr + offsets + 4 * j,"), \
+        verdict.message
+    assert rejected(verdict, "never loads an element in any case: it is not a tile"), verdict.message
 
 
 @needs_sm90

@@ -20,19 +20,21 @@ system's temporary folder), so a check run twice compiles once.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import hashlib
 import inspect
 import json
 import re
+import sys
 import tempfile
 import textwrap
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 __all__ = ["CompileSpec", "LoopReport", "LoopView", "Op", "SourceLine", "def_line", "kernel_source", "loop_report",
-           "loop_reports", "path_load_bytes"]
+           "loop_reports", "path_load_bytes", "recorded_loads"]
 
 #: The categories counted as loop overhead by :attr:`LoopReport.integer_control` (:data:`utils.sass.CATEGORIES`).
 OVERHEAD = ("integer", "control")
@@ -137,15 +139,16 @@ def _registers_of(address: str) -> set[str]:
     return found
 
 
-def path_load_bytes(ops: tuple[Op, ...] | list[Op]) -> int:
+def path_load_bytes(ops: tuple[Op, ...] | list[Op], counted: Callable[[Op], bool] | None = None) -> int:
     """Bytes one thread loads from global memory on one path through a pass: a load of an address already
     loaded on the path (the same address operand, its registers unchanged since) counts once, and of loads
     under complementary predicates (``@P0`` / ``@!P0``: an if/else the compiler predicated) only the larger
-    side counts — at most one of them runs."""
+    side counts — at most one of them runs. ``counted``: which loads count at all (default: every one; e.g.
+    :meth:`LoopReport.loads_elements`, a load whose line loaded in the interpreted runs)."""
     seen: dict[str, int] = {}  # address operand -> its bytes, while its registers are unchanged
     by_predicate: dict[str, int] = collections.Counter()
     for op in ops:
-        if op.load_bytes:
+        if op.load_bytes and (counted is None or counted(op)):
             address = op.address_operand
             if address not in seen:
                 seen[address] = op.load_bytes
@@ -264,6 +267,21 @@ class LoopReport:
     narrow_products: tuple[int, ...] = ()  # lines with a 32-bit product of a loop's index and a stride
     stride_products: tuple[int, ...] = ()  # lines with another 32-bit product of a stride (cols * stride_d)
     first_line: int = 1  # the line of the ``def`` in the file (or notebook cell) that holds the kernel
+    #: The lines (1 = the ``def``) whose ``tl.load`` loaded at least one element when the kernel ran (in the
+    #: interpreter, :func:`recorded_loads`); None if it was not run: every load is then taken to load.
+    loaded_lines: frozenset[int] | None = None
+
+    def loads_elements(self, op: Op) -> bool:
+        """Whether ``op`` is a load that really loads: a load of a line that loaded an element when the kernel
+        ran, or of no known line of the kernel (a load of a line that never did — masked off in every case,
+        or in a branch no case took — reads nothing, whatever its SASS says)."""
+        if not op.load_bytes:
+            return False
+        return self.loaded_lines is None or op.line is None or op.line in self.loaded_lines
+
+    def idle_load_lines(self, ops: tuple[Op, ...] | list[Op]) -> list[int]:
+        """The lines of the loads among ``ops`` that never loaded an element when the kernel ran."""
+        return sorted({op.line for op in ops if op.load_bytes and not self.loads_elements(op) and op.line})
 
     def where(self, number: int) -> str:
         """``line N of kernel `text```: source line ``number`` (1 = the ``def``) as tracebacks number it."""
@@ -359,6 +377,41 @@ def kernel_source(kernel: Any) -> tuple[str, str]:
     return function.__name__, src[start.start():]
 
 
+@contextlib.contextmanager
+def recorded_loads(kernel: Any) -> Iterator[collections.Counter]:
+    """While in the block, count the elements each ``tl.load`` of ``kernel`` loads when Triton's interpreter
+    runs it, by line of the kernel (1 = the ``def``, as :class:`LoopReport` numbers its SASS): a line appears
+    once one of its loads runs, with the number of lanes its mask let through (0: masked off every time).
+    Wraps the interpreter's ``create_masked_load`` (every load goes through it: unmasked, atomic, descriptor
+    loads) for the block only; yields the counter, filled as the kernel runs."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    function = getattr(kernel, "fn", kernel)
+    name, filename, first = function.__name__, function.__code__.co_filename, def_line(kernel)
+    builder = interpreter.InterpreterBuilder
+    original = builder.__dict__["create_masked_load"]
+    counts: collections.Counter = collections.Counter()
+
+    def create_masked_load(self, ptrs, mask, *rest, **kwargs):
+        frame = sys._getframe(1)
+        while frame is not None and not (frame.f_code.co_name == name and frame.f_code.co_filename == filename):
+            frame = frame.f_back
+        if frame is not None:
+            shape = np.shape(ptrs.data)
+            lanes = (int(np.prod(shape, dtype=np.int64)) if mask is None
+                     else int(np.count_nonzero(np.broadcast_to(np.asarray(mask.data), shape))))
+            counts[frame.f_lineno - first + 1] += lanes
+        return original(self, ptrs, mask, *rest, **kwargs)
+
+    builder.create_masked_load = create_masked_load
+    try:
+        yield counts
+    finally:
+        if builder.__dict__.get("create_masked_load") is create_masked_load:
+            builder.create_masked_load = original
+
+
 def def_line(kernel: Any) -> int:
     """The line of a ``@triton.jit`` function's ``def`` in the file (or notebook cell) holding it, as Python's
     tracebacks number it; 1 if its source cannot be found."""
@@ -407,11 +460,40 @@ def _read(compiled, first_line):
         found = re.match(r"\s*/\*([0-9a-f]+)\*/\s", row)
         if found:
             line_of[int(found.group(1), 16)] = current
-    ops = [[i.address, i.predicate, i.opcode, i.base, sass.classify(i), line_of.get(i.address), i.operands,
-            i.target] for i in instructions]
+    # A load Triton emits as inline PTX (a vector load with its `other` values: one `mov` per register, then
+    # the `ld`) is numbered by ptxas one line further per line of the asm text: its SASS line is the load's
+    # line plus the registers it fills less one. Put each such load back on the line of its `tl.load`.
+    shifted = _inline_asm_load_lines(compiled.asm["ptx"], first_line)
+    ops = [[i.address, i.predicate, i.opcode, i.base, sass.classify(i),
+            shifted.get(line_of.get(i.address), line_of.get(i.address)) if i.base in ("LDG", "LD", "LDGSTS")
+            else line_of.get(i.address), i.operands, i.target] for i in instructions]
     spans = sorted({(loop.start, loop.end) for loop in sass.loops(instructions)})
     narrow, scaled = _narrow_products(compiled.asm["ttir"], first_line)
     return dict(ops=ops, spans=spans, narrow_products=narrow, stride_products=scaled)
+
+
+def _inline_asm_load_lines(ptx, first_line):
+    # {the line ptxas gives a global load inside an inline asm block: the line of the block's own .loc},
+    # both in this script's file, numbered as the SASS line table numbers them (see _read).
+    import os
+    import re
+
+    files = {number for number, name in re.findall(r'^\s*\.file\s+(\d+)\s+"([^"]+)"', ptx, re.MULTILINE)
+             if os.path.basename(name) == os.path.basename(__file__)}
+    mapping, current, block = {}, None, None
+    for row in ptx.splitlines():
+        text = row.strip()
+        loc = re.match(r"\.loc\s+(\d+)\s+(\d+)\s", text)
+        if loc:
+            current = (loc.group(1), int(loc.group(2)) - first_line + 1)
+        elif text.startswith("// begin inline asm"):
+            block = current
+        elif text.startswith("// end inline asm"):
+            block = None
+        elif block is not None and current is not None and re.match(r"(@!?%\w+\s+)?ld\.global", text):
+            if current[0] in files and block[0] in files and current[1] != block[1]:
+                mapping.setdefault(current[1], set()).add(block[1])
+    return {line: lines.pop() for line, lines in mapping.items() if len(lines) == 1}
 
 
 def _narrow_products(ttir, first_line):
