@@ -48,6 +48,7 @@ __all__ = [
     "HarnessArg",
     "VecNote",
     "buffer",
+    "build_shared",
     "cache_dir",
     "compile_shared",
     "compiler_available",
@@ -156,13 +157,24 @@ def compile_shared(source: str | os.PathLike, *, flags: Sequence[str] = DEFAULT_
     loads the library built the first time. ``openmp`` adds ``-fopenmp``. Raises :class:`CompileError`
     (the compiler's first lines) when g++ refuses the source, ``RuntimeError`` when there is no g++.
     """
+    text, _ = _source_text(source)
+    target = build_shared(source, flags=flags, openmp=openmp)
+    return CppLibrary(target, text, (*flags, *_SHARED_FLAGS, *(["-fopenmp"] if openmp else [])))
+
+
+_SHARED_FLAGS = ("-fPIC", "-shared")
+
+
+def build_shared(source: str | os.PathLike, *, flags: Sequence[str] = DEFAULT_FLAGS, openmp: bool = False) -> Path:
+    """:func:`compile_shared` without loading: the library's path (for a child process to load: a check never
+    runs a learner's code, static initializers included, in its own process)."""
     text, folder = _source_text(source)
-    all_flags = [*flags, "-fPIC", "-shared", *(["-fopenmp"] if openmp else [])]
+    all_flags = [*flags, *_SHARED_FLAGS, *(["-fopenmp"] if openmp else [])]
     key = _key("shared", text, " ".join(all_flags), str(folder or ""))
     target = cache_dir() / f"lib{key}.so"
     if not target.exists():
         _build([], text, folder, target, all_flags)
-    return CppLibrary(target, text, tuple(all_flags))
+    return target
 
 
 # --------------------------------------------------------------------------------------------

@@ -191,10 +191,11 @@ def folded_stacks(callgrind_out: str | os.PathLike | Counts, root: str | None = 
 
     ``callgrind_out``: a ``callgrind.out`` file (its path or text) or :class:`Counts`. Every stack starts at
     ``root`` — by default ``main`` where the program has one (the C library's start-up around it calls back
-    into itself, a cycle whose inclusive counts are doubled), else every function nobody calls — and each function's inclusive instructions are shared among its
-    callees as the ``calls=`` records say, the rest being its own: a callee reached along two paths is
-    split between them in proportion to what each caller spent on it (callgrind keeps one level of
-    callers, not whole stacks). Recursion is cut where a function reappears on its own stack.
+    into itself, a cycle whose inclusive counts are doubled), else every function nobody calls — and each
+    function's inclusive instructions are shared among its callees as the ``calls=`` records say, the rest
+    being its own: a callee reached along two paths is split between them in proportion to what each caller
+    spent on it (callgrind keeps one level of callers, not whole stacks). Recursion is cut where a function
+    reappears on its own stack.
     """
     if isinstance(callgrind_out, Counts):
         counts = callgrind_out
