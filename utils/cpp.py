@@ -45,6 +45,7 @@ __all__ = [
     "CompileError",
     "CppKernel",
     "CppLibrary",
+    "HARNESS_SOURCE",
     "HarnessArg",
     "VecNote",
     "buffer",
@@ -66,6 +67,10 @@ CACHE_ENV = "KERNEL_LADDER_CPP_CACHE"
 DEFAULT_FLAGS: tuple[str, ...] = ("-O3", "-march=x86-64-v3", "-fopenmp-simd", "-std=c++17")
 
 _COMPILER = "g++"
+
+#: The file name a source is compiled under (in compiler messages, and in a harness's debug info: valgrind's
+#: per-file counts name it so).
+HARNESS_SOURCE = "source.cpp"
 _ERROR_LINES = 12  # the compiler's first lines a CompileError keeps
 
 

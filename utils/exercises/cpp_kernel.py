@@ -398,7 +398,7 @@ def gemm_d1_read_misses(source: str) -> float:
             cpp.buffer("const float*", m * k), cpp.buffer("const float*", k * n), cpp.buffer("float*", m * n, "zeros"),
             *(cpp.scalar("int64_t", v) for v in (m, n, k, k, n, n))])
         counts = valgrind.cachegrind(exe)
-        return counts.in_file("source.cpp", "D1mr") / (m * n * k / 1000)
+        return counts.in_file(cpp.HARNESS_SOURCE, "D1mr") / (m * n * k / 1000)
 
     return _cached_count(f"gemm-d1-{GEMM_COUNT_CASE}", source, compute)
 
