@@ -21,7 +21,7 @@ PYTEST_FLAGS ?=
 help:
 	@echo "make lab        set up, then open the course in JupyterLab"
 	@echo "make test       set up, then run every test (kernels, utils, solutions, notebooks)"
-	@echo "make report     set up, then run every ladder step, the host-overhead table, the collectives (chapter 11), the training run (chapter 12) and the sm_90 instruction-level view into docs/results.md"
+	@echo "make report     set up, then run every ladder step, the host-overhead table, chapter 13's C++ CPU ladder (timed and counted), the collectives (chapter 11), the training run (chapter 12) and the sm_90 instruction-level view into docs/results.md"
 	@echo "make notebooks  run every chapter notebook in both modes, save the learner-mode outputs"
 	@echo "make gpu-check  on a GPU machine, with its own python3: correctness at real sizes + timings"
 	@echo "                (quick round by default; FULL=1: every timing and autotune candidate; BUDGET_S=seconds)"
@@ -80,6 +80,7 @@ test-fast: setup
 report: setup
 	$(PY) -m bench
 	$(PY) -m bench.overhead
+	$(PY) -m bench.ch13_below_triton
 	$(PY) -m bench.ch11_distributed
 	$(PY) -m bench.ch12_train
 	$(PY) -m utils.isa_report

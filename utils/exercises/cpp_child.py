@@ -1,0 +1,49 @@
+"""The child process of :mod:`utils.exercises.cpp_kernel`: calls a learner's C++ function on prepared buffers.
+
+Runs as a script (``python cpp_child.py SPEC.json``), importing only the standard library, so that it starts
+in milliseconds and a crash in the learner's code (a segfault) ends this process, not the notebook's. The spec
+names the library, the function, its argument kinds and, per case, the buffers (raw float32 files, guards
+included) and scalars. For each case it loads the buffers, calls the function with pointers past each
+buffer's front guard, writes the buffers back, and prints ``DONE <case>``: the parent knows which case a
+crash happened in.
+"""
+
+import ctypes
+import json
+import sys
+
+
+def main() -> int:
+    with open(sys.argv[1]) as f:
+        spec = json.load(f)
+    library = ctypes.CDLL(spec["library"])
+    try:
+        function = getattr(library, spec["function"])
+    except AttributeError:
+        print(f"MISSING {spec['function']}", flush=True)
+        return 3
+    kinds = {"ptr": ctypes.c_void_p, "i64": ctypes.c_int64, "f32": ctypes.c_float}
+    function.argtypes = [kinds[k] for k in spec["argtypes"]]
+    function.restype = None
+    for index, case in enumerate(spec["cases"]):
+        arrays = []
+        for buf in case["buffers"]:
+            with open(buf["file"], "rb") as f:
+                data = f.read()
+            arrays.append((ctypes.c_char * len(data)).from_buffer_copy(data))
+        args = []
+        for arg in case["args"]:
+            if "buffer" in arg:
+                args.append(ctypes.addressof(arrays[arg["buffer"]]) + 4 * case["buffers"][arg["buffer"]]["offset"])
+            else:
+                args.append(arg["value"])
+        function(*args)
+        for buf, array in zip(case["buffers"], arrays):
+            with open(buf["file"] + ".out", "wb") as f:
+                f.write(bytes(array))
+        print(f"DONE {index}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
