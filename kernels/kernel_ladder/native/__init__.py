@@ -104,7 +104,8 @@ def softmax(x: torch.Tensor) -> torch.Tensor:
 
 
 def describe() -> str:
-    """Where the library lives (or would be built) and what it is built with: ``python -m kernel_ladder.native info``."""
+    """Where the library lives (or would be built) and what it is built with (``python -m kernel_ladder.native
+    info``)."""
     config = build_config()
     directory = cache_dir(config)
     library = directory / "kernel_ladder_native.so"
