@@ -400,8 +400,8 @@ def test_missing_tools_give_an_error_saying_what_to_install(tmp_path, monkeypatc
     monkeypatch.setattr(_build, "_compiler", lambda: None)
     monkeypatch.setattr(_build, "_ninja", lambda: None)
     assert not native.available()
-    with pytest.raises(native.NativeBuildError, match="no C\\+\\+ compiler .*apt install g\\+\\+.*; no ninja: pip install "
-                                                      "ninja. The Triton ops .* need none of it"):
+    with pytest.raises(native.NativeBuildError, match="no C\\+\\+ compiler .*apt install g\\+\\+.*; no ninja: "
+                                                      "pip install ninja. The Triton ops .* need none of it"):
         native.load()
     monkeypatch.setattr(_build, "_compiler", lambda: "/usr/bin/c++")
     assert not native.available()  # ninja still missing
