@@ -42,6 +42,11 @@ $(STAMP): pyproject.toml Makefile
 	  $(PY) -m utils.setup_report torch; \
 	fi
 	$(PY) -m pip install -q -e ".[dev]"
+	@# The optional C++ extension (kernel_ladder.native), compiled once into its cache where a compiler is.
+	@if command -v g++ >/dev/null 2>&1; then \
+	  echo "setup: g++ found: building the optional C++ extension kernel_ladder.native (the Triton ops remain the default)"; \
+	  $(PY) -m kernel_ladder.native build || echo "setup: kernel_ladder.native did not build (optional: the Triton ops need none of it)"; \
+	else echo "setup: no g++: skipping the optional C++ extension kernel_ladder.native (the Triton ops remain the default)"; fi
 	@# utils/, solutions/ and bench/ are the course's, not the wheel's: make them importable from any folder.
 	@$(PY) -c "import pathlib, sysconfig; pathlib.Path(sysconfig.get_paths()['purelib'], 'kernel_ladder_course.pth').write_text(str(pathlib.Path.cwd()) + '\n')"
 	@cd / && $(abspath $(PY)) -m utils.setup_report imports "$(CURDIR)"

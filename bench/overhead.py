@@ -12,6 +12,14 @@ default on CUDA: what is timed is the launch path a GPU run takes. The elementwi
 20 us per forward call (the goal chapter 10 sets for the package's launch path on a laptop CPU);
 the goal is reported, never asserted (times depend on the machine and its load).
 
+Where the optional C++ extension can be built (:func:`kernel_ladder.native.available`), two more rows
+show what the C++ dispatcher path saves, on the ``rms_norm`` row's own input (8 x 64 float32):
+``rms_norm[native]`` is ``kernel_ladder.native.rms_norm`` (checks, dispatch, autograd and kernel all C++),
+``rms_norm[native kernel, Python custom_op]`` the same C++ kernels behind a Python
+``torch.library.custom_op`` with ``register_fake``/``register_autograd`` (:func:`native_custom_op`), the
+way a Triton op is wired. Both run their kernel (no Triton launch to swallow), which at this size is a
+fraction of a microsecond; the ``rms_norm`` row is the Triton op with its launch swallowed.
+
 Writes a markdown table between the overhead markers of ``docs/results.md`` and a bar chart
 ``docs/img/overhead.png``; ``--no-write`` prints the table only.
 """
@@ -21,13 +29,14 @@ from __future__ import annotations
 import argparse
 import pathlib
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 import kernel_ladder
 from bench.report import ROOT, _progress, machine, write_between
-from utils.op_cases import ELEMENTWISE, ROWS, OpCase, op_cases
+from utils.op_cases import ELEMENTWISE, ROWS, Built, OpCase, op_cases
 from utils.overhead import Overhead, dispatch_floor, eager_time, floor_op, host_overhead, python_calls
 
 BEGIN, END = "<!-- overhead:begin -->", "<!-- overhead:end -->"
@@ -96,10 +105,87 @@ def floor_python_calls() -> float:
     return python_calls(floor_op(), torch.zeros(8))
 
 
+_NATIVE_CUSTOM_OP = None
+
+
+def native_custom_op():
+    """RMSNorm through the extension's C++ kernels (``torch.ops.kernel_ladder_native.rms_norm_forward`` and
+    ``rms_norm_backward``) wired from Python: a ``torch.library.custom_op`` with a fake and an autograd
+    formula, as the Triton ops are. Returns ``rms_norm(x, weight, eps=1e-6) -> y``; built once."""
+    global _NATIVE_CUSTOM_OP
+    if _NATIVE_CUSTOM_OP is None:
+        from kernel_ladder import native
+
+        native.load()
+        ops = torch.ops.kernel_ladder_native
+
+        @torch.library.custom_op("kernel_ladder_overhead::native_rms_norm", mutates_args=())
+        def forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+            return ops.rms_norm_forward(x, weight, eps)
+
+        @forward.register_fake
+        def _(x, weight, eps):
+            stats = torch.float64 if x.dtype == torch.float64 else torch.float32
+            return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty(x.shape[:-1], dtype=stats)
+
+        def setup_context(ctx, inputs, output):
+            x, weight, _ = inputs
+            ctx.save_for_backward(x, weight, output[1])
+            ctx.mark_non_differentiable(output[1])
+
+        def backward(ctx, grad_y, _grad_rstd):
+            x, weight, rstd = ctx.saved_tensors
+            grad_x, grad_weight = ops.rms_norm_backward(grad_y, x, weight, rstd)
+            return grad_x, grad_weight, None
+
+        forward.register_autograd(backward, setup_context=setup_context)
+
+        def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+            return forward(x, weight, eps)[0]
+
+        _NATIVE_CUSTOM_OP = rms_norm
+    return _NATIVE_CUSTOM_OP
+
+
+def _native_rms_norm_case(name: str, op_of: Callable[[], Callable]) -> OpCase:
+    """A row on the ``rms_norm`` case's own input (8 x 64 and a weight of 64, drawn from the case's seed in
+    the same order), the op taken from ``op_of()`` when built."""
+    def make(device, gen):
+        op = op_of()
+        x, w = torch.randn(8, 64, generator=gen).to(device), torch.randn(64, generator=gen).to(device)
+        xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+
+        def step():
+            y = op(xg, wg, 1e-6)
+            y.backward(torch.ones_like(y))
+
+        return Built(lambda: op(x, w, 1e-6), step, lambda: torch.nn.functional.rms_norm(x, (64,), w, 1e-6))
+
+    return OpCase(name, (), (), make)
+
+
+def native_cases() -> list[OpCase]:
+    """The rows of the C++ extension's ``rms_norm`` (the module docstring); none where it cannot be built."""
+    from kernel_ladder import native
+
+    if not native.available():
+        return []
+    return [
+        _native_rms_norm_case("rms_norm[native]", lambda: native.rms_norm),
+        _native_rms_norm_case("rms_norm[native kernel, Python custom_op]", native_custom_op),
+    ]
+
+
 def run(names: list[str] | None = None, number: int = 200, repeat: int = 7, warmup: int = 20
         ) -> tuple[list[OverheadRow], Overhead]:
-    """Every op's row (or only ``names``) and the dispatch floor, value checks off meanwhile."""
+    """Every op's row (or only ``names``) and the dispatch floor, value checks off meanwhile.
+
+    The native rows (:func:`native_cases`) come after the ``rms_norm`` row where the extension can be built.
+    """
     cases = op_cases()
+    natives = native_cases() if names is None or any("[native" in n for n in names) else []
+    at = next(i for i, c in enumerate(cases) if c.name == "rms_norm") + 1
+    cases[at:at] = natives
     if names:
         known = {c.name for c in cases}
         unknown = sorted(set(names) - known)
@@ -178,7 +264,10 @@ def write(rows: list[OverheadRow], floor: Overhead, stamp: str, path: pathlib.Pa
         "allocates its output: no custom op is cheaper. It is measured again with each op, a round of",
         "each in turn, and *× floor* divides by that, which cancels the machine's drift over the run.",
         "*Python calls* is a count (`utils.overhead.python_calls`), the same on any machine and under any",
-        "load. These are CPU times on the machine above, not GPU times.",
+        "load. These are CPU times on the machine above, not GPU times. Where the optional C++ extension",
+        "builds, `rms_norm[native]` is `kernel_ladder.native.rms_norm` (checks, dispatch, autograd and kernel",
+        "in C++) and `rms_norm[native kernel, Python custom_op]` the same C++ kernels behind a Python",
+        "`torch.library.custom_op`, on the `rms_norm` row's input; both run their (tiny) kernel.",
         "",
         table(rows, floor),
         "",

@@ -4,6 +4,7 @@ leaves the value-check policy as it found it."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import kernel_ladder
 from bench import overhead as bo
@@ -82,3 +83,23 @@ def test_the_plot_is_written(measured, tmp_path):
     rows, floor = measured
     path = bo.plot(rows, floor, tmp_path / "img" / "overhead.png")
     assert path.exists() and path.stat().st_size > 1000
+
+
+def test_the_native_rows_sit_beside_the_triton_op_on_its_input():
+    """kernel_ladder.native.rms_norm against the same C++ kernels behind a Python custom_op, and the Triton op."""
+    from kernel_ladder import native
+
+    if not native.available():
+        pytest.skip("no C++ compiler or ninja: the extension cannot be built")
+    names = ["rms_norm", "rms_norm[native]", "rms_norm[native kernel, Python custom_op]"]
+    rows, _ = bo.run(names, number=5, repeat=1, warmup=1)
+    assert [r.op for r in rows] == names
+    triton, cpp, python_op = rows
+    assert triton.launches == 1 and cpp.launches == 0 and python_op.launches == 0  # the C++ kernels are no launches
+    assert all(r.family == "rows" and r.backward_us is not None and r.torch_us is not None for r in rows)
+    # A count, not a time: the C++ op's Python calls are its wrapper's few checks; the custom_op's are
+    # torch's Python custom-op machinery, which the floor (a custom op doing nothing) also pays.
+    assert cpp.calls < bo.floor_python_calls() <= python_op.calls
+    x, w = torch.randn(8, 64), torch.randn(64)
+    torch.testing.assert_close(bo.native_custom_op()(x, w), native.rms_norm(x, w))  # the same computation
+    assert bo.run(["softmax"], number=1, repeat=1, warmup=0)[0][0].op == "softmax"  # no native row unless named

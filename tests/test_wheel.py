@@ -5,7 +5,9 @@ newest ``transformers`` from the package index (and so with Hugging Face's Hub-k
 import name is ``kernels``), and used from a folder outside the repository, where nothing of the
 checkout can be imported by accident: every subpackage imports, an op runs against torch, a tiny
 Llama is patched and run, loaded with ``attn_implementation="kernel_ladder"`` and kernelized from the
-layer repository the wheel ships, and the Hub loader still imports.
+layer repository the wheel ships, the optional C++ extension (``kernel_ladder.native``) is built from the
+sources the wheel ships where a compiler is (else its error says what to install), and the Hub loader
+still imports.
 
 The fresh environment gets the torch build this one has (``torch==<this version>``), so that the
 test does not download a multi-gigabyte CUDA build on a machine without a GPU.
@@ -78,6 +80,28 @@ USER_SCRIPT = textwrap.dedent(
         assert op in ran, (op, sorted(n for n in ran if "kernel_ladder" in n))
     print("attn_implementation='kernel_ladder' and kernelize match transformers")
 
+    import os, tempfile
+    import kernel_ladder.native as native
+
+    # The optional C++ extension, from the sources the wheel shipped, into a fresh cache (no stale build).
+    csrc = native._build.CSRC
+    assert "site-packages" in csrc.parts and (csrc / "ops.cpp").exists(), csrc
+    os.environ["KERNEL_LADDER_NATIVE_DIR"] = tempfile.mkdtemp()
+    if native.available():
+        library = native.build()
+        assert "site-packages" not in library.parts, library
+        got = native.rms_norm(x.float(), w.float(), 1e-6).double()
+        assert (got - want).abs().max() < 1e-5, (got - want).abs().max()
+        print("native: built from the wheel's sources and matches")
+    else:
+        try:
+            native.load()
+        except native.NativeBuildError as error:
+            assert "install" in str(error), error
+            print("native: not built (no compiler or ninja here), with an error saying what to install")
+        else:
+            raise AssertionError("native.load() built without a compiler")
+
     import kernels  # Hugging Face's Hub-kernel loader, which transformers requires
     assert hasattr(kernels, "kernelize"), kernels.__file__
     assert pathlib.Path(kernels.__file__).resolve().parent != here.parent / "kernels"
@@ -108,6 +132,11 @@ def test_the_wheel_holds_the_whole_package_and_nothing_else(wheel: Path) -> None
         shipped = {name for name in archive.namelist() if not name.split("/")[0].endswith(".dist-info")}
     sources = {str(p.relative_to(PACKAGE.parent)) for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts}
     assert sources, "no sources found"
+    # the optional C++ extension's sources (compiled on the user's machine: kernel_ladder.native)
+    native = {str(p.relative_to(PACKAGE.parent)) for p in (PACKAGE / "native" / "csrc").rglob("*")
+              if p.suffix in (".cpp", ".h", ".cu", ".cuh")}
+    assert "kernel_ladder/native/csrc/ops.cpp" in native and "kernel_ladder/native/csrc/cpu/rows.h" in native
+    sources |= native
     missing = sorted(sources - shipped)
     assert not missing, f"the wheel leaves out {missing}"
     extra = sorted(name for name in shipped if not name.startswith("kernel_ladder/"))
@@ -143,6 +172,6 @@ def test_the_installed_wheel_works_beside_the_newest_transformers(wheel: Path, t
     (outside / "use_it.py").write_text(USER_SCRIPT)
     printed = _run([str(python), "use_it.py"], cwd=outside, timeout=900)
     for line in ("rms_norm matches", "patched Llama matches transformers", "kernelize match transformers",
-                 "Hugging Face's kernels imports"):
+                 "native: ", "Hugging Face's kernels imports"):
         assert line in printed, printed
     print(f"transformers, kernels: {versions.strip()}\n{printed}")
