@@ -72,3 +72,6 @@ ptxas info    : Function properties for _Z1kv
 ptxas info    : Used 40 registers, used 1 barriers, 2048 bytes smem
 """
     assert nvcc.parse_ptxas(log) == {"_Z1kv": nvcc.PtxasInfo(40, 8, 4, 16, 2048, 1)}
+    # ptxas may put the cumulative stack size between the barriers and the shared memory
+    log = log.replace("used 1 barriers, ", "used 1 barriers, 8 bytes cumulative stack size, ")
+    assert nvcc.parse_ptxas(log)["_Z1kv"].shared == 2048

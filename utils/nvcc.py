@@ -168,7 +168,9 @@ def _cache_dir() -> Path:
 
 _ENTRY = re.compile(r"Compiling entry function '([^']+)' for '(sm_\w+)'")
 _PROPS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
-_USED = re.compile(r"Used (\d+) registers(?:, used (\d+) barriers)?(?:, (\d+) bytes smem)?")
+_USED = re.compile(r"Used (\d+) registers")
+_BARRIERS = re.compile(r"used (\d+) barriers")
+_SMEM = re.compile(r"(\d+) bytes smem")
 
 
 def parse_ptxas(log: str) -> dict[str, PtxasInfo]:
@@ -186,7 +188,9 @@ def parse_ptxas(log: str) -> dict[str, PtxasInfo]:
             continue
         used = _USED.search(line)
         if used and current:
-            registers, barriers, smem = (int(v) if v else 0 for v in used.groups())
+            # the clauses after the registers vary ("N bytes cumulative stack size" may come before the smem)
+            registers = int(used.group(1))
+            barriers, smem = (int(m.group(1)) if (m := pattern.search(line)) else 0 for pattern in (_BARRIERS, _SMEM))
             found[current] = PtxasInfo(registers, props[1], props[2], props[0], smem, barriers)
             current = None
     return found
