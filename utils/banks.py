@@ -135,15 +135,19 @@ def warp_access(byte_addresses: Sequence[int | None], width: int = 4) -> WarpAcc
         raise ValueError(f"utils.banks: a warp has {WARP_SIZE} lanes, got {len(addresses)} addresses")
     for lane, a in enumerate(addresses):
         if a is not None and (a < 0 or a % width):
-            raise ValueError(f"utils.banks: lane {lane}'s address {a} is not a non-negative multiple of the "
-                             f"access width {width}")
+            raise ValueError(
+                f"utils.banks: lane {lane}'s address {a} is not a non-negative multiple of the access width {width}"
+            )
     phases = _PHASES[width]
     per_phase = WARP_SIZE // phases
     total, ideal = 0, 0
     worst = (0, 0, 0, (), ())  # (ways, phase, bank, words, lanes)
     for phase in range(phases):
-        lanes = [lane for lane in range(phase * per_phase, min(len(addresses), (phase + 1) * per_phase))
-                 if addresses[lane] is not None]
+        lanes = [
+            lane
+            for lane in range(phase * per_phase, min(len(addresses), (phase + 1) * per_phase))
+            if addresses[lane] is not None
+        ]
         if not lanes:
             continue
         ideal += 1
@@ -209,8 +213,10 @@ class TileAccess:
 
     def describe(self) -> str:
         """Totals, and the worst access with its lanes when there are conflicts."""
-        text = (f"{self.label}: {len(self.accesses)} warp accesses of {self.width} bytes a lane, "
-                f"{self.wavefronts} wavefronts (ideal {self.ideal})")
+        text = (
+            f"{self.label}: {len(self.accesses)} warp accesses of {self.width} bytes a lane, "
+            f"{self.wavefronts} wavefronts (ideal {self.ideal})"
+        )
         if self.conflicts == 0:
             return text + ", no bank conflict"
         warp, step, access = self.worst
@@ -220,8 +226,16 @@ class TileAccess:
         return self.describe()
 
 
-def tile_access(offset: Callable[[int, int], int | None], *, threads: int, steps: int = 1, width: int = 4,
-                element_bytes: int = 4, base: int = 0, label: str = "access") -> TileAccess:
+def tile_access(
+    offset: Callable[[int, int], int | None],
+    *,
+    threads: int,
+    steps: int = 1,
+    width: int = 4,
+    element_bytes: int = 4,
+    base: int = 0,
+    label: str = "access",
+) -> TileAccess:
     """Every warp access of a tile load or store that a block of ``threads`` threads makes in ``steps`` steps.
 
     ``offset(thread, step)`` returns the element index (in units of ``element_bytes``) that thread ``thread``
@@ -269,8 +283,9 @@ def a_tile_offset(layout: str, bk: int, bm: int = GEMM_BM) -> Callable[[int, int
     raise ValueError(f"utils.banks: layout must be one of {LAYOUTS}, got {layout!r}")
 
 
-def a_tile_store(offset: Callable[[int, int], int | None], bk: int, bm: int = GEMM_BM,
-                 threads: int = GEMM_THREADS) -> TileAccess:
+def a_tile_store(
+    offset: Callable[[int, int], int | None], bk: int, bm: int = GEMM_BM, threads: int = GEMM_THREADS
+) -> TileAccess:
     """The register-tiled GEMM's transposed store of its A tile into shared memory, warp by warp.
 
     Mirrors ``gemm_regtile``: chunk ``idx = t + threads * l`` of the tile is row ``m = idx / (bk/4)`` of A and
@@ -287,8 +302,9 @@ def a_tile_store(offset: Callable[[int, int], int | None], bk: int, bm: int = GE
     return tile_access(index, threads=threads, steps=4 * chunks, width=4, label=f"A tile store (BK={bk})")
 
 
-def a_tile_load(offset: Callable[[int, int], int | None], bk: int, bm: int = GEMM_BM,
-                threads: int = GEMM_THREADS) -> TileAccess:
+def a_tile_load(
+    offset: Callable[[int, int], int | None], bk: int, bm: int = GEMM_BM, threads: int = GEMM_THREADS
+) -> TileAccess:
     """The register-tiled GEMM's inner-loop reads of its A tile: for each k, thread ``t`` (``ty = t / 16``)
     reads 16 bytes at ``offset(k, 4 ty)`` and at ``offset(k, bm/2 + 4 ty)``; step ``2 k + h`` is read ``h``."""
 

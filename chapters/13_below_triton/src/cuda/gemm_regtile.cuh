@@ -50,8 +50,14 @@ __device__ __forceinline__ int a_tile_offset(int k, int m) {
 
 }  // namespace gemm
 
+// Blocks per SM the launch bounds ask for: 2 blocks of 256 threads leave each thread 65,536 / 512 = 128
+// registers, enough for the 64 accumulators, the 16 operands and the addresses without spilling.
+#ifndef GEMM_REGTILE_MIN_BLOCKS
+#define GEMM_REGTILE_MIN_BLOCKS 2
+#endif
+
 template <int BK, int LAYOUT, bool VEC>
-__global__ void __launch_bounds__(256, 2)
+__global__ void __launch_bounds__(256, GEMM_REGTILE_MIN_BLOCKS)
     gemm_regtile(const float* __restrict__ A, const float* __restrict__ B, float* __restrict__ C, long long M,
                  long long N, long long K) {
   using namespace gemm;

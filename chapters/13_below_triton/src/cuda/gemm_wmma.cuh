@@ -22,8 +22,11 @@
 
 #include "gemm_common.cuh"
 
+// Two blocks per SM on the 16-byte path (at most 128 registers a thread: 8 accumulator fragments of 8 floats,
+// 6 operand fragments, addresses; 2 x 46 KB of shared memory); the element-by-element path's addresses need
+// more registers, and one block per SM keeps it from spilling.
 template <bool VEC>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(256, VEC ? 2 : 1)
     gemm_wmma(const __nv_bfloat16* __restrict__ A, const __nv_bfloat16* __restrict__ B, float* __restrict__ C,
               long long M, long long N, long long K) {
   using namespace nvcuda;
