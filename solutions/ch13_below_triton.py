@@ -1,7 +1,7 @@
 """Solutions to chapter 13, "below Triton: C++ and CUDA".
 
 One solution per exercise of ``chapters/13_below_triton/13_below_triton.ipynb``, written for reading. Each
-engineer's exercises have their own section below.
+exercise has its own section below.
 """
 
 from __future__ import annotations
