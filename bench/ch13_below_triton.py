@@ -290,3 +290,15 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# --------------------------------------------------------------------------------------------
+# make gpu-check: each part's entries (the CUDA parts build on a GPU machine, or say why they cannot)
+# --------------------------------------------------------------------------------------------
+
+
+def gpu_checks(size: str) -> list:
+    """Chapter 13's ``make gpu-check`` entries: the CUDA GEMM ladder's (:mod:`bench.ch13_gemm_cuda`)."""
+    from bench import ch13_gemm_cuda
+
+    return ch13_gemm_cuda._gemm_gpu_checks(size)
