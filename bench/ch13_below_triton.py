@@ -99,6 +99,12 @@ def _libraries() -> dict[str, object]:
             "gemm": cpp.compile_shared(CPU_SOURCES / "gemm.cpp", openmp=True)}
 
 
+def built_rungs(library, rungs):
+    """The rungs this machine's build has: the AVX2 intrinsics rung exists only where the compiler targets
+    x86-64-v3 (``#if`` in its source); elsewhere the ladder goes on without it."""
+    return [(name, threaded) for name, threaded in rungs if library.has(name)]
+
+
 def _median(fn, threads: int, min_run_time: float) -> float:
     from torch.utils import benchmark
 
@@ -148,7 +154,7 @@ def _rms_rows(library, size, threads, min_run_time, generator) -> list[CpuRow]:
     got = torch.nn.functional.rms_norm(x, (cols,), w, EPS)
     rows = [CpuRow("rms_norm", "torch.nn.functional.rms_norm", label, t, ms, moved / ms / 1e6, "GB/s", 1.0,
                    float((got.double() - expected).abs().max())) for t, ms in torch_ms.items()]
-    for name, threaded in RMS_NORM_RUNGS:
+    for name, threaded in built_rungs(library, RMS_NORM_RUNGS):
         kernel = library.kernel(name, RMS_SIGNATURE)
         t = threads if threaded else 1
         y.fill_(float("nan"))
@@ -170,7 +176,7 @@ def _gemm_rows(library, n, threads, min_run_time, generator) -> list[CpuRow]:
     got = torch.matmul(a, b)
     rows = [CpuRow("gemm", "torch.matmul", label, t, ms, flops / ms / 1e6, "GFLOP/s", 1.0,
                    float((got.double() - expected).abs().max())) for t, ms in torch_ms.items()]
-    for name, threaded in GEMM_RUNGS:
+    for name, threaded in built_rungs(library, GEMM_RUNGS):
         kernel = library.kernel(name, GEMM_SIGNATURE)
         t = threads if threaded else 1
         c.fill_(float("nan"))
@@ -209,7 +215,7 @@ def cpu_counts(sizes: dict[str, tuple[int, ...]] | None = None) -> list[CountRow
 
     rows = []
     n_rows, cols = sizes["rms_norm"]
-    for name, _ in RMS_NORM_RUNGS:
+    for name, _ in built_rungs(_libraries()["rms_norm"], RMS_NORM_RUNGS):
         exe = cpp.harness(CPU_SOURCES / "rms_norm.cpp", name, [
             cpp.buffer("const float*", n_rows * cols), cpp.buffer("const float*", cols),
             cpp.buffer("float*", n_rows * cols, "zeros"),

@@ -91,7 +91,10 @@ def test_threaded_rungs_on_two_openmp_threads():
 def test_the_vectorizer_report_of_the_rms_norm_rungs():
     source = (SOURCES / "rms_norm.cpp").read_text().splitlines()
     notes = {note.line: note for note in cpp.vectorization_report(SOURCES / "rms_norm.cpp", openmp=True)}
-    simd_lines = [i + 2 for i, line in enumerate(source) if line.strip().startswith("#pragma omp simd")]
+    # rung 2's pragmas (the non-AVX2 fallback further down has its own, not compiled here)
+    start = next(i for i, line in enumerate(source) if line.startswith('extern "C" void rms_norm_simd('))
+    end = next(i for i, line in enumerate(source) if i > start and line.startswith("}"))
+    simd_lines = [i + 2 for i in range(start, end) if source[i].strip().startswith("#pragma omp simd")]
     assert len(simd_lines) == 2
     for line in simd_lines:  # the loop under each pragma
         assert notes[line].loop_vectorized and "32 byte vectors" in notes[line].why, (line, notes.get(line))
@@ -250,3 +253,28 @@ def test_gemm_unblocked_loops_take_too_many_misses(source, capsys):
     assert not verdict.solved
     assert "the values are right on every case" in text and "too many cache misses" in text and "at most 20" in text
     assert "the solution takes" in text
+
+
+def test_cpu_rungs_build_without_avx2(tmp_path):
+    """Built for the compiler's default x86-64 target (no AVX2, as on an older CPU, or like another ISA), the
+    ladder's sources still compile: the intrinsics rung is left out, every other rung is there and right."""
+    from utils import cpp
+
+    flags = tuple(f for f in cpp.DEFAULT_FLAGS if not f.startswith("-march"))
+    rms = cpp.compile_shared(bench13.CPU_SOURCES / "rms_norm.cpp", flags=flags, openmp=True)
+    gemm = cpp.compile_shared(bench13.CPU_SOURCES / "gemm.cpp", flags=flags, openmp=True)
+    assert [n for n, _ in bench13.built_rungs(rms, bench13.RMS_NORM_RUNGS)] == [
+        "rms_norm_naive", "rms_norm_simd", "rms_norm_threads"]
+    assert len(bench13.built_rungs(gemm, bench13.GEMM_RUNGS)) == len(bench13.GEMM_RUNGS)
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(37, 29, generator=g), torch.randn(29, 41, generator=g)
+    for name in ("gemm_simd", "gemm_threads"):
+        c = torch.full((37, 41), float("nan"))
+        gemm.kernel(name, bench13.GEMM_SIGNATURE)(a, b, c, 37, 41, 29, 29, 41, 41)
+        torch.testing.assert_close(c.double(), a.double() @ b.double(), rtol=1e-5, atol=1e-4)
+    x, w = torch.randn(5, 1003, generator=g), torch.rand(1003, generator=g) + 0.5
+    y = torch.full_like(x, float("nan"))
+    rms.kernel("rms_norm_threads", bench13.RMS_SIGNATURE)(x, w, y, 5, 1003, 1003, 1003, bench13.EPS)
+    x64 = x.double()
+    torch.testing.assert_close(y.double(), x64 * torch.rsqrt(x64.square().mean(-1, keepdim=True) + bench13.EPS) * w,
+                               rtol=1e-5, atol=1e-5)

@@ -20,7 +20,8 @@ into it, and calls its ``extern "C"`` functions on tensors' data pointers:
 
 Flags are :data:`DEFAULT_FLAGS`: ``-O3 -march=x86-64-v3`` (AVX2 and FMA, which any x86-64 laptop of
 the last decade has and valgrind can run: never ``-march=native``, whose AVX-512 valgrind 3.19 cannot
-execute and whose code differs from machine to machine) and ``-fopenmp-simd`` (``#pragma omp simd``
+execute and whose code differs from machine to machine; on another ISA, arm64 say, or an older x86, the
+compiler's default target, :data:`X86_64_V3` false) and ``-fopenmp-simd`` (``#pragma omp simd``
 without the OpenMP runtime); ``openmp=True`` adds ``-fopenmp`` for ``#pragma omp parallel``.
 """
 
@@ -38,6 +39,8 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from kernel_ladder.native._build import host_is_x86_64_v3
 
 __all__ = [
     "CACHE_ENV",
@@ -64,7 +67,10 @@ __all__ = [
 CACHE_ENV = "KERNEL_LADDER_CPP_CACHE"
 
 #: g++ flags of every CPU kernel of the course: see the module's docstring for why these.
-DEFAULT_FLAGS: tuple[str, ...] = ("-O3", "-march=x86-64-v3", "-fopenmp-simd", "-std=c++17")
+#: ``-march=x86-64-v3`` where this CPU runs it (:func:`kernel_ladder.native._build.host_is_x86_64_v3`); on
+#: another ISA or an older x86 the compiler's default target, and the AVX2 rungs are not built.
+X86_64_V3: bool = host_is_x86_64_v3()
+DEFAULT_FLAGS: tuple[str, ...] = ("-O3", *(("-march=x86-64-v3",) if X86_64_V3 else ()), "-fopenmp-simd", "-std=c++17")
 
 _COMPILER = "g++"
 

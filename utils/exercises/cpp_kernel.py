@@ -518,7 +518,7 @@ def check_rms_norm_simd(source: Any, *, count: bool = True) -> Verdict:
             return _verdict(name, problems, line, [])
     lines = [f"all {len(prepared)} cases match the float64 reference (guards intact, every element written)"]
     if count:
-        from utils import valgrind
+        from utils import cpp, valgrind
 
         if not valgrind.available():
             lines.append("the instruction bound was not checked: valgrind is not installed (apt install valgrind)")
@@ -530,13 +530,19 @@ def check_rms_norm_simd(source: Any, *, count: bool = True) -> Verdict:
                 f"the naive scalar loop {naive:.2f}"
             where = (f"{rows} rows × {cols} columns, row strides {x_stride}/{y_stride}, instructions of "
                      "rms_norm_rows and what it calls, counted by callgrind")
-            if per_element > RMS_NORM_IR_BOUND:
+            if per_element > RMS_NORM_IR_BOUND and not cpp.X86_64_V3:
+                lines.append(f"{per_element:.2f} instructions per element ({where}); {scale}. The bound "
+                             f"({RMS_NORM_IR_BOUND}) is set for x86-64-v3 (8-wide AVX2): this CPU builds for another "
+                             "target, so the count is shown, not judged")
+            elif per_element > RMS_NORM_IR_BOUND:
                 return _verdict(name, [
                     f"too slow: {per_element:.2f} instructions per element, at most {RMS_NORM_IR_BOUND} ({where}); "
                     f"{scale} — the sum of squares is a float reduction the compiler keeps in order unless told: "
                     "`#pragma omp simd reduction(+ : sum)` on the loop, or AVX2 intrinsics (_mm256_fmadd_ps into "
                     "8-lane partial sums, then one horizontal sum per row)"], "the values are right on every case", [])
-            lines.append(f"{per_element:.2f} instructions per element, within {RMS_NORM_IR_BOUND} ({where}); {scale}")
+            else:
+                lines.append(f"{per_element:.2f} instructions per element, within {RMS_NORM_IR_BOUND} ({where}); "
+                             f"{scale}")
     return _verdict(name, [], None, lines)
 
 

@@ -28,6 +28,25 @@ class NativeBuildError(RuntimeError):
     """The extension cannot be built here (no C++ compiler, no ninja) or its build failed."""
 
 
+#: The CPU features ``-march=x86-64-v3`` assumes beyond x86-64 (as /proc/cpuinfo names them; lzcnt is "abm").
+_X86_64_V3_FLAGS = frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"})
+
+
+def host_is_x86_64_v3() -> bool:
+    """Whether this machine runs ``-march=x86-64-v3`` code (AVX2, FMA, BMI2...): an x86-64 CPU of the last
+    decade. False on other ISAs (arm64 laptops), on older x86 CPUs, and where the CPU's flags cannot be read."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        text = pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return _X86_64_V3_FLAGS <= set(line.split(":", 1)[1].split())
+    return False
+
+
 def _openmp() -> bool:
     """Whether torch's ``at::parallel_for`` runs on OpenMP (then the extension is compiled with it)."""
     return "parallel backend: OpenMP" in torch.__config__.parallel_info()
@@ -66,7 +85,7 @@ def _with_cuda() -> bool:
 def build_config() -> dict:
     """What a build uses: sources, flags, and what the compiled library depends on (the cache key's inputs)."""
     cflags = ["-O3"]
-    if platform.machine().lower() in ("x86_64", "amd64"):
+    if host_is_x86_64_v3():
         cflags.append("-march=x86-64-v3")  # AVX2 + FMA + F16C: any x86 of the last decade, never -march=native
     openmp = _openmp()
     # at::parallel_for's OpenMP backend is inline in ATen's headers: it needs -fopenmp. Otherwise the

@@ -2,7 +2,10 @@
 // element (i, k) at a[i * lda + k], B is K × N at b[k * ldb + j], C is M × N at c[i * ldc + j]
 // (lda >= K, ldb >= N, ldc >= N: a block of a larger matrix, or padded rows). C is overwritten.
 // fp32 throughout. Built with -O3 -march=x86-64-v3 (AVX2 + FMA) -fopenmp (the last rung's threads).
+#if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+#define KL_HAVE_AVX2 1
+#endif
 
 #include <algorithm>
 #include <cstdint>
@@ -77,6 +80,7 @@ extern "C" void gemm_blocked(const float* __restrict__ a, const float* __restric
 // load of B and a load and a store of C. Sixteen registers in all: 12 accumulators, 2 of B, 1 of A.
 constexpr int64_t MR = 6, NR = 16;
 
+#if KL_HAVE_AVX2
 static inline void micro_6x16(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ c,
                               int64_t k0, int64_t k1, int64_t lda, int64_t ldb, int64_t ldc) {
   __m256 acc[MR][2];
@@ -97,6 +101,23 @@ static inline void micro_6x16(const float* __restrict__ a, const float* __restri
     _mm256_storeu_ps(c + r * ldc + 8, acc[r][1]);
   }
 }
+#else
+// Without AVX2 the same 6 x 16 register block, left to the compiler's vectorizer (another ISA's width).
+static inline void micro_6x16(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ c,
+                              int64_t k0, int64_t k1, int64_t lda, int64_t ldb, int64_t ldc) {
+  float acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) acc[r][j] = c[r * ldc + j];
+  for (int64_t k = k0; k < k1; ++k)
+    for (int r = 0; r < MR; ++r) {
+      const float ar = a[r * lda + k];
+#pragma omp simd
+      for (int j = 0; j < NR; ++j) acc[r][j] += ar * b[k * ldb + j];
+    }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) c[r * ldc + j] = acc[r][j];
+}
+#endif
 
 // The edges: a block of fewer than 6 rows or 16 columns (M, N not multiples of the micro-tile),
 // done like rung 3's inner loops. Never touches a column or row past the matrix.

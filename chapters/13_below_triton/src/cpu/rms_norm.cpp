@@ -5,7 +5,10 @@
 // tensor, or a padded one), w of `cols` floats, fp32 accumulation. Built with
 // -O3 -march=x86-64-v3 (AVX2 + FMA) and -fopenmp (the last rung's threads; the others use only
 // `#pragma omp simd`, which -fopenmp-simd alone would enable too).
+#if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+#define KL_HAVE_AVX2 1
+#endif
 
 #include <cmath>
 #include <cstdint>
@@ -47,6 +50,7 @@ extern "C" void rms_norm_simd(const float* __restrict__ x, const float* __restri
   }
 }
 
+#if KL_HAVE_AVX2
 // The sum of a vector's 8 lanes: halves added pairwise (3 adds, not 7).
 static inline float horizontal_sum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -84,6 +88,20 @@ static inline void rms_norm_row_avx2(const float* __restrict__ xr, const float* 
   for (; c < cols; ++c) yr[c] = xr[c] * rstd * w[c];  // the tail again
 }
 
+#else
+// Without AVX2 (another ISA, or an x86 before 2013) rung 3 does not exist, and rung 4 threads rung 2's row.
+static inline void rms_norm_row_avx2(const float* __restrict__ xr, const float* __restrict__ w,
+                                     float* __restrict__ yr, int64_t cols, float eps) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t c = 0; c < cols; ++c) sum += xr[c] * xr[c];
+  const float rstd = 1.0f / std::sqrt(sum / static_cast<float>(cols) + eps);
+#pragma omp simd
+  for (int64_t c = 0; c < cols; ++c) yr[c] = xr[c] * rstd * w[c];
+}
+#endif
+
+#if KL_HAVE_AVX2
 // Rung 3, AVX2 intrinsics: what rung 2 asks the compiler for, written out — 8-wide FMAs into two
 // accumulators, one horizontal sum per row, and the tail (cols % 8) done scalar, never loaded
 // past the row's end (a full-width load there would read past the buffer).
@@ -91,6 +109,7 @@ extern "C" void rms_norm_avx2(const float* __restrict__ x, const float* __restri
                               int64_t rows, int64_t cols, int64_t x_row_stride, int64_t y_row_stride, float eps) {
   for (int64_t r = 0; r < rows; ++r) rms_norm_row_avx2(x + r * x_row_stride, w, y + r * y_row_stride, cols, eps);
 }
+#endif
 
 // Rung 4, threads: rung 3's rows shared among OpenMP threads (rows are independent; a static
 // schedule gives each thread one contiguous band of rows, so no two threads write one cache line
