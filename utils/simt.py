@@ -157,8 +157,9 @@ def _compiler() -> tuple[str, str]:
     gxx = os.environ.get("CXX") if os.environ.get("CXX", "").endswith("g++") else None
     gxx = gxx or shutil.which("g++")
     if gxx is None:
-        raise SimtCompileError("utils.simt: no g++ found: install g++ (build-essential) to run CUDA kernels on the "
-                               "CPU", "", [])
+        raise SimtCompileError(
+            "utils.simt: no g++ found: install g++ (build-essential) to run CUDA kernels on the CPU", "", []
+        )
     version = subprocess.run([gxx, "--version"], capture_output=True, text=True).stdout.splitlines()[0]
     return gxx, version
 
@@ -257,13 +258,21 @@ def _shared_variables(lib: Path) -> tuple[tuple[tuple[int, int], ...], tuple[str
     return tuple(found), tuple(names)
 
 
-def build(source: str | Path, kernel: str, ctypes_: Sequence[str], include_dirs: Sequence[str | Path] = (),
-          defines: Mapping[str, object] | None = None, *, checked: bool = False) -> _Library:
+def build(
+    source: str | Path,
+    kernel: str,
+    ctypes_: Sequence[str],
+    include_dirs: Sequence[str | Path] = (),
+    defines: Mapping[str, object] | None = None,
+    *,
+    checked: bool = False,
+) -> _Library:
     """Compile ``kernel`` of ``source`` with an entry taking arguments of the C++ types ``ctypes_`` (cached).
     Raises :class:`SimtCompileError` with g++'s errors when it does not compile."""
     if not isinstance(kernel, str) or not _KERNEL_NAME.match(kernel.strip()):
-        raise ValueError(f"utils.simt: kernel must name a kernel as C++ calls it ('name' or 'name<4, float>'), "
-                         f"got {kernel!r}")
+        raise ValueError(
+            f"utils.simt: kernel must name a kernel as C++ calls it ('name' or 'name<4, float>'), got {kernel!r}"
+        )
     text, label, dirs = _source_of(source)
     dirs += [str(Path(d).resolve()) for d in include_dirs]
     gxx, version = _compiler()
@@ -282,8 +291,9 @@ def build(source: str | Path, kernel: str, ctypes_: Sequence[str], include_dirs:
             result = subprocess.run(command, capture_output=True, text=True)
             log = (result.stdout + result.stderr).replace(str(tmp / "entry.cpp"), "simt-entry")
             if result.returncode != 0:
-                errors = [(Path(m["file"]).name, int(m["line"]), m["message"].strip())
-                          for m in _ERROR_LINE.finditer(log)]
+                errors = [
+                    (Path(m["file"]).name, int(m["line"]), m["message"].strip()) for m in _ERROR_LINE.finditer(log)
+                ]
                 shown = "\n".join(f"{f}:{n}: {msg}" for f, n, msg in errors[:8]) or log.strip()[-2000:]
                 raise SimtCompileError(f"utils.simt: g++ could not compile {label} ({kernel}):\n{shown}", log, errors)
             shared, names = _shared_variables(tmp / "kernel.so")
@@ -306,8 +316,11 @@ def build(source: str | Path, kernel: str, ctypes_: Sequence[str], include_dirs:
 def _dims(value: Any, what: str) -> tuple[int, int, int]:
     if isinstance(value, int) and not isinstance(value, bool):
         value = (value,)
-    if not isinstance(value, (tuple, list)) or not 1 <= len(value) <= 3 or not all(
-            isinstance(v, int) and not isinstance(v, bool) for v in value):
+    if (
+        not isinstance(value, (tuple, list))
+        or not 1 <= len(value) <= 3
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    ):
         raise TypeError(f"utils.simt: {what} must be an int or a tuple of 1 to 3 ints, got {value!r}")
     dims = (*value, *(1,) * (3 - len(value)))
     if any(v < 0 for v in dims):
@@ -325,7 +338,9 @@ class _Argument:
 
 def _arguments(args: Sequence[Any]) -> list[_Argument]:
     if not isinstance(args, (list, tuple)):
-        raise TypeError(f"utils.simt: args must be a list or tuple of the kernel's arguments, got {type(args).__name__}")
+        raise TypeError(
+            f"utils.simt: args must be a list or tuple of the kernel's arguments, got {type(args).__name__}"
+        )
     found = []
     for i, value in enumerate(args):
         ctype = None
@@ -333,22 +348,28 @@ def _arguments(args: Sequence[Any]) -> list[_Argument]:
             value, ctype = value.value, " ".join(value.ctype.split())
         if isinstance(value, torch.Tensor):
             if value.device.type != "cpu":
-                raise ValueError(f"utils.simt: argument {i} must be a CPU tensor (the kernel runs on the CPU), got "
-                                 f"one on {value.device}")
+                raise ValueError(
+                    f"utils.simt: argument {i} must be a CPU tensor (the kernel runs on the CPU), got "
+                    f"one on {value.device}"
+                )
             if value.dtype not in _DTYPES:
-                raise TypeError(f"utils.simt: argument {i} has dtype {value.dtype}; supported: "
-                                f"{sorted(str(d).removeprefix('torch.') for d in _DTYPES)}")
+                raise TypeError(
+                    f"utils.simt: argument {i} has dtype {value.dtype}; supported: "
+                    f"{sorted(str(d).removeprefix('torch.') for d in _DTYPES)}"
+                )
             if ctype is not None and not _POINTER_TYPE.match(ctype):
                 raise ValueError(f"utils.simt: argument {i}: a tensor is passed as a pointer, got type {ctype!r}")
             found.append(_Argument(ctype or _DTYPES[value.dtype][0] + "*", tensor=value))
             continue
         if ctype is not None:
             if ctype not in _SCALARS:
-                raise ValueError(f"utils.simt: argument {i}: unsupported scalar type {ctype!r}; supported: "
-                                 f"{sorted(_SCALARS)}")
+                raise ValueError(
+                    f"utils.simt: argument {i}: unsupported scalar type {ctype!r}; supported: {sorted(_SCALARS)}"
+                )
             if not isinstance(value, (int, float, bool)):
-                raise TypeError(f"utils.simt: argument {i}: Arg({ctype!r}) needs an int, float or bool, got "
-                                f"{type(value).__name__}")
+                raise TypeError(
+                    f"utils.simt: argument {i}: Arg({ctype!r}) needs an int, float or bool, got {type(value).__name__}"
+                )
             found.append(_Argument(ctype, scalar=value, storage=_SCALARS[ctype]))
         elif isinstance(value, bool):
             found.append(_Argument("bool", scalar=value, storage=ctypes.c_bool))
@@ -359,8 +380,10 @@ def _arguments(args: Sequence[Any]) -> list[_Argument]:
         elif isinstance(value, float):
             found.append(_Argument("float", scalar=value, storage=ctypes.c_float))
         else:
-            raise TypeError(f"utils.simt: argument {i} is a {type(value).__name__}; pass CPU tensors, ints, floats, "
-                            "bools, or utils.simt.Arg(value, 'C++ type')")
+            raise TypeError(
+                f"utils.simt: argument {i} is a {type(value).__name__}; pass CPU tensors, ints, floats, "
+                "bools, or utils.simt.Arg(value, 'C++ type')"
+            )
     return found
 
 
@@ -385,9 +408,18 @@ def _load(lib: _Library) -> Any:
     return function
 
 
-def launch(source: str | Path, kernel: str, grid: Any, block: Any, args: Sequence[Any],
-           include_dirs: Sequence[str | Path] = (), defines: Mapping[str, object] | None = None, *,
-           order: str = "forward", stack_size: int | None = None) -> None:
+def launch(
+    source: str | Path,
+    kernel: str,
+    grid: Any,
+    block: Any,
+    args: Sequence[Any],
+    include_dirs: Sequence[str | Path] = (),
+    defines: Mapping[str, object] | None = None,
+    *,
+    order: str = "forward",
+    stack_size: int | None = None,
+) -> None:
     """Run ``kernel<<<grid, block>>>(*args)`` of ``source`` (CUDA C++ text, or a ``.cu``/``.cuh`` path) on the
     CPU, in this process (see the module docstring). ``order="reverse"`` starts the threads of each block
     last to first (a missing barrier shows in one order or the other). Raises :class:`SimtCompileError`,
@@ -403,8 +435,15 @@ def launch(source: str | Path, kernel: str, grid: Any, block: Any, args: Sequenc
         pointers[i] = ctypes.cast(ctypes.pointer(cell), ctypes.c_void_p)
     err = ctypes.create_string_buffer(_ERRLEN)
     poison, count = _poison_array(lib)
-    rc = entry((ctypes.c_longlong * 6)(*grid3, *block3), pointers, err, ctypes.c_longlong(_ERRLEN),
-               _options(order, stack_size, False), poison, ctypes.c_int(count))
+    rc = entry(
+        (ctypes.c_longlong * 6)(*grid3, *block3),
+        pointers,
+        err,
+        ctypes.c_longlong(_ERRLEN),
+        _options(order, stack_size, False),
+        poison,
+        ctypes.c_int(count),
+    )
     if rc:
         raise SimtError("utils.simt: " + err.value.decode(errors="replace"), "deadlock" if rc == 1 else "error")
 
@@ -435,8 +474,11 @@ class GuardHit:
 
     def __str__(self) -> str:
         parts = []
-        for name, offsets in (("before its first element", self.before), ("between its rows (outside the view)",
-                              self.gaps), ("past its last element", self.after)):
+        for name, offsets in (
+            ("before its first element", self.before),
+            ("between its rows (outside the view)", self.gaps),
+            ("past its last element", self.after),
+        ):
             if offsets:
                 shown = ", ".join(map(str, offsets[:6])) + (", ..." if len(offsets) > 6 else "")
                 parts.append(f"{len(offsets)} {name} (element offsets {shown})")
@@ -474,15 +516,31 @@ class RunReport:
 
 
 @dataclasses.dataclass
-class _Region:
+class _Member:
     index: int
     label: str
     tensor: torch.Tensor
+    data: int  # the tensor's first element: its byte offset in the shared file
+    output: bool
+
+
+@dataclasses.dataclass
+class _Region:
+    """The guarded copy of one storage: the tensors on it (several if arguments alias), between guards."""
+
     start: int  # the region's offset in the shared file
     size: int
-    data: int  # the first element's offset in the shared file
-    span: int  # elements from the first to the last addressed one, inclusive
-    output: bool
+    base: int  # the lowest byte any of its tensors addresses
+    nbytes: int  # from that byte to the end of the highest element addressed
+    members: list[_Member]
+
+    @property
+    def label(self) -> str:
+        return "/".join(dict.fromkeys(m.label for m in self.members))
+
+    @property
+    def first(self) -> _Member:
+        return min(self.members, key=lambda m: m.data)
 
 
 _CHILD = r"""
@@ -553,8 +611,8 @@ def _parse_fault(stderr: str, base: int | None, regions: list[_Region]) -> str |
     if at is not None and base is not None:
         for r in regions:
             if base + r.start <= at < base + r.start + r.size:
-                itemsize = r.tensor.element_size()
-                offset = (at - (base + r.data)) // itemsize
+                itemsize = r.first.tensor.element_size()
+                offset = (at - (base + r.first.data)) // itemsize
                 side = "before its first element" if offset < 0 else "past its last element"
                 where = f"{r.label}: element offset {offset} ({side})"
                 break
@@ -565,10 +623,21 @@ def _parse_fault(stderr: str, base: int | None, regions: list[_Region]) -> str |
     return f"{signame}: {where}{who}"
 
 
-def run_checked(source: str | Path, kernel: str, grid: Any, block: Any, args: Sequence[Any],
-                include_dirs: Sequence[str | Path] = (), defines: Mapping[str, object] | None = None, *,
-                outputs: Sequence[int] = (), names: Sequence[str] | None = None, order: str = "forward",
-                timeout: float = 60.0, stack_size: int | None = None) -> RunReport:
+def run_checked(
+    source: str | Path,
+    kernel: str,
+    grid: Any,
+    block: Any,
+    args: Sequence[Any],
+    include_dirs: Sequence[str | Path] = (),
+    defines: Mapping[str, object] | None = None,
+    *,
+    outputs: Sequence[int] = (),
+    names: Sequence[str] | None = None,
+    order: str = "forward",
+    timeout: float = 60.0,
+    stack_size: int | None = None,
+) -> RunReport:
     """Run ``kernel<<<grid, block>>>(*args)`` in a child process on guarded copies of the tensors, and say what
     happened (a :class:`RunReport`; never raises for the kernel's own faults). ``outputs``: the indices of
     the output tensors (their guards hold a canary; the others' hold NaN); ``names``: the arguments' names
@@ -580,18 +649,26 @@ def run_checked(source: str | Path, kernel: str, grid: Any, block: Any, args: Se
     try:
         lib = build(source, kernel, [a.ctype for a in arguments], include_dirs, defines, checked=True)
     except SimtCompileError as error:
-        return RunReport("compile_error", str(error).split(":\n", 1)[-1], error.errors,
-                         seconds=time.perf_counter() - started)
+        return RunReport(
+            "compile_error", str(error).split(":\n", 1)[-1], error.errors, seconds=time.perf_counter() - started
+        )
     regions: list[_Region] = []
     offset = 0
+    by_storage: dict[int, list[int]] = {}
     for i, a in enumerate(arguments):
-        if a.tensor is None:
-            continue
-        t = a.tensor
-        span = _span(t)
-        skew = t.data_ptr() % 256
-        size = -(-(2 * _GUARD + 256 + span * t.element_size()) // 4096) * 4096
-        regions.append(_Region(i, labels[i], t, offset, size, offset + _GUARD + skew, span, i in outputs))
+        if a.tensor is not None:
+            by_storage.setdefault(a.tensor.untyped_storage().data_ptr(), []).append(i)
+    for indices in by_storage.values():
+        tensors = [arguments[i].tensor for i in indices]
+        low = min(t.data_ptr() for t in tensors)
+        high = max(t.data_ptr() + _span(t) * t.element_size() for t in tensors)
+        size = -(-(2 * _GUARD + 256 + (high - low)) // 4096) * 4096
+        base = offset + _GUARD + low % 256
+        members = [
+            _Member(i, labels[i], arguments[i].tensor, base + arguments[i].tensor.data_ptr() - low, i in outputs)
+            for i in indices
+        ]
+        regions.append(_Region(offset, size, base, high - low, members))
         offset += size
     total = max(offset, 4096)
     folder = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
@@ -600,26 +677,40 @@ def run_checked(source: str | Path, kernel: str, grid: Any, block: Any, args: Se
         handle.flush()
         with mmap.mmap(handle.fileno(), total) as memory:
             whole = torch.frombuffer(memory, dtype=torch.uint8, count=total)
-            views = {}
+            views: dict[int, torch.Tensor] = {}
             for r in regions:
-                pattern = _fill_pattern(r.tensor.dtype, r.output, r.size)
-                whole[r.start:r.start + r.size] = torch.frombuffer(bytearray(pattern), dtype=torch.uint8)
-                flat = whole[r.data:r.data + r.span * r.tensor.element_size()].view(r.tensor.dtype)
-                view = flat.as_strided(r.tensor.shape, r.tensor.stride()) if r.tensor.numel() else flat[:0]
-                view.copy_(r.tensor) if r.tensor.numel() else None
-                views[r.index] = view
+                output = any(m.output for m in r.members)
+                pattern = _fill_pattern(r.first.tensor.dtype, output, r.size)
+                whole[r.start : r.start + r.size] = torch.frombuffer(bytearray(pattern), dtype=torch.uint8)
+                for m in r.members:
+                    views[m.index] = _view(whole, m)
+                    if m.tensor.numel():
+                        views[m.index].copy_(m.tensor)
             before = whole.clone()
             spec = {
-                "lib": str(lib.path), "memory": handle.name, "size": total, "dims": [*grid3, *block3],
+                "lib": str(lib.path),
+                "memory": handle.name,
+                "size": total,
+                "dims": [*grid3, *block3],
                 "options": [order == "reverse", stack_size or 0, 1],
                 "poison": [v for pair in lib.shared for v in pair],
-                "args": [["tensor", a.ctype, next(r.data for r in regions if r.index == i)] if a.tensor is not None
-                         else ["scalar", a.ctype, a.scalar] for i, a in enumerate(arguments)],
+                "args": [
+                    ["tensor", a.ctype, next(m.data for r in regions for m in r.members if m.index == i)]
+                    if a.tensor is not None
+                    else ["scalar", a.ctype, a.scalar]
+                    for i, a in enumerate(arguments)
+                ],
             }
             env = {**os.environ, "UBSAN_OPTIONS": "print_stacktrace=0:halt_on_error=1:print_summary=0"}
-            child = subprocess.Popen([sys.executable, "-I", "-S", "-c", _CHILD], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                     start_new_session=True)
+            child = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _CHILD],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+                start_new_session=True,
+            )
             try:
                 stdout, stderr = child.communicate(json.dumps(spec), timeout=timeout)
                 timed_out = False
@@ -632,13 +723,16 @@ def run_checked(source: str | Path, kernel: str, grid: Any, block: Any, args: Se
             for index, view in views.items():  # the kernel's writes, back into the caller's tensors
                 if view.numel():
                     arguments[index].tensor.copy_(view)
-            del whole, views, view, flat
+            view = None  # every view of the shared memory goes before it is unmapped
+            views.clear()
+            del whole
     report.seconds = time.perf_counter() - started
     return report
 
 
-def _outcome(returncode: int, stdout: str, stderr: str, timed_out: bool, timeout: float,
-             regions: list[_Region]) -> RunReport:
+def _outcome(
+    returncode: int, stdout: str, stderr: str, timed_out: bool, timeout: float, regions: list[_Region]
+) -> RunReport:
     base_match = re.search(r"^SIMT-BASE (\d+)$", stdout, re.M)
     base = int(base_match.group(1)) if base_match else None
     result = re.search(r"^SIMT-RESULT (.*)$", stdout, re.M)
@@ -660,27 +754,56 @@ def _outcome(returncode: int, stdout: str, stderr: str, timed_out: bool, timeout
         return RunReport("crash", fault, output=printed)
     tail = stderr.strip().splitlines()[-3:]
     how = f"signal {-returncode}" if returncode < 0 else f"exit status {returncode}"
-    return RunReport("crash", f"the child process died ({how})" + (": " + " | ".join(tail) if tail else ""),
-                     output=printed)
+    return RunReport(
+        "crash", f"the child process died ({how})" + (": " + " | ".join(tail) if tail else ""), output=printed
+    )
 
 
-def _guards(report: RunReport, regions: list[_Region], whole: torch.Tensor, before: torch.Tensor,
-            views: dict[int, torch.Tensor]) -> None:
+def _view(whole: torch.Tensor, m: _Member) -> torch.Tensor:
+    t = m.tensor
+    flat = whole[m.data : m.data + _span(t) * t.element_size()].view(t.dtype)
+    return flat.as_strided(t.shape, t.stride()) if t.numel() else flat[:0]
+
+
+def _owned_bytes(r: _Region) -> torch.Tensor:
+    """Which bytes of ``r`` (from its lowest addressed byte) belong to an element of one of its tensors."""
+    owned = torch.zeros(r.nbytes, dtype=torch.bool)
+    for m in r.members:
+        t = m.tensor
+        elements = _owned(t, _span(t)).repeat_interleave(t.element_size())
+        owned[m.data - r.base : m.data - r.base + elements.numel()] |= elements
+    return owned
+
+
+def _guards(
+    report: RunReport, regions: list[_Region], whole: torch.Tensor, before: torch.Tensor, views: dict[int, torch.Tensor]
+) -> None:
     changed = (whole != before).nonzero().flatten()
     for r in regions:
-        size = r.tensor.element_size()
-        inside = changed[(changed >= r.start) & (changed < r.start + r.size)]
+        inside = changed[(changed >= r.start) & (changed < r.start + r.size)] - r.base
         if inside.numel() == 0:
             continue
-        offsets = torch.unique(torch.div(inside - r.data, size, rounding_mode="floor"))
-        owned = _owned(r.tensor, r.span)
-        in_span = (offsets >= 0) & (offsets < r.span)
-        gap_mask = in_span.clone()
-        gap_mask[in_span] = ~owned[offsets[in_span]]
-        before_o = tuple(offsets[offsets < 0].tolist())
-        gaps = tuple(offsets[gap_mask].tolist())
-        after = tuple(offsets[offsets >= r.span].tolist())
-        if before_o or gaps or after:
-            report.guard_hits.append(GuardHit(r.label, before_o, gaps, after, len(before_o) + len(gaps) + len(after)))
-        if not r.output and bool((in_span & ~gap_mask).any()):
-            report.changed_inputs.append(r.label)
+        owned = _owned_bytes(r)
+        in_span = (inside >= 0) & (inside < r.nbytes)
+        gap = in_span.clone()
+        gap[in_span] = ~owned[inside[in_span]]
+        first = r.first
+        size, shift = first.tensor.element_size(), first.data - r.base
+
+        def elements(byte_offsets: torch.Tensor, size: int = size, shift: int = shift) -> tuple[int, ...]:
+            return tuple(torch.unique(torch.div(byte_offsets - shift, size, rounding_mode="floor")).tolist())
+
+        hit = GuardHit(
+            r.label, elements(inside[inside < 0]), elements(inside[gap]), elements(inside[inside >= r.nbytes]), 0
+        )
+        hit = dataclasses.replace(hit, count=len(hit.before) + len(hit.gaps) + len(hit.after))
+        if hit.count:
+            report.guard_hits.append(hit)
+        for m in r.members:
+            if m.output or not m.tensor.numel():
+                continue
+            mine = _owned(m.tensor, _span(m.tensor)).repeat_interleave(m.tensor.element_size())
+            start = m.data - r.base
+            touched = inside[(inside >= start) & (inside < start + mine.numel())] - start
+            if bool(mine[touched].any()):
+                report.changed_inputs.append(m.label)
