@@ -602,7 +602,7 @@ def _parse_fault(stderr: str, base: int | None, regions: list[_Region]) -> str |
     signame, address, block, thread = match.group(1), match.group(2), match.group(3), match.group(4)
     who = f" in block ({block.replace(',', ', ')}), thread ({thread.replace(',', ', ')})" if block else ""
     if signame == "SIGFPE":
-        return f"SIGFPE (an integer division by zero){who}"
+        return f"SIGFPE{who}: an integer division by zero"
     try:
         at = int(address, 16)
     except ValueError:
@@ -620,7 +620,7 @@ def _parse_fault(stderr: str, base: int | None, regions: list[_Region]) -> str |
             where = f"at address {address}, outside every tensor argument and its guards"
     if match.group(5):
         where = "a stack overflow (a large local array?)"
-    return f"{signame}: {where}{who}"
+    return f"{signame}{who}: {where}"
 
 
 def run_checked(
