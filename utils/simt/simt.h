@@ -552,6 +552,9 @@ inline void run_block() {
     f->linear = t;
     f->idx = uint3{t % s->block.x, (t / s->block.x) % s->block.y, t / (s->block.x * s->block.y)};
     memcpy((void*)&f->ctx, &s->proto, sizeof(ucontext_t));
+#if defined(__x86_64__) && defined(__GLIBC__)
+    f->ctx.uc_mcontext.fpregs = &f->ctx.__fpregs_mem;  // the copy's own floating-point state, not the prototype's
+#endif
     f->ctx.uc_stack.ss_sp = s->stacks + (size_t)t * stride + page;
     f->ctx.uc_stack.ss_size = stride - page;
     f->ctx.uc_link = &s->sched;
