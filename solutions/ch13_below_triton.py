@@ -62,6 +62,47 @@ extern "C" void gemm(const float* __restrict__ a, const float* __restrict__ b, f
 
 
 # ----------------------------------------------------------------------------------------------
+# CUDA C++ thread by thread: exercise 3 (checked by utils.exercises.cuda_kernel, run by utils.simt)
+# ----------------------------------------------------------------------------------------------
+
+#: Exercise 3: RMSNorm with one warp per row. Teaches the warp as the unit of a reduction: each lane adds the
+#: squares of the float4s it owns (i = lane, lane + 32, ...: consecutive lanes read consecutive 16 bytes, so a
+#: warp's load is 512 contiguous bytes) and then the tail's columns one by one; five ``__shfl_xor_sync`` steps
+#: (16, 8, 4, 2, 1) leave every lane holding the row's total — no shared memory and no ``__syncthreads()``:
+#: the lanes of a warp exchange registers directly. A warp past the last row returns whole, so every lane the
+#: full mask names reaches each shuffle. Rows start 16-byte aligned (``row_stride`` is a multiple of 4).
+RMS_NORM_WARP = r"""#include <cuda_runtime.h>
+
+__global__ void rms_norm_warp(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,
+                              long long rows, long long cols, long long row_stride, float eps) {
+  const int lane = threadIdx.x % 32;
+  const long long row = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  if (row >= rows) return;  // the whole warp: every lane of the full mask stays for the shuffles
+  const float* xr = x + row * row_stride;
+  float* yr = y + row * row_stride;
+  const long long vectors = cols / 4;  // whole float4s; the last cols % 4 columns are the tail
+  const float4* xv = reinterpret_cast<const float4*>(xr);
+  float sum = 0.0f;
+  for (long long i = lane; i < vectors; i += 32) {
+    const float4 v = xv[i];
+    sum += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+  }
+  for (long long c = 4 * vectors + lane; c < cols; c += 32) sum += xr[c] * xr[c];
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  const float rstd = rsqrtf(sum / (float)cols + eps);  // every lane holds the row's total
+  const float4* wv = reinterpret_cast<const float4*>(w);
+  float4* yv = reinterpret_cast<float4*>(yr);
+  for (long long i = lane; i < vectors; i += 32) {
+    const float4 v = xv[i], g = wv[i];
+    yv[i] = make_float4(v.x * rstd * g.x, v.y * rstd * g.y, v.z * rstd * g.z, v.w * rstd * g.w);
+  }
+  for (long long c = 4 * vectors + lane; c < cols; c += 32) yr[c] = xr[c] * rstd * w[c];
+}
+"""
+
+
+# ----------------------------------------------------------------------------------------------
 # Exercise 4: a bank-conflict-free layout of the GEMM's transposed A tile (shared memory)
 # ----------------------------------------------------------------------------------------------
 

@@ -64,7 +64,10 @@ reaches everything a notebook uses):
   ``rules.no_python_loops``, ``rules.holds`` (``check(..., rules=[...])``);
 * :mod:`~utils.exercises.traffic` — :class:`Traffic`, the performance verdict of a solved kernel:
   its traced bytes against the ideal and the ladder's top (``check(..., traffic=...)``);
-* :mod:`~utils.exercises.checker` — :func:`check`, the runner.
+* :mod:`~utils.exercises.checker` — :func:`check`, the runner;
+* :mod:`~utils.exercises.cuda_kernel` — the checks of CUDA C++ exercises (a source string): run thread by
+  thread on the CPU by :mod:`utils.simt`, then read as sm_90 SASS
+  (:func:`~utils.exercises.cuda_kernel.check_rms_norm_warp`).
 
 Beyond the values: where the reference returns an exact Python ``int`` (or ``bool``), the answer
 must be one too (a float that happens to be equal is "expected an exact int, got float ..."); an

@@ -1,0 +1,163 @@
+"""Chapter 13's CUDA exercise 3 (``rms_norm_warp``): the solution passes the checker, run thread by thread on the
+CPU by the SIMT emulator and read as sm_90 SASS; plausible wrong kernels do not, each with its diagnosis.
+
+The wrong kernels are the solution with one mistake each (a string replacement, so that each differs from the
+solution by exactly what it gets wrong).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from solutions.ch13_below_triton import RMS_NORM_WARP
+from utils import exercises
+from utils.exercises import cuda_kernel
+from utils.exercises.cuda_kernel import RMS_NORM_WARP_STUB, check_rms_norm_warp
+from utils.nvcc import find_nvcc
+
+needs_nvcc = pytest.mark.skipif(find_nvcc() is None, reason="no nvcc: the sm_90 SASS cannot be read")
+
+
+def rejected(verdict, diagnosis: str) -> bool:
+    """NOT SOLVED, saying ``diagnosis`` (the verdict's lines are wrapped: compared with single spaces)."""
+    return not verdict.solved and diagnosis in " ".join(verdict.message.split())
+
+
+def variant(old: str, new: str) -> str:
+    assert old in RMS_NORM_WARP, old
+    return RMS_NORM_WARP.replace(old, new)
+
+
+SUM_LOOP = """  for (long long i = lane; i < vectors; i += 32) {
+    const float4 v = xv[i];
+    sum += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+  }
+"""
+TAIL_SUM = "  for (long long c = 4 * vectors + lane; c < cols; c += 32) sum += xr[c] * xr[c];\n"
+REDUCTION = "  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);\n"
+STORE_LOOP = """  for (long long i = lane; i < vectors; i += 32) {
+    const float4 v = xv[i], g = wv[i];
+    yv[i] = make_float4(v.x * rstd * g.x, v.y * rstd * g.y, v.z * rstd * g.z, v.w * rstd * g.w);
+  }
+"""
+TAIL_STORE = "  for (long long c = 4 * vectors + lane; c < cols; c += 32) yr[c] = xr[c] * rstd * w[c];\n"
+
+#: Right values, scalar loads: every column one by one.
+SCALAR_LOADS = variant(SUM_LOOP, "").replace(STORE_LOOP, "").replace("4 * vectors + lane", "lane")
+
+#: Right values, the reduction through shared memory with block barriers.
+SHARED_REDUCTION = variant(
+    "#pragma unroll\n" + REDUCTION,
+    """  __shared__ float partial[32][32];
+  const int warp = threadIdx.x / 32;
+  partial[warp][lane] = sum;
+  __syncthreads();
+  sum = 0.0f;
+  for (int i = 0; i < 32; ++i) sum += partial[warp][i];
+  __syncthreads();
+""",
+)
+
+NO_TAIL = variant(TAIL_SUM, "").replace(TAIL_STORE, "")
+
+BARRIER_IN_THE_TAIL = variant(
+    TAIL_SUM,
+    """  for (long long c = 4 * vectors + lane; c < cols; c += 32) {
+    sum += xr[c] * xr[c];
+    __syncthreads();
+  }
+""",
+)
+
+#: __shfl_down_sync leaves the total in lane 0 only; every lane then scales by its own partial sum.
+DOWN_WITHOUT_BROADCAST = variant(REDUCTION, REDUCTION.replace("__shfl_xor_sync", "__shfl_down_sync"))
+
+#: The xor offsets stop at 2: lanes 2k and 2k+1 never add each other's sums.
+OFFSETS_STOP_AT_TWO = variant("offset > 0", "offset > 1")
+
+#: float4s rounded up, no tail: the last float4 of a row reads and writes past it.
+PAST_THE_ROW = variant("const long long vectors = cols / 4;", "const long long vectors = (cols + 3) / 4;")
+
+#: The row stride taken as cols: rows of a padded tensor land on unaligned addresses.
+STRIDE_AS_COLS = variant("x + row * row_stride", "x + row * cols")
+
+#: Every warp of a block takes the same row.
+SAME_ROW_PER_BLOCK = variant(
+    "(long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32", "(long long)blockIdx.x * (blockDim.x / 32)"
+)
+
+NO_EPS = variant("sum / (float)cols + eps", "sum / (float)cols")
+
+
+@needs_nvcc
+def test_the_solution_is_solved_and_its_sass_named():
+    verdict = check_rms_norm_warp(RMS_NORM_WARP)
+    assert verdict.solved, verdict.message
+    assert "LDG.E.128" in verdict.message and "SHFL.BFLY ×5" in verdict.message and "no spills" in verdict.message
+    assert exercises._LAST_VERDICTS[cuda_kernel.RMS_WARP_NAME] is True
+
+
+def test_without_nvcc_the_values_alone_are_checked_and_that_is_said(monkeypatch):
+    from utils import nvcc
+
+    monkeypatch.setattr(nvcc, "find_nvcc", lambda: None)
+    verdict = check_rms_norm_warp(RMS_NORM_WARP)
+    assert verdict.solved and "the sm_90 SASS was not read: no nvcc here" in verdict.message
+
+
+@pytest.mark.parametrize(
+    "source,diagnosis",
+    [
+        (RMS_NORM_WARP_STUB, "256 of 256 elements never written (still the poison NaN): rows 0–3, columns 0–63"),
+        (NO_TAIL, "cause: the scalar tail is missing: the last cols % 4 = 1 column(s) of each row are no float4"),
+        (BARRIER_IN_THE_TAIL, "cause: a __syncthreads() that not every thread of the block reaches"),
+        (DOWN_WITHOUT_BROADCAST, "cause: lane 0's columns are right, the other lanes' wrong: only lane 0 holds"),
+        (OFFSETS_STOP_AT_TWO, "cause: the lanes of a row disagree on its factor"),
+        (PAST_THE_ROW, "wrote outside y: 3 past its last element (element offsets 1, 2, 3) — a row is 1 long"),
+        (STRIDE_AS_COLS, "misaligned: kernel.cu:"),
+        (SAME_ROW_PER_BLOCK, "cause: only the first row of each block of 4 rows is written"),
+        (NO_EPS, "cause: eps is missing"),
+    ],
+    ids=[
+        "stub",
+        "no-tail",
+        "barrier-in-tail",
+        "down-no-broadcast",
+        "offsets-stop-at-2",
+        "past-the-row",
+        "stride-as-cols",
+        "same-row-per-block",
+        "no-eps",
+    ],
+)
+def test_wrong_kernels_are_not_solved_with_their_diagnosis(source, diagnosis):
+    verdict = check_rms_norm_warp(source, sass=False)
+    assert rejected(verdict, diagnosis), verdict.message
+    assert exercises._LAST_VERDICTS[cuda_kernel.RMS_WARP_NAME] is False
+
+
+@needs_nvcc
+@pytest.mark.parametrize(
+    "source,diagnosis",
+    [
+        (SCALAR_LOADS, "no 128-bit global load (LDG.E.128) in the sm_90 SASS"),
+        (SHARED_REDUCTION, "shared memory or a block barrier in the sm_90 SASS (BAR.SYNC"),
+    ],
+    ids=["scalar-loads", "shared-reduction"],
+)
+def test_right_values_with_sass_that_breaks_the_spec_are_not_solved(source, diagnosis):
+    # The values are right: the emulator passes them, the sm_90 build is what the verdict names.
+    assert check_rms_norm_warp(source, sass=False).solved
+    verdict = check_rms_norm_warp(source)
+    assert rejected(verdict, "the values are right on every case; the sm_90 build is not")
+    assert rejected(verdict, diagnosis), verdict.message
+
+
+def test_a_compile_error_is_named_by_its_line():
+    verdict = check_rms_norm_warp(variant("const int lane = threadIdx.x % 32;", "const int lane = threadIdx.x % 32"))
+    assert rejected(verdict, "does not compile (line(s) 6, 7, 8 of the source string): g++ says")
+    assert rejected(verdict, "kernel.cu:6: expected ‘,’ or ‘;’ before ‘const’")
+
+
+def test_a_source_that_is_not_a_string_is_not_solved():
+    assert rejected(check_rms_norm_warp(None), "expected the CUDA source as a string, got NoneType")
