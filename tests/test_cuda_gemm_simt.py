@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-simt = pytest.importorskip("utils.simt")
+from utils import simt
 
 SRC = Path(__file__).resolve().parents[1] / "chapters" / "13_below_triton" / "src" / "cuda"
 

@@ -40,6 +40,13 @@ def test_kernels_named_by_base_name_and_instantiation():
     assert any(op.startswith("DMUL") for op in double_ops)
 
 
+def test_a_base_name_is_not_a_prefix_of_another():
+    build = nvcc.compile_cuda("__global__ void scale(float* y) { y[0] = 1; }\n"
+                              "__global__ void scale_racy(float* y) { y[threadIdx.x] = 2; }")
+    assert build.mangled("scale") != build.mangled("scale_racy")
+    assert build.mangled("scale_r") == build.mangled("scale_racy")  # a signature's start, where no base name is
+
+
 def test_uninstantiated_template_has_no_kernel():
     build = nvcc.compile_cuda(SOURCE)
     with pytest.raises(KeyError, match="no kernel named 'scale_kernel'"):

@@ -87,9 +87,10 @@ class CudaCompile:
         """The mangled name of ``kernel`` (a base name, a demangled prefix, or the mangled name itself)."""
         if kernel in self.kernels:
             return kernel
-        found = [
-            m for m, d in self.kernels.items() if _base_name(d) == kernel or d.removeprefix("void ").startswith(kernel)
-        ]
+        # an exact base name first ("scale" must not also find "scale_racy"), then a signature's start
+        found = [m for m, d in self.kernels.items() if _base_name(d) == kernel]
+        if not found:
+            found = [m for m, d in self.kernels.items() if d.removeprefix("void ").startswith(kernel)]
         if len(found) != 1:
             names = sorted(self.kernels.values())
             what = "no kernel" if not found else f"{len(found)} kernels"
