@@ -4,10 +4,13 @@
 them (the same kernel for a row length, the same vector width for an alignment, the same grids: the launch
 constants are read from the header) on awkward shapes, row strides, misaligned rows, infinities and NaN, in
 every dtype, against float64 references. Outputs start as NaN, so an element a kernel forgets to write fails.
+The block kernels are also run with the emulator's threads started last to first, where it has that option: a
+missing barrier changes the bits.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
 from pathlib import Path
@@ -115,8 +118,12 @@ def assert_close(
 # ----------------------------------------------------------------------------------------------------------
 
 
+#: extra arguments of every launch (a test sets the emulator's thread order here)
+LAUNCH_OPTIONS: dict = {}
+
+
 def launch(kernel: str, grid: tuple, block: tuple, args: list) -> None:
-    simt.launch(SOURCE, kernel, grid, block, args)
+    simt.launch(SOURCE, kernel, grid, block, args, include_dirs=(CUDA_DIR,), **LAUNCH_OPTIONS)
 
 
 def rms_norm_forward(x: torch.Tensor, w: torch.Tensor, eps: float, vec: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -363,3 +370,29 @@ def test_softmax_special_rows_match_torch(dtype, cols):
         y = softmax_forward(xs, vector_width(cols, xs) if path == "vector" else 1)
         assert_close(y, ref, dtype, f"{path} special rows")
     assert ref[0].isnan().all() and ref[2].isnan().all() and ref[3].isnan().all() and (ref[1, ::3] == 0).all()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Barriers: the same bits whichever order the emulator starts a block's threads in
+# ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_kernels_give_the_same_bits_in_reverse_thread_order(dtype, monkeypatch):
+    """A missing barrier shows as a different result when the block's threads start last to first."""
+    if "order" not in inspect.signature(simt.launch).parameters:
+        pytest.skip("this utils.simt has no thread order option")
+    rows, cols = 5, 4100 if dtype == torch.float32 else 8200  # a pack past the cached ones
+    x, gy, w = layout(rows, cols, dtype, "vector"), layout(rows, cols, dtype, "vector", seed=1), weight_of(cols, dtype)
+    vec = vector_width(cols, x, gy)
+
+    def run():
+        y, rstd = rms_norm_forward(x, w, EPS, vec)
+        gx, gw, partials = rms_norm_backward(gy, x, w, rstd, vec, blocks=2)
+        sy = softmax_forward(x, vec)
+        return y, rstd, gx, gw, partials, sy, softmax_backward(gy, sy, vec)
+
+    forward = run()
+    monkeypatch.setitem(LAUNCH_OPTIONS, "order", "reverse")
+    for a, b in zip(forward, run()):
+        assert torch.equal(a, b)
