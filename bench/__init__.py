@@ -31,6 +31,7 @@ CHAPTER_MODULES = [
     "bench.ch07_flash_attention",
     "bench.ch08_kv_cache",
     "bench.ch09_moe",
+    "bench.ch13_below_triton",
 ]
 
 

@@ -303,8 +303,10 @@ if __name__ == "__main__":
 # --------------------------------------------------------------------------------------------
 
 
-def gpu_checks(size: str) -> list:
-    """Chapter 13's ``make gpu-check`` entries: the CUDA GEMM ladder's (:mod:`bench.ch13_gemm_cuda`)."""
-    from bench import ch13_gemm_cuda
+def gpu_checks(size: str = "gpu") -> list:
+    """Chapter 13's ``make gpu-check`` entries: the native operator's CUDA kernels (:mod:`bench.ch13_native_cuda`)
+    and the CUDA GEMM ladder (:mod:`bench.ch13_gemm_cuda`), each built on the GPU machine or listed as unavailable
+    with the reason."""
+    from bench import ch13_gemm_cuda, ch13_native_cuda
 
-    return ch13_gemm_cuda._gemm_gpu_checks(size)
+    return [*ch13_native_cuda._native_op_gpu_checks(size), *ch13_gemm_cuda._gemm_gpu_checks(size)]
