@@ -1,8 +1,16 @@
 """Solutions to chapter 13, below Triton: C++ on the CPU, CUDA C++ thread by thread.
 
-One solution per exercise of ``chapters/13_below_triton/13_below_triton.ipynb``. The C++ exercises'
-solutions are source strings, as their stubs are: the notebook's check compiles and runs them
-(:mod:`utils.exercises.cpp_kernel`).
+One solution per exercise of ``chapters/13_below_triton/13_below_triton.ipynb``, in the notebook's order:
+
+1. ``RMS_NORM_SIMD`` (section 2) — RMSNorm rows in C++, vectorized;
+2. ``GEMM_BLOCKED`` (section 3) — a cache-blocked GEMM in C++;
+3. ``RMS_NORM_WARP`` (section 5) — RMSNorm in CUDA C++ with one warp per row;
+4. ``smem_swizzle`` (section 6) — a bank-conflict-free layout of the CUDA GEMM's transposed A tile.
+
+The C++ and CUDA exercises' solutions are source strings, as their stubs are: the notebook's checks compile
+and run them — the C++ ones natively in a child process (:mod:`utils.exercises.cpp_kernel`), the CUDA one
+thread by thread on the CPU and then for sm_90 (:mod:`utils.exercises.cuda_kernel`). ``smem_swizzle`` is a
+Python function judged lane by lane by :mod:`utils.exercises.banks`.
 """
 
 from __future__ import annotations
@@ -103,7 +111,7 @@ __global__ void rms_norm_warp(const float* __restrict__ x, const float* __restri
 
 
 # ----------------------------------------------------------------------------------------------
-# Exercise 4: a bank-conflict-free layout of the GEMM's transposed A tile (shared memory)
+# The CUDA GEMM ladder: exercise 4, a bank-conflict-free layout of the GEMM's transposed A tile (shared memory)
 # ----------------------------------------------------------------------------------------------
 
 
