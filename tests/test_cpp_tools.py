@@ -198,6 +198,34 @@ def test_cachegrind_counts_misses_of_the_simulated_cache():
     assert "D1 4 KiB 2-way" in small.describe()
 
 
+@needs_valgrind
+def test_counts_do_not_depend_on_the_callers_environment(monkeypatch):
+    # The environment's size moves the program's stack, and with it which cache sets its stack lines take:
+    # a notebook's solution-mode and learner-mode runs (different variables) must count the same misses.
+    n = 144
+    exe = cpp.harness(NAIVE_GEMM, "gemm", [cpp.buffer("const float*", n * n), cpp.buffer("const float*", n * n),
+                                          cpp.buffer("float*", n * n, "zeros"), cpp.scalar("int64_t", n)])
+    counts = set()
+    for padding in (0, 100, 700, 1500, 2900):  # the stack moved by up to most of a 4 KiB page
+        monkeypatch.setenv("KERNEL_LADDER_TEST_PADDING", "x" * padding)
+        measured = valgrind.cachegrind(exe)
+        counts.add((measured.of("gemm", "D1mr"), measured.of("gemm", "Ir")))
+    assert len(counts) == 1, f"D1 read misses and instructions moved with the environment: {sorted(counts)}"
+    assert valgrind.callgrind(exe).of("gemm") == valgrind.callgrind(exe, env={"UNUSED": "1"}).of("gemm")
+
+
+NAIVE_GEMM = r"""#include <cstdint>
+extern "C" void gemm(const float* a, const float* b, float* c, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      float sum = 0.0f;
+      for (int64_t k = 0; k < n; ++k) sum += a[i * n + k] * b[k * n + j];
+      c[i * n + j] = sum;
+    }
+}
+"""
+
+
 def test_valgrind_missing_is_said(monkeypatch):
     monkeypatch.setattr(shutil, "which", lambda name: None)
     assert not valgrind.available()

@@ -77,7 +77,10 @@ def _require() -> str:
 def _run(tool_args: list[str], executable: str | os.PathLike, args: Sequence[str], out_file: Path,
          env: Mapping[str, str] | None, timeout: float) -> str:
     command = [_require(), "--quiet", *tool_args, str(executable), *map(str, args)]
-    environment = {**os.environ, **(env or {})}
+    # Only the variables asked for: the environment's strings sit at the top of the program's stack, so a
+    # caller's environment (its size) would move the stack, and with it which cache sets its lines take —
+    # the counts would change with whoever runs them (a notebook's solution-mode and learner-mode runs differ).
+    environment = dict(env or {})
     result = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=timeout)
     if result.returncode != 0 or not out_file.exists():
         raise RuntimeError(f"utils.valgrind: {Path(str(executable)).name} under {tool_args[0]} exited with "
@@ -172,7 +175,8 @@ def callgrind(executable: str | os.PathLike, args: Sequence[str] = (), *, env: M
               timeout: float = 300, keep: str | os.PathLike | None = None) -> Counts:
     """Run ``executable args`` under callgrind and count its instructions (see :class:`Counts`).
 
-    ``keep``: also copy the raw ``callgrind.out`` there (for :func:`folded_stacks`, or KCachegrind).
+    ``keep``: also copy the raw ``callgrind.out`` there (for :func:`folded_stacks`, or KCachegrind). ``env``: the
+    program's whole environment — nothing of the caller's is passed on, so that the counts do not move with it.
     """
     with tempfile.TemporaryDirectory(prefix="callgrind-") as work:
         out = Path(work) / "callgrind.out"
@@ -345,7 +349,8 @@ def cachegrind(executable: str | os.PathLike, args: Sequence[str] = (), *, d1: C
                ll: CacheConfig | None = None, i1: CacheConfig | None = None, env: Mapping[str, str] | None = None,
                timeout: float = 300) -> CacheCounts:
     """Run ``executable args`` under cachegrind with its cache simulator on, for the caches given (default
-    :data:`DEFAULT_CACHE`: passed explicitly, so the counts do not depend on the host's caches)."""
+    :data:`DEFAULT_CACHE`: passed explicitly, so the counts do not depend on the host's caches). ``env``: the
+    program's whole environment, as for :func:`callgrind`."""
     caches = {"I1": i1 or DEFAULT_CACHE["I1"], "D1": d1 or DEFAULT_CACHE["D1"], "LL": ll or DEFAULT_CACHE["LL"]}
     with tempfile.TemporaryDirectory(prefix="cachegrind-") as work:
         out = Path(work) / "cachegrind.out"
