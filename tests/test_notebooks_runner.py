@@ -213,6 +213,21 @@ def test_output_differences_counts_a_verdict_by_its_name_only() -> None:
     ]
 
 
+def test_a_verdict_whose_first_line_wraps_is_counted_whole() -> None:
+    # A long first line is wrapped by utils.exercises.verdict._wrapped, its continuation indented by two spaces
+    # (the lines under it by three): the whole block is the verdict, not only its first line.
+    from utils.exercises.verdict import SOLVED_MARK, _wrapped
+
+    first = f"{SOLVED_MARK} — demo.answer: " + "all eight cases match the float64 reference " * 3
+    wrapped = "\n".join(_wrapped([first, "   measured: 1.2 instructions per element"])) + "\n"
+    assert "\n  all" in wrapped or "\n  " in wrapped  # the case this test is about: a wrapped first line
+    solved = _outputs(_stdout("before\n" + wrapped + "after\n"))
+    learner = _outputs(_stdout("before\n" + NOT_SOLVED_BLOCK + "after\n"))
+    assert output_differences(solved, learner) == []
+    changed_after = _outputs(_stdout("before\n" + NOT_SOLVED_BLOCK + "after, changed\n"))
+    assert output_differences(solved, changed_after) != []  # what follows the block is still compared
+
+
 def test_output_differences_skips_what_nbval_skips() -> None:
     figure = {"image/png": "iVBORw0KGgo=", "text/plain": "<Figure size 640x480 with 1 Axes>"}
     other_figure = {"image/png": "AAAAAAAA", "text/plain": "<Figure size 640x480 with 1 Axes>"}

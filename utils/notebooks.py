@@ -94,8 +94,9 @@ _SOLUTIONS_ENV = "KERNEL_LADDER_SOLUTIONS"
 _CHECK_SEED_ENV = "KERNEL_LADDER_CHECK_SEED"
 _SOLVED, _NOT_SOLVED = "✅ SOLVED", "❌ NOT SOLVED"
 _VERDICT_MARKS = (_SOLVED, _NOT_SOLVED)
-# A verdict block: its first line, then the lines utils.exercises.check indents under it.
-_VERDICT_BLOCK = re.compile(r"^(?:✅ SOLVED|❌ NOT SOLVED) — ([^\s:]+)[^\n]*\n?(?:   [^\n]*(?:\n|$))*", re.MULTILINE)
+# A verdict block: its first line, then the lines indented under it — the first line's own continuations
+# (utils.exercises.verdict wraps a long line with two spaces) and the lines a check indents (three).
+_VERDICT_BLOCK = re.compile(r"^(?:✅ SOLVED|❌ NOT SOLVED) — ([^\s:]+)[^\n]*\n?(?:  [^\n]*(?:\n|$))*", re.MULTILINE)
 # nbval neither runs nor compares cells so tagged; nor do we.
 _NOT_COMPARED_TAGS = ("nbval-ignore-output", "nbval-skip")
 # nbval's default skips: what a run may change without the lesson changing.
