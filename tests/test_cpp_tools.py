@@ -199,7 +199,7 @@ def test_cachegrind_counts_misses_of_the_simulated_cache():
 
 
 @needs_valgrind
-def test_counts_do_not_depend_on_the_callers_environment(monkeypatch):
+def test_counts_do_not_depend_on_the_callers_environment(monkeypatch, tmp_path):
     # The environment's size moves the program's stack, and with it which cache sets its stack lines take:
     # a notebook's solution-mode and learner-mode runs (different variables) must count the same misses.
     n = 144
@@ -211,6 +211,12 @@ def test_counts_do_not_depend_on_the_callers_environment(monkeypatch):
         measured = valgrind.cachegrind(exe)
         counts.add((measured.of("gemm", "D1mr"), measured.of("gemm", "Ir")))
     assert len(counts) == 1, f"D1 read misses and instructions moved with the environment: {sorted(counts)}"
+    for folder in (tmp_path, tmp_path / "a-much-longer-working-directory-name" / "and-deeper"):  # nor the caller's cwd
+        folder.mkdir(parents=True, exist_ok=True)
+        monkeypatch.chdir(folder)
+        measured = valgrind.cachegrind(exe)
+        counts.add((measured.of("gemm", "D1mr"), measured.of("gemm", "Ir")))
+    assert len(counts) == 1, f"D1 read misses moved with the working directory: {sorted(counts)}"
     assert valgrind.callgrind(exe).of("gemm") == valgrind.callgrind(exe, env={"UNUSED": "1"}).of("gemm")
 
 

@@ -77,11 +77,12 @@ def _require() -> str:
 def _run(tool_args: list[str], executable: str | os.PathLike, args: Sequence[str], out_file: Path,
          env: Mapping[str, str] | None, timeout: float) -> str:
     command = [_require(), "--quiet", *tool_args, str(executable), *map(str, args)]
-    # Only the variables asked for: the environment's strings sit at the top of the program's stack, so a
-    # caller's environment (its size) would move the stack, and with it which cache sets its lines take —
-    # the counts would change with whoever runs them (a notebook's solution-mode and learner-mode runs differ).
+    # Only the variables asked for, and the executable's own folder as the working directory: the caller's
+    # environment (its size) and working directory move the program's stack, and with it which cache sets its
+    # lines take — the counts would change with whoever runs them (a notebook's solution and learner runs).
     environment = dict(env or {})
-    result = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=timeout)
+    result = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=timeout,
+                            cwd=Path(str(executable)).resolve().parent)
     if result.returncode != 0 or not out_file.exists():
         raise RuntimeError(f"utils.valgrind: {Path(str(executable)).name} under {tool_args[0]} exited with "
                            f"{result.returncode}: {(result.stderr or result.stdout).strip()[-600:]}")
@@ -176,7 +177,8 @@ def callgrind(executable: str | os.PathLike, args: Sequence[str] = (), *, env: M
     """Run ``executable args`` under callgrind and count its instructions (see :class:`Counts`).
 
     ``keep``: also copy the raw ``callgrind.out`` there (for :func:`folded_stacks`, or KCachegrind). ``env``: the
-    program's whole environment — nothing of the caller's is passed on, so that the counts do not move with it.
+    program's whole environment — nothing of the caller's is passed on, and it runs in its own folder, so that the
+    counts do not move with the caller's environment or working directory.
     """
     with tempfile.TemporaryDirectory(prefix="callgrind-") as work:
         out = Path(work) / "callgrind.out"
