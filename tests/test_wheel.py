@@ -16,6 +16,7 @@ test does not download a multi-gigabyte CUDA build on a machine without a GPU.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -119,10 +120,23 @@ def _run(cmd: list[str], cwd: Path, timeout: int = 600) -> str:
     return done.stdout
 
 
+def _tracked_files() -> list[str]:
+    """The files a clean checkout has: git's tracked and untracked-but-not-ignored ones (no build output)."""
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"], cwd=REPO,
+                            capture_output=True, text=True, check=True).stdout
+    return [name for name in listed.split("\0") if name and (REPO / name).is_file()]
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(REPO)], cwd=out)
+    # Built from the repository's files as a clean checkout has them: setuptools builds in place and never empties
+    # a ./build left by an earlier build, whose stale modules (a file since moved) would otherwise ship.
+    source = tmp_path_factory.mktemp("source")
+    for name in _tracked_files():
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / name, source / name)
+    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(source)], cwd=out)
     (built,) = out.glob("kernel_ladder-*.whl")
     return built
 
@@ -141,6 +155,8 @@ def test_the_wheel_holds_the_whole_package_and_nothing_else(wheel: Path) -> None
     assert not missing, f"the wheel leaves out {missing}"
     extra = sorted(name for name in shipped if not name.startswith("kernel_ladder/"))
     assert not extra, f"the wheel ships files outside kernel_ladder/: {extra}"
+    stale = sorted(name for name in shipped if name.endswith(".py") and name not in sources)
+    assert not stale, f"the wheel ships modules the source tree no longer has: {stale}"
     for subpackage in ("ops", "models", "distributed"):
         assert f"kernel_ladder/{subpackage}/__init__.py" in shipped
 
