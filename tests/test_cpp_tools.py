@@ -220,6 +220,26 @@ def test_counts_do_not_depend_on_the_callers_environment(monkeypatch, tmp_path):
     assert valgrind.callgrind(exe).of("gemm") == valgrind.callgrind(exe, env={"UNUSED": "1"}).of("gemm")
 
 
+@needs_valgrind
+def test_counts_do_not_depend_on_where_the_program_lies(tmp_path):
+    # The program's path is on its stack too: the same binary in a short and a long folder (another user's home,
+    # another checkout) must count the same misses.
+    import shutil
+
+    n = 144
+    exe = cpp.harness(NAIVE_GEMM, "gemm", [cpp.buffer("const float*", n * n), cpp.buffer("const float*", n * n),
+                                          cpp.buffer("float*", n * n, "zeros"), cpp.scalar("int64_t", n)])
+    counts = set()
+    for length in range(1, 300, 37):  # under the old way (the full path as argv[0]), 75 and 223 moved the misses
+        folder = tmp_path / f"{length:03d}" / ("d" * min(length, 200)) / ("e" * max(1, length - 200))
+        folder.mkdir(parents=True)
+        copy = folder / "harness"
+        shutil.copy2(exe, copy)
+        measured = valgrind.cachegrind(copy)
+        counts.add((measured.of("gemm", "D1mr"), measured.of("gemm", "Ir")))
+    assert len(counts) == 1, f"D1 read misses moved with the program's path: {sorted(counts)}"
+
+
 NAIVE_GEMM = r"""#include <cstdint>
 extern "C" void gemm(const float* a, const float* b, float* c, int64_t n) {
   for (int64_t i = 0; i < n; ++i)

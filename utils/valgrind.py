@@ -55,6 +55,11 @@ class ValgrindMissing(RuntimeError):
     """valgrind is not installed (or not on the PATH)."""
 
 
+#: How :func:`callgrind` and :func:`cachegrind` run a program (environment, working directory, its name): part of
+#: the key of any cache of their counts, so that a change here never serves counts measured the old way.
+RUN_METHOD = "env: only the variables asked for; the program copied to /tmp/kl-vg-XXXXXXXX/program, run from there"
+
+
 def available() -> bool:
     """Whether a ``valgrind`` executable is on the PATH."""
     return shutil.which("valgrind") is not None
@@ -76,13 +81,19 @@ def _require() -> str:
 
 def _run(tool_args: list[str], executable: str | os.PathLike, args: Sequence[str], out_file: Path,
          env: Mapping[str, str] | None, timeout: float) -> str:
-    command = [_require(), "--quiet", *tool_args, str(executable), *map(str, args)]
-    # Only the variables asked for, and the executable's own folder as the working directory: the caller's
-    # environment (its size) and working directory move the program's stack, and with it which cache sets its
-    # lines take — the counts would change with whoever runs them (a notebook's solution and learner runs).
+    # Only the variables asked for, and the program copied to a folder whose path always has the same length
+    # (``/tmp/kl-vg-XXXXXXXX/program``), run from there: the caller's environment (its size), its working
+    # directory and the program's path all sit on the program's stack and move it, and with it which cache sets
+    # its lines take — the counts would change with whoever runs them, and where (a notebook's solution and
+    # learner runs, another home folder, another checkout).
     environment = dict(env or {})
-    result = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=timeout,
-                            cwd=Path(str(executable)).resolve().parent)
+    base = "/tmp" if os.path.isdir("/tmp") else None
+    with tempfile.TemporaryDirectory(prefix="kl-vg-", dir=base) as folder:
+        program = Path(folder, "program")
+        shutil.copy2(executable, program)
+        command = [_require(), "--quiet", *tool_args, "./program", *map(str, args)]
+        result = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=timeout,
+                                cwd=folder)
     if result.returncode != 0 or not out_file.exists():
         raise RuntimeError(f"utils.valgrind: {Path(str(executable)).name} under {tool_args[0]} exited with "
                            f"{result.returncode}: {(result.stderr or result.stdout).strip()[-600:]}")

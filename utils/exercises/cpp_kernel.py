@@ -354,7 +354,7 @@ def _cached_count(kind: str, source: str, compute: Callable[[], float]) -> float
     from utils import cpp, valgrind
 
     key = hashlib.sha256("\0".join((kind, source, " ".join(cpp.DEFAULT_FLAGS), cpp.compiler_version(),
-                                    valgrind.version())).encode()).hexdigest()[:24]
+                                    valgrind.version(), valgrind.RUN_METHOD)).encode()).hexdigest()[:24]
     path = cpp.cache_dir() / f"count-{key}.json"
     if path.exists():
         try:
