@@ -1,10 +1,11 @@
 """The native extension's CUDA kernels compiled for sm_90 and read as SASS, without a GPU.
 
 Every kernel instantiation ``ops_cuda.cu`` can launch (float32, bfloat16, float16 with 128-bit packs and with
-the scalar path; float64 scalar) is compiled with the flags torch's extension builder gives nvcc, and checked:
-nothing spills and nothing lives in local memory; registers leave the occupancy the headers claim (32 warps an
-SM for the forward kernels' vector paths and block kernels, 16 for the rest); the vector paths load with
-``LDG.E.128`` and the scalar paths never do; every reduction is a butterfly of ``SHFL.BFLY``; block-per-row
+the scalar path; float64 scalar; and every dtype's column-stride path, STRIDED, for inputs whose last-dim stride is
+not 1) is compiled with the flags torch's extension builder gives nvcc, and checked: nothing spills and nothing
+lives in local memory; registers leave the occupancy the headers claim (32 warps an SM for the forward kernels'
+vector paths and block kernels, 16 for the rest); the vector paths load with ``LDG.E.128`` and the scalar and
+column-stride paths never do; every reduction is a butterfly of ``SHFL.BFLY``; block-per-row
 kernels meet at ``BAR.SYNC`` and exchange through shared memory (``STS``/``LDS``), warp-per-row forward kernels
 never do. Each assertion helper is shown to fail on a variant built to break its property.
 Also: ``ops_cuda.cu`` itself (the host launchers) compiles with nvcc against torch's headers.
@@ -41,24 +42,32 @@ ROW_KERNELS = [f"{op}_{kind}" for op in ("rms_norm_forward", "rms_norm_backward"
 
 
 def _signature(kernel: str, t: str, acc: str) -> str:
+    ll = "long long"
     if kernel.startswith("rms_norm_forward"):
-        return f"(const {t}*, const {t}*, {t}*, {acc}*, long long, long long, long long, float)"
+        return f"(const {t}*, const {t}*, {t}*, {acc}*, {ll}, {ll}, {ll}, float, {ll}, {ll})"
     if kernel.startswith("rms_norm_backward"):
         pointers = f"const {t}*, const {t}*, const {t}*, const {acc}*, {t}*, {acc}*"
-        return f"({pointers}, long long, long long, long long, long long)"
+        return f"({pointers}, {', '.join([ll] * 8)})"
     if kernel.startswith("softmax_forward"):
-        return f"(const {t}*, {t}*, long long, long long, long long)"
-    return f"(const {t}*, const {t}*, {t}*, long long, long long, long long, long long)"
+        return f"(const {t}*, {t}*, {ll}, {ll}, {ll}, {ll})"
+    return f"(const {t}*, const {t}*, {t}*, {', '.join([ll] * 6)})"
 
 
-def launched_variants() -> list[tuple[str, str, int]]:
-    """(kernel, element type, vector width) of every row kernel ops_cuda.cu can launch."""
-    return [(k, t, vec) for t, (_, full) in TYPES.items() for vec in sorted({1, full}) for k in ROW_KERNELS]
+def launched_variants() -> list[tuple[str, str, int, bool]]:
+    """(kernel, element type, vector width, column-strided) of every row kernel ops_cuda.cu can launch: the
+    stride-1 paths (128-bit packs, scalar) and the column-stride path (scalar, any last-dim stride)."""
+    return [
+        (k, t, vec, strided)
+        for t, (_, full) in TYPES.items()
+        for vec, strided in [*((v, False) for v in sorted({1, full})), (1, True)]
+        for k in ROW_KERNELS
+    ]
 
 
 def instantiations() -> list[str]:
     lines = [
-        f"template __global__ void {k}<{t}, {vec}>{_signature(k, t, TYPES[t][0])};" for k, t, vec in launched_variants()
+        f"template __global__ void {name(k, t, vec, strided)}{_signature(k, t, TYPES[t][0])};"
+        for k, t, vec, strided in launched_variants()
     ]
     lines += [
         f"template __global__ void rms_norm_weight_grad_reduce<{t}>(const {acc}*, {t}*, long long, long long);"
@@ -72,8 +81,8 @@ def build():
     return nvcc.compile_cuda(CUDA_DIR / "softmax.cuh", instantiate=instantiations(), flags=TORCH_NVCC_FLAGS)
 
 
-def name(kernel: str, t: str, vec: int) -> str:
-    return f"{kernel}<{t}, {vec}>"
+def name(kernel: str, t: str, vec: int, strided: bool = False) -> str:
+    return f"{kernel}<{t}, {vec}, {str(strided).lower()}>"
 
 
 def opcodes(build, kernel: str) -> list[str]:
@@ -151,30 +160,30 @@ def assert_warp_only(build, kernel: str) -> None:
 
 def test_every_kernel_the_launcher_names_is_compiled(build):
     source = (CUDA_DIR / "ops_cuda.cu").read_text()
-    launched = set(re.findall(r"(\w+)<T(?:, VEC)?><<<", source))
+    launched = set(re.findall(r"(\w+)<T(?:, VEC, STRIDED)?><<<", source))
     assert launched == set(ROW_KERNELS) | {"rms_norm_weight_grad_reduce"}
     assert len(build.kernels) == len(launched_variants()) + len(TYPES)
 
 
-@pytest.mark.parametrize(("kernel", "t", "vec"), launched_variants(), ids=lambda v: str(v))
-def test_no_spills_no_local_memory(build, kernel, t, vec):
-    assert_no_local_memory(build, name(kernel, t, vec))
+@pytest.mark.parametrize(("kernel", "t", "vec", "strided"), launched_variants(), ids=lambda v: str(v))
+def test_no_spills_no_local_memory(build, kernel, t, vec, strided):
+    assert_no_local_memory(build, name(kernel, t, vec, strided))
 
 
-@pytest.mark.parametrize(("kernel", "t", "vec"), launched_variants(), ids=lambda v: str(v))
-def test_registers_leave_the_claimed_occupancy(build, kernel, t, vec):
+@pytest.mark.parametrize(("kernel", "t", "vec", "strided"), launched_variants(), ids=lambda v: str(v))
+def test_registers_leave_the_claimed_occupancy(build, kernel, t, vec, strided):
     """Forward kernels: 32 warps an SM (64 registers), except the warp kernels' scalar path (a lane holds 32
     separate values): 16; backward kernels (x and the running sums kept): 16 (128 registers)."""
     warps = 4 if kernel.endswith("warp") else 8
     at_least = (
         32 if kernel.startswith(("rms_norm_forward", "softmax_forward")) and (vec > 1 or "block" in kernel) else 16
     )
-    assert_resident_warps(build, name(kernel, t, vec), warps, at_least)
+    assert_resident_warps(build, name(kernel, t, vec, strided), warps, at_least)
 
 
-@pytest.mark.parametrize(("kernel", "t", "vec"), launched_variants(), ids=lambda v: str(v))
-def test_vector_paths_load_128_bits_and_scalar_paths_never(build, kernel, t, vec):
-    k = name(kernel, t, vec)
+@pytest.mark.parametrize(("kernel", "t", "vec", "strided"), launched_variants(), ids=lambda v: str(v))
+def test_vector_paths_load_128_bits_and_scalar_paths_never(build, kernel, t, vec, strided):
+    k = name(kernel, t, vec, strided)
     if vec > 1:
         # forward kernels load only x (and w) in packs; backward ones also load rstd, one float per row
         assert_wide_loads(build, k, only="forward" in kernel)
@@ -182,15 +191,15 @@ def test_vector_paths_load_128_bits_and_scalar_paths_never(build, kernel, t, vec
         assert_no_wide_loads(build, k)
 
 
-@pytest.mark.parametrize(("kernel", "t", "vec"), launched_variants(), ids=lambda v: str(v))
-def test_reductions_are_warp_shuffles(build, kernel, t, vec):
+@pytest.mark.parametrize(("kernel", "t", "vec", "strided"), launched_variants(), ids=lambda v: str(v))
+def test_reductions_are_warp_shuffles(build, kernel, t, vec, strided):
     reductions = 2 if kernel.startswith("softmax_forward") else 1  # the maximum and the sum
-    assert_shuffle_reductions(build, name(kernel, t, vec), reductions)
+    assert_shuffle_reductions(build, name(kernel, t, vec, strided), reductions)
 
 
-@pytest.mark.parametrize(("kernel", "t", "vec"), launched_variants(), ids=lambda v: str(v))
-def test_block_kernels_use_shared_memory_and_forward_warp_kernels_do_not(build, kernel, t, vec):
-    k = name(kernel, t, vec)
+@pytest.mark.parametrize(("kernel", "t", "vec", "strided"), launched_variants(), ids=lambda v: str(v))
+def test_block_kernels_use_shared_memory_and_forward_warp_kernels_do_not(build, kernel, t, vec, strided):
+    k = name(kernel, t, vec, strided)
     if kernel.endswith("block") or kernel == "rms_norm_backward_warp":  # the latter adds its warps' dw at the end
         assert_block_exchange(build, k)
     else:
@@ -271,13 +280,13 @@ def test_control_register_hungry_kernel_fails_the_occupancy_bound(controls):
 
 def test_control_scalar_and_unaligned_loads_are_not_wide(build, controls):
     with pytest.raises(AssertionError, match="no LDG.E.128"):
-        assert_wide_loads(build, "rms_norm_forward_warp<float, 1>")
+        assert_wide_loads(build, "rms_norm_forward_warp<float, 1, false>")
     with pytest.raises(AssertionError, match="no LDG.E.128"):
         assert_wide_loads(controls, "unaligned_pack")
     with pytest.raises(AssertionError, match="on the scalar path"):
-        assert_no_wide_loads(build, "rms_norm_forward_warp<float, 4>")
+        assert_no_wide_loads(build, "rms_norm_forward_warp<float, 4, false>")
     with pytest.raises(AssertionError, match="narrower global loads"):  # rstd: one float per row
-        assert_wide_loads(build, "rms_norm_backward_warp<float, 4>", only=True)
+        assert_wide_loads(build, "rms_norm_backward_warp<float, 4, false>", only=True)
 
 
 def test_control_shared_memory_tree_has_no_shuffles(controls):
@@ -288,9 +297,9 @@ def test_control_shared_memory_tree_has_no_shuffles(controls):
 
 def test_control_block_and_warp_kernels_fail_each_others_helper(build):
     with pytest.raises(AssertionError, match="BAR"):
-        assert_warp_only(build, "softmax_forward_block<__nv_bfloat16, 8>")
+        assert_warp_only(build, "softmax_forward_block<__nv_bfloat16, 8, false>")
     with pytest.raises(AssertionError, match="no BAR.SYNC"):
-        assert_block_exchange(build, "softmax_forward_warp<__nv_bfloat16, 8>")
+        assert_block_exchange(build, "softmax_forward_warp<__nv_bfloat16, 8, false>")
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -3,13 +3,15 @@
 ``kernels/kernel_ladder/native/csrc/cuda/{rms_norm,softmax}.cuh`` are launched here as ``ops_cuda.cu`` launches
 them (the same kernel for a row length, the same vector width for an alignment, the same grids: the launch
 constants are read from the header) on awkward shapes, row strides, misaligned rows, infinities and NaN, in
-every dtype, against float64 references. Outputs start as NaN, so an element a kernel forgets to write fails.
-The block kernels are also run with the emulator's threads started last to first, where it has that option: a
-missing barrier changes the bits.
+every dtype, against float64 references; the column-stride kernels on transposed and column-sliced inputs; and
+the launcher's row plan (``row_plan.h``, compiled on its own) on layouts whose leading dims do not collapse.
+Outputs start as NaN, so an element a kernel forgets to write fails. The block kernels are also run with the
+emulator's threads started last to first, where it has that option: a missing barrier changes the bits.
 """
 
 from __future__ import annotations
 
+import ctypes
 import inspect
 import math
 import re
@@ -51,8 +53,10 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def warp_max_cols(dtype: torch.dtype) -> int:
-    return WARP_MAX_COLS // 2 if dtype == torch.float64 else WARP_MAX_COLS
+def warp_max_cols(dtype: torch.dtype, strided: bool = False) -> int:
+    """kWarpMaxColsOf<T, STRIDED>: the longest row a warp takes (half of it on the column-stride path)."""
+    most = WARP_MAX_COLS // 2 if dtype == torch.float64 else WARP_MAX_COLS
+    return most // 2 if strided else most
 
 
 def full_width(dtype: torch.dtype) -> int:
@@ -126,63 +130,77 @@ def launch(kernel: str, grid: tuple, block: tuple, args: list) -> None:
     simt.launch(SOURCE, kernel, grid, block, args, include_dirs=(CUDA_DIR,), **LAUNCH_OPTIONS)
 
 
-def rms_norm_forward(x: torch.Tensor, w: torch.Tensor, eps: float, vec: int) -> tuple[torch.Tensor, torch.Tensor]:
+def kernel_name(kernel: str, dtype: torch.dtype, vec: int, strided: bool) -> str:
+    """The instantiation: element type, vector width, and the column-stride path (STRIDED) or stride 1."""
+    return f"{kernel}<{CTYPE[dtype]}, {vec}, {str(strided).lower()}>"
+
+
+def col_stride(t: torch.Tensor) -> int:
+    return t.stride(-1) if t.shape[-1] > 1 else 1
+
+
+def rms_norm_forward(
+    x: torch.Tensor, w: torch.Tensor, eps: float, vec: int, strided: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = x.shape
     y = torch.full((rows, cols), NAN, dtype=x.dtype)
     rstd = torch.full((rows,), NAN, dtype=acc_dtype(x.dtype))
-    t = CTYPE[x.dtype]
-    args = [x, w, y, rstd, rows, cols, x.stride(0), eps]
-    if cols <= warp_max_cols(x.dtype):
-        launch(f"rms_norm_forward_warp<{t}, {vec}>", (math.ceil(rows / WARP_ROWS),), (32, WARP_ROWS), args)
+    args = [x, w, y, rstd, rows, cols, x.stride(0), eps, col_stride(x), col_stride(w)]
+    if cols <= warp_max_cols(x.dtype, strided):
+        name = kernel_name("rms_norm_forward_warp", x.dtype, vec, strided)
+        launch(name, (math.ceil(rows / WARP_ROWS),), (32, WARP_ROWS), args)
     else:
-        launch(f"rms_norm_forward_block<{t}, {vec}>", (rows,), (BLOCK_THREADS,), args)
+        launch(kernel_name("rms_norm_forward_block", x.dtype, vec, strided), (rows,), (BLOCK_THREADS,), args)
     return y, rstd
 
 
-def backward_blocks(rows: int, cols: int, dtype: torch.dtype) -> int:
-    if cols <= warp_max_cols(dtype):
+def backward_blocks(rows: int, cols: int, dtype: torch.dtype, strided: bool = False) -> int:
+    if cols <= warp_max_cols(dtype, strided):
         return min(math.ceil(rows / (WARP_ROWS * ROWS_PER_WARP)), MAX_BLOCKS)
     return min(rows, MAX_BLOCKS)
 
 
-def rms_norm_backward(gy, x, w, rstd, vec: int, blocks: int | None = None):
+def rms_norm_backward(gy, x, w, rstd, vec: int, blocks: int | None = None, strided: bool = False):
     """(grad_x, grad_weight, weight_partials); ``blocks`` overrides the launcher's grid."""
     rows, cols = x.shape
-    blocks = blocks or backward_blocks(rows, cols, x.dtype)
+    blocks = blocks or backward_blocks(rows, cols, x.dtype, strided)
     gx = torch.full((rows, cols), NAN, dtype=x.dtype)
     partials = torch.full((blocks, cols), NAN, dtype=acc_dtype(x.dtype))
     t = CTYPE[x.dtype]
-    args = [gy, x, w, rstd, gx, partials, rows, cols, gy.stride(0), x.stride(0)]
-    if cols <= warp_max_cols(x.dtype):
-        launch(f"rms_norm_backward_warp<{t}, {vec}>", (blocks,), (32, WARP_ROWS), args)
+    strides = [gy.stride(0), x.stride(0), col_stride(gy), col_stride(x), col_stride(w), rstd.stride(0)]
+    args = [gy, x, w, rstd, gx, partials, rows, cols, *strides]
+    if cols <= warp_max_cols(x.dtype, strided):
+        launch(kernel_name("rms_norm_backward_warp", x.dtype, vec, strided), (blocks,), (32, WARP_ROWS), args)
     else:
-        launch(f"rms_norm_backward_block<{t}, {vec}>", (blocks,), (BLOCK_THREADS,), args)
+        launch(kernel_name("rms_norm_backward_block", x.dtype, vec, strided), (blocks,), (BLOCK_THREADS,), args)
     gw = torch.full((cols,), NAN, dtype=x.dtype)
     reduce_args = [partials, gw, blocks, cols]
     launch(f"rms_norm_weight_grad_reduce<{t}>", (math.ceil(cols / 32),), (32, REDUCE_ROWS), reduce_args)
     return gx, gw, partials
 
 
-def softmax_forward(x: torch.Tensor, vec: int) -> torch.Tensor:
+def row_launch(rows: int, cols: int, dtype: torch.dtype, strided: bool) -> tuple[str, tuple, tuple]:
+    """(kind, grid, block) of a forward or softmax-backward launch: a warp per row, or a block per row."""
+    if cols <= warp_max_cols(dtype, strided):
+        return "warp", (math.ceil(rows / WARP_ROWS),), (32, WARP_ROWS)
+    return "block", (rows,), (BLOCK_THREADS,)
+
+
+def softmax_forward(x: torch.Tensor, vec: int, strided: bool = False) -> torch.Tensor:
     rows, cols = x.shape
     y = torch.full((rows, cols), NAN, dtype=x.dtype)
-    kind = "warp" if cols <= warp_max_cols(x.dtype) else "block"
-    grid, block = ((math.ceil(rows / WARP_ROWS),), (32, WARP_ROWS)) if kind == "warp" else ((rows,), (BLOCK_THREADS,))
-    launch(f"softmax_forward_{kind}<{CTYPE[x.dtype]}, {vec}>", grid, block, [x, y, rows, cols, x.stride(0)])
+    kind, grid, block = row_launch(rows, cols, x.dtype, strided)
+    args = [x, y, rows, cols, x.stride(0), col_stride(x)]
+    launch(kernel_name(f"softmax_forward_{kind}", x.dtype, vec, strided), grid, block, args)
     return y
 
 
-def softmax_backward(gy: torch.Tensor, y: torch.Tensor, vec: int) -> torch.Tensor:
+def softmax_backward(gy: torch.Tensor, y: torch.Tensor, vec: int, strided: bool = False) -> torch.Tensor:
     rows, cols = y.shape
     gx = torch.full((rows, cols), NAN, dtype=y.dtype)
-    kind = "warp" if cols <= warp_max_cols(y.dtype) else "block"
-    grid, block = ((math.ceil(rows / WARP_ROWS),), (32, WARP_ROWS)) if kind == "warp" else ((rows,), (BLOCK_THREADS,))
-    launch(
-        f"softmax_backward_{kind}<{CTYPE[y.dtype]}, {vec}>",
-        grid,
-        block,
-        [gy, y, gx, rows, cols, gy.stride(0), y.stride(0)],
-    )
+    kind, grid, block = row_launch(rows, cols, y.dtype, strided)
+    args = [gy, y, gx, rows, cols, gy.stride(0), y.stride(0), col_stride(gy), col_stride(y)]
+    launch(kernel_name(f"softmax_backward_{kind}", y.dtype, vec, strided), grid, block, args)
     return gx
 
 
@@ -396,3 +414,216 @@ def test_block_kernels_give_the_same_bits_in_reverse_thread_order(dtype, monkeyp
     monkeypatch.setitem(LAUNCH_OPTIONS, "order", "reverse")
     for a, b in zip(forward, run()):
         assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The column-stride path (STRIDED): transposed and column-sliced inputs read in place
+# ----------------------------------------------------------------------------------------------------------
+
+
+def strided_layout(
+    rows: int, cols: int, dtype: torch.dtype, kind: str, seed: int = 0, scale: float = 1.0
+) -> torch.Tensor:
+    """A (rows, cols) tensor whose last-dim stride is not 1: "transposed" (a (cols, rows) tensor's ``.t()``: columns
+    ``rows`` apart, rows 1 apart), "sliced" (every other column of a wider tensor, from its second column on)."""
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "transposed":
+        x = (torch.randn(cols, rows, generator=gen, dtype=torch.float64) * scale).to(dtype).t()
+    else:
+        wide = (torch.randn(rows, 2 * cols + 3, generator=gen, dtype=torch.float64) * scale).to(dtype)
+        x = wide[:, 1 : 1 + 2 * cols : 2]
+    assert x.shape == (rows, cols) and x.stride(-1) != 1
+    return x
+
+
+def strided_weight(cols: int, dtype: torch.dtype, kind: str) -> torch.Tensor:
+    """The weight: contiguous with a transposed x, every other element of a longer vector with a sliced one."""
+    if kind == "transposed":
+        return weight_of(cols, dtype)
+    return weight_of(2 * cols, dtype)[::2]
+
+
+# 33 columns: the warp kernel, a lane's 16 elements partly used; 512: the strided warp kernels' longest rows (16 a
+# lane, all used); 1100: the block kernel (rows past 512 take it on this path), 1024 elements cached, 76 streamed.
+STRIDED_CASES = [
+    pytest.param(dtype, rows, cols, kind, id=f"{str(dtype)[6:]}-{rows}x{cols}-{kind}")
+    for dtype in (torch.float32, torch.bfloat16)
+    for rows, cols in [(5, 33), (3, 512), (2, 1100)]
+    for kind in ("transposed", "sliced")
+]
+
+
+@pytest.mark.parametrize(("dtype", "rows", "cols", "kind"), STRIDED_CASES)
+def test_strided_rms_norm_forward_and_backward_against_float64(dtype, rows, cols, kind):
+    """The column-stride kernels on x, grad_y, weight (and rstd, rows 2 apart) as they lie, against float64; and
+    bit for bit what the stride-1 scalar kernels give on contiguous copies (a lane or thread takes the same
+    columns in the same order on both paths)."""
+    x = strided_layout(rows, cols, dtype, kind)
+    gy = strided_layout(rows, cols, dtype, kind, seed=1)
+    w = strided_weight(cols, dtype, kind)
+    y, rstd = rms_norm_forward(x, w, EPS, 1, strided=True)
+    ref_y, ref_rstd = rms_norm_reference(x, w)
+    assert_close(y, ref_y, dtype, "y")
+    assert_close(rstd, ref_rstd, acc_dtype(dtype), "rstd")
+    rstd_in = torch.full((2 * rows,), NAN, dtype=rstd.dtype)[::2].copy_(rstd) if kind == "sliced" else rstd
+    gx, gw, _ = rms_norm_backward(gy, x, w, rstd_in, 1, strided=True)
+    ref_gx, ref_gw = rms_norm_backward_reference(gy, x, w)
+    terms = (gy.double() * w.double() * rstd.double()[:, None]).abs().max().item()
+    assert_close(gx, ref_gx, dtype, "grad_x", factor=2, scale=terms)
+    assert_close(gw, ref_gw, dtype, "grad_weight", factor=2)
+
+    dense = [t.contiguous() for t in (x, gy, w)]
+    y1, rstd1 = rms_norm_forward(dense[0], dense[2], EPS, 1)
+    gx1, gw1, _ = rms_norm_backward(dense[1], dense[0], dense[2], rstd1, 1)
+    for got, want, what in [(y, y1, "y"), (rstd, rstd1, "rstd"), (gx, gx1, "grad_x"), (gw, gw1, "grad_weight")]:
+        assert torch.equal(got, want), f"{what}: the strided path differs from the stride-1 path"
+
+
+@pytest.mark.parametrize(("dtype", "rows", "cols", "kind"), STRIDED_CASES)
+def test_strided_softmax_forward_and_backward_against_float64(dtype, rows, cols, kind):
+    x = strided_layout(rows, cols, dtype, kind, scale=4.0)
+    y = softmax_forward(x, 1, strided=True)
+    assert_close(y, torch.softmax(x.double(), -1), dtype, "y")
+    y_in = strided_layout(rows, cols, dtype, kind, seed=2).copy_(y)  # the saved output, laid out like x
+    gy = strided_layout(rows, cols, dtype, kind, seed=1)
+    gx = softmax_backward(gy, y_in, 1, strided=True)
+    y64, g64 = y_in.double(), gy.double()
+    assert_close(gx, y64 * (g64 - (g64 * y64).sum(-1, keepdim=True)), dtype, "grad_x", factor=2)
+    assert torch.equal(y, softmax_forward(x.contiguous(), 1))
+    assert torch.equal(gx, softmax_backward(gy.contiguous(), y_in.contiguous(), 1))
+
+
+def test_strided_softmax_backward_of_a_column_expanded_grad():
+    """grad_y of stride 0 along the row (the gradient of a sum over the last dim is such a tensor): dx = y * g *
+    (1 - sum(y)) cancels to about nothing, so the errors are measured against the size of y * g."""
+    rows, cols, dtype = 5, 40, torch.float32
+    y = torch.softmax(torch.randn(rows, cols, dtype=torch.float64), -1).to(dtype)
+    gy = torch.randn(rows, 1, dtype=dtype).expand(rows, cols)
+    gx = softmax_backward(gy, y, 1, strided=True)
+    y64, g64 = y.double(), gy.double()
+    want = y64 * (g64 - (g64 * y64).sum(-1, keepdim=True))
+    assert_close(gx, want, dtype, "grad_x", factor=2, scale=(y64 * g64).abs().max().item())
+    assert torch.equal(gx, softmax_backward(gy.contiguous(), y, 1))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The launcher's row plan (row_plan.h): leading dims that do not collapse are launched once per slice
+# ----------------------------------------------------------------------------------------------------------
+
+ROW_PLAN_SHIM = r"""
+extern "C" void row_plan(const int64_t* lead, int64_t ndim, const int64_t* strides, int64_t inputs,
+                         int64_t* rows_launches, int64_t* row_strides, int64_t* offsets, int64_t capacity) {
+  std::vector<std::vector<int64_t>> s;
+  for (int64_t k = 0; k < inputs; ++k) s.emplace_back(strides + k * ndim, strides + (k + 1) * ndim);
+  const kl_cuda::RowPlan plan(std::vector<int64_t>(lead, lead + ndim), s);
+  rows_launches[0] = plan.rows;
+  rows_launches[1] = plan.launches;
+  for (int64_t k = 0; k < inputs; ++k) row_strides[k] = plan.row_stride[k];
+  for (int64_t l = 0; l < plan.launches && l < capacity; ++l)
+    for (int64_t k = 0; k < inputs; ++k) offsets[l * inputs + k] = plan.offset(k, l);
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def row_plan():
+    """RowPlan of row_plan.h, compiled on its own: (rows, launches, row strides, per-launch offsets) of tensors
+    of one shape (their leading dims: all but the last)."""
+    cpp = pytest.importorskip("utils.cpp")
+    if not cpp.compiler_available():
+        pytest.skip("no C++ compiler")
+    header = (CUDA_DIR / "row_plan.h").read_text().replace("#pragma once", "")  # its text is in the cache key
+    lib = cpp.compile_shared(header + ROW_PLAN_SHIM)
+    pointer, i64 = ctypes.c_void_p, ctypes.c_int64
+    function = lib.function("row_plan", [pointer, i64, pointer, i64, pointer, pointer, pointer, i64])
+
+    def plan(*tensors: torch.Tensor):
+        lead = torch.tensor(tensors[0].shape[:-1], dtype=torch.int64)
+        strides = torch.tensor([t.stride()[:-1] for t in tensors], dtype=torch.int64).reshape(-1)
+        rows_launches = torch.zeros(2, dtype=torch.int64)
+        row_strides = torch.zeros(len(tensors), dtype=torch.int64)
+        capacity = max(1, math.prod(lead.tolist()))
+        offsets = torch.zeros(capacity, len(tensors), dtype=torch.int64)
+        function(lead.data_ptr(), len(lead), strides.data_ptr(), len(tensors), rows_launches.data_ptr(),
+                 row_strides.data_ptr(), offsets.data_ptr(), capacity)  # fmt: skip
+        rows, launches = rows_launches.tolist()
+        return rows, launches, row_strides.tolist(), offsets[:launches].tolist()
+
+    return plan
+
+
+def row_start(t: torch.Tensor, row: int) -> int:
+    """The element offset (from t's first element) of row ``row`` (row-major over the leading dims) of t."""
+    offset = 0
+    for size, stride in reversed(list(zip(t.shape[:-1], t.stride()[:-1]))):
+        offset += (row % size) * stride
+        row //= size
+    return offset
+
+
+def base(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape)
+
+
+# (name, inputs of one shape, the launches the plan must take): every layout the dims collapse for in one launch,
+# then batches whose leading dims do not collapse
+PLAN_LAYOUTS = [
+    ("contiguous", lambda: [base(2, 3, 8)], 1),
+    ("transposed matrix", lambda: [base(8, 5).t()], 1),
+    ("row slice and padded rows", lambda: [base(2, 7, 12)[:, 1:6, :8]], 2),
+    ("padded rows of a contiguous batch", lambda: [base(6, 12)[:, :8].view(2, 3, 8)], 1),
+    ("expanded rows", lambda: [base(1, 8).expand(6, 8)], 1),
+    ("size-1 dims", lambda: [base(1, 4, 1, 8)[:, :, :, :]], 1),
+    ("one row", lambda: [base(8)], 1),
+    ("x and grad_y: transposed and contiguous", lambda: [base(8, 5).t(), base(5, 8)], 1),
+    ("a slice of a batch", lambda: [base(3, 9, 8)[:, ::2]], 3),
+    ("a permuted batch", lambda: [base(4, 3, 8).permute(1, 0, 2)], 3),
+    ("4-d, inner pair collapses", lambda: [base(2, 3, 4, 5, 8).permute(1, 0, 2, 3, 4)[:, :, :, :, :]], 6),
+    ("x contiguous, grad_y permuted", lambda: [base(3, 4, 8), base(4, 3, 8).transpose(0, 1)], 3),
+]
+
+
+@pytest.mark.parametrize("case", range(len(PLAN_LAYOUTS)), ids=[c[0] for c in PLAN_LAYOUTS])
+def test_row_plan_finds_every_row_of_every_input(row_plan, case):
+    """Row r of launch l starts at offset(k, l) + r * row_stride[k] in input k, for every row of the row-major
+    order (launch l holding rows l * rows ...), with as few launches as the layout allows."""
+    _, make, launches_wanted = PLAN_LAYOUTS[case]
+    tensors = make()
+    rows, launches, row_strides, offsets = row_plan(*tensors)
+    assert rows * launches == math.prod(tensors[0].shape[:-1])
+    assert launches == launches_wanted
+    for k, t in enumerate(tensors):
+        for row in range(rows * launches):
+            l, r = divmod(row, rows)
+            assert offsets[l][k] + r * row_strides[k] == row_start(t, row), (k, row)
+
+
+def test_rms_norm_over_a_permuted_batch_launched_per_slice(row_plan):
+    """The launcher's way with leading dims that do not collapse: one launch per slice of the outer dim, each on
+    its inputs in place (pointers offset to the slice), outputs and weight partials of the slices one after the
+    other, then one reduce over all of them; against float64."""
+    dtype, cols = torch.float32, 40
+    x = base(4, 3, cols).permute(1, 0, 2)  # (3, 4, cols): the leading dims do not collapse
+    gy = base(3, 4, cols)[:, :, :]
+    w = weight_of(cols, dtype)
+    rows, launches, row_strides, offsets = row_plan(gy, x)
+    assert (rows, launches) == (4, 3)
+
+    ys, gxs, partials = [], [], []
+    for l in range(launches):
+        xl = x.as_strided((rows, cols), (row_strides[1], x.stride(-1)), x.storage_offset() + offsets[l][1])
+        gl = gy.as_strided((rows, cols), (row_strides[0], gy.stride(-1)), gy.storage_offset() + offsets[l][0])
+        y, rstd = rms_norm_forward(xl, w, EPS, 4)
+        gx, _, part = rms_norm_backward(gl, xl, w, rstd, 4)
+        ys, gxs, partials = ys + [y], gxs + [gx], partials + [part]
+    y, gx = torch.stack(ys), torch.stack(gxs)  # (launches, rows, cols): the outputs' row-major order
+    all_partials = torch.cat(partials)
+    gw = torch.full((cols,), NAN, dtype=dtype)
+    launch("rms_norm_weight_grad_reduce<float>", (math.ceil(cols / 32),), (32, REDUCE_ROWS),
+           [all_partials, gw, all_partials.shape[0], cols])  # fmt: skip
+    x2, g2 = x.reshape(-1, cols), gy.reshape(-1, cols)
+    ref_y, _ = rms_norm_reference(x2, w)
+    ref_gx, ref_gw = rms_norm_backward_reference(g2, x2, w)
+    assert_close(y.reshape(-1, cols), ref_y, dtype, "y")
+    assert_close(gx.reshape(-1, cols), ref_gx, dtype, "grad_x", factor=2)
+    assert_close(gw, ref_gw, dtype, "grad_weight", factor=2)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import re
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -112,6 +113,34 @@ def test_the_copy_check_sees_a_copy(gen):
     """Negative control: the profiler check above does see a copy made inside a call."""
     x = make_input((3, 33), torch.float32, "transposed", gen, device=CPU)
     assert COPIES & aten_ops_run(lambda: native.softmax(x.contiguous()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cuda_kernels_read_strided_inputs_in_place(ops, gen, layout, dtype):
+    """On a GPU: every layout (a transposed or sliced one takes the column-stride kernels, a permuted batch one
+    launch per slice) against float64, with a strided weight and incoming gradient, and no aten op copies."""
+    cuda = torch.device("cuda")
+    for cols in (33, 700, 1100):  # the warp kernels; rows the column-stride path gives the block kernels; both
+        x = make_input((3, 4, cols), dtype, layout, gen, device=cuda)
+        w = make_input((2 * cols,), dtype, "contiguous", gen, device=cuda)[::2]
+        grad = make_input((3, 4, cols), dtype, layout, gen, device=cuda)
+        y, rstd = ops.rms_norm_forward(x, w, 1e-6)
+        assert_matches(y, rms_norm_reference(x, w, 1e-6), dtype, what=f"{cols}: y")
+        x64, w64 = x.double().requires_grad_(True), w.double().requires_grad_(True)
+        torch.autograd.backward(rms_norm_reference(x64, w64, 1e-6), grad.double())
+        grad_x, grad_w = ops.rms_norm_backward(grad, x, w, rstd)
+        assert_matches(grad_x, x64.grad, dtype, slack=4, what=f"{cols}: grad_x")
+        assert_matches(grad_w, w64.grad, dtype, slack=16, what=f"{cols}: grad_weight")
+        s = ops.softmax_forward(x)
+        assert_matches(s, torch.softmax(x.double(), -1), dtype, what=f"{cols}: softmax")
+        s64, g64 = s.double(), grad.double()
+        want = s64 * (g64 - (g64 * s64).sum(-1, keepdim=True))
+        assert_matches(ops.softmax_backward(grad, s), want, dtype, slack=4, what=f"{cols}: softmax grad_x")
+        calls = (lambda: (ops.rms_norm_forward(x, w, 1e-6), ops.rms_norm_backward(grad, x, w, rstd),
+                          ops.softmax_forward(x), ops.softmax_backward(grad, s)))  # fmt: skip
+        assert not COPIES & aten_ops_run(calls)
 
 
 def test_outputs_are_new_contiguous_tensors(gen):
@@ -224,6 +253,118 @@ def test_the_same_errors_come_from_the_ops_and_their_meta_kernels(ops):
         native.softmax(torch.tensor(1.0))
     with pytest.raises(TypeError, match="^kernel_ladder.native.softmax: x must be a torch.Tensor, got tuple"):
         native.softmax((1.0, 2.0))
+
+
+def _ones(*shape, dtype=torch.float32, device="cpu"):
+    return torch.ones(shape, dtype=dtype, device=device)
+
+
+#: (backend op, arguments on a device) that every shared check refuses, one case per branch of checks.cpp that
+#: does not depend on the device (those that do name it); the Meta, CPU and CUDA kernels must raise the same
+BAD_BACKEND_CALLS = [
+    ("rms_norm_forward", lambda d: (_ones(device=d).sum(), _ones(1, device=d), 1e-6)),
+    ("rms_norm_forward", lambda d: (_ones(3, 4, dtype=torch.int32, device=d), _ones(4, device=d), 1e-6)),
+    ("rms_norm_forward", lambda d: (_ones(3, 4, device=d), _ones(5, device=d), 1e-6)),
+    ("rms_norm_forward", lambda d: (_ones(3, 4, device=d), _ones(2, 2, device=d), 1e-6)),
+    ("rms_norm_forward", lambda d: (_ones(3, 4, device=d), _ones(4, dtype=torch.float16, device=d), 1e-6)),
+    ("rms_norm_forward", lambda d: (_ones(3, 4, device=d), _ones(4, device=d), -1e-6)),
+    ("rms_norm_forward", lambda d: (_ones(3, 4, device=d), _ones(4, device=d), math.inf)),
+    (
+        "rms_norm_backward",
+        lambda d: (_ones(3, 5, device=d), _ones(3, 4, device=d), _ones(4, device=d), _ones(3, device=d)),
+    ),
+    (
+        "rms_norm_backward",
+        lambda d: (
+            _ones(3, 4, dtype=torch.float64, device=d),
+            _ones(3, 4, device=d),
+            _ones(4, device=d),
+            _ones(3, device=d),
+        ),
+    ),
+    (
+        "rms_norm_backward",
+        lambda d: (_ones(3, 4, device=d), _ones(3, 4, device=d), _ones(3, device=d), _ones(3, device=d)),
+    ),
+    (
+        "rms_norm_backward",
+        lambda d: (_ones(3, 4, device=d), _ones(3, 4, device=d), _ones(4, device=d), _ones(4, device=d)),
+    ),
+    (
+        "rms_norm_backward",
+        lambda d: (
+            _ones(3, 4, device=d),
+            _ones(3, 4, device=d),
+            _ones(4, device=d),
+            _ones(3, dtype=torch.float64, device=d),
+        ),
+    ),
+    ("softmax_forward", lambda d: (_ones(device=d).sum(),)),
+    ("softmax_forward", lambda d: (_ones(3, dtype=torch.int64, device=d),)),
+    ("softmax_backward", lambda d: (_ones(3, 4, device=d), _ones(3, 5, device=d))),
+    ("softmax_backward", lambda d: (_ones(3, 4, dtype=torch.bfloat16, device=d), _ones(3, 4, device=d))),
+    ("softmax_backward", lambda d: (_ones(3, 4, device=d), _ones(3, 4, dtype=torch.int32, device=d))),
+]
+
+
+def _error_of(ops, name: str, args: tuple, device: str) -> tuple[type, str]:
+    """The exception type and message the backend op raises, with the device's name written as "<device>"."""
+    with pytest.raises((ValueError, TypeError)) as info:
+        getattr(ops, name)(*args)
+    return info.type, str(info.value).splitlines()[0].replace(device, "<device>")
+
+
+@pytest.mark.parametrize("case", range(len(BAD_BACKEND_CALLS)))
+def test_bad_backend_calls_get_the_same_error_from_every_kernel(ops, case):
+    """The CPU and Meta kernels (and the CUDA kernels: the gpu test below) run the same shared checks: the same
+    type, the same message, starting with the user-facing op's name."""
+    name, make = BAD_BACKEND_CALLS[case]
+    error = _error_of(ops, name, make("cpu"), "cpu")
+    assert error == _error_of(ops, name, make("meta"), "meta")
+    user_op = "rms_norm" if name.startswith("rms_norm") else "softmax"
+    backward = r" \(backward\)" if name.endswith("backward") else ""
+    assert re.match(rf"kernel_ladder\.native\.{user_op}{backward}: ", error[1]), error
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", range(len(BAD_BACKEND_CALLS)))
+def test_bad_backend_calls_get_the_same_error_on_cuda_as_on_the_cpu(ops, case):
+    name, make = BAD_BACKEND_CALLS[case]
+    assert _error_of(ops, name, make("cuda"), "cuda:0") == _error_of(ops, name, make("cpu"), "cpu")
+
+
+def _function_bodies(source: str) -> dict[str, str]:
+    """The body of each kernel function ``<op>_<backend>(...) { ... }`` of a C++ source, by name."""
+    pattern = r"\b((?:rms_norm|softmax)_(?:forward|backward)_(?:cpu|meta|cuda))\([^;{]*?\)\s*\{\n(.*?)\n\}"
+    return dict(re.findall(pattern, source, flags=re.S))
+
+
+def test_every_backend_runs_the_shared_check_of_its_op_first():
+    """Each backend op's CPU, Meta and CUDA kernels begin with the same call of the same shared check (native.h)
+    with the same op name, so a bad argument gets the same error on any device (the CUDA file is only compiled
+    where CUDA is: this reads it). ops_cuda.cu keeps checks of CUDA's own alone: none of the shared checks'
+    messages is written there again."""
+    csrc = Path(native.__file__).parent / "csrc"
+    bodies = {}
+    for file in ("cpu/rms_norm.cpp", "cpu/softmax.cpp", "meta.cpp", "cuda/ops_cuda.cu"):
+        bodies |= _function_bodies((csrc / file).read_text())
+    first_checks = {}
+    for function, body in bodies.items():
+        found = re.search(r"\bcheck_\w+\(\w+", body)
+        assert found, f"{function} runs no check"
+        first_checks.setdefault(function.rsplit("_", 1)[0], set()).add(found.group(0))
+    expected = {
+        "rms_norm_forward": "check_rms_norm_forward(kRmsNorm",
+        "rms_norm_backward": "check_rms_norm_backward(kRmsNormBackward",
+        "softmax_forward": "check_softmax_forward(kSoftmax",
+        "softmax_backward": "check_softmax_backward(kSoftmaxBackward",
+    }
+    assert len(bodies) == 12 and first_checks == {op: {call} for op, call in expected.items()}, first_checks
+    cuda = (csrc / "cuda" / "ops_cuda.cu").read_text()
+    messages = (m.strip(" :") for m in re.findall(r'"([^"]*must[^"]*)"', (csrc / "checks.cpp").read_text()))
+    shared_messages = {m for m in messages if len(m) > 12}  # " must be on " alone is CUDA's own check too
+    again = sorted(m for m in shared_messages if m in cuda)
+    assert shared_messages and not again, f"ops_cuda.cu checks again what checks.cpp does: {again}"
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -68,6 +68,23 @@ __device__ __forceinline__ void store_pack(T* __restrict__ p, const Pack<T, N>& 
   *reinterpret_cast<Pack<T, N>*>(p) = v;
 }
 
+// Pack p of an input row, for the two layouts of a row the kernels take (their STRIDED template parameter):
+// * stride 1 (STRIDED false): the VEC consecutive elements at row + p * VEC, one access (128-bit for VEC > 1);
+// * columns col_stride elements apart (STRIDED true, VEC = 1: a transposed or column-sliced input): the one
+//   element at row + p * col_stride, a scalar load. This is how the kernels read any layout without a copy.
+// col_stride is not read on the stride-1 path, so that path compiles to what it would without the argument.
+template <int VEC, bool STRIDED, typename T>
+__device__ __forceinline__ Pack<T, VEC> load_cols(const T* __restrict__ row, long long p, long long col_stride) {
+  static_assert(!STRIDED || VEC == 1, "the column-stride path loads one element at a time");
+  if constexpr (STRIDED) {
+    Pack<T, VEC> out;
+    out.v[0] = row[p * col_stride];
+    return out;
+  } else {
+    return load_pack<VEC>(row + p * VEC);
+  }
+}
+
 // Butterfly sum over the 32 lanes: after step k every lane holds the sum of its 2^k-lane group, and each
 // lane adds the same two partial sums (in swapped order, and float addition commutes), so all 32 lanes end
 // with the same bits.

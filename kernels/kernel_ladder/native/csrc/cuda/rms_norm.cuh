@@ -1,6 +1,6 @@
-// RMSNorm over the last dim, forward and backward, as CUDA kernels (templates over the element type T and
-// the vector width VEC). Host code lives in ops_cuda.cu; this file is kernels only, so that the course's
-// SIMT emulator can run it on the CPU.
+// RMSNorm over the last dim, forward and backward, as CUDA kernels (templates over the element type T, the
+// vector width VEC and the column layout STRIDED). Host code lives in ops_cuda.cu; this file is kernels only,
+// so that the course's SIMT emulator can run it on the CPU.
 //
 //   rstd = 1 / sqrt(sum(x^2) / C + eps)          y = (x * rstd) * w
 //   xhat = x * rstd   g = dy * w                  dx = (g - xhat * sum(g * xhat) / C) * rstd
@@ -15,12 +15,17 @@
 // one 128-bit load each), or single elements (VEC = 1: the scalar path, for rows whose start or length is
 // not a multiple of 16 bytes). The launcher picks VEC; with VEC > 1 it guarantees C % VEC == 0 and every
 // row start 16-byte aligned, so the kernels have no tail. Pack p covers columns [p * VEC, p * VEC + VEC).
+// With STRIDED (VEC = 1 only) an input's columns are its own col_stride apart (a transposed or column-sliced
+// tensor, an expanded weight or grad_y: the launcher takes it when some operand's last-dim stride is not 1):
+// the same mapping with one scalar load per element (load_cols in common.cuh), never a copy of the input;
+// rstd of the backward is then read rstd_stride apart too. Outputs are always contiguous. Without STRIDED the
+// column-stride arguments are not read, and the kernels compile as if they were not there.
 //
-// * C <= kWarpMaxColsOf<T> (1024; 512 for double): ONE WARP PER ROW. Block (32, kWarpRows): threadIdx.y picks the warp's row
-//   (row = blockIdx.x * kWarpRows + threadIdx.y), lane l takes packs l, l + 32, l + 64, ... (so one warp-wide
-//   load instruction reads 32 consecutive packs: 512 contiguous bytes with VEC > 1). The row stays in
-//   registers (at most 32 elements a lane), the sum of squares is reduced by shuffles
-//   alone: no shared memory, no barrier; x is read once.
+// * C <= kWarpMaxColsOf<T, STRIDED> (1024; 512 for double; half that with STRIDED): ONE WARP PER ROW.
+//   Block (32, kWarpRows): threadIdx.y picks the warp's row (row = blockIdx.x * kWarpRows + threadIdx.y),
+//   lane l takes packs l, l + 32, l + 64, ... (so one warp-wide load instruction reads 32 consecutive packs:
+//   512 contiguous bytes with VEC > 1). The row stays in registers (at most 32 elements a lane), the sum of
+//   squares is reduced by shuffles alone: no shared memory, no barrier; x is read once.
 // * longer rows: ONE BLOCK PER ROW (forward: blockIdx.x is the row), kBlockThreads threads; thread t
 //   takes packs t, t + 256, ... The first kCachePacks of them stay in registers (the whole row up to
 //   256 * 4 * VEC columns: 4096 fp32, 8192 bf16/fp16), the rest are read again for the second pass (from L2 on
@@ -64,24 +69,29 @@ template <int VEC>
 constexpr int kForwardWarpMinBlocks = VEC == 1 ? 4 : 8;
 
 // Rows up to this many columns take the warp-per-row kernels. A lane holds 32 values of a 1024-column row;
-// in double that is 64 registers a row, and the exp of the softmax spilled around its slow path: 512.
-template <typename T>
-constexpr int kWarpMaxColsOf = sizeof(T) == 8 ? kWarpMaxCols / 2 : kWarpMaxCols;
+// in double that is 64 registers a row, and the exp of the softmax spilled around its slow path: 512. On the
+// column-stride path (STRIDED) every element a lane loads has an address of its own (no immediate offset from
+// one base), 64 bits each, and the compiler keeps them in registers to issue the loads together (and, in the
+// backward, to read dy and w again): half as many columns (512; 256 for double) keep those kernels out of local
+// memory; longer strided rows take the block kernels.
+template <typename T, bool STRIDED = false>
+constexpr int kWarpMaxColsOf = (sizeof(T) == 8 ? kWarpMaxCols / 2 : kWarpMaxCols) / (STRIDED ? 2 : 1);
 }  // namespace kl_cuda
 
 // ---------------------------------------------------------------------------------------------------------
 // Forward
 // ---------------------------------------------------------------------------------------------------------
 
-// One warp per row (C <= kWarpMaxColsOf<T>). y is contiguous (row r starts at r * cols); x's rows are x_row_stride apart.
-template <typename T, int VEC>
+// One warp per row (C <= kWarpMaxColsOf<T, STRIDED>). y is contiguous (row r starts at r * cols); x's rows are
+// x_row_stride apart (and with STRIDED its columns x_col_stride, weight's weight_col_stride).
+template <typename T, int VEC, bool STRIDED>
 __global__ void __launch_bounds__(kl_cuda::kWarp* kl_cuda::kWarpRows, kl_cuda::kForwardWarpMinBlocks<VEC>)
     rms_norm_forward_warp(const T* __restrict__ x, const T* __restrict__ weight, T* __restrict__ y,
                           kl_cuda::acc_t<T>* __restrict__ rstd, long long rows, long long cols,
-                          long long x_row_stride, float eps) {
+                          long long x_row_stride, float eps, long long x_col_stride, long long weight_col_stride) {
   using namespace kl_cuda;
   using A = acc_t<T>;
-  constexpr int PACKS = kWarpMaxColsOf<T> / (kWarp * VEC);  // packs a lane holds at most
+  constexpr int PACKS = kWarpMaxColsOf<T, STRIDED> / (kWarp * VEC);  // packs a lane holds at most
   const int lane = threadIdx.x;
   const long long row = (long long)blockIdx.x * kWarpRows + threadIdx.y;
   if (row >= rows) return;  // row is the same for all 32 lanes: the warp leaves whole
@@ -94,7 +104,7 @@ __global__ void __launch_bounds__(kl_cuda::kWarp* kl_cuda::kWarpRows, kl_cuda::k
   for (int k = 0; k < PACKS; ++k) {
     const int p = lane + kWarp * k;
     if (p < n_packs) {
-      xv[k] = load_pack<VEC>(xr + (long long)p * VEC);
+      xv[k] = load_cols<VEC, STRIDED>(xr, p, x_col_stride);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
         const A v = to_acc(xv[k].v[j]);
@@ -111,7 +121,7 @@ __global__ void __launch_bounds__(kl_cuda::kWarp* kl_cuda::kWarpRows, kl_cuda::k
   for (int k = 0; k < PACKS; ++k) {
     const int p = lane + kWarp * k;
     if (p < n_packs) {
-      const Pack<T, VEC> w = load_pack<VEC>(weight + (long long)p * VEC);
+      const Pack<T, VEC> w = load_cols<VEC, STRIDED>(weight, p, weight_col_stride);
       Pack<T, VEC> out;
 #pragma unroll
       for (int j = 0; j < VEC; ++j) store_as(to_acc(xv[k].v[j]) * r * to_acc(w.v[j]), out.v[j]);
@@ -120,12 +130,12 @@ __global__ void __launch_bounds__(kl_cuda::kWarp* kl_cuda::kWarpRows, kl_cuda::k
   }
 }
 
-// One block of kBlockThreads per row (C > kWarpMaxColsOf<T>): blockIdx.x is the row.
-template <typename T, int VEC>
+// One block of kBlockThreads per row (C > kWarpMaxColsOf<T, STRIDED>): blockIdx.x is the row.
+template <typename T, int VEC, bool STRIDED>
 __global__ void __launch_bounds__(kl_cuda::kBlockThreads, kl_cuda::kForwardBlockMinBlocks)
     rms_norm_forward_block(const T* __restrict__ x, const T* __restrict__ weight, T* __restrict__ y,
                            kl_cuda::acc_t<T>* __restrict__ rstd, long long rows, long long cols,
-                           long long x_row_stride, float eps) {
+                           long long x_row_stride, float eps, long long x_col_stride, long long weight_col_stride) {
   using namespace kl_cuda;
   using A = acc_t<T>;
   constexpr int THREADS = kBlockThreads;
@@ -141,7 +151,7 @@ __global__ void __launch_bounds__(kl_cuda::kBlockThreads, kl_cuda::kForwardBlock
   for (int k = 0; k < kCachePacks; ++k) {
     const long long p = tid + (long long)THREADS * k;
     if (p < n_packs) {
-      xv[k] = load_pack<VEC>(xr + p * VEC);
+      xv[k] = load_cols<VEC, STRIDED>(xr, p, x_col_stride);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
         const A v = to_acc(xv[k].v[j]);
@@ -150,7 +160,7 @@ __global__ void __launch_bounds__(kl_cuda::kBlockThreads, kl_cuda::kForwardBlock
     }
   }
   for (long long p = tid + (long long)THREADS * kCachePacks; p < n_packs; p += THREADS) {
-    const Pack<T, VEC> v = load_pack<VEC>(xr + p * VEC);
+    const Pack<T, VEC> v = load_cols<VEC, STRIDED>(xr, p, x_col_stride);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
       const A a = to_acc(v.v[j]);
@@ -166,7 +176,7 @@ __global__ void __launch_bounds__(kl_cuda::kBlockThreads, kl_cuda::kForwardBlock
   for (int k = 0; k < kCachePacks; ++k) {
     const long long p = tid + (long long)THREADS * k;
     if (p < n_packs) {
-      const Pack<T, VEC> w = load_pack<VEC>(weight + p * VEC);
+      const Pack<T, VEC> w = load_cols<VEC, STRIDED>(weight, p, weight_col_stride);
       Pack<T, VEC> out;
 #pragma unroll
       for (int j = 0; j < VEC; ++j) store_as(to_acc(xv[k].v[j]) * r * to_acc(w.v[j]), out.v[j]);
@@ -174,8 +184,8 @@ __global__ void __launch_bounds__(kl_cuda::kBlockThreads, kl_cuda::kForwardBlock
     }
   }
   for (long long p = tid + (long long)THREADS * kCachePacks; p < n_packs; p += THREADS) {
-    const Pack<T, VEC> v = load_pack<VEC>(xr + p * VEC);
-    const Pack<T, VEC> w = load_pack<VEC>(weight + p * VEC);
+    const Pack<T, VEC> v = load_cols<VEC, STRIDED>(xr, p, x_col_stride);
+    const Pack<T, VEC> w = load_cols<VEC, STRIDED>(weight, p, weight_col_stride);
     Pack<T, VEC> out;
 #pragma unroll
     for (int j = 0; j < VEC; ++j) store_as(to_acc(v.v[j]) * r * to_acc(w.v[j]), out.v[j]);
@@ -187,22 +197,23 @@ __global__ void __launch_bounds__(kl_cuda::kBlockThreads, kl_cuda::kForwardBlock
 // Backward
 // ---------------------------------------------------------------------------------------------------------
 
-// One warp per row (C <= kWarpMaxColsOf<T>). Warp w = threadIdx.y of block b takes rows
+// One warp per row (C <= kWarpMaxColsOf<T, STRIDED>). Warp w = threadIdx.y of block b takes rows
 // b * kWarpRows + w + i * gridDim.x * kWarpRows (i = 0, 1, ...), keeping x of the row and its running dw in
 // registers (dy is read again in the second pass: from L1, it was loaded a moment before). At the end the
 // block's kWarpRows warps add their dw through shared memory, in warp order, into row b of
 // weight_partials [gridDim.x, cols] (zeros where the block had no row). grad_x is contiguous; grad_y's and
 // x's rows are their own strides apart.
-template <typename T, int VEC>
+template <typename T, int VEC, bool STRIDED>
 __global__ void __launch_bounds__(kl_cuda::kWarp* kl_cuda::kWarpRows, kl_cuda::kBackwardWarpMinBlocks)
     rms_norm_backward_warp(const T* __restrict__ grad_y, const T* __restrict__ x, const T* __restrict__ weight,
                            const kl_cuda::acc_t<T>* __restrict__ rstd, T* __restrict__ grad_x,
                            kl_cuda::acc_t<T>* __restrict__ weight_partials, long long rows, long long cols,
-                           long long grad_y_row_stride, long long x_row_stride) {
+                           long long grad_y_row_stride, long long x_row_stride, long long grad_y_col_stride,
+                           long long x_col_stride, long long weight_col_stride, long long rstd_stride) {
   using namespace kl_cuda;
   using A = acc_t<T>;
-  constexpr int PACKS = kWarpMaxColsOf<T> / (kWarp * VEC);
-  __shared__ A dw_shared[kWarpRows][kWarpMaxColsOf<T>];  // 16 KiB
+  constexpr int PACKS = kWarpMaxColsOf<T, STRIDED> / (kWarp * VEC);
+  __shared__ A dw_shared[kWarpRows][kWarpMaxColsOf<T, STRIDED>];  // 16 KiB (8 KiB on the strided path)
   const int lane = threadIdx.x;
   const long long warp = (long long)blockIdx.x * kWarpRows + threadIdx.y;
   const long long n_warps = (long long)gridDim.x * kWarpRows;
@@ -217,16 +228,16 @@ __global__ void __launch_bounds__(kl_cuda::kWarp* kl_cuda::kWarpRows, kl_cuda::k
   for (long long row = warp; row < rows; row += n_warps) {  // the same trip count for all 32 lanes
     const T* gyr = grad_y + row * grad_y_row_stride;
     const T* xr = x + row * x_row_stride;
-    const A r = rstd[row];
+    const A r = rstd[STRIDED ? row * rstd_stride : row];
     Pack<T, VEC> xv[PACKS];
     A dot = 0;  // sum(g * xhat) over this lane's columns
 #pragma unroll
     for (int k = 0; k < PACKS; ++k) {
       const int p = lane + kWarp * k;
       if (p < n_packs) {
-        xv[k] = load_pack<VEC>(xr + (long long)p * VEC);
-        const Pack<T, VEC> g = load_pack<VEC>(gyr + (long long)p * VEC);
-        const Pack<T, VEC> w = load_pack<VEC>(weight + (long long)p * VEC);
+        xv[k] = load_cols<VEC, STRIDED>(xr, p, x_col_stride);
+        const Pack<T, VEC> g = load_cols<VEC, STRIDED>(gyr, p, grad_y_col_stride);
+        const Pack<T, VEC> w = load_cols<VEC, STRIDED>(weight, p, weight_col_stride);
 #pragma unroll
         for (int j = 0; j < VEC; ++j) dot += (to_acc(g.v[j]) * to_acc(w.v[j])) * (to_acc(xv[k].v[j]) * r);
       }
@@ -237,8 +248,8 @@ __global__ void __launch_bounds__(kl_cuda::kWarp* kl_cuda::kWarpRows, kl_cuda::k
     for (int k = 0; k < PACKS; ++k) {
       const int p = lane + kWarp * k;
       if (p < n_packs) {
-        const Pack<T, VEC> g = load_pack<VEC>(gyr + (long long)p * VEC);
-        const Pack<T, VEC> w = load_pack<VEC>(weight + (long long)p * VEC);
+        const Pack<T, VEC> g = load_cols<VEC, STRIDED>(gyr, p, grad_y_col_stride);
+        const Pack<T, VEC> w = load_cols<VEC, STRIDED>(weight, p, weight_col_stride);
         Pack<T, VEC> out;
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
@@ -269,16 +280,18 @@ __global__ void __launch_bounds__(kl_cuda::kWarp* kl_cuda::kWarpRows, kl_cuda::k
   }
 }
 
-// One block of kBlockThreads per row (C > kWarpMaxColsOf<T>). Block b of B = gridDim.x takes rows b, b + B, ... and writes
-// row b of weight_partials [B, cols]. A thread's first kCachePacks packs keep x and their dw in registers (dy
-// is read again in the second pass, from L1); packs beyond them are read again in the second pass, and their dw is added into the block's own row of
-// weight_partials in place (only this thread touches those entries, always in row order: deterministic).
-template <typename T, int VEC>
+// One block of kBlockThreads per row (C > kWarpMaxColsOf<T, STRIDED>). Block b of B = gridDim.x takes rows
+// b, b + B, ... and writes row b of weight_partials [B, cols]. A thread's first kCachePacks packs keep x and
+// their dw in registers (dy is read again in the second pass, from L1); packs beyond them are read again in the
+// second pass, and their dw is added into the block's own row of weight_partials in place (only this thread
+// touches those entries, always in row order: deterministic).
+template <typename T, int VEC, bool STRIDED>
 __global__ void __launch_bounds__(kl_cuda::kBlockThreads, kl_cuda::kBackwardBlockMinBlocks)
     rms_norm_backward_block(const T* __restrict__ grad_y, const T* __restrict__ x, const T* __restrict__ weight,
                             const kl_cuda::acc_t<T>* __restrict__ rstd, T* __restrict__ grad_x,
                             kl_cuda::acc_t<T>* __restrict__ weight_partials, long long rows, long long cols,
-                            long long grad_y_row_stride, long long x_row_stride) {
+                            long long grad_y_row_stride, long long x_row_stride, long long grad_y_col_stride,
+                            long long x_col_stride, long long weight_col_stride, long long rstd_stride) {
   using namespace kl_cuda;
   using A = acc_t<T>;
   constexpr int THREADS = kBlockThreads;
@@ -303,24 +316,24 @@ __global__ void __launch_bounds__(kl_cuda::kBlockThreads, kl_cuda::kBackwardBloc
   for (long long row = blockIdx.x; row < rows; row += gridDim.x, buffer ^= 1) {  // uniform over the block
     const T* gyr = grad_y + row * grad_y_row_stride;
     const T* xr = x + row * x_row_stride;
-    const A r = rstd[row];
+    const A r = rstd[STRIDED ? row * rstd_stride : row];
     Pack<T, VEC> xv[kCachePacks];
     A dot = 0;
 #pragma unroll
     for (int k = 0; k < kCachePacks; ++k) {
       const long long p = tid + (long long)THREADS * k;
       if (p < n_packs) {
-        xv[k] = load_pack<VEC>(xr + p * VEC);
-        const Pack<T, VEC> g = load_pack<VEC>(gyr + p * VEC);
-        const Pack<T, VEC> w = load_pack<VEC>(weight + p * VEC);
+        xv[k] = load_cols<VEC, STRIDED>(xr, p, x_col_stride);
+        const Pack<T, VEC> g = load_cols<VEC, STRIDED>(gyr, p, grad_y_col_stride);
+        const Pack<T, VEC> w = load_cols<VEC, STRIDED>(weight, p, weight_col_stride);
 #pragma unroll
         for (int j = 0; j < VEC; ++j) dot += (to_acc(g.v[j]) * to_acc(w.v[j])) * (to_acc(xv[k].v[j]) * r);
       }
     }
     for (long long p = tid + (long long)THREADS * kCachePacks; p < n_packs; p += THREADS) {
-      const Pack<T, VEC> xs = load_pack<VEC>(xr + p * VEC);
-      const Pack<T, VEC> gs = load_pack<VEC>(gyr + p * VEC);
-      const Pack<T, VEC> w = load_pack<VEC>(weight + p * VEC);
+      const Pack<T, VEC> xs = load_cols<VEC, STRIDED>(xr, p, x_col_stride);
+      const Pack<T, VEC> gs = load_cols<VEC, STRIDED>(gyr, p, grad_y_col_stride);
+      const Pack<T, VEC> w = load_cols<VEC, STRIDED>(weight, p, weight_col_stride);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) dot += (to_acc(gs.v[j]) * to_acc(w.v[j])) * (to_acc(xs.v[j]) * r);
     }
@@ -331,8 +344,8 @@ __global__ void __launch_bounds__(kl_cuda::kBlockThreads, kl_cuda::kBackwardBloc
     for (int k = 0; k < kCachePacks; ++k) {
       const long long p = tid + (long long)THREADS * k;
       if (p < n_packs) {
-        const Pack<T, VEC> g = load_pack<VEC>(gyr + p * VEC);
-        const Pack<T, VEC> w = load_pack<VEC>(weight + p * VEC);
+        const Pack<T, VEC> g = load_cols<VEC, STRIDED>(gyr, p, grad_y_col_stride);
+        const Pack<T, VEC> w = load_cols<VEC, STRIDED>(weight, p, weight_col_stride);
         Pack<T, VEC> out;
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
@@ -345,9 +358,9 @@ __global__ void __launch_bounds__(kl_cuda::kBlockThreads, kl_cuda::kBackwardBloc
       }
     }
     for (long long p = tid + (long long)THREADS * kCachePacks; p < n_packs; p += THREADS) {
-      const Pack<T, VEC> xs = load_pack<VEC>(xr + p * VEC);
-      const Pack<T, VEC> gs = load_pack<VEC>(gyr + p * VEC);
-      const Pack<T, VEC> w = load_pack<VEC>(weight + p * VEC);
+      const Pack<T, VEC> xs = load_cols<VEC, STRIDED>(xr, p, x_col_stride);
+      const Pack<T, VEC> gs = load_cols<VEC, STRIDED>(gyr, p, grad_y_col_stride);
+      const Pack<T, VEC> w = load_cols<VEC, STRIDED>(weight, p, weight_col_stride);
       Pack<T, VEC> out;
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {

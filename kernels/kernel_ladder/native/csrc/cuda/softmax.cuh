@@ -1,14 +1,17 @@
-// Softmax over the last dim, forward and backward, as CUDA kernels (templates over the element type T and
-// the vector width VEC). Host code lives in ops_cuda.cu; this file is kernels only (see common.cuh).
+// Softmax over the last dim, forward and backward, as CUDA kernels (templates over the element type T, the
+// vector width VEC and the column layout STRIDED, as in rms_norm.cuh: with STRIDED, VEC = 1 and each input's
+// columns are its own col_stride apart). Host code lives in ops_cuda.cu; this file is kernels only (see
+// common.cuh).
 //
 //   y = exp(x - m) / s,  m = max(x),  s = sum(exp(x - m))          dx = y * (dy - sum(dy * y))
 //
 // computed in acc_t<T> (float; double for double), rounded once at the store.
 //
 // Thread mapping: as in rms_norm.cuh. Packs of VEC elements (one 128-bit access for VEC > 1; VEC = 1 is the
-// scalar path); C <= kWarpMaxColsOf<T> (1024; 512 for double): one warp per row, block (32, 4), lane l takes packs l, l + 32, ..., the row in
-// registers, reductions by shuffles only; longer rows: one block of 256 threads per row, thread t takes packs
-// t, t + 256, ..., its first 4 packs kept in registers, warp results combined through shared memory.
+// scalar path); C <= kWarpMaxColsOf<T, STRIDED> (1024; 512 for double; half that with STRIDED): one warp per
+// row, block (32, 4), lane l takes packs l, l + 32, ..., the row in registers, reductions by shuffles only;
+// longer rows: one block of 256 threads per row, thread t takes packs t, t + 256, ..., its first 4 packs kept in
+// registers, warp results combined through shared memory.
 //
 // Two-pass or online?
 // -------------------
@@ -47,14 +50,14 @@ __device__ __forceinline__ A online_ref(A m) {
 // Forward
 // ---------------------------------------------------------------------------------------------------------
 
-// One warp per row (C <= kWarpMaxColsOf<T>). y is contiguous; x's rows are x_row_stride apart.
-template <typename T, int VEC>
+// One warp per row (C <= kWarpMaxColsOf<T, STRIDED>). y is contiguous; x's rows are x_row_stride apart.
+template <typename T, int VEC, bool STRIDED>
 __global__ void __launch_bounds__(kl_cuda::kWarp* kl_cuda::kWarpRows, kl_cuda::kForwardWarpMinBlocks<VEC>)
     softmax_forward_warp(const T* __restrict__ x, T* __restrict__ y, long long rows, long long cols,
-                         long long x_row_stride) {
+                         long long x_row_stride, long long x_col_stride) {
   using namespace kl_cuda;
   using A = acc_t<T>;
-  constexpr int PACKS = kWarpMaxColsOf<T> / (kWarp * VEC);
+  constexpr int PACKS = kWarpMaxColsOf<T, STRIDED> / (kWarp * VEC);
   const int lane = threadIdx.x;
   const long long row = (long long)blockIdx.x * kWarpRows + threadIdx.y;
   if (row >= rows) return;  // the whole warp leaves together
@@ -68,7 +71,7 @@ __global__ void __launch_bounds__(kl_cuda::kWarp* kl_cuda::kWarpRows, kl_cuda::k
   for (int k = 0; k < PACKS; ++k) {
     const int p = lane + kWarp * k;
     if (p < n_packs) {
-      const Pack<T, VEC> xs = load_pack<VEC>(xr + (long long)p * VEC);
+      const Pack<T, VEC> xs = load_cols<VEC, STRIDED>(xr, p, x_col_stride);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
         v[k][j] = to_acc(xs.v[j]);
@@ -103,11 +106,11 @@ __global__ void __launch_bounds__(kl_cuda::kWarp* kl_cuda::kWarpRows, kl_cuda::k
   }
 }
 
-// One block of kBlockThreads per row (C > kWarpMaxColsOf<T>): blockIdx.x is the row.
-template <typename T, int VEC>
+// One block of kBlockThreads per row (C > kWarpMaxColsOf<T, STRIDED>): blockIdx.x is the row.
+template <typename T, int VEC, bool STRIDED>
 __global__ void __launch_bounds__(kl_cuda::kBlockThreads, kl_cuda::kForwardBlockMinBlocks)
     softmax_forward_block(const T* __restrict__ x, T* __restrict__ y, long long rows, long long cols,
-                          long long x_row_stride) {
+                          long long x_row_stride, long long x_col_stride) {
   using namespace kl_cuda;
   using A = acc_t<T>;
   constexpr int THREADS = kBlockThreads;
@@ -126,7 +129,7 @@ __global__ void __launch_bounds__(kl_cuda::kBlockThreads, kl_cuda::kForwardBlock
   for (int k = 0; k < kCachePacks; ++k) {
     const long long p = tid + (long long)THREADS * k;
     if (p < n_packs) {
-      xv[k] = load_pack<VEC>(xr + p * VEC);
+      xv[k] = load_cols<VEC, STRIDED>(xr, p, x_col_stride);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) m_cached = acc_max(m_cached, to_acc(xv[k].v[j]));
     }
@@ -134,7 +137,7 @@ __global__ void __launch_bounds__(kl_cuda::kBlockThreads, kl_cuda::kForwardBlock
   // Streamed packs: online (max, sum), read once here and once more for the output.
   A m_streamed = -(A)INFINITY, s_streamed = 0;
   for (long long p = tid + (long long)THREADS * kCachePacks; p < n_packs; p += THREADS) {
-    const Pack<T, VEC> v = load_pack<VEC>(xr + p * VEC);
+    const Pack<T, VEC> v = load_cols<VEC, STRIDED>(xr, p, x_col_stride);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
       const A a = to_acc(v.v[j]);
@@ -202,7 +205,7 @@ __global__ void __launch_bounds__(kl_cuda::kBlockThreads, kl_cuda::kForwardBlock
     }
   }
   for (long long p = tid + (long long)THREADS * kCachePacks; p < n_packs; p += THREADS) {
-    const Pack<T, VEC> v = load_pack<VEC>(xr + p * VEC);
+    const Pack<T, VEC> v = load_cols<VEC, STRIDED>(xr, p, x_col_stride);
     Pack<T, VEC> out;
 #pragma unroll
     for (int j = 0; j < VEC; ++j) store_as(acc_exp(to_acc(v.v[j]) - ref) * inv, out.v[j]);
@@ -214,14 +217,16 @@ __global__ void __launch_bounds__(kl_cuda::kBlockThreads, kl_cuda::kForwardBlock
 // Backward: dx = y * (dy - sum(dy * y)), from the saved output y
 // ---------------------------------------------------------------------------------------------------------
 
-// One warp per row (C <= kWarpMaxColsOf<T>). grad_x is contiguous; grad_y's and y's rows are their own strides apart.
-template <typename T, int VEC>
+// One warp per row (C <= kWarpMaxColsOf<T, STRIDED>). grad_x is contiguous; grad_y's and y's rows (and with
+// STRIDED their columns) are their own strides apart.
+template <typename T, int VEC, bool STRIDED>
 __global__ void __launch_bounds__(kl_cuda::kWarp* kl_cuda::kWarpRows, kl_cuda::kBackwardWarpMinBlocks)
     softmax_backward_warp(const T* __restrict__ grad_y, const T* __restrict__ y, T* __restrict__ grad_x,
-                          long long rows, long long cols, long long grad_y_row_stride, long long y_row_stride) {
+                          long long rows, long long cols, long long grad_y_row_stride, long long y_row_stride,
+                          long long grad_y_col_stride, long long y_col_stride) {
   using namespace kl_cuda;
   using A = acc_t<T>;
-  constexpr int PACKS = kWarpMaxColsOf<T> / (kWarp * VEC);
+  constexpr int PACKS = kWarpMaxColsOf<T, STRIDED> / (kWarp * VEC);
   const int lane = threadIdx.x;
   const long long row = (long long)blockIdx.x * kWarpRows + threadIdx.y;
   if (row >= rows) return;
@@ -235,8 +240,8 @@ __global__ void __launch_bounds__(kl_cuda::kWarp* kl_cuda::kWarpRows, kl_cuda::k
   for (int k = 0; k < PACKS; ++k) {
     const int p = lane + kWarp * k;
     if (p < n_packs) {
-      gv[k] = load_pack<VEC>(gyr + (long long)p * VEC);
-      yv[k] = load_pack<VEC>(yr + (long long)p * VEC);
+      gv[k] = load_cols<VEC, STRIDED>(gyr, p, grad_y_col_stride);
+      yv[k] = load_cols<VEC, STRIDED>(yr, p, y_col_stride);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) dot += to_acc(gv[k].v[j]) * to_acc(yv[k].v[j]);
     }
@@ -255,11 +260,12 @@ __global__ void __launch_bounds__(kl_cuda::kWarp* kl_cuda::kWarpRows, kl_cuda::k
   }
 }
 
-// One block of kBlockThreads per row (C > kWarpMaxColsOf<T>): blockIdx.x is the row.
-template <typename T, int VEC>
+// One block of kBlockThreads per row (C > kWarpMaxColsOf<T, STRIDED>): blockIdx.x is the row.
+template <typename T, int VEC, bool STRIDED>
 __global__ void __launch_bounds__(kl_cuda::kBlockThreads, kl_cuda::kBackwardBlockMinBlocks)
     softmax_backward_block(const T* __restrict__ grad_y, const T* __restrict__ y, T* __restrict__ grad_x,
-                           long long rows, long long cols, long long grad_y_row_stride, long long y_row_stride) {
+                           long long rows, long long cols, long long grad_y_row_stride, long long y_row_stride,
+                          long long grad_y_col_stride, long long y_col_stride) {
   using namespace kl_cuda;
   using A = acc_t<T>;
   constexpr int THREADS = kBlockThreads;
@@ -276,15 +282,15 @@ __global__ void __launch_bounds__(kl_cuda::kBlockThreads, kl_cuda::kBackwardBloc
   for (int k = 0; k < kCachePacks; ++k) {
     const long long p = tid + (long long)THREADS * k;
     if (p < n_packs) {
-      gv[k] = load_pack<VEC>(gyr + p * VEC);
-      yv[k] = load_pack<VEC>(yr + p * VEC);
+      gv[k] = load_cols<VEC, STRIDED>(gyr, p, grad_y_col_stride);
+      yv[k] = load_cols<VEC, STRIDED>(yr, p, y_col_stride);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) dot += to_acc(gv[k].v[j]) * to_acc(yv[k].v[j]);
     }
   }
   for (long long p = tid + (long long)THREADS * kCachePacks; p < n_packs; p += THREADS) {
-    const Pack<T, VEC> g = load_pack<VEC>(gyr + p * VEC);
-    const Pack<T, VEC> v = load_pack<VEC>(yr + p * VEC);
+    const Pack<T, VEC> g = load_cols<VEC, STRIDED>(gyr, p, grad_y_col_stride);
+    const Pack<T, VEC> v = load_cols<VEC, STRIDED>(yr, p, y_col_stride);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) dot += to_acc(g.v[j]) * to_acc(v.v[j]);
   }
@@ -302,8 +308,8 @@ __global__ void __launch_bounds__(kl_cuda::kBlockThreads, kl_cuda::kBackwardBloc
     }
   }
   for (long long p = tid + (long long)THREADS * kCachePacks; p < n_packs; p += THREADS) {
-    const Pack<T, VEC> g = load_pack<VEC>(gyr + p * VEC);
-    const Pack<T, VEC> v = load_pack<VEC>(yr + p * VEC);
+    const Pack<T, VEC> g = load_cols<VEC, STRIDED>(gyr, p, grad_y_col_stride);
+    const Pack<T, VEC> v = load_cols<VEC, STRIDED>(yr, p, y_col_stride);
     Pack<T, VEC> out;
 #pragma unroll
     for (int j = 0; j < VEC; ++j) store_as(to_acc(v.v[j]) * (to_acc(g.v[j]) - dot), out.v[j]);
