@@ -582,3 +582,22 @@ def test_python_m_kernel_ladder_native_info_and_build(ops, capsys):
     out = capsys.readouterr().out
     assert "(built, loaded)" in out and f"torch {torch.__version__}" in out
     assert " ".join(_build.build_config()["extra_cflags"]) in out
+
+
+def test_every_cache_folder_follows_one_rule(monkeypatch, tmp_path):
+    """The library's build cache and the course's (g++, nvcc, the CUDA emulator) live under one root:
+    $XDG_CACHE_HOME (else ~/.cache)/kernel_ladder/<kind>, each overridable by its own variable."""
+    from kernel_ladder.native import _build
+    from utils import cpp, nvcc, simt
+
+    for name in ("KERNEL_LADDER_NATIVE_DIR", "KERNEL_LADDER_CPP_CACHE", "KERNEL_LADDER_NVCC_CACHE",
+                 "KERNEL_LADDER_SIMT_CACHE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    root = tmp_path / "xdg" / "kernel_ladder"
+    assert cpp.cache_dir() == root / "cpp"
+    assert nvcc._cache_dir() == root / "nvcc"
+    assert simt._cache_dir() == root / "simt"
+    assert _build.cache_dir().parent == root / "native"
+    monkeypatch.setenv("KERNEL_LADDER_SIMT_CACHE", str(tmp_path / "own"))
+    assert simt._cache_dir() == tmp_path / "own"

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kernel_ladder.native._build import host_is_x86_64_v3
+from kernel_ladder.native._build import cache_folder, host_is_x86_64_v3
 
 __all__ = [
     "CACHE_ENV",
@@ -94,8 +94,7 @@ class CompileError(RuntimeError):
 
 def cache_dir() -> Path:
     """Where compiled libraries and executables are kept (created if missing)."""
-    root = os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "kernel_ladder", "cpp")
-    path = Path(root)
+    path = cache_folder("cpp", CACHE_ENV)
     path.mkdir(parents=True, exist_ok=True)
     return path
 

@@ -19,7 +19,8 @@ Where ``nvcc`` is found: ``$KERNEL_LADDER_NVCC``, ``nvcc`` on the ``PATH``, ``$C
 ``/usr/local/cuda/bin``, then PyPI's ``nvidia-cuda-nvcc`` package. :func:`find_nvcc` returns ``None``
 where there is none, and :func:`compile_cuda` then raises :class:`NvccNotFound` saying what to install.
 Builds are cached by content (source, flags, nvcc version) under ``~/.cache/kernel_ladder/nvcc``
-(``$KERNEL_LADDER_NVCC_CACHE``), written atomically so that parallel test workers can share it.
+(``$XDG_CACHE_HOME`` in place of ``~/.cache`` when set; ``$KERNEL_LADDER_NVCC_CACHE`` overrides both),
+written atomically so that parallel test workers can share it.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from kernel_ladder.native._build import cache_folder
 
 from . import sass as _sass
 
@@ -161,8 +164,7 @@ def _require_nvcc() -> str:
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("KERNEL_LADDER_NVCC_CACHE") or Path.home() / ".cache" / "kernel_ladder" / "nvcc"
-    path = Path(root)
+    path = cache_folder("nvcc", "KERNEL_LADDER_NVCC_CACHE")
     path.mkdir(parents=True, exist_ok=True)
     return path
 

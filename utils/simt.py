@@ -53,6 +53,8 @@ from typing import Any
 
 import torch
 
+from kernel_ladder.native._build import cache_folder
+
 __all__ = [
     "Arg",
     "GuardHit",
@@ -146,8 +148,7 @@ class Arg:
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("KERNEL_LADDER_SIMT_CACHE") or Path.home() / ".cache" / "kernel_ladder" / "simt"
-    path = Path(root)
+    path = cache_folder("simt", "KERNEL_LADDER_SIMT_CACHE")
     path.mkdir(parents=True, exist_ok=True)
     return path
 

@@ -115,17 +115,22 @@ def _key(config: dict) -> str:
     return digest.hexdigest()[:16]
 
 
+def cache_folder(kind: str, env: str | None = None) -> pathlib.Path:
+    """The project's cache folder for ``kind`` (``native``, and the course's ``cpp``, ``nvcc``, ``simt``):
+    ``$<env>`` when that variable is set, else ``$XDG_CACHE_HOME/kernel_ladder/<kind>``, else
+    ``~/.cache/kernel_ladder/<kind>``. Not created here."""
+    root = os.environ.get(env) if env else None
+    if root:
+        return pathlib.Path(root).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
+    return pathlib.Path(cache) / "kernel_ladder" / kind
+
+
 def cache_dir(config: dict | None = None) -> pathlib.Path:
     """Where the library for this configuration is built: ``$KERNEL_LADDER_NATIVE_DIR/<key>``, else
     ``~/.cache/kernel_ladder/native/<key>`` (``$XDG_CACHE_HOME`` in place of ``~/.cache`` when set)."""
     config = build_config() if config is None else config
-    root = os.environ.get("KERNEL_LADDER_NATIVE_DIR")
-    if root:
-        base = pathlib.Path(root).expanduser()
-    else:
-        cache = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
-        base = pathlib.Path(cache) / "kernel_ladder" / "native"
-    return base / _key(config)
+    return cache_folder("native", "KERNEL_LADDER_NATIVE_DIR") / _key(config)
 
 
 def _library(directory: pathlib.Path) -> pathlib.Path:
