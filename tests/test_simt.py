@@ -65,7 +65,8 @@ __global__ void half_warp_shuffles(float* out) {
   out[lane] = v;
 }
 
-// Threads past `live` return at once; the others still meet at __syncthreads (sm_70+: the returned do not count).
+// Threads past `live` return at once; the others still meet at __syncthreads (sm_70+: a warp that returned whole
+// does not count; part of a warp returning while its other lanes wait at the barrier is undefined, and reported).
 __global__ void early_exit(float* out, int live) {
   __shared__ float values[128];
   int t = threadIdx.x;
@@ -82,6 +83,14 @@ __global__ void barrier_in_a_branch(float* out) {
   if (threadIdx.x < 40) __syncthreads();
   out[threadIdx.x] = 1.0f;
   __syncthreads();
+}
+
+// Lane 0 of each warp alone waits at the barrier; the other lanes run past it and return.
+__global__ void barrier_for_lane_0(float* out) {
+  const int lane = threadIdx.x % 32;
+  float v = (float)threadIdx.x;
+  if (lane == 0) __syncthreads();
+  out[threadIdx.x] = v;
 }
 
 __global__ void shuffle_after_exit(float* out) {
@@ -244,11 +253,27 @@ def test_a_missing_barrier_reads_shared_memory_nobody_wrote_yet():
     assert torch.equal(out[:63], (torch.arange(1, 64) ** 2).float()) and torch.isnan(out[63])
 
 
-def test_returned_threads_no_longer_count_at_syncthreads():
+@pytest.mark.parametrize("order", ["forward", "reverse"])
+def test_warps_that_returned_whole_no_longer_count_at_syncthreads(order):
     out = nans(128)
-    run("early_exit", 1, 128, [out, 40])
-    assert torch.equal(out[:40], torch.full((40,), 40 * 41 / 2))
-    assert torch.isnan(out[40:]).all()
+    run("early_exit", 1, 128, [out, 64], order=order)
+    assert torch.equal(out[:64], torch.full((64,), 64 * 65 / 2))
+    assert torch.isnan(out[64:]).all()
+
+
+@pytest.mark.parametrize("order", ["forward", "reverse"])
+def test_a_barrier_that_part_of_a_warp_returned_before_is_reported(order):
+    with pytest.raises(simt.SimtError) as caught:
+        run("early_exit", 1, 128, [nans(128), 40], order=order)
+    message = str(caught.value)
+    assert caught.value.kind == "error" and "not reached by every thread of block (0, 0, 0)" in message
+    assert "with threads 32-39 there while threads 40-63 of the same warps had returned" in message
+
+
+def test_a_barrier_only_lane_0_of_each_warp_reaches_is_reported():
+    report = simt.run_checked(KERNELS, "barrier_for_lane_0", 2, 128, [nans(256)], outputs=[0], names=["out"])
+    assert report.status == "error" and "__syncthreads() at kernel.cu:" in report.message
+    assert "with threads 0, 32, 64, 96 there while threads 1-31, 33-63, 65-95, 97-127" in report.message
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -362,6 +362,34 @@ inline void complete_block_barrier() {
     free(done);
     return;
   }
+  // CUDA defines a barrier only when every thread of the block reaches it. A warp that returned whole is no
+  // longer waited for (sm_70+ drops exited warps from the count: `if (row >= rows) return;` per warp works), but
+  // a warp some of whose lanes returned while the others wait here has threads that skipped this barrier.
+  int* skipped = (int*)malloc(sizeof(int) * s->nthreads);
+  int* waiting = (int*)malloc(sizeof(int) * s->nthreads);
+  int nskipped = 0, nwaiting = 0;
+  for (int w = 0; w < s->nwarps; ++w) {
+    int lo = w * 32, hi = lo + 32 < s->nthreads ? lo + 32 : s->nthreads, exited = 0;
+    for (int i = lo; i < hi; ++i) exited += s->fibers[i].state == EXITED;
+    if (exited == 0 || exited == hi - lo) continue;
+    for (int i = lo; i < hi; ++i) {
+      if (s->fibers[i].state == EXITED) skipped[nskipped++] = i;
+      else waiting[nwaiting++] = i;
+    }
+  }
+  if (nskipped) {
+    fail("__syncthreads() at %s:%d not reached by every thread of ", base_name(first->file), first->line);
+    say_block();
+    say(": it completed with threads ");
+    say_ranges(waiting, nwaiting);
+    say(" there while threads ");
+    say_ranges(skipped, nskipped);
+    say(" of the same warps had returned without reaching it (CUDA: a __syncthreads() in code that not every "
+        "thread of the block runs is undefined; a warp that returns whole is not waited for, part of one is)");
+  }
+  free(skipped);
+  free(waiting);
+  if (nskipped) return;
   int count = 0;
   for (int i = 0; i < s->nthreads; ++i) {
     Fiber* f = &s->fibers[i];
