@@ -88,6 +88,20 @@ SAME_ROW_PER_BLOCK = variant(
 
 NO_EPS = variant("sum / (float)cols + eps", "sum / (float)cols")
 
+#: Four warps per block assumed: right for every launch of 4 warps, wrong from the second block of 8 warps on.
+FOUR_WARPS_PER_BLOCK = variant(
+    "(long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32", "(long long)blockIdx.x * 4 + threadIdx.x / 32"
+)
+
+#: A NaN guard: the row holding a NaN comes out 0 where it must be NaN; every other row is right.
+NAN_GUARD = variant(
+    "const float rstd = rsqrtf(sum / (float)cols + eps);",
+    "float rstd = rsqrtf(sum / (float)cols + eps);\n  if (rstd != rstd) rstd = 0.0f;",
+)
+
+#: A barrier only lane 0 of each warp reaches: the other lanes run past it and return.
+BARRIER_FOR_LANE_0 = variant(REDUCTION, REDUCTION + "  if (lane == 0) __syncthreads();\n")
+
 
 @needs_nvcc
 def test_the_solution_is_solved_and_its_sass_named():
@@ -117,6 +131,9 @@ def test_without_nvcc_the_values_alone_are_checked_and_that_is_said(monkeypatch)
         (STRIDE_AS_COLS, "misaligned: kernel.cu:"),
         (SAME_ROW_PER_BLOCK, "cause: only the first row of each block of 4 rows is written"),
         (NO_EPS, "cause: eps is missing"),
+        (FOUR_WARPS_PER_BLOCK, "row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32"),
+        (NAN_GUARD, "cause: only row 2, the row holding a NaN, is wrong"),
+        (BARRIER_FOR_LANE_0, "cause: a __syncthreads() that some lanes of a warp skip"),
     ],
     ids=[
         "stub",
@@ -128,6 +145,9 @@ def test_without_nvcc_the_values_alone_are_checked_and_that_is_said(monkeypatch)
         "stride-as-cols",
         "same-row-per-block",
         "no-eps",
+        "four-warps-per-block",
+        "nan-guard",
+        "barrier-for-lane-0",
     ],
 )
 def test_wrong_kernels_are_not_solved_with_their_diagnosis(source, diagnosis):
@@ -151,6 +171,16 @@ def test_right_values_with_sass_that_breaks_the_spec_are_not_solved(source, diag
     verdict = check_rms_norm_warp(source)
     assert rejected(verdict, "the values are right on every case; the sm_90 build is not")
     assert rejected(verdict, diagnosis), verdict.message
+
+
+def test_a_nan_guard_is_named_by_its_row_not_by_the_row_stride():
+    verdict = check_rms_norm_warp(NAN_GUARD, sass=False)
+    after_the_case_line = verdict.message.split("of x holds a NaN", 1)[1]
+    assert not verdict.solved and "padded" not in verdict.message and "row_stride" not in after_the_case_line
+
+
+def test_the_checks_launches_include_two_blocks_of_8_warps():
+    assert any(warps == 8 and rows > 8 for rows, _, _, _, warps, _ in cuda_kernel.CASES)
 
 
 def test_a_compile_error_is_named_by_its_line():

@@ -48,13 +48,14 @@ __global__ void rms_norm_warp(const float* __restrict__ x, const float* __restri
 """
 
 #: ``(rows, cols, row_stride, eps, warps per block, the row holding a NaN or None)``: an easy case first, then
-#: one column, a tail of 3 with eps that matters, a block of 8 warps with a partial last block, a long row, a
-#: row longer than 128 float4 (4100 = 4 · 1025), no rows, and a NaN in one row (only that row is NaN).
+#: one column, a tail of 3 with eps that matters, two blocks of 8 warps (the second with 5 rows: 3 warps of it
+#: have none), a long row, a row longer than 128 float4 (4100 = 4 · 1025), no rows, and a NaN in one row (only
+#: that row is NaN). Each launches ``<<<ceil(rows / warps), 32 * warps>>>``.
 CASES = (
     (4, 64, 64, 1e-5, 4, None),
     (1, 1, 4, 1e-5, 4, None),
     (5, 7, 8, 0.25, 4, None),
-    (5, 33, 36, 1e-5, 8, None),
+    (13, 33, 36, 1e-5, 8, None),
     (3, 1000, 1000, 1e-5, 4, None),
     (2, 4100, 4104, 1e-5, 4, None),
     (0, 5, 8, 1e-5, 4, None),
@@ -174,6 +175,11 @@ def _status_problems(report: Any) -> list[str]:
             "must reach it — return whole warps only (row >= rows), and let every lane of a warp take "
             "part in the reduction, even those with nothing to add"
         )
+    elif "not reached by every thread" in message:
+        problems.append(
+            "cause: a __syncthreads() that some lanes of a warp skip (they returned, or took another branch): "
+            "CUDA leaves such a barrier undefined — and a warp that owns a row needs no block barrier at all"
+        )
     elif "divergent __syncthreads()" in message:
         problems.append(
             "cause: a __syncthreads() in a branch some threads skip: a warp that owns a row needs no "
@@ -263,6 +269,17 @@ def _run_case(source: str, case: tuple, gen: torch.Generator) -> tuple[list[str]
     close |= np.isnan(expected) & np.isnan(got)
     wrong = ~unwritten & ~close
     if rows and wrong.any():
+        wrong_rows = np.nonzero(wrong.any(axis=1))[0].tolist()
+        if nan_row is not None and wrong_rows == [nan_row]:
+            # Every other row is right: the NaN row alone says what is wrong (not the row stride, not the sum).
+            first = tuple(int(i) for i in np.argwhere(wrong)[0])
+            return [
+                f"cause: only row {nan_row}, the row holding a NaN, is wrong: a NaN in x makes its sum of squares, "
+                "its rstd and all of its outputs NaN (as torch gives them) — no guard may replace it "
+                "(if (r != r), isnan, fmaxf): a NaN in the input must show in the output",
+                _where(wrong, "wrong") + f": got {float(got[first]):.6g}, expected {float(expected[first]):.6g}",
+                *problems,
+            ], report
         if (np.isnan(got) & wrong & ~np.isnan(expected)).any():
             problems.append(
                 "NaN computed in a row with no NaN: a read outside x's row (the padding between rows and "
@@ -292,6 +309,15 @@ def _unwritten_causes(unwritten: np.ndarray, case: tuple) -> list[str]:
             causes.append(
                 f"only the first row of each block of {warps} rows is written: each warp takes its own "
                 "row, row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32"
+            )
+        elif row_unwritten.any() and not unwritten[~row_unwritten].any():
+            missing = np.nonzero(row_unwritten)[0].tolist()
+            causes.append(
+                f"whole rows are never written ({'rows' if len(missing) > 1 else 'row'} {_spans(missing)}) while the "
+                "others are: warp "
+                "threadIdx.x / 32 of block blockIdx.x owns row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32 "
+                f"— this launch has {warps} warps per block, so block b starts at row {warps} · b; a fixed "
+                "number of warps per block in the row index skips rows (and gives others to two warps)"
             )
     tail = cols % 4
     columns = unwritten.any(axis=0)
