@@ -99,6 +99,30 @@ NAN_GUARD = variant(
     "float rstd = rsqrtf(sum / (float)cols + eps);\n  if (rstd != rstd) rstd = 0.0f;",
 )
 
+#: The tail of y written as one float4 read, changed and written back: the padding keeps its bytes (no canary can
+#: see it), but the kernel touched memory that is not y's view.
+TAIL_FLOAT4_WRITE_BACK = variant(
+    TAIL_STORE,
+    """  if (lane == 0 && cols % 4) {
+    float4 last = yv[vectors];
+    last.x = xr[4 * vectors] * rstd * w[4 * vectors];
+    if (cols % 4 > 1) last.y = xr[4 * vectors + 1] * rstd * w[4 * vectors + 1];
+    if (cols % 4 > 2) last.z = xr[4 * vectors + 2] * rstd * w[4 * vectors + 2];
+    yv[vectors] = last;
+  }
+""",
+)
+
+#: The tail of x summed from one float4 that runs past the row (only the row's columns added: right values).
+TAIL_FLOAT4_OVER_READ = variant(
+    TAIL_SUM,
+    """  if (lane == 0 && cols % 4) {
+    const float4 v = xv[vectors];
+    sum += v.x * v.x + (cols % 4 > 1 ? v.y * v.y : 0.0f) + (cols % 4 > 2 ? v.z * v.z : 0.0f);
+  }
+""",
+)
+
 #: A barrier only lane 0 of each warp reaches: the other lanes run past it and return.
 BARRIER_FOR_LANE_0 = variant(REDUCTION, REDUCTION + "  if (lane == 0) __syncthreads();\n")
 
@@ -134,6 +158,14 @@ def test_without_nvcc_the_values_alone_are_checked_and_that_is_said(monkeypatch)
         (FOUR_WARPS_PER_BLOCK, "row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32"),
         (NAN_GUARD, "cause: only row 2, the row holding a NaN, is wrong"),
         (BARRIER_FOR_LANE_0, "cause: a __syncthreads() that some lanes of a warp skip"),
+        (
+            TAIL_FLOAT4_WRITE_BACK,
+            "y: read 12 bytes past the end of row 0 (the last row), outside the tensor — a 16-byte read",
+        ),
+        (
+            TAIL_FLOAT4_OVER_READ,
+            "x: read 12 bytes past the end of row 0 (the last row), outside the tensor — a 16-byte read",
+        ),
     ],
     ids=[
         "stub",
@@ -148,6 +180,8 @@ def test_without_nvcc_the_values_alone_are_checked_and_that_is_said(monkeypatch)
         "four-warps-per-block",
         "nan-guard",
         "barrier-for-lane-0",
+        "tail-float4-write-back",
+        "tail-float4-over-read",
     ],
 )
 def test_wrong_kernels_are_not_solved_with_their_diagnosis(source, diagnosis):

@@ -7,13 +7,15 @@ for a wrong answer:
 
 * **run on the CPU** by the SIMT emulator (:func:`utils.simt.run_checked`): g++ compiles the same source, every
   CUDA thread is a fiber, ``__syncthreads()`` and the warp shuffles really wait for each other; a compile
-  error, a deadlock (a barrier not every thread reaches, a shuffle whose lanes returned), a misaligned
+  error, a deadlock or a barrier not every thread reaches, a shuffle whose lanes returned, a misaligned
   ``float4`` access, a crash or a kernel that never ends is NOT SOLVED with the emulator's words;
 * on awkward cases — one column, fewer columns than a float4, tails of 1 to 3, rows padded to a larger stride,
-  a partial last block, no rows at all, a row holding a NaN — each tensor between **guard regions**: the output
-  ``y``'s guards and the padding between its rows hold a canary (a write there is reported, by element), the
-  inputs' hold NaN (a read there spoils the row visibly); ``y`` starts **poisoned** (a NaN with its own payload),
-  so unwritten elements are told apart from wrong ones;
+  two blocks of 8 warps (the last partial), no rows at all, a row holding a NaN — each tensor between **guard
+  regions**: the output ``y``'s guards and the padding between its rows hold a canary (a write there is
+  reported, by element), the inputs' hold NaN (a read there spoils the row visibly); ``y`` starts **poisoned** (a
+  NaN with its own payload), so unwritten elements are told apart from wrong ones; with AddressSanitizer (g++'s),
+  the guards and the padding between rows are poisoned, so a read there or a float4 that writes back a row's
+  padding unchanged is named too (the tensor, the row, the bytes, the line);
 * compared with a **float64 reference**, the wrong or unwritten elements described by rows, columns and the
   lanes that own them, the common mistakes recomputed and named when they match;
 * then **compiled for sm_90** by ``nvcc`` (:func:`utils.nvcc.compile_cuda`): no spills, 128-bit global loads
@@ -240,6 +242,11 @@ def _run_case(source: str, case: tuple, gen: torch.Generator) -> tuple[list[str]
     if report.status != "ok":
         return _status_problems(report), report
     problems = []
+    seen = set()
+    for access in report.bad_accesses:  # one line per tensor and direction: the first such access
+        if (access.arg, access.write) not in seen:
+            seen.add((access.arg, access.write))
+            problems.append(_bad_access_line(access, cols))
     for hit in report.guard_hits:
         text = f"wrote outside {hit.arg}: {str(hit).split(': wrote ', 1)[1]}"
         if hit.arg == "y" and (hit.gaps or hit.after):
@@ -297,6 +304,24 @@ def _run_case(source: str, case: tuple, gen: torch.Generator) -> tuple[list[str]
         causes = _value_causes(x_np, w_np, eps, got, wrong, ~unwritten, case)
         problems = [f"cause: {c}" for c in causes] + problems
     return problems, report
+
+
+def _bad_access_line(access: Any, cols: int) -> str:
+    """One read or write of bytes that are no element of x, w or y (AddressSanitizer's report, by the emulator)."""
+    verb = "wrote" if access.write else "read"
+    count = f"{access.outside} byte{'s' if access.outside != 1 else ''}"
+    where = f"{access.line}, {access.thread}" if access.thread else access.line
+    text = f"{access.arg + ': ' if access.arg else ''}{verb} {count} {access.place} — a {access.size}-byte "
+    text += f"{'write' if access.write else 'read'} at {where}"
+    if access.arg in ("x", "y") and access.row is not None:
+        text += (
+            f"; a row of {access.arg} is cols = {cols} float{'s' if cols != 1 else ''}: the bytes after it (up to "
+            "row_stride, or past the tensor) are no element of the view, even to write back what was there (on "
+            "a GPU they may be another tensor's) — float4s up to 4 * (cols / 4), then the tail one by one"
+        )
+    elif access.arg == "w":
+        text += f"; w holds cols = {cols} floats — float4s of w up to 4 * (cols / 4), then the tail one by one"
+    return text
 
 
 def _unwritten_causes(unwritten: np.ndarray, case: tuple) -> list[str]:
