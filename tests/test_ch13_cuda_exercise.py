@@ -88,6 +88,44 @@ SAME_ROW_PER_BLOCK = variant(
 
 NO_EPS = variant("sum / (float)cols + eps", "sum / (float)cols")
 
+#: Four warps per block assumed: right for every launch of 4 warps, wrong from the second block of 8 warps on.
+FOUR_WARPS_PER_BLOCK = variant(
+    "(long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32", "(long long)blockIdx.x * 4 + threadIdx.x / 32"
+)
+
+#: A NaN guard: the row holding a NaN comes out 0 where it must be NaN; every other row is right.
+NAN_GUARD = variant(
+    "const float rstd = rsqrtf(sum / (float)cols + eps);",
+    "float rstd = rsqrtf(sum / (float)cols + eps);\n  if (rstd != rstd) rstd = 0.0f;",
+)
+
+#: The tail of y written as one float4 read, changed and written back: the padding keeps its bytes (no canary can
+#: see it), but the kernel touched memory that is not y's view.
+TAIL_FLOAT4_WRITE_BACK = variant(
+    TAIL_STORE,
+    """  if (lane == 0 && cols % 4) {
+    float4 last = yv[vectors];
+    last.x = xr[4 * vectors] * rstd * w[4 * vectors];
+    if (cols % 4 > 1) last.y = xr[4 * vectors + 1] * rstd * w[4 * vectors + 1];
+    if (cols % 4 > 2) last.z = xr[4 * vectors + 2] * rstd * w[4 * vectors + 2];
+    yv[vectors] = last;
+  }
+""",
+)
+
+#: The tail of x summed from one float4 that runs past the row (only the row's columns added: right values).
+TAIL_FLOAT4_OVER_READ = variant(
+    TAIL_SUM,
+    """  if (lane == 0 && cols % 4) {
+    const float4 v = xv[vectors];
+    sum += v.x * v.x + (cols % 4 > 1 ? v.y * v.y : 0.0f) + (cols % 4 > 2 ? v.z * v.z : 0.0f);
+  }
+""",
+)
+
+#: A barrier only lane 0 of each warp reaches: the other lanes run past it and return.
+BARRIER_FOR_LANE_0 = variant(REDUCTION, REDUCTION + "  if (lane == 0) __syncthreads();\n")
+
 
 @needs_nvcc
 def test_the_solution_is_solved_and_its_sass_named():
@@ -117,6 +155,17 @@ def test_without_nvcc_the_values_alone_are_checked_and_that_is_said(monkeypatch)
         (STRIDE_AS_COLS, "misaligned: kernel.cu:"),
         (SAME_ROW_PER_BLOCK, "cause: only the first row of each block of 4 rows is written"),
         (NO_EPS, "cause: eps is missing"),
+        (FOUR_WARPS_PER_BLOCK, "row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32"),
+        (NAN_GUARD, "cause: only row 2, the row holding a NaN, is wrong"),
+        (BARRIER_FOR_LANE_0, "cause: a __syncthreads() that some lanes of a warp skip"),
+        (
+            TAIL_FLOAT4_WRITE_BACK,
+            "y: read 12 bytes past the end of row 0 (the last row), outside the tensor — a 16-byte read",
+        ),
+        (
+            TAIL_FLOAT4_OVER_READ,
+            "x: read 12 bytes past the end of row 0 (the last row), outside the tensor — a 16-byte read",
+        ),
     ],
     ids=[
         "stub",
@@ -128,6 +177,11 @@ def test_without_nvcc_the_values_alone_are_checked_and_that_is_said(monkeypatch)
         "stride-as-cols",
         "same-row-per-block",
         "no-eps",
+        "four-warps-per-block",
+        "nan-guard",
+        "barrier-for-lane-0",
+        "tail-float4-write-back",
+        "tail-float4-over-read",
     ],
 )
 def test_wrong_kernels_are_not_solved_with_their_diagnosis(source, diagnosis):
@@ -151,6 +205,16 @@ def test_right_values_with_sass_that_breaks_the_spec_are_not_solved(source, diag
     verdict = check_rms_norm_warp(source)
     assert rejected(verdict, "the values are right on every case; the sm_90 build is not")
     assert rejected(verdict, diagnosis), verdict.message
+
+
+def test_a_nan_guard_is_named_by_its_row_not_by_the_row_stride():
+    verdict = check_rms_norm_warp(NAN_GUARD, sass=False)
+    after_the_case_line = verdict.message.split("of x holds a NaN", 1)[1]
+    assert not verdict.solved and "padded" not in verdict.message and "row_stride" not in after_the_case_line
+
+
+def test_the_checks_launches_include_two_blocks_of_8_warps():
+    assert any(warps == 8 and rows > 8 for rows, _, _, _, warps, _ in cuda_kernel.CASES)
 
 
 def test_a_compile_error_is_named_by_its_line():

@@ -8,6 +8,7 @@ must be reported, never hang.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -65,7 +66,8 @@ __global__ void half_warp_shuffles(float* out) {
   out[lane] = v;
 }
 
-// Threads past `live` return at once; the others still meet at __syncthreads (sm_70+: the returned do not count).
+// Threads past `live` return at once; the others still meet at __syncthreads (sm_70+: a warp that returned whole
+// does not count; part of a warp returning while its other lanes wait at the barrier is undefined, and reported).
 __global__ void early_exit(float* out, int live) {
   __shared__ float values[128];
   int t = threadIdx.x;
@@ -82,6 +84,14 @@ __global__ void barrier_in_a_branch(float* out) {
   if (threadIdx.x < 40) __syncthreads();
   out[threadIdx.x] = 1.0f;
   __syncthreads();
+}
+
+// Lane 0 of each warp alone waits at the barrier; the other lanes run past it and return.
+__global__ void barrier_for_lane_0(float* out) {
+  const int lane = threadIdx.x % 32;
+  float v = (float)threadIdx.x;
+  if (lane == 0) __syncthreads();
+  out[threadIdx.x] = v;
 }
 
 __global__ void shuffle_after_exit(float* out) {
@@ -184,6 +194,22 @@ __global__ void rows_past_cols(float* y, int rows, int cols, int stride) {
   if (c <= cols) y[r * stride + c] = 1.0f;  // one column too many
 }
 
+// Each row's last float4 read and written back whole: the bytes past the row's `cols` keep their values.
+__global__ void float4_read_modify_write(float* y, int cols, int stride) {
+  float4* last = reinterpret_cast<float4*>(y + blockIdx.x * stride) + (cols - 1) / 4;
+  if (threadIdx.x == 0) {
+    float4 v = *last;
+    v.x = 2.0f;
+    *last = v;
+  }
+}
+
+// Each row read one float past its end (into the padding between rows, or past the last row).
+__global__ void read_past_the_row(const float* x, float* y, int cols, int stride) {
+  const float* row = x + blockIdx.x * stride;
+  if (threadIdx.x == 0) y[blockIdx.x] = row[cols];
+}
+
 __global__ void wild_store(float* y) { y[threadIdx.x * 100000000LL] = 1.0f; }
 
 __global__ void shared_past_the_end(float* y) {
@@ -244,11 +270,27 @@ def test_a_missing_barrier_reads_shared_memory_nobody_wrote_yet():
     assert torch.equal(out[:63], (torch.arange(1, 64) ** 2).float()) and torch.isnan(out[63])
 
 
-def test_returned_threads_no_longer_count_at_syncthreads():
+@pytest.mark.parametrize("order", ["forward", "reverse"])
+def test_warps_that_returned_whole_no_longer_count_at_syncthreads(order):
     out = nans(128)
-    run("early_exit", 1, 128, [out, 40])
-    assert torch.equal(out[:40], torch.full((40,), 40 * 41 / 2))
-    assert torch.isnan(out[40:]).all()
+    run("early_exit", 1, 128, [out, 64], order=order)
+    assert torch.equal(out[:64], torch.full((64,), 64 * 65 / 2))
+    assert torch.isnan(out[64:]).all()
+
+
+@pytest.mark.parametrize("order", ["forward", "reverse"])
+def test_a_barrier_that_part_of_a_warp_returned_before_is_reported(order):
+    with pytest.raises(simt.SimtError) as caught:
+        run("early_exit", 1, 128, [nans(128), 40], order=order)
+    message = str(caught.value)
+    assert caught.value.kind == "error" and "not reached by every thread of block (0, 0, 0)" in message
+    assert "with threads 32-39 there while threads 40-63 of the same warps had returned" in message
+
+
+def test_a_barrier_only_lane_0_of_each_warp_reaches_is_reported():
+    report = simt.run_checked(KERNELS, "barrier_for_lane_0", 2, 128, [nans(256)], outputs=[0], names=["out"])
+    assert report.status == "error" and "__syncthreads() at kernel.cu:" in report.message
+    assert "with threads 0, 32, 64, 96 there while threads 1-31, 33-63, 65-95, 97-127" in report.message
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -477,6 +519,81 @@ def test_writes_between_the_rows_of_a_strided_view_are_reported():
     (hit,) = report.guard_hits
     assert hit.gaps == (7, 19, 31, 43) and hit.after == (55,)
     assert torch.equal(base[:, :7], torch.ones(5, 7)) and torch.equal(base[:, 7:], torch.zeros(5, 5))
+
+
+def test_a_float4_written_back_over_a_rows_padding_is_reported_though_no_byte_changed():
+    base = torch.zeros(3, 8)
+    y = base[:, :5]  # rows of 5 floats, 8 apart: each row's second float4 holds 3 floats of padding
+    report = simt.run_checked(KERNELS, "float4_read_modify_write", 3, 32, [y, 5, 8], outputs=[0], names=["y"])
+    assert report.status == "ok" and not report.guard_hits and not report.ok
+    first = report.bad_accesses[0]
+    assert first.arg == "y" and first.size == 16 and first.outside == 12 and first.row == 0
+    assert "y: read 12 bytes past the end of row 0, into the padding between rows" in str(report)
+    assert "kernel.cu:" in first.line and first.thread == "block (0, 0, 0), thread (0, 0, 0)"
+    assert torch.equal(base[:, 4], torch.full((3,), 2.0))
+
+
+def test_a_read_into_the_padding_between_rows_is_reported(gen):
+    x = torch.randn(4, 12, generator=gen)[:, :7]
+    report = simt.run_checked(KERNELS, "read_past_the_row", 4, 32, [x, nans(4), 7, 12], outputs=[1], names=["x", "y"])
+    (access,) = report.bad_accesses  # one report per source line
+    assert not access.write and access.arg == "x" and access.outside == 4 and access.row == 0
+    assert "past the end of row 0, into the padding between rows" in access.place
+
+
+def test_reads_and_writes_inside_the_views_are_not_reported(gen):
+    x = torch.randn(4, 12, generator=gen)[:, :8]
+    report = simt.run_checked(KERNELS, "read_past_the_row", 3, 32, [x, nans(3), 7, 12], outputs=[1], names=["x", "y"])
+    assert report.ok, str(report)
+
+
+REPO = Path(__file__).resolve().parents[1]
+NATIVE_CUDA = REPO / "kernels" / "kernel_ladder" / "native" / "csrc" / "cuda"
+GEMM_CUDA = REPO / "chapters" / "13_below_triton" / "src" / "cuda"
+
+
+def test_the_native_rms_norm_and_softmax_kernels_touch_only_their_views(gen):
+    """The library's CUDA kernels under the sanitizer, on rows padded to a longer stride: every byte they read or
+    write is an element of a view (the padding between rows and the guards are poisoned)."""
+    rows, cols = 5, 36
+    x = torch.randn(rows, 40, generator=gen)[:, :cols]
+    w, y, rstd = torch.rand(cols, generator=gen) + 0.5, nans(rows, cols), nans(rows)
+    report = simt.run_checked(
+        NATIVE_CUDA / "softmax.cuh",
+        "rms_norm_forward_warp<float, 4, false>",
+        2,
+        (32, 4),
+        [x, w, y, rstd, rows, cols, 40, 1e-6, 1, 1],
+        include_dirs=(NATIVE_CUDA,),
+        outputs=[2, 3],
+        names=["x", "w", "y", "rstd"],
+    )
+    assert report.ok, str(report)
+    x64 = x.double()
+    assert torch.allclose(y.double(), x64 * torch.rsqrt(x64.square().mean(-1, keepdim=True) + 1e-6) * w, atol=1e-5)
+    x, y = torch.randn(2, 4104, generator=gen)[:, :4100], nans(2, 4100)
+    report = simt.run_checked(
+        NATIVE_CUDA / "softmax.cuh",
+        "softmax_forward_block<float, 4, false>",
+        2,
+        256,
+        [x, y, 2, 4100, 4104, 1],
+        include_dirs=(NATIVE_CUDA,),
+        outputs=[1],
+        names=["x", "y"],
+    )
+    assert report.ok, str(report)
+    assert torch.allclose(y.double(), torch.softmax(x.double(), -1), atol=1e-7)
+
+
+def test_the_cp_async_gemm_touches_only_its_operands(gen):
+    m, n, k = 33, 100, 64  # ragged tiles: the copies of the last rows and columns are zero-filled, not read
+    a, b, c = torch.randn(m, k, generator=gen), torch.randn(k, n, generator=gen), nans(m, n)
+    report = simt.run_checked(
+        GEMM_CUDA / "gemm_cp_async.cuh", "gemm_cp_async<true>", 1, 256, [a, b, c, m, n, k], outputs=[2]
+    )
+    assert report.ok, str(report)
+    assert torch.allclose(c.double(), a.double() @ b.double(), atol=1e-4)
 
 
 def test_an_input_written_in_place_is_reported():

@@ -8,7 +8,9 @@ checker must reject, with the diagnosis it must give.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import torch
 
 from solutions.ch13_below_triton import smem_swizzle
 from utils.exercises.banks import TILE_BOUND, TILE_COLS, TILE_ROWS, check_smem_swizzle
@@ -101,12 +103,44 @@ def returns_float(row, col):
         (stub, "not implemented yet: smem_swizzle raised NotImplementedError"),
         (crashes, "smem_swizzle(0, 0) raised IndexError: list index out of range"),
         (returns_float, "smem_swizzle(0, 0) returned 0.0 (float): expected an int word offset"),
-        (lambda row, col: True, "returned True: expected an int word offset"),
+        (lambda row, col: True, "returned True (bool): expected an int word offset"),
     ],
 )
 def test_broken_code_is_a_verdict_not_an_exception(layout, diagnosis):
     verdict = check_smem_swizzle(layout)
     assert not verdict.solved and said(verdict, diagnosis), verdict.message
+
+
+def solution_as(convert):
+    return lambda row, col: convert(smem_swizzle(row, col))
+
+
+@pytest.mark.parametrize(
+    "convert",
+    [int, np.int64, np.int32, lambda v: np.array(v), torch.tensor, lambda v: torch.tensor(v, dtype=torch.int16)],
+    ids=["int", "np.int64", "np.int32", "0-d array", "0-d tensor", "0-d int16 tensor"],
+)
+def test_an_int_or_an_integer_numpy_or_torch_scalar_is_taken(convert):
+    assert check_smem_swizzle(solution_as(convert)).solved
+
+
+@pytest.mark.parametrize(
+    "convert, shown",
+    [
+        (float, "returned 0.0 (float)"),
+        (np.float64, "returned np.float64(0.0) (float64)"),
+        (lambda v: torch.tensor(float(v)), "returned tensor(0.) (Tensor)"),
+        (lambda v: torch.tensor([v]), "returned tensor([0]) (Tensor)"),
+        (lambda v: np.array([v]), "returned array([0]) (ndarray)"),
+        (lambda v: torch.tensor(v % 2 == 1), "returned tensor(False) (Tensor)"),
+        (lambda v: np.bool_(v % 2 == 1), "returned np.False_ (bool)"),
+    ],
+    ids=["float", "np.float64", "0-d float tensor", "1-element tensor", "1-element array", "bool tensor", "np.bool_"],
+)
+def test_anything_else_is_rejected_saying_what_is_taken(convert, shown):
+    verdict = check_smem_swizzle(solution_as(convert))
+    assert not verdict.solved and said(verdict, f"smem_swizzle(0, 0) {shown}: expected an int word offset"), verdict
+    assert said(verdict, "(an int, or an integer NumPy or torch scalar: a 0-d integer array or tensor)")
 
 
 def test_padding_that_is_enough_at_bk_8():

@@ -19,15 +19,20 @@ a CPU tensor is a pointer of its dtype (``float*``, ``double*``, ``__nv_bfloat16
 ``long long*``, ...), a Python ``int`` a ``long long``, a ``float`` a ``float``, a ``bool`` a ``bool``; the
 kernel's own parameter types take them as a C++ call would (``long long`` -> ``int``). :class:`Arg` passes an
 exact C++ type (``Arg(4, "unsigned")``, ``Arg(x, "const float4*")``). A deadlock or a misuse the emulator
-sees (a divergent ``__syncthreads()``, a shuffle whose mask leaves out its own lane, a misaligned ``__ldg``
-or ``cp.async``) raises :class:`SimtError` with the emulator's message.
+sees (a divergent ``__syncthreads()``, one that completes while part of a warp returned without reaching it, a
+shuffle whose mask leaves out its own lane, a misaligned ``__ldg`` or ``cp.async``) raises :class:`SimtError`
+with the emulator's message.
 
 :func:`run_checked` is for checkers: it runs the kernel in a child process, on copies of the tensors placed
 between guard regions (NaN around inputs, a canary byte pattern around outputs and in the gaps between a
 strided view's rows), with the sanitizers for misaligned accesses and out-of-range indices into fixed-size
-arrays, and returns a :class:`RunReport` — ``ok``, a compile error with its lines, a deadlock, a crash
-(SIGSEGV: where, which thread), a timeout, writes into the guards — instead of raising or crashing.
-The tensors' new values are copied back.
+arrays, and AddressSanitizer where g++ has it: every byte of a copy that is no element of its view (guards,
+padding between rows) is poisoned, so a read there, or a write that puts back the bytes it found (which no
+canary sees), is reported (:class:`BadAccess`: the tensor, the row, the bytes, the line, the thread); the fiber
+switches are announced to it as it asks of user-level context switching. It returns a :class:`RunReport` —
+``ok``, a compile error with its lines, a deadlock, a crash (SIGSEGV: where, which thread), a timeout, writes
+into the guards, accesses outside the views — instead of raising or crashing. The tensors' new values are
+copied back.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ from kernel_ladder.native._build import cache_folder
 
 __all__ = [
     "Arg",
+    "BadAccess",
     "GuardHit",
     "HEADER_DIR",
     "RunReport",
@@ -72,8 +78,17 @@ HEADER_DIR = Path(__file__).resolve().with_name("simt")
 
 _FLAGS = ("-std=c++20", "-O1", "-fPIC", "-shared", "-fno-strict-aliasing", "-pthread", "-w", "-x", "c++")
 #: What :func:`run_checked` adds: a misaligned access (a float4 load from an address not a multiple of 16) and
-#: an index past a fixed-size array (a __shared__ tile) stop the kernel with the line that did it.
-_CHECKED_FLAGS = ("-fsanitize=alignment,bounds", "-fno-sanitize-recover=all")
+#: an index past a fixed-size array (a __shared__ tile) stop the kernel with the line that did it; AddressSanitizer
+#: reports every read or write of a byte that is no element of a tensor argument's view (run_checked poisons the
+#: guards and the padding between a strided view's rows) and lets the kernel run on (``-fsanitize-recover``), so
+#: that the guards still show what it wrote. ``-g1``: the line tables its reports name lines with.
+_CHECKED_FLAGS = (
+    "-fsanitize=alignment,bounds,address",
+    "-fno-sanitize-recover=all",
+    "-fsanitize-recover=address",
+    "-fno-tree-sra",
+    "-g1",
+)
 
 _DTYPES = {
     torch.float32: ("float", ctypes.c_float),
@@ -163,6 +178,20 @@ def _compiler() -> tuple[str, str]:
         )
     version = subprocess.run([gxx, "--version"], capture_output=True, text=True).stdout.splitlines()[0]
     return gxx, version
+
+
+@functools.cache
+def _asan_runtime() -> str | None:
+    """The path of g++'s AddressSanitizer runtime (preloaded into run_checked's child), or None without one."""
+    gxx, _ = _compiler()
+    found = subprocess.run([gxx, "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
+    return found if os.path.isabs(found) and os.path.exists(found) else None
+
+
+def _checked_flags() -> tuple[str, ...]:
+    if _asan_runtime() is None:  # no AddressSanitizer here: the guards alone see writes outside the views
+        return tuple(f.replace(",address", "") for f in _CHECKED_FLAGS if "recover=address" not in f)
+    return _CHECKED_FLAGS
 
 
 def _header_text() -> str:
@@ -278,7 +307,7 @@ def build(
     dirs += [str(Path(d).resolve()) for d in include_dirs]
     gxx, version = _compiler()
     wrapper = '#include "simt.h"\n' + text + _entry(kernel.strip(), ctypes_)
-    args = [*_FLAGS, *(_CHECKED_FLAGS if checked else ()), f"-I{HEADER_DIR}", *(f"-I{d}" for d in dirs)]
+    args = [*_FLAGS, *(_checked_flags() if checked else ()), f"-I{HEADER_DIR}", *(f"-I{d}" for d in dirs)]
     args += [f"-D{k}" if v is None else f"-D{k}={v}" for k, v in sorted((defines or {}).items())]
     key_text = "\0".join([wrapper, _included(text, dirs), _header_text(), *args, version])
     key = hashlib.sha256(key_text.encode()).hexdigest()[:24]
@@ -486,6 +515,34 @@ class GuardHit:
         return f"{self.arg}: wrote " + "; ".join(parts)
 
 
+@dataclasses.dataclass(frozen=True)
+class BadAccess:
+    """A read or write that AddressSanitizer caught touching bytes that are no element of a tensor argument's view:
+    its guards, or the padding between a strided view's rows (the first such access of each source line).
+
+    ``arg``: the argument's name (None: memory outside every tensor argument); ``size``: the access's bytes,
+    ``outside`` of them no element of the view; ``place``: where those bytes are ("past the end of row 3, into
+    the padding between rows"); ``row``: that row of a 2-d view (or None); ``line``: ``"kernel.cu:31"``;
+    ``thread``: which thread of which block; ``kind``: AddressSanitizer's name for it."""
+
+    arg: str | None
+    write: bool
+    size: int
+    outside: int
+    place: str
+    row: int | None
+    line: str
+    thread: str
+    kind: str
+
+    def __str__(self) -> str:
+        verb = "wrote" if self.write else "read"
+        what = f"{self.outside} byte{'s' if self.outside != 1 else ''} {self.place}"
+        access = f"a {self.size}-byte {'write' if self.write else 'read'} at {self.line or '?'}"
+        who = f", {self.thread}" if self.thread else ""
+        return f"{self.arg}: {verb} {what} ({access}{who})" if self.arg else f"{verb} {what} ({access}{who})"
+
+
 @dataclasses.dataclass
 class RunReport:
     """What happened to one :func:`run_checked` launch.
@@ -494,7 +551,8 @@ class RunReport:
     ``"misaligned"`` (an access to an address not a multiple of its type's size), ``"out_of_bounds"`` (an
     index past a fixed-size array), ``"crash"`` (a signal: ``message`` says where), ``"timeout"``.
     ``guard_hits``: writes outside the tensors (even when ``status`` is ``"ok"``); ``changed_inputs``: input
-    arguments whose elements changed. ``ok`` is true when the kernel ran to the end and wrote nowhere else.
+    arguments whose elements changed; ``bad_accesses``: reads and writes of bytes that are no element of a view
+    (AddressSanitizer's, where g++ has it). ``ok`` is true when the kernel ran to the end and touched nothing else.
     """
 
     status: str
@@ -502,15 +560,17 @@ class RunReport:
     compile_errors: list[tuple[str, int, str]] = dataclasses.field(default_factory=list)
     guard_hits: list[GuardHit] = dataclasses.field(default_factory=list)
     changed_inputs: list[str] = dataclasses.field(default_factory=list)
+    bad_accesses: list[BadAccess] = dataclasses.field(default_factory=list)
     output: str = ""
     seconds: float = 0.0
 
     @property
     def ok(self) -> bool:
-        return self.status == "ok" and not self.guard_hits and not self.changed_inputs
+        return self.status == "ok" and not self.guard_hits and not self.changed_inputs and not self.bad_accesses
 
     def __str__(self) -> str:
         lines = [f"{self.status}: {self.message}" if self.message else self.status]
+        lines += [str(a) for a in self.bad_accesses]
         lines += [str(h) for h in self.guard_hits]
         lines += [f"{name}: an input changed in place" for name in self.changed_inputs]
         return "\n".join(lines)
@@ -559,6 +619,11 @@ types = {"bool": ctypes.c_bool, "char": ctypes.c_char, "signed char": ctypes.c_b
          "long long": ctypes.c_longlong, "unsigned long long": ctypes.c_ulonglong, "int32_t": ctypes.c_int32,
          "uint32_t": ctypes.c_uint32, "int64_t": ctypes.c_int64, "uint64_t": ctypes.c_uint64,
          "size_t": ctypes.c_size_t, "float": ctypes.c_float, "double": ctypes.c_double}
+if spec["asan"]:  # every byte of each tensor's copy that is no element of its view
+    poison_region = ctypes.CDLL(None).__asan_poison_memory_region
+    poison_region.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    for start, length in spec["asan"]:
+        poison_region(base + start, length)
 cells = []
 pointers = (ctypes.c_void_p * max(len(spec["args"]), 1))()
 for i, (kind, ctype, value) in enumerate(spec["args"]):
@@ -647,6 +712,7 @@ def run_checked(
     grid3, block3 = _dims(grid, "grid"), _dims(block, "block")
     arguments = _arguments(args)
     labels = list(names) if names is not None else [f"argument {i}" for i in range(len(arguments))]
+    asan = _asan_runtime()
     try:
         lib = build(source, kernel, [a.ctype for a in arguments], include_dirs, defines, checked=True)
     except SimtCompileError as error:
@@ -695,6 +761,7 @@ def run_checked(
                 "dims": [*grid3, *block3],
                 "options": [order == "reverse", stack_size or 0, 1],
                 "poison": [v for pair in lib.shared for v in pair],
+                "asan": _poison_ranges(regions) if asan else [],
                 "args": [
                     ["tensor", a.ctype, next(m.data for r in regions for m in r.members if m.index == i)]
                     if a.tensor is not None
@@ -703,6 +770,9 @@ def run_checked(
                 ],
             }
             env = {**os.environ, "UBSAN_OPTIONS": "print_stacktrace=0:halt_on_error=1:print_summary=0"}
+            if asan:
+                env["LD_PRELOAD"] = " ".join(filter(None, [asan, os.environ.get("LD_PRELOAD")]))
+                env["ASAN_OPTIONS"] = _ASAN_OPTIONS
             child = subprocess.Popen(
                 [sys.executable, "-I", "-S", "-c", _CHILD],
                 stdin=subprocess.PIPE,
@@ -720,6 +790,7 @@ def run_checked(
                 stdout, stderr = child.communicate()
                 timed_out = True
             report = _outcome(child.returncode, stdout, stderr, timed_out, timeout, regions)
+            report.bad_accesses = _bad_accesses(stderr, _child_base(stdout), regions)
             _guards(report, regions, whole, before, views)
             for index, view in views.items():  # the kernel's writes, back into the caller's tensors
                 if view.numel():
@@ -729,6 +800,103 @@ def run_checked(
             del whole
     report.seconds = time.perf_counter() - started
     return report
+
+
+#: AddressSanitizer in the child: report and go on (the kernel finishes, its guards still tell what it wrote), no
+#: leak check of the Python process, the emulator's own SIGSEGV handler (it names the thread), one report per line.
+_ASAN_OPTIONS = ":".join(
+    [
+        "halt_on_error=0",
+        "detect_leaks=0",
+        "handle_segv=0",
+        "handle_sigbus=0",
+        "handle_sigfpe=0",
+        "allow_user_segv_handler=1",
+        "detect_stack_use_after_return=0",
+        "detect_odr_violation=0",
+        "suppress_equal_pcs=1",
+        "print_summary=0",
+    ]
+)
+
+
+def _poison_ranges(regions: list[_Region]) -> list[list[int]]:
+    """``[offset in the shared file, bytes]`` of every byte of the regions that is no element of a view."""
+    ranges = []
+    for r in regions:
+        poison = torch.ones(r.size, dtype=torch.int8)
+        low = r.base - r.start
+        poison[low : low + r.nbytes] = (~_owned_bytes(r)).to(torch.int8)
+        edges = torch.diff(torch.cat([torch.zeros(1, dtype=torch.int8), poison, torch.zeros(1, dtype=torch.int8)]))
+        starts, ends = (edges == 1).nonzero().flatten(), (edges == -1).nonzero().flatten()
+        ranges += [[r.start + int(a), int(b - a)] for a, b in zip(starts, ends, strict=True)]
+    return ranges
+
+
+def _child_base(stdout: str) -> int | None:
+    found = re.search(r"^SIMT-BASE (\d+)$", stdout, re.M)
+    return int(found.group(1)) if found else None
+
+
+_ASAN_RECORD = re.compile(r"^SIMT-ASAN(?: block=(\S+) thread=(\S+))?\n(.*?)\nSIMT-ASAN-END$", re.M | re.S)
+_HEADERS = {p.name for p in HEADER_DIR.glob("*.h")} | {"simt-entry"}
+
+
+def _place(m: _Member, start: int, size: int) -> tuple[int, str, int | None]:
+    """How many of the bytes ``[start, start + size)`` (from ``m``'s first element) are no element of its view,
+    where the first of them lies, and its row (a 2-d view) or None."""
+    t, itemsize = m.tensor, m.tensor.element_size()
+    span = _span(t) * itemsize
+    owned = _owned(t, _span(t)).repeat_interleave(itemsize) if t.numel() else torch.zeros(0, dtype=torch.bool)
+    offsets = torch.arange(start, start + size)
+    inside = (offsets >= 0) & (offsets < span)
+    mine = torch.zeros(size, dtype=torch.bool)
+    mine[inside] = owned[offsets[inside]]
+    outside = int((~mine).sum())
+    if outside == 0:
+        return 0, "inside the view", None
+    first = int(offsets[~mine][0])
+    rows = t.shape[0] if t.dim() == 2 else None
+    if first < 0:
+        return outside, "before its first element", None
+    if first >= span:
+        if rows is not None and t.stride(1) == 1:
+            return outside, f"past the end of row {rows - 1} (the last row), outside the tensor", rows - 1
+        return outside, f"past its last element (element offset {first // itemsize})", None
+    if rows is not None and t.stride(1) == 1:
+        row = first // itemsize // t.stride(0)
+        return outside, f"past the end of row {row}, into the padding between rows", row
+    return outside, f"between its elements, outside the view (element offset {first // itemsize})", None
+
+
+def _bad_accesses(stderr: str, base: int | None, regions: list[_Region]) -> list[BadAccess]:
+    found = []
+    for block, thread, text in _ASAN_RECORD.findall(stderr):
+        kind = re.search(r"AddressSanitizer: ([\w-]+)", text)
+        access = re.search(r"\b(READ|WRITE) of size (\d+) at (0x[0-9a-f]+)", text)
+        if not access:
+            continue
+        frames = re.findall(r"^\s*#\d+ 0x[0-9a-f]+ in .*? (\S+?):(\d+)(?::\d+)?$", text, re.M)
+        ours = [(f, n) for f, n in frames if Path(f).name not in _HEADERS and "sanitizer" not in f]
+        line = f"{Path((ours or frames)[0][0]).name}:{(ours or frames)[0][1]}" if frames else ""
+        who = ""
+        if block:
+            who = f"block ({block.replace(',', ', ')}), thread ({thread.replace(',', ', ')})"
+        write, size, address = access.group(1) == "WRITE", int(access.group(2)), int(access.group(3), 16)
+        arg, outside, place, row = None, size, f"outside every tensor argument ({kind.group(1) if kind else '?'})", None
+        if base is not None:
+            for r in regions:
+                if base + r.start <= address < base + r.start + r.size:
+                    at = address - base
+                    m = next(
+                        (m for m in r.members if m.data <= at < m.data + _span(m.tensor) * m.tensor.element_size()),
+                        r.first,
+                    )
+                    outside, place, row = _place(m, at - m.data, size)
+                    arg = r.label
+                    break
+        found.append(BadAccess(arg, write, size, outside, place, row, line, who, kind.group(1) if kind else ""))
+    return found
 
 
 def _outcome(

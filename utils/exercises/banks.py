@@ -12,14 +12,15 @@ layout as the kernel would use it:
 * the tile's store (each lane's (row, col) as the kernel writes it: four 4-byte stores per float4 of A) and the
   inner loop's 16-byte reads free of bank conflicts, counted lane by lane by :mod:`utils.banks`.
 
-It never raises for a wrong answer: an exception, a stub, a non-integer, collisions, offsets out of range,
-broken 16-byte groups and bank conflicts all become a NOT SOLVED verdict saying which elements, which lanes and
-which bank.
+An offset is an ``int``, or an integer NumPy or torch scalar (a 0-d integer array or tensor), converted; anything
+else — a bool, a float, an array or tensor of one element — is rejected. It never raises for a wrong answer: an
+exception, a stub, a non-integer, collisions, offsets out of range, broken 16-byte groups and bank conflicts all
+become a NOT SOLVED verdict saying which elements, which lanes and which bank.
 """
 
 from __future__ import annotations
 
-import operator
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +39,30 @@ TILE_BOUND = TILE_ROWS * (TILE_COLS + 4)
 _SHOWN = 3  # examples named per kind of problem
 
 
+#: What a word offset may be, said with every rejection.
+TAKEN = "an int, or an integer NumPy or torch scalar: a 0-d integer array or tensor"
+
+
+def _as_offset(value: Any) -> int | None:
+    """``value`` as an int word offset: an ``int``, a NumPy integer scalar, or a 0-d integer NumPy array or torch
+    tensor (converted); None for anything else — bools (of any kind), floats, arrays or tensors of one element."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        if isinstance(value, numpy.integer):
+            return int(value)
+        if isinstance(value, numpy.ndarray):
+            return int(value) if value.ndim == 0 and numpy.issubdtype(value.dtype, numpy.integer) else None
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        integer = not (value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool)
+        return int(value.item()) if value.dim() == 0 and integer else None
+    return None
+
+
 def _offsets(candidate: Callable[[int, int], Any], rows: int, cols: int) -> tuple[dict | None, str | None]:
     """Every element's offset, or None and the problem that stopped the calls."""
     found = {}
@@ -49,13 +74,13 @@ def _offsets(candidate: Callable[[int, int], Any], rows: int, cols: int) -> tupl
                 return None, "not implemented yet: smem_swizzle raised NotImplementedError (fill in the stub)"
             except Exception as error:  # the learner's bug, reported, never raised
                 return None, f"smem_swizzle({row}, {col}) raised {type(error).__name__}: {error}"
-            if isinstance(value, bool):
-                return None, f"smem_swizzle({row}, {col}) returned {value!r}: expected an int word offset"
-            try:
-                found[row, col] = operator.index(value)
-            except TypeError:
+            offset = _as_offset(value)
+            if offset is None:
                 kind = type(value).__name__
-                return None, f"smem_swizzle({row}, {col}) returned {value!r} ({kind}): expected an int word offset"
+                return None, (
+                    f"smem_swizzle({row}, {col}) returned {value!r} ({kind}): expected an int word offset ({TAKEN})"
+                )
+            found[row, col] = offset
     return found, None
 
 

@@ -7,13 +7,15 @@ for a wrong answer:
 
 * **run on the CPU** by the SIMT emulator (:func:`utils.simt.run_checked`): g++ compiles the same source, every
   CUDA thread is a fiber, ``__syncthreads()`` and the warp shuffles really wait for each other; a compile
-  error, a deadlock (a barrier not every thread reaches, a shuffle whose lanes returned), a misaligned
+  error, a deadlock or a barrier not every thread reaches, a shuffle whose lanes returned, a misaligned
   ``float4`` access, a crash or a kernel that never ends is NOT SOLVED with the emulator's words;
 * on awkward cases — one column, fewer columns than a float4, tails of 1 to 3, rows padded to a larger stride,
-  a partial last block, no rows at all, a row holding a NaN — each tensor between **guard regions**: the output
-  ``y``'s guards and the padding between its rows hold a canary (a write there is reported, by element), the
-  inputs' hold NaN (a read there spoils the row visibly); ``y`` starts **poisoned** (a NaN with its own payload),
-  so unwritten elements are told apart from wrong ones;
+  two blocks of 8 warps (the last partial), no rows at all, a row holding a NaN — each tensor between **guard
+  regions**: the output ``y``'s guards and the padding between its rows hold a canary (a write there is
+  reported, by element), the inputs' hold NaN (a read there spoils the row visibly); ``y`` starts **poisoned** (a
+  NaN with its own payload), so unwritten elements are told apart from wrong ones; with AddressSanitizer (g++'s),
+  the guards and the padding between rows are poisoned, so a read there or a float4 that writes back a row's
+  padding unchanged is named too (the tensor, the row, the bytes, the line);
 * compared with a **float64 reference**, the wrong or unwritten elements described by rows, columns and the
   lanes that own them, the common mistakes recomputed and named when they match;
 * then **compiled for sm_90** by ``nvcc`` (:func:`utils.nvcc.compile_cuda`): no spills, 128-bit global loads
@@ -48,13 +50,14 @@ __global__ void rms_norm_warp(const float* __restrict__ x, const float* __restri
 """
 
 #: ``(rows, cols, row_stride, eps, warps per block, the row holding a NaN or None)``: an easy case first, then
-#: one column, a tail of 3 with eps that matters, a block of 8 warps with a partial last block, a long row, a
-#: row longer than 128 float4 (4100 = 4 · 1025), no rows, and a NaN in one row (only that row is NaN).
+#: one column, a tail of 3 with eps that matters, two blocks of 8 warps (the second with 5 rows: 3 warps of it
+#: have none), a long row, a row longer than 128 float4 (4100 = 4 · 1025), no rows, and a NaN in one row (only
+#: that row is NaN). Each launches ``<<<ceil(rows / warps), 32 * warps>>>``.
 CASES = (
     (4, 64, 64, 1e-5, 4, None),
     (1, 1, 4, 1e-5, 4, None),
     (5, 7, 8, 0.25, 4, None),
-    (5, 33, 36, 1e-5, 8, None),
+    (13, 33, 36, 1e-5, 8, None),
     (3, 1000, 1000, 1e-5, 4, None),
     (2, 4100, 4104, 1e-5, 4, None),
     (0, 5, 8, 1e-5, 4, None),
@@ -174,6 +177,11 @@ def _status_problems(report: Any) -> list[str]:
             "must reach it — return whole warps only (row >= rows), and let every lane of a warp take "
             "part in the reduction, even those with nothing to add"
         )
+    elif "not reached by every thread" in message:
+        problems.append(
+            "cause: a __syncthreads() that some lanes of a warp skip (they returned, or took another branch): "
+            "CUDA leaves such a barrier undefined — and a warp that owns a row needs no block barrier at all"
+        )
     elif "divergent __syncthreads()" in message:
         problems.append(
             "cause: a __syncthreads() in a branch some threads skip: a warp that owns a row needs no "
@@ -234,6 +242,11 @@ def _run_case(source: str, case: tuple, gen: torch.Generator) -> tuple[list[str]
     if report.status != "ok":
         return _status_problems(report), report
     problems = []
+    seen = set()
+    for access in report.bad_accesses:  # one line per tensor and direction: the first such access
+        if (access.arg, access.write) not in seen:
+            seen.add((access.arg, access.write))
+            problems.append(_bad_access_line(access, cols))
     for hit in report.guard_hits:
         text = f"wrote outside {hit.arg}: {str(hit).split(': wrote ', 1)[1]}"
         if hit.arg == "y" and (hit.gaps or hit.after):
@@ -263,6 +276,17 @@ def _run_case(source: str, case: tuple, gen: torch.Generator) -> tuple[list[str]
     close |= np.isnan(expected) & np.isnan(got)
     wrong = ~unwritten & ~close
     if rows and wrong.any():
+        wrong_rows = np.nonzero(wrong.any(axis=1))[0].tolist()
+        if nan_row is not None and wrong_rows == [nan_row]:
+            # Every other row is right: the NaN row alone says what is wrong (not the row stride, not the sum).
+            first = tuple(int(i) for i in np.argwhere(wrong)[0])
+            return [
+                f"cause: only row {nan_row}, the row holding a NaN, is wrong: a NaN in x makes its sum of squares, "
+                "its rstd and all of its outputs NaN (as torch gives them) — no guard may replace it "
+                "(if (r != r), isnan, fmaxf): a NaN in the input must show in the output",
+                _where(wrong, "wrong") + f": got {float(got[first]):.6g}, expected {float(expected[first]):.6g}",
+                *problems,
+            ], report
         if (np.isnan(got) & wrong & ~np.isnan(expected)).any():
             problems.append(
                 "NaN computed in a row with no NaN: a read outside x's row (the padding between rows and "
@@ -282,6 +306,24 @@ def _run_case(source: str, case: tuple, gen: torch.Generator) -> tuple[list[str]
     return problems, report
 
 
+def _bad_access_line(access: Any, cols: int) -> str:
+    """One read or write of bytes that are no element of x, w or y (AddressSanitizer's report, by the emulator)."""
+    verb = "wrote" if access.write else "read"
+    count = f"{access.outside} byte{'s' if access.outside != 1 else ''}"
+    where = f"{access.line}, {access.thread}" if access.thread else access.line
+    text = f"{access.arg + ': ' if access.arg else ''}{verb} {count} {access.place} — a {access.size}-byte "
+    text += f"{'write' if access.write else 'read'} at {where}"
+    if access.arg in ("x", "y") and access.row is not None:
+        text += (
+            f"; a row of {access.arg} is cols = {cols} float{'s' if cols != 1 else ''}: the bytes after it (up to "
+            "row_stride, or past the tensor) are no element of the view, even to write back what was there (on "
+            "a GPU they may be another tensor's) — float4s up to 4 * (cols / 4), then the tail one by one"
+        )
+    elif access.arg == "w":
+        text += f"; w holds cols = {cols} floats — float4s of w up to 4 * (cols / 4), then the tail one by one"
+    return text
+
+
 def _unwritten_causes(unwritten: np.ndarray, case: tuple) -> list[str]:
     rows, cols, _, _, warps, _ = case
     causes = []
@@ -292,6 +334,15 @@ def _unwritten_causes(unwritten: np.ndarray, case: tuple) -> list[str]:
             causes.append(
                 f"only the first row of each block of {warps} rows is written: each warp takes its own "
                 "row, row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32"
+            )
+        elif row_unwritten.any() and not unwritten[~row_unwritten].any():
+            missing = np.nonzero(row_unwritten)[0].tolist()
+            causes.append(
+                f"whole rows are never written ({'rows' if len(missing) > 1 else 'row'} {_spans(missing)}) while the "
+                "others are: warp "
+                "threadIdx.x / 32 of block blockIdx.x owns row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32 "
+                f"— this launch has {warps} warps per block, so block b starts at row {warps} · b; a fixed "
+                "number of warps per block in the row index skips rows (and gives others to two warps)"
             )
     tail = cols % 4
     columns = unwritten.any(axis=0)

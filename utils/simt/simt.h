@@ -2,7 +2,8 @@
 //
 // Every CUDA thread of a block is a fiber (a ucontext with its own stack); the blocks of a grid run one
 // after another, and a cooperative scheduler switches fibers where CUDA threads wait for each other:
-// __syncthreads() (a block barrier: a thread that returned no longer counts, as on sm_70+), the warp
+// __syncthreads() (a block barrier: a warp that returned whole no longer counts, as on sm_70+; part of a warp
+// returning while its other lanes wait there is reported — CUDA leaves that barrier undefined), the warp
 // collectives (__shfl_*_sync, __ballot/__any/__all_sync, __syncwarp, the nvcuda::wmma *_sync calls: every
 // lane named in the mask must arrive, they exchange, they go on). Nothing else runs "in parallel": between
 // two waits a thread runs alone, so a result never depends on a race the hardware would lose.
@@ -40,6 +41,16 @@
 #include <unistd.h>
 
 #include <type_traits>
+
+// Built with AddressSanitizer (utils.simt.run_checked): every switch between fibers is announced to it, as it
+// asks of user-level context switching, so that it knows which stack runs.
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#include <sanitizer/common_interface_defs.h>
+#define SIMT_ASAN 1
+#else
+#define SIMT_ASAN 0
+#endif
 
 // --------------------------------------------------------------------------------------------------------
 // Built-in types and qualifiers
@@ -174,6 +185,10 @@ struct Fiber {
   AsyncCopy* copies;
   int ncopies, capcopies;
   long long committed;
+  // its stack, and AddressSanitizer's record of it while another fiber runs
+  void* stack_lo;
+  size_t stack_bytes;
+  void* fake_stack;
 };
 
 struct State {
@@ -184,6 +199,8 @@ struct State {
   Fiber* fibers;
   Fiber* cur;
   ucontext_t sched;
+  const void* sched_stack_lo;  // the scheduler's stack (AddressSanitizer's fiber switches)
+  size_t sched_stack_bytes;
   ucontext_t proto;
   char* stacks;
   size_t stack_size;
@@ -301,9 +318,36 @@ inline void fail(const char* fmt, ...) {
   va_end(ap);
 }
 
-[[noreturn]] inline void fail_now() {
+// The running fiber gives the CPU back to the scheduler; ``for_good``: it will never run again.
+inline void to_scheduler(bool for_good) {
   State* s = g_state;
-  swapcontext(&s->cur->ctx, &s->sched);
+  Fiber* f = s->cur;
+#if SIMT_ASAN
+  __sanitizer_start_switch_fiber(for_good ? nullptr : &f->fake_stack, s->sched_stack_lo, s->sched_stack_bytes);
+#else
+  (void)for_good;
+#endif
+  swapcontext(&f->ctx, &s->sched);
+#if SIMT_ASAN
+  __sanitizer_finish_switch_fiber(f->fake_stack, &s->sched_stack_lo, &s->sched_stack_bytes);
+#endif
+}
+
+// The scheduler runs fiber ``f`` until it waits or returns.
+inline void to_fiber(Fiber* f) {
+  State* s = g_state;
+#if SIMT_ASAN
+  void* fake_stack = nullptr;
+  __sanitizer_start_switch_fiber(&fake_stack, f->stack_lo, f->stack_bytes);
+#endif
+  swapcontext(&s->sched, &f->ctx);
+#if SIMT_ASAN
+  __sanitizer_finish_switch_fiber(fake_stack, nullptr, nullptr);
+#endif
+}
+
+[[noreturn]] inline void fail_now() {
+  to_scheduler(true);
   abort();  // a failed launch never resumes a fiber
 }
 
@@ -320,7 +364,7 @@ inline void block_here() {
   State* s = g_state;
   Fiber* f = s->cur;
   f->state = WAITING;
-  swapcontext(&f->ctx, &s->sched);
+  to_scheduler(false);
 }
 
 inline bool same_site(const Fiber* a, const Fiber* b) {
@@ -362,6 +406,34 @@ inline void complete_block_barrier() {
     free(done);
     return;
   }
+  // CUDA defines a barrier only when every thread of the block reaches it. A warp that returned whole is no
+  // longer waited for (sm_70+ drops exited warps from the count: `if (row >= rows) return;` per warp works), but
+  // a warp some of whose lanes returned while the others wait here has threads that skipped this barrier.
+  int* skipped = (int*)malloc(sizeof(int) * s->nthreads);
+  int* waiting = (int*)malloc(sizeof(int) * s->nthreads);
+  int nskipped = 0, nwaiting = 0;
+  for (int w = 0; w < s->nwarps; ++w) {
+    int lo = w * 32, hi = lo + 32 < s->nthreads ? lo + 32 : s->nthreads, exited = 0;
+    for (int i = lo; i < hi; ++i) exited += s->fibers[i].state == EXITED;
+    if (exited == 0 || exited == hi - lo) continue;
+    for (int i = lo; i < hi; ++i) {
+      if (s->fibers[i].state == EXITED) skipped[nskipped++] = i;
+      else waiting[nwaiting++] = i;
+    }
+  }
+  if (nskipped) {
+    fail("__syncthreads() at %s:%d not reached by every thread of ", base_name(first->file), first->line);
+    say_block();
+    say(": it completed with threads ");
+    say_ranges(waiting, nwaiting);
+    say(" there while threads ");
+    say_ranges(skipped, nskipped);
+    say(" of the same warps had returned without reaching it (CUDA: a __syncthreads() in code that not every "
+        "thread of the block runs is undefined; a warp that returns whole is not waited for, part of one is)");
+  }
+  free(skipped);
+  free(waiting);
+  if (nskipped) return;
   int count = 0;
   for (int i = 0; i < s->nthreads; ++i) {
     Fiber* f = &s->fibers[i];
@@ -457,9 +529,12 @@ inline void thread_exit() {
 
 inline void fiber_main() {
   State* s = g_state;
+#if SIMT_ASAN
+  __sanitizer_finish_switch_fiber(nullptr, &s->sched_stack_lo, &s->sched_stack_bytes);
+#endif
   s->body(s->body_args);
   thread_exit();
-  swapcontext(&s->cur->ctx, &s->sched);
+  to_scheduler(true);
 }
 
 // No fiber can run, and some have not returned: say who waits where.
@@ -555,8 +630,8 @@ inline void run_block() {
 #if defined(__x86_64__) && defined(__GLIBC__)
     f->ctx.uc_mcontext.fpregs = &f->ctx.__fpregs_mem;  // the copy's own floating-point state, not the prototype's
 #endif
-    f->ctx.uc_stack.ss_sp = s->stacks + (size_t)t * stride + page;
-    f->ctx.uc_stack.ss_size = stride - page;
+    f->ctx.uc_stack.ss_sp = f->stack_lo = s->stacks + (size_t)t * stride + page;
+    f->ctx.uc_stack.ss_size = f->stack_bytes = stride - page;
     f->ctx.uc_link = &s->sched;
     makecontext(&f->ctx, (void (*)())fiber_main, 0);
     s->queue[s->qcount++] = t;
@@ -570,7 +645,7 @@ inline void run_block() {
     s->qhead = (s->qhead + 1) % s->nthreads;
     s->qcount--;
     s->cur = &s->fibers[t];
-    swapcontext(&s->sched, &s->cur->ctx);
+    to_fiber(s->cur);
   }
 }
 
@@ -656,7 +731,28 @@ inline void on_fault(int sig, siginfo_t* info, void*) {
   _exit(86);
 }
 
+#if SIMT_ASAN
+// AddressSanitizer found an access to poisoned memory (run_checked poisons every byte of a tensor argument that is
+// no element of its view): its report, and which thread of which block made the access.
+inline void on_asan_report(const char* report) {
+  char buf[256];
+  State* s = g_state;
+  if (s && s->cur) {
+    snprintf(buf, sizeof buf, "\nSIMT-ASAN block=%u,%u,%u thread=%u,%u,%u\n", s->block_idx.x, s->block_idx.y,
+             s->block_idx.z, s->cur->idx.x, s->cur->idx.y, s->cur->idx.z);
+  } else {
+    snprintf(buf, sizeof buf, "\nSIMT-ASAN\n");
+  }
+  write_str(buf);
+  write_str(report);
+  write_str("\nSIMT-ASAN-END\n");
+}
+#endif
+
 inline void install_fault_handler() {
+#if SIMT_ASAN
+  __asan_set_error_report_callback(on_asan_report);
+#endif
   static char altstack[65536];
   stack_t ss;
   ss.ss_sp = altstack;
