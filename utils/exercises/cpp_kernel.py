@@ -428,16 +428,17 @@ def _threads_used(source: str, rung: str) -> str | None:
     """Why a source that starts threads is refused (None if it starts none): ``rung`` names the chapter's threaded
     rung, where threads come in."""
     code = _without_comments(source)
-    for pattern, what in _THREAD_PATTERNS:
-        found = pattern.search(code)
-        if found:
-            line = code.count("\n", 0, found.start()) + 1
-            return (f"line {line} uses threads ({what.format(found.group(0).strip())}): this exercise is one core's "
-                    "vectors and caches, and its check runs one thread — it builds with -fopenmp-simd, which "
-                    "honours `#pragma omp simd` and nothing else of OpenMP (a `parallel` pragma would be silently "
-                    "ignored, a race in it never seen, and an omp_ function would have no runtime to come from). "
-                    f"Threads are the next rung ({rung}, after this exercise): take them out here")
-    return None
+    uses = [(what.startswith("OpenMP's runtime header"), found.start(), found, what)
+            for pattern, what in _THREAD_PATTERNS for found in pattern.finditer(code)]
+    if not uses:
+        return None
+    _, _, found, what = min(uses, key=lambda use: use[:2])  # the first use; the header only if nothing else
+    line = code.count("\n", 0, found.start()) + 1
+    return (f"line {line} uses threads ({what.format(found.group(0).strip())}): this exercise is one core's "
+            "vectors and caches, and its check runs one thread — it builds with -fopenmp-simd, which honours "
+            "`#pragma omp simd` and nothing else of OpenMP (a `parallel` pragma would be silently ignored, a race in "
+            "it never seen, and an omp_ function would have no runtime to come from). "
+            f"Threads are the next rung ({rung}, after this exercise): take them out here")
 
 
 def _compile(source: Any, rung: str) -> tuple[Path | None, list[str] | None]:
@@ -601,7 +602,7 @@ def _rms_slow_hint(source: str, hot: list[int]) -> str:
         text = code[number - 1] if 1 <= number <= len(code) else ""
         loop = _loop_variable(source, number)
         above = code[loop[0] - 2] if loop and loop[0] >= 2 else ""  # the pragma on the loop, if any
-        if re.search(r"\w\s*\+=", text) and "reduction" not in above and "_mm" not in text:
+        if re.search(r"\w\s*\+=", _after_for_header(text)) and "reduction" not in above and "_mm" not in text:
             return (f"line {number} adds into one running float sum, and nothing gives the compiler permission to "
                     "reorder it: C++ evaluates a float sum in order, so GCC keeps it one add after another (a "
                     "fold-left: 8 dependent adds per vector of squares, even where its report says 'vectorized'). "
@@ -611,6 +612,19 @@ def _rms_slow_hint(source: str, hot: list[int]) -> str:
             "mask built and a blend or masked load/store in every iteration (the tail's work, paid on all of a "
             "row's vectors), a horizontal sum per vector instead of per row, a scalar loop. Whole vectors in the "
             "main loop, the tail once after it")
+
+
+def _after_for_header(text: str) -> str:
+    """A line of code without its ``for (...)`` header, if it has one (its ``c += 8`` is no sum)."""
+    found = re.search(r"\bfor\s*\(", text)
+    if not found:
+        return text
+    depth = 0
+    for position in range(found.end() - 1, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[position], 0)
+        if depth == 0:
+            return text[:found.start()] + text[position + 1:]
+    return ""
 
 
 def _loop_variable(source: str, number: int) -> tuple[int, str] | None:
