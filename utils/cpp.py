@@ -297,8 +297,9 @@ class CppKernel:
         self.function(*converted)
 
 
-#: Flags that add AddressSanitizer to a build (:func:`asan_runtime` says whether this compiler has it).
-ASAN_FLAGS: tuple[str, ...] = ("-fsanitize=address", "-fno-omit-frame-pointer")
+#: Flags that add AddressSanitizer to a build (:func:`asan_runtime` says whether this compiler has it), able to
+#: go on after a report (with ``halt_on_error=0`` in ``ASAN_OPTIONS``: each faulty instruction reported once).
+ASAN_FLAGS: tuple[str, ...] = ("-fsanitize=address", "-fsanitize-recover=address", "-fno-omit-frame-pointer")
 
 
 @functools.lru_cache(maxsize=1)
@@ -306,7 +307,7 @@ def asan_runtime() -> str | None:
     """The path of GCC's AddressSanitizer runtime (``libasan.so``), for a process that loads an ``ASAN_FLAGS``
     library to preload (``LD_PRELOAD``: the runtime must come first), or None where this compiler cannot build
     with it. A library built with :data:`ASAN_FLAGS` reports any access to memory marked unaddressable — past a
-    heap block, or marked by ``__asan_poison_memory_region`` — and stops at the first."""
+    heap block, or marked by ``__asan_poison_memory_region``."""
     if not compiler_available():
         return None
     found = subprocess.run([_COMPILER, "-print-file-name=libasan.so"], capture_output=True, text=True)

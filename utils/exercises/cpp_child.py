@@ -10,13 +10,15 @@ address is in.
 
 With ``"asan": true`` the library was built with AddressSanitizer and this process runs with its runtime
 preloaded: before the call, each buffer's ``poison`` byte ranges (its guards, the padding between its rows)
-are marked unaddressable (``__asan_poison_memory_region``), so that a load or store there stops the process
-with AddressSanitizer's report — even one that reads a value and then discards it, or writes back the bytes
-it read. They are made addressable again after the call, before the buffers are copied out.
+are marked unaddressable (``__asan_poison_memory_region``), so that a load or store there is reported on
+stderr (after the line ``CASE <case>``) — even one that reads a value and then discards it, or writes back the
+bytes it read — and the call goes on. They are made addressable again after the call, before the buffers are
+copied out.
 """
 
 import ctypes
 import json
+import os
 import sys
 
 
@@ -56,6 +58,7 @@ def main() -> int:
                 args.append(ctypes.addressof(arrays[arg["buffer"]]) + 4 * case["buffers"][arg["buffer"]]["offset"])
             else:
                 args.append(arg["value"])
+        os.write(2, f"CASE {index}\n".encode())  # on stderr, where AddressSanitizer writes its reports
         function(*args)
         for buf, array in zip(case["buffers"], arrays):
             if unpoison is not None:

@@ -300,10 +300,19 @@ def _where(mask: np.ndarray, what: str, rows_word: str = "row", cols_word: str =
 
 @dataclasses.dataclass
 class _Run:
-    """What the child did: ``done`` cases finished; ``error`` the reason it stopped early (None if it did not)."""
+    """What the child did: ``done`` cases finished; ``error`` the reason it stopped early (None if it did not);
+    ``stray``: per case, its accesses outside the matrices' elements that AddressSanitizer reported, in words."""
 
     done: int
     error: str | None = None
+    stray: dict[int, list[str]] = dataclasses.field(default_factory=dict)
+
+    def problems(self, case: int, limit: int = 2) -> list[str]:
+        """The case's stray accesses (the first ``limit``, and how many more)."""
+        found = self.stray.get(case, [])
+        more = [f"and {len(found) - limit} more access(es) outside the rows (AddressSanitizer)"] if len(found) > limit \
+            else []
+        return found[:limit] + more
 
 
 def _signal_name(code: int) -> str:
@@ -313,22 +322,28 @@ def _signal_name(code: int) -> str:
         return f"signal {-code}"
 
 
-#: The exit status AddressSanitizer gives the child when it reports an access (told apart from other exits).
+#: The exit status AddressSanitizer would give the child where it stops at a report (it goes on: told apart).
 ASAN_EXIT = 86
-_ASAN_OPTIONS = (f"detect_leaks=0:exitcode={ASAN_EXIT}:handle_segv=0:handle_sigbus=0:handle_sigfpe=0:"
-                 "handle_sigill=0:handle_abort=0")
+_ASAN_OPTIONS = (f"detect_leaks=0:halt_on_error=0:exitcode={ASAN_EXIT}:handle_segv=0:handle_sigbus=0:"
+                 "handle_sigfpe=0:handle_sigill=0:handle_abort=0")
+_ASAN_REPORT = re.compile(r"ERROR: AddressSanitizer: ([\w-]+) on address 0x[0-9a-f]+.*?\n(READ|WRITE) of size (\d+) "
+                          r"at 0x([0-9a-f]+)", re.S)
 
 
-def _asan_problem(stderr: str, stdout: str, case: int, matrices: list[_Matrix]) -> str:
-    """AddressSanitizer's report (the child's stderr) in the exercise's words: which buffer, which row, how many
-    bytes past its end."""
-    kind = re.search(r"ERROR: AddressSanitizer: ([\w-]+)", stderr)
-    access = re.search(r"(READ|WRITE) of size (\d+) at 0x([0-9a-f]+)", stderr)
-    if not kind or not access:
-        return f"AddressSanitizer stopped the call: {stderr.strip()[-300:]}"
-    verb, size, address = "read" if access.group(1) == "READ" else "wrote", int(access.group(2)), int(access.group(3),
-                                                                                                        16)
-    bases = {int(m): int(a) for c, m, a in re.findall(r"^BUFFER (\d+) (\d+) (\d+)$", stdout, re.M) if int(c) == case}
+def _asan_reports(stderr: str) -> dict[int, list[tuple[str, str, int, int]]]:
+    """AddressSanitizer's reports in the child's stderr, by case: ``(kind, "READ"|"WRITE", size, address)``."""
+    found: dict[int, list[tuple[str, str, int, int]]] = {}
+    parts = re.split(r"^CASE (\d+)$", stderr, flags=re.M)
+    for case, text in zip(parts[1::2], parts[2::2]):
+        found[int(case)] = [(m.group(1), m.group(2), int(m.group(3)), int(m.group(4), 16))
+                            for m in _ASAN_REPORT.finditer(text)]
+    return found
+
+
+def _asan_problem(report: tuple[str, str, int, int], bases: dict[int, int], matrices: list[_Matrix]) -> str:
+    """One AddressSanitizer report in the exercise's words: which buffer, which row, how many bytes past its end."""
+    kind, access, size, address = report
+    verb = "read" if access == "READ" else "wrote"
     for number, matrix in enumerate(matrices):
         base = bases.get(number)
         if base is None or not base <= address < base + 4 * len(matrix.buffer):
@@ -337,7 +352,7 @@ def _asan_problem(stderr: str, stdout: str, case: int, matrices: list[_Matrix]) 
         if found is None:
             continue
         count, where = found
-        text = f"{verb} {count} byte(s) {where}: one access of {size} bytes (AddressSanitizer, {kind.group(1)})"
+        text = f"{verb} {count} byte(s) {where}: one access of {size} bytes (AddressSanitizer, {kind})"
         if size >= 16 and where.startswith("past"):
             text += (" — a full vector where fewer elements are left. Masking the lanes afterwards (and, blend) does "
                      "not undo the access: the bytes past a row may be another tensor's, another thread's row being "
@@ -345,12 +360,13 @@ def _asan_problem(stderr: str, stdout: str, case: int, matrices: list[_Matrix]) 
                      "_mm256_maskload_ps / _mm256_maskstore_ps touch only the lanes of their mask; or finish the row "
                      "with a scalar loop")
         elif where.startswith("past"):
-            text += " — an index past the row's end: a loop bound (<= for <), or a tile's end not clamped to the size"
+            text += (" — an index past the row's end: a loop bound (<= for <), a tile's end not clamped to the size, "
+                     "or a row stride mixed up with another")
         else:
             text += " — an index that goes negative"
         return text
-    return (f"AddressSanitizer: {kind.group(1)}, a {verb.replace('wrote', 'write')} of {size} bytes outside the "
-            "buffers the check passed (a local array indexed past its end?)")
+    return (f"AddressSanitizer: {kind}, a {access.lower()} of {size} bytes outside the buffers the check passed (a "
+            "local array indexed past its end?)")
 
 
 def _run_child(library: Path, function: str, cases: list[tuple[list[_Matrix], list[tuple[str, Any]]]],
@@ -393,18 +409,32 @@ def _run_child(library: Path, function: str, cases: list[tuple[list[_Matrix], li
         if "MISSING " in stdout:
             return _Run(0, f"the compiled source has no function `{function}`: declare it exactly as the stub does, "
                            f"`extern \"C\" void {function}(...)` (without extern \"C\", C++ renames it)")
-        if code == ASAN_EXIT and asan is not None and "AddressSanitizer" in stderr:
-            return _Run(done, _asan_problem(stderr, stdout, done, cases[done][0] if done < len(cases) else []))
-        if code is None:
-            return _Run(done, f"did not finish within {CHILD_TIMEOUT_S} s: a loop that never ends (a counter that "
-                              "does not advance, or a bound compared the wrong way)?")
-        if code < 0:
-            return _Run(done, f"crashed ({_signal_name(code)}): an access far outside the buffers (an index or "
-                              "stride mixed up, a loop bound past the end), or an aligned load/store "
-                              "(_mm256_load_ps) of an address that is not 32-byte aligned — rows start anywhere")
-        if code != 0:
-            return _Run(done, f"the child process exited with status {code}: {stderr.strip()[-300:]}")
-        return _Run(done)
+        stray: dict[int, list[str]] = {}
+        if asan is not None:
+            bases: dict[int, dict[int, int]] = {}
+            for c, m, a in re.findall(r"^BUFFER (\d+) (\d+) (\d+)$", stdout, re.M):
+                bases.setdefault(int(c), {})[int(m)] = int(a)
+            for case, reports in _asan_reports(stderr).items():
+                if case < len(cases) and reports:
+                    said = [_asan_problem(r, bases.get(case, {}), cases[case][0]) for r in reports]
+                    stray[case] = list(dict.fromkeys(said))
+        run = _result(code, done, stderr)
+        run.stray = stray
+        return run
+
+
+def _result(code: int | None, done: int, stderr: str) -> _Run:
+    """What the child's exit says."""
+    if code is None:
+        return _Run(done, f"did not finish within {CHILD_TIMEOUT_S} s: a loop that never ends (a counter that "
+                          "does not advance, or a bound compared the wrong way)?")
+    if code < 0:
+        return _Run(done, f"crashed ({_signal_name(code)}): an access far outside the buffers (an index or "
+                          "stride mixed up, a loop bound past the end), or an aligned load/store "
+                          "(_mm256_load_ps) of an address that is not 32-byte aligned — rows start anywhere")
+    if code != 0:
+        return _Run(done, f"the child process exited with status {code}: {stderr.strip()[-300:]}")
+    return _Run(done)
 
 
 #: What starts threads (or asks about them) in a source: OpenMP's constructs other than ``simd``, its runtime's
@@ -745,7 +775,7 @@ def check_rms_norm_simd(source: Any, *, count: bool = True) -> Verdict:
         line = (f"case {n + 1} of {len(prepared)}: rows={rows}, cols={cols}, x_row_stride={x_stride}, "
                 f"y_row_stride={y_stride}, eps={eps:g}")
         if n >= run.done:
-            return _verdict(name, [run.error or "the child process stopped"], line, [])
+            return _verdict(name, [run.error or "the child process stopped", *run.problems(n)], line, [])
         matrices = cases[n][0]
         problems = []
         for matrix, before in zip(matrices[:2], inputs):
@@ -768,6 +798,7 @@ def check_rms_norm_simd(source: Any, *, count: bool = True) -> Verdict:
             problems.append(_where(wrong, "wrong") + f": got {float(got[first]):.6g}, expected "
                             f"{float(expected[first]):.6g}")
             problems = [f"cause: {c}" for c in _rms_causes(x, w, eps, got, case)] + problems
+        problems += run.problems(n)
         if problems:
             return _verdict(name, problems, line, [])
     lines = [f"all {len(prepared)} cases match the float64 reference (guards intact, every element written)"]
@@ -868,7 +899,7 @@ def check_gemm_blocked(source: Any, *, count: bool = True) -> Verdict:
         m, n, k, lda, ldb, ldc = case
         line = f"case {index + 1} of {len(prepared)}: M={m}, N={n}, K={k}, lda={lda}, ldb={ldb}, ldc={ldc}"
         if index >= run.done:
-            return _verdict(name, [run.error or "the child process stopped"], line, [])
+            return _verdict(name, [run.error or "the child process stopped", *run.problems(index)], line, [])
         matrices = cases[index][0]
         problems = []
         for matrix, before in zip(matrices[:2], inputs):
@@ -898,6 +929,7 @@ def check_gemm_blocked(source: Any, *, count: bool = True) -> Verdict:
             problems.append(_where(wrong, "wrong") + f": got {float(got[first]):.6g}, expected "
                             f"{float(expected[first]):.6g}")
             problems = [f"cause: {c}" for c in _gemm_causes(a, b, got, case)] + problems
+        problems += run.problems(index)
         if problems:
             return _verdict(name, problems, line, [])
     lines = [f"all {len(prepared)} cases match the float64 reference (guards intact, every element written)"]
