@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -159,14 +160,15 @@ OUT = "for (int64_t c = 0; c < cols; ++c) yr[c] = xr[c] * rstd * w[c];"
 def test_rms_norm_solution_is_solved_with_its_count(capsys):
     verdict, text = verdict_of(cpp_kernel.check_rms_norm_simd, solutions13.RMS_NORM_SIMD, capsys)
     assert verdict.solved, verdict.message
-    assert "✅ SOLVED" in text and "instructions per element, within 2.2" in text and "naive scalar loop" in text
+    assert "✅ SOLVED" in text and "within 2.2 instructions per element" in text and "naive scalar loop" in text
+    assert "64 rows × 1003 columns" in text and "64 rows × 517 columns" in text  # both sizes counted, both printed
 
 
 @pytest.mark.parametrize("name, source, expected", [
     ("stub", cpp_kernel.RMS_NORM_SIMD_STUB, ["never written (still the poison NaN)", "the stub"]),
     ("tail skipped", rms_body(SUM.replace("c < cols", "c < cols - cols % 8"),
                               OUT.replace("c < cols", "c < cols - cols % 8")),
-     ["case 2 of 8", "cols=1003", "the last 3 columns of every row, 1003 % 8 = 3: the tail",
+     ["case 2 of 8", "cols=1003", "the last 3 columns of every row, after the first 1000 (125 × 8): the edge",
       "cause: the sum of squares leaves out the tail"]),
     ("one past the end", rms_body(SUM, OUT.replace("c < cols", "c <= cols")),
      ["past the end of y", "the first 1 past its last element"]),
@@ -191,7 +193,184 @@ def test_rms_norm_naive_loop_is_too_slow(capsys):
     verdict, text = verdict_of(cpp_kernel.check_rms_norm_simd, cpp_kernel.RMS_NORM_NAIVE, capsys)
     assert not verdict.solved
     assert "the values are right on every case" in text and "too slow" in text and "at most 2.2" in text
-    assert "the solution executes" in text and "omp simd reduction" in text
+    assert "(the solution 1.4" in text and "omp simd reduction" in text
+
+
+# Wrong answers whose values are right — a race hidden by a build without threads, a read or a write past a row
+# that discards or restores what it touched, code fast at one size only — and too-slow verdicts that must name what
+# they see. Each was once SOLVED, or told a wrong reason.
+
+RMS_THREADED_RACE = RMS_HEAD + """  float sum = 0.0f;  // one sum shared by all the threads: a race, were they started
+#pragma omp parallel for
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * x_row_stride;
+    float* yr = y + r * y_row_stride;
+    sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t c = 0; c < cols; ++c) sum += xr[c] * xr[c];
+    const float rstd = 1.0f / std::sqrt(sum / cols + eps);
+#pragma omp simd
+    for (int64_t c = 0; c < cols; ++c) yr[c] = xr[c] * rstd * w[c];
+  }
+}
+"""
+
+
+@pytest.mark.parametrize("name, source, line", [
+    ("a parallel for with a shared sum", RMS_THREADED_RACE, 5),
+    ("asks the OpenMP runtime", "#include <omp.h>\n" + rms_body(SUM, OUT).replace(
+        "    float sum = 0.0f;\n", "    float sum = 0.0f * omp_get_max_threads();\n"), 8),
+    ("a std::thread", "#include <thread>\n" + rms_body(SUM, OUT).replace(
+        "    float sum = 0.0f;\n", "    float sum = 0.0f;\n    std::thread([] {}).join();\n"), 9),
+])
+def test_rms_norm_threads_are_refused_with_why(name, source, line, capsys):
+    # Built with -fopenmp-simd only, a parallel pragma was silently ignored (the race passed) and an omp_ call left
+    # the library with an undefined symbol (the child failed to load it, unexplained).
+    verdict, text = verdict_of(cpp_kernel.check_rms_norm_simd, source, capsys, False)
+    assert not verdict.solved, name
+    assert f"line {line} uses threads" in text and "one thread" in text and "rms_norm_threads" in text, text
+    assert "undefined symbol" not in text
+
+
+def test_gemm_threads_are_refused_but_simd_pragmas_and_comments_are_not(capsys):
+    threaded = BLOCKED.replace("  for (int64_t i0 = 0; i0 < M; i0 += MC)\n",
+                               "#pragma omp parallel for\n  for (int64_t i0 = 0; i0 < M; i0 += MC)\n")
+    verdict, text = verdict_of(cpp_kernel.check_gemm_blocked, threaded, capsys, False)
+    assert not verdict.solved and "line 9 uses threads" in text and "gemm_threads" in text
+    commented = BLOCKED.replace("#pragma omp simd", "// no #pragma omp parallel here, only:\n#pragma omp simd")
+    verdict, text = verdict_of(cpp_kernel.check_gemm_blocked, commented, capsys, False)
+    assert verdict.solved, text
+
+
+AVX2_HEAD = RMS_HEAD.replace("#include <cstdint>\n", "#include <cstdint>\n#include <immintrin.h>\n")
+# The sum of squares, 8 at a time, with the last partial vector read whole and its dead lanes zeroed by a mask: the
+# values are right (the mask discards what lies past the row), but the load reads past it.
+MASKED_OVERREAD_SUM = """  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * x_row_stride;
+    float* yr = y + r * y_row_stride;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t c = 0; c < cols; c += 8) {
+      const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(int(cols - c)), lane));
+      const __m256 v = _mm256_and_ps(_mm256_loadu_ps(xr + c), live);
+      acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, acc);
+    float sum = 0.0f;
+    for (int i = 0; i < 8; ++i) sum += lanes[i];
+    const float rstd = 1.0f / std::sqrt(sum / cols + eps);
+"""
+RMS_MASKED_OVERREAD = AVX2_HEAD + MASKED_OVERREAD_SUM + "    " + OUT + "\n  }\n}\n"
+# x and w read safely (masked loads), but y's last partial vector is read, blended with the results and stored
+# whole: the bytes past the row are written back as they were — right values, intact canaries, and still a read and
+# a write of memory that is not y's row.
+RMS_TAIL_READ_MODIFY_WRITE = AVX2_HEAD + """  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * x_row_stride;
+    float* yr = y + r * y_row_stride;
+    float sum = 0.0f;
+    for (int64_t c = 0; c < cols; ++c) sum += xr[c] * xr[c];
+    const __m256 rstd = _mm256_set1_ps(1.0f / std::sqrt(sum / cols + eps));
+    for (int64_t c = 0; c < cols; c += 8) {
+      const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(int(cols - c)), lane);
+      const __m256 out = _mm256_mul_ps(_mm256_mul_ps(_mm256_maskload_ps(xr + c, live), rstd),
+                                       _mm256_maskload_ps(w + c, live));
+      _mm256_storeu_ps(yr + c, _mm256_blendv_ps(_mm256_loadu_ps(yr + c), out, _mm256_castsi256_ps(live)));
+    }
+  }
+}
+"""
+
+
+@pytest.mark.parametrize("name, source, expected", [
+    ("a masked full-vector read past the last row", RMS_MASKED_OVERREAD,
+     ["case 2 of 8", "read 20 byte(s) past the end of row 2 of x (past the end of the buffer", "32 bytes",
+      "_mm256_maskload_ps"]),
+    ("a read-modify-write of y's tail", RMS_TAIL_READ_MODIFY_WRITE,
+     ["case 2 of 8", "read 20 byte(s) past the end of row 2 of y (past the end of the buffer",
+      "_mm256_maskstore_ps"]),
+    # 4 bytes past a row that ends in the middle of one of AddressSanitizer's 8-byte granules (3 × 1003 floats:
+    # the buffer's end is 4 bytes into one), and in the padding of y, whose row 0 ends mid-granule too (case 8:
+    # 37 columns, row stride 40)
+    ("one float past the last row", rms_body(SUM, OUT).replace(
+        "    float sum = 0.0f;\n", "    float sum = 0.0f;\n    if (cols % 2) { volatile float seen = xr[cols]; }\n"),
+     ["case 2 of 8", "read 4 byte(s) past the end of row 2 of x (past the end of the buffer", "a loop bound"]),
+    ("one float into y's padding", rms_body(SUM, OUT).replace(
+        "    float sum = 0.0f;\n",
+        "    float sum = 0.0f;\n    if (cols % 2 && y_row_stride > cols) { volatile float seen = yr[cols]; }\n"),
+     ["case 8 of 8", "read 4 byte(s) past the end of row 0 of y (in the padding between rows: columns 37–39"]),
+])
+def test_rms_norm_accesses_past_a_row_are_caught_even_when_the_values_are_right(name, source, expected, capsys):
+    if cpp.asan_runtime() is None:
+        pytest.skip("this g++ cannot build with AddressSanitizer")
+    verdict, text = verdict_of(cpp_kernel.check_rms_norm_simd, source, capsys, False)
+    assert not verdict.solved, name
+    for fragment in expected:
+        assert fragment in text, (name, fragment, verdict.message)
+
+
+def test_the_poisoned_bytes_are_the_padding_and_the_guards():
+    matrix = cpp_kernel._Matrix.make("x", np.ones((3, 5), np.float32), 3, 5, 7)
+    poisoned = np.zeros(4 * len(matrix.buffer), bool)
+    for start, length in matrix.poison_ranges():
+        poisoned[start:start + length] = True
+    elements = np.zeros_like(poisoned)
+    for index in matrix.index().ravel():
+        elements[4 * index:4 * index + 4] = True
+    assert (poisoned == ~elements).all()  # every byte is an element or poisoned, never both
+    assert matrix.locate(4 * (cpp_kernel.GUARD + 3), 32) == (8, "past the end of row 0 of x (in the padding between "
+                                                                "rows: columns 5–6 of the row stride 7)")
+    assert matrix.locate(4 * cpp_kernel.GUARD, 20) is None
+
+
+@needs_valgrind
+def test_rms_norm_fast_at_one_size_only_is_too_slow(capsys):
+    one_size = rms_body(SUM, OUT).replace("#pragma omp simd reduction(+ : sum)\n    " + SUM,
+                                          "if (cols == 1003) {\n#pragma omp simd reduction(+ : sum)\n    " + SUM
+                                          + "\n    } else {\n    " + SUM + "\n    }")
+    assert one_size.count("sum +=") == 2
+    verdict, text = verdict_of(cpp_kernel.check_rms_norm_simd, one_size, capsys)
+    assert not verdict.solved
+    assert "at 64 × 517, at most 2.2 at each size — within it at 64 × 1003: a path fast at one size only" in text
+    assert "adds into one running float sum" in text  # the scalar path's sum, seen on its line
+
+
+@needs_valgrind
+def test_rms_norm_too_slow_names_where_the_instructions_go(capsys):
+    # Every vector of both loops masked (masked loads and stores: safe and right): the sum is vectorized with
+    # partial sums, so the in-order sum is not the reason — the per-iteration masking is.
+    verdict, text = verdict_of(cpp_kernel.check_rms_norm_simd, MASK_EVERY_VECTOR, capsys)
+    assert not verdict.solved and "too slow" in text
+    assert "where they go at 64 × 1003" in text and "_mm256_cmpgt_epi32" in text
+    assert "a mask built and a blend or masked load/store in every iteration" in text
+    assert "in order" not in text and "reduction(+ : sum)" not in text
+
+
+MASK_EVERY_VECTOR = AVX2_HEAD + """  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * x_row_stride;
+    float* yr = y + r * y_row_stride;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t c = 0; c < cols; c += 8) {
+      const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(int(cols - c)), lane);
+      const __m256 v = _mm256_maskload_ps(xr + c, live);
+      acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, acc);
+    float sum = 0.0f;
+    for (int i = 0; i < 8; ++i) sum += lanes[i];
+    const __m256 rstd = _mm256_set1_ps(1.0f / std::sqrt(sum / cols + eps));
+    for (int64_t c = 0; c < cols; c += 8) {
+      const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(int(cols - c)), lane);
+      const __m256 out = _mm256_mul_ps(_mm256_mul_ps(_mm256_maskload_ps(xr + c, live), rstd),
+                                       _mm256_maskload_ps(w + c, live));
+      _mm256_maskstore_ps(yr + c, live, out);
+    }
+  }
+}
+"""
 
 
 def test_rms_norm_compile_error_crash_and_missing_name(capsys):
@@ -218,8 +397,9 @@ def test_rms_norm_compile_error_crash_and_missing_name(capsys):
 def test_gemm_solution_is_solved_with_its_count(capsys):
     verdict, text = verdict_of(cpp_kernel.check_gemm_blocked, solutions13.GEMM_BLOCKED, capsys)
     assert verdict.solved, verdict.message
-    assert "D1 read misses per 1000 multiply-adds, within 20" in text and "32 KiB 8-way" in text
+    assert "within 20 D1 read misses of your code per 1000 multiply-adds" in text and "32 KiB 8-way" in text
     assert "the unblocked ikj loop" in text
+    assert "M, N, K = 144, 144, 144" in text and "M, N, K = 64, 1000, 144" in text  # both sizes counted
 
 
 BLOCKED = solutions13.GEMM_BLOCKED
@@ -246,13 +426,61 @@ def test_gemm_wrong_answers_are_not_solved_with_their_diagnosis(name, source, ex
         assert fragment in text, (name, fragment, verdict.message)
 
 
+def test_gemm_skipped_partial_tile_is_named_an_edge(capsys):
+    # NC = 32 and the partial j-tile skipped: 45 = 32 + 13 columns. Once worded "45 % 16 = 13: the tail the vector
+    # loop leaves", a vector loop this code does not have.
+    skipped = BLOCKED.replace("NC = 64", "NC = 32").replace("j0 < N; j0 += NC", "j0 + NC <= N; j0 += NC")
+    verdict, text = verdict_of(cpp_kernel.check_gemm_blocked, skipped, capsys, False)
+    assert not verdict.solved and "case 2 of 8" in text
+    assert "the last 13 columns of every row, after the first 32 (1 × 32): the edge past the last whole block" in text
+    assert "a partial tile skipped" in text and "%" not in text
+
+
+K_ONLY = BLOCKED.replace("  constexpr int64_t MC = 128, KC = 64, NC = 64;",
+                         "  const int64_t MC = M, KC = 32, NC = N;  // K blocked, M and N whole")
+SPECIAL_144 = BLOCKED.replace("  constexpr int64_t MC = 128, KC = 64, NC = 64;",
+                              "  const int64_t MC = 128, KC = 64, NC = (N == 144 ? 64 : N);")
+TILED_KJI = BLOCKED.replace("""        for (int64_t i = i0; i < i1; ++i)
+          for (int64_t k = k0; k < k1; ++k) {
+            const float aik = a[i * lda + k];
+#pragma omp simd
+            for (int64_t j = j0; j < j1; ++j) c[i * ldc + j] += aik * b[k * ldb + j];
+          }""", """        for (int64_t k = k0; k < k1; ++k)
+          for (int64_t j = j0; j < j1; ++j)
+            for (int64_t i = i0; i < i1; ++i) c[i * ldc + j] += a[i * lda + k] * b[k * ldb + j];""")
+assert K_ONLY != BLOCKED and SPECIAL_144 != BLOCKED and TILED_KJI != BLOCKED
+
+
+@needs_valgrind
+@pytest.mark.parametrize("name, source, expected, absent", [
+    # blocked over K only: a KC × N panel of B, in L1 at N = 144, not at N = 1000
+    ("K blocked only", K_ONLY, ["at M, N, K = 64, 1000, 144, at most 20 at each size — within it at M, N, K = 144, "
+                                "144, 144", "a tile over K alone is a KC × N panel"], ["steps"]),
+    ("blocked for N = 144 only", SPECIAL_144, ["at M, N, K = 64, 1000, 144", "within it at M, N, K = 144, 144, 144"],
+     []),
+    # tiled, but i innermost: every access to C and A a new line. Once told "B does not fit the L1: loop over tiles"
+    ("tiles with i innermost", TILED_KJI, ["at M, N, K = 144, 144, 144",
+                                           "over i, steps c[i * ldc + j], a[i * lda + k] by a whole row",
+                                           "tiled or not, the innermost loop must walk memory with stride 1"],
+     ["does not fit the L1"]),
+])
+def test_gemm_miss_verdicts_count_two_sizes_and_name_the_access(name, source, expected, absent, capsys):
+    verdict, text = verdict_of(cpp_kernel.check_gemm_blocked, source, capsys)
+    assert not verdict.solved and "the values are right on every case" in text, name
+    assert "where they are at" in text
+    for fragment in expected:
+        assert fragment in text, (name, fragment, verdict.message)
+    for fragment in absent:
+        assert fragment not in text, (name, fragment, verdict.message)
+
+
 @needs_valgrind
 @pytest.mark.parametrize("source", [cpp_kernel.GEMM_IKJ, cpp_kernel.GEMM_NAIVE], ids=["unblocked ikj", "naive ijk"])
 def test_gemm_unblocked_loops_take_too_many_misses(source, capsys):
     verdict, text = verdict_of(cpp_kernel.check_gemm_blocked, source, capsys)
     assert not verdict.solved
     assert "the values are right on every case" in text and "too many cache misses" in text and "at most 20" in text
-    assert "the solution takes" in text
+    assert "(the solution 3." in text
 
 
 def test_cpu_rungs_build_without_avx2(tmp_path):

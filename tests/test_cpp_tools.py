@@ -133,6 +133,38 @@ def test_callgrind_counts_are_exact_and_scale_with_the_calls():
     assert once.files["work"].endswith(cpp.HARNESS_SOURCE)
 
 
+# Two loops on known lines, one of them AVX2 intrinsics (inlined from immintrin.h's headers), one touching a new
+# cache line per iteration.
+LINES = r"""#include <cstdint>
+#include <immintrin.h>
+extern "C" void lines(const float* x, float* y, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t i = 0; i + 8 <= n; i += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(x + i));
+  float s = 0.0f;
+  for (int64_t i = 0; i < n; i += 16) s += x[i];
+  float out[8];
+  _mm256_storeu_ps(out, acc);
+  y[0] = s + out[0];
+}
+"""
+
+
+@needs_valgrind
+@pytest.mark.skipif(not cpp.X86_64_V3, reason="the source is AVX2 intrinsics")
+def test_line_profile_charges_inlined_intrinsics_to_the_line_that_calls_them():
+    exe = cpp.harness(LINES, "lines", [cpp.buffer("const float*", 16000), cpp.buffer("float*", 1, "zeros"),
+                                       cpp.scalar("int64_t", 16000)])
+    profile = valgrind.line_profile(exe, cpp.HARNESS_SOURCE)
+    assert set(profile) <= set(range(1, len(LINES.splitlines()) + 1))  # no header's line numbers
+    assert profile[5]["Ir"] > 3 * 2000 and profile[7]["Ir"] > 3 * 1000  # 2000 vectors, 1000 strided loads
+    assert sum(v["Ir"] for v in profile.values()) == valgrind.callgrind(exe).of("lines")
+    misses = valgrind.line_profile(exe, cpp.HARNESS_SOURCE, cache=True)
+    # one miss per 64-byte line of x in each loop (64 KB: the first loop's lines are gone from the 32 KB L1 when
+    # the second starts), 2000 loads and 1000 loads for them
+    assert misses[5]["D1mr"] == pytest.approx(1000, abs=20) and misses[5]["Dr"] == 2000
+    assert misses[7]["D1mr"] == pytest.approx(1000, abs=20) and misses[7]["Dr"] == 1000
+
+
 @needs_valgrind
 def test_folded_stacks_share_inclusive_instructions_along_the_call_graph(tmp_path):
     args = [cpp.buffer("const float*", 4000), cpp.buffer("float*", 1, "zeros"), cpp.scalar("int64_t", 4000)]

@@ -43,6 +43,7 @@ from typing import Any
 from kernel_ladder.native._build import cache_folder, host_is_x86_64_v3
 
 __all__ = [
+    "ASAN_FLAGS",
     "CACHE_ENV",
     "DEFAULT_FLAGS",
     "CompileError",
@@ -51,6 +52,7 @@ __all__ = [
     "HARNESS_SOURCE",
     "HarnessArg",
     "VecNote",
+    "asan_runtime",
     "buffer",
     "build_shared",
     "cache_dir",
@@ -292,6 +294,31 @@ class CppKernel:
                     raise TypeError(f"utils.cpp.{label}: expected an int, got {arg!r}")
                 converted.append(arg)
         self.function(*converted)
+
+
+#: Flags that add AddressSanitizer to a build (:func:`asan_runtime` says whether this compiler has it), able to
+#: go on after a report (with ``halt_on_error=0`` in ``ASAN_OPTIONS``: each faulty instruction reported once).
+ASAN_FLAGS: tuple[str, ...] = ("-fsanitize=address", "-fsanitize-recover=address", "-fno-omit-frame-pointer")
+
+
+@functools.lru_cache(maxsize=1)
+def asan_runtime() -> str | None:
+    """The path of GCC's AddressSanitizer runtime (``libasan.so``), for a process that loads an ``ASAN_FLAGS``
+    library to preload (``LD_PRELOAD``: the runtime must come first), or None where this compiler cannot build
+    with it. A library built with :data:`ASAN_FLAGS` reports any access to memory marked unaddressable — past a
+    heap block, or marked by ``__asan_poison_memory_region``."""
+    if not compiler_available():
+        return None
+    found = subprocess.run([_COMPILER, "-print-file-name=libasan.so"], capture_output=True, text=True)
+    path = found.stdout.strip()
+    if found.returncode != 0 or not os.path.isabs(path) or not os.path.exists(path):
+        return None
+    try:
+        build_shared('extern "C" int kl_asan_probe(const int* p) { return p[0]; }\n',
+                     flags=(*DEFAULT_FLAGS, *ASAN_FLAGS))
+    except CompileError:
+        return None
+    return path
 
 
 @functools.lru_cache(maxsize=1)

@@ -44,6 +44,7 @@ __all__ = [
     "cachegrind",
     "callgrind",
     "folded_stacks",
+    "line_profile",
     "parse_cachegrind",
     "parse_callgrind",
     "plot_flame",
@@ -263,6 +264,63 @@ def plot_flame(callgrind_out: str | os.PathLike | Counts, ax: Any = None, title:
     ax = flamegraph.plot(profile, ax=ax, title=title)
     ax.set_xlabel(f"instructions (callgrind), {profile.total:,} in all")
     return ax
+
+
+def line_profile(executable: str | os.PathLike, source: str, args: Sequence[str] = (), *, cache: bool = False,
+                 env: Mapping[str, str] | None = None, timeout: float = 300) -> dict[int, dict[str, int]]:
+    """Events counted per line of the source file named ``source`` (a base name: ``"source.cpp"``), for the
+    functions compiled from it: ``{line: {"Ir": ..., ...}}``.
+
+    callgrind runs ``executable`` with ``--dump-instr=yes`` (a count per instruction address), and ``cache=True``
+    adds its cache simulator (the events of :data:`DEFAULT_CACHE`'s caches: ``Dr``, ``D1mr``, ...; callgrind's
+    simulator, so its totals can differ a little from :func:`cachegrind`'s). Each address is charged to a line of
+    ``source`` by ``addr2line -i``: code inlined from a header — an intrinsic, ``std::min`` — counts at the line of
+    ``source`` it was inlined into, which is the line the programmer wrote. A call's inclusive cost counts at the
+    line of the call.
+    """
+    tool = ["--tool=callgrind", "--compress-strings=no", "--compress-pos=no", "--dump-instr=yes"]
+    if cache:
+        tool += ["--cache-sim=yes", *(f"--{name}={config.option()}" for name, config in DEFAULT_CACHE.items())]
+    with tempfile.TemporaryDirectory(prefix="callgrind-") as work:
+        out = Path(work) / "callgrind.out"
+        _run([tool[0], f"--callgrind-out-file={out}", *tool[1:]], executable, args, out, env, timeout)
+        text = out.read_text()
+    events: list[str] = []
+    by_address: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+    current_file = ""
+    for line in text.splitlines():
+        if line.startswith("events:"):
+            events = line.split(":", 1)[1].split()
+        elif line.startswith("fl="):
+            current_file = line[3:].strip()
+        elif line.startswith("0x") and os.path.basename(current_file) == source:
+            parts = line.split()
+            for event, value in zip(events, parts[2:]):
+                by_address[int(parts[0], 16)][event] += int(value)
+    profile: dict[int, dict[str, int]] = {}
+    if not by_address:
+        return profile
+    addresses = sorted(by_address)
+    tool_path = shutil.which("addr2line")
+    if tool_path is None:
+        raise RuntimeError("utils.valgrind.line_profile: addr2line is not on the PATH (binutils: apt install binutils)")
+    mapped = subprocess.run([tool_path, "-a", "-i", "-e", str(executable), *map(hex, addresses)], capture_output=True,
+                            text=True, timeout=timeout).stdout
+    lines_of: dict[int, int] = {}
+    address = None
+    for entry in mapped.splitlines():
+        if entry.startswith("0x"):
+            address = int(entry, 16)
+            continue
+        found = re.match(r"(.*):(\d+)", entry.split(" (discriminator")[0])
+        if address is not None and address not in lines_of and found and os.path.basename(found.group(1)) == source:
+            lines_of[address] = int(found.group(2))
+    for address, counts in by_address.items():
+        number = lines_of.get(address, 0)  # 0: an address no line of the source claims
+        entry = profile.setdefault(number, {})
+        for event, value in counts.items():
+            entry[event] = entry.get(event, 0) + value
+    return profile
 
 
 # --------------------------------------------------------------------------------------------
