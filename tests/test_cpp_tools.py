@@ -289,3 +289,22 @@ def test_valgrind_missing_is_said(monkeypatch):
     assert not valgrind.available()
     with pytest.raises(valgrind.ValgrindMissing, match="valgrind is not installed"):
         valgrind.callgrind("/bin/true")
+
+
+@needs_valgrind
+def test_inside_counts_what_a_function_runs_wherever_its_code_came_from(tmp_path):
+    # A kernel whose loop is a function of an #included file (as a chapter rung wrapped under the exercise's name
+    # is): a count by the source file charges its misses to that file and sees nothing; inside() sees them all.
+    helper = tmp_path / "helper.h"
+    helper.write_text("#include <cstdint>\n"
+                      "__attribute__((noinline)) void sum_rows(const float* a, float* out, int64_t n) {\n"
+                      "  for (int64_t i = 0; i < n; ++i) out[i % 7] += a[i * 16];\n}\n")
+    source = f'#include "{helper}"\nextern "C" void gemm(const float* a, const float* b, float* c, int64_t n) ' \
+             "{ sum_rows(a, c, n * n / 16); (void)b; }\n"
+    n = 144
+    exe = cpp.harness(source, "gemm", [cpp.buffer("const float*", n * n), cpp.buffer("const float*", n * n),
+                                      cpp.buffer("float*", n * n, "zeros"), cpp.scalar("int64_t", n)])
+    by_file = valgrind.cachegrind(exe).in_file(cpp.HARNESS_SOURCE, "D1mr")
+    counted = valgrind.inside(exe, "gemm")
+    assert by_file < 10 and counted["D1mr"] > 1000  # one miss per 64-byte stride, seen only inside()
+    assert counted["Ir"] == valgrind.callgrind(exe).of("gemm")

@@ -39,6 +39,7 @@ __all__ = [
     "CacheCounts",
     "Counts",
     "DEFAULT_CACHE",
+    "inside",
     "ValgrindMissing",
     "available",
     "cachegrind",
@@ -264,6 +265,34 @@ def plot_flame(callgrind_out: str | os.PathLike | Counts, ax: Any = None, title:
     ax = flamegraph.plot(profile, ax=ax, title=title)
     ax.set_xlabel(f"instructions (callgrind), {profile.total:,} in all")
     return ax
+
+
+def inside(executable: str | os.PathLike, function: str, args: Sequence[str] = (), *, cache: bool = True,
+           env: Mapping[str, str] | None = None, timeout: float = 300) -> dict[str, int]:
+    """Events counted while ``function`` runs, everything it calls and inlines included: ``{"Ir": ..., "D1mr": ...}``.
+
+    callgrind collects only inside ``function`` (``--toggle-collect``), with its cache simulator on the caches of
+    :data:`DEFAULT_CACHE` where ``cache``. Unlike a count per source file, nothing the function does is charged
+    elsewhere: an intrinsic's load (whose debug line is in ``immintrin.h``'s headers) or a helper in an
+    ``#include``d file counts as the function's. The caches start cold at the program's start, as they do under
+    :func:`cachegrind`; the harness's set-up before the call is not counted but does warm them as it would.
+    """
+    tool = ["--tool=callgrind", f"--toggle-collect={function}", "--compress-strings=no", "--compress-pos=no"]
+    if cache:
+        tool += ["--cache-sim=yes", *(f"--{name}={config.option()}" for name, config in DEFAULT_CACHE.items())]
+    with tempfile.TemporaryDirectory(prefix="callgrind-") as work:
+        out = Path(work) / "callgrind.out"
+        _run([tool[0], f"--callgrind-out-file={out}", *tool[1:]], executable, args, out, env, timeout)
+        text = out.read_text()
+    events: list[str] = []
+    for line in text.splitlines():
+        if line.startswith("events:"):
+            events = line.split(":", 1)[1].split()
+        elif line.startswith(("summary:", "totals:")):
+            values = list(map(int, line.split(":", 1)[1].split()))
+            # callgrind leaves trailing zero counts out of the line
+            return {event: values[i] if i < len(values) else 0 for i, event in enumerate(events)}
+    raise RuntimeError(f"utils.valgrind: callgrind wrote no totals for {function!r}")
 
 
 def line_profile(executable: str | os.PathLike, source: str, args: Sequence[str] = (), *, cache: bool = False,
