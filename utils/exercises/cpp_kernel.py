@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import mmap
 import os
 import re
 import signal
@@ -178,6 +179,8 @@ class _Matrix:
     stride: int
     output: bool
     buffer: np.ndarray = dataclasses.field(default=None)  # type: ignore[assignment]
+    #: placed by the child so that its last element ends where a page ends, an untouchable page after it
+    page_end: bool = False
 
     @property
     def length(self) -> int:
@@ -188,9 +191,10 @@ class _Matrix:
         return GUARD + np.arange(self.rows)[:, None] * self.stride + np.arange(self.cols)[None, :]
 
     @staticmethod
-    def make(label: str, values: np.ndarray | None, rows: int, cols: int, stride: int) -> _Matrix:
+    def make(label: str, values: np.ndarray | None, rows: int, cols: int, stride: int,
+             page_end: bool = False) -> _Matrix:
         output = values is None
-        matrix = _Matrix(label, rows, cols, stride, output)
+        matrix = _Matrix(label, rows, cols, stride, output, page_end=page_end)
         fill = CANARY_BITS if output else INPUT_GUARD_BITS
         buffer = _bits(fill, 2 * GUARD + matrix.length)
         if rows and cols:
@@ -383,6 +387,8 @@ def _run_child(library: Path, function: str, cases: list[tuple[list[_Matrix], li
                 path = Path(work, f"case{n}-{m}.bin")
                 path.write_bytes(matrix.buffer.tobytes())
                 buffers.append({"file": str(path), "offset": GUARD, "poison": matrix.poison_ranges()})
+                if matrix.page_end and matrix.length:
+                    buffers[-1]["page_end"] = 4 * (GUARD + matrix.length)  # the bytes up to its last element
             spec_cases.append({"buffers": buffers, "args": [{"buffer": v} if k == "buffer" else {"value": v}
                                                             for k, v in args]})
         spec = {"library": str(library), "function": function, "argtypes": argtypes, "cases": spec_cases,
@@ -418,16 +424,44 @@ def _run_child(library: Path, function: str, cases: list[tuple[list[_Matrix], li
                 if case < len(cases) and reports:
                     said = [_asan_problem(r, bases.get(case, {}), cases[case][0]) for r in reports]
                     stray[case] = list(dict.fromkeys(said))
-        run = _result(code, done, stderr)
+        run = _result(code, done, stderr, _fault_place(stdout, cases[done][0] if done < len(cases) else []))
         run.stray = stray
         return run
 
 
-def _result(code: int | None, done: int, stderr: str) -> _Run:
-    """What the child's exit says."""
+def _fault_place(stdout: str, matrices: list[_Matrix]) -> str | None:
+    """Where the child's fault was (its ``FAULT`` line), when it is the page after a buffer placed at a page's end:
+    past the last row of that buffer."""
+    faults = re.findall(r"^FAULT (\d+)$", stdout, re.M)
+    if not faults:
+        return None
+    address = int(faults[0])
+    bases = {int(m): int(a) for c, m, a in re.findall(r"^BUFFER (\d+) (\d+) (\d+)$", stdout, re.M)
+             if int(c) == len(re.findall(r"^DONE ", stdout, re.M))}
+    for number, matrix in enumerate(matrices):
+        base = bases.get(number)
+        if base is None or not matrix.page_end or not matrix.length:
+            continue
+        end = base + 4 * (GUARD + matrix.length)
+        if end <= address < end + mmap.PAGESIZE:
+            row = "the last row" if matrix.rows > 1 else "the row"
+            return (f"read or wrote past the end of {row} of {matrix.label} (a vector access past the row's end, "
+                    f"masked lanes included): in this case each buffer ends where a page of memory ends, and the "
+                    "next page may not be touched, as an unmapped page after a real tensor may not. A masked load "
+                    "or store whose mask enables the lanes past the end, or a gather of them, reads those bytes as "
+                    "a plain load does, whatever is done with them after (and, blend). Give "
+                    "_mm256_maskload_ps / _mm256_maskstore_ps a mask of the live lanes only, or finish the row with a "
+                    "scalar loop")
+    return None
+
+
+def _result(code: int | None, done: int, stderr: str, fault: str | None = None) -> _Run:
+    """What the child's exit says (``fault``: where its fault was, in words, if it is known)."""
     if code is None:
         return _Run(done, f"did not finish within {CHILD_TIMEOUT_S} s: a loop that never ends (a counter that "
                           "does not advance, or a bound compared the wrong way)?")
+    if code < 0 and fault:
+        return _Run(done, f"crashed ({_signal_name(code)}): {fault}")
     if code < 0:
         return _Run(done, f"crashed ({_signal_name(code)}): an access far outside the buffers (an index or "
                           "stride mixed up, a loop bound past the end), or an aligned load/store "
@@ -702,13 +736,19 @@ def _gemm_misses_hint(source: str, hot: list[int], case: tuple[int, int, int]) -
 # --------------------------------------------------------------------------------------------
 
 
+#: Exercise 1's last case: x, w and y each end where a page ends, an untouchable page after each (no padding: row
+#: stride = cols, a tail of 3) — a tail overrun happens on every row, so the last row shows it, whatever the
+#: instruction.
+RMS_PAGE_END_CASE = (4, 203, 203, 203, 1e-6, 1.0)
+
+
 def _rms_cases(gen: np.random.Generator) -> list[tuple[int, int, int, int, float, float]]:
     """``(rows, cols, x_row_stride, y_row_stride, eps, scale)``: a multiple of 16, a tail of 3, fewer columns than
-    a vector, padded rows (different strides for x and y), one element, a long row, no rows, and small values
-    where eps matters."""
+    a vector, padded rows (different strides for x and y), one element, a long row, no rows, small values where
+    eps matters, and :data:`RMS_PAGE_END_CASE`."""
     return [(4, 64, 64, 64, 1e-6, 1.0), (3, 1003, 1003, 1003, 1e-6, 1.0), (5, 7, 7, 7, 1e-6, 1.0),
             (6, 100, 133, 120, 1e-6, 1.0), (1, 1, 1, 1, 1e-6, 1.0), (2, 2053, 2060, 2053, 1e-6, 1.0),
-            (0, 8, 8, 8, 1e-6, 1.0), (3, 37, 37, 40, 1e-2, 0.05)]
+            (0, 8, 8, 8, 1e-6, 1.0), (3, 37, 37, 40, 1e-2, 0.05), RMS_PAGE_END_CASE]
 
 
 def _rms_reference(x: np.ndarray, w: np.ndarray, eps: float, upto: int | None = None) -> np.ndarray:
@@ -762,8 +802,9 @@ def check_rms_norm_simd(source: Any, *, count: bool = True) -> Verdict:
         rows, cols, x_stride, y_stride, eps, scale = case
         x = (gen.standard_normal((rows, cols)) * scale).astype(np.float32)
         w = (gen.standard_normal((1, cols)) * 0.5 + 1.0).astype(np.float32)
-        matrices = [_Matrix.make("x", x, rows, cols, x_stride), _Matrix.make("w", w, 1, cols, cols),
-                    _Matrix.make("y", None, rows, cols, y_stride)]
+        at_end = case == RMS_PAGE_END_CASE
+        matrices = [_Matrix.make("x", x, rows, cols, x_stride, at_end), _Matrix.make("w", w, 1, cols, cols, at_end),
+                    _Matrix.make("y", None, rows, cols, y_stride, at_end)]
         args = [("buffer", 0), ("buffer", 1), ("buffer", 2), ("i64", rows), ("i64", cols), ("i64", x_stride),
                 ("i64", y_stride), ("f32", eps)]
         inputs = [m.buffer.copy() for m in matrices[:2]]
@@ -850,11 +891,17 @@ def check_rms_norm_simd(source: Any, *, count: bool = True) -> Verdict:
 # --------------------------------------------------------------------------------------------
 
 
+#: Exercise 2's last case: a, b and c each end where a page ends, an untouchable page after each (dense: lda = K,
+#: ldb = ldc = N; N and K with tails of 5).
+GEMM_PAGE_END_CASE = (19, 45, 29, 29, 45, 45)
+
+
 def _gemm_cases() -> list[tuple[int, int, int, int, int, int]]:
     """``(M, N, K, lda, ldb, ldc)``: square, odd sizes, one element, padded rows in all three (K and N past a
-    tile), sizes past common tiles, a skinny one, K = 0 (C must be zeros), M = 0."""
+    tile), sizes past common tiles, a skinny one, K = 0 (C must be zeros), M = 0, and :data:`GEMM_PAGE_END_CASE`."""
     return [(64, 64, 64, 64, 64, 64), (37, 45, 29, 29, 45, 45), (1, 1, 1, 1, 1, 1), (70, 33, 130, 140, 40, 35),
-            (131, 150, 97, 100, 160, 151), (5, 200, 3, 3, 203, 201), (4, 6, 0, 1, 6, 6), (0, 5, 5, 5, 5, 5)]
+            (131, 150, 97, 100, 160, 151), (5, 200, 3, 3, 203, 201), (4, 6, 0, 1, 6, 6), (0, 5, 5, 5, 5, 5),
+            GEMM_PAGE_END_CASE]
 
 
 def _gemm_causes(a: np.ndarray, b: np.ndarray, got: np.ndarray, case: tuple) -> list[str]:
@@ -888,8 +935,9 @@ def check_gemm_blocked(source: Any, *, count: bool = True) -> Verdict:
         m, n, k, lda, ldb, ldc = case
         a = gen.uniform(-1, 1, (m, k)).astype(np.float32)
         b = gen.uniform(-1, 1, (k, n)).astype(np.float32)
-        matrices = [_Matrix.make("a", a, m, k, lda), _Matrix.make("b", b, k, n, ldb),
-                    _Matrix.make("c", None, m, n, ldc)]
+        at_end = case == GEMM_PAGE_END_CASE
+        matrices = [_Matrix.make("a", a, m, k, lda, at_end), _Matrix.make("b", b, k, n, ldb, at_end),
+                    _Matrix.make("c", None, m, n, ldc, at_end)]
         args = [("buffer", 0), ("buffer", 1), ("buffer", 2), *(("i64", v) for v in case)]
         inputs = [mat.buffer.copy() for mat in matrices[:2]]
         cases.append((matrices, args))
