@@ -593,3 +593,16 @@ def test_gemm_masked_tail_past_the_last_row_faults(capsys):
               "_mm256_castps_si256(keep),")
     verdict, text = verdict_of(cpp_kernel.check_gemm_blocked, honest, capsys, False)
     assert verdict.solved, text
+
+
+@pytest.mark.parametrize("name, source, line", [
+    ("_Pragma in a macro", rms_body(SUM, OUT).replace(
+        "  for (int64_t r = 0; r < rows; ++r) {", '#define ROWS_IN_PARALLEL _Pragma("omp parallel for")\n'
+        "  ROWS_IN_PARALLEL\n  for (int64_t r = 0; r < rows; ++r) {"), 5),
+    ("a pragma spelled by a macro", "#define SPREAD parallel for\n" + rms_body(SUM, OUT).replace(
+        "  for (int64_t r = 0; r < rows; ++r) {", "#pragma omp SPREAD\n  for (int64_t r = 0; r < rows; ++r) {"), 5),
+])
+def test_threads_hidden_behind_the_preprocessor_are_refused(name, source, line, capsys):
+    verdict, text = verdict_of(cpp_kernel.check_rms_norm_simd, source, capsys, False)
+    assert not verdict.solved, name
+    assert f"line {line} uses threads" in text and "#pragma omp parallel for" in text, text

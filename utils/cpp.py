@@ -63,6 +63,7 @@ __all__ = [
     "scalar",
     "set_openmp_threads",
     "vectorization_report",
+    "omp_pragmas",
 ]
 
 #: The environment variable naming the folder compiled libraries are kept in.
@@ -347,6 +348,34 @@ class VecNote:
     line: int
     loop_vectorized: bool
     why: str
+
+
+def omp_pragmas(source: str | os.PathLike, flags: Sequence[str] = DEFAULT_FLAGS) -> list[tuple[int, str]]:
+    """``(line, pragma)`` for every ``#pragma omp ...`` of ``source`` itself (not of the headers it includes), as
+    the compiler sees it: preprocessed (``g++ -E``) with ``flags`` and ``-fopenmp`` in place of ``-fopenmp-simd``, so
+    that a ``_Pragma("omp ...")`` and a pragma spelled through macros come out as the ``#pragma`` line they are,
+    at the line of the source where they are used. Empty when the source does not preprocess (the compiler then
+    says why)."""
+    text, folder = _source_text(source)
+    with tempfile.TemporaryDirectory(prefix="pre-", dir=cache_dir()) as work:
+        source_file = Path(work, "source.cpp")
+        source_file.write_text(text)
+        command = [_COMPILER, *(f for f in flags if f != "-fopenmp-simd"), "-fopenmp", "-E", str(source_file)]
+        if folder is not None:
+            command.insert(1, f"-I{folder}")
+        result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        return []
+    found, line, ours = [], 0, False
+    for output_line in result.stdout.splitlines():
+        marker = re.match(r'#\s*(\d+)\s+"(.*?)"', output_line)
+        if marker:
+            line, ours = int(marker.group(1)), marker.group(2) == str(source_file)
+            continue
+        if ours and re.match(r"\s*#\s*pragma\s+omp\b", output_line):
+            found.append((line, " ".join(output_line.split())))
+        line += 1
+    return found
 
 
 def vectorization_report(source: str | os.PathLike, flags: Sequence[str] = DEFAULT_FLAGS,

@@ -34,9 +34,13 @@ SA_SIGINFO, SA_RESETHAND = 0x4, 0x80000000
 _HANDLER = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
 
 
-class _Sigaction(ctypes.Structure):  # glibc's struct sigaction on Linux x86-64 and aarch64
-    _fields_ = [("handler", _HANDLER), ("mask", ctypes.c_ulong * 16), ("flags", ctypes.c_int),
-                ("restorer", ctypes.c_void_p)]
+class _Sigaction(ctypes.Structure):  # glibc's struct sigaction on Linux x86-64
+    _fields_ = [
+        ("handler", _HANDLER),
+        ("mask", ctypes.c_ulong * 16),
+        ("flags", ctypes.c_int),
+        ("restorer", ctypes.c_void_p),
+    ]
 
 
 def _on_fault(signum: int, info: int, context: int) -> None:
@@ -99,7 +103,7 @@ def main() -> int:
             if buf.get("page_end"):
                 array, region = _at_page_end(data, buf["page_end"])
                 arrays.append(array)
-                kept.append((region, data[buf["page_end"]:]))
+                kept.append((region, data[buf["page_end"] :]))
             else:
                 arrays.append((ctypes.c_char * len(data)).from_buffer_copy(data))
                 kept.append((None, b""))

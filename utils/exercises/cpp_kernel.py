@@ -491,14 +491,24 @@ def _without_comments(source: str) -> str:
 def _threads_used(source: str, rung: str) -> str | None:
     """Why a source that starts threads is refused (None if it starts none): ``rung`` names the chapter's threaded
     rung, where threads come in."""
+    from utils import cpp
+
     code = _without_comments(source)
     uses = [(what.startswith("OpenMP's runtime header"), found.start(), found, what)
             for pattern, what in _THREAD_PATTERNS for found in pattern.finditer(code)]
-    if not uses:
-        return None
-    _, _, found, what = min(uses, key=lambda use: use[:2])  # the first use; the header only if nothing else
-    line = code.count("\n", 0, found.start()) + 1
-    return (f"line {line} uses threads ({what.format(found.group(0).strip())}): this exercise is one core's "
+    if uses:
+        _, _, found, what = min(uses, key=lambda use: use[:2])  # the first use; the header only if nothing else
+        line, used = code.count("\n", 0, found.start()) + 1, what.format(found.group(0).strip())
+    else:
+        # a pragma the text does not show: _Pragma("omp ..."), or `#pragma omp` spelled through a macro — what the
+        # compiler sees, preprocessed, at the line where it is used
+        pragmas = [(n, text) for n, text in cpp.omp_pragmas(source)
+                   if not re.match(r"#\s*pragma\s+omp\s+(?:simd|declare\s+simd)\b", text)]
+        if not pragmas:
+            return None
+        line, text = pragmas[0]
+        used = f"an OpenMP `{text}`, once preprocessed"
+    return (f"line {line} uses threads ({used}): this exercise is one core's "
             "vectors and caches, and its check runs one thread — it builds with -fopenmp-simd, which honours "
             "`#pragma omp simd` and nothing else of OpenMP (a `parallel` pragma would be silently ignored, a race in "
             "it never seen, and an omp_ function would have no runtime to come from). "
