@@ -161,7 +161,7 @@ def test_rms_norm_solution_is_solved_with_its_count(capsys):
     verdict, text = verdict_of(cpp_kernel.check_rms_norm_simd, solutions13.RMS_NORM_SIMD, capsys)
     assert verdict.solved, verdict.message
     assert "✅ SOLVED" in text and "within 2.2 instructions per element" in text and "naive scalar loop" in text
-    assert "64 rows × 1003 columns" in text and "64 rows × 517 columns" in text  # both sizes counted, both printed
+    assert "64 rows × 1003 columns" in text and "96 rows × 512 columns" in text  # both sizes counted, both printed
 
 
 @pytest.mark.parametrize("name, source, expected", [
@@ -332,7 +332,7 @@ def test_rms_norm_fast_at_one_size_only_is_too_slow(capsys):
     assert one_size.count("sum +=") == 2
     verdict, text = verdict_of(cpp_kernel.check_rms_norm_simd, one_size, capsys)
     assert not verdict.solved
-    assert "at 64 × 517, at most 2.2 at each size — within it at 64 × 1003: a path fast at one size only" in text
+    assert "at 96 × 512, at most 2.2 at each size — within it at 64 × 1003: a path fast at one size only" in text
     assert "adds into one running float sum" in text  # the scalar path's sum, seen on its line
 
 
@@ -399,7 +399,7 @@ def test_gemm_solution_is_solved_with_its_count(capsys):
     assert verdict.solved, verdict.message
     assert "within 20 D1 read misses of your code per 1000 multiply-adds" in text and "32 KiB 8-way" in text
     assert "the unblocked ikj loop" in text
-    assert "M, N, K = 144, 144, 144" in text and "M, N, K = 64, 1000, 144" in text  # both sizes counted
+    assert "M, N, K = 144, 144, 144" in text and "M, N, K = 64, 1000, 72" in text  # both sizes counted
 
 
 BLOCKED = solutions13.GEMM_BLOCKED
@@ -454,9 +454,9 @@ assert K_ONLY != BLOCKED and SPECIAL_144 != BLOCKED and TILED_KJI != BLOCKED
 @needs_valgrind
 @pytest.mark.parametrize("name, source, expected, absent", [
     # blocked over K only: a KC × N panel of B, in L1 at N = 144, not at N = 1000
-    ("K blocked only", K_ONLY, ["at M, N, K = 64, 1000, 144, at most 20 at each size — within it at M, N, K = 144, "
+    ("K blocked only", K_ONLY, ["at M, N, K = 64, 1000, 72, at most 20 at each size — within it at M, N, K = 144, "
                                 "144, 144", "a tile over K alone is a KC × N panel"], ["steps"]),
-    ("blocked for N = 144 only", SPECIAL_144, ["at M, N, K = 64, 1000, 144", "within it at M, N, K = 144, 144, 144"],
+    ("blocked for N = 144 only", SPECIAL_144, ["at M, N, K = 64, 1000, 72", "within it at M, N, K = 144, 144, 144"],
      []),
     # tiled, but i innermost: every access to C and A a new line. Once told "B does not fit the L1: loop over tiles"
     ("tiles with i innermost", TILED_KJI, ["at M, N, K = 144, 144, 144",
@@ -606,3 +606,27 @@ def test_threads_hidden_behind_the_preprocessor_are_refused(name, source, line, 
     verdict, text = verdict_of(cpp_kernel.check_rms_norm_simd, source, capsys, False)
     assert not verdict.solved, name
     assert f"line {line} uses threads" in text and "#pragma omp parallel for" in text, text
+
+
+# Fast only where a property of both counted sizes holds (an odd number of columns; K of at least 128): the two
+# sizes differ in each, so such a path is slow at one of them.
+ODD_COLS_ONLY = rms_body(SUM, OUT).replace("#pragma omp simd reduction(+ : sum)\n    " + SUM,
+                                           "if (cols & 1) {\n#pragma omp simd reduction(+ : sum)\n    " + SUM
+                                           + "\n    } else {\n    " + SUM + "\n    }")
+BIG_K_ONLY = BLOCKED.replace("  constexpr int64_t MC = 128, KC = 64, NC = 64;",
+                             "  const int64_t MC = K >= 128 ? 128 : M, KC = K >= 128 ? 64 : K, NC = K >= 128 ? 64 : N;")
+assert ODD_COLS_ONLY.count("sum +=") == 2 and BIG_K_ONLY != BLOCKED
+
+
+@needs_valgrind
+def test_rms_norm_fast_for_odd_columns_only_is_too_slow(capsys):
+    verdict, text = verdict_of(cpp_kernel.check_rms_norm_simd, ODD_COLS_ONLY, capsys)
+    assert not verdict.solved and "too slow" in text
+    assert "within it at 64 × 1003: a path fast at one size only" in text, text
+
+
+@needs_valgrind
+def test_gemm_blocked_for_big_k_only_has_too_many_misses(capsys):
+    verdict, text = verdict_of(cpp_kernel.check_gemm_blocked, BIG_K_ONLY, capsys)
+    assert not verdict.solved and "too many cache misses" in text
+    assert "within it at M, N, K = 144, 144, 144" in text, text
