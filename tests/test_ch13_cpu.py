@@ -630,3 +630,53 @@ def test_gemm_blocked_for_big_k_only_has_too_many_misses(capsys):
     verdict, text = verdict_of(cpp_kernel.check_gemm_blocked, BIG_K_ONLY, capsys)
     assert not verdict.solved and "too many cache misses" in text
     assert "within it at M, N, K = 144, 144, 144" in text, text
+
+
+# Four vectorized passes over each row, y used as scratch: slow at both sizes alike, and with no mask or blend in it.
+FOUR_PASSES = RMS_HEAD + """  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * x_row_stride;
+    float* yr = y + r * y_row_stride;
+#pragma omp simd
+    for (int64_t c = 0; c < cols; ++c) yr[c] = xr[c] * xr[c];
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t c = 0; c < cols; ++c) sum += yr[c];
+    const float rstd = 1.0f / std::sqrt(sum / cols + eps);
+#pragma omp simd
+    for (int64_t c = 0; c < cols; ++c) yr[c] = xr[c] * rstd;
+#pragma omp simd
+    for (int64_t c = 0; c < cols; ++c) yr[c] = yr[c] * w[c];
+  }
+}
+"""
+
+
+@needs_valgrind
+def test_rms_norm_slow_at_both_sizes_is_not_called_one_size_nor_blamed_on_masks(capsys):
+    verdict, text = verdict_of(cpp_kernel.check_rms_norm_simd, FOUR_PASSES, capsys)
+    assert not verdict.solved and "too slow" in text and "where they go at" in text, text
+    assert "one size only" not in text and "mask" not in text and "blend" not in text, text
+
+
+@pytest.mark.parametrize("check, source, expected, absent", [
+    # x[0] read before the row loop, also when there are no rows: once worded "past the end of row -1 of x"
+    (cpp_kernel.check_rms_norm_simd, rms_body(SUM, OUT).replace(
+        "  for (int64_t r = 0; r < rows; ++r) {",
+        "  volatile float first = x[0];\n  for (int64_t r = 0; r < rows; ++r) {"),
+     ["case 7 of 9", "of x, which has no elements here (0 rows × 8 columns)", "before any row exists"], ["row -1"]),
+    # C cleared with one memset of M × ldc floats: past the last row's end (a 9800-byte access once called "a full
+    # vector")
+    (cpp_kernel.check_gemm_blocked, "#include <cstring>\n" + BLOCKED.replace(
+        ZEROING, "  if (M > 0) std::memset(c, 0, sizeof(float) * M * ldc);"),
+     ["case 4 of 9", "one access of 9800 bytes", "a bulk write", "the wrong length"],
+     ["unknown-crash) — a full vector"]),
+])
+def test_stray_accesses_are_worded_by_what_they_are(check, source, expected, absent, capsys):
+    if cpp.asan_runtime() is None:
+        pytest.skip("this g++ cannot build with AddressSanitizer")
+    verdict, text = verdict_of(check, source, capsys, False)
+    assert not verdict.solved
+    for fragment in expected:
+        assert fragment in text, (fragment, text)
+    for fragment in absent:
+        assert fragment not in text, (fragment, text)

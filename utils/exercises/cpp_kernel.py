@@ -58,6 +58,9 @@ __all__ = [
 ]
 
 RMS_NAME = "ch13_below_triton.RMS_NORM_SIMD"
+#: A count is "fast at one size only" when it is within the bound at one size and over it at the other by more
+#: than this factor; closer than that it is near the bound at both, and said so.
+ONE_SIZE_RATIO = 1.25
 GEMM_NAME = "ch13_below_triton.GEMM_BLOCKED"
 
 #: The bit patterns: an output's unwritten elements (a quiet NaN with a payload no arithmetic makes), the
@@ -229,6 +232,9 @@ class _Matrix:
         if not stray:
             return None
         first = stray[0] // 4 - GUARD
+        if not self.length:
+            return len(stray), (f"of {self.label}, which has no elements here ({self.rows} rows × {self.cols} "
+                                "columns): an access before any row exists")
         if first < 0:
             return len(stray), f"before the start of {self.label} (in the guard before its first element)"
         if first >= self.length:
@@ -360,7 +366,15 @@ def _asan_problem(report: tuple[str, str, int, int], bases: dict[int, int], matr
             continue
         count, where = found
         text = f"{verb} {count} byte(s) {where}: one access of {size} bytes (AddressSanitizer, {kind})"
-        if size >= 16 and where.startswith("past"):
+        if "before any row exists" in where:
+            text += (" — with no rows there is nothing to read or write: an access before the row loop (a first "
+                     "element read ahead of it, say) runs even then; keep every access inside the loop over rows")
+        elif size > 32:
+            text += (f" — {size} bytes at once is no vector but a bulk write or copy (memset, memcpy, std::fill of "
+                     "the whole buffer) with the wrong length: rows × row stride reaches past the last row's end (the "
+                     "last row is cols long), and it writes the padding between rows, which is not the output's. "
+                     "Clear or copy row by row, cols elements each")
+        elif size >= 16 and where.startswith("past"):
             text += (" — a full vector where fewer elements are left. Masking the lanes afterwards (and, blend) does "
                      "not undo the access: the bytes past a row may be another tensor's, another thread's row being "
                      "written at that moment, or an unmapped page after the last row (a crash in real use). "
@@ -686,10 +700,16 @@ def _rms_slow_hint(source: str, hot: list[int]) -> str:
                     "fold-left: 8 dependent adds per vector of squares, even where its report says 'vectorized'). "
                     "`#pragma omp simd reduction(+ : sum)` on the loop is the permission (8 partial sums, added "
                     "once per row); or AVX2 intrinsics, _mm256_fmadd_ps into 8-lane accumulators")
-    return ("look at what those lines do for every vector that a row needs only once, or only at its end: a "
-            "mask built and a blend or masked load/store in every iteration (the tail's work, paid on all of a "
-            "row's vectors), a horizontal sum per vector instead of per row, a scalar loop. Whole vectors in the "
-            "main loop, the tail once after it")
+    masking = [n for n in hot if 1 <= n <= len(code) and re.search(r"_mm256_(?:mask(?:load|store)|blendv?|cmp)\w*",
+                                                                     code[n - 1])]
+    if masking:
+        return (f"line {masking[0]} builds or applies a mask: look at what those lines do for every vector that a row "
+                "needs only once, or only at its end — a mask built and a blend or masked load/store in every "
+                "iteration is the tail's work paid on all of a row's vectors. Whole vectors in the main loop, the "
+                "tail once after it")
+    return ("those lines are where the instructions go; compare them with what the bound allows for — two passes "
+            "over a row (the sum of squares, then the output), whole vectors in each, the tail once after them: an "
+            "extra pass over the row, or more work per vector than a load and a multiply-add, shows on those lines")
 
 
 def _after_for_header(text: str) -> str:
@@ -885,8 +905,11 @@ def check_rms_norm_simd(source: Any, *, count: bool = True) -> Verdict:
                 (rows, cols, xs, ys), per = over[0]
                 profile = vg.line_profile(_rms_harness(source, (rows, cols, xs, ys)), cpp.HARNESS_SOURCE)
                 hot, hot_text = _hot_lines(source, profile, "Ir", rows * cols, "per element")
-                within = [case for case, per, _, _ in counted if per <= RMS_NORM_IR_BOUND]
-                one_size = (f" — within it at {within[0][0]} × {within[0][1]}: a path fast at one size only" if within
+                within = [(case, p) for case, p, _, _ in counted if p <= RMS_NORM_IR_BOUND]
+                # "fast at one size only" where the sizes really differ, not a count near the bound at both
+                one_size = (f" — within it at {within[0][0][0]} × {within[0][0][1]}: a path fast at one size only"
+                            if within and per > ONE_SIZE_RATIO * within[0][1] else
+                            f" (and {within[0][1]:.2f} at {within[0][0][0]} × {within[0][0][1]}, near it)" if within
                             else "")
                 return _verdict(name, [
                     f"too slow: {per:.2f} instructions per element at {rows} × {cols}, at most {RMS_NORM_IR_BOUND} at "
@@ -1021,9 +1044,11 @@ def check_gemm_blocked(source: Any, *, count: bool = True) -> Verdict:
                 (m, n, k), misses = over[0]
                 profile = valgrind.line_profile(_gemm_harness(source, (m, n, k)), cpp.HARNESS_SOURCE, cache=True)
                 hot, hot_text = _hot_lines(source, profile, "D1mr", m * n * k / 1000, "per 1000 multiply-adds")
-                within = [case for case, misses, _, _, _ in counted if misses <= GEMM_D1_BOUND]
-                one_size = (f" — within it at M, N, K = {', '.join(map(str, within[0]))}: a loop that keeps B's tile "
-                            "in L1 at one size only" if within else "")
+                within = [(case, mi) for case, mi, _, _, _ in counted if mi <= GEMM_D1_BOUND]
+                one_size = (f" — within it at M, N, K = {', '.join(map(str, within[0][0]))}: a loop that keeps B's "
+                            "tile in L1 at one size only" if within and misses > ONE_SIZE_RATIO * within[0][1] else
+                            f" (and {within[0][1]:.3g} at M, N, K = {', '.join(map(str, within[0][0]))}, near it)"
+                            if within else "")
                 return _verdict(name, [
                     f"too many cache misses: {misses:.3g} D1 read misses per 1000 multiply-adds at M, N, K = {m}, {n}, "
                     f"{k}, at most {GEMM_D1_BOUND:g} at each size{one_size} ({where})",
