@@ -668,7 +668,8 @@ def test_rms_norm_slow_at_both_sizes_is_not_called_one_size_nor_blamed_on_masks(
     # vector")
     (cpp_kernel.check_gemm_blocked, "#include <cstring>\n" + BLOCKED.replace(
         ZEROING, "  if (M > 0) std::memset(c, 0, sizeof(float) * M * ldc);"),
-     ["case 4 of 9", "one access of 9800 bytes", "a bulk write", "the wrong length"],
+     ["case 4 of 9", "one access of 9800 bytes", "a bulk write", "the wrong length",
+      "the farthest 2): a loop or a bulk write (memset"],
      ["unknown-crash) — a full vector"]),
 ])
 def test_stray_accesses_are_worded_by_what_they_are(check, source, expected, absent, capsys):

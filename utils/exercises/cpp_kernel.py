@@ -259,8 +259,9 @@ class _Matrix:
         if after.size:
             problems.append(f"wrote {after.size} element(s) past the end of {self.label} (the first "
                             f"{int(after.min()) + 1} past its last element, the farthest {int(after.max()) + 1}): "
-                            "a loop that runs past the last row or column — the tail, or a full vector store "
-                            "where fewer than 8 elements are left")
+                            "a loop or a bulk write (memset, std::fill) that runs past the last row or column — "
+                            "the tail, a full vector store where fewer than 8 elements are left, or a length of rows "
+                            "× row stride")
         if self.length and self.stride > self.cols:
             region = np.arange(GUARD, end)
             gap = ((region - GUARD) % self.stride) >= self.cols
