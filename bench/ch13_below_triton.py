@@ -257,8 +257,9 @@ def cpu_markdown(rows: Sequence[CpuRow], counts: Sequence[CountRow], stamp: str,
     lines += ["", "*× torch*: torch's time at the same thread count divided by the rung's (above 1: faster than "
               "torch). RMSNorm's rate counts x read, y written and w read once.", "",
               f"Counted by valgrind at a smaller size, on one OpenMP thread: instructions of the rung and what it "
-              f"calls (callgrind), and the D1 read misses and last-level misses of its own code, from cachegrind's "
-              f"simulated caches (D1 {DEFAULT_CACHE['D1']}, LL {DEFAULT_CACHE['LL']}) — not this CPU's; the same "
+              f"calls, and its D1 read misses and last-level misses, all counted while the rung runs (callgrind "
+              f"with its cache simulator: D1 {DEFAULT_CACHE['D1']}, LL {DEFAULT_CACHE['LL']} — not this CPU's; "
+              "the harness's set-up before the call warms them, so LL misses are near 0 at these sizes); the same "
               "counts on every machine that runs the same binary.", "",
               "| op | rung | size | instructions | D1 read misses | LL misses | per |", "|---|---|---|---|---|---|---|"]
     for c in counts:
