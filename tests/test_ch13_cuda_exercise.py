@@ -222,7 +222,7 @@ def test_without_nvcc_the_values_alone_are_checked_and_that_is_said(monkeypatch)
         (W_SCALAR, "w is read 4 bytes at a time: 0 float4 read(s) of w ran, while w holds 16 whole float4s"),
         (NO_REDUCTION_DEAD_SHUFFLES, "the lanes of a row do not reduce with warp shuffles: 0 thread(s) executed"),
         (EPS_ONLY_WITH_A_TAIL, "cause: eps is missing"),
-        (UNINITIALIZED_SUM, "NaN computed in a row with no NaN"),
+        (UNINITIALIZED_SUM, "or a local variable used before every lane set it"),
         (EPS_INSIDE_THE_DIVISION, "cause: eps is added before the division by cols ((sum + eps) / cols)"),
         (MEAN_OVER_ROW_STRIDE, "cause: the sum of squares is divided by row_stride (4), not by cols (1)"),
         (SKIP_NAN_ROWS, "cause: the NaN row was skipped: row 2, the row holding a NaN, is the only one left"),

@@ -303,7 +303,9 @@ def _run_case(source: str, case: tuple, gen: torch.Generator) -> tuple[list[str]
         if (np.isnan(got) & wrong & ~np.isnan(expected)).any():
             problems.append(
                 "NaN computed in a row with no NaN: a read outside x's row (the padding between rows and "
-                "the guards hold NaN) — a float4 past the row's end, or a wrong row stride"
+                "the guards hold NaN) — a float4 past the row's end, or a wrong row stride; or a local variable "
+                "used before every lane set it (each starts as garbage here, as a register does on a GPU: "
+                "float sum = 0.0f; in every lane)"
             )
         if nan_row is not None and not np.isnan(got[nan_row][~unwritten[nan_row]]).all():
             problems.append(
