@@ -42,10 +42,10 @@ STORE_LOOP = """  for (long long i = lane; i < vectors; i += 32) {
 """
 TAIL_STORE = "  for (long long c = 4 * vectors + lane; c < cols; c += 32) yr[c] = xr[c] * rstd * w[c];\n"
 
-#: Right values, scalar loads: every column one by one.
+#: Right values, scalar loads: every column one by one (the emulator counts no float4 read of x or w).
 SCALAR_LOADS = variant(SUM_LOOP, "").replace(STORE_LOOP, "").replace("4 * vectors + lane", "lane")
 
-#: Right values, the reduction through shared memory with block barriers.
+#: Right values, the reduction through shared memory with block barriers (the emulator counts no shuffle).
 SHARED_REDUCTION = variant(
     "#pragma unroll\n" + REDUCTION,
     """  __shared__ float partial[32][32];
@@ -127,6 +127,56 @@ TAIL_FLOAT4_OVER_READ = variant(
 BARRIER_FOR_LANE_0 = variant(REDUCTION, REDUCTION + "  if (lane == 0) __syncthreads();\n")
 
 
+#: A block barrier every thread reaches (before any returns): right, and no use in a kernel where a warp owns a row.
+BARRIER_FOR_ALL = variant("  if (row >= rows) return;", "  __syncthreads();\n  if (row >= rows) return;")
+
+#: x read one float at a time (the sum and the output), w still as float4: nvcc's SASS holds LDG.E.128 (w's).
+X_SCALAR = (
+    variant(SUM_LOOP, "")
+    .replace("4 * vectors + lane; c < cols; c += 32) sum", "lane; c < cols; c += 32) sum")
+    .replace("const float4 v = xv[i], g = wv[i];", "const float4 g = wv[i];")
+    .replace("v.x * rstd", "xr[4 * i] * rstd")
+    .replace("v.y * rstd", "xr[4 * i + 1] * rstd")
+    .replace("v.z * rstd", "xr[4 * i + 2] * rstd")
+    .replace("v.w * rstd", "xr[4 * i + 3] * rstd")
+)
+
+#: w read one float at a time, x as float4.
+W_SCALAR = variant("const float4 v = xv[i], g = wv[i];", "const float4 v = xv[i];").replace(
+    "rstd * g.x, v.y * rstd * g.y, v.z * rstd * g.z, v.w * rstd * g.w",
+    "rstd * w[4 * i], v.y * rstd * w[4 * i + 1], v.z * rstd * w[4 * i + 2], v.w * rstd * w[4 * i + 3]",
+)
+
+#: Each lane sums the whole row itself; the float4 load and the shuffles sit on a path never taken (their SASS
+#: is there all the same).
+NO_REDUCTION_DEAD_SHUFFLES = variant(
+    SUM_LOOP + TAIL_SUM + "#pragma unroll\n" + REDUCTION,
+    """  for (long long c = 0; c < cols; ++c) sum += xr[c] * xr[c];
+  if (cols < 0) {
+    const float4 v = xv[lane];
+    sum += v.x + v.y + v.z + v.w;
+    for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  }
+""",
+)
+
+#: eps added only to rows with a tail.
+EPS_ONLY_WITH_A_TAIL = variant("sum / (float)cols + eps", "sum / (float)cols + (cols % 4 ? eps : 0.0f)")
+
+#: The sum left uninitialized in every lane but lane 0.
+UNINITIALIZED_SUM = variant("float sum = 0.0f;", "float sum;\n  if (lane == 0) sum = 0.0f;")
+
+EPS_INSIDE_THE_DIVISION = variant("sum / (float)cols + eps", "(sum + eps) / (float)cols")
+
+MEAN_OVER_ROW_STRIDE = variant("sum / (float)cols + eps", "sum / (float)row_stride + eps")
+
+#: The row whose rstd is NaN is not written at all.
+SKIP_NAN_ROWS = variant(
+    "  const float4* wv = reinterpret_cast<const float4*>(w);",
+    "  if (rstd != rstd) return;\n  const float4* wv = reinterpret_cast<const float4*>(w);",
+)
+
+
 @needs_nvcc
 def test_the_solution_is_solved_and_its_sass_named():
     verdict = check_rms_norm_warp(RMS_NORM_WARP)
@@ -166,6 +216,16 @@ def test_without_nvcc_the_values_alone_are_checked_and_that_is_said(monkeypatch)
             TAIL_FLOAT4_OVER_READ,
             "x: read 12 bytes past the end of row 0 (the last row), outside the tensor — a 16-byte read",
         ),
+        (SCALAR_LOADS, "x is read 4 bytes at a time: 0 float4 read(s) of x ran"),
+        (SHARED_REDUCTION, "the lanes of a row do not reduce with warp shuffles: 0 thread(s) executed 5 or more"),
+        (X_SCALAR, "x is read 4 bytes at a time: 0 float4 read(s) of x ran, while its 4 row(s) hold 64 whole"),
+        (W_SCALAR, "w is read 4 bytes at a time: 0 float4 read(s) of w ran, while w holds 16 whole float4s"),
+        (NO_REDUCTION_DEAD_SHUFFLES, "the lanes of a row do not reduce with warp shuffles: 0 thread(s) executed"),
+        (EPS_ONLY_WITH_A_TAIL, "cause: eps is missing"),
+        (UNINITIALIZED_SUM, "or a local variable used before every lane set it"),
+        (EPS_INSIDE_THE_DIVISION, "cause: eps is added before the division by cols ((sum + eps) / cols)"),
+        (MEAN_OVER_ROW_STRIDE, "cause: the sum of squares is divided by row_stride (4), not by cols (1)"),
+        (SKIP_NAN_ROWS, "cause: the NaN row was skipped: row 2, the row holding a NaN, is the only one left"),
     ],
     ids=[
         "stub",
@@ -182,6 +242,16 @@ def test_without_nvcc_the_values_alone_are_checked_and_that_is_said(monkeypatch)
         "barrier-for-lane-0",
         "tail-float4-write-back",
         "tail-float4-over-read",
+        "scalar-loads",
+        "shared-reduction",
+        "x-scalar",
+        "w-scalar",
+        "no-reduction-dead-shuffles",
+        "eps-only-with-a-tail",
+        "uninitialized-sum",
+        "eps-inside-the-division",
+        "mean-over-row-stride",
+        "skip-nan-rows",
     ],
 )
 def test_wrong_kernels_are_not_solved_with_their_diagnosis(source, diagnosis):
@@ -191,20 +261,12 @@ def test_wrong_kernels_are_not_solved_with_their_diagnosis(source, diagnosis):
 
 
 @needs_nvcc
-@pytest.mark.parametrize(
-    "source,diagnosis",
-    [
-        (SCALAR_LOADS, "no 128-bit global load (LDG.E.128) in the sm_90 SASS"),
-        (SHARED_REDUCTION, "shared memory or a block barrier in the sm_90 SASS (BAR.SYNC"),
-    ],
-    ids=["scalar-loads", "shared-reduction"],
-)
-def test_right_values_with_sass_that_breaks_the_spec_are_not_solved(source, diagnosis):
-    # The values are right: the emulator passes them, the sm_90 build is what the verdict names.
-    assert check_rms_norm_warp(source, sass=False).solved
-    verdict = check_rms_norm_warp(source)
+def test_right_values_and_runs_with_sass_that_breaks_the_spec_are_not_solved():
+    # Values right, shuffles and float4 reads run: the emulator passes it, the sm_90 build's barrier is what fails.
+    assert check_rms_norm_warp(BARRIER_FOR_ALL, sass=False).solved
+    verdict = check_rms_norm_warp(BARRIER_FOR_ALL)
     assert rejected(verdict, "the values are right on every case; the sm_90 build is not")
-    assert rejected(verdict, diagnosis), verdict.message
+    assert rejected(verdict, "shared memory or a block barrier in the sm_90 SASS (BAR.SYNC"), verdict.message
 
 
 def test_a_nan_guard_is_named_by_its_row_not_by_the_row_stride():
@@ -225,3 +287,14 @@ def test_a_compile_error_is_named_by_its_line():
 
 def test_a_source_that_is_not_a_string_is_not_solved():
     assert rejected(check_rms_norm_warp(None), "expected the CUDA source as a string, got NoneType")
+
+
+def test_a_skipped_nan_row_is_not_blamed_on_the_warps_per_block():
+    verdict = check_rms_norm_warp(SKIP_NAN_ROWS, sass=False)
+    assert not verdict.solved and "warps per block" not in verdict.message.split("holds a NaN", 1)[1]
+
+
+def test_a_wrong_divisor_is_not_blamed_on_the_reduction():
+    for source in (EPS_INSIDE_THE_DIVISION, MEAN_OVER_ROW_STRIDE):
+        verdict = check_rms_norm_warp(source, sass=False)
+        assert not verdict.solved and "partial sums of all 32 lanes" not in verdict.message, verdict.message

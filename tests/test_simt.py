@@ -700,3 +700,42 @@ def test_the_same_source_compiles_for_sm_90_with_nvcc():
     assert "HMMA" in names
     assert "LDGSTS" in {i.base for i in build.instructions("async_copy")}
     assert "SHFL" in {i.base for i in build.instructions("shuffles")}
+
+
+COUNTED = r"""
+__global__ void copy_rows(const float* x, float* y, int vectors_per_thread, int shuffles) {
+  const int t = blockIdx.x * blockDim.x + threadIdx.x;
+  const float4* xv = reinterpret_cast<const float4*>(x);
+  float4* yv = reinterpret_cast<float4*>(y);
+  for (int i = 0; i < vectors_per_thread; ++i) yv[t * vectors_per_thread + i] = xv[t * vectors_per_thread + i];
+  float s = x[4 * t];
+  for (int k = 0; k < shuffles; ++k) s += __shfl_xor_sync(0xffffffffu, s, 1);
+  if (threadIdx.x % 32 == 0) y[4 * t] = s;
+}
+
+__global__ void lane_0_sets(float* out) {
+  float sum;
+  if (threadIdx.x == 0) sum = 0.0f;
+  sum += 1.0f;
+  out[threadIdx.x] = sum;
+}
+"""
+
+
+def test_shuffles_are_counted_by_thread_and_float4_reads_by_tensor(gen):
+    x, y = torch.randn(2 * 64 * 4 * 3, generator=gen), nans(2 * 64 * 4 * 3)
+    report = simt.run_checked(
+        COUNTED, "copy_rows", 2, 64, [x, y, 3, 5], outputs=[1], names=["x", "y"], count_reads=True
+    )
+    assert report.ok, report
+    assert report.shuffles == [5] * 128 and report.reads16 == {"x": 384, "y": 0}
+    report = simt.run_checked(
+        COUNTED, "copy_rows", 2, 64, [x, y, 0, 0], outputs=[1], names=["x", "y"], count_reads=True
+    )
+    assert report.shuffles == [0] * 128 and report.reads16 == {"x": 0, "y": 0}
+
+
+def test_an_uninitialized_local_is_garbage_not_what_suits_the_compiler():
+    out = torch.zeros(32)
+    report = simt.run_checked(COUNTED, "lane_0_sets", 1, 32, [out], outputs=[0], names=["out"])
+    assert report.ok and out[0] == 1.0 and (out[1:] != 1.0).all(), out

@@ -81,13 +81,18 @@ _FLAGS = ("-std=c++20", "-O1", "-fPIC", "-shared", "-fno-strict-aliasing", "-pth
 #: an index past a fixed-size array (a __shared__ tile) stop the kernel with the line that did it; AddressSanitizer
 #: reports every read or write of a byte that is no element of a tensor argument's view (run_checked poisons the
 #: guards and the padding between a strided view's rows) and lets the kernel run on (``-fsanitize-recover``), so
-#: that the guards still show what it wrote. ``-g1``: the line tables its reports name lines with.
+#: that the guards still show what it wrote. ``-g1``: the line tables its reports name lines with. Every local variable
+#: starts as 0xFE bytes (``-ftrivial-auto-var-init=pattern``: a float -1.7e38, an int -16843010), as a register nobody
+#: wrote holds garbage on a GPU; ``-fno-tree-fre`` keeps g++ from taking an uninitialized value for whatever suits it
+#: (``float sum; if (lane == 0) sum = 0.0f;`` would otherwise be 0 in every lane).
 _CHECKED_FLAGS = (
     "-fsanitize=alignment,bounds,address",
     "-fno-sanitize-recover=all",
     "-fsanitize-recover=address",
     "-fno-tree-sra",
     "-g1",
+    "-ftrivial-auto-var-init=pattern",
+    "-fno-tree-fre",
 )
 
 _DTYPES = {
@@ -251,6 +256,24 @@ extern "C" int simt_entry_run(const long long* dims, void** args, char* err, lon
   int rc = ::simt::detail::launch(dims, simt_entry::body, &a, err, errlen, options, where, npoison);
   free(where);
   return rc;
+}}
+// Counts of the last launch: the ranges whose 16-byte reads are counted ((first byte, bytes) pairs, at most 16), the
+// reads counted (built with SIMT_COUNT_READS), and the warp shuffles each thread executed.
+extern "C" void simt_entry_count_reads(const long long* ranges, int n) {{
+  n = n < 16 ? n : 16;
+  for (int i = 0; i < n; ++i) {{
+    ::simt::detail::g_read_ranges[2 * i] = ranges[2 * i];
+    ::simt::detail::g_read_ranges[2 * i + 1] = ranges[2 * i] + ranges[2 * i + 1];
+    ::simt::detail::g_reads16[i] = 0;
+  }}
+  ::simt::detail::g_nread_ranges = n;
+}}
+extern "C" void simt_entry_reads(long long* out, int n) {{
+  for (int i = 0; i < n && i < 16; ++i) out[i] = ::simt::detail::g_reads16[i];
+}}
+extern "C" long long simt_entry_shuffles(long long* out, long long n) {{
+  for (long long i = 0; i < n && i < ::simt::detail::g_nshuffles; ++i) out[i] = ::simt::detail::g_shuffles[i];
+  return ::simt::detail::g_nshuffles;
 }}
 """
 
@@ -552,7 +575,11 @@ class RunReport:
     index past a fixed-size array), ``"crash"`` (a signal: ``message`` says where), ``"timeout"``.
     ``guard_hits``: writes outside the tensors (even when ``status`` is ``"ok"``); ``changed_inputs``: input
     arguments whose elements changed; ``bad_accesses``: reads and writes of bytes that are no element of a view
-    (AddressSanitizer's, where g++ has it). ``ok`` is true when the kernel ran to the end and touched nothing else.
+    (AddressSanitizer's, where g++ has it). ``shuffles``: the warp shuffles (``__shfl_*_sync``) each thread
+    executed, thread after thread (``threadIdx.x`` fastest, then ``y``, ``z``, then block after block in the same
+    order); ``reads16``: with ``count_reads``, the 16-byte vector reads (a ``float4``, ``int4`` or ``uint4`` copied
+    from the tensor's memory) of each tensor argument, by name. ``ok`` is true when the kernel ran to the end and
+    touched nothing else.
     """
 
     status: str
@@ -561,6 +588,8 @@ class RunReport:
     guard_hits: list[GuardHit] = dataclasses.field(default_factory=list)
     changed_inputs: list[str] = dataclasses.field(default_factory=list)
     bad_accesses: list[BadAccess] = dataclasses.field(default_factory=list)
+    shuffles: list[int] = dataclasses.field(default_factory=list)
+    reads16: dict[str, int] = dataclasses.field(default_factory=dict)
     output: str = ""
     seconds: float = 0.0
 
@@ -632,12 +661,22 @@ for i, (kind, ctype, value) in enumerate(spec["args"]):
     pointers[i] = ctypes.cast(ctypes.pointer(cell), ctypes.c_void_p)
 err = ctypes.create_string_buffer(1 << 15)
 poison = spec["poison"]
+ranges = [v for start, length in spec["ranges"] for v in (base + start, length)]
+lib.simt_entry_count_reads((ctypes.c_longlong * max(len(ranges), 1))(*ranges), ctypes.c_int(len(ranges) // 2))
 entry = lib.simt_entry_run
 entry.restype = ctypes.c_int
 rc = entry((ctypes.c_longlong * 6)(*spec["dims"]), pointers, err, ctypes.c_longlong(1 << 15),
            (ctypes.c_longlong * 3)(*spec["options"]), (ctypes.c_longlong * max(len(poison), 1))(*poison),
            ctypes.c_int(len(poison) // 2))
 ctypes.CDLL(None).fflush(None)
+reads = (ctypes.c_longlong * 16)()
+lib.simt_entry_reads(reads, ctypes.c_int(16))
+lib.simt_entry_shuffles.restype = ctypes.c_longlong
+count = lib.simt_entry_shuffles(None, ctypes.c_longlong(0))
+shuffles = (ctypes.c_longlong * max(count, 1))()
+lib.simt_entry_shuffles(shuffles, ctypes.c_longlong(count))
+sys.stdout.write("\nSIMT-COUNTS " + json.dumps({"reads16": list(reads)[:len(ranges) // 2],
+                                                 "shuffles": list(shuffles)[:count]}) + "\n")
 sys.stdout.write("\nSIMT-RESULT " + json.dumps({"rc": rc, "message": err.value.decode(errors="replace")}) + "\n")
 sys.stdout.flush()
 """
@@ -703,17 +742,22 @@ def run_checked(
     order: str = "forward",
     timeout: float = 60.0,
     stack_size: int | None = None,
+    count_reads: bool = False,
 ) -> RunReport:
     """Run ``kernel<<<grid, block>>>(*args)`` in a child process on guarded copies of the tensors, and say what
     happened (a :class:`RunReport`; never raises for the kernel's own faults). ``outputs``: the indices of
     the output tensors (their guards hold a canary; the others' hold NaN); ``names``: the arguments' names
-    for the report. The tensors' new values are copied back into ``args``."""
+    for the report. ``count_reads``: count each tensor's 16-byte vector reads (``RunReport.reads16``; float4, int4
+    and uint4 are then built with constructors, not as aggregates). The tensors' new values are copied back into
+    ``args``."""
     started = time.perf_counter()
     grid3, block3 = _dims(grid, "grid"), _dims(block, "block")
     arguments = _arguments(args)
     labels = list(names) if names is not None else [f"argument {i}" for i in range(len(arguments))]
     asan = _asan_runtime()
     try:
+        if count_reads:
+            defines = {**(defines or {}), "SIMT_COUNT_READS": 1}
         lib = build(source, kernel, [a.ctype for a in arguments], include_dirs, defines, checked=True)
     except SimtCompileError as error:
         return RunReport(
@@ -762,6 +806,13 @@ def run_checked(
                 "options": [order == "reverse", stack_size or 0, 1],
                 "poison": [v for pair in lib.shared for v in pair],
                 "asan": _poison_ranges(regions) if asan else [],
+                "ranges": [
+                    [m.data, _span(m.tensor) * m.tensor.element_size()]
+                    for i in range(len(arguments))
+                    for r in regions
+                    for m in r.members
+                    if m.index == i
+                ],
                 "args": [
                     ["tensor", a.ctype, next(m.data for r in regions for m in r.members if m.index == i)]
                     if a.tensor is not None
@@ -791,6 +842,12 @@ def run_checked(
                 timed_out = True
             report = _outcome(child.returncode, stdout, stderr, timed_out, timeout, regions)
             report.bad_accesses = _bad_accesses(stderr, _child_base(stdout), regions)
+            counted = re.search(r"^SIMT-COUNTS (.*)$", stdout, re.M)
+            if counted:
+                data = json.loads(counted.group(1))
+                report.shuffles = data["shuffles"]
+                tensors = [labels[i] for i, a in enumerate(arguments) if a.tensor is not None]
+                report.reads16 = dict(zip(tensors, data["reads16"], strict=False)) if count_reads else {}
             _guards(report, regions, whole, before, views)
             for index, view in views.items():  # the kernel's writes, back into the caller's tensors
                 if view.numel():
@@ -905,7 +962,7 @@ def _outcome(
     base_match = re.search(r"^SIMT-BASE (\d+)$", stdout, re.M)
     base = int(base_match.group(1)) if base_match else None
     result = re.search(r"^SIMT-RESULT (.*)$", stdout, re.M)
-    printed = re.sub(r"^SIMT-(BASE|RESULT) .*\n?", "", stdout, flags=re.M).strip("\n")
+    printed = re.sub(r"^SIMT-(BASE|RESULT|COUNTS) .*\n?", "", stdout, flags=re.M).strip("\n")
     if timed_out:
         return RunReport("timeout", f"the kernel ran past {timeout:g} s (an endless loop?)", output=printed)
     if result:

@@ -49,12 +49,13 @@ __global__ void rms_norm_warp(const float* __restrict__ x, const float* __restri
 }
 """
 
-#: ``(rows, cols, row_stride, eps, warps per block, the row holding a NaN or None)``: an easy case first, then
-#: one column, a tail of 3 with eps that matters, two blocks of 8 warps (the second with 5 rows: 3 warps of it
-#: have none), a long row, a row longer than 128 float4 (4100 = 4 · 1025), no rows, and a NaN in one row (only
-#: that row is NaN). Each launches ``<<<ceil(rows / warps), 32 * warps>>>``.
+#: ``(rows, cols, row_stride, eps, warps per block, the row holding a NaN or None)``: an easy case first (with an
+#: eps that matters on rows of whole float4s: 0.5 against a mean square near 1), then one column, a tail of 3 with
+#: eps that matters, two blocks of 8 warps (the second with 5 rows: 3 warps of it have none), a long row, a row
+#: longer than 128 float4 (4100 = 4 · 1025), no rows, and a NaN in one row (only that row is NaN). Each launches
+#: ``<<<ceil(rows / warps), 32 * warps>>>``.
 CASES = (
-    (4, 64, 64, 1e-5, 4, None),
+    (4, 64, 64, 0.5, 4, None),
     (1, 1, 4, 1e-5, 4, None),
     (5, 7, 8, 0.25, 4, None),
     (13, 33, 36, 1e-5, 8, None),
@@ -111,6 +112,15 @@ def _value_causes(
         "the sum of squares is not divided by cols (the mean)": [
             x64 / np.sqrt((x64**2).sum(1, keepdims=True) + eps) * w64
         ],
+        f"the sum of squares is divided by row_stride ({stride}), not by cols ({cols}): the mean is over the row's "
+        "cols elements (row_stride only says where the next row starts)": [
+            x64 / np.sqrt((x64**2).sum(1, keepdims=True) / stride + eps) * w64
+        ]
+        if stride != cols
+        else [],
+        "eps is added before the division by cols ((sum + eps) / cols): 1 / sqrt(sum / cols + eps)": [
+            x64 / np.sqrt(((x64**2).sum(1, keepdims=True) + eps) / max(cols, 1)) * w64
+        ],
     }
     found = []
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
@@ -136,9 +146,11 @@ def _value_causes(
             constant = [v for v in per_row if v.size and np.ptp(v) <= 1e-3 * np.abs(v).max()]
             if len(constant) == len(per_row):
                 found.append(
-                    "each wrong row is off by one factor: its sum of squares is wrong — the reduction must "
-                    "add the partial sums of all 32 lanes (xor offsets 16, 8, 4, 2, 1) and each lane must "
-                    "first add every float4 and tail element it owns (a loop i = lane, lane + 32, ...)"
+                    "each wrong row is off by one factor: its 1 / sqrt(mean + eps) is wrong — none of the sum "
+                    "over row_stride, eps inside the division, the sum for the mean fits; is the sum of squares "
+                    "wrong? The reduction must add the partial sums of all 32 lanes (xor offsets 16, 8, 4, 2, 1) "
+                    "and each lane must first add every float4 and tail element it owns (a loop i = lane, "
+                    "lane + 32, ...)"
                 )
             elif any(v.size for v in per_row):
                 found.append(
@@ -238,6 +250,7 @@ def _run_case(source: str, case: tuple, gen: torch.Generator) -> tuple[list[str]
         outputs=[2],
         names=_NAMES,
         timeout=CHILD_TIMEOUT_S,
+        count_reads=True,
     )
     if report.status != "ok":
         return _status_problems(report), report
@@ -290,7 +303,9 @@ def _run_case(source: str, case: tuple, gen: torch.Generator) -> tuple[list[str]
         if (np.isnan(got) & wrong & ~np.isnan(expected)).any():
             problems.append(
                 "NaN computed in a row with no NaN: a read outside x's row (the padding between rows and "
-                "the guards hold NaN) — a float4 past the row's end, or a wrong row stride"
+                "the guards hold NaN) — a float4 past the row's end, or a wrong row stride; or a local variable "
+                "used before every lane set it (each starts as garbage here, as a register does on a GPU: "
+                "float sum = 0.0f; in every lane)"
             )
         if nan_row is not None and not np.isnan(got[nan_row][~unwritten[nan_row]]).all():
             problems.append(
@@ -303,7 +318,41 @@ def _run_case(source: str, case: tuple, gen: torch.Generator) -> tuple[list[str]
         )
         causes = _value_causes(x_np, w_np, eps, got, wrong, ~unwritten, case)
         problems = [f"cause: {c}" for c in causes] + problems
+    if not problems:
+        problems = _what_ran(report, case)
     return problems, report
+
+
+def _what_ran(report: Any, case: tuple) -> list[str]:
+    """What the spec asks of the running kernel, counted by the emulator: each row's lanes reduce with warp
+    shuffles, x and w are read 16 bytes at a time (float4)."""
+    rows, cols = case[:2]
+    problems = []
+    if not rows:
+        return problems
+    vectors = cols // 4
+    reducing = sum(1 for n in report.shuffles if n >= 5)
+    if cols >= 8 and reducing < 32 * rows:
+        most = max(report.shuffles, default=0)
+        problems.append(
+            f"the lanes of a row do not reduce with warp shuffles: {reducing} thread(s) executed 5 or more "
+            f"(the most any thread ran: {most}), where each of the {rows} row(s) needs its 32 lanes to — each "
+            "lane adds its own float4s, then __shfl_xor_sync(0xffffffff, sum, offset) for offsets 16, 8, 4, 2, 1 "
+            "gives every lane the row's sum (a lane summing the whole row alone reads it 32 times over)"
+        )
+    x_reads, w_reads = report.reads16.get("x", 0), report.reads16.get("w", 0)
+    if vectors and x_reads < rows * vectors:
+        problems.append(
+            f"x is read 4 bytes at a time: {x_reads} float4 read(s) of x ran, while its {rows} row(s) hold "
+            f"{rows * vectors} whole float4s — load x as float4: reinterpret_cast<const float4*>(x + row * "
+            "row_stride)[i], the tail (cols % 4 columns) one by one"
+        )
+    if vectors and w_reads < vectors:
+        problems.append(
+            f"w is read 4 bytes at a time: {w_reads} float4 read(s) of w ran, while w holds {vectors} whole "
+            "float4s — load w as float4 too: reinterpret_cast<const float4*>(w)[i]"
+        )
+    return problems
 
 
 def _bad_access_line(access: Any, cols: int) -> str:
@@ -325,10 +374,16 @@ def _bad_access_line(access: Any, cols: int) -> str:
 
 
 def _unwritten_causes(unwritten: np.ndarray, case: tuple) -> list[str]:
-    rows, cols, _, _, warps, _ = case
+    rows, cols, _, _, warps, nan_row = case
     causes = []
     row_unwritten = unwritten.all(axis=1)
-    if rows > 1 and not row_unwritten.all():
+    if nan_row is not None and np.nonzero(unwritten.any(axis=1))[0].tolist() == [nan_row]:
+        causes.append(
+            f"the NaN row was skipped: row {nan_row}, the row holding a NaN, is the only one left unwritten — its "
+            "rstd is NaN and so must be all of its outputs, as torch gives them: write every row (a NaN must "
+            "propagate, not be left out)"
+        )
+    elif rows > 1 and not row_unwritten.all():
         lead = np.arange(rows) % warps == 0
         if row_unwritten[~lead].all() and not row_unwritten[lead].any():
             causes.append(

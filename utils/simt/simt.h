@@ -93,15 +93,54 @@ struct dim3 {
   };                                                                       \
   inline name make_##name(T x, T y, T z, T w) { return name{x, y, z, w}; }
 
+// Counted 16-byte reads (defined SIMT_COUNT_READS, utils.simt.run_checked's count_reads): a float4, int4 or uint4
+// copied from the bytes of a registered range (a tensor argument) counts as one 16-byte read of it. The type then
+// has constructors (float4{a, b, c, d}, float4 v = {...}, float4 v{} still work) and is no aggregate.
+namespace simt {
+namespace detail {
+inline long long g_read_ranges[32];  // (first byte, one past the last) of each registered range
+inline long long g_reads16[16];
+inline int g_nread_ranges = 0;
+inline void count_read16(const void* p) {
+  long long a = (long long)(uintptr_t)p;
+  for (int i = 0; i < g_nread_ranges; ++i)
+    if (a >= g_read_ranges[2 * i] && a < g_read_ranges[2 * i + 1]) {
+      ++g_reads16[i];
+      return;
+    }
+}
+}  // namespace detail
+}  // namespace simt
+#if defined(SIMT_COUNT_READS)
+#define SIMT_VEC4_16(name, T)                                                                  \
+  struct __attribute__((aligned(16))) name {                                                   \
+    T x, y, z, w;                                                                              \
+    name() = default;                                                                          \
+    constexpr name(T vx, T vy = T(), T vz = T(), T vw = T()) : x(vx), y(vy), z(vz), w(vw) {}   \
+    name(const name& o) { *this = o; }                                                         \
+    name& operator=(const name& o) { /* one 16-byte access, as AddressSanitizer is to see it */ \
+      struct __attribute__((aligned(16), may_alias)) Raw {                                     \
+        T v[4];                                                                                \
+      };                                                                                       \
+      *reinterpret_cast<Raw*>(this) = *reinterpret_cast<const Raw*>(&o);                       \
+      ::simt::detail::count_read16(&o);                                                        \
+      return *this;                                                                            \
+    }                                                                                          \
+  };                                                                                           \
+  inline name make_##name(T x, T y, T z, T w) { return name(x, y, z, w); }
+#else
+#define SIMT_VEC4_16(name, T) SIMT_VEC4(name, T, 16)
+#endif
+
 SIMT_VEC2(float2, float, 8)
 SIMT_VEC3(float3, float)
-SIMT_VEC4(float4, float, 16)
+SIMT_VEC4_16(float4, float)
 SIMT_VEC2(double2, double, 16)
 SIMT_VEC2(int2, int, 8)
 SIMT_VEC3(int3, int)
-SIMT_VEC4(int4, int, 16)
+SIMT_VEC4_16(int4, int)
 SIMT_VEC2(uint2, unsigned, 8)
-SIMT_VEC4(uint4, unsigned, 16)
+SIMT_VEC4_16(uint4, unsigned)
 SIMT_VEC2(short2, short, 4)
 SIMT_VEC4(short4, short, 8)
 SIMT_VEC2(ushort2, unsigned short, 4)
@@ -114,6 +153,7 @@ inline uint3 make_uint3(unsigned x, unsigned y, unsigned z) { return uint3{x, y,
 #undef SIMT_VEC2
 #undef SIMT_VEC3
 #undef SIMT_VEC4
+#undef SIMT_VEC4_16
 
 static constexpr int warpSize = 32;
 
@@ -190,6 +230,10 @@ struct Fiber {
   size_t stack_bytes;
   void* fake_stack;
 };
+
+// The warp shuffles each thread of the last launch executed, by thread (block after block, x fastest).
+inline long long* g_shuffles = nullptr;
+inline long long g_nshuffles = 0;
 
 struct State {
   // the launch
@@ -683,7 +727,12 @@ inline int launch(const long long* dims, void (*body)(void*), void* args, char* 
          dims[2]);
   }
   long long blocks = dims[0] * dims[1] * dims[2];
+  free(g_shuffles);
+  g_shuffles = nullptr;
+  g_nshuffles = 0;
   if (!s->failed && threads > 0 && blocks > 0) {
+    g_shuffles = (long long*)calloc((size_t)(blocks * threads), sizeof(long long));
+    g_nshuffles = g_shuffles ? blocks * threads : 0;
     s->nthreads = (int)threads;
     s->nwarps = (s->nthreads + 31) / 32;
     s->fibers = (Fiber*)calloc(s->nthreads, sizeof(Fiber));
@@ -824,6 +873,11 @@ template <class T>
 inline T shuffle(int kind, const char* name, unsigned mask, T var, int param, int width, const char* file, int line) {
   State* s = g_state;
   Fiber* f = s->cur;
+  {
+    long long block = s->block_idx.x + (long long)s->grid.x * (s->block_idx.y + (long long)s->grid.y * s->block_idx.z);
+    long long t = block * s->nthreads + f->linear;
+    if (t < g_nshuffles) ++g_shuffles[t];
+  }
   if (width < 1 || width > 32 || (width & (width - 1))) {
     fail("%s at %s:%d: width %d is not a power of two from 1 to 32", name, base_name(file), line, width);
     fail_now();
