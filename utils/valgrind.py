@@ -185,6 +185,22 @@ def parse_callgrind(text: str) -> Counts:
     return Counts(total=total, self_ir=dict(self_ir), inclusive=inclusive, calls=dict(calls), files=files)
 
 
+def _callgrind_out(options: Sequence[str], executable: str | os.PathLike, args: Sequence[str],
+                   env: Mapping[str, str] | None, timeout: float, *, cache: bool = False,
+                   keep: str | os.PathLike | None = None) -> tuple[str, str]:
+    """Run ``executable`` under callgrind with ``options`` (and the cache simulator on :data:`DEFAULT_CACHE` where
+    ``cache``): the ``callgrind.out`` text and the program's stdout. ``keep``: also copy the raw file there."""
+    tool = ["--tool=callgrind", "--compress-strings=no", "--compress-pos=no", *options]
+    if cache:
+        tool += ["--cache-sim=yes", *(f"--{name}={config.option()}" for name, config in DEFAULT_CACHE.items())]
+    with tempfile.TemporaryDirectory(prefix="callgrind-") as work:
+        out = Path(work) / "callgrind.out"
+        stdout = _run([tool[0], f"--callgrind-out-file={out}", *tool[1:]], executable, args, out, env, timeout)
+        if keep is not None:
+            shutil.copyfile(out, keep)
+        return out.read_text(), stdout
+
+
 def callgrind(executable: str | os.PathLike, args: Sequence[str] = (), *, env: Mapping[str, str] | None = None,
               timeout: float = 300, keep: str | os.PathLike | None = None) -> Counts:
     """Run ``executable args`` under callgrind and count its instructions (see :class:`Counts`).
@@ -193,13 +209,7 @@ def callgrind(executable: str | os.PathLike, args: Sequence[str] = (), *, env: M
     program's whole environment — nothing of the caller's is passed on, and it runs in its own folder, so that the
     counts do not move with the caller's environment or working directory.
     """
-    with tempfile.TemporaryDirectory(prefix="callgrind-") as work:
-        out = Path(work) / "callgrind.out"
-        stdout = _run(["--tool=callgrind", f"--callgrind-out-file={out}", "--compress-strings=no",
-                       "--compress-pos=no"], executable, args, out, env, timeout)
-        text = out.read_text()
-        if keep is not None:
-            shutil.copyfile(out, keep)
+    text, stdout = _callgrind_out([], executable, args, env, timeout, keep=keep)
     counts = parse_callgrind(text)
     counts.stdout = stdout
     return counts
@@ -277,13 +287,7 @@ def inside(executable: str | os.PathLike, function: str, args: Sequence[str] = (
     ``#include``d file counts as the function's. The caches start cold at the program's start, as they do under
     :func:`cachegrind`; the harness's set-up before the call is not counted but does warm them as it would.
     """
-    tool = ["--tool=callgrind", f"--toggle-collect={function}", "--compress-strings=no", "--compress-pos=no"]
-    if cache:
-        tool += ["--cache-sim=yes", *(f"--{name}={config.option()}" for name, config in DEFAULT_CACHE.items())]
-    with tempfile.TemporaryDirectory(prefix="callgrind-") as work:
-        out = Path(work) / "callgrind.out"
-        _run([tool[0], f"--callgrind-out-file={out}", *tool[1:]], executable, args, out, env, timeout)
-        text = out.read_text()
+    text, _ = _callgrind_out([f"--toggle-collect={function}"], executable, args, env, timeout, cache=cache)
     events: list[str] = []
     for line in text.splitlines():
         if line.startswith("events:"):
@@ -307,13 +311,7 @@ def line_profile(executable: str | os.PathLike, source: str, args: Sequence[str]
     ``source`` it was inlined into, which is the line the programmer wrote. A call's inclusive cost counts at the
     line of the call.
     """
-    tool = ["--tool=callgrind", "--compress-strings=no", "--compress-pos=no", "--dump-instr=yes"]
-    if cache:
-        tool += ["--cache-sim=yes", *(f"--{name}={config.option()}" for name, config in DEFAULT_CACHE.items())]
-    with tempfile.TemporaryDirectory(prefix="callgrind-") as work:
-        out = Path(work) / "callgrind.out"
-        _run([tool[0], f"--callgrind-out-file={out}", *tool[1:]], executable, args, out, env, timeout)
-        text = out.read_text()
+    text, _ = _callgrind_out(["--dump-instr=yes"], executable, args, env, timeout, cache=cache)
     events: list[str] = []
     by_address: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
     current_file = ""

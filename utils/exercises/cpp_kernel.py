@@ -39,8 +39,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from .. import exercises as _package
+from .guards import _POISON_BITS
 from .verdict import NOT_SOLVED_MARK, SOLVED_MARK, Verdict, _wrapped
 
 __all__ = [
@@ -63,9 +65,9 @@ RMS_NAME = "ch13_below_triton.RMS_NORM_SIMD"
 ONE_SIZE_RATIO = 1.25
 GEMM_NAME = "ch13_below_triton.GEMM_BLOCKED"
 
-#: The bit patterns: an output's unwritten elements (a quiet NaN with a payload no arithmetic makes), the
-#: canary of its guards and row gaps, and the NaN of an input's guards and gaps.
-POISON_BITS = 0x7FC0DEAD
+#: The bit patterns: an output's unwritten elements (the Triton checks' float32 poison, a quiet NaN with a payload
+#: no arithmetic makes), the canary of its guards and row gaps, and the NaN of an input's guards and gaps.
+POISON_BITS = _POISON_BITS[torch.float32][1]
 CANARY_BITS = 0x7F8CA11B
 INPUT_GUARD_BITS = 0x7FC0BEEF
 GUARD = 256  # elements of guard before and after every buffer
